@@ -1,0 +1,44 @@
+/* Token sampling on the CPU (the reference for the GPU sampler). */
+#ifndef M40_SAMPLER_H
+#define M40_SAMPLER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    float temperature;      /* 0: greedy */
+    int32_t top_k;          /* <= 0: off */
+    float top_p;            /* 1: off */
+    float min_p;            /* 0: off */
+    float repetition_penalty; /* 1: off (divides positive logits, multiplies negative) */
+    float presence_penalty;   /* 0: off */
+    float frequency_penalty;  /* 0: off */
+    int32_t penalty_last_n;   /* window of recent tokens for penalties; <0: all */
+    uint64_t seed;
+    int32_t n_logit_bias;
+    const int32_t *logit_bias_ids;
+    const float *logit_bias_values;
+    int32_t n_top_logprobs;   /* 0..20: how many top alternatives to report */
+} m40_sampler_params;
+
+void m40_sampler_params_default(m40_sampler_params *p);
+
+typedef struct m40_sampler m40_sampler;
+
+typedef struct {
+    int32_t token;
+    float logprob;            /* of the chosen token, log-softmax of the raw logits (temperature 1) */
+    int32_t n_top;
+    int32_t top_ids[20];
+    float top_logprobs[20];
+} m40_sample_result;
+
+m40_sampler *m40_sampler_new(const m40_sampler_params *p, int32_t n_vocab);
+void m40_sampler_free(m40_sampler *s);
+/* Remember a token (prompt or generated) for the penalties. */
+void m40_sampler_accept(m40_sampler *s, int32_t token);
+/* Sample from logits[n_vocab] (modified in place). Same seed and same inputs give the
+ * same token sequence. */
+void m40_sampler_sample(m40_sampler *s, float *logits, m40_sample_result *out);
+
+#endif
