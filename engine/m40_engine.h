@@ -1,0 +1,149 @@
+/* The engine's public API: the only engine header the nginx module includes.
+ *
+ * One engine per nginx worker (per GPU). m40_engine_create starts a dedicated engine
+ * thread that loads the model and then runs the scheduler loop: it admits queued
+ * requests (chat-template rendering and tokenization happen there, off the event
+ * loop), batches every live sequence through one forward call per step, samples,
+ * detokenizes incrementally (UTF-8 safe), matches stop strings (held back until they
+ * can no longer match) and pushes events into each request's queue. Whenever a
+ * request gets events the engine writes the eventfd; the worker's event loop reads it,
+ * calls m40_engine_ready() to learn which requests have news, and m40_request_poll()s
+ * them. No call here blocks on inference: every function is safe to call from the
+ * event loop.
+ *
+ * Ownership: a request is shared by the engine and its submitter. The submitter ends
+ * its side with m40_request_release() (after the final event, or at any time to
+ * abandon it: that cancels a running sequence, whose KV memory returns to the pool at
+ * the next step). */
+#ifndef M40_ENGINE_H
+#define M40_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+#include "sampler.h"
+
+typedef struct m40_engine m40_engine;
+typedef struct m40_request m40_request;
+
+typedef struct {
+    const char *model_path;
+    const char *model_name;        /* public name in the API ("model" field) */
+    int device;                    /* -1: CPU; >= 0: GPU index */
+    int32_t ctx_size;              /* per-sequence context; 0: the model's trained context */
+    int32_t max_seqs;              /* concurrent sequences (batch slots) */
+    int32_t max_queue;             /* queued (not yet running) requests before 429 */
+    int32_t n_threads;             /* CPU threads; 0: all */
+    const char *chat_template;     /* Jinja source overriding the GGUF's; NULL: the GGUF's, else the fallback */
+    int32_t prefill_chunk;         /* max prompt tokens per sequence per step; 0: default */
+} m40_engine_config;
+
+typedef enum { M40_ENGINE_LOADING = 0, M40_ENGINE_READY = 1, M40_ENGINE_FAILED = 2 } m40_engine_state;
+
+/* Starts the engine thread; returns at once (state LOADING). -1 with err when the
+ * thread or the eventfd cannot be created. */
+int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err, size_t errlen);
+/* Stops the thread (running requests end with finish reason "cancelled") and frees
+ * everything not still held by a submitter. */
+void m40_engine_destroy(m40_engine *e);
+/* Non-blocking eventfd (EFD_NONBLOCK): readable when some request has new events. */
+int m40_engine_event_fd(const m40_engine *e);
+/* err gets the load error when FAILED. */
+m40_engine_state m40_engine_get_state(m40_engine *e, char *err, size_t errlen);
+/* Model facts for /v1/models and validation (valid once READY). */
+int32_t m40_engine_ctx_size(m40_engine *e);
+int32_t m40_engine_n_vocab(m40_engine *e);
+const char *m40_engine_model_name(const m40_engine *e);
+
+/* Reads the eventfd and returns up to cap user pointers (as given to submit) of
+ * requests that have unread events. Call until it returns < cap. */
+int m40_engine_ready(m40_engine *e, void **users, int cap);
+
+typedef struct {
+    /* Exactly one of: messages (chat; JSON array of {"role","content"} objects, content
+     * a string — the submitter flattens text parts; the engine keeps a reference), or
+     * prompt/prompt_len (completions; raw text, no template). */
+    json_t *messages;
+    const char *prompt;
+    size_t prompt_len;
+    int add_generation_prompt;     /* chat: 1 (default) */
+    int32_t max_tokens;            /* > 0 */
+    m40_sampler_params sampling;   /* logit bias arrays are copied at submit */
+    const char *const *stop;       /* stop strings (copied at submit) */
+    int32_t n_stop;                /* 0..4 */
+    int logprobs;                  /* report logprobs of each chosen token */
+} m40_request_params;
+
+typedef enum {
+    M40_SUBMIT_OK = 0,
+    M40_SUBMIT_QUEUE_FULL = 1,     /* -> HTTP 429 */
+    M40_SUBMIT_NOT_READY = 2,      /* loading or failed -> HTTP 503 */
+    M40_SUBMIT_INVALID = 3,        /* bad parameters -> HTTP 400 (err says why) */
+    M40_SUBMIT_NOMEM = 4,          /* -> HTTP 500 */
+} m40_submit_status;
+
+m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, void *user, m40_request **out,
+                                    char *err, size_t errlen);
+
+typedef enum { M40_EV_TEXT = 1, M40_EV_DONE = 2, M40_EV_ERROR = 3 } m40_event_type;
+typedef enum { M40_FINISH_NONE = 0, M40_FINISH_STOP, M40_FINISH_LENGTH, M40_FINISH_CANCELLED } m40_finish;
+
+typedef struct {
+    int32_t id;
+    float logprob;
+    char bytes[64];                /* the token's text bytes (may be a partial UTF-8 sequence) */
+    int32_t n_bytes;
+} m40_token_logprob;
+
+typedef struct {
+    m40_event_type type;
+    /* TEXT: newly completed text (UTF-8, stop strings never included) and, when
+     * logprobs were asked for, the tokens that produced it. */
+    char *text;                    /* owned by the event; NUL-terminated */
+    size_t text_len;
+    int32_t n_tokens;
+    m40_token_logprob *tokens;     /* n_tokens entries, or NULL */
+    m40_token_logprob *top;        /* n_tokens * n_top entries, or NULL */
+    int32_t n_top;
+    /* DONE */
+    m40_finish finish;
+    int32_t prompt_tokens;
+    int32_t completion_tokens;
+    /* ERROR: HTTP status to answer with (400 prompt too long, 500 internal, 503
+     * engine stopping) and the message. */
+    int http_status;
+    char message[256];
+} m40_event;
+
+/* 1: an event was moved into *ev (free it with m40_event_clear), 0: none pending. */
+int m40_request_poll(m40_request *r, m40_event *ev);
+void m40_event_clear(m40_event *ev);
+/* Ends the submitter's side (cancels a request still running). */
+void m40_request_release(m40_request *r);
+
+/* Counters and gauges for /metrics. */
+#define M40_HIST_BUCKETS 12
+typedef struct {
+    uint64_t requests_total;           /* admitted */
+    uint64_t requests_rejected;        /* 429 */
+    uint64_t requests_cancelled;
+    uint64_t prompt_tokens_total;      /* prompt tokens of admitted requests */
+    uint64_t prompt_tokens_computed;   /* prompt tokens actually run through the model */
+    uint64_t completion_tokens_total;
+    int32_t queue_depth;
+    int32_t running;
+    int64_t kv_tokens_used;
+    int64_t kv_tokens_total;
+    /* Histograms in seconds, cumulative counts per upper bound (last bound is +Inf). */
+    double hist_bounds[M40_HIST_BUCKETS];
+    uint64_t ttft_counts[M40_HIST_BUCKETS];
+    double ttft_sum;
+    uint64_t itl_counts[M40_HIST_BUCKETS];
+    double itl_sum;
+} m40_engine_stats;
+
+void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out);
+
+#endif
