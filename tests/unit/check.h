@@ -42,7 +42,7 @@ static inline int check_done(void)
  * project root (tests run from the root). NULL when absent. */
 static inline const char *check_shared_dir(void)
 {
-    static char buf[4096];
+    static char buf[2048];
     const char *env = getenv("M40_SHARED");
     snprintf(buf, sizeof buf, "%s", env && *env ? env : "../shared");
     struct stat st;
