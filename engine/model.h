@@ -26,6 +26,7 @@ typedef struct {
     int rope_neox;          /* 1: NeoX-style (rotate halves), 0: normal (adjacent pairs) */
     int tied_output;        /* output.weight absent: token_embd used as the head */
     uint32_t weight_type;   /* type of the majority of weights (for messages) */
+    int32_t rope_dim;       /* <arch>.rope.dimension_count: leading dims of each head that are rotated */
 } m40_model_params;
 
 typedef struct m40_model m40_model;
@@ -38,18 +39,27 @@ void m40_model_free(m40_model *m);
 const m40_model_params *m40_model_get_params(const m40_model *m);
 const m40_tokenizer *m40_model_tokenizer(const m40_model *m);
 const m40_gguf *m40_model_gguf(const m40_model *m);
+/* Threads of the model's CPU pool (the caller of m40_model_forward counts as one). */
+int m40_model_n_threads(const m40_model *m);
 
-/* KV cache for n_slots independent sequences of up to ctx tokens each. */
+/* KV cache for n_slots independent sequences of up to ctx tokens each (ctx <= 0: the
+ * model's ctx_train). F32, allocated up front: n_slots * n_layers * ctx * 2 * kv_dim
+ * floats. NULL when out of memory or n_slots <= 0. A slot holds no length: the
+ * positions of the batch say what is valid, so reusing a slot for a new sequence
+ * just means starting again at position 0. */
 typedef struct m40_kv m40_kv;
 m40_kv *m40_kv_new(const m40_model *m, int32_t n_slots, int32_t ctx);
 void m40_kv_free(m40_kv *kv);
 int32_t m40_kv_ctx(const m40_kv *kv);
+int32_t m40_kv_n_slots(const m40_kv *kv);
 
 /* One forward call over n tokens that may belong to different slots. For each slot,
  * its tokens appear in increasing position order and positions continue the slot's
  * cache (token i attends to its slot's positions 0..pos[i]). Rows with want_logits[i]
  * set get n_vocab logits written, packed in order, into logits. Returns 0, or -1 with
- * err (position beyond ctx, bad slot). */
+ * err (position beyond ctx, bad slot, token out of range, out of memory). Not
+ * thread-safe: one forward call at a time per model (it uses the model's scratch and
+ * thread pool). */
 typedef struct {
     int32_t n;
     const int32_t *tokens;

@@ -1,0 +1,372 @@
+/* CPU forward pass: teacher-forced agreement with the shared reference outputs, batched
+ * equals unbatched, batch validation, and load errors for broken GGUF files. */
+#include <dirent.h>
+#include <math.h>
+#include <stdint.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "eval.h"
+#include "ggml_types.h"
+#include "gguf_writer.h"
+#include "model.h"
+
+#define TOL 1e-3
+
+/* Models whose reference is known to differ from exact F32 math by more than TOL. */
+static const struct {
+    const char *model;
+    double tol;
+    const char *why;
+} tol_exceptions[] = {
+    /* The reference rounds the final hidden state to F16 before this model's tied F16
+     * output head (rounding it the same way here brings the difference from 7.1e-3 down
+     * to 7e-5); every other matmul of the reference, and ours, is F32. */
+    {"tiny-qwen2-gpt2-f16", 1e-2, "reference's F16 rounding before the tied output head"},
+};
+
+static void test_reference(const char *dir, const char *name)
+{
+    char model_path[4400], ref_path[4400], err[512];
+    snprintf(model_path, sizeof model_path, "%s/models/%s.gguf", dir, name);
+    snprintf(ref_path, sizeof ref_path, "%s/models/ref/%s.json", dir, name);
+    if (access(model_path, R_OK) != 0) {
+        SKIP("%s: no model file", model_path);
+        return;
+    }
+    double tol = TOL;
+    for (size_t i = 0; i < sizeof tol_exceptions / sizeof tol_exceptions[0]; i++)
+        if (!strcmp(tol_exceptions[i].model, name)) {
+            tol = tol_exceptions[i].tol;
+            fprintf(stderr, "note: %s compared at %g: %s\n", name, tol, tol_exceptions[i].why);
+        }
+    m40_ref *ref = NULL;
+    m40_model *m = NULL;
+    int rc = m40_ref_load(ref_path, &ref, err, sizeof err);
+    CHECK(rc == 0, "%s", err);
+    if (rc)
+        return;
+    rc = m40_model_load(model_path, 2, &m, err, sizeof err);
+    CHECK(rc == 0, "%s", err);
+    if (rc) {
+        m40_ref_free(ref);
+        return;
+    }
+    double worst = 0;
+    for (int32_t i = 0; i < ref->n_prompts; i++) {
+        m40_eval_result r;
+        rc = m40_eval_prompt(m, &ref->prompts[i], &r, err, sizeof err);
+        CHECK(rc == 0, "%s prompt %d: %s", name, (int)i, err);
+        if (rc)
+            continue;
+        CHECK(r.tokens_match, "%s prompt %d: tokenization differs at index %d", name, (int)i, (int)r.first_token_diff);
+        CHECK(r.n_steps == ref->prompts[i].n_steps && r.n_steps > 0, "%s prompt %d: %d steps compared", name, (int)i,
+              (int)r.n_steps);
+        CHECK(r.max_abs_delta <= tol, "%s prompt %d: max |dlogprob| %.3g at step %d", name, (int)i, r.max_abs_delta,
+              (int)r.worst_step);
+        if (r.max_abs_delta > worst)
+            worst = r.max_abs_delta;
+    }
+    printf("%-28s max |dlogprob| %.3g over %d prompts\n", name, worst, (int)ref->n_prompts);
+    m40_model_free(m);
+    m40_ref_free(ref);
+}
+
+static void test_all_references(void)
+{
+    char buf[4096];
+    const char *refdir = check_shared_file("models/ref", buf, sizeof buf);
+    if (!refdir) {
+        SKIP("../shared/models/ref is absent: no reference comparison");
+        return;
+    }
+    DIR *d = opendir(refdir);
+    if (!d) {
+        SKIP("cannot list %s", refdir);
+        return;
+    }
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", check_shared_dir());
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        if (len < 6 || strcmp(e->d_name + len - 5, ".json") != 0)
+            continue;
+        if (len > 12 && !strcmp(e->d_name + len - 12, ".native.json"))
+            continue; /* the reference's own 8-bit activation path: informational only */
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)(len - 5), e->d_name);
+        test_reference(dir, name);
+        n++;
+    }
+    closedir(d);
+    CHECK(n > 0, "no reference files found in %s", refdir);
+}
+
+/* ---- batched equals unbatched ---- */
+
+static double max_diff(const float *a, const float *b, size_t n)
+{
+    double d = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!(fabs((double)a[i] - b[i]) <= d))
+            d = isnan(a[i] - b[i]) ? INFINITY : fabs((double)a[i] - b[i]);
+    return d;
+}
+
+/* Runs n tokens of one slot in one call, logits for every row. */
+static int run_all_rows(m40_model *m, m40_kv *kv, const int32_t *tok, int n, int32_t first_pos, int32_t slot,
+                        float *logits)
+{
+    int32_t pos[256], slots[256];
+    uint8_t want[256];
+    for (int i = 0; i < n; i++) {
+        pos[i] = first_pos + i;
+        slots[i] = slot;
+        want[i] = 1;
+    }
+    m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slots, .want_logits = want};
+    char err[256];
+    int rc = m40_model_forward(m, kv, &b, logits, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "forward: %s\n", err);
+    return rc;
+}
+
+static void test_batching(void)
+{
+    char path[4096], rpath[4096], err[512];
+    if (!check_shared_file("models/stories260K.gguf", path, sizeof path) ||
+        !check_shared_file("models/ref/stories260K.json", rpath, sizeof rpath)) {
+        SKIP("stories260K.gguf or its reference absent: no batching test");
+        return;
+    }
+    m40_model *m;
+    m40_ref *ref;
+    if (m40_model_load(path, 2, &m, err, sizeof err) || m40_ref_load(rpath, &ref, err, sizeof err)) {
+        CHECK(0, "%s", err);
+        return;
+    }
+    int32_t V = m40_model_get_params(m)->n_vocab;
+    const m40_ref_prompt *A = &ref->prompts[0], *B = &ref->prompts[1];
+    int nA = A->n_prompt_tokens, nB = B->n_prompt_tokens;
+    float *sepA = malloc((size_t)(nA + 1) * V * sizeof(float));
+    float *sepB = malloc((size_t)(nB + 1) * V * sizeof(float));
+    float *one = malloc((size_t)(nA + 1) * V * sizeof(float));
+    float *both = malloc((size_t)(nA + nB + 2) * V * sizeof(float));
+    m40_kv *kvA = m40_kv_new(m, 1, 64), *kvB = m40_kv_new(m, 1, 64), *kv2 = m40_kv_new(m, 2, 64),
+           *kv1 = m40_kv_new(m, 1, 64);
+    if (!sepA || !sepB || !one || !both || !kvA || !kvB || !kv2 || !kv1 || nA > 60 || nB > 60) {
+        CHECK(0, "setup");
+        goto out;
+    }
+
+    /* Separate prefills, every row's logits. */
+    CHECK(run_all_rows(m, kvA, A->prompt_tokens, nA, 0, 0, sepA) == 0, "prefill A");
+    CHECK(run_all_rows(m, kvB, B->prompt_tokens, nB, 0, 0, sepB) == 0, "prefill B");
+
+    /* A token by token: the decode path gives the prefill's rows. */
+    double d = 0;
+    for (int i = 0; i < nA; i++) {
+        CHECK(run_all_rows(m, kv1, A->prompt_tokens + i, 1, i, 0, one + (size_t)i * V) == 0, "step %d", i);
+    }
+    d = max_diff(one, sepA, (size_t)nA * V);
+    CHECK(d <= 1e-5, "one token per call vs one prefill call: max |dlogit| %g", d);
+
+    /* Both prompts interleaved in one call on two slots: A0 B0 A1 B1 ... */
+    int32_t tok[128], pos[128], slot[128];
+    int n = 0, ia = 0, ib = 0;
+    while (ia < nA || ib < nB) {
+        if (ia < nA) {
+            tok[n] = A->prompt_tokens[ia];
+            pos[n] = ia++;
+            slot[n++] = 0;
+        }
+        if (ib < nB) {
+            tok[n] = B->prompt_tokens[ib];
+            pos[n] = ib++;
+            slot[n++] = 1;
+        }
+    }
+    uint8_t want[128];
+    memset(want, 1, sizeof want);
+    m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+    CHECK(m40_model_forward(m, kv2, &b, both, err, sizeof err) == 0, "interleaved prefill: %s", err);
+    double dA = 0, dB = 0;
+    for (int i = 0; i < n; i++) {
+        const float *ref_row = slot[i] == 0 ? sepA + (size_t)pos[i] * V : sepB + (size_t)pos[i] * V;
+        double di = max_diff(both + (size_t)i * V, ref_row, (size_t)V);
+        if (slot[i] == 0 && di > dA)
+            dA = di;
+        if (slot[i] == 1 && di > dB)
+            dB = di;
+    }
+    CHECK(dA <= 1e-5 && dB <= 1e-5, "two slots in one call vs separate calls: max |dlogit| %g (A), %g (B)", dA, dB);
+
+    /* One decode step for both slots in one call, logits of the last row only
+     * (want_logits NULL) and of both rows. */
+    int32_t tA = A->steps[0].token, tB = B->steps[0].token;
+    CHECK(run_all_rows(m, kvA, &tA, 1, nA, 0, sepA) == 0, "decode A");
+    CHECK(run_all_rows(m, kvB, &tB, 1, nB, 0, sepB) == 0, "decode B");
+    int32_t dt[2] = {tA, tB}, dp[2] = {nA, nB}, ds[2] = {0, 1};
+    m40_batch db = {.n = 2, .tokens = dt, .pos = dp, .slot = ds, .want_logits = want};
+    CHECK(m40_model_forward(m, kv2, &db, both, err, sizeof err) == 0, "decode both: %s", err);
+    d = fmax(max_diff(both, sepA, (size_t)V), max_diff(both + V, sepB, (size_t)V));
+    CHECK(d <= 1e-5, "batched decode step vs separate: max |dlogit| %g", d);
+
+    /* want_logits NULL: only the last row comes back (slot 1's), and recomputing the
+     * same positions gives the same answer (overwriting the cache entries). */
+    db.want_logits = NULL;
+    CHECK(m40_model_forward(m, kv2, &db, both, err, sizeof err) == 0, "decode again: %s", err);
+    d = max_diff(both, sepB, (size_t)V);
+    CHECK(d <= 1e-5, "want_logits NULL returns the last row: max |dlogit| %g", d);
+
+    /* Bad batches are refused with a message. */
+    int32_t bad_pos = 64, bad_slot = 2, bad_tok = V, zero = 0, ok_tok = 1;
+    m40_batch e1 = {.n = 1, .tokens = &ok_tok, .pos = &bad_pos, .slot = &zero};
+    m40_batch e2 = {.n = 1, .tokens = &ok_tok, .pos = &zero, .slot = &bad_slot};
+    m40_batch e3 = {.n = 1, .tokens = &bad_tok, .pos = &zero, .slot = &zero};
+    err[0] = 0;
+    CHECK(m40_model_forward(m, kv2, &e1, both, err, sizeof err) == -1 && strstr(err, "position"),
+          "position beyond ctx refused: '%s'", err);
+    err[0] = 0;
+    CHECK(m40_model_forward(m, kv2, &e2, both, err, sizeof err) == -1 && strstr(err, "slot"),
+          "slot out of range refused: '%s'", err);
+    err[0] = 0;
+    CHECK(m40_model_forward(m, kv2, &e3, both, err, sizeof err) == -1 && strstr(err, "token"),
+          "token out of range refused: '%s'", err);
+
+out:
+    free(sepA);
+    free(sepB);
+    free(one);
+    free(both);
+    m40_kv_free(kvA);
+    m40_kv_free(kvB);
+    m40_kv_free(kv2);
+    m40_kv_free(kv1);
+    m40_ref_free(ref);
+    m40_model_free(m);
+}
+
+/* ---- load errors: stories260K rewritten with one thing broken ---- */
+
+typedef struct {
+    const char *drop_tensor;
+    const char *swap_dims_tensor;  /* ne[0] <-> ne[1] */
+    const char *retype_tensor;     /* to Q8_1 (a GGUF type the CPU backend lacks) */
+    const char *drop_key;
+    const char *arch;              /* replaces general.architecture */
+} variant;
+
+static int write_variant(const m40_gguf *g, const variant *v, const char *out, char *err, size_t errlen)
+{
+    m40_gguf_writer *w = m40_gguf_writer_new();
+    if (!w) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    for (uint64_t i = 0; i < m40_gguf_n_kv(g); i++) {
+        const m40_gguf_kv *kv = m40_gguf_kv_at(g, i);
+        if (v->drop_key && !strcmp(kv->key, v->drop_key))
+            continue;
+        if (v->arch && !strcmp(kv->key, "general.architecture"))
+            m40_gguf_writer_set_str(w, kv->key, v->arch);
+        else
+            m40_gguf_writer_set_value(w, kv->key, &kv->value);
+    }
+    for (uint64_t i = 0; i < m40_gguf_n_tensors(g); i++) {
+        const m40_gguf_tensor *t = m40_gguf_tensor_at(g, i);
+        uint64_t ne[M40_GGUF_MAX_DIMS];
+        memcpy(ne, t->ne, sizeof ne);
+        if (v->drop_tensor && !strcmp(t->name, v->drop_tensor))
+            continue;
+        if (v->swap_dims_tensor && !strcmp(t->name, v->swap_dims_tensor)) {
+            ne[0] = t->ne[1];
+            ne[1] = t->ne[0];
+        }
+        if (v->retype_tensor && !strcmp(t->name, v->retype_tensor)) {
+            uint64_t nbytes;
+            m40_type_nbytes(M40_TYPE_Q8_1, t->n_elems, &nbytes);
+            m40_gguf_writer_add_tensor(w, t->name, M40_TYPE_Q8_1, t->n_dims, ne, NULL, nbytes);
+            continue;
+        }
+        m40_gguf_writer_add_tensor(w, t->name, t->type, t->n_dims, ne, t->data, t->nbytes);
+    }
+    int rc = m40_gguf_writer_write_file(w, out, err, errlen);
+    m40_gguf_writer_free(w);
+    return rc;
+}
+
+static void expect_load_error(const m40_gguf *g, const variant *v, const char *want1, const char *want2)
+{
+    char tmpl[] = "/tmp/m40-test-model-XXXXXX";
+    int fd = mkstemp(tmpl);
+    if (fd < 0) {
+        SKIP("cannot create a temporary file");
+        return;
+    }
+    close(fd);
+    char err[512] = "";
+    if (write_variant(g, v, tmpl, err, sizeof err) != 0) {
+        CHECK(0, "writing the variant: %s", err);
+        unlink(tmpl);
+        return;
+    }
+    m40_model *m = NULL;
+    err[0] = 0;
+    int rc = m40_model_load(tmpl, 1, &m, err, sizeof err);
+    CHECK(rc == -1 && m == NULL, "load of a broken model must fail (expected '%s')", want1);
+    CHECK(strstr(err, want1) && (!want2 || strstr(err, want2)), "error '%s' should name '%s'%s%s", err, want1,
+          want2 ? " and " : "", want2 ? want2 : "");
+    m40_model_free(m);
+    unlink(tmpl);
+}
+
+static void test_load_errors(void)
+{
+    char path[4096], err[512];
+    if (!check_shared_file("models/stories260K.gguf", path, sizeof path)) {
+        SKIP("stories260K.gguf absent: no load-error tests");
+        return;
+    }
+    m40_gguf *g;
+    if (m40_gguf_open(path, &g, err, sizeof err)) {
+        CHECK(0, "%s", err);
+        return;
+    }
+    /* The unmodified copy loads: the variants below fail for their one change only. */
+    variant same = {0};
+    char tmpl[] = "/tmp/m40-test-model-XXXXXX";
+    int fd = mkstemp(tmpl);
+    if (fd >= 0) {
+        close(fd);
+        m40_model *m = NULL;
+        CHECK(write_variant(g, &same, tmpl, err, sizeof err) == 0 && m40_model_load(tmpl, 1, &m, err, sizeof err) == 0,
+              "unmodified rewrite loads: %s", err);
+        m40_model_free(m);
+        unlink(tmpl);
+    }
+    expect_load_error(g, &(variant){.drop_tensor = "blk.1.ffn_up.weight"}, "blk.1.ffn_up.weight", "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "output_norm.weight"}, "output_norm.weight", "missing");
+    expect_load_error(g, &(variant){.swap_dims_tensor = "blk.0.attn_k.weight"}, "blk.0.attn_k.weight", "shape");
+    expect_load_error(g, &(variant){.swap_dims_tensor = "blk.2.ffn_down.weight"}, "blk.2.ffn_down.weight", "shape");
+    expect_load_error(g, &(variant){.retype_tensor = "blk.0.attn_q.weight"}, "blk.0.attn_q.weight",
+                      "Q8_1 which is not supported");
+    expect_load_error(g, &(variant){.drop_key = "llama.block_count"}, "llama.block_count", "missing");
+    expect_load_error(g, &(variant){.arch = "mamba"}, "mamba", "not supported");
+    m40_gguf_close(g);
+
+    m40_model *m = NULL;
+    CHECK(m40_model_load("/nonexistent/model.gguf", 1, &m, err, sizeof err) == -1 && strstr(err, "/nonexistent"),
+          "missing file: '%s'", err);
+}
+
+int main(void)
+{
+    test_all_references();
+    test_batching();
+    test_load_errors();
+    return check_done();
+}
