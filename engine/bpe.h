@@ -23,7 +23,8 @@ const char *m40_bpe_pre_name(const m40_bpe *b);
  * -1 on allocation failure. */
 int64_t m40_bpe_encode(const m40_bpe *b, const char *text, size_t len, int32_t *ids, int64_t cap);
 
-/* Bytes of a token with the byte-level mapping undone (may be a partial UTF-8
+/* Bytes of a token with the byte-level mapping undone (control and user-defined tokens
+ * are returned as stored: their text was never byte-mapped) (may be a partial UTF-8
  * sequence). Returns the byte count (may exceed cap; nothing past cap written),
  * -1 for an id out of range. */
 int m40_bpe_token_bytes(const m40_bpe *b, int32_t id, char *buf, int cap);

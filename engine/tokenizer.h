@@ -48,8 +48,9 @@ int32_t m40_tokenizer_find_piece(const m40_tokenizer *t, const char *piece);
 const char *m40_tokenizer_piece(const m40_tokenizer *t, int32_t id);
 
 /* Encode len bytes of text. add_bos: prepend BOS (when the vocabulary has one).
- * parse_special: split out control/user-defined token strings as single ids (only for
- * trusted template output, never for user text). Returns the number of ids written
+ * parse_special: also split out control-token strings as single ids (only for trusted
+ * template output, never for user text). User-defined tokens (type 4: added words such
+ * as mpt's whitespace runs) are always matched in text, as their reference tokenizers do. Returns the number of ids written
  * into ids[0..cap) — when it exceeds cap, call again with a larger buffer — or -1 on
  * error (message in err, e.g. allocation failure). Invalid UTF-8 in text never crashes:
  * SPM falls back to bytes, BPE encodes bytes. */
