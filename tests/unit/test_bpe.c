@@ -212,6 +212,7 @@ static void test_vocab(const char *name, double *total_time)
         printf("vocab %-15s (pre %s): no .inp/.out cases, loads and round-trips\n", name, m40_bpe_pre_name(b));
         free(inp);
         free(outs);
+        free(sp.ud);
         m40_bpe_free(b);
         m40_gguf_close(g);
         return;
