@@ -1,7 +1,8 @@
 /* Llama-family transformer on the CPU (llama, qwen2): the reference forward pass.
  *
  * Everything is F32 except the weights, which stay in the mmap'd GGUF in their stored
- * type. A matmul reads each weight row once per forward call: the row is dequantized
+ * type, and the inputs of the few F16 products that the reference rounds to F16 (see
+ * rounds_input_to_f16). A matmul reads each weight row once per forward call: the row is dequantized
  * (F32 rows are used in place) and multiplied with every token of the batch while it
  * is hot in cache, so a batched prefill costs about one pass over the weights. Rows are
  * split over the thread pool; each (row, token) dot product is computed the same way
@@ -52,6 +53,7 @@ struct m40_model {
     /* Scratch for one forward call, grown on demand. */
     int32_t cap_tokens;
     float *x, *xb, *q, *k, *v, *att, *hb, *hb2;
+    float *x16;                   /* [n][max input dim]: F16-rounded matmul input, see matmul() */
     float *rope_cos, *rope_sin;   /* [n][rope_dim/2] */
     int32_t *logit_rows;
     float *row_buf;               /* per thread: one dequantized weight row */
@@ -402,7 +404,7 @@ void m40_model_free(m40_model *m)
     m40_threadpool_free(m->pool);
     m40_tokenizer_free(m->tok);
     m40_gguf_close(m->gguf);
-    float *bufs[] = {m->x, m->xb, m->q, m->k, m->v, m->att, m->hb, m->hb2, m->rope_cos, m->rope_sin,
+    float *bufs[] = {m->x, m->xb, m->q, m->k, m->v, m->att, m->hb, m->hb2, m->x16, m->rope_cos, m->rope_sin,
                      m->row_buf, m->score_buf};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
@@ -517,9 +519,38 @@ static void matmul_task(void *ctx, int task, int thread)
     }
 }
 
+/* Whether the reference rounds the activations of this product to F16 first.
+ *
+ * The reference outputs come from ggml's CPU backend, whose F16 weight products take
+ * one of two paths. Its tiled GEMM (llamafile sgemm / tinyBLAS), in the build that made
+ * the references (evidently one whose F16 kernel takes F32 activations, as ggml's plain
+ * ARM NEON build does), multiplies F16 weights with the F32 activations as they are, but
+ * only takes shapes whose row count (and input length) is a multiple of 4
+ * (tinyBLAS::matmul returns false otherwise). Every other shape falls back to ggml's
+ * generic mul_mat, which first converts the activations to the weight's vec_dot type,
+ * F16 for F16 weights, and accumulates in F32. The references show exactly this split: the F16
+ * products of tiny-llama-spm-gqa-f16 (all row counts multiples of 4) agree with plain
+ * F32 math to 3e-6 and move to 2e-3 when their inputs are rounded, while the tied F16
+ * output head of tiny-qwen2-gpt2-f16 (50257 rows) is off by 7e-3 unless its input is
+ * rounded, and by 7e-5 with the rounding. So we round where the reference does, decided
+ * by the weight's type and shape alone (never by the batch, so batched and unbatched
+ * results stay equal). The cost is the F16 rounding (relative 2^-11) of the input of
+ * such products, which ggml's x86 build applies to every F16 product anyway.
+ * BF16 is not covered: no reference with BF16 weights checks it yet. */
+static int rounds_input_to_f16(const matrix *w)
+{
+    return w->type == M40_TYPE_F16 && (w->rows % 4 != 0 || w->cols % 4 != 0);
+}
+
 /* out[t] = W x[t] (+ bias) for the n token vectors of x. */
 static void matmul(m40_model *m, const matrix *w, const float *x, int32_t n, float *out, const float *bias)
 {
+    if (rounds_input_to_f16(w)) {
+        size_t len = (size_t)n * (size_t)w->cols;
+        for (size_t i = 0; i < len; i++)
+            m->x16[i] = m40_fp16_to_fp32(m40_fp32_to_fp16(x[i]));
+        x = m->x16;
+    }
     matmul_job j = {.m = m, .w = w, .x = x, .out = out, .n = n};
     /* Several tasks per thread balance uneven thread speed; tiny products (the test
      * models) run on the caller because waking the pool costs more than the work. */
@@ -612,13 +643,16 @@ static int ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
     size_t nt = (size_t)m->n_threads;
     if (n > m->cap_tokens) {
         size_t N = (size_t)n;
+        size_t in_max = (size_t)(p->dim > p->ffn_dim ? p->dim : p->ffn_dim);
+        if ((size_t)m->q_dim > in_max)
+            in_max = (size_t)m->q_dim;
         int32_t *rows = realloc(m->logit_rows, N * sizeof *rows);
         if (!rows)
             return -1;
         m->logit_rows = rows;
         if (grow(&m->x, N * p->dim) || grow(&m->xb, N * p->dim) || grow(&m->q, N * m->q_dim) ||
             grow(&m->k, N * m->kv_dim) || grow(&m->v, N * m->kv_dim) || grow(&m->att, N * m->q_dim) ||
-            grow(&m->hb, N * p->ffn_dim) || grow(&m->hb2, N * p->ffn_dim) ||
+            grow(&m->hb, N * p->ffn_dim) || grow(&m->hb2, N * p->ffn_dim) || grow(&m->x16, N * in_max) ||
             grow(&m->rope_cos, N * (p->rope_dim / 2)) || grow(&m->rope_sin, N * (p->rope_dim / 2)))
             return -1;
         m->cap_tokens = n;
