@@ -1,0 +1,165 @@
+/* Internals shared by engine.c (public API, request lifetime, event queues, stats)
+ * and scheduler.c (the engine thread: load, admit, batch, sample, stop strings).
+ * Not included by the nginx module.
+ *
+ * Threads and locks:
+ *   - e->mu guards everything the submitter's thread and the engine thread share:
+ *     state, the wait queue, the ready list, the list of live requests, each
+ *     request's refs/released/phase, and the stats.
+ *   - r->evmu guards one request's event queue (poll on one side, push on the other).
+ *   Lock order: e->mu before r->evmu (the engine never takes e->mu while holding evmu).
+ *   - m40_slot and everything about a running sequence belong to the engine thread
+ *     alone and are never locked. */
+#ifndef M40_ENGINE_IMPL_H
+#define M40_ENGINE_IMPL_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "jinja.h"
+#include "m40_engine.h"
+#include "model.h"
+#include "sampler.h"
+#include "tokenizer.h"
+
+#define M40_MAX_STOP 4
+/* One more stop than the caller may give: the fallback chat template adds its own
+ * end-of-turn marker when the vocabulary has no such token (see scheduler.c). */
+#define M40_MAX_STOP_ALL (M40_MAX_STOP + 1)
+#define M40_MAX_STOP_LEN 1024
+#define M40_DEFAULT_PREFILL_CHUNK 512
+#define M40_DEFAULT_MAX_QUEUE 256
+
+enum m40_req_phase {
+    M40_REQ_QUEUED = 0,  /* in e's wait queue; release may unlink it directly */
+    M40_REQ_ENGINE,      /* taken by the engine thread (admitting or running) */
+    M40_REQ_DONE,        /* the engine has dropped its reference */
+};
+
+struct m40_request {
+    m40_engine *e;       /* NULL once the engine is destroyed (only the submitter is left) */
+    void *user;
+
+    /* Guarded by e->mu. */
+    int refs;            /* engine + submitter */
+    int released;        /* the submitter is gone: cancel, never list as ready */
+    int phase;
+    int in_ready;
+    m40_request *q_next, *q_prev;       /* wait queue */
+    m40_request *rd_next, *rd_prev;     /* ready list */
+    m40_request *live_next, *live_prev; /* every request not yet freed */
+
+    /* Parameters, immutable after submit (owned copies). */
+    json_t *messages;    /* the engine's own deep copy; dropped once rendered */
+    char *prompt;
+    size_t prompt_len;
+    int add_generation_prompt;
+    int32_t max_tokens;
+    m40_sampler_params sampling;
+    char *stop[M40_MAX_STOP_ALL];
+    size_t stop_len[M40_MAX_STOP_ALL];
+    int n_stop;
+    int logprobs;
+    double t_submit;     /* monotonic seconds, for time to first token */
+
+    /* Event queue, guarded by evmu: a ring of ev_cap entries from ev_head. */
+    pthread_mutex_t evmu;
+    m40_event *ev;
+    size_t ev_head, ev_n, ev_cap;
+};
+
+/* A pending token of a running sequence whose text is still held back. */
+typedef struct {
+    m40_token_logprob tok;
+    m40_token_logprob top[20];
+    size_t text_end;     /* offset in the held text where this token's bytes end */
+} m40_held_token;
+
+/* One KV slot and the sequence running in it (engine thread only). */
+typedef struct {
+    m40_request *r;      /* NULL: free */
+    uint64_t order;      /* admission counter: older sequences prefill first */
+    int32_t *prompt;
+    int32_t n_prompt;
+    int32_t n_prefilled;
+    int32_t n_past;      /* tokens in the KV cache */
+    int32_t n_gen;       /* tokens sampled */
+    int32_t next_token;  /* sampled, not yet fed through the model */
+    m40_sampler *smp;
+    m40_detok *detok;
+    char *held;          /* decoded text not yet emitted (could start a stop string) */
+    size_t held_len, held_cap;
+    m40_held_token *held_toks;
+    int32_t n_held_toks, cap_held_toks;
+    double t_last;       /* when the previous token was sampled */
+    int fallback_chat;   /* rendered by the fallback template: its end marker stops */
+    int cancel;          /* released by the submitter, finish without events */
+} m40_slot;
+
+struct m40_engine {
+    char *model_path;
+    char *model_name;
+    char *template_override;
+    int device;
+    int32_t ctx_cfg;
+    int32_t max_seqs;
+    int32_t max_queue;
+    int32_t n_threads;
+    int32_t prefill_chunk;
+
+    int efd;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+
+    /* Guarded by mu. */
+    int stop;
+    m40_engine_state state;
+    char load_err[512];
+    int32_t ctx;         /* valid once READY */
+    int32_t n_vocab;
+    m40_request *q_head, *q_tail;
+    int32_t q_n;
+    m40_request *rd_head, *rd_tail;
+    m40_request *live_head;
+    m40_engine_stats stats;
+
+    /* Engine thread only. */
+    m40_model *model;
+    m40_kv *kv;
+    const m40_tokenizer *tok;
+    m40_jinja *tmpl;              /* parsed chat template, NULL: fallback rendering */
+    char tmpl_err[256];           /* non-empty: the model's template did not parse */
+    int fallback_end_is_text;     /* the fallback's end marker is no token: stop on its text */
+    m40_slot *slots;
+    uint64_t admit_counter;
+    int32_t *b_tokens, *b_pos, *b_slot;
+    uint8_t *b_want;
+    int32_t *row_slot;            /* logits row -> slot */
+    int32_t *take;                /* tokens of each slot in the current batch */
+    float *logits;
+    m40_request **ready_batch;    /* requests that got events this step */
+    int32_t n_ready_batch;
+    m40_request **done_batch;     /* requests whose engine reference goes after notify */
+    int32_t n_done_batch;
+    /* The counters only the engine thread writes; copied into stats (under mu) at the
+     * end of every step, so that per-token updates take no lock. */
+    m40_engine_stats tstats;
+};
+
+/* engine.c: helpers the scheduler uses. */
+double m40_now(void);
+/* Appends ev (ownership of its buffers moves into the queue). -1 when out of memory. */
+int m40_request_push_event(m40_request *r, m40_event *ev);
+/* Lists requests in the ready list (skipping released ones) and writes the eventfd once. */
+void m40_engine_notify(m40_engine *e, m40_request **rs, int32_t n);
+/* Writes the eventfd (state changes: READY, FAILED). */
+void m40_engine_wake(m40_engine *e);
+/* The engine thread drops its reference (phase DONE); frees r when the submitter is gone. */
+void m40_engine_drop_request(m40_engine *e, m40_request *r);
+void m40_hist_observe(const double *bounds, uint64_t *counts, double *sum, double v);
+
+/* scheduler.c: the engine thread's body. */
+void *m40_engine_thread_main(void *arg);
+
+#endif

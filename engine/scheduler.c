@@ -1,0 +1,829 @@
+/* The engine thread: loads the model, then runs the continuous-batching loop.
+ *
+ * One iteration ("step"):
+ *   1. sequences whose submitter released them are cancelled and their slots freed,
+ *      before anything is computed for them;
+ *   2. queued requests are admitted into free slots (chat template rendered,
+ *      prompt tokenized, sampler and detokenizer created);
+ *   3. one m40_batch is built: the next token of every decoding sequence, then prompt
+ *      chunks of prefilling sequences, oldest admission first, under a step budget of
+ *      prefill_chunk prompt tokens in total (so that a long prompt arriving never
+ *      stalls the decoding sequences for more than one bounded step);
+ *   4. one forward call; every sequence that got logits samples its next token with
+ *      its own sampler, feeds it to its detokenizer, and emits text (held back while
+ *      it could still be the start of a stop string);
+ *   5. the requests that got events are listed as ready and the eventfd is written
+ *      once; finished sequences give their slot back.
+ * With nothing queued and nothing running the thread sleeps on a condition variable.
+ *
+ * A slot's KV cache is reused without clearing: a new sequence writes positions from
+ * 0 and attends only to positions it has written itself. */
+#include "engine_impl.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Text appended to the end-of-turn of the fallback chat template. */
+#define M40_FALLBACK_END "<|im_end|>"
+
+/* ---------- slot bookkeeping ---------- */
+
+static void slot_clear(m40_slot *s)
+{
+    m40_sampler_free(s->smp);
+    m40_detok_free(s->detok);
+    free(s->prompt);
+    free(s->held);
+    free(s->held_toks);
+    memset(s, 0, sizeof *s);
+}
+
+static void ready_add(m40_engine *e, m40_request *r)
+{
+    for (int32_t i = 0; i < e->n_ready_batch; i++)
+        if (e->ready_batch[i] == r)
+            return;
+    e->ready_batch[e->n_ready_batch++] = r;
+}
+
+/* Ends the sequence in slot i: its engine reference is dropped after this step's
+ * notification (dropping first could free a request still in ready_batch). */
+static void slot_finish(m40_engine *e, int32_t i)
+{
+    m40_slot *s = &e->slots[i];
+    e->done_batch[e->n_done_batch++] = s->r;
+    slot_clear(s);
+}
+
+/* Pushes an event, or when even that fails for lack of memory, nothing can be told
+ * to this submitter any more; the sequence is ended by the caller either way. */
+static void push_or_drop(m40_engine *e, m40_request *r, m40_event *ev)
+{
+    if (m40_request_push_event(r, ev) != 0)
+        m40_event_clear(ev);
+    else
+        ready_add(e, r);
+}
+
+static void push_error(m40_engine *e, m40_request *r, int http_status, const char *msg)
+{
+    m40_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = M40_EV_ERROR;
+    ev.http_status = http_status;
+    snprintf(ev.message, sizeof ev.message, "%s", msg);
+    push_or_drop(e, r, &ev);
+}
+
+static void push_done(m40_engine *e, m40_slot *s, m40_finish finish)
+{
+    m40_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = M40_EV_DONE;
+    ev.finish = finish;
+    ev.prompt_tokens = s->n_prompt;
+    ev.completion_tokens = s->n_gen;
+    push_or_drop(e, s->r, &ev);
+}
+
+/* Flushes the step's notifications, then drops the references of finished requests. */
+static void step_flush(m40_engine *e)
+{
+    m40_engine_notify(e, e->ready_batch, e->n_ready_batch);
+    e->n_ready_batch = 0;
+    for (int32_t i = 0; i < e->n_done_batch; i++)
+        m40_engine_drop_request(e, e->done_batch[i]);
+    e->n_done_batch = 0;
+}
+
+/* ---------- held text and stop strings ---------- */
+
+static int held_append(m40_slot *s, const char *txt, size_t n)
+{
+    if (s->held_len + n + 1 > s->held_cap) {
+        size_t ncap = s->held_cap ? s->held_cap : 64;
+        while (ncap < s->held_len + n + 1)
+            ncap *= 2;
+        char *nh = realloc(s->held, ncap);
+        if (!nh)
+            return -1;
+        s->held = nh;
+        s->held_cap = ncap;
+    }
+    memcpy(s->held + s->held_len, txt, n);
+    s->held_len += n;
+    s->held[s->held_len] = '\0';
+    return 0;
+}
+
+static void token_info(const m40_tokenizer *tok, int32_t id, float logprob, m40_token_logprob *out)
+{
+    out->id = id;
+    out->logprob = logprob;
+    int n = id >= 0 ? m40_token_to_bytes(tok, id, 0, out->bytes, (int)sizeof out->bytes) : 0;
+    out->n_bytes = n < 0 ? 0 : n > (int)sizeof out->bytes ? (int)sizeof out->bytes : n;
+}
+
+static int held_token_append(m40_engine *e, m40_slot *s, const m40_sample_result *res, int32_t n_top)
+{
+    if (s->n_held_toks == s->cap_held_toks) {
+        int32_t ncap = s->cap_held_toks ? s->cap_held_toks * 2 : 4;
+        m40_held_token *nt = realloc(s->held_toks, (size_t)ncap * sizeof *nt);
+        if (!nt)
+            return -1;
+        s->held_toks = nt;
+        s->cap_held_toks = ncap;
+    }
+    m40_held_token *h = &s->held_toks[s->n_held_toks++];
+    token_info(e->tok, res->token, res->logprob, &h->tok);
+    for (int32_t k = 0; k < n_top; k++) {
+        if (k < res->n_top)
+            token_info(e->tok, res->top_ids[k], res->top_logprobs[k], &h->top[k]);
+        else
+            token_info(e->tok, -1, -INFINITY, &h->top[k]); /* vocabulary smaller than asked */
+    }
+    h->text_end = s->held_len;
+    return 0;
+}
+
+/* Emits held[0..nbytes) with the held tokens whose text ends there as one TEXT event
+ * and keeps the rest. drop_rest: discard what stays (the stop string and after). */
+static int emit_held(m40_engine *e, m40_slot *s, size_t nbytes, int drop_rest)
+{
+    m40_request *r = s->r;
+    int32_t n_top = r->logprobs ? r->sampling.n_top_logprobs : 0;
+    int32_t nt = 0;
+    while (nt < s->n_held_toks && s->held_toks[nt].text_end <= nbytes)
+        nt++;
+    if (nbytes > 0 || nt > 0) {
+        m40_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.type = M40_EV_TEXT;
+        ev.text = malloc(nbytes + 1);
+        if (!ev.text)
+            return -1;
+        memcpy(ev.text, s->held, nbytes);
+        ev.text[nbytes] = '\0';
+        ev.text_len = nbytes;
+        if (nt > 0) {
+            ev.tokens = malloc((size_t)nt * sizeof *ev.tokens);
+            ev.top = n_top > 0 ? malloc((size_t)nt * (size_t)n_top * sizeof *ev.top) : NULL;
+            if (!ev.tokens || (n_top > 0 && !ev.top)) {
+                m40_event_clear(&ev);
+                return -1;
+            }
+            for (int32_t k = 0; k < nt; k++) {
+                ev.tokens[k] = s->held_toks[k].tok;
+                if (n_top > 0)
+                    memcpy(&ev.top[(size_t)k * (size_t)n_top], s->held_toks[k].top, (size_t)n_top * sizeof *ev.top);
+            }
+            ev.n_tokens = nt;
+            ev.n_top = n_top;
+        }
+        if (m40_request_push_event(r, &ev) != 0) {
+            m40_event_clear(&ev);
+            return -1;
+        }
+        ready_add(e, r);
+    }
+    if (drop_rest) {
+        s->held_len = 0;
+        s->n_held_toks = 0;
+    } else {
+        if (s->held_len > nbytes)
+            memmove(s->held, s->held + nbytes, s->held_len - nbytes);
+        s->held_len -= nbytes;
+        if (s->n_held_toks > nt)
+            memmove(s->held_toks, s->held_toks + nt, (size_t)(s->n_held_toks - nt) * sizeof *s->held_toks);
+        s->n_held_toks -= nt;
+        for (int32_t k = 0; k < s->n_held_toks; k++)
+            s->held_toks[k].text_end -= nbytes;
+    }
+    if (s->held)
+        s->held[s->held_len] = '\0';
+    return 0;
+}
+
+/* The stop strings of the sequence: the request's, plus the fallback template's
+ * end-of-turn text when it is not a single token of the vocabulary. */
+typedef struct {
+    const char *s[M40_MAX_STOP_ALL];
+    size_t len[M40_MAX_STOP_ALL];
+    int n;
+} stop_set;
+
+static void stops_of(const m40_engine *e, const m40_slot *s, stop_set *out)
+{
+    const m40_request *r = s->r;
+    out->n = 0;
+    for (int i = 0; i < r->n_stop; i++) {
+        out->s[out->n] = r->stop[i];
+        out->len[out->n++] = r->stop_len[i];
+    }
+    if (s->fallback_chat && e->fallback_end_is_text) {
+        out->s[out->n] = M40_FALLBACK_END;
+        out->len[out->n++] = strlen(M40_FALLBACK_END);
+    }
+}
+
+/* Earliest stop match in held text; -1 when none. */
+static long stop_find(const stop_set *st, const char *text, size_t n)
+{
+    long best = -1;
+    for (int i = 0; i < st->n; i++) {
+        const char *p = memmem(text, n, st->s[i], st->len[i]);
+        if (p && (best < 0 || p - text < best))
+            best = (long)(p - text);
+    }
+    return best;
+}
+
+/* Length of the longest suffix of text that is a proper prefix of some stop string:
+ * those bytes could still become a stop string and must be held. */
+static size_t stop_holdback(const stop_set *st, const char *text, size_t n)
+{
+    size_t best = 0;
+    for (int i = 0; i < st->n; i++) {
+        size_t k = st->len[i] - 1 < n ? st->len[i] - 1 : n;
+        for (; k > best; k--)
+            if (memcmp(text + n - k, st->s[i], k) == 0) {
+                best = k;
+                break;
+            }
+    }
+    return best;
+}
+
+/* ---------- admission ---------- */
+
+static int64_t tokenize_alloc(const m40_tokenizer *tok, const char *text, size_t len, int add_bos,
+                              int parse_special, int32_t **out, char *err, size_t errlen)
+{
+    int64_t cap = (int64_t)len + 16;
+    *out = NULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int32_t *ids = malloc((size_t)cap * sizeof *ids);
+        if (!ids) {
+            snprintf(err, errlen, "out of memory tokenizing %zu bytes", len);
+            return -1;
+        }
+        int64_t n = m40_tokenize(tok, text, len, add_bos, parse_special, ids, cap, err, errlen);
+        if (n < 0) {
+            free(ids);
+            return -1;
+        }
+        if (n <= cap) {
+            *out = ids;
+            return n;
+        }
+        free(ids);
+        cap = n;
+    }
+    snprintf(err, errlen, "tokenizer returned inconsistent lengths");
+    return -1;
+}
+
+/* The fallback when neither the GGUF nor the configuration has a chat template: a
+ * ChatML-style rendering, the most common convention of instruction-tuned models:
+ *   <|im_start|>{role}\n{content}<|im_end|>\n ... [<|im_start|>assistant\n]
+ * Non-string content (null for tool-call turns) renders as empty text. */
+static char *render_fallback(const json_t *messages, int add_generation_prompt, size_t *out_len)
+{
+    size_t cap = 64, len = 0;
+    size_t i;
+    json_t *m;
+    json_array_foreach(messages, i, m)
+    {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        const char *content = json_string_value(json_object_get(m, "content"));
+        cap += 32 + (role ? strlen(role) : 0) + (content ? strlen(content) : 0);
+    }
+    char *buf = malloc(cap);
+    if (!buf)
+        return NULL;
+    json_array_foreach(messages, i, m)
+    {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        const char *content = json_string_value(json_object_get(m, "content"));
+        len += (size_t)sprintf(buf + len, "<|im_start|>%s\n%s" M40_FALLBACK_END "\n", role ? role : "user",
+                               content ? content : "");
+    }
+    if (add_generation_prompt)
+        len += (size_t)sprintf(buf + len, "<|im_start|>assistant\n");
+    *out_len = len;
+    return buf;
+}
+
+/* Renders (chat) and tokenizes the request's prompt. On failure returns -1 with the
+ * HTTP status and message to answer with. */
+static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int32_t *n_out, int *status, char *msg,
+                          size_t msglen)
+{
+    const m40_tokenizer *tok = e->tok;
+    char err[256];
+    int64_t n;
+    int32_t *ids = NULL;
+    *status = 500;
+    if (r->messages) {
+        char *text = NULL;
+        size_t len = 0;
+        if (e->tmpl_err[0]) {
+            snprintf(msg, msglen, "the model's chat template cannot be used: %.200s", e->tmpl_err);
+            return -1;
+        }
+        if (e->tmpl) {
+            int32_t bos = m40_tokenizer_bos(tok), eos = m40_tokenizer_eos(tok);
+            const char *bos_s = bos >= 0 ? m40_tokenizer_piece(tok, bos) : NULL;
+            const char *eos_s = eos >= 0 ? m40_tokenizer_piece(tok, eos) : NULL;
+            if (m40_chat_template_render_parsed(e->tmpl, r->messages, NULL, r->add_generation_prompt, bos_s, eos_s,
+                                                NULL, NULL, &text, &len, err, sizeof err) != 0) {
+                /* raise_exception() in templates rejects the conversation itself. */
+                *status = 400;
+                snprintf(msg, msglen, "chat template: %.230s", err);
+                return -1;
+            }
+        } else {
+            text = render_fallback(r->messages, r->add_generation_prompt, &len);
+            if (!text) {
+                snprintf(msg, msglen, "out of memory rendering the chat");
+                return -1;
+            }
+        }
+        /* Template output is trusted: its control-token strings become single ids. */
+        n = tokenize_alloc(tok, text, len, 0, 1, &ids, err, sizeof err);
+        free(text);
+        if (n < 0) {
+            snprintf(msg, msglen, "tokenizer: %.230s", err);
+            return -1;
+        }
+        int32_t bos = m40_tokenizer_bos(tok);
+        if (m40_tokenizer_add_bos(tok) && bos >= 0 && (n == 0 || ids[0] != bos)) {
+            int32_t *nids = realloc(ids, (size_t)(n + 1) * sizeof *nids);
+            if (!nids) {
+                free(ids);
+                snprintf(msg, msglen, "out of memory");
+                return -1;
+            }
+            ids = nids;
+            memmove(ids + 1, ids, (size_t)n * sizeof *ids);
+            ids[0] = bos;
+            n++;
+        }
+    } else {
+        /* User text: control-token strings stay text. */
+        n = tokenize_alloc(tok, r->prompt, r->prompt_len, m40_tokenizer_add_bos(tok), 0, &ids, err, sizeof err);
+        if (n < 0) {
+            snprintf(msg, msglen, "tokenizer: %.230s", err);
+            return -1;
+        }
+    }
+    if (n >= e->ctx) {
+        free(ids);
+        *status = 400;
+        snprintf(msg, msglen, "prompt has %lld tokens but the context size is %d", (long long)n, (int)e->ctx);
+        return -1;
+    }
+    if (n == 0) {
+        free(ids);
+        *status = 400;
+        snprintf(msg, msglen, "prompt is empty (no tokens to start from)");
+        return -1;
+    }
+    *ids_out = ids;
+    *n_out = (int32_t)n;
+    return 0;
+}
+
+/* Error before a slot was taken: answer and drop the engine's reference now. */
+static void admit_fail(m40_engine *e, m40_request *r, int status, const char *msg)
+{
+    push_error(e, r, status, msg);
+    step_flush(e);
+    m40_engine_drop_request(e, r);
+}
+
+static void admit(m40_engine *e, m40_request *r, int32_t slot)
+{
+    int32_t *ids = NULL, n = 0;
+    int status;
+    char msg[256];
+    if (request_tokens(e, r, &ids, &n, &status, msg, sizeof msg) != 0) {
+        admit_fail(e, r, status, msg);
+        return;
+    }
+    m40_slot *s = &e->slots[slot];
+    memset(s, 0, sizeof *s);
+    s->fallback_chat = r->messages != NULL && e->tmpl == NULL;
+    /* Rendered: the messages are not needed any more (only this thread reads them). */
+    if (r->messages) {
+        json_decref(r->messages);
+        r->messages = NULL;
+    }
+    s->smp = m40_sampler_new(&r->sampling, e->n_vocab);
+    s->detok = m40_detok_new(e->tok);
+    if (!s->smp || !s->detok) {
+        free(ids);
+        slot_clear(s);
+        admit_fail(e, r, 500, "out of memory creating the sampler");
+        return;
+    }
+    s->r = r;
+    s->order = e->admit_counter++;
+    s->prompt = ids;
+    s->n_prompt = n;
+    e->tstats.prompt_tokens_total += (uint64_t)n;
+}
+
+/* ---------- one step ---------- */
+
+static int32_t n_active(const m40_engine *e)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        n += e->slots[i].r != NULL;
+    return n;
+}
+
+static void cancel_released(m40_engine *e)
+{
+    int32_t cancelled = 0;
+    pthread_mutex_lock(&e->mu);
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        if (e->slots[i].r && e->slots[i].r->released) {
+            /* Marked here under the lock, finished below without it. */
+            e->slots[i].cancel = 1;
+            cancelled++;
+        }
+    e->stats.requests_cancelled += (uint64_t)cancelled;
+    pthread_mutex_unlock(&e->mu);
+    if (!cancelled)
+        return;
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        if (e->slots[i].r && e->slots[i].cancel)
+            slot_finish(e, i); /* no event: nobody is listening */
+    step_flush(e);
+}
+
+static void admit_queued(m40_engine *e)
+{
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        while (!e->slots[i].r) {
+            pthread_mutex_lock(&e->mu);
+            m40_request *r = e->q_head;
+            if (r) {
+                e->q_head = r->q_next;
+                if (e->q_head)
+                    e->q_head->q_prev = NULL;
+                else
+                    e->q_tail = NULL;
+                r->q_next = r->q_prev = NULL;
+                e->q_n--;
+                e->stats.queue_depth = e->q_n;
+                r->phase = M40_REQ_ENGINE;
+            }
+            pthread_mutex_unlock(&e->mu);
+            if (!r)
+                return;
+            admit(e, r, i);
+        }
+    }
+}
+
+/* Handles the logits of slot i's newest position: sample, detokenize, stop strings,
+ * finish conditions, events. */
+static void sequence_advance(m40_engine *e, int32_t i, float *logits)
+{
+    m40_slot *s = &e->slots[i];
+    m40_request *r = s->r;
+    m40_sample_result res;
+    m40_sampler_sample(s->smp, logits, &res);
+    m40_sampler_accept(s->smp, res.token);
+
+    double now = m40_now();
+    if (s->n_gen == 0)
+        m40_hist_observe(e->tstats.hist_bounds, e->tstats.ttft_counts, &e->tstats.ttft_sum, now - r->t_submit);
+    else
+        m40_hist_observe(e->tstats.hist_bounds, e->tstats.itl_counts, &e->tstats.itl_sum, now - s->t_last);
+    s->t_last = now;
+    s->n_gen++;
+    e->tstats.completion_tokens_total++;
+
+    stop_set st;
+    stops_of(e, s, &st);
+    m40_finish finish = M40_FINISH_NONE;
+    int eog = m40_tokenizer_is_eog(e->tok, res.token);
+    if (!eog) {
+        size_t n = 0;
+        const char *txt = m40_detok_push(s->detok, res.token, &n);
+        if (held_append(s, txt, n) != 0 ||
+            (r->logprobs && held_token_append(e, s, &res, r->sampling.n_top_logprobs) != 0))
+            goto nomem;
+    }
+    if (eog)
+        finish = M40_FINISH_STOP;
+    else if (s->n_gen >= r->max_tokens || s->n_past >= e->ctx)
+        finish = M40_FINISH_LENGTH; /* no room for another token, or the limit asked for */
+    if (finish != M40_FINISH_NONE) {
+        /* The stream ends: incomplete UTF-8 held by the detokenizer becomes U+FFFD. */
+        size_t n = 0;
+        const char *txt = m40_detok_flush(s->detok, &n);
+        if (held_append(s, txt, n) != 0)
+            goto nomem;
+    }
+    long at = stop_find(&st, s->held ? s->held : "", s->held_len);
+    if (at >= 0) {
+        if (emit_held(e, s, (size_t)at, 1) != 0)
+            goto nomem;
+        finish = M40_FINISH_STOP;
+    } else {
+        size_t keep = finish != M40_FINISH_NONE ? 0 : stop_holdback(&st, s->held, s->held_len);
+        if (emit_held(e, s, s->held_len - keep, 0) != 0)
+            goto nomem;
+    }
+    if (finish != M40_FINISH_NONE) {
+        push_done(e, s, finish);
+        slot_finish(e, i);
+    } else {
+        s->next_token = res.token;
+    }
+    return;
+nomem:
+    push_error(e, r, 500, "out of memory producing the response");
+    slot_finish(e, i);
+}
+
+static void batch_add(m40_engine *e, int32_t *n, int32_t tok, int32_t pos, int32_t slot, int want)
+{
+    e->b_tokens[*n] = tok;
+    e->b_pos[*n] = pos;
+    e->b_slot[*n] = slot;
+    e->b_want[*n] = (uint8_t)want;
+    (*n)++;
+}
+
+static void run_step(m40_engine *e)
+{
+    int32_t n = 0, rows = 0;
+    int32_t *take = e->take;
+    /* Decoding sequences first: one token each, never held back by prefill. */
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        m40_slot *s = &e->slots[i];
+        take[i] = 0;
+        if (s->r && s->n_prefilled == s->n_prompt) {
+            batch_add(e, &n, s->next_token, s->n_past, i, 1);
+            e->row_slot[rows++] = i;
+            take[i] = 1;
+        }
+    }
+    /* Then prompt chunks, oldest admission first, within the step's prefill budget. */
+    int32_t budget = e->prefill_chunk;
+    while (budget > 0) {
+        int32_t best = -1;
+        for (int32_t i = 0; i < e->max_seqs; i++) {
+            m40_slot *s = &e->slots[i];
+            if (s->r && s->n_prefilled < s->n_prompt && take[i] == 0 && (best < 0 || s->order < e->slots[best].order))
+                best = i;
+        }
+        if (best < 0)
+            break;
+        m40_slot *s = &e->slots[best];
+        int32_t k = s->n_prompt - s->n_prefilled;
+        if (k > budget)
+            k = budget;
+        for (int32_t j = 0; j < k; j++) {
+            int last = s->n_prefilled + j + 1 == s->n_prompt;
+            batch_add(e, &n, s->prompt[s->n_prefilled + j], s->n_prefilled + j, best, last);
+            if (last)
+                e->row_slot[rows++] = best;
+        }
+        take[best] = k;
+        budget -= k;
+    }
+    if (n == 0)
+        return;
+
+    m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
+    char err[256];
+    if (m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err) != 0) {
+        char msg[300];
+        snprintf(msg, sizeof msg, "forward pass failed: %s", err);
+        for (int32_t i = 0; i < e->max_seqs; i++)
+            if (take[i] > 0) {
+                push_error(e, e->slots[i].r, 500, msg);
+                slot_finish(e, i);
+            }
+        step_flush(e);
+        return;
+    }
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        m40_slot *s = &e->slots[i];
+        if (take[i] == 0)
+            continue;
+        if (s->n_prefilled < s->n_prompt) {
+            s->n_prefilled += take[i];
+            e->tstats.prompt_tokens_computed += (uint64_t)take[i];
+        }
+        s->n_past += take[i];
+    }
+    for (int32_t k = 0; k < rows; k++)
+        sequence_advance(e, e->row_slot[k], e->logits + (size_t)k * (size_t)e->n_vocab);
+    step_flush(e);
+}
+
+static void stats_publish(m40_engine *e)
+{
+    int64_t used = 0;
+    int32_t running = 0;
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        if (e->slots[i].r) {
+            used += e->slots[i].n_past;
+            running++;
+        }
+    const m40_engine_stats *t = &e->tstats;
+    pthread_mutex_lock(&e->mu);
+    m40_engine_stats *o = &e->stats;
+    o->prompt_tokens_total = t->prompt_tokens_total;
+    o->prompt_tokens_computed = t->prompt_tokens_computed;
+    o->completion_tokens_total = t->completion_tokens_total;
+    o->running = running;
+    o->kv_tokens_used = used;
+    o->kv_tokens_total = (int64_t)e->max_seqs * e->ctx;
+    memcpy(o->ttft_counts, t->ttft_counts, sizeof o->ttft_counts);
+    memcpy(o->itl_counts, t->itl_counts, sizeof o->itl_counts);
+    o->ttft_sum = t->ttft_sum;
+    o->itl_sum = t->itl_sum;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* ---------- load and shutdown ---------- */
+
+static int engine_load(m40_engine *e, char *err, size_t errlen)
+{
+    if (e->device >= 0) {
+        snprintf(err, errlen, "device %d was asked for, but this engine runs on the CPU only (device -1)",
+                 e->device);
+        return -1;
+    }
+    char merr[384];
+    if (m40_model_load(e->model_path, e->n_threads, &e->model, merr, sizeof merr) != 0) {
+        snprintf(err, errlen, "%s: %s", e->model_path, merr);
+        return -1;
+    }
+    const m40_model_params *mp = m40_model_get_params(e->model);
+    int32_t ctx = e->ctx_cfg > 0 ? e->ctx_cfg : mp->ctx_train;
+    if (ctx <= 0) {
+        snprintf(err, errlen, "the model does not state its context length; set a context size");
+        return -1;
+    }
+    /* Under the lock: the submitter's thread reads these (valid once READY). */
+    pthread_mutex_lock(&e->mu);
+    e->ctx = ctx;
+    e->n_vocab = mp->n_vocab;
+    pthread_mutex_unlock(&e->mu);
+    e->tok = m40_model_tokenizer(e->model);
+    /* When "<|im_end|>" is a token it is an end-of-generation id already (or plain
+     * control text the model was trained to emit as one id); when it is not, the
+     * model can only spell it out, and the fallback template stops on that text. */
+    e->fallback_end_is_text = m40_tokenizer_find_piece(e->tok, M40_FALLBACK_END) < 0;
+    e->kv = m40_kv_new(e->model, e->max_seqs, ctx);
+    if (!e->kv) {
+        snprintf(err, errlen, "cannot allocate the KV cache for %d sequences of %d tokens", (int)e->max_seqs,
+                 (int)ctx);
+        return -1;
+    }
+
+    const char *src = e->template_override;
+    if (!src)
+        src = m40_gguf_get_str(m40_model_gguf(e->model), "tokenizer.chat_template");
+    if (src) {
+        char jerr[200];
+        if (m40_jinja_parse(src, strlen(src), &e->tmpl, jerr, sizeof jerr) != 0) {
+            e->tmpl = NULL;
+            if (e->template_override) {
+                snprintf(err, errlen, "chat template: %s", jerr);
+                return -1;
+            }
+            /* The model's own template: completions still work; chat requests are
+             * answered with this message rather than a silently different prompt. */
+            snprintf(e->tmpl_err, sizeof e->tmpl_err, "%s", jerr);
+        }
+    }
+
+    size_t bcap = (size_t)e->max_seqs + (size_t)e->prefill_chunk;
+    e->slots = calloc((size_t)e->max_seqs, sizeof *e->slots);
+    e->b_tokens = malloc(bcap * sizeof *e->b_tokens);
+    e->b_pos = malloc(bcap * sizeof *e->b_pos);
+    e->b_slot = malloc(bcap * sizeof *e->b_slot);
+    e->b_want = malloc(bcap);
+    e->row_slot = malloc((size_t)e->max_seqs * sizeof *e->row_slot);
+    e->take = malloc((size_t)e->max_seqs * sizeof *e->take);
+    e->logits = malloc((size_t)e->max_seqs * (size_t)e->n_vocab * sizeof *e->logits);
+    e->ready_batch = malloc((size_t)e->max_seqs * sizeof *e->ready_batch);
+    e->done_batch = malloc((size_t)e->max_seqs * sizeof *e->done_batch);
+    if (!e->slots || !e->b_tokens || !e->b_pos || !e->b_slot || !e->b_want || !e->row_slot || !e->take || !e->logits ||
+        !e->ready_batch || !e->done_batch) {
+        snprintf(err, errlen, "out of memory allocating the scheduler's buffers");
+        return -1;
+    }
+    return 0;
+}
+
+static void engine_unload(m40_engine *e)
+{
+    if (e->slots)
+        for (int32_t i = 0; i < e->max_seqs; i++)
+            slot_clear(&e->slots[i]);
+    free(e->slots);
+    free(e->b_tokens);
+    free(e->b_pos);
+    free(e->b_slot);
+    free(e->b_want);
+    free(e->row_slot);
+    free(e->take);
+    free(e->logits);
+    free(e->ready_batch);
+    free(e->done_batch);
+    m40_jinja_free(e->tmpl);
+    m40_kv_free(e->kv);
+    m40_model_free(e->model);
+    e->slots = NULL;
+    e->tmpl = NULL;
+    e->kv = NULL;
+    e->model = NULL;
+}
+
+/* Stop: running sequences end with finish "cancelled", queued requests with 503. */
+static void engine_shutdown(m40_engine *e)
+{
+    int32_t cancelled = 0;
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        if (e->slots[i].r) {
+            push_done(e, &e->slots[i], M40_FINISH_CANCELLED);
+            slot_finish(e, i);
+            cancelled++;
+        }
+    step_flush(e);
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        m40_request *r = e->q_head;
+        if (r) {
+            e->q_head = r->q_next;
+            if (e->q_head)
+                e->q_head->q_prev = NULL;
+            else
+                e->q_tail = NULL;
+            r->q_next = r->q_prev = NULL;
+            e->q_n--;
+            r->phase = M40_REQ_ENGINE;
+        }
+        e->stats.queue_depth = e->q_n;
+        e->stats.requests_cancelled += (uint64_t)cancelled;
+        cancelled = 0;
+        pthread_mutex_unlock(&e->mu);
+        if (!r)
+            break;
+        admit_fail(e, r, 503, "the engine is stopping");
+    }
+    stats_publish(e);
+}
+
+void *m40_engine_thread_main(void *arg)
+{
+    m40_engine *e = arg;
+    char err[512];
+    memcpy(e->tstats.hist_bounds, e->stats.hist_bounds, sizeof e->tstats.hist_bounds);
+    if (engine_load(e, err, sizeof err) != 0) {
+        engine_unload(e);
+        pthread_mutex_lock(&e->mu);
+        e->state = M40_ENGINE_FAILED;
+        snprintf(e->load_err, sizeof e->load_err, "%s", err);
+        pthread_mutex_unlock(&e->mu);
+        m40_engine_wake(e);
+        return NULL;
+    }
+    pthread_mutex_lock(&e->mu);
+    e->state = M40_ENGINE_READY;
+    e->stats.kv_tokens_total = (int64_t)e->max_seqs * e->ctx;
+    pthread_mutex_unlock(&e->mu);
+    m40_engine_wake(e);
+
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stop && e->q_n == 0 && n_active(e) == 0)
+            pthread_cond_wait(&e->cv, &e->mu);
+        int stop = e->stop;
+        pthread_mutex_unlock(&e->mu);
+        if (stop)
+            break;
+        cancel_released(e);
+        admit_queued(e);
+        run_step(e);
+        stats_publish(e);
+    }
+    engine_shutdown(e);
+    engine_unload(e);
+    return NULL;
+}
