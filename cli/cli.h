@@ -8,5 +8,7 @@ int m40_cmd_run(int argc, char **argv) __attribute__((weak));
 int m40_cmd_info(int argc, char **argv) __attribute__((weak));
 int m40_cmd_tokenize(int argc, char **argv) __attribute__((weak));
 int m40_cmd_eval(int argc, char **argv) __attribute__((weak));
+int m40_cmd_serve(int argc, char **argv) __attribute__((weak));
+int m40_cmd_bench(int argc, char **argv) __attribute__((weak));
 
 #endif

@@ -13,6 +13,8 @@ static const struct {
     {"info", m40_cmd_info, "info MODEL                         architecture, hyperparameters, tokenizer, tensors"},
     {"tokenize", m40_cmd_tokenize, "tokenize [--no-bos] MODEL TEXT|-     token ids as a JSON array"},
     {"eval", m40_cmd_eval, "eval [--tol X] MODEL REF.json      teacher-forced comparison with reference logprobs"},
+    {"serve", m40_cmd_serve, "serve MODEL [--port N] [--device D] [--name NAME]   OpenAI-compatible HTTP server (nginx)"},
+    {"bench", m40_cmd_bench, "bench MODEL [--prompt-len N] [--gen N] [--batch B] [--reps N]   prefill/decode tokens/s and roofline"},
 };
 
 static void usage(FILE *f)

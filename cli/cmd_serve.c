@@ -1,0 +1,262 @@
+/* m40 serve: run the OpenAI-compatible server on one model without writing an
+ * nginx.conf by hand.
+ *
+ * Writes a small nginx.conf into a fresh temporary directory (pid file, temp paths
+ * and the config live there; the error log goes to stderr) and execs nginx in the
+ * foreground, so Ctrl-C and SIGTERM reach nginx's master directly. The module is
+ * build/ngx_http_m40_module.so beside this binary unless --module says otherwise. */
+#include <errno.h>
+#include <limits.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+#define SERVE_DEFAULT_NGINX "/usr/sbin/nginx"
+
+static void serve_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: m40 serve MODEL [options]\n"
+            "  --port N        TCP port (default 8080)\n"
+            "  --host ADDR     listen address (default 127.0.0.1)\n"
+            "  --device D      cpu or a GPU index (default cpu)\n"
+            "  --name NAME     model name in the API (default: file name without .gguf)\n"
+            "  --threads N     CPU threads (default: all)\n"
+            "  --ctx-size N    context per sequence (default: the model's)\n"
+            "  --max-seqs N    concurrent sequences (default 4)\n"
+            "  --module PATH   ngx_http_m40_module.so (default: beside the m40 binary)\n"
+            "  --nginx PATH    nginx binary (default " SERVE_DEFAULT_NGINX ")\n"
+            "  --user USER     user of the worker process when started as root\n"
+            "                  (default: the owner of the model file)\n");
+}
+
+static void put_escaped(FILE *f, const char *s)
+{
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\' || *s == '$')
+            fputc('\\', f);
+        fputc(*s, f);
+    }
+}
+
+/* Writes a then b as one double-quoted nginx configuration string. */
+static void put_quoted2(FILE *f, const char *a, const char *b)
+{
+    fputc('"', f);
+    put_escaped(f, a);
+    put_escaped(f, b);
+    fputc('"', f);
+}
+
+static void put_quoted(FILE *f, const char *s)
+{
+    put_quoted2(f, s, "");
+}
+
+static int is_number(const char *s, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    return *s && !*end && errno == 0 && v >= lo && v <= hi;
+}
+
+static int module_beside_binary(char *out, size_t outlen)
+{
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0)
+        return -1;
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (!slash)
+        return -1;
+    *slash = '\0';
+    int w = snprintf(out, outlen, "%s/ngx_http_m40_module.so", exe);
+    return w > 0 && (size_t)w < outlen ? 0 : -1;
+}
+
+int m40_cmd_serve(int argc, char **argv)
+{
+    const char *model = NULL, *port = "8080", *host = "127.0.0.1", *device = "cpu";
+    const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL;
+    const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            serve_usage(stdout);
+            return 0;
+        }
+        if (a[0] == '-' && a[1] == '-') {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "m40 serve: %s needs a value\n", a);
+                return 2;
+            }
+            const char *v = argv[++i];
+            if (!strcmp(a, "--port"))
+                port = v;
+            else if (!strcmp(a, "--host"))
+                host = v;
+            else if (!strcmp(a, "--device"))
+                device = v;
+            else if (!strcmp(a, "--name"))
+                name = v;
+            else if (!strcmp(a, "--threads"))
+                threads = v;
+            else if (!strcmp(a, "--ctx-size"))
+                ctx_size = v;
+            else if (!strcmp(a, "--max-seqs"))
+                max_seqs = v;
+            else if (!strcmp(a, "--module"))
+                module = v;
+            else if (!strcmp(a, "--nginx"))
+                nginx = v;
+            else if (!strcmp(a, "--user"))
+                user = v;
+            else {
+                fprintf(stderr, "m40 serve: unknown option %s\n", a);
+                serve_usage(stderr);
+                return 2;
+            }
+            continue;
+        }
+        if (model) {
+            fprintf(stderr, "m40 serve: more than one model given\n");
+            return 2;
+        }
+        model = a;
+    }
+
+    if (!model) {
+        serve_usage(stderr);
+        return 2;
+    }
+    if (!is_number(port, 1, 65535)) {
+        fprintf(stderr, "m40 serve: --port must be 1..65535\n");
+        return 2;
+    }
+    if (strcmp(device, "cpu") && !is_number(device, 0, 1024)) {
+        fprintf(stderr, "m40 serve: --device must be cpu or a GPU index\n");
+        return 2;
+    }
+    if ((threads && !is_number(threads, 0, 1024)) || (ctx_size && !is_number(ctx_size, 0, 1 << 24))
+        || (max_seqs && !is_number(max_seqs, 1, 4096))) {
+        fprintf(stderr, "m40 serve: --threads, --ctx-size and --max-seqs take non-negative numbers\n");
+        return 2;
+    }
+    if (strpbrk(host, " \t;{}\"'") || (name && strpbrk(name, "\"\\$\n"))) {
+        fprintf(stderr, "m40 serve: invalid --host or --name\n");
+        return 2;
+    }
+
+    char model_abs[PATH_MAX];
+    struct stat st;
+    if (!realpath(model, model_abs) || stat(model_abs, &st) != 0 || !S_ISREG(st.st_mode)) {
+        fprintf(stderr, "m40 serve: %s: %s\n", model, errno ? strerror(errno) : "not a regular file");
+        return 1;
+    }
+
+    char module_path[PATH_MAX];
+    if (module) {
+        if (!realpath(module, module_path)) {
+            fprintf(stderr, "m40 serve: %s: %s\n", module, strerror(errno));
+            return 1;
+        }
+    } else if (module_beside_binary(module_path, sizeof module_path) != 0 || access(module_path, R_OK) != 0) {
+        fprintf(stderr, "m40 serve: the nginx module is not beside the m40 binary (%s);"
+                        " build it with 'make module' or pass --module PATH\n", module_path);
+        return 1;
+    }
+    if (access(nginx, X_OK) != 0) {
+        fprintf(stderr, "m40 serve: %s: %s (install nginx or pass --nginx PATH)\n", nginx, strerror(errno));
+        return 1;
+    }
+
+    /* Started as root, nginx runs its worker as an unprivileged user, which must
+     * be able to read the model: by default, its owner. */
+    char user_buf[256] = "";
+    if (geteuid() == 0) {
+        if (!user) {
+            struct passwd *pw = getpwuid(st.st_uid);
+            if (pw)
+                snprintf(user_buf, sizeof user_buf, "%s", pw->pw_name);
+        } else {
+            snprintf(user_buf, sizeof user_buf, "%s", user);
+        }
+    }
+
+    const char *tmp_root = getenv("TMPDIR");
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s/m40-serve-XXXXXX", tmp_root && *tmp_root ? tmp_root : "/tmp");
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "m40 serve: mkdtemp %s: %s\n", dir, strerror(errno));
+        return 1;
+    }
+    /* The worker (possibly another user) creates its temp folders in here. */
+    chmod(dir, 0755);
+
+    char conf[PATH_MAX + 16];
+    snprintf(conf, sizeof conf, "%s/nginx.conf", dir);
+    FILE *f = fopen(conf, "w");
+    if (!f) {
+        fprintf(stderr, "m40 serve: %s: %s\n", conf, strerror(errno));
+        return 1;
+    }
+
+    fprintf(f, "# written by m40 serve\nload_module ");
+    put_quoted(f, module_path);
+    fprintf(f, ";\ndaemon off;\nworker_processes 1;\npid ");
+    put_quoted2(f, dir, "/nginx.pid");
+    fprintf(f, ";\nerror_log stderr notice;\n");
+    if (user_buf[0]) {
+        fprintf(f, "user ");
+        put_quoted(f, user_buf);
+        fprintf(f, ";\n");
+    }
+    fprintf(f, "events { worker_connections 1024; }\n\nhttp {\n");
+    static const char *const temps[] = {"client_body", "proxy", "fastcgi", "uwsgi", "scgi"};
+    for (size_t i = 0; i < sizeof temps / sizeof temps[0]; i++) {
+        char sub[32];
+        snprintf(sub, sizeof sub, "/%s", temps[i]);
+        fprintf(f, "    %s_temp_path ", temps[i]);
+        put_quoted2(f, dir, sub);
+        fprintf(f, ";\n");
+    }
+    fprintf(f, "    access_log off;\n    client_max_body_size 16m;\n\n    m40_model ");
+    put_quoted(f, model_abs);
+    if (name) {
+        fprintf(f, " ");
+        char nm[512];
+        snprintf(nm, sizeof nm, "name=%s", name);
+        put_quoted(f, nm);
+    }
+    fprintf(f, ";\n    m40_device %s;\n", device);
+    if (threads)
+        fprintf(f, "    m40_threads %s;\n", threads);
+    if (ctx_size)
+        fprintf(f, "    m40_ctx_size %s;\n", ctx_size);
+    if (max_seqs)
+        fprintf(f, "    m40_max_seqs %s;\n", max_seqs);
+    fprintf(f, "\n    server {\n        listen %s%s%s:%s;\n        location / {\n            m40_api;\n"
+               "        }\n    }\n}\n",
+            strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port);
+    if (fclose(f) != 0) {
+        fprintf(stderr, "m40 serve: writing %s: %s\n", conf, strerror(errno));
+        return 1;
+    }
+
+    fprintf(stderr, "m40 serve: http://%s%s%s:%s/v1 (config %s)\n", strchr(host, ':') ? "[" : "", host,
+            strchr(host, ':') ? "]" : "", port, conf);
+    fflush(stderr);
+
+    char *const nargv[] = {(char *)nginx, "-p", dir, "-c", conf, "-e", "stderr", NULL};
+    execv(nginx, nargv);
+    fprintf(stderr, "m40 serve: exec %s: %s\n", nginx, strerror(errno));
+    return 1;
+}

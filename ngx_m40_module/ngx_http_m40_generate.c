@@ -1,0 +1,661 @@
+/* POST /v1/chat/completions and /v1/completions: the request's life, and the
+ * non-streaming answer (streaming: ngx_http_m40_stream.c).
+ *
+ * Life of a request: the body is read (memory or temp file), validated, and n engine
+ * requests are submitted (one per choice, seeds seed+i). The HTTP request then waits
+ * (NGX_DONE) until the engine's eventfd says a choice has events:
+ *   - non-streaming: every event is pulled at once and accumulated; the response is
+ *     sent when the last choice is done;
+ *   - streaming: events are pulled only while the client connection can take them
+ *     (ngx_http_m40_stream.c).
+ * The pool cleanup releases every engine request still held, whatever ended the
+ * HTTP request (done, client gone, timeout, error), which cancels running sequences
+ * and frees their KV blocks. */
+#include "ngx_http_m40_module.h"
+
+
+#define NGX_HTTP_M40_LINGER_MS    60000
+
+static void ngx_http_m40_body_handler(ngx_http_request_t *r);
+static ngx_int_t ngx_http_m40_start(ngx_http_request_t *r,
+    ngx_http_m40_ctx_t *ctx);
+static ngx_int_t ngx_http_m40_collect(ngx_http_m40_ctx_t *ctx);
+static void ngx_http_m40_cleanup(void *data);
+static void ngx_http_m40_linger(ngx_event_t *ev);
+
+
+ngx_int_t
+ngx_http_m40_generate_handler(ngx_http_request_t *r, ngx_http_m40_kind_e kind)
+{
+    ngx_int_t            rc;
+    ngx_http_m40_ctx_t  *ctx;
+
+    ctx = ngx_pcalloc(r->pool, sizeof(ngx_http_m40_ctx_t));
+    if (ctx == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    ctx->request = r;
+    ctx->kind = kind;
+    ctx->mcf = ngx_http_get_module_main_conf(r, ngx_http_m40_module);
+
+    ngx_http_set_ctx(r, ctx, ngx_http_m40_module);
+
+    rc = ngx_http_read_client_request_body(r, ngx_http_m40_body_handler);
+    if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
+        return rc;
+    }
+
+    return NGX_DONE;
+}
+
+
+static void
+ngx_http_m40_body_handler(ngx_http_request_t *r)
+{
+    ngx_int_t            rc;
+    ngx_http_m40_ctx_t  *ctx;
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_m40_module);
+
+    rc = ngx_http_m40_start(r, ctx);
+    if (rc == NGX_DONE) {
+        return;         /* waiting for the engine */
+    }
+
+    ngx_http_finalize_request(r, rc);
+}
+
+
+/* The whole body as one contiguous block: in memory, in a temp file, or both. */
+static ngx_int_t
+ngx_http_m40_body(ngx_http_request_t *r, u_char **data, size_t *len)
+{
+    u_char       *p;
+    off_t         size, total;
+    ssize_t       n;
+    ngx_buf_t    *b;
+    ngx_chain_t  *cl;
+
+    *data = NULL;
+    *len = 0;
+
+    if (r->request_body == NULL || r->request_body->bufs == NULL) {
+        return NGX_OK;
+    }
+
+    total = 0;
+    for (cl = r->request_body->bufs; cl; cl = cl->next) {
+        total += ngx_buf_size(cl->buf);
+    }
+
+    if (total == 0) {
+        return NGX_OK;
+    }
+
+    b = r->request_body->bufs->buf;
+    if (ngx_buf_in_memory(b) && ngx_buf_size(b) == total) {
+        *data = b->pos;
+        *len = (size_t) total;
+        return NGX_OK;
+    }
+
+    p = ngx_pnalloc(r->pool, (size_t) total);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    *data = p;
+    *len = (size_t) total;
+
+    for (cl = r->request_body->bufs; cl; cl = cl->next) {
+        b = cl->buf;
+
+        if (ngx_buf_special(b) || ngx_buf_size(b) == 0) {
+            continue;       /* the last_buf marker of a chunked body */
+        }
+
+        if (ngx_buf_in_memory(b)) {
+            p = ngx_cpymem(p, b->pos, b->last - b->pos);
+            continue;
+        }
+
+        if (!b->in_file || b->file == NULL) {
+            ngx_log_error(NGX_LOG_ALERT, r->connection->log, 0,
+                          "m40: request body buffer neither in memory nor "
+                          "in a file");
+            return NGX_ERROR;
+        }
+
+        /* A body larger than client_body_buffer_size: nginx just wrote it,
+         * so this reads the page cache. */
+        size = b->file_last - b->file_pos;
+        n = ngx_read_file(b->file, p, (size_t) size, b->file_pos);
+        if (n != size) {
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "m40: reading the request body from \"%V\" "
+                          "returned %z of %O bytes", &b->file->name, n, size);
+            return NGX_ERROR;
+        }
+        p += size;
+    }
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
+{
+    char                       err_buf[256];
+    u_char                    *data, *pr;
+    size_t                     len;
+    json_t                    *root;
+    uint64_t                   seed;
+    ngx_uint_t                 i;
+    json_error_t               jerr;
+    m40_engine_state           state;
+    ngx_pool_cleanup_t        *cln;
+    m40_submit_status          st;
+    m40_request_params         rp;
+    ngx_http_m40_error_t       err;
+    ngx_http_m40_params_t      p;
+    ngx_http_m40_choice_t     *ch;
+    ngx_http_m40_main_conf_t  *mcf;
+
+    mcf = ctx->mcf;
+
+    if (ngx_http_m40_body(r, &data, &len) != NGX_OK) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    if (len == 0) {
+        return ngx_http_m40_send_simple_error(r, NGX_HTTP_BAD_REQUEST,
+                   "invalid_request_error", "invalid_json",
+                   "the request body is empty (a JSON object is expected)");
+    }
+
+    root = json_loadb((const char *) data, len, 0, &jerr);
+    if (root == NULL) {
+        return ngx_http_m40_send_simple_error(r, NGX_HTTP_BAD_REQUEST,
+                   "invalid_request_error", "invalid_json",
+                   "the request body is not valid JSON: %s (line %d, "
+                   "column %d)", jerr.text, jerr.line, jerr.column);
+    }
+
+    if (ngx_http_m40_parse_params(r, mcf, ctx->kind, root, &p, &err)
+        != NGX_OK)
+    {
+        goto failed;
+    }
+
+    if (mcf->engine == NULL) {
+        ngx_http_m40_error_set(&err, NGX_HTTP_SERVICE_UNAVAILABLE,
+                               "server_error", NULL, "model_failed",
+                               "the model could not be started (see the "
+                               "error log)");
+        goto failed;
+    }
+
+    state = m40_engine_get_state(mcf->engine, err_buf, sizeof(err_buf));
+    if (state != M40_ENGINE_READY) {
+        ngx_http_m40_error_set(&err, NGX_HTTP_SERVICE_UNAVAILABLE,
+                               "server_error", NULL,
+                               state == M40_ENGINE_LOADING ? "model_loading"
+                                                           : "model_failed",
+                               state == M40_ENGINE_LOADING
+                               ? "the model is still loading"
+                               : "the model failed to load: %s", err_buf);
+        goto failed;
+    }
+
+    ctx->n = p.n;
+    ctx->stream = p.stream ? 1 : 0;
+    ctx->include_usage = p.include_usage ? 1 : 0;
+    ctx->logprobs = p.logprobs ? 1 : 0;
+    ctx->n_top = (ngx_uint_t) p.top_logprobs;
+    ctx->created = ngx_time();
+
+    pr = (u_char *) ngx_sprintf((u_char *) ctx->id, "%s%08xD%08xD%08xD",
+                                ctx->kind == NGX_HTTP_M40_CHAT ? "chatcmpl-"
+                                                               : "cmpl-",
+                                (uint32_t) ngx_random(), (uint32_t) ngx_random(),
+                                (uint32_t) ngx_random());
+    *pr = '\0';
+
+    if (p.echo) {
+        ctx->echo_prefix.len = p.prompt.len;
+        ctx->echo_prefix.data = ngx_pnalloc(r->pool, p.prompt.len + 1);
+        if (ctx->echo_prefix.data == NULL) {
+            goto nomem;
+        }
+        ngx_memcpy(ctx->echo_prefix.data, p.prompt.data, p.prompt.len);
+    }
+
+    ctx->choices = ngx_pcalloc(r->pool, p.n * sizeof(ngx_http_m40_choice_t));
+    if (ctx->choices == NULL) {
+        goto nomem;
+    }
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        goto nomem;
+    }
+
+    cln->handler = ngx_http_m40_cleanup;
+    cln->data = ctx;
+
+    ngx_memzero(&rp, sizeof(m40_request_params));
+    if (ctx->kind == NGX_HTTP_M40_CHAT) {
+        rp.messages = p.messages;
+    } else {
+        rp.prompt = (const char *) p.prompt.data;
+        rp.prompt_len = p.prompt.len;
+    }
+    rp.add_generation_prompt = 1;
+    rp.max_tokens = (int32_t) p.max_tokens;
+    m40_sampler_params_default(&rp.sampling);
+    rp.sampling.temperature = p.temperature;
+    rp.sampling.top_k = (int32_t) p.top_k;
+    rp.sampling.top_p = p.top_p;
+    rp.sampling.min_p = p.min_p;
+    rp.sampling.presence_penalty = p.presence_penalty;
+    rp.sampling.frequency_penalty = p.frequency_penalty;
+    rp.sampling.n_logit_bias = (int32_t) p.n_bias;
+    rp.sampling.logit_bias_ids = p.bias_ids;
+    rp.sampling.logit_bias_values = p.bias_values;
+    rp.sampling.n_top_logprobs = (int32_t) p.top_logprobs;
+    rp.stop = (const char *const *) p.stop;
+    rp.n_stop = (int32_t) p.n_stop;
+    rp.logprobs = p.logprobs ? 1 : 0;
+
+    seed = p.has_seed ? p.seed
+                      : ((uint64_t) ngx_random() << 32) ^ (uint64_t) ngx_random();
+
+    for (i = 0; i < p.n; i++) {
+        ch = &ctx->choices[i];
+        ch->ctx = ctx;
+        ch->index = i;
+
+        if (ctx->logprobs && !ctx->stream) {
+            ch->logprobs = ctx->kind == NGX_HTTP_M40_CHAT
+                           ? json_array()
+                           : json_pack("{s:[],s:[],s:[],s:[]}", "tokens",
+                                       "token_logprobs", "top_logprobs",
+                                       "text_offset");
+            if (ch->logprobs == NULL) {
+                goto nomem;
+            }
+        }
+
+        ngx_http_m40_choice_register(mcf, ch);
+
+        rp.sampling.seed = seed + i;
+
+        st = m40_engine_submit(mcf->engine, &rp, (void *) (uintptr_t) ch->node.key,
+                               &ch->req, err_buf, sizeof(err_buf));
+
+        switch (st) {
+
+        case M40_SUBMIT_OK:
+            continue;
+
+        case M40_SUBMIT_QUEUE_FULL:
+            ngx_http_m40_error_set(&err, NGX_HTTP_TOO_MANY_REQUESTS,
+                                   "rate_limit_error", NULL, "queue_full",
+                                   "the server is busy: %s", err_buf);
+            break;
+
+        case M40_SUBMIT_NOT_READY:
+            ngx_http_m40_error_set(&err, NGX_HTTP_SERVICE_UNAVAILABLE,
+                                   "server_error", NULL, "model_not_ready",
+                                   "%s", err_buf);
+            break;
+
+        case M40_SUBMIT_INVALID:
+            ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
+                                   "invalid_request_error", NULL,
+                                   "invalid_value", "%s", err_buf);
+            break;
+
+        default:
+            ngx_http_m40_error_set(&err, NGX_HTTP_INTERNAL_SERVER_ERROR,
+                                   "server_error", NULL, NULL,
+                                   "cannot submit the request: %s", err_buf);
+            break;
+        }
+
+        /* the cleanup releases the choices submitted so far */
+        goto failed;
+    }
+
+    json_decref(root);
+    if (p.messages) {
+        json_decref(p.messages);
+    }
+
+    /* Notice a client that goes away while it waits, and keep a graceful
+     * shutdown (reload) from ending this worker under a running generation:
+     * nginx's worker exits once no non-cancelable timer is left. */
+    r->read_event_handler = ngx_http_test_reading;
+    r->write_event_handler = ngx_http_request_empty_handler;
+
+    ctx->linger.handler = ngx_http_m40_linger;
+    ctx->linger.data = ctx;
+    ctx->linger.log = r->connection->log;
+    ctx->linger.cancelable = 0;
+    ngx_add_timer(&ctx->linger, NGX_HTTP_M40_LINGER_MS);
+
+    return NGX_DONE;
+
+nomem:
+
+    ngx_http_m40_error_set(&err, NGX_HTTP_INTERNAL_SERVER_ERROR, "server_error",
+                           NULL, NULL, "out of memory");
+
+failed:
+
+    json_decref(root);
+    if (p.messages) {
+        json_decref(p.messages);
+    }
+
+    return ngx_http_m40_send_error(r, &err);
+}
+
+
+static void
+ngx_http_m40_linger(ngx_event_t *ev)
+{
+    ngx_add_timer(ev, NGX_HTTP_M40_LINGER_MS);
+}
+
+
+static void
+ngx_http_m40_cleanup(void *data)
+{
+    ngx_http_m40_ctx_t *ctx = data;
+
+    ngx_uint_t              i;
+    ngx_http_m40_choice_t  *ch;
+
+    for (i = 0; i < ctx->n && ctx->choices; i++) {
+        ch = &ctx->choices[i];
+
+        ngx_http_m40_choice_unregister(ctx->mcf, ch);
+
+        if (ch->req) {
+            ngx_log_debug2(NGX_LOG_DEBUG_HTTP, ctx->request->connection->log, 0,
+                           "m40 %s: abandoning choice %ui", ctx->id, i);
+            m40_request_release(ch->req);
+            ch->req = NULL;
+        }
+
+        if (ch->logprobs) {
+            json_decref(ch->logprobs);
+            ch->logprobs = NULL;
+        }
+    }
+
+    if (ctx->linger.timer_set) {
+        ngx_del_timer(&ctx->linger);
+    }
+}
+
+
+/* Called from the eventfd handler: a choice of this request has events. */
+void
+ngx_http_m40_ctx_wake(ngx_http_m40_ctx_t *ctx)
+{
+    ngx_int_t            rc;
+    ngx_connection_t    *c;
+    ngx_http_request_t  *r;
+
+    r = ctx->request;
+    c = r->connection;
+
+    if (ctx->waiting_write) {
+        return;         /* the writer resumes pulling once the client reads */
+    }
+
+    rc = ngx_http_m40_process(ctx);
+    if (rc != NGX_DONE) {
+        ngx_http_finalize_request(r, rc);
+    }
+
+    ngx_http_run_posted_requests(c);
+}
+
+
+ngx_int_t
+ngx_http_m40_process(ngx_http_m40_ctx_t *ctx)
+{
+    if (ctx->finished) {
+        return NGX_DONE;
+    }
+
+    return ctx->stream ? ngx_http_m40_pump(ctx) : ngx_http_m40_collect(ctx);
+}
+
+
+void
+ngx_http_m40_choice_done(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
+    m40_event *ev)
+{
+    ch->done = 1;
+    ch->finish = ev->finish;
+    ch->prompt_tokens = ev->prompt_tokens;
+    ch->completion_tokens = ev->completion_tokens;
+    ctx->n_done++;
+
+    ngx_http_m40_choice_unregister(ctx->mcf, ch);
+    m40_request_release(ch->req);
+    ch->req = NULL;
+}
+
+
+void
+ngx_http_m40_event_error(ngx_http_m40_error_t *err, m40_event *ev)
+{
+    ngx_uint_t  status;
+
+    status = ev->http_status >= 400 && ev->http_status < 600
+             ? (ngx_uint_t) ev->http_status : NGX_HTTP_INTERNAL_SERVER_ERROR;
+
+    ngx_http_m40_error_set(err, status,
+                           status < 500 ? "invalid_request_error"
+                                        : "server_error",
+                           NULL,
+                           status == NGX_HTTP_BAD_REQUEST ? "invalid_value"
+                           : status == NGX_HTTP_SERVICE_UNAVAILABLE
+                             ? "engine_stopping" : NULL,
+                           "%s", ev->message[0] ? ev->message
+                                                : "generation failed");
+}
+
+
+/* ---- non-streaming ---- */
+
+static ngx_int_t
+ngx_http_m40_append_text(ngx_http_request_t *r, ngx_http_m40_choice_t *ch,
+    const char *text, size_t len)
+{
+    u_char  *p;
+    size_t   cap;
+
+    if (len == 0) {
+        return NGX_OK;
+    }
+
+    if (ch->text_len + len > ch->text_cap) {
+        cap = ngx_max(ch->text_cap * 2, ch->text_len + len);
+        cap = ngx_max(cap, 256);
+
+        p = ngx_pnalloc(r->pool, cap);
+        if (p == NULL) {
+            return NGX_ERROR;
+        }
+
+        if (ch->text_len) {
+            ngx_memcpy(p, ch->text, ch->text_len);
+        }
+
+        if (ch->text) {
+            ngx_pfree(r->pool, ch->text);
+        }
+
+        ch->text = p;
+        ch->text_cap = cap;
+    }
+
+    ngx_memcpy(ch->text + ch->text_len, text, len);
+    ch->text_len += len;
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_m40_send_completion(ngx_http_m40_ctx_t *ctx)
+{
+    u_char                 *p;
+    json_t                 *choices, *c, *text, *root, *lp;
+    ngx_int_t               rc;
+    ngx_uint_t              i;
+    ngx_http_request_t     *r;
+    ngx_http_m40_choice_t  *ch;
+
+    r = ctx->request;
+
+    choices = json_array();
+    if (choices == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    for (i = 0; i < ctx->n; i++) {
+        ch = &ctx->choices[i];
+
+        if (ctx->echo_prefix.len) {
+            /* completions echo: the prompt comes first */
+            p = ngx_pnalloc(r->pool, ctx->echo_prefix.len + ch->text_len);
+            if (p == NULL) {
+                json_decref(choices);
+                return NGX_HTTP_INTERNAL_SERVER_ERROR;
+            }
+            ngx_memcpy(p, ctx->echo_prefix.data, ctx->echo_prefix.len);
+            if (ch->text_len) {
+                ngx_memcpy(p + ctx->echo_prefix.len, ch->text, ch->text_len);
+            }
+            ch->text = p;
+            ch->text_len += ctx->echo_prefix.len;
+            ch->text_cap = ch->text_len;
+        }
+
+        text = ngx_http_m40_json_text((const char *) (ch->text ? ch->text
+                                                      : (u_char *) ""),
+                                      ch->text_len);
+
+        if (ch->logprobs) {
+            lp = ctx->kind == NGX_HTTP_M40_CHAT
+                 ? json_pack("{s:O,s:n}", "content", ch->logprobs, "refusal")
+                 : json_incref(ch->logprobs);
+        } else {
+            lp = json_null();
+        }
+
+        if (ctx->kind == NGX_HTTP_M40_CHAT) {
+            c = json_pack("{s:I,s:{s:s,s:o},s:o,s:s}",
+                          "index", (json_int_t) i,
+                          "message", "role", "assistant", "content", text,
+                          "logprobs", lp,
+                          "finish_reason",
+                          ngx_http_m40_finish_reason(ch->finish));
+        } else {
+            c = json_pack("{s:I,s:o,s:o,s:s}",
+                          "index", (json_int_t) i,
+                          "text", text,
+                          "logprobs", lp,
+                          "finish_reason",
+                          ngx_http_m40_finish_reason(ch->finish));
+        }
+
+        if (c == NULL || json_array_append_new(choices, c) != 0) {
+            json_decref(choices);
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "m40: cannot build the response");
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+    }
+
+    root = ngx_http_m40_object(ctx, ctx->kind == NGX_HTTP_M40_CHAT
+                                    ? "chat.completion" : "text_completion",
+                               choices);
+    if (root == NULL) {
+        ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                      "m40: cannot build the response");
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    json_object_set_new(root, "usage", ngx_http_m40_usage_json(ctx));
+
+    ctx->finished = 1;
+    rc = ngx_http_m40_send_json(r, NGX_HTTP_OK, root);
+    json_decref(root);
+
+    return rc;
+}
+
+
+static ngx_int_t
+ngx_http_m40_collect(ngx_http_m40_ctx_t *ctx)
+{
+    ngx_uint_t              i;
+    m40_event               ev;
+    ngx_http_request_t     *r;
+    ngx_http_m40_error_t    err;
+    ngx_http_m40_choice_t  *ch;
+
+    r = ctx->request;
+
+    for (i = 0; i < ctx->n; i++) {
+        ch = &ctx->choices[i];
+
+        while (!ch->done && m40_request_poll(ch->req, &ev)) {
+
+            switch (ev.type) {
+
+            case M40_EV_TEXT:
+                if (ngx_http_m40_append_text(r, ch, ev.text, ev.text_len)
+                    != NGX_OK
+                    || (ch->logprobs
+                        && ngx_http_m40_logprobs_add(ctx, ch, ch->logprobs,
+                                                     &ev) != NGX_OK))
+                {
+                    m40_event_clear(&ev);
+                    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                                  "m40: out of memory collecting the answer");
+                    return NGX_HTTP_INTERNAL_SERVER_ERROR;
+                }
+                break;
+
+            case M40_EV_DONE:
+                ngx_http_m40_choice_done(ctx, ch, &ev);
+                break;
+
+            default: /* M40_EV_ERROR */
+                ngx_http_m40_event_error(&err, &ev);
+                m40_event_clear(&ev);
+                ctx->finished = 1;
+                return ngx_http_m40_send_error(r, &err);
+            }
+
+            m40_event_clear(&ev);
+        }
+    }
+
+    if (ctx->n_done < ctx->n) {
+        return NGX_DONE;
+    }
+
+    return ngx_http_m40_send_completion(ctx);
+}

@@ -1,0 +1,835 @@
+/* ngx_http_m40_module: directives, configuration, the per-worker engine and the
+ * routing of API requests.
+ *
+ * Every worker process owns one engine (one model instance on one device). The
+ * engine's eventfd is registered in the worker's event loop as a pseudo connection;
+ * when it becomes readable, the worker asks the engine which requests have news and
+ * lets each of them pull its events (ngx_http_m40_generate.c). Engine requests are
+ * known to the engine by a numeric id, looked up in a red-black tree, so that a
+ * notification for a request that has just gone away is ignored instead of touching
+ * freed memory. */
+#include "ngx_http_m40_module.h"
+
+static void *ngx_http_m40_create_main_conf(ngx_conf_t *cf);
+static char *ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf);
+static void *ngx_http_m40_create_loc_conf(ngx_conf_t *cf);
+static char *ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent,
+    void *child);
+static char *ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+static char *ngx_http_m40_device(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+static char *ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+static char *ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
+static ngx_int_t ngx_http_m40_init_process(ngx_cycle_t *cycle);
+static void ngx_http_m40_exit_process(ngx_cycle_t *cycle);
+static void ngx_http_m40_engine_event(ngx_event_t *rev);
+static ngx_int_t ngx_http_m40_handler(ngx_http_request_t *r);
+
+
+static ngx_conf_num_bounds_t  ngx_http_m40_positive = {
+    ngx_conf_check_num_bounds, 1, 0x7fffffff
+};
+
+static ngx_conf_num_bounds_t  ngx_http_m40_non_negative = {
+    ngx_conf_check_num_bounds, 0, 0x7fffffff
+};
+
+static ngx_conf_num_bounds_t  ngx_http_m40_threads_bounds = {
+    ngx_conf_check_num_bounds, 0, 1024
+};
+
+
+static ngx_command_t  ngx_http_m40_commands[] = {
+
+    { ngx_string("m40_model"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE12,
+      ngx_http_m40_model,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("m40_device"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_http_m40_device,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("m40_ctx_size"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, ctx_size),
+      &ngx_http_m40_non_negative },
+
+    { ngx_string("m40_max_seqs"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, max_seqs),
+      &ngx_http_m40_positive },
+
+    { ngx_string("m40_max_queue"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, max_queue),
+      &ngx_http_m40_positive },
+
+    { ngx_string("m40_max_tokens_default"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, max_tokens_default),
+      &ngx_http_m40_positive },
+
+    { ngx_string("m40_max_tokens_limit"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, max_tokens_limit),
+      &ngx_http_m40_positive },
+
+    { ngx_string("m40_chat_template"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_http_m40_chat_template,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("m40_threads"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, threads),
+      &ngx_http_m40_threads_bounds },
+
+    { ngx_string("m40_api"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_NOARGS,
+      ngx_http_m40_api,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
+      ngx_null_command
+};
+
+
+static ngx_http_module_t  ngx_http_m40_module_ctx = {
+    NULL,                                  /* preconfiguration */
+    NULL,                                  /* postconfiguration */
+
+    ngx_http_m40_create_main_conf,         /* create main configuration */
+    ngx_http_m40_init_main_conf,           /* init main configuration */
+
+    NULL,                                  /* create server configuration */
+    NULL,                                  /* merge server configuration */
+
+    ngx_http_m40_create_loc_conf,          /* create location configuration */
+    ngx_http_m40_merge_loc_conf            /* merge location configuration */
+};
+
+
+ngx_module_t  ngx_http_m40_module = {
+    NGX_MODULE_V1,
+    &ngx_http_m40_module_ctx,              /* module context */
+    ngx_http_m40_commands,                 /* module directives */
+    NGX_HTTP_MODULE,                       /* module type */
+    NULL,                                  /* init master */
+    NULL,                                  /* init module */
+    ngx_http_m40_init_process,             /* init process */
+    NULL,                                  /* init thread */
+    NULL,                                  /* exit thread */
+    ngx_http_m40_exit_process,             /* exit process */
+    NULL,                                  /* exit master */
+    NGX_MODULE_V1_PADDING
+};
+
+
+/* ---- configuration ---- */
+
+static void *
+ngx_http_m40_create_main_conf(ngx_conf_t *cf)
+{
+    ngx_http_m40_main_conf_t  *mcf;
+
+    mcf = ngx_pcalloc(cf->pool, sizeof(ngx_http_m40_main_conf_t));
+    if (mcf == NULL) {
+        return NULL;
+    }
+
+    mcf->device = NGX_CONF_UNSET;
+    mcf->ctx_size = NGX_CONF_UNSET;
+    mcf->max_seqs = NGX_CONF_UNSET;
+    mcf->max_queue = NGX_CONF_UNSET;
+    mcf->max_tokens_default = NGX_CONF_UNSET;
+    mcf->max_tokens_limit = NGX_CONF_UNSET;
+    mcf->threads = NGX_CONF_UNSET;
+
+    return mcf;
+}
+
+
+static char *
+ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
+{
+    ngx_http_m40_main_conf_t *mcf = conf;
+
+    ngx_conf_init_value(mcf->device, -1);
+    ngx_conf_init_value(mcf->ctx_size, 0);
+    ngx_conf_init_value(mcf->max_seqs, 4);
+    ngx_conf_init_value(mcf->max_queue, 64);
+    ngx_conf_init_value(mcf->max_tokens_default, 256);
+    ngx_conf_init_value(mcf->max_tokens_limit, 4096);
+    ngx_conf_init_value(mcf->threads, 0);
+
+    if (mcf->max_tokens_default > mcf->max_tokens_limit) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "m40_max_tokens_default %i is larger than "
+                           "m40_max_tokens_limit %i",
+                           mcf->max_tokens_default, mcf->max_tokens_limit);
+        return NGX_CONF_ERROR;
+    }
+
+    if (mcf->api_used && mcf->model_path.len == 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"m40_api\" is used but no \"m40_model\" is set "
+                           "in the http block");
+        return NGX_CONF_ERROR;
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+static void *
+ngx_http_m40_create_loc_conf(ngx_conf_t *cf)
+{
+    ngx_http_m40_loc_conf_t  *lcf;
+
+    lcf = ngx_pcalloc(cf->pool, sizeof(ngx_http_m40_loc_conf_t));
+    if (lcf == NULL) {
+        return NULL;
+    }
+
+    lcf->api = NGX_CONF_UNSET;
+
+    return lcf;
+}
+
+
+static char *
+ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
+{
+    ngx_http_m40_loc_conf_t *prev = parent;
+    ngx_http_m40_loc_conf_t *conf = child;
+
+    /* Not inherited: like proxy_pass, m40_api installs the content handler of
+     * the location it appears in only. */
+    ngx_conf_init_value(conf->api, 0);
+    (void) prev;
+
+    return NGX_CONF_OK;
+}
+
+
+/* m40_model PATH [name=NAME] */
+static char *
+ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_m40_main_conf_t *mcf = conf;
+
+    u_char           *p, *base, *end;
+    ngx_str_t        *value;
+    ngx_file_info_t   fi;
+
+    if (mcf->model_path.data) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    mcf->model_path = value[1];
+    if (ngx_conf_full_name(cf->cycle, &mcf->model_path, 1) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (ngx_file_info(mcf->model_path.data, &fi) == NGX_FILE_ERROR) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, ngx_errno,
+                           ngx_file_info_n " \"%V\" failed", &mcf->model_path);
+        return NGX_CONF_ERROR;
+    }
+
+    if (!ngx_is_file(&fi)) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "m40_model \"%V\" is not a regular file",
+                           &mcf->model_path);
+        return NGX_CONF_ERROR;
+    }
+
+    if (cf->args->nelts == 3) {
+        if (value[2].len <= 5
+            || ngx_strncmp(value[2].data, "name=", 5) != 0)
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid parameter \"%V\"", &value[2]);
+            return NGX_CONF_ERROR;
+        }
+
+        mcf->model_name.len = value[2].len - 5;
+        mcf->model_name.data = value[2].data + 5;   /* NUL-terminated */
+        return NGX_CONF_OK;
+    }
+
+    /* Default public name: the file name without its directory and ".gguf". */
+    end = mcf->model_path.data + mcf->model_path.len;
+    base = mcf->model_path.data;
+    for (p = base; p < end; p++) {
+        if (*p == '/') {
+            base = p + 1;
+        }
+    }
+
+    if (end - base > 5 && ngx_strncasecmp(end - 5, (u_char *) ".gguf", 5) == 0) {
+        end -= 5;
+    }
+
+    mcf->model_name.len = end - base;
+    mcf->model_name.data = ngx_pnalloc(cf->pool, mcf->model_name.len + 1);
+    if (mcf->model_name.data == NULL) {
+        return NGX_CONF_ERROR;
+    }
+    ngx_cpystrn(mcf->model_name.data, base, mcf->model_name.len + 1);
+
+    return NGX_CONF_OK;
+}
+
+
+/* m40_device cpu|N */
+static char *
+ngx_http_m40_device(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_m40_main_conf_t *mcf = conf;
+
+    ngx_int_t   n;
+    ngx_str_t  *value;
+
+    if (mcf->device != NGX_CONF_UNSET) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    if (value[1].len == 3 && ngx_strncasecmp(value[1].data, (u_char *) "cpu", 3) == 0) {
+        mcf->device = -1;
+        return NGX_CONF_OK;
+    }
+
+    n = ngx_atoi(value[1].data, value[1].len);
+    if (n == NGX_ERROR || n > 1024) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid m40_device \"%V\": \"cpu\" or a GPU index "
+                           "expected", &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    mcf->device = n;
+
+    return NGX_CONF_OK;
+}
+
+
+/* m40_chat_template PATH: the file is read here, at configuration time, so that
+ * workers never do file I/O for it. */
+static char *
+ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_m40_main_conf_t *mcf = conf;
+
+    off_t        size;
+    ssize_t      n;
+    ngx_str_t   *value;
+    ngx_file_t   file;
+
+    if (mcf->chat_template.data) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    mcf->chat_template_path = value[1];
+    if (ngx_conf_full_name(cf->cycle, &mcf->chat_template_path, 1) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    ngx_memzero(&file, sizeof(ngx_file_t));
+    file.name = mcf->chat_template_path;
+    file.log = cf->log;
+
+    file.fd = ngx_open_file(file.name.data, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    if (file.fd == NGX_INVALID_FILE) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, ngx_errno,
+                           ngx_open_file_n " \"%V\" failed", &file.name);
+        return NGX_CONF_ERROR;
+    }
+
+    if (ngx_fd_info(file.fd, &file.info) == NGX_FILE_ERROR) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, ngx_errno,
+                           ngx_fd_info_n " \"%V\" failed", &file.name);
+        goto failed;
+    }
+
+    size = ngx_file_size(&file.info);
+    if (size <= 0 || size > 1024 * 1024) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "chat template \"%V\" is empty or larger than 1M",
+                           &file.name);
+        goto failed;
+    }
+
+    mcf->chat_template.data = ngx_pnalloc(cf->pool, (size_t) size + 1);
+    if (mcf->chat_template.data == NULL) {
+        goto failed;
+    }
+
+    n = ngx_read_file(&file, mcf->chat_template.data, (size_t) size, 0);
+    if (n != size) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           ngx_read_file_n " \"%V\" returned only %z bytes",
+                           &file.name, n);
+        goto failed;
+    }
+
+    mcf->chat_template.len = (size_t) size;
+    mcf->chat_template.data[size] = '\0';
+
+    if (ngx_close_file(file.fd) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ALERT, cf->log, ngx_errno,
+                      ngx_close_file_n " \"%V\" failed", &file.name);
+    }
+
+    return NGX_CONF_OK;
+
+failed:
+
+    if (ngx_close_file(file.fd) == NGX_FILE_ERROR) {
+        ngx_log_error(NGX_LOG_ALERT, cf->log, ngx_errno,
+                      ngx_close_file_n " \"%V\" failed", &file.name);
+    }
+
+    return NGX_CONF_ERROR;
+}
+
+
+/* m40_api: this location serves the OpenAI-compatible API. */
+static char *
+ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_m40_loc_conf_t *lcf = conf;
+
+    ngx_http_core_loc_conf_t  *clcf;
+    ngx_http_m40_main_conf_t  *mcf;
+
+    if (lcf->api != NGX_CONF_UNSET) {
+        return "is duplicate";
+    }
+
+    lcf->api = 1;
+
+    clcf = ngx_http_conf_get_module_loc_conf(cf, ngx_http_core_module);
+    clcf->handler = ngx_http_m40_handler;
+
+    mcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_m40_module);
+    mcf->api_used = 1;
+
+    return NGX_CONF_OK;
+}
+
+
+/* ---- per-worker engine ---- */
+
+static ngx_int_t
+ngx_http_m40_init_process(ngx_cycle_t *cycle)
+{
+    char                       err[512];
+    ngx_connection_t          *c;
+    m40_engine_config          ec;
+    ngx_http_m40_main_conf_t  *mcf;
+
+    if (ngx_process != NGX_PROCESS_WORKER && ngx_process != NGX_PROCESS_SINGLE) {
+        return NGX_OK;      /* cache manager and loader have no use for a model */
+    }
+
+    if (cycle->conf_ctx[ngx_http_module.index] == NULL) {
+        return NGX_OK;
+    }
+
+    mcf = ngx_http_cycle_get_module_main_conf(cycle, ngx_http_m40_module);
+    if (mcf == NULL || mcf->model_path.len == 0) {
+        return NGX_OK;
+    }
+
+    ngx_rbtree_init(&mcf->choices, &mcf->choices_sentinel,
+                    ngx_rbtree_insert_value);
+    mcf->next_id = 1;
+    mcf->start_time = ngx_time();
+
+    ngx_memzero(&ec, sizeof(m40_engine_config));
+    ec.model_path = (const char *) mcf->model_path.data;
+    ec.model_name = (const char *) mcf->model_name.data;
+    ec.device = mcf->device < 0 ? -1 : (int) (mcf->device + ngx_worker);
+    ec.ctx_size = (int32_t) mcf->ctx_size;
+    ec.max_seqs = (int32_t) mcf->max_seqs;
+    ec.max_queue = (int32_t) mcf->max_queue;
+    ec.n_threads = (int32_t) mcf->threads;
+    ec.chat_template = mcf->chat_template.len
+                       ? (const char *) mcf->chat_template.data : NULL;
+
+    err[0] = '\0';
+    if (m40_engine_create(&ec, &mcf->engine, err, sizeof(err)) != 0) {
+        /* The worker keeps serving: /health reports "failed", generation 503. */
+        ngx_log_error(NGX_LOG_EMERG, cycle->log, 0,
+                      "m40: cannot start the engine for \"%V\": %s",
+                      &mcf->model_path, err);
+        mcf->engine = NULL;
+        return NGX_OK;
+    }
+
+    c = ngx_get_connection(m40_engine_event_fd(mcf->engine), cycle->log);
+    if (c == NULL) {
+        ngx_log_error(NGX_LOG_EMERG, cycle->log, 0,
+                      "m40: no free connection for the engine's eventfd");
+        goto failed;
+    }
+
+    c->data = mcf;
+    c->read->handler = ngx_http_m40_engine_event;
+    c->read->log = cycle->log;
+    c->write->log = cycle->log;
+
+    if (ngx_handle_read_event(c->read, 0) != NGX_OK) {
+        ngx_log_error(NGX_LOG_EMERG, cycle->log, 0,
+                      "m40: cannot add the engine's eventfd to the event loop");
+        c->fd = (ngx_socket_t) -1;
+        ngx_free_connection(c);
+        goto failed;
+    }
+
+    mcf->event_conn = c;
+
+    if (ec.device < 0) {
+        ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
+                      "m40: worker %ui loading \"%V\" as \"%V\" on the cpu",
+                      ngx_worker, &mcf->model_path, &mcf->model_name);
+    } else {
+        ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
+                      "m40: worker %ui loading \"%V\" as \"%V\" on gpu %d",
+                      ngx_worker, &mcf->model_path, &mcf->model_name,
+                      ec.device);
+    }
+
+    return NGX_OK;
+
+failed:
+
+    m40_engine_destroy(mcf->engine);
+    mcf->engine = NULL;
+    return NGX_OK;
+}
+
+
+static void
+ngx_http_m40_exit_process(ngx_cycle_t *cycle)
+{
+    ngx_connection_t          *c;
+    ngx_http_m40_main_conf_t  *mcf;
+
+    if (cycle->conf_ctx[ngx_http_module.index] == NULL) {
+        return;
+    }
+
+    mcf = ngx_http_cycle_get_module_main_conf(cycle, ngx_http_m40_module);
+    if (mcf == NULL || mcf->engine == NULL) {
+        return;
+    }
+
+    c = mcf->event_conn;
+    if (c) {
+        if (c->read->active) {
+            ngx_del_event(c->read, NGX_READ_EVENT, 0);
+        }
+
+        /* The engine owns and closes the fd. */
+        c->fd = (ngx_socket_t) -1;
+        ngx_free_connection(c);
+        mcf->event_conn = NULL;
+    }
+
+    m40_engine_destroy(mcf->engine);
+    mcf->engine = NULL;
+}
+
+
+ngx_int_t
+ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
+    ngx_http_m40_choice_t *ch)
+{
+    ch->node.key = mcf->next_id++;
+    ngx_rbtree_insert(&mcf->choices, &ch->node);
+    ch->in_tree = 1;
+
+    return NGX_OK;
+}
+
+
+void
+ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
+    ngx_http_m40_choice_t *ch)
+{
+    if (ch->in_tree) {
+        ngx_rbtree_delete(&mcf->choices, &ch->node);
+        ch->in_tree = 0;
+    }
+}
+
+
+static ngx_http_m40_choice_t *
+ngx_http_m40_choice_lookup(ngx_http_m40_main_conf_t *mcf, ngx_rbtree_key_t key)
+{
+    ngx_rbtree_node_t  *node, *sentinel;
+
+    node = mcf->choices.root;
+    sentinel = mcf->choices.sentinel;
+
+    while (node != sentinel) {
+        if (key < node->key) {
+            node = node->left;
+            continue;
+        }
+
+        if (key > node->key) {
+            node = node->right;
+            continue;
+        }
+
+        return (ngx_http_m40_choice_t *) node;
+    }
+
+    return NULL;
+}
+
+
+#define NGX_HTTP_M40_READY_BATCH  64
+
+static void
+ngx_http_m40_engine_event(ngx_event_t *rev)
+{
+    int                        i, n;
+    void                      *users[NGX_HTTP_M40_READY_BATCH];
+    ssize_t                    rn;
+    uint64_t                   counter;
+    ngx_connection_t          *c;
+    ngx_http_m40_choice_t     *ch;
+    ngx_http_m40_main_conf_t  *mcf;
+
+    c = rev->data;
+    mcf = c->data;
+
+    /* Drain the eventfd first: a notification written after this read makes the
+     * fd readable again, so none is lost. */
+    for ( ;; ) {
+        rn = read(c->fd, &counter, sizeof(counter));
+        if (rn == (ssize_t) sizeof(counter)) {
+            continue;
+        }
+
+        if (rn == -1 && ngx_errno != NGX_EAGAIN && ngx_errno != NGX_EINTR) {
+            ngx_log_error(NGX_LOG_ALERT, rev->log, ngx_errno,
+                          "m40: read() from the engine eventfd failed");
+        }
+
+        if (rn == -1 && ngx_errno == NGX_EINTR) {
+            continue;
+        }
+
+        break;
+    }
+
+    do {
+        n = m40_engine_ready(mcf->engine, users, NGX_HTTP_M40_READY_BATCH);
+
+        for (i = 0; i < n; i++) {
+            /* Looked up again for each id: waking one request may finish (and
+             * free) the request that a later id belongs to. */
+            ch = ngx_http_m40_choice_lookup(mcf, (ngx_rbtree_key_t) users[i]);
+            if (ch == NULL) {
+                continue;
+            }
+
+            ngx_http_m40_ctx_wake(ch->ctx);
+        }
+
+    } while (n == NGX_HTTP_M40_READY_BATCH);
+
+    if (ngx_handle_read_event(rev, 0) != NGX_OK) {
+        ngx_log_error(NGX_LOG_ALERT, rev->log, 0,
+                      "m40: cannot re-arm the engine eventfd");
+    }
+}
+
+
+/* ---- routing ---- */
+
+typedef enum {
+    NGX_HTTP_M40_EP_CHAT = 0,
+    NGX_HTTP_M40_EP_COMPLETIONS,
+    NGX_HTTP_M40_EP_MODELS,
+    NGX_HTTP_M40_EP_HEALTH,
+    NGX_HTTP_M40_EP_METRICS
+} ngx_http_m40_endpoint_e;
+
+typedef struct {
+    ngx_str_t                 suffix;
+    ngx_uint_t                methods;
+    ngx_http_m40_endpoint_e   endpoint;
+} ngx_http_m40_route_t;
+
+static ngx_http_m40_route_t  ngx_http_m40_routes[] = {
+    { ngx_string("/v1/chat/completions"), NGX_HTTP_POST,
+      NGX_HTTP_M40_EP_CHAT },
+    { ngx_string("/v1/completions"), NGX_HTTP_POST,
+      NGX_HTTP_M40_EP_COMPLETIONS },
+    { ngx_string("/v1/models"), NGX_HTTP_GET|NGX_HTTP_HEAD,
+      NGX_HTTP_M40_EP_MODELS },
+    { ngx_string("/health"), NGX_HTTP_GET|NGX_HTTP_HEAD,
+      NGX_HTTP_M40_EP_HEALTH },
+    { ngx_string("/metrics"), NGX_HTTP_GET|NGX_HTTP_HEAD,
+      NGX_HTTP_M40_EP_METRICS },
+};
+
+
+static ngx_int_t
+ngx_http_m40_not_allowed(ngx_http_request_t *r, const char *methods)
+{
+    ngx_table_elt_t  *allow;
+
+    allow = ngx_list_push(&r->headers_out.headers);
+    if (allow == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    allow->hash = 1;
+    ngx_str_set(&allow->key, "Allow");
+    allow->value.data = (u_char *) methods;
+    allow->value.len = ngx_strlen(methods);
+
+    return ngx_http_m40_send_simple_error(r, NGX_HTTP_NOT_ALLOWED,
+               "invalid_request_error", "method_not_allowed",
+               "method %V is not allowed here (allowed: %s)", &r->method_name,
+               methods);
+}
+
+
+static ngx_int_t
+ngx_http_m40_handler(ngx_http_request_t *r)
+{
+    u_char                    *p, *last;
+    ngx_int_t                  rc;
+    ngx_str_t                  model_id;
+    ngx_uint_t                 i;
+    ngx_http_m40_route_t      *route;
+    ngx_http_m40_main_conf_t  *mcf;
+
+    mcf = ngx_http_get_module_main_conf(r, ngx_http_m40_module);
+    mcf->http_requests++;
+
+    /* GET /v1/models/{id} */
+    model_id.len = 0;
+    for (p = r->uri.data, last = r->uri.data + r->uri.len;
+         (size_t) (last - p) > sizeof("/v1/models/") - 1;
+         p++)
+    {
+        if (ngx_strncmp(p, "/v1/models/", sizeof("/v1/models/") - 1) == 0) {
+            model_id.data = p + sizeof("/v1/models/") - 1;
+            model_id.len = last - model_id.data;
+        }
+    }
+
+    if (model_id.len) {
+        rc = ngx_http_discard_request_body(r);
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
+        if (!(r->method & (NGX_HTTP_GET|NGX_HTTP_HEAD))) {
+            return ngx_http_m40_not_allowed(r, "GET, HEAD");
+        }
+
+        return ngx_http_m40_models_handler(r, &model_id);
+    }
+
+    route = NULL;
+    for (i = 0; i < sizeof(ngx_http_m40_routes) / sizeof(ngx_http_m40_routes[0]); i++) {
+        if (r->uri.len >= ngx_http_m40_routes[i].suffix.len
+            && ngx_strncmp(r->uri.data + r->uri.len
+                           - ngx_http_m40_routes[i].suffix.len,
+                           ngx_http_m40_routes[i].suffix.data,
+                           ngx_http_m40_routes[i].suffix.len) == 0)
+        {
+            route = &ngx_http_m40_routes[i];
+            break;
+        }
+    }
+
+    if (route == NULL) {
+        rc = ngx_http_discard_request_body(r);
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
+        return ngx_http_m40_send_simple_error(r, NGX_HTTP_NOT_FOUND,
+                   "invalid_request_error", "not_found",
+                   "no API endpoint at %V", &r->uri);
+    }
+
+    if (!(r->method & route->methods)) {
+        rc = ngx_http_discard_request_body(r);
+        if (rc != NGX_OK) {
+            return rc;
+        }
+
+        return ngx_http_m40_not_allowed(r, (route->methods & NGX_HTTP_POST)
+                                           ? "POST" : "GET, HEAD");
+    }
+
+    switch (route->endpoint) {
+
+    case NGX_HTTP_M40_EP_CHAT:
+        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_CHAT);
+
+    case NGX_HTTP_M40_EP_COMPLETIONS:
+        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_COMPLETIONS);
+
+    default:
+        break;
+    }
+
+    rc = ngx_http_discard_request_body(r);
+    if (rc != NGX_OK) {
+        return rc;
+    }
+
+    switch (route->endpoint) {
+
+    case NGX_HTTP_M40_EP_MODELS:
+        return ngx_http_m40_models_handler(r, NULL);
+
+    case NGX_HTTP_M40_EP_HEALTH:
+        return ngx_http_m40_health_handler(r);
+
+    default: /* NGX_HTTP_M40_EP_METRICS */
+        return ngx_http_m40_metrics_handler(r);
+    }
+}

@@ -1,0 +1,194 @@
+/* ngx_http_m40_module: nginx side of m40 (shared declarations).
+ *
+ * Files:
+ *   ngx_http_m40_module.c    directives, configuration, the per-worker engine and its
+ *                            eventfd in the event loop, URI routing
+ *   ngx_http_m40_params.c    request body JSON -> validated generation parameters
+ *   ngx_http_m40_generate.c  /v1/chat/completions and /v1/completions: body,
+ *                            submission, engine wake-ups, cleanup, JSON answers
+ *   ngx_http_m40_stream.c    the same as Server-Sent Events, with back pressure
+ *   ngx_http_m40_output.c    JSON to buffers, response objects (usage, logprobs),
+ *                            OpenAI-shaped errors, UTF-8 repair
+ *   ngx_http_m40_info.c      /v1/models, /health, /metrics
+ *
+ * The engine (engine/m40_engine.h) runs its own thread per worker; nothing here
+ * blocks on it. */
+#ifndef NGX_HTTP_M40_MODULE_H
+#define NGX_HTTP_M40_MODULE_H
+
+#include <ngx_config.h>
+#include <ngx_core.h>
+#include <ngx_http.h>
+
+#include <jansson.h>
+
+#include "m40_engine.h"
+
+#define NGX_HTTP_M40_MAX_N     8
+#define NGX_HTTP_M40_MAX_STOP  4
+
+typedef struct {
+    ngx_str_t            model_path;
+    ngx_str_t            model_name;
+    ngx_int_t            device;              /* -1: CPU, else base GPU index */
+    ngx_int_t            ctx_size;
+    ngx_int_t            max_seqs;
+    ngx_int_t            max_queue;
+    ngx_int_t            max_tokens_default;
+    ngx_int_t            max_tokens_limit;
+    ngx_int_t            threads;
+    ngx_str_t            chat_template_path;
+    ngx_str_t            chat_template;       /* file content, NUL-terminated */
+    ngx_flag_t           api_used;            /* some location has m40_api */
+
+    /* Per worker (set in init_process, after fork). */
+    m40_engine          *engine;
+    ngx_connection_t    *event_conn;          /* the engine's eventfd in the event loop */
+    ngx_rbtree_t         choices;             /* live engine requests by id */
+    ngx_rbtree_node_t    choices_sentinel;
+    ngx_rbtree_key_t     next_id;
+    time_t               start_time;
+    ngx_atomic_uint_t    http_requests;       /* API requests seen by this worker */
+} ngx_http_m40_main_conf_t;
+
+typedef struct {
+    ngx_flag_t           api;
+} ngx_http_m40_loc_conf_t;
+
+typedef enum {
+    NGX_HTTP_M40_CHAT = 0,
+    NGX_HTTP_M40_COMPLETIONS
+} ngx_http_m40_kind_e;
+
+/* Validated request, ready to be turned into m40_request_params. Strings point into
+ * the parsed JSON document or the request pool. */
+typedef struct {
+    ngx_http_m40_kind_e  kind;
+    json_t              *messages;            /* chat: flattened copy (owned) */
+    ngx_str_t            prompt;              /* completions */
+    ngx_int_t            max_tokens;
+    ngx_uint_t           n;
+    float                temperature;
+    float                top_p;
+    float                min_p;
+    ngx_int_t            top_k;
+    float                presence_penalty;
+    float                frequency_penalty;
+    ngx_flag_t           has_seed;
+    uint64_t             seed;
+    char                *stop[NGX_HTTP_M40_MAX_STOP];
+    ngx_uint_t           n_stop;
+    int32_t             *bias_ids;
+    float               *bias_values;
+    ngx_uint_t           n_bias;
+    ngx_flag_t           logprobs;
+    ngx_int_t            top_logprobs;
+    ngx_flag_t           stream;
+    ngx_flag_t           include_usage;
+    ngx_flag_t           echo;                /* completions: echo the prompt */
+} ngx_http_m40_params_t;
+
+/* An OpenAI-shaped error: HTTP status, message, type, param, code. */
+typedef struct {
+    ngx_uint_t           status;
+    const char          *type;
+    const char          *param;
+    const char          *code;
+    char                 message[512];
+} ngx_http_m40_error_t;
+
+typedef struct ngx_http_m40_ctx_s  ngx_http_m40_ctx_t;
+
+typedef struct {
+    ngx_rbtree_node_t    node;                /* key: id given to the engine */
+    ngx_http_m40_ctx_t  *ctx;
+    m40_request         *req;
+    ngx_uint_t           index;
+    unsigned             done:1;
+    unsigned             in_tree:1;
+    m40_finish           finish;
+    int32_t              prompt_tokens;
+    int32_t              completion_tokens;
+    /* Non-streaming: accumulated text and logprobs. */
+    u_char              *text;
+    size_t               text_len;
+    size_t               text_cap;
+    json_t              *logprobs;            /* chat: content array; completions: object */
+    size_t               text_offset;         /* completions logprobs text_offset */
+} ngx_http_m40_choice_t;
+
+struct ngx_http_m40_ctx_s {
+    ngx_http_request_t       *request;
+    ngx_http_m40_main_conf_t *mcf;
+    ngx_http_m40_kind_e       kind;
+    ngx_http_m40_choice_t    *choices;
+    ngx_uint_t                n;
+    ngx_uint_t                n_done;
+    ngx_uint_t                n_top;
+    unsigned                  stream:1;
+    unsigned                  include_usage:1;
+    unsigned                  logprobs:1;
+    unsigned                  header_sent:1;
+    unsigned                  finished:1;
+    unsigned                  waiting_write:1;
+    char                      id[40];
+    time_t                    created;
+    ngx_str_t                 echo_prefix;    /* completions echo */
+    ngx_chain_t              *free;
+    ngx_chain_t              *busy;
+    ngx_event_t               linger;         /* holds off graceful shutdown */
+};
+
+extern ngx_module_t  ngx_http_m40_module;
+
+/* ngx_http_m40_module.c */
+ngx_int_t ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
+    ngx_http_m40_choice_t *ch);
+void ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
+    ngx_http_m40_choice_t *ch);
+
+/* ngx_http_m40_params.c */
+ngx_int_t ngx_http_m40_parse_params(ngx_http_request_t *r,
+    ngx_http_m40_main_conf_t *mcf, ngx_http_m40_kind_e kind, json_t *root,
+    ngx_http_m40_params_t *p, ngx_http_m40_error_t *err);
+void ngx_http_m40_error_set(ngx_http_m40_error_t *err, ngx_uint_t status,
+    const char *type, const char *param, const char *code, const char *fmt, ...);
+
+/* ngx_http_m40_generate.c */
+ngx_int_t ngx_http_m40_generate_handler(ngx_http_request_t *r,
+    ngx_http_m40_kind_e kind);
+void ngx_http_m40_ctx_wake(ngx_http_m40_ctx_t *ctx);
+ngx_int_t ngx_http_m40_process(ngx_http_m40_ctx_t *ctx);
+void ngx_http_m40_choice_done(ngx_http_m40_ctx_t *ctx,
+    ngx_http_m40_choice_t *ch, m40_event *ev);
+void ngx_http_m40_event_error(ngx_http_m40_error_t *err, m40_event *ev);
+
+/* ngx_http_m40_stream.c */
+ngx_int_t ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx);
+
+/* ngx_http_m40_output.c */
+ngx_buf_t *ngx_http_m40_json_buf(ngx_pool_t *pool, json_t *json,
+    const char *prefix, const char *suffix);
+size_t ngx_http_m40_json_write(json_t *json, ngx_buf_t *b, const char *prefix,
+    const char *suffix);
+json_t *ngx_http_m40_json_text(const char *s, size_t len);
+ngx_int_t ngx_http_m40_send_json(ngx_http_request_t *r, ngx_uint_t status,
+    json_t *json);
+ngx_int_t ngx_http_m40_send_error(ngx_http_request_t *r,
+    ngx_http_m40_error_t *err);
+ngx_int_t ngx_http_m40_send_simple_error(ngx_http_request_t *r,
+    ngx_uint_t status, const char *type, const char *code, const char *fmt, ...);
+json_t *ngx_http_m40_error_json(ngx_http_m40_error_t *err);
+const char *ngx_http_m40_finish_reason(m40_finish f);
+json_t *ngx_http_m40_usage_json(ngx_http_m40_ctx_t *ctx);
+json_t *ngx_http_m40_object(ngx_http_m40_ctx_t *ctx, const char *object,
+    json_t *choices);
+ngx_int_t ngx_http_m40_logprobs_add(ngx_http_m40_ctx_t *ctx,
+    ngx_http_m40_choice_t *ch, json_t *lp, m40_event *ev);
+
+/* ngx_http_m40_info.c */
+ngx_int_t ngx_http_m40_models_handler(ngx_http_request_t *r, ngx_str_t *id);
+ngx_int_t ngx_http_m40_health_handler(ngx_http_request_t *r);
+ngx_int_t ngx_http_m40_metrics_handler(ngx_http_request_t *r);
+
+#endif

@@ -1,0 +1,298 @@
+"""Servers other than the main one: overload (429), a model that fails to load
+(503), the conf/ examples for TLS + API keys and for a reverse proxy, `m40 serve`."""
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+import harness
+from conftest import MODEL_NAME, example
+
+MSGS = [{"role": "user", "content": "Once upon a time"}]
+
+
+def minimal_with(port, extra, workdir_tag, model=harness.MODEL):
+    text = example("minimal.conf")
+    text = text.replace("    m40_model /var/lib/m40/models/model.gguf;",
+                        "    m40_model /var/lib/m40/models/model.gguf;\n" + extra)
+    workdir = harness.make_workdir(workdir_tag)
+    return harness.render(text, workdir, {"127.0.0.1:8080": f"127.0.0.1:{port}"}, model=model)
+
+
+def test_queue_full_429(instances):
+    port = harness.free_port()
+    instances(minimal_with(port, "    m40_max_seqs 1;\n    m40_max_queue 1;\n    m40_threads 1;\n", "queue"),
+              "queue", port)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = json.dumps({"messages": MSGS, "max_tokens": 100}).encode()
+    # All requests on the wire before any answer: one runs, one waits, the rest
+    # find the queue full.
+    socks = []
+    for _ in range(12):
+        s = socket.create_connection(("127.0.0.1", port))
+        socks.append(s)
+    req = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+           f"Connection: close\r\n\r\n").encode() + body
+    for s in socks:
+        s.sendall(req)
+    answers = []
+    for s in socks:
+        raw = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            raw += b
+        s.close()
+        answers.append(raw)
+    statuses = [a.split(b"\r\n", 1)[0].decode() for a in answers]
+    assert all(st in ("HTTP/1.1 200 OK", "HTTP/1.1 429 Too Many Requests") for st in statuses), statuses
+    assert statuses.count("HTTP/1.1 429 Too Many Requests") >= 1, statuses
+    assert statuses.count("HTTP/1.1 200 OK") >= 1, statuses
+    for a in answers:
+        if b" 429 " in a.split(b"\r\n", 1)[0]:
+            head, body = a.split(b"\r\n\r\n", 1)
+            assert b"\r\nRetry-After: " in head
+            err = json.loads(body)["error"]
+            assert err["code"] == "queue_full" and err["type"]
+    # the SDK sees a RateLimitError
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=4)
+    assert r.choices[0].message.content is not None
+    m = requests.get(f"http://127.0.0.1:{port}/metrics").text
+    rejected = [l for l in m.splitlines() if l.startswith("m40_requests_rejected_total ")]
+    assert float(rejected[0].split()[1]) == statuses.count("HTTP/1.1 429 Too Many Requests")
+
+
+def test_model_that_fails_to_load_503(instances):
+    port = harness.free_port()
+    workdir = harness.make_workdir("broken")
+    with open(os.path.join(workdir, "broken.gguf"), "wb") as f:
+        f.write(b"GGUF\x03\x00\x00\x00" + os.urandom(256))
+    text = harness.render(example("minimal.conf"), workdir, {"127.0.0.1:8080": f"127.0.0.1:{port}"},
+                          model=os.path.join(workdir, "broken.gguf"))
+    instances(text, "broken", port, want_ready=False)
+    r = requests.get(f"http://127.0.0.1:{port}/health")
+    assert r.status_code == 503
+    assert r.json()["status"] == "failed" and r.json()["error"]
+    r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": MSGS})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "model_failed"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as ei:
+        client.chat.completions.create(model="broken", messages=MSGS)
+    assert ei.value.status_code == 503
+    assert requests.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200
+
+
+def test_missing_model_rejected_by_nginx_t(tmp_path):
+    workdir = harness.make_workdir("missing")
+    text = harness.render(example("minimal.conf"), workdir, model="/nonexistent/model.gguf")
+    inst = harness.Nginx(text, "missing")
+    with pytest.raises(RuntimeError, match="nonexistent"):
+        inst.start()
+    inst.cleanup()
+
+
+def test_api_without_model_rejected_by_nginx_t():
+    workdir = harness.make_workdir("nomodel")
+    text = harness.render(example("minimal.conf"), workdir).replace(
+        f"    m40_model {harness.MODEL};\n", "")
+    inst = harness.Nginx(text, "nomodel")
+    with pytest.raises(RuntimeError, match="no \"m40_model\""):
+        inst.start()
+    inst.cleanup()
+
+
+@pytest.mark.parametrize("directive", [
+    "m40_device gpu;", "m40_max_seqs 0;", "m40_ctx_size -1;", "m40_threads many;",
+    "m40_max_tokens_default 9000;", "m40_chat_template /nonexistent.jinja;",
+])
+def test_bad_directives_rejected_by_nginx_t(directive):
+    workdir = harness.make_workdir("baddir")
+    text = harness.render(example("minimal.conf"), workdir).replace(
+        f"    m40_model {harness.MODEL};\n", f"    m40_model {harness.MODEL};\n    {directive}\n")
+    inst = harness.Nginx(text, "baddir")
+    with pytest.raises(RuntimeError, match="nginx -t failed"):
+        inst.start()
+    inst.cleanup()
+
+
+def test_chat_template_override(instances):
+    port = harness.free_port()
+    workdir = harness.make_workdir("tmpl")
+    with open(os.path.join(workdir, "t.jinja"), "w") as f:
+        f.write("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    text = minimal_with(port, f"    m40_chat_template {workdir}/t.jinja;\n", "tmpl")
+    instances(text, "tmpl", port)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=8, temperature=0)
+    comp = client.completions.create(model=MODEL_NAME, prompt=MSGS[0]["content"], max_tokens=8, temperature=0)
+    # the template renders just the content: the same prompt as /v1/completions
+    assert chat.usage.prompt_tokens == comp.usage.prompt_tokens
+    assert chat.choices[0].message.content == comp.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def tls_server(instances, tls_cert):
+    crt, key = tls_cert
+    port = harness.free_port()
+    workdir = harness.make_workdir("tls")
+    text = harness.render(example("tls-apikey.conf"), workdir, {
+        "127.0.0.1:8443": f"127.0.0.1:{port}",
+        "/etc/m40/tls/server.crt": crt,
+        "/etc/m40/tls/server.key": key,
+    })
+    inst = instances(text, "tls", None)
+    base = f"https://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            r = requests.get(base + "/health", verify=crt, headers={"Authorization": "Bearer sk-m40-example-key"})
+            if r.status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.1)
+    return base, crt
+
+
+def test_tls_api_key_401(tls_server):
+    base, crt = tls_server
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-m40-example-key"}):
+        r = requests.post(base + "/v1/chat/completions", json={"messages": MSGS}, verify=crt, headers=headers)
+        assert r.status_code == 401
+        assert r.headers["Content-Type"] == "application/json"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0,
+                           http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=crt)))
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_tls_api_key_200(tls_server):
+    base, crt = tls_server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="sk-m40-example-key", max_retries=0,
+                           http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=crt)))
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=16, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+        full.choices[0].message.content
+
+
+def test_tls_http2_stream(tls_server):
+    base, crt = tls_server
+    curl = shutil.which("curl")
+    if not curl or "HTTP2" not in subprocess.run([curl, "-V"], capture_output=True, text=True).stdout:
+        pytest.skip("curl without HTTP/2")
+    body = json.dumps({"messages": MSGS, "max_tokens": 40, "stream": True, "n": 4})
+    out = subprocess.run([curl, "-sS", "--http2", "--cacert", crt, "-H", "Authorization: Bearer sk-m40-example-key",
+                          "-H", "Content-Type: application/json", "-d", body, "-D", "-", "-N",
+                          base + "/v1/chat/completions"], capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout.decode()
+    assert text.startswith("HTTP/2 200")
+    assert "content-type: text/event-stream" in text.lower()
+    assert text.endswith("data: [DONE]\n\n")
+    assert text.count('"finish_reason":"') == 4
+
+
+@pytest.fixture(scope="module")
+def proxy_server(instances):
+    front, back = harness.free_port(), harness.free_port()
+    workdir = harness.make_workdir("proxy")
+    text = harness.render(example("behind-proxy.conf"), workdir, {
+        "127.0.0.1:8080": f"127.0.0.1:{front}",
+        "127.0.0.1:8081": f"127.0.0.1:{back}",
+    })
+    instances(text, "proxy", front)
+    return f"http://127.0.0.1:{front}", f"http://127.0.0.1:{back}"
+
+
+def test_behind_proxy_streaming(proxy_server):
+    front, back = proxy_server
+    direct = openai.OpenAI(base_url=back + "/v1", api_key="x", max_retries=0)
+    proxied = openai.OpenAI(base_url=front + "/v1", api_key="x", max_retries=0)
+    full = direct.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=24, temperature=0)
+    chunks = list(proxied.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=24, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    r = requests.post(front + "/v1/chat/completions", json={"messages": MSGS, "stream": True, "max_tokens": 4})
+    assert r.headers["Content-Type"] == "text/event-stream"
+    assert r.text.endswith("data: [DONE]\n\n")
+    assert requests.get(front + "/health").json()["status"] == "ready"
+    e = requests.post(front + "/v1/chat/completions", data=b"{").json()
+    assert set(e["error"]) == {"message", "type", "param", "code"}
+
+
+def test_behind_proxy_client_disconnect(proxy_server):
+    front, back = proxy_server
+    s = socket.create_connection(("127.0.0.1", int(front.rsplit(":", 1)[1])))
+    body = json.dumps({"messages": MSGS, "max_tokens": 100, "stream": True, "n": 4}).encode()
+    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert b"HTTP/1.1 200" in s.recv(4096)
+    s.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        m = requests.get(back + "/metrics").text
+        if "\nm40_running_sequences 0\n" in m and "\nm40_queue_depth 0\n" in m:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("sequences still running after the client left")
+    assert requests.post(front + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
+def test_m40_serve():
+    m40 = os.path.join(harness.ROOT, "build", "m40")
+    port = harness.free_port()
+    proc = subprocess.Popen([m40, "serve", harness.MODEL, "--port", str(port), "--name", "served", "--threads", "1",
+                             "--module", harness.MODULE, "--nginx", harness.NGINX],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, TMPDIR=harness.make_workdir("serve")))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if requests.get(base + "/health").status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["served"]
+        r = client.chat.completions.create(model="served", messages=MSGS, max_tokens=4)
+        assert r.choices[0].message.content is not None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) is not None
+        out = proc.stdout.read().decode()
+        assert "m40 serve: http://127.0.0.1:%d/v1" % port in out
+        assert "exited on signal" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_m40_serve_usage_errors():
+    m40 = os.path.join(harness.ROOT, "build", "m40")
+    assert subprocess.run([m40, "serve"], capture_output=True).returncode == 2
+    assert subprocess.run([m40, "serve", harness.MODEL, "--port", "0"], capture_output=True).returncode == 2
+    assert subprocess.run([m40, "serve", "/nonexistent.gguf"], capture_output=True).returncode == 1
+    r = subprocess.run([m40, "serve", harness.MODEL, "--module", "/nonexistent.so"], capture_output=True)
+    assert r.returncode == 1
