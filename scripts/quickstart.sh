@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# First command of the README: install the build dependencies, build, and run the
-# main job. Re-running is cheap (nothing is reinstalled or rebuilt when up to date).
-#   M40_MODEL=/path/to/model.gguf scripts/quickstart.sh
+# First command of the README: install the build dependencies, build, and start the
+# server: nginx with the m40 module, serving the model in $M40_MODEL on
+# http://127.0.0.1:${M40_PORT:-8080}/v1 (Ctrl-C stops it). Re-running is cheap:
+# nothing is reinstalled or rebuilt when up to date.
+#   M40_MODEL=/path/to/model.gguf [M40_PORT=8080] [M40_DEVICE=cpu] scripts/quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -16,4 +18,5 @@ if [ -z "$model" ]; then
     echo "quickstart: set M40_MODEL=/path/to/model.gguf" >&2
     exit 2
 fi
-exec build/m40 run "$model" -p "${M40_PROMPT:-Once upon a time}" --temp 0 -n 128
+echo "quickstart: serving $model on http://127.0.0.1:${M40_PORT:-8080}/v1 (Ctrl-C stops)"
+exec build/m40 serve "$model" --port "${M40_PORT:-8080}" --device "${M40_DEVICE:-cpu}"
