@@ -1,0 +1,57 @@
+/* CPU twins of the CUDA kernels in kernels/kernels.h: same arguments (host pointers,
+ * no stream), same semantics, plain C. They define what each kernel must compute;
+ * tests/gpu/test_kernels.cu compares the GPU results with them on random inputs and
+ * tests/unit/test_cpu_ref.c checks them against direct formulas. Written for clarity,
+ * not speed: the engine's CPU backend has its own fast paths. */
+#ifndef M40_CPU_REF_H
+#define M40_CPU_REF_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../kernels/kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void m40_ref_embed(const void *table, int table_type, int64_t n_rows, int dim, const int32_t *ids, int n_ids,
+                   void *out, int out_type, int64_t out_stride);
+void m40_ref_rmsnorm(const float *x, int64_t x_stride, const float *w, void *out, int out_type, int64_t out_stride,
+                     int rows, int dim, float eps);
+void m40_ref_rope(float *q, int64_t q_stride, int n_q_heads, float *k, int64_t k_stride, int n_k_heads,
+                  int head_dim, int rot_dim, const int32_t *pos, int n_tokens, float base, const float *freq_factors,
+                  int neox);
+float m40_ref_glu_act(int act, float g);
+void m40_ref_glu(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
+                 int rows, int n);
+void m40_ref_add(float *out, const float *a, const float *b, int64_t n);
+void m40_ref_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int64_t k_stride, const float *v,
+                       int64_t v_stride, const int32_t *new_indptr, int n_seqs, int n_tokens, const int32_t *indptr,
+                       const int32_t *indices, const int32_t *last_page_len, int n_kv_heads, int head_dim);
+/* Decode attention (no split: the split count only changes the GPU's order of summation). */
+void m40_ref_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                         const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                         float scale);
+void m40_ref_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
+                          int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
+                          int n_kv_heads, int head_dim, float scale);
+void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x_stride, float *y,
+                  int64_t y_stride, int batch);
+void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token,
+                           float *logprob, int top_k, int32_t *top_tokens, float *top_logprobs);
+
+/* Length of sequence s in the CSR page table. */
+static inline int64_t m40_ref_seq_len(const int32_t *indptr, const int32_t *last_page_len, int s)
+{
+    int64_t pages = indptr[s + 1] - indptr[s];
+    return pages > 0 ? (pages - 1) * M40K_PAGE + last_page_len[s] : 0;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,43 @@
+/* Elementwise: gated activations (SwiGLU, GeGLU-tanh) and the residual add. */
+#include "cuda_common.h"
+
+__global__ void glu_kernel(int act, const float *__restrict__ gate, const float *__restrict__ up, int64_t in_stride,
+                           float *__restrict__ out, int64_t out_stride, int n)
+{
+    const int r = blockIdx.y;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float g = gate[r * in_stride + i], u = up[r * in_stride + i], a;
+        if (act == M40K_GLU_GELU_TANH)
+            a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+        else
+            a = g / (1.0f + expf(-g));
+        out[r * out_stride + i] = a * u;
+    }
+}
+
+__global__ void add_kernel(float *out, const float *a, const float *b, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = a[i] + b[i];
+}
+
+extern "C" int m40k_glu(int act, const float *gate, const float *up, int64_t in_stride, float *out,
+                        int64_t out_stride, int rows, int n, m40k_stream stream)
+{
+    if (rows <= 0 || n <= 0)
+        return 0;
+    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535)
+        return M40K_INVALID;
+    dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
+    glu_kernel<<<grid, 256, 0, stream>>>(act, gate, up, in_stride, out, out_stride, n);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_add(float *out, const float *a, const float *b, int64_t n, m40k_stream stream)
+{
+    if (n <= 0)
+        return 0;
+    const int64_t blocks = (n + 255) / 256;
+    add_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, stream>>>(out, a, b, n);
+    return m40k_launch_status();
+}

@@ -1,0 +1,254 @@
+/* Paged decode attention (one query token per sequence), grouped-query.
+ *
+ * Grid (n_kv_heads, n_seqs, n_splits); 128 threads. A block owns one KV head of one
+ * sequence (or one range of its pages) and ALL the query heads of that head's group,
+ * so each K/V row is read from memory once and used G times.
+ *
+ * Threads form teams of D/8: a team holds one token's row, each thread 8 dims loaded
+ * as one 16-byte vector (consecutive teams read consecutive rows: coalesced). A tile of
+ * 4 tokens per team is loaded (K and V together, all loads in flight before use),
+ * scores are team-reduced by shuffles, a warp per query head does the online-softmax
+ * update of the tile, and every thread accumulates p * V for its 8 dims and G heads in
+ * registers. At the end the teams' partial outputs are summed in shared memory.
+ * With n_splits > 1 each split writes (unnormalized output, max, sum) to a workspace
+ * and a second kernel merges the splits. */
+#include "cuda_common.h"
+
+#include <math.h>
+
+#define DEC_THREADS 128
+#define DEC_TT 4 /* tokens per team per tile */
+
+template <int D, int GMAX>
+__global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
+    float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
+    const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc, const int32_t *__restrict__ indptr,
+    const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads,
+    float scale, int n_splits, float *__restrict__ ws)
+{
+    constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
+    __shared__ float S[GMAX][TILE];
+    __shared__ float O[GMAX][D];
+    __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
+
+    const int kvh = blockIdx.x, s = blockIdx.y, split = blockIdx.z;
+    const int G = n_heads / n_kv_heads;
+    const int tid = threadIdx.x, tm = tid / TPR, c = tid % TPR;
+
+    const int page0 = indptr[s], npages = indptr[s + 1] - page0;
+    const int len = npages > 0 ? (npages - 1) * M40K_PAGE + last_page_len[s] : 0;
+    const int pps = (npages + n_splits - 1) / n_splits;
+    const int tok0 = min(len, split * pps * M40K_PAGE), tok1 = min(len, (split + 1) * pps * M40K_PAGE);
+
+    float qr[GMAX][8], acc[GMAX][8];
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        const float *qp = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D + 8 * c;
+        const float4 a = *reinterpret_cast<const float4 *>(qp), b = *reinterpret_cast<const float4 *>(qp + 4);
+        const float sc = g < G ? scale : 0.0f;
+        qr[g][0] = a.x * sc, qr[g][1] = a.y * sc, qr[g][2] = a.z * sc, qr[g][3] = a.w * sc;
+        qr[g][4] = b.x * sc, qr[g][5] = b.y * sc, qr[g][6] = b.z * sc, qr[g][7] = b.w * sc;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            acc[g][i] = 0.0f;
+    }
+    for (int i = tid; i < GMAX * D; i += DEC_THREADS)
+        O[i / D][i % D] = 0.0f;
+    if (tid < GMAX)
+        m_s[tid] = -INFINITY, l_s[tid] = 0.0f;
+    __syncthreads();
+
+    for (int t0 = tok0; t0 < tok1; t0 += TILE) {
+        uint4 kr[DEC_TT], vr[DEC_TT];
+#pragma unroll
+        for (int u = 0; u < DEC_TT; u++) {
+            const int t = t0 + tm + NT * u;
+            if (t < tok1) {
+                const int64_t blk = indices[page0 + t / M40K_PAGE];
+                const size_t at = (((size_t)blk * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + 8 * c;
+                kr[u] = __ldg(reinterpret_cast<const uint4 *>(kc + at));
+                vr[u] = __ldg(reinterpret_cast<const uint4 *>(vc + at));
+            } else {
+                kr[u] = make_uint4(0, 0, 0, 0);
+                vr[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < DEC_TT; u++) {
+            float kf[8];
+            m40k_unpack_h8(kr[u], kf);
+            const bool valid = t0 + tm + NT * u < tok1;
+#pragma unroll
+            for (int g = 0; g < GMAX; g++) {
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    d = fmaf(qr[g][i], kf[i], d);
+#pragma unroll
+                for (int o = TPR / 2; o > 0; o >>= 1)
+                    d += __shfl_xor_sync(0xffffffffu, d, o);
+                if (c == 0)
+                    S[g][tm + NT * u] = valid ? d : -INFINITY;
+            }
+        }
+        __syncthreads();
+        /* online softmax: warp w updates heads w, w+4, ... */
+        for (int g = tid >> 5; g < G; g += DEC_THREADS / 32) {
+            const int lane = tid & 31;
+            float mx = -INFINITY;
+            for (int j = lane; j < TILE; j += 32)
+                mx = fmaxf(mx, S[g][j]);
+            mx = m40k_warp_max(mx);
+            const float m_old = m_s[g], m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int j = lane; j < TILE; j += 32) {
+                const float p = __expf(S[g][j] - m_new);
+                S[g][j] = p;
+                sum += p;
+            }
+            sum = m40k_warp_sum(sum);
+            if (lane == 0) {
+                const float a = __expf(m_old - m_new);
+                alpha_s[g] = a;
+                l_s[g] = l_s[g] * a + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+        float vf[DEC_TT][8];
+#pragma unroll
+        for (int u = 0; u < DEC_TT; u++)
+            m40k_unpack_h8(vr[u], vf[u]);
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) {
+            if (g < G) {
+                const float a = alpha_s[g];
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    acc[g][i] *= a;
+#pragma unroll
+                for (int u = 0; u < DEC_TT; u++) {
+                    const float p = S[g][tm + NT * u];
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        acc[g][i] = fmaf(p, vf[u][i], acc[g][i]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int g = 0; g < GMAX; g++)
+        if (g < G)
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                atomicAdd(&O[g][8 * c + i], acc[g][i]);
+    __syncthreads();
+    for (int j = tid; j < G * D; j += DEC_THREADS) {
+        const int g = j / D, d = j % D, h = kvh * G + g;
+        if (n_splits == 1) {
+            const float l = l_s[g];
+            out[s * out_stride + (int64_t)h * D + d] = l > 0.0f ? O[g][d] / l : 0.0f;
+        } else {
+            const size_t r = ((size_t)s * n_heads + h) * n_splits + split;
+            ws[r * D + d] = O[g][d];
+            if (d == 0) {
+                float *ml = ws + (size_t)gridDim.y * n_heads * n_splits * D;
+                ml[2 * r] = m_s[g];
+                ml[2 * r + 1] = l_s[g];
+            }
+        }
+    }
+}
+
+/* Merge the splits of one (sequence, head): rescale each to the common max. */
+__global__ void attn_decode_merge(float *__restrict__ out, int64_t out_stride, const float *__restrict__ ws,
+                                  int n_seqs, int n_heads, int head_dim, int n_splits)
+{
+    const int h = blockIdx.x, s = blockIdx.y;
+    const size_t r0 = ((size_t)s * n_heads + h) * n_splits;
+    const float *ml = ws + (size_t)n_seqs * n_heads * n_splits * head_dim;
+    float M = -INFINITY;
+    for (int i = 0; i < n_splits; i++)
+        M = fmaxf(M, ml[2 * (r0 + i)]);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float num = 0.0f, den = 0.0f;
+        for (int i = 0; i < n_splits; i++) {
+            const float m = ml[2 * (r0 + i)];
+            if (m == -INFINITY)
+                continue;
+            const float w = __expf(m - M);
+            num += w * ws[(r0 + i) * head_dim + d];
+            den += w * ml[2 * (r0 + i) + 1];
+        }
+        out[s * out_stride + (int64_t)h * head_dim + d] = den > 0.0f ? num / den : 0.0f;
+    }
+}
+
+extern "C" size_t m40k_decode_workspace_floats(int n_seqs, int n_heads, int head_dim, int n_splits)
+{
+    return n_splits > 1 ? (size_t)n_seqs * n_heads * n_splits * (head_dim + 2) : 0;
+}
+
+extern "C" int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_len, int sm_count)
+{
+    const int blocks = n_seqs * n_kv_heads;
+    int splits = 1;
+    while (blocks * splits < 2 * sm_count && max_seq_len / (2 * splits) >= 256 && splits < 64)
+        splits *= 2;
+    return splits;
+}
+
+template <int D, int GMAX>
+static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc, const uint16_t *vc,
+                         const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
+                         int n_kv_heads, float scale, int n_splits, float *ws, cudaStream_t st)
+{
+    dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
+    attn_decode_kernel<D, GMAX><<<grid, DEC_THREADS, 0, st>>>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
+                                                              n_kv_heads, scale, n_splits, ws);
+    if (n_splits > 1)
+        attn_decode_merge<<<dim3((unsigned)n_heads, (unsigned)n_seqs), D, 0, st>>>(out, os, ws, n_seqs, n_heads, D,
+                                                                                  n_splits);
+    return m40k_launch_status();
+}
+
+template <int D>
+static int decode_group(int G, float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc,
+                        const uint16_t *vc, const int32_t *indptr, const int32_t *indices, const int32_t *lpl,
+                        int n_seqs, int n_heads, int n_kv_heads, float scale, int n_splits, float *ws,
+                        cudaStream_t st)
+{
+    if (G == 1)
+        return decode_launch<D, 1>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
+                                   n_splits, ws, st);
+    if (G == 2)
+        return decode_launch<D, 2>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
+                                   n_splits, ws, st);
+    if (G <= 4)
+        return decode_launch<D, 4>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
+                                   n_splits, ws, st);
+    return decode_launch<D, 8>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
+                               n_splits, ws, st);
+}
+
+extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
+                                const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
+                                int n_kv_heads, int head_dim, float scale, int n_splits, float *workspace,
+                                m40k_stream stream)
+{
+    if (n_seqs <= 0)
+        return 0;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || n_splits < 1 || n_seqs > 65535 ||
+        n_splits > 65535 || (n_splits > 1 && !workspace) || q_stride % 4)
+        return M40K_INVALID;
+    const int G = n_heads / n_kv_heads;
+    switch (head_dim) {
+    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, stream);
+    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, stream);
+    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, stream);
+    default: return M40K_INVALID;
+    }
+}

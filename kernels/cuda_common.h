@@ -1,0 +1,49 @@
+/* Device helpers shared by the kernel families (CUDA only; not part of the C API). */
+#ifndef M40_CUDA_COMMON_H
+#define M40_CUDA_COMMON_H
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+#define M40K_INVALID ((int)cudaErrorInvalidValue)
+
+static inline int m40k_launch_status(void) { return (int)cudaGetLastError(); }
+
+__device__ __forceinline__ float m40k_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ uint16_t m40k_f2h(float f) { return __half_as_ushort(__float2half_rn(f)); }
+
+/* 0..255 to float without the (quarter-rate) integer conversion: the bits of 2^23 + v. */
+__device__ __forceinline__ float m40k_u8f(uint32_t v) { return __int_as_float(0x4B000000 | v) - 8388608.0f; }
+
+__device__ __forceinline__ float m40k_warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float m40k_warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Eight F16 values packed in a uint4, to float. */
+__device__ __forceinline__ void m40k_unpack_h8(uint4 u, float f[8])
+{
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 t = __half22float2(*reinterpret_cast<const __half2 *>(&w[i]));
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+    }
+}
+
+#endif

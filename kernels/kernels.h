@@ -1,0 +1,136 @@
+/* m40 CUDA kernels: host launch wrappers callable from C11.
+ *
+ * No engine knowledge: plain device pointers, shapes, strides and a stream. Every
+ * wrapper launches asynchronously on `stream` and returns the launch status as a
+ * cudaError_t value (0 = cudaSuccess; cudaErrorInvalidValue = 1 for a shape the kernel
+ * does not handle). Each function has a CPU twin with the same semantics in
+ * engine/cpu_ref.h (m40_ref_*); tests/gpu/test_kernels.cu compares the two.
+ *
+ * Conventions:
+ *  - F16 data is IEEE binary16 stored as uint16_t; F32 accumulation everywhere.
+ *  - Strides are in elements unless named *_bytes.
+ *  - Weight/table types use the GGUF numbering (M40K_TYPE_*, same values as the
+ *    engine's enum m40_type) so a tensor's file type maps directly.
+ *  - Paged KV cache (per layer): separate K and V arrays, each laid out
+ *    [block][kv_head][M40K_PAGE][head_dim] F16. A sequence's pages are given in CSR
+ *    form: pages of sequence s are indices[indptr[s] .. indptr[s+1]), the last one
+ *    holding last_page_len[s] (1..16) tokens, so its length is
+ *    (indptr[s+1]-indptr[s]-1)*16 + last_page_len[s].
+ *  - Query head h reads KV head h / (n_heads / n_kv_heads) (grouped-query attention).
+ */
+#ifndef M40_KERNELS_H
+#define M40_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Same type as cudaStream_t, without requiring CUDA headers in C callers. */
+struct CUstream_st;
+typedef struct CUstream_st *m40k_stream;
+
+#define M40K_PAGE 16 /* tokens per KV-cache block */
+
+enum {
+    M40K_TYPE_F32 = 0,
+    M40K_TYPE_F16 = 1,
+    M40K_TYPE_Q4_0 = 2,
+    M40K_TYPE_Q8_0 = 8,
+    M40K_TYPE_Q4_K = 12,
+    M40K_TYPE_Q6_K = 14
+};
+
+/* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
+ * F16, Q8_0, Q4_0, Q4_K or Q6_K (dim a multiple of the block size: 32, or 256 for the
+ * K-quants); rows are dim elements packed (row bytes = dim/block*block_bytes). out_type
+ * F32 or F16, row stride out_stride elements. Ids outside [0, n_rows) give zero rows. */
+int m40k_embed(const void *table, int table_type, int64_t n_rows, int dim, const int32_t *ids, int n_ids,
+               void *out, int out_type, int64_t out_stride, m40k_stream stream);
+
+/* 2. RMSNorm: out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows x dim, any dim.
+ * x row stride x_stride, out row stride out_stride; out_type F32 or F16. */
+int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, void *out, int out_type, int64_t out_stride,
+                 int rows, int dim, float eps, m40k_stream stream);
+
+/* 3. RoPE in place on q (and k unless NULL): token t's head h starts at
+ * q + t*q_stride + h*head_dim. The first rot_dim (even, <= head_dim) dims rotate by
+ * theta_i = pos[t] * base^(-2i/rot_dim) / freq_factors[i] (freq_factors may be NULL),
+ * i < rot_dim/2. Normal: pairs (2i, 2i+1); neox != 0: pairs (i, i + rot_dim/2).
+ * Angles are computed in double so long positions keep full float accuracy. */
+int m40k_rope(float *q, int64_t q_stride, int n_q_heads, float *k, int64_t k_stride, int n_k_heads, int head_dim,
+              int rot_dim, const int32_t *pos, int n_tokens, float base, const float *freq_factors, int neox,
+              m40k_stream stream);
+
+/* 4. Gated activations: out[r][i] = act(gate[r][i]) * up[r][i], i < n; gate/up rows at
+ * stride in_stride, out rows at out_stride. act = silu (SwiGLU) or the tanh
+ * approximation of GELU (GeGLU). */
+enum { M40K_GLU_SILU = 0, M40K_GLU_GELU_TANH = 1 };
+int m40k_glu(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride, int rows,
+             int n, m40k_stream stream);
+
+/* Residual add: out[i] = a[i] + b[i], i < n (out may alias a or b). */
+int m40k_add(float *out, const float *a, const float *b, int64_t n, m40k_stream stream);
+
+/* 5. Paged KV append. The batch holds n_tokens new tokens; those of sequence s are rows
+ * new_indptr[s] .. new_indptr[s+1] and are the LAST tokens of that sequence (whose
+ * pages, already allocated, and length include them, see the CSR convention above).
+ * Row t of k (F32, stride k_stride) holds n_kv_heads*head_dim values, head-major; same
+ * for v. Written as F16 into k_cache / v_cache. */
+int m40k_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int64_t k_stride, const float *v,
+                   int64_t v_stride, const int32_t *new_indptr, int n_seqs, int n_tokens, const int32_t *indptr,
+                   const int32_t *indices, const int32_t *last_page_len, int n_kv_heads, int head_dim,
+                   m40k_stream stream);
+
+/* 6. Paged decode attention: one query token per sequence (the sequence's last).
+ * q: [n_seqs][q_stride] F32 (head h at h*head_dim), out likewise with out_stride.
+ * head_dim 64, 128 or 256; n_heads/n_kv_heads in 1..8 (n_heads a multiple).
+ * scale multiplies q.k (usually 1/sqrt(head_dim)). n_splits > 1 splits each sequence's
+ * pages into that many ranges processed by separate blocks (better GPU fill for few
+ * long sequences) and merges them; it needs a workspace of
+ * m40k_decode_workspace_floats(...) floats (NULL is fine for n_splits == 1). */
+size_t m40k_decode_workspace_floats(int n_seqs, int n_heads, int head_dim, int n_splits);
+/* A split count for the given shape: enough blocks to fill the GPU, at least 256 tokens
+ * per split. sm_count from cudaDeviceProp.multiProcessorCount. */
+int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_len, int sm_count);
+int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
+                     const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                     const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale,
+                     int n_splits, float *workspace, m40k_stream stream);
+
+/* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
+ * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they
+ * are that sequence's last tokens, so query row i sits at position
+ * len(s) - (q_indptr[s+1] - i) and attends to positions 0..that one. q/out: [row][stride]
+ * F32 as in decode. head_dim 64/128/256, n_heads/n_kv_heads 1..8. SIMT tiled online
+ * softmax (flash-attention style), each K/V tile read once per block and shared by the
+ * group's query heads. */
+int m40k_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
+                      int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
+                      int n_kv_heads, int head_dim, float scale, m40k_stream stream);
+
+/* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
+ * n < N, b < batch (1..8). W rows are K elements of w_type (F16, Q8_0, Q4_0, Q4_K,
+ * Q6_K; GGUF block layouts) packed, row bytes = K/block*block_bytes. K a multiple of 32
+ * (256 for the K-quants, 8 for F16). x 16-byte aligned, x_stride a multiple of 4.
+ * One warp per row: 16-byte loads staged through shared memory, dequantization in
+ * registers, F32 accumulation. May read up to 15 bytes past the end of W's last row
+ * (never past the 16-byte-aligned chunk that holds its last byte). */
+int m40k_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x_stride, float *y, int64_t y_stride,
+              int batch, m40k_stream stream);
+
+/* 9. Sampling helpers: per row r of logits [rows][stride] (n_vocab entries), writes
+ * argmax token (ties: lowest id) to token[r] and its log-softmax to logprob[r]; when
+ * top_k > 0 also the top_k (<= 32) largest (token, logprob) pairs, descending, to
+ * top_tokens[r*top_k ..] and top_logprobs[r*top_k ..]. */
+int m40k_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token, float *logprob,
+                       int top_k, int32_t *top_tokens, float *top_logprobs, m40k_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,45 @@
+/* RMSNorm: one block per row; sum of squares in F32 per thread, block reduction, then
+ * a second pass over the (cache-hot) row writes the scaled output. Any dim. */
+#include "cuda_common.h"
+
+__global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, const float *__restrict__ w,
+                               void *__restrict__ out, int out_f16, int64_t out_stride, int dim, float eps)
+{
+    __shared__ float partial[32];
+    const float *xr = x + blockIdx.x * x_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        ss += xr[i] * xr[i];
+    ss = m40k_warp_sum(ss);
+    if ((threadIdx.x & 31) == 0)
+        partial[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
+        v = m40k_warp_sum(v);
+        if (threadIdx.x == 0)
+            partial[0] = v;
+    }
+    __syncthreads();
+    const float scale = rsqrtf(partial[0] / dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i] * scale * w[i];
+        if (out_f16)
+            ((uint16_t *)out)[blockIdx.x * out_stride + i] = m40k_f2h(v);
+        else
+            ((float *)out)[blockIdx.x * out_stride + i] = v;
+    }
+}
+
+extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, void *out, int out_type,
+                            int64_t out_stride, int rows, int dim, float eps, m40k_stream stream)
+{
+    if (rows <= 0)
+        return 0;
+    if (dim <= 0 || (out_type != M40K_TYPE_F32 && out_type != M40K_TYPE_F16))
+        return M40K_INVALID;
+    int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
+    rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, w, out, out_type == M40K_TYPE_F16, out_stride, dim,
+                                                  eps);
+    return m40k_launch_status();
+}

@@ -1,0 +1,89 @@
+/* Device-side dequantization of 8 consecutive elements of a GGUF-typed row, shared by
+ * the embedding gather and the GEMV. Same block layouts as engine/quant.c:
+ *   Q8_0 (34 B / 32):  d f16 | qs[32] int8
+ *   Q4_0 (18 B / 32):  d f16 | qs[16]  (element j: low nibble of qs[j], j+16: high)
+ *   Q4_K (144 B / 256): d f16 | dmin f16 | scales[12] | qs[128]
+ *   Q6_K (210 B / 256): ql[128] | qh[64] | scales[16] int8 | d f16
+ * A group of 8 (first element e0, a multiple of 8) always lies in one scale sub-block,
+ * so it comes back as small integers q[8] with one scale and one offset:
+ * w[i] = scale * q[i] - offset. Sums of q*x are then scaled once per group. */
+#ifndef M40_QUANT_DEV_H
+#define M40_QUANT_DEV_H
+
+#include "cuda_common.h"
+
+template <int T> struct m40k_tinfo;
+template <> struct m40k_tinfo<M40K_TYPE_F32> { enum { BE = 1, BB = 4 }; };
+template <> struct m40k_tinfo<M40K_TYPE_F16> { enum { BE = 1, BB = 2 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q8_0> { enum { BE = 32, BB = 34 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q4_0> { enum { BE = 32, BB = 18 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q4_K> { enum { BE = 256, BB = 144 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q6_K> { enum { BE = 256, BB = 210 }; };
+
+__device__ __forceinline__ float m40k_ldh(const uint8_t *p) { return m40k_h2f((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* p: start of the row (or of a block-aligned piece of it); byte loads, any alignment. */
+template <int T>
+__device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e0, float q[8], float &scale,
+                                            float &offset)
+{
+    if (T == M40K_TYPE_F32) {
+        const float *f = reinterpret_cast<const float *>(p) + e0;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = f[i];
+        scale = 1.0f, offset = 0.0f;
+    } else if (T == M40K_TYPE_F16) {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_ldh(p + 2 * (e0 + i));
+        scale = 1.0f, offset = 0.0f;
+    } else if (T == M40K_TYPE_Q8_0) {
+        const uint8_t *b = p + 34 * (e0 >> 5);
+        const int j = e0 & 31;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f(b[2 + j + i] ^ 0x80u); /* int8 + 128 */
+        scale = m40k_ldh(b);
+        offset = 128.0f * scale;
+    } else if (T == M40K_TYPE_Q4_0) {
+        const uint8_t *b = p + 18 * (e0 >> 5);
+        const int j = e0 & 31, sh = j < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f((b[2 + (j & 15) + i] >> sh) & 15u);
+        scale = m40k_ldh(b);
+        offset = 8.0f * scale;
+    } else if (T == M40K_TYPE_Q4_K) {
+        const uint8_t *b = p + 144 * (e0 >> 8);
+        const int e = e0 & 255, s = e >> 5, c = e >> 6, l = e & 63, sh = l < 32 ? 0 : 4;
+        const uint8_t *sc = b + 4;
+        int scv, mnv;
+        if (s < 4) {
+            scv = sc[s] & 63;
+            mnv = sc[s + 4] & 63;
+        } else {
+            scv = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+            mnv = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+        }
+        const uint8_t *qs = b + 16 + 32 * c + (l & 31);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f((qs[i] >> sh) & 15u);
+        scale = m40k_ldh(b) * (float)scv;
+        offset = m40k_ldh(b + 2) * (float)mnv;
+    } else if (T == M40K_TYPE_Q6_K) {
+        const uint8_t *b = p + 210 * (e0 >> 8);
+        const int e = e0 & 255, n = e >> 7, r = e & 127, k = r >> 5, l = r & 31;
+        const uint8_t *ql = b + 64 * n + l + 32 * (k & 1);
+        const uint8_t *qh = b + 128 + 32 * n + l;
+        const int shl = k < 2 ? 0 : 4, shh = 2 * k;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f(((ql[i] >> shl) & 15u) | (((qh[i] >> shh) & 3u) << 4));
+        scale = m40k_ldh(b + 208) * (float)(int8_t)b[192 + (e >> 4)];
+        offset = 32.0f * scale;
+    }
+}
+
+#endif

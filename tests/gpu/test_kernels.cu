@@ -1,0 +1,469 @@
+/* GPU kernels vs their CPU twins (engine/cpu_ref.c) on random inputs with odd sizes.
+ *   test_kernels          run every comparison; ends with "N passed, N failed, N skipped"
+ *   test_kernels --bench  also time the GEMV on 4096x14336 matrices of each type and
+ *                         report GB/s against the H100's 3.02 TB/s copy bandwidth
+ * Without a GPU: prints why, "0 passed, 0 failed, 1 skipped", exit 0. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+#include <algorithm>
+
+extern "C" {
+#include "ggml_types.h"
+#include "quant.h"
+}
+#include "cpu_ref.h"
+
+static int n_pass, n_fail, n_skip;
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (cudaError_t)(call);                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* ---------------------------------------------------------------- helpers */
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd32(void)
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+static float frand(float lo, float hi) { return lo + (hi - lo) * (rnd32() & 0xFFFFFF) / 16777216.0f; }
+static std::vector<float> rand_vec(size_t n, float lo = -1.0f, float hi = 1.0f)
+{
+    std::vector<float> v(n);
+    for (auto &x : v)
+        x = frand(lo, hi);
+    return v;
+}
+
+template <class T> static T *dup(const std::vector<T> &h)
+{
+    T *d;
+    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T) + 64));
+    if (!h.empty())
+        CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+template <class T> static std::vector<T> back(const T *d, size_t n)
+{
+    std::vector<T> h(n);
+    CK(cudaDeviceSynchronize());
+    if (n)
+        CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* |g - c| <= atol + rtol*|c| everywhere; one pass/fail per call, first miss printed */
+static void compare(const char *what, const float *g, const float *c, size_t n, float atol, float rtol)
+{
+    size_t bad = 0, first = 0;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)g[i] - c[i]);
+        if (!(d <= atol + rtol * fabs(c[i]))) {
+            if (!bad++)
+                first = i;
+        }
+        worst = std::max(worst, d);
+    }
+    if (bad) {
+        n_fail++;
+        printf("FAIL %s: %zu/%zu differ, first [%zu] gpu %g cpu %g (max abs diff %g)\n", what, bad, n, first,
+               g[first], c[first], worst);
+    } else {
+        n_pass++;
+    }
+}
+static void check(const char *what, bool ok)
+{
+    if (ok)
+        n_pass++;
+    else
+        n_fail++, printf("FAIL %s\n", what);
+}
+static std::vector<float> h2f(const std::vector<uint16_t> &h)
+{
+    std::vector<float> f(h.size());
+    for (size_t i = 0; i < h.size(); i++)
+        f[i] = m40_fp16_to_fp32(h[i]);
+    return f;
+}
+static size_t row_bytes(int type, int n)
+{
+    const m40_type_info *ti = m40_type_get((uint32_t)type);
+    return (size_t)n / ti->block_elems * ti->block_bytes;
+}
+static std::vector<uint8_t> quant_matrix(int type, int rows, int cols, float lo = -1, float hi = 1)
+{
+    std::vector<uint8_t> q(row_bytes(type, cols) * rows);
+    for (int r = 0; r < rows; r++) {
+        std::vector<float> f = rand_vec(cols, lo, hi);
+        m40_quantize_row((uint32_t)type, f.data(), q.data() + r * row_bytes(type, cols), cols);
+    }
+    return q;
+}
+static const int all_types[] = {M40K_TYPE_F32, M40K_TYPE_F16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+
+/* ---------------------------------------------------------------- 1. embed */
+static void test_embed(void)
+{
+    for (int type : all_types) {
+        const int be = m40_type_get((uint32_t)type)->block_elems;
+        const int dim = be == 1 ? 4096 + 64 + 1 : be == 32 ? 32 * 37 : 256 * 5;
+        const int n_rows = 41;
+        std::vector<uint8_t> tab = quant_matrix(type, n_rows, dim);
+        std::vector<int32_t> ids = {0, 40, 7, -1, 41, 3, 3, 17, 29, 1, 38};
+        for (int out_type : {M40K_TYPE_F32, M40K_TYPE_F16}) {
+            const int64_t os = dim + 3;
+            size_t n = ids.size() * os;
+            uint8_t *dt = dup(tab);
+            int32_t *di = dup(ids);
+            void *dout;
+            CK(cudaMalloc(&dout, n * 4));
+            CK(cudaMemset(dout, 0, n * 4));
+            CK(m40k_embed(dt, type, n_rows, dim, di, (int)ids.size(), dout, out_type, os, 0));
+            std::vector<float> g, c(n, 0.0f);
+            char what[96];
+            snprintf(what, sizeof what, "embed %s dim %d -> %s", m40_type_name(type), dim, out_type ? "f16" : "f32");
+            if (out_type == M40K_TYPE_F16) {
+                std::vector<uint16_t> ch(n, 0);
+                m40_ref_embed(tab.data(), type, n_rows, dim, ids.data(), (int)ids.size(), ch.data(), out_type, os);
+                g = h2f(back((uint16_t *)dout, n));
+                c = h2f(ch);
+            } else {
+                m40_ref_embed(tab.data(), type, n_rows, dim, ids.data(), (int)ids.size(), c.data(), out_type, os);
+                g = back((float *)dout, n);
+            }
+            compare(what, g.data(), c.data(), n, 1e-6f, out_type ? 1e-3f : 1e-6f);
+            cudaFree(dt), cudaFree(di), cudaFree(dout);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- 2. rmsnorm */
+static void test_rmsnorm(void)
+{
+    for (int dim : {7, 64, 4096 + 64 + 1})
+        for (int rows : {1, 3, 17})
+            for (int out_type : {M40K_TYPE_F32, M40K_TYPE_F16}) {
+                const int64_t xs = dim + 5, os = dim + 2;
+                std::vector<float> x = rand_vec(rows * xs, -3, 3), w = rand_vec(dim, 0.5f, 1.5f);
+                float *dx = dup(x), *dw = dup(w);
+                void *dout;
+                CK(cudaMalloc(&dout, rows * os * 4));
+                CK(cudaMemset(dout, 0, rows * os * 4));
+                CK(m40k_rmsnorm(dx, xs, dw, dout, out_type, os, rows, dim, 1e-5f, 0));
+                std::vector<float> g, c(rows * os, 0.0f);
+                if (out_type == M40K_TYPE_F16) {
+                    std::vector<uint16_t> ch(rows * os, 0);
+                    m40_ref_rmsnorm(x.data(), xs, w.data(), ch.data(), out_type, os, rows, dim, 1e-5f);
+                    c = h2f(ch);
+                    g = h2f(back((uint16_t *)dout, rows * os));
+                } else {
+                    m40_ref_rmsnorm(x.data(), xs, w.data(), c.data(), out_type, os, rows, dim, 1e-5f);
+                    g = back((float *)dout, rows * os);
+                }
+                char what[96];
+                snprintf(what, sizeof what, "rmsnorm rows %d dim %d -> %s", rows, dim, out_type ? "f16" : "f32");
+                compare(what, g.data(), c.data(), g.size(), 1e-5f, out_type ? 2e-3f : 1e-5f);
+                cudaFree(dx), cudaFree(dw), cudaFree(dout);
+            }
+}
+
+/* ---------------------------------------------------------------- 3. rope */
+static void test_rope(void)
+{
+    for (int hd : {64, 128, 256})
+        for (int rot : {hd, 32})
+            for (int neox : {0, 1})
+                for (int ff : {0, 1})
+                    for (int nt : {1, 3, 17}) {
+                        const int nq = 8, nk = 2;
+                        const int64_t qs = nq * hd + 4, ks = nk * hd + 8;
+                        std::vector<float> q = rand_vec(nt * qs), k = rand_vec(nt * ks), f = rand_vec(rot / 2, 1, 8);
+                        std::vector<int32_t> pos(nt);
+                        for (int t = 0; t < nt; t++)
+                            pos[t] = t == 0 ? 0 : (int32_t)(rnd32() % 200000);
+                        float *dq = dup(q), *dk = dup(k), *df = dup(f);
+                        int32_t *dp = dup(pos);
+                        CK(m40k_rope(dq, qs, nq, dk, ks, nk, hd, rot, dp, nt, 500000.0f, ff ? df : nullptr, neox, 0));
+                        m40_ref_rope(q.data(), qs, nq, k.data(), ks, nk, hd, rot, pos.data(), nt, 500000.0f,
+                                     ff ? f.data() : nullptr, neox);
+                        char what[96];
+                        snprintf(what, sizeof what, "rope hd %d rot %d neox %d ff %d tokens %d", hd, rot, neox, ff, nt);
+                        std::vector<float> gq = back(dq, q.size()), gk = back(dk, k.size());
+                        compare(what, gq.data(), q.data(), q.size(), 1e-5f, 1e-5f);
+                        compare(what, gk.data(), k.data(), k.size(), 1e-5f, 1e-5f);
+                        cudaFree(dq), cudaFree(dk), cudaFree(df), cudaFree(dp);
+                    }
+}
+
+/* ---------------------------------------------------------------- 4. glu, add */
+static void test_act(void)
+{
+    for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
+        for (int rows : {1, 3, 17}) {
+            const int n = 4096 + 64 + 1;
+            const int64_t is = 2 * n + 1, os = n + 3;
+            std::vector<float> in = rand_vec(rows * is, -6, 6), c(rows * os, 0.0f);
+            float *din = dup(in), *dout;
+            CK(cudaMalloc(&dout, c.size() * 4));
+            CK(cudaMemset(dout, 0, c.size() * 4));
+            CK(m40k_glu(act, din, din + n, is, dout, os, rows, n, 0));
+            m40_ref_glu(act, in.data(), in.data() + n, is, c.data(), os, rows, n);
+            std::vector<float> g = back(dout, c.size());
+            char what[64];
+            snprintf(what, sizeof what, "glu act %d rows %d", act, rows);
+            compare(what, g.data(), c.data(), c.size(), 1e-5f, 1e-5f);
+            cudaFree(din), cudaFree(dout);
+        }
+    const int64_t n = 100003;
+    std::vector<float> a = rand_vec(n), b = rand_vec(n), c(n);
+    float *da = dup(a), *db = dup(b);
+    CK(m40k_add(da, da, db, n, 0));
+    m40_ref_add(c.data(), a.data(), b.data(), n);
+    std::vector<float> g = back(da, n);
+    compare("add in place", g.data(), c.data(), n, 0, 0);
+    cudaFree(da), cudaFree(db);
+}
+
+/* ---------------------------------------------------------------- paged cache fixture */
+struct Paged {
+    int n_seqs, n_blocks;
+    std::vector<int32_t> indptr, indices, lpl, lens;
+};
+/* sequences of the given lengths; physical blocks shuffled over a pool with spares */
+static Paged make_paged(const std::vector<int> &lens)
+{
+    Paged p;
+    p.n_seqs = (int)lens.size();
+    p.lens = lens;
+    p.indptr.push_back(0);
+    int total = 0;
+    for (int l : lens) {
+        int pages = (l + M40K_PAGE - 1) / M40K_PAGE;
+        total += pages;
+        p.indptr.push_back(total);
+        p.lpl.push_back(l - (pages - 1) * M40K_PAGE);
+    }
+    p.n_blocks = total + 5;
+    std::vector<int32_t> perm(p.n_blocks);
+    for (int i = 0; i < p.n_blocks; i++)
+        perm[i] = i;
+    for (int i = p.n_blocks - 1; i > 0; i--)
+        std::swap(perm[i], perm[rnd32() % (i + 1)]);
+    p.indices.assign(perm.begin(), perm.begin() + total);
+    return p;
+}
+
+/* ---------------------------------------------------------------- 5-7. kv append, attention */
+static void test_attention(void)
+{
+    for (int hd : {64, 128, 256})
+        for (int G : {1, 4, 8, 7}) {
+            if (G == 7 && hd != 64)
+                continue;
+            const int nkv = 2, nh = nkv * G;
+            const float scale = 1.0f / sqrtf((float)hd);
+            /* sequences: total lengths and how many of their last tokens are new */
+            std::vector<int> lens = {1, 15, 16, 17, 100, 1000}, news = {1, 15, 3, 17, 100, 37};
+            Paged p = make_paged(lens);
+            const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
+            std::vector<uint16_t> kc(cache_elems), vc(cache_elems);
+            for (size_t i = 0; i < cache_elems; i++)
+                kc[i] = m40_fp32_to_fp16(frand(-1, 1)), vc[i] = m40_fp32_to_fp16(frand(-1, 1));
+            std::vector<int32_t> new_indptr = {0};
+            for (int n : news)
+                new_indptr.push_back(new_indptr.back() + n);
+            const int nt = new_indptr.back();
+            const int64_t ks = nkv * hd + 4;
+            std::vector<float> k = rand_vec(nt * ks, -2, 2), v = rand_vec(nt * ks, -2, 2);
+
+            uint16_t *dkc = dup(kc), *dvc = dup(vc);
+            int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *dni = dup(new_indptr);
+            float *dk = dup(k), *dv = dup(v);
+            CK(m40k_kv_append(dkc, dvc, dk, ks, dv, ks, dni, p.n_seqs, nt, dip, dix, dlp, nkv, hd, 0));
+            m40_ref_kv_append(kc.data(), vc.data(), k.data(), ks, v.data(), ks, new_indptr.data(), p.n_seqs, nt,
+                              p.indptr.data(), p.indices.data(), p.lpl.data(), nkv, hd);
+            char what[128];
+            snprintf(what, sizeof what, "kv_append hd %d nkv %d tokens %d", hd, nkv, nt);
+            check(what, back(dkc, cache_elems) == kc && back(dvc, cache_elems) == vc);
+
+            /* decode: one query per sequence, with and without splits */
+            const int64_t qs = nh * hd + 4, os = nh * hd + 8;
+            std::vector<float> q = rand_vec(p.n_seqs * qs, -2, 2), c(p.n_seqs * os, 0.0f);
+            m40_ref_attn_decode(c.data(), os, q.data(), qs, kc.data(), vc.data(), p.indptr.data(), p.indices.data(),
+                                p.lpl.data(), p.n_seqs, nh, nkv, hd, scale);
+            float *dq = dup(q), *dout, *dws;
+            CK(cudaMalloc(&dout, c.size() * 4));
+            for (int splits : {1, 3, 8}) {
+                CK(cudaMemset(dout, 0, c.size() * 4));
+                CK(cudaMalloc(&dws, std::max<size_t>(1, m40k_decode_workspace_floats(p.n_seqs, nh, hd, splits)) * 4));
+                CK(m40k_attn_decode(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv, hd, scale, splits,
+                                    splits > 1 ? dws : nullptr, 0));
+                std::vector<float> g = back(dout, c.size());
+                snprintf(what, sizeof what, "attn_decode hd %d G %d splits %d ctx 1..1000", hd, G, splits);
+                compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
+                cudaFree(dws);
+            }
+            cudaFree(dq), cudaFree(dout);
+
+            /* prefill: the new tokens of every sequence as queries */
+            std::vector<float> pq = rand_vec(nt * qs, -2, 2), pc(nt * os, 0.0f);
+            m40_ref_attn_prefill(pc.data(), os, pq.data(), qs, new_indptr.data(), p.n_seqs, nt, kc.data(), vc.data(),
+                                 p.indptr.data(), p.indices.data(), p.lpl.data(), nh, nkv, hd, scale);
+            float *dpq = dup(pq), *dpo;
+            CK(cudaMalloc(&dpo, pc.size() * 4));
+            CK(cudaMemset(dpo, 0, pc.size() * 4));
+            CK(m40k_attn_prefill(dpo, os, dpq, qs, dni, p.n_seqs, nt, dkc, dvc, dip, dix, dlp, nh, nkv, hd, scale, 0));
+            std::vector<float> g = back(dpo, pc.size());
+            snprintf(what, sizeof what, "attn_prefill hd %d G %d rows %d", hd, G, nt);
+            compare(what, g.data(), pc.data(), pc.size(), 2e-4f, 1e-3f);
+            cudaFree(dpq), cudaFree(dpo);
+            cudaFree(dkc), cudaFree(dvc), cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(dni), cudaFree(dk),
+                cudaFree(dv);
+        }
+}
+
+/* ---------------------------------------------------------------- 8. gemv */
+static const int gemv_types[] = {M40K_TYPE_F16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+
+static void test_gemv(void)
+{
+    for (int type : gemv_types)
+        for (int K : {256 * 3, 256 * 9, 4096 + 256})
+            for (int N : {1, 17, 259})
+                for (int batch : {1, 3, 8}) {
+                    std::vector<uint8_t> w = quant_matrix(type, N, K);
+                    const int64_t xs = K + 4, ys = N + 1;
+                    std::vector<float> x = rand_vec(batch * xs), c(batch * ys, 0.0f);
+                    m40_ref_gemv(w.data(), type, N, K, x.data(), xs, c.data(), ys, batch);
+                    /* tolerance from the row's magnitude: sum |w||x| */
+                    std::vector<float> deq(K);
+                    double mag = 0;
+                    for (int n = 0; n < N; n++) {
+                        m40_dequantize_row((uint32_t)type, w.data() + n * row_bytes(type, K), deq.data(), K);
+                        double m = 0;
+                        for (int i = 0; i < K; i++)
+                            m += fabs(deq[i]);
+                        mag = std::max(mag, m);
+                    }
+                    uint8_t *dw = dup(w);
+                    float *dx = dup(x), *dy;
+                    CK(cudaMalloc(&dy, c.size() * 4));
+                    CK(cudaMemset(dy, 0, c.size() * 4));
+                    CK(m40k_gemv(dw, type, N, K, dx, xs, dy, ys, batch, 0));
+                    std::vector<float> g = back(dy, c.size());
+                    char what[96];
+                    snprintf(what, sizeof what, "gemv %s N %d K %d batch %d", m40_type_name(type), N, K, batch);
+                    compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
+                    cudaFree(dw), cudaFree(dx), cudaFree(dy);
+                }
+}
+
+/* ---------------------------------------------------------------- 9. sampling */
+static void test_sample(void)
+{
+    for (int vocab : {1, 17, 32000 + 17, 151936}) {
+        const int rows = 3, top_k = std::min(5, vocab);
+        const int64_t st = vocab + 3;
+        std::vector<float> l = rand_vec(rows * st, -10, 10);
+        if (vocab > 100)
+            l[1 * st + 5] = l[1 * st + 77] = 30.0f; /* a tie: lowest id wins */
+        std::vector<int32_t> tok(rows), tt(rows * top_k);
+        std::vector<float> lp(rows), tl(rows * top_k);
+        m40_ref_sample_greedy(l.data(), st, rows, vocab, tok.data(), lp.data(), top_k, tt.data(), tl.data());
+        float *dl = dup(l), *dlp, *dtl;
+        int32_t *dtok, *dtt;
+        CK(cudaMalloc(&dlp, rows * 4));
+        CK(cudaMalloc(&dtl, rows * top_k * 4));
+        CK(cudaMalloc(&dtok, rows * 4));
+        CK(cudaMalloc(&dtt, rows * top_k * 4));
+        CK(m40k_sample_greedy(dl, st, rows, vocab, dtok, dlp, top_k, dtt, dtl, 0));
+        char what[64];
+        snprintf(what, sizeof what, "sample vocab %d tokens", vocab);
+        check(what, back(dtok, rows) == tok && back(dtt, rows * top_k) == tt);
+        snprintf(what, sizeof what, "sample vocab %d logprobs", vocab);
+        std::vector<float> g = back(dlp, rows), gt = back(dtl, rows * top_k);
+        compare(what, g.data(), lp.data(), rows, 1e-4f, 1e-4f);
+        compare(what, gt.data(), tl.data(), rows * top_k, 1e-4f, 1e-4f);
+        cudaFree(dl), cudaFree(dlp), cudaFree(dtl), cudaFree(dtok), cudaFree(dtt);
+    }
+}
+
+/* ---------------------------------------------------------------- bench */
+static void bench_gemv(void)
+{
+    const double peak = 3020.0; /* GB/s, H100 80GB HBM3 copy bandwidth */
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("bench: %s, %d SMs; roofline %.0f GB/s (H100 copy bandwidth)\n", prop.name, prop.multiProcessorCount, peak);
+    struct { int N, K; } shapes[] = {{4096, 14336}, {14336, 4096}};
+    for (auto sh : shapes)
+        for (int type : gemv_types) {
+            const size_t bytes = row_bytes(type, sh.K) * sh.N;
+            std::vector<uint8_t> w(bytes);
+            for (auto &b : w)
+                b = (uint8_t)rnd32();
+            if (type != M40K_TYPE_Q4_K) /* keep F16 values / scales finite: small exponents */
+                for (size_t i = 1; i < bytes; i += 2)
+                    w[i] &= 0x3B;
+            uint8_t *dw = dup(w);
+            std::vector<float> x = rand_vec((size_t)8 * sh.K);
+            float *dx = dup(x), *dy;
+            CK(cudaMalloc(&dy, (size_t)8 * sh.N * 4));
+            for (int batch : {1, 8}) {
+                cudaEvent_t e0, e1;
+                CK(cudaEventCreate(&e0));
+                CK(cudaEventCreate(&e1));
+                for (int i = 0; i < 3; i++)
+                    CK(m40k_gemv(dw, type, sh.N, sh.K, dx, sh.K, dy, sh.N, batch, 0));
+                const int iters = 50;
+                CK(cudaEventRecord(e0));
+                for (int i = 0; i < iters; i++)
+                    CK(m40k_gemv(dw, type, sh.N, sh.K, dx, sh.K, dy, sh.N, batch, 0));
+                CK(cudaEventRecord(e1));
+                CK(cudaEventSynchronize(e1));
+                float ms;
+                CK(cudaEventElapsedTime(&ms, e0, e1));
+                const double us = ms * 1000.0 / iters, gbs = bytes / (us * 1e3);
+                printf("bench gemv %-5s N %5d K %5d batch %d: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n",
+                       m40_type_name(type), sh.N, sh.K, batch, us, gbs, 100.0 * gbs / peak);
+                cudaEventDestroy(e0), cudaEventDestroy(e1);
+            }
+            cudaFree(dw), cudaFree(dx), cudaFree(dy);
+        }
+}
+
+int main(int argc, char **argv)
+{
+    int ndev = 0;
+    cudaError_t e = cudaGetDeviceCount(&ndev);
+    if (e != cudaSuccess || ndev == 0) {
+        printf("SKIP: no CUDA device (%s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        printf("0 passed, 0 failed, 1 skipped\n");
+        return 0;
+    }
+    const bool bench = argc > 1 && strcmp(argv[1], "--bench") == 0;
+    struct { const char *name; void (*fn)(void); } tests[] = {
+        {"embed", test_embed},   {"rmsnorm", test_rmsnorm},     {"rope", test_rope},   {"act", test_act},
+        {"attention", test_attention}, {"gemv", test_gemv}, {"sample", test_sample},
+    };
+    for (auto &t : tests) {
+        int f0 = n_fail, p0 = n_pass;
+        t.fn();
+        printf("%-10s %d passed, %d failed\n", t.name, n_pass - p0, n_fail - f0);
+    }
+    if (bench)
+        bench_gemv();
+    printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
+    return n_fail ? 1 : 0;
+}

@@ -1,0 +1,166 @@
+/* CPU twins of the CUDA kernels (engine/cpu_ref.c) against direct formulas: paged
+ * attention equals naive contiguous attention, prefill's last row equals decode, the KV
+ * append lands where the page table says, RoPE matches the rotation formula. */
+#include <math.h>
+
+#include "check.h"
+#include "cpu_ref.h"
+#include "quant.h"
+
+static uint32_t rs = 12345;
+static float frand(void)
+{
+    rs = rs * 1664525u + 1013904223u;
+    return (float)(rs >> 8) / 16777216.0f * 2.0f - 1.0f;
+}
+
+static void test_paged_attention(void)
+{
+    enum { HD = 64, NKV = 2, G = 4, NH = NKV * G };
+    const int lens[3] = {1, 17, 40};
+    /* pages of sequence s are given in reverse physical order to exercise the table */
+    int32_t indptr[4] = {0}, indices[8], lpl[3];
+    int nb = 0;
+    for (int s = 0; s < 3; s++) {
+        int pages = (lens[s] + 15) / 16;
+        for (int p = 0; p < pages; p++)
+            indices[indptr[s] + p] = 7 - (nb + p);
+        nb += pages;
+        indptr[s + 1] = nb;
+        lpl[s] = lens[s] - (pages - 1) * 16;
+    }
+    CHECK(nb == 6, "pages %d", nb);
+    static uint16_t kc[8 * NKV * 16 * HD], vc[8 * NKV * 16 * HD];
+    static float k[3 * 40 * NKV * HD], v[3 * 40 * NKV * HD]; /* contiguous copy [s][t][h][d] */
+    int32_t new_indptr[4] = {0};
+    static float nk[97 * NKV * HD], nv[97 * NKV * HD];
+    for (int s = 0, row = 0; s < 3; s++) {
+        new_indptr[s + 1] = new_indptr[s] + lens[s];
+        for (int t = 0; t < lens[s]; t++, row++)
+            for (int j = 0; j < NKV * HD; j++) {
+                float a = m40_fp16_to_fp32(m40_fp32_to_fp16(frand()));
+                float b = m40_fp16_to_fp32(m40_fp32_to_fp16(frand()));
+                nk[row * NKV * HD + j] = k[(s * 40 + t) * NKV * HD + j] = a;
+                nv[row * NKV * HD + j] = v[(s * 40 + t) * NKV * HD + j] = b;
+            }
+    }
+    m40_ref_kv_append(kc, vc, nk, NKV * HD, nv, NKV * HD, new_indptr, 3, new_indptr[3], indptr, indices, lpl, NKV, HD);
+    /* token 20 of sequence 2, head 1, dim 5 sits in page indices[indptr[2] + 1], slot 4 */
+    size_t at = (((size_t)indices[indptr[2] + 1] * NKV + 1) * 16 + 4) * HD + 5;
+    CHECK(m40_fp16_to_fp32(kc[at]) == k[(2 * 40 + 20) * NKV * HD + 1 * HD + 5], "append position");
+
+    float q[3 * NH * HD], out[3 * NH * HD];
+    for (int i = 0; i < 3 * NH * HD; i++)
+        q[i] = frand();
+    const float scale = 0.125f;
+    m40_ref_attn_decode(out, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale);
+    double worst = 0;
+    for (int s = 0; s < 3; s++)
+        for (int h = 0; h < NH; h++) {
+            const float *qh = q + (s * NH + h) * HD;
+            double sc[40], mx = -1e30, sum = 0;
+            for (int t = 0; t < lens[s]; t++) {
+                double d = 0;
+                for (int j = 0; j < HD; j++)
+                    d += qh[j] * k[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
+                sc[t] = d * scale;
+                mx = fmax(mx, sc[t]);
+            }
+            for (int t = 0; t < lens[s]; t++)
+                sum += sc[t] = exp(sc[t] - mx);
+            for (int j = 0; j < HD; j++) {
+                double o = 0;
+                for (int t = 0; t < lens[s]; t++)
+                    o += sc[t] * v[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
+                worst = fmax(worst, fabs(o / sum - out[(s * NH + h) * HD + j]));
+            }
+        }
+    CHECK(worst < 1e-5, "paged decode vs naive: max diff %g", worst);
+
+    /* prefill with all 97 tokens as queries: each sequence's last row equals decode */
+    static float pq[97 * NH * HD], po[97 * NH * HD];
+    for (int s = 0; s < 3; s++)
+        for (int i = 0; i < NH * HD; i++)
+            for (int t = new_indptr[s]; t < new_indptr[s + 1]; t++)
+                pq[t * NH * HD + i] = t == new_indptr[s + 1] - 1 ? q[s * NH * HD + i] : frand();
+    m40_ref_attn_prefill(po, NH * HD, pq, NH * HD, new_indptr, 3, 97, kc, vc, indptr, indices, lpl, NH, NKV, HD,
+                         scale);
+    worst = 0;
+    for (int s = 0; s < 3; s++)
+        for (int i = 0; i < NH * HD; i++)
+            worst = fmax(worst, fabs(po[(new_indptr[s + 1] - 1) * NH * HD + i] - out[s * NH * HD + i]));
+    CHECK(worst < 1e-6, "prefill last row vs decode: %g", worst);
+    /* the first token of a sequence attends only to itself: output = its V */
+    worst = 0;
+    for (int h = 0; h < NH; h++)
+        for (int j = 0; j < HD; j++)
+            worst = fmax(worst, fabs(po[new_indptr[1] * NH * HD + h * HD + j] - v[(1 * 40) * NKV * HD + (h / G) * HD + j]));
+    CHECK(worst < 1e-6, "causal first row = V: %g", worst);
+}
+
+static void test_rope(void)
+{
+    enum { HD = 16, ROT = 8 };
+    float x[2 * HD], y[2 * HD];
+    int32_t pos = 1234;
+    for (int neox = 0; neox <= 1; neox++) {
+        for (int i = 0; i < 2 * HD; i++)
+            x[i] = y[i] = frand();
+        m40_ref_rope(y, 2 * HD, 2, NULL, 0, 0, HD, ROT, &pos, 1, 10000.0f, NULL, neox);
+        double worst = 0;
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < ROT / 2; i++) {
+                double th = pos / pow(10000.0, 2.0 * i / ROT);
+                int a = neox ? i : 2 * i, b = neox ? i + ROT / 2 : 2 * i + 1;
+                double ra = x[h * HD + a] * cos(th) - x[h * HD + b] * sin(th);
+                double rb = x[h * HD + a] * sin(th) + x[h * HD + b] * cos(th);
+                worst = fmax(worst, fmax(fabs(ra - y[h * HD + a]), fabs(rb - y[h * HD + b])));
+            }
+        for (int h = 0; h < 2; h++)
+            for (int i = ROT; i < HD; i++)
+                worst = fmax(worst, fabs(x[h * HD + i] - y[h * HD + i])); /* beyond rot_dim: untouched */
+        CHECK(worst < 1e-5, "rope neox %d: %g", neox, worst);
+    }
+}
+
+static void test_small(void)
+{
+    float x[5] = {1, -2, 3, -4, 5}, w[5] = {1, 1, 1, 1, 2}, o[5];
+    m40_ref_rmsnorm(x, 5, w, o, M40K_TYPE_F32, 5, 1, 5, 0.0f);
+    CHECK(fabsf(o[4] - 2 * 5 / sqrtf(11.0f)) < 1e-6f, "rmsnorm %g", o[4]);
+    float g[2] = {0.0f, 2.0f}, u[2] = {3.0f, 3.0f}, r[2];
+    m40_ref_glu(M40K_GLU_SILU, g, u, 2, r, 2, 1, 2);
+    CHECK(r[0] == 0.0f && fabsf(r[1] - 3 * 2 / (1 + expf(-2))) < 1e-6f, "silu %g", r[1]);
+    m40_ref_glu(M40K_GLU_GELU_TANH, g, u, 2, r, 2, 1, 2);
+    CHECK(fabsf(r[1] - 3 * 1.9545977f) < 1e-4f, "gelu %g", r[1]);
+    float logits[6] = {1, 5, 5, -2, 4, 0};
+    int32_t tok, tt[3];
+    float lp, tl[3];
+    m40_ref_sample_greedy(logits, 6, 1, 6, &tok, &lp, 3, tt, tl);
+    double lse = 0;
+    for (int i = 0; i < 6; i++)
+        lse += exp(logits[i]);
+    CHECK(tok == 1 && fabs(lp - (5 - log(lse))) < 1e-5, "argmax %d %g", tok, lp);
+    CHECK(tt[0] == 1 && tt[1] == 2 && tt[2] == 4, "top-k %d %d %d", tt[0], tt[1], tt[2]);
+    /* gemv twin = dequantize then dot */
+    float wrow[64], xv[64], deq[64];
+    uint8_t q[2 * 34];
+    for (int i = 0; i < 64; i++)
+        wrow[i] = frand(), xv[i] = frand();
+    m40_quantize_row(M40_TYPE_Q8_0, wrow, q, 64);
+    m40_dequantize_row(M40_TYPE_Q8_0, q, deq, 64);
+    double d = 0;
+    for (int i = 0; i < 64; i++)
+        d += deq[i] * xv[i];
+    float yv;
+    m40_ref_gemv(q, M40K_TYPE_Q8_0, 1, 64, xv, 64, &yv, 1, 1);
+    CHECK(fabs(yv - d) < 1e-5, "gemv q8_0 %g vs %g", yv, d);
+}
+
+int main(void)
+{
+    test_paged_attention();
+    test_rope();
+    test_small();
+    return check_done();
+}
