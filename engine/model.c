@@ -19,6 +19,14 @@
 #include "quant.h"
 #include "threadpool.h"
 
+/* Gemma 3 has its own weights and forward pass in model_gemma3.c; this object keeps
+ * the GGUF, tokenizer, params, thread pool and KV cache layout for it. */
+typedef struct m40_gemma3 m40_gemma3;
+int m40_gemma3_load(const m40_gguf *g, m40_model_params *p, m40_gemma3 **out, char *err, size_t errlen);
+void m40_gemma3_free(m40_gemma3 *g);
+int m40_gemma3_forward(m40_gemma3 *g, m40_threadpool *pool, float *kv_k, float *kv_v, int32_t kv_ctx,
+                       const m40_batch *b, float *logits, char *err, size_t errlen);
+
 /* A weight matrix in GGUF layout: `rows` rows (ne[1], the output dim) of `cols`
  * elements (ne[0], the input dim), row r at data + r * row_bytes. */
 typedef struct {
@@ -46,6 +54,7 @@ struct m40_model {
     matrix tok_embd, output;
     float *output_norm;
     layer *layers;
+    m40_gemma3 *gemma3;           /* arch gemma3: holds the weights (the llama ones above stay unset) */
 
     m40_threadpool *pool;
     int n_threads;
@@ -212,7 +221,7 @@ static int load_hparams(m40_model *m, char *err, size_t errlen)
         return -1;
     }
     if (strcmp(arch, "llama") != 0 && strcmp(arch, "qwen2") != 0) {
-        set_err(err, errlen, "architecture '%s' is not supported (llama, qwen2)", arch);
+        set_err(err, errlen, "architecture '%s' is not supported (llama, qwen2, gemma3)", arch);
         return -1;
     }
     snprintf(p->arch, sizeof p->arch, "%s", arch);
@@ -358,7 +367,15 @@ int m40_model_load(const char *path, int n_threads, m40_model **out, char *err, 
         set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
-    if (load_hparams(m, sub, sizeof sub) || load_weights(m, sub, sizeof sub)) {
+    const char *arch = m40_gguf_arch(m->gguf);
+    if (arch && !strcmp(arch, "gemma3")) {
+        if (m40_gemma3_load(m->gguf, &m->p, &m->gemma3, sub, sizeof sub)) {
+            set_err(err, errlen, "%s: %s", path, sub);
+            goto fail;
+        }
+        m->q_dim = m->p.n_heads * m->p.head_dim;
+        m->kv_dim = m->p.n_kv_heads * m->p.head_dim;
+    } else if (load_hparams(m, sub, sizeof sub) || load_weights(m, sub, sizeof sub)) {
         set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
@@ -401,6 +418,7 @@ void m40_model_free(m40_model *m)
     }
     free(m->output_norm);
     free(m->rope_freq_factors);
+    m40_gemma3_free(m->gemma3);
     m40_threadpool_free(m->pool);
     m40_tokenizer_free(m->tok);
     m40_gguf_close(m->gguf);
@@ -708,6 +726,8 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
     const m40_model_params *p = &m->p;
     if (check_batch(m, kv, b, err, errlen))
         return -1;
+    if (m->gemma3)
+        return m40_gemma3_forward(m->gemma3, m->pool, kv->k, kv->v, kv->ctx, b, logits, err, errlen);
     int32_t n = b->n;
     if (ensure_scratch(m, n, kv->ctx)) {
         set_err(err, errlen, "out of memory for a batch of %d tokens", (int)n);

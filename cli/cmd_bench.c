@@ -1,0 +1,365 @@
+/* m40 bench: prefill and decode throughput of the forward pass (engine/model.h), with
+ * no scheduler, HTTP or sampling in the way.
+ *
+ * Prefill: --prompt-len random token ids run through a fresh KV slot, one forward call
+ * per --chunk tokens. Decode: --gen greedy steps after that prompt, one forward call per
+ * step; with --batch B, B sequences in B slots advance together, one call of B tokens
+ * per step. Each measurement is repeated --reps times; every run and the median are
+ * printed.
+ *
+ * The roofline (see GUIDE.md, "Performance method"): a decode step reads every weight
+ * once, so steps/s can not beat bandwidth / weight bytes. The weight bytes are the sum
+ * of the GGUF's tensor sizes; KV cache and activation traffic are left out, so the
+ * printed fraction is an upper bound on how much of the memory system the weights use. */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli.h"
+#include "ggml_types.h"
+#include "model.h"
+
+#define BENCH_DEFAULT_BANDWIDTH_GBS 3020.0 /* H100 80GB HBM3 copy bandwidth, GUIDE.md */
+
+typedef struct {
+    const char *model_path;
+    long threads, prompt_len, gen, reps, batch, chunk;
+    unsigned long long seed;
+    double bandwidth_gbs;
+} bench_opts;
+
+typedef struct {
+    double prefill_s; /* all batch slots together */
+    double decode_s;
+} bench_run;
+
+static void bench_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: m40 bench MODEL [options]\n"
+            "  --device D        cpu (default) or a GPU index; GPU needs a GPU engine in this build\n"
+            "  --threads N       CPU threads (default: all)\n"
+            "  --prompt-len N    random prompt tokens prefilled per sequence (default 512)\n"
+            "  --chunk N         prompt tokens per prefill forward call (default 512)\n"
+            "  --gen N           greedy decode steps per sequence (default 128)\n"
+            "  --batch B         sequences decoded together, one forward call of B tokens per step (default 1)\n"
+            "  --reps N          repetitions; each is printed, then the median (default 3)\n"
+            "  --bandwidth GB/s  memory bandwidth of the roofline (default %.0f: H100 80GB HBM3 copy)\n"
+            "  --seed S          seed of the random prompt token ids (default 1)\n",
+            BENCH_DEFAULT_BANDWIDTH_GBS);
+}
+
+static int parse_long(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (!*s || *end || errno || v < lo || v > hi)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* xorshift64*: reproducible prompt token ids, no libc rand() state shared with anyone. */
+static uint64_t rng_next(uint64_t *s)
+{
+    *s ^= *s >> 12;
+    *s ^= *s << 25;
+    *s ^= *s >> 27;
+    return *s * 2685821657736338717ULL;
+}
+
+static int32_t argmax(const float *v, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (v[i] > v[best])
+            best = i;
+    return best;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(const double *v, long n)
+{
+    double *s = malloc((size_t)n * sizeof *s);
+    if (!s)
+        return v[0];
+    memcpy(s, v, (size_t)n * sizeof *s);
+    qsort(s, (size_t)n, sizeof *s, cmp_double);
+    double m = n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+    free(s);
+    return m;
+}
+
+/* Human-readable bytes: "14.48 GB (14483464192 bytes)" style, decimal units like the GUIDE. */
+static void print_bytes(double b)
+{
+    if (b >= 1e9)
+        printf("%.2f GB", b / 1e9);
+    else if (b >= 1e6)
+        printf("%.2f MB", b / 1e6);
+    else
+        printf("%.2f kB", b / 1e3);
+    printf(" (%.0f bytes)", b);
+}
+
+/* One repetition: prefill every slot with its own random prompt, then decode greedily.
+ * Buffers are the caller's, sized for batch tokens of chunk / batch rows of logits. */
+static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *rng, bench_run *r, char *err,
+                      size_t errlen)
+{
+    const m40_model_params *p = m40_model_get_params(m);
+    const int32_t B = (int32_t)o->batch, V = p->n_vocab;
+    size_t nbuf = (size_t)(o->chunk > o->batch ? o->chunk : o->batch);
+    int32_t *tok = malloc(nbuf * sizeof *tok), *pos = malloc(nbuf * sizeof *pos);
+    int32_t *slot = malloc(nbuf * sizeof *slot), *next = malloc((size_t)B * sizeof *next);
+    uint8_t *want = malloc(nbuf);
+    float *logits = malloc((size_t)B * (size_t)V * sizeof *logits);
+    int rc = -1;
+    if (!tok || !pos || !slot || !next || !want || !logits) {
+        snprintf(err, errlen, "out of memory for the batch buffers");
+        goto out;
+    }
+
+    /* Prefill: slot s restarts at position 0, which is all a fresh slot needs. */
+    double t0 = now_s();
+    for (int32_t s = 0; s < B; s++) {
+        for (long start = 0; start < o->prompt_len; start += o->chunk) {
+            int32_t n = (int32_t)(o->prompt_len - start < o->chunk ? o->prompt_len - start : o->chunk);
+            for (int32_t i = 0; i < n; i++) {
+                tok[i] = (int32_t)(rng_next(rng) % (uint64_t)V);
+                pos[i] = (int32_t)(start + i);
+                slot[i] = s;
+            }
+            m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = NULL};
+            if (m40_model_forward(m, kv, &b, logits, err, errlen))
+                goto out;
+        }
+        next[s] = argmax(logits, V);
+    }
+    r->prefill_s = now_s() - t0;
+
+    /* Decode: every step feeds each slot its previous greedy token. */
+    for (int32_t s = 0; s < B; s++)
+        want[s] = 1;
+    t0 = now_s();
+    for (long step = 0; step < o->gen; step++) {
+        for (int32_t s = 0; s < B; s++) {
+            tok[s] = next[s];
+            pos[s] = (int32_t)(o->prompt_len + step);
+            slot[s] = s;
+        }
+        m40_batch b = {.n = B, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+        if (m40_model_forward(m, kv, &b, logits, err, errlen))
+            goto out;
+        for (int32_t s = 0; s < B; s++)
+            next[s] = argmax(logits + (size_t)s * (size_t)V, V);
+    }
+    r->decode_s = now_s() - t0;
+    rc = 0;
+out:
+    free(tok);
+    free(pos);
+    free(slot);
+    free(next);
+    free(want);
+    free(logits);
+    return rc;
+}
+
+static int parse_args(int argc, char **argv, bench_opts *o)
+{
+    *o = (bench_opts){.threads = 0, .prompt_len = 512, .gen = 128, .reps = 3, .batch = 1, .chunk = 512,
+                      .seed = 1, .bandwidth_gbs = BENCH_DEFAULT_BANDWIDTH_GBS};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            bench_usage(stdout);
+            return 0;
+        }
+        if (!(a[0] == '-' && a[1] == '-')) {
+            if (o->model_path) {
+                fprintf(stderr, "m40 bench: more than one model given ('%s')\n", a);
+                return 2;
+            }
+            o->model_path = a;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "m40 bench: %s needs a value\n", a);
+            return 2;
+        }
+        const char *v = argv[++i];
+        long *target = NULL, lo = 0, hi = 0;
+        if (!strcmp(a, "--device")) {
+            long dev;
+            if (!strcmp(v, "cpu") || !strcmp(v, "-1"))
+                continue;
+            if (parse_long(v, 0, 1024, &dev)) {
+                fprintf(stderr, "m40 bench: --device must be cpu or a GPU index\n");
+                return 2;
+            }
+            /* engine/model.h loads onto the CPU only; a device option plugs in here once
+             * the model API has one. */
+            fprintf(stderr, "m40 bench: --device %ld: this build's model API (engine/model.h) has no GPU "
+                            "loading yet, so there is nothing to measure on a GPU; run without --device "
+                            "(or --device cpu) for the CPU backend\n", dev);
+            return 1;
+        } else if (!strcmp(a, "--threads")) {
+            target = &o->threads, lo = 0, hi = 1024;
+        } else if (!strcmp(a, "--prompt-len")) {
+            target = &o->prompt_len, lo = 1, hi = 1L << 24;
+        } else if (!strcmp(a, "--chunk")) {
+            target = &o->chunk, lo = 1, hi = 1L << 20;
+        } else if (!strcmp(a, "--gen")) {
+            target = &o->gen, lo = 1, hi = 1L << 24;
+        } else if (!strcmp(a, "--batch")) {
+            target = &o->batch, lo = 1, hi = 4096;
+        } else if (!strcmp(a, "--reps")) {
+            target = &o->reps, lo = 1, hi = 1000;
+        } else if (!strcmp(a, "--seed")) {
+            char *end;
+            errno = 0;
+            o->seed = strtoull(v, &end, 10);
+            if (!*v || *end || errno) {
+                fprintf(stderr, "m40 bench: --seed needs a non-negative integer\n");
+                return 2;
+            }
+            continue;
+        } else if (!strcmp(a, "--bandwidth")) {
+            char *end;
+            errno = 0;
+            o->bandwidth_gbs = strtod(v, &end);
+            if (!*v || *end || errno || !(o->bandwidth_gbs > 0)) {
+                fprintf(stderr, "m40 bench: --bandwidth needs a positive number of GB/s\n");
+                return 2;
+            }
+            continue;
+        } else {
+            fprintf(stderr, "m40 bench: unknown option %s\n", a);
+            bench_usage(stderr);
+            return 2;
+        }
+        if (parse_long(v, lo, hi, target)) {
+            fprintf(stderr, "m40 bench: %s must be an integer in %ld..%ld\n", a, lo, hi);
+            return 2;
+        }
+    }
+    if (!o->model_path) {
+        bench_usage(stderr);
+        return 2;
+    }
+    return -1; /* go on */
+}
+
+int m40_cmd_bench(int argc, char **argv)
+{
+    bench_opts o;
+    int prc = parse_args(argc, argv, &o);
+    if (prc >= 0)
+        return prc;
+
+    char err[512];
+    m40_model *m = NULL;
+    if (m40_model_load(o.model_path, (int)o.threads, &m, err, sizeof err)) {
+        fprintf(stderr, "m40 bench: %s\n", err);
+        return 1;
+    }
+    const m40_model_params *p = m40_model_get_params(m);
+    const m40_gguf *g = m40_model_gguf(m);
+    double weight_bytes = 0;
+    for (uint64_t i = 0; i < m40_gguf_n_tensors(g); i++)
+        weight_bytes += (double)m40_gguf_tensor_at(g, i)->nbytes;
+
+    long ctx = o.prompt_len + o.gen;
+    if (ctx > INT32_MAX) {
+        fprintf(stderr, "m40 bench: --prompt-len + --gen is too large\n");
+        m40_model_free(m);
+        return 2;
+    }
+    double kv_bytes = (double)o.batch * p->n_layers * (double)ctx * 2.0 * p->n_kv_heads * p->head_dim * 4.0;
+    m40_kv *kv = m40_kv_new(m, (int32_t)o.batch, (int32_t)ctx);
+    if (!kv) {
+        fprintf(stderr, "m40 bench: cannot allocate the KV cache (%ld slots of %ld positions, %.2f GB)\n", o.batch,
+                ctx, kv_bytes / 1e9);
+        m40_model_free(m);
+        return 1;
+    }
+
+    printf("model:    %s (%s, %s%s%s)\n", o.model_path, p->arch, m40_type_name(p->weight_type),
+           p->name[0] ? ", " : "", p->name);
+    printf("shape:    %d layers, dim %d, %d heads / %d kv heads x %d, ffn %d, vocab %d\n", (int)p->n_layers,
+           (int)p->dim, (int)p->n_heads, (int)p->n_kv_heads, (int)p->head_dim, (int)p->ffn_dim, (int)p->n_vocab);
+    printf("weights:  ");
+    print_bytes(weight_bytes);
+    printf(" = sum of the GGUF's tensor sizes\n");
+    printf("device:   cpu, %d threads\n", m40_model_n_threads(m));
+    printf("setup:    prompt %ld random tokens (chunks of %ld), decode %ld greedy steps, batch %ld, %ld reps; "
+           "KV cache %.2f GB (F32)\n",
+           o.prompt_len, o.chunk, o.gen, o.batch, o.reps, kv_bytes / 1e9);
+    fflush(stdout);
+
+    double *prefill_tps = calloc((size_t)o.reps, sizeof *prefill_tps);
+    double *decode_tps = calloc((size_t)o.reps, sizeof *decode_tps);
+    double *step_ps = calloc((size_t)o.reps, sizeof *step_ps);
+    int rc = 1;
+    if (!prefill_tps || !decode_tps || !step_ps) {
+        fprintf(stderr, "m40 bench: out of memory\n");
+        goto out;
+    }
+    uint64_t rng = o.seed * 0x9E3779B97F4A7C15ULL + 0x2545F4914F6CDD1DULL;
+    if (!rng)
+        rng = 1;
+    for (long r = 0; r < o.reps; r++) {
+        bench_run run;
+        if (bench_once(m, kv, &o, &rng, &run, err, sizeof err)) {
+            fprintf(stderr, "m40 bench: run %ld: %s\n", r + 1, err);
+            goto out;
+        }
+        prefill_tps[r] = (double)(o.prompt_len * o.batch) / run.prefill_s;
+        step_ps[r] = (double)o.gen / run.decode_s;
+        decode_tps[r] = step_ps[r] * (double)o.batch;
+        printf("run %ld:    prefill %ld tokens in %.3f s = %.1f tok/s;  decode %ld x %ld tokens in %.3f s = "
+               "%.2f tok/s (%.2f steps/s)\n",
+               r + 1, o.prompt_len * o.batch, run.prefill_s, prefill_tps[r], o.gen, o.batch, run.decode_s,
+               decode_tps[r], step_ps[r]);
+        fflush(stdout);
+    }
+
+    double pf = median(prefill_tps, o.reps), dt = median(decode_tps, o.reps), st = median(step_ps, o.reps);
+    double implied_gbs = weight_bytes * st / 1e9;
+    double roof_steps = o.bandwidth_gbs * 1e9 / weight_bytes;
+    printf("median:   prefill %.1f tok/s, decode %.2f tok/s (batch %ld, %.2f steps/s)\n", pf, dt, o.batch, st);
+    printf("roofline: decode reads the weights once per step: %.4g GB x %.2f steps/s = %.4g GB/s of weight "
+           "reads;\n          against --bandwidth %.0f GB/s (roofline %.1f steps/s = %.1f tok/s at batch %ld) "
+           "that is %.2f%% of the roofline (weights only; KV cache reads not counted)\n",
+           weight_bytes / 1e9, st, implied_gbs, o.bandwidth_gbs, roof_steps, roof_steps * (double)o.batch, o.batch,
+           100.0 * implied_gbs / o.bandwidth_gbs);
+    /* One line for scripts (tests/bench/run-all.sh). */
+    printf("result: prefill_tok_s=%.2f decode_tok_s=%.3f batch=%ld weight_bytes=%.0f weight_gb_s=%.2f "
+           "roofline_pct=%.3f bandwidth_gb_s=%.0f device=cpu\n",
+           pf, dt, o.batch, weight_bytes, implied_gbs, 100.0 * implied_gbs / o.bandwidth_gbs, o.bandwidth_gbs);
+    rc = 0;
+out:
+    free(prefill_tps);
+    free(decode_tps);
+    free(step_ps);
+    m40_kv_free(kv);
+    m40_model_free(m);
+    return rc;
+}

@@ -1,0 +1,327 @@
+#!/usr/bin/env bash
+# The whole benchmark table on one host, in one command:
+#
+#   tests/bench/run-all.sh                  synthetic mistral-7b F16, Q8_0, Q4_K_M on GPU 0
+#   tests/bench/run-all.sh --device cpu --model /work/shared/models/stories260K.gguf \
+#       --prompt-words 10 --max-tokens 32 --ctx-size 256 --concurrency "4 8"   (a smoke run)
+#
+# For each model: `m40 bench` (prefill and batch-1 decode tokens/s, fraction of the
+# bandwidth roofline), then `m40 serve` (nginx + the module) with tests/bench/load.py
+# at each --concurrency of streaming chats, then a shared-prefix run that reads
+# m40_prompt_tokens_computed_total from /metrics. Prints one table at the end; the
+# raw output of every step stays in --out.
+#
+# Each piece that is missing (the m40 binary, `m40 mkmodel`, a GPU engine behind
+# --device, the nginx module, python3) is reported in the table with the reason and
+# the rest goes on. Build first: make -j build/m40 build/ngx_http_m40_module.so
+#
+# Options (defaults in brackets):
+#   --device D            GPU index or cpu [0]
+#   --shape S             m40 mkmodel shape [mistral-7b]
+#   --types "T ..."       mkmodel types [F16 Q8_0 Q4_K_M]
+#   --model FILE          benchmark this GGUF instead of synthetic ones (repeatable)
+#   --model-dir DIR       where synthetic models are made / reused [build/bench-models]
+#   --serve-types "T ..." which of the types also get the server runs [all of --types]
+#   --concurrency "N ..." concurrent streams of the server runs [16 64]
+#   --requests-per-stream R  requests = R x concurrency [2]
+#   --prompt-words N      random words per user message [100]
+#   --max-tokens N        max_tokens per request [256]
+#   --shared-prefix-words K  shared system message of the prefix run; 0 skips it [1000]
+#   --ctx-size N          m40 serve --ctx-size [2048]
+#   --max-seqs N          m40 serve --max-seqs [largest --concurrency]
+#   --bench-args "..."    extra arguments for m40 bench, e.g. "--reps 5 --gen 256"
+#   --bandwidth GB/s      roofline bandwidth [3020: H100 80GB HBM3 copy]
+#   --port N              loopback port of the server [18090]
+#   --out DIR             logs and raw results [build/bench-results/<date>]
+#   --extra-json JSON     passed to load.py (e.g. '{"ignore_eos": true}')
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+ROOT=$(pwd)
+
+M40=${M40:-$ROOT/build/m40}
+DEVICE=0
+SHAPE=mistral-7b
+TYPES="F16 Q8_0 Q4_K_M"
+MODELS=()
+MODEL_DIR=$ROOT/build/bench-models
+SERVE_TYPES=
+CONCURRENCY="16 64"
+RPS=2
+PROMPT_WORDS=100
+MAX_TOKENS=256
+PREFIX_WORDS=1000
+CTX_SIZE=2048
+MAX_SEQS=
+BENCH_ARGS=
+BANDWIDTH=3020
+PORT=18090
+OUT=
+EXTRA_JSON=
+
+usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+    if [ $# -lt 2 ] && [ "$1" != -h ] && [ "$1" != --help ]; then
+        echo "run-all.sh: $1 needs a value" >&2; exit 2
+    fi
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --device) DEVICE=$2 ;;
+        --shape) SHAPE=$2 ;;
+        --types) TYPES=$2 ;;
+        --model) MODELS+=("$2") ;;
+        --model-dir) MODEL_DIR=$2 ;;
+        --serve-types) SERVE_TYPES=$2 ;;
+        --concurrency) CONCURRENCY=$2 ;;
+        --requests-per-stream) RPS=$2 ;;
+        --prompt-words) PROMPT_WORDS=$2 ;;
+        --max-tokens) MAX_TOKENS=$2 ;;
+        --shared-prefix-words) PREFIX_WORDS=$2 ;;
+        --ctx-size) CTX_SIZE=$2 ;;
+        --max-seqs) MAX_SEQS=$2 ;;
+        --bench-args) BENCH_ARGS=$2 ;;
+        --bandwidth) BANDWIDTH=$2 ;;
+        --port) PORT=$2 ;;
+        --out) OUT=$2 ;;
+        --extra-json) EXTRA_JSON=$2 ;;
+        *) echo "run-all.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift 2
+done
+if [ -z "$MAX_SEQS" ]; then
+    MAX_SEQS=1
+    for c in $CONCURRENCY; do [ "$c" -gt "$MAX_SEQS" ] && MAX_SEQS=$c; done
+fi
+OUT=${OUT:-$ROOT/build/bench-results/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT" || exit 1
+LOAD="python3 $ROOT/tests/bench/load.py"
+
+say() { echo "== $*" >&2; }
+# Rows of the two tables, tab-separated, filled as the run goes.
+ENGINE_ROWS=()
+SERVER_ROWS=()
+
+# ---- the machine -------------------------------------------------------------------
+MACHINE_CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -1)
+MACHINE_NCPU=$(nproc 2>/dev/null || echo "?")
+if command -v nvidia-smi >/dev/null 2>&1; then
+    MACHINE_GPU=$(nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>/dev/null | tr '\n' ';')
+else
+    MACHINE_GPU="none (no nvidia-smi)"
+fi
+REV=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git -C "$ROOT" status --porcelain 2>/dev/null | head -1)" ]; then REV="$REV+local changes"; fi
+
+# ---- prerequisites -----------------------------------------------------------------
+HAVE_M40=1
+if [ ! -x "$M40" ]; then
+    say "no m40 binary at $M40: build it with 'make -j build/m40' (or set M40=path); nothing can be measured"
+    HAVE_M40=0
+fi
+# The subcommands this m40 has, read once (commands still being written are absent).
+M40_HELP=
+[ "$HAVE_M40" = 1 ] && M40_HELP=$("$M40" --help 2>&1)
+has_cmd() { grep -q "^  m40 $1\b" <<<"$M40_HELP"; }
+HAVE_PY=1
+command -v python3 >/dev/null 2>&1 || { say "python3 missing: the server runs (load.py) are skipped"; HAVE_PY=0; }
+
+# ---- models --------------------------------------------------------------------------
+# Each entry: LABEL<TAB>PATH, or LABEL<TAB>!reason when it could not be made.
+ENTRIES=()
+if [ ${#MODELS[@]} -gt 0 ]; then
+    for f in "${MODELS[@]}"; do
+        if [ -r "$f" ]; then ENTRIES+=("$(basename "$f" .gguf)	$f"); else ENTRIES+=("$(basename "$f" .gguf)	!cannot read $f"); fi
+    done
+    [ -z "$SERVE_TYPES" ] && SERVE_TYPES=all
+else
+    mkdir -p "$MODEL_DIR" || exit 1
+    MK_OUT_OPT=
+    if has_cmd mkmodel; then
+        # The output option of m40 mkmodel, from its own help.
+        mkhelp=$("$M40" mkmodel --help 2>&1)
+        if grep -q -- "--output" <<<"$mkhelp"; then MK_OUT_OPT=--output
+        elif grep -q -- "--out\b" <<<"$mkhelp"; then MK_OUT_OPT=--out
+        elif grep -q -- "-o " <<<"$mkhelp"; then MK_OUT_OPT=-o
+        else MK_OUT_OPT=positional; fi
+    fi
+    for t in $TYPES; do
+        f=$MODEL_DIR/$SHAPE-$t.gguf
+        if [ -s "$f" ]; then
+            say "reusing $f"
+            ENTRIES+=("$SHAPE $t	$f")
+        elif [ -z "$MK_OUT_OPT" ]; then
+            ENTRIES+=("$SHAPE $t	!m40 mkmodel is not in this build")
+        else
+            say "making $f (m40 mkmodel --shape $SHAPE --type $t)"
+            if [ "$MK_OUT_OPT" = positional ]; then
+                "$M40" mkmodel --shape "$SHAPE" --type "$t" "$f" >"$OUT/mkmodel-$t.log" 2>&1
+            else
+                "$M40" mkmodel --shape "$SHAPE" --type "$t" "$MK_OUT_OPT" "$f" >"$OUT/mkmodel-$t.log" 2>&1
+            fi
+            if [ $? -eq 0 ] && [ -s "$f" ]; then
+                ENTRIES+=("$SHAPE $t	$f")
+            else
+                ENTRIES+=("$SHAPE $t	!m40 mkmodel failed: $(tail -1 "$OUT/mkmodel-$t.log")")
+            fi
+        fi
+    done
+    [ -z "$SERVE_TYPES" ] && SERVE_TYPES=$TYPES
+fi
+
+# ---- m40 bench -------------------------------------------------------------------------
+kv() { sed -n 's/^result: .*\b'"$2"'=\([^ ]*\).*/\1/p' "$1" | tail -1; }
+for e in "${ENTRIES[@]}"; do
+    label=${e%%	*}; path=${e#*	}
+    if [[ $path == '!'* ]]; then ENGINE_ROWS+=("$label	${path#!}"); continue; fi
+    if ! has_cmd bench; then ENGINE_ROWS+=("$label	m40 bench is not in this build"); continue; fi
+    log=$OUT/bench-${label// /-}.log
+    say "m40 bench $path --device $DEVICE $BENCH_ARGS"
+    # shellcheck disable=SC2086
+    "$M40" bench "$path" --device "$DEVICE" --bandwidth "$BANDWIDTH" $BENCH_ARGS >"$log" 2>&1
+    rc=$?
+    if [ $rc -ne 0 ] || ! grep -q '^result:' "$log"; then
+        ENGINE_ROWS+=("$label	m40 bench failed (exit $rc): $(grep -v '^ *$' "$log" | tail -1)")
+        continue
+    fi
+    wb=$(kv "$log" weight_bytes)
+    ENGINE_ROWS+=("$label	$(awk -v b="$wb" 'BEGIN{printf (b >= 1e9 ? "%.2f" : "%.3g"), b/1e9}')	$(kv "$log" prefill_tok_s)	$(kv "$log" decode_tok_s)	$(awk -v b="$wb" -v bw="$BANDWIDTH" 'BEGIN{printf "%.1f", bw*1e9/b}')	$(kv "$log" roofline_pct)	$(kv "$log" device)")
+done
+
+# ---- m40 serve + load.py ---------------------------------------------------------------
+SERVE_PID=
+stop_server() {
+    if [ -n "$SERVE_PID" ] && kill -0 "$SERVE_PID" 2>/dev/null; then
+        kill -TERM "$SERVE_PID" 2>/dev/null
+        for _ in $(seq 50); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 0.2; done
+        kill -0 "$SERVE_PID" 2>/dev/null && kill -KILL "$SERVE_PID" 2>/dev/null
+        wait "$SERVE_PID" 2>/dev/null
+    fi
+    SERVE_PID=
+}
+trap 'stop_server' EXIT
+trap 'stop_server; exit 130' INT TERM
+
+port_answers() {
+    python3 - "$PORT" <<'EOF'
+import socket, sys
+s = socket.socket()
+s.settimeout(1)
+sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
+EOF
+}
+# Waits until GET /v1/models answers 200 (the model is loaded), the server exits, or 600 s.
+wait_ready() {
+    python3 - "$PORT" "$SERVE_PID" <<'EOF'
+import os, sys, time, urllib.request
+port, pid = sys.argv[1], int(sys.argv[2])
+deadline = time.time() + 600
+while time.time() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit(2)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+            if r.status == 200:
+                sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+EOF
+}
+jget() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); v=d.get(sys.argv[2]); print("-" if v is None else (f"{v:.1f}" if isinstance(v,float) else v))' "$1" "$2"; }
+
+in_serve_types() { [ "$SERVE_TYPES" = all ] && return 0; for t in $SERVE_TYPES; do [ "$1" = "$SHAPE $t" ] && return 0; done; return 1; }
+
+for e in "${ENTRIES[@]}"; do
+    label=${e%%	*}; path=${e#*	}
+    in_serve_types "$label" || continue
+    if [[ $path == '!'* ]]; then SERVER_ROWS+=("$label	-	${path#!}"); continue; fi
+    if [ "$HAVE_PY" = 0 ]; then SERVER_ROWS+=("$label	-	python3 missing"); continue; fi
+    if ! has_cmd serve; then SERVER_ROWS+=("$label	-	m40 serve is not in this build"); continue; fi
+    if port_answers; then SERVER_ROWS+=("$label	-	port $PORT is already in use: pass --port"); continue; fi
+    slog=$OUT/serve-${label// /-}.log
+    name=bench-${label// /-}
+    say "m40 serve $path --port $PORT --device $DEVICE (log $slog)"
+    "$M40" serve "$path" --port "$PORT" --device "$DEVICE" --name "$name" --ctx-size "$CTX_SIZE" \
+        --max-seqs "$MAX_SEQS" >"$slog" 2>&1 &
+    SERVE_PID=$!
+    wait_ready
+    rc=$?
+    if [ $rc -ne 0 ]; then
+        why="server exited"
+        [ $rc = 1 ] && why="server not ready after 600 s"
+        SERVER_ROWS+=("$label	-	$why: $(grep -v '^ *$' "$slog" | grep -iv notice | tail -1)")
+        stop_server
+        continue
+    fi
+    extra=()
+    [ -n "$EXTRA_JSON" ] && extra=(--extra-json "$EXTRA_JSON")
+    for c in $CONCURRENCY; do
+        res=$OUT/load-${label// /-}-c$c.json
+        say "load.py --concurrency $c --requests $((RPS * c))"
+        $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
+            --prompt-words "$PROMPT_WORDS" --max-tokens "$MAX_TOKENS" "${extra[@]}" --json >"$res" 2>"$res.err"
+        if ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
+            SERVER_ROWS+=("$label	$c streams	load.py failed: $(tail -1 "$res.err")")
+            continue
+        fi
+        if [ "$(jget "$res" ok)" = 0 ]; then
+            SERVER_ROWS+=("$label	$c streams	$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("0/%d ok: %s" % (d["requests"], "; ".join(d["error_kinds"])[:200]))' "$res")")
+            continue
+        fi
+        SERVER_ROWS+=("$label	$c streams	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)")
+    done
+    if [ "$PREFIX_WORDS" -gt 0 ]; then
+        c=$(set -- $CONCURRENCY; echo "$1")
+        res=$OUT/load-${label// /-}-prefix.json
+        say "load.py shared prefix: $PREFIX_WORDS-word system message, --concurrency $c"
+        $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
+            --prompt-words 20 --shared-prefix-words "$PREFIX_WORDS" --max-tokens 32 --metrics "${extra[@]}" \
+            --json >"$res" 2>"$res.err"
+        if python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
+            PREFIX_ROW=$(python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+pt, pc = d.get("prompt_tokens") or 0, d.get("prompt_tokens_computed")
+if not d["ok"]:
+    print("0/%d ok: %s" % (d["requests"], "; ".join(d["error_kinds"])[:200]))
+elif pc is None:
+    print("/metrics unavailable: %s" % d.get("metrics_error"))
+else:
+    print("%d/%d ok, %d prompt tokens sent, %d computed (%.1f%% reused), TTFT p50 %s ms" % (d["ok"], d["requests"],
+          pt, pc, 100.0 * (1 - pc / pt) if pt else 0.0,
+          "-" if d.get("ttft_p50_ms") is None else "%.1f" % d["ttft_p50_ms"]))' "$res")
+            SERVER_ROWS+=("$label	prefix	$PREFIX_ROW")
+        else
+            SERVER_ROWS+=("$label	prefix	load.py failed: $(tail -1 "$res.err")")
+        fi
+    fi
+    stop_server
+done
+
+# ---- the table ---------------------------------------------------------------------
+row() { # prints tab-separated fields in fixed columns; a 2-field row is a message row
+    local IFS='	'; local -a f; read -r -a f <<<"$1"; shift
+    local widths=("$@") i out=""
+    if [ ${#f[@]} -le 3 ] && [ ${#f[@]} -lt ${#widths[@]} ]; then
+        for ((i = 0; i < ${#f[@]} - 1; i++)); do out+=$(printf "%-${widths[$i]}s " "${f[$i]}"); done
+        echo "$out${f[${#f[@]}-1]}"; return
+    fi
+    for ((i = 0; i < ${#f[@]}; i++)); do out+=$(printf "%-${widths[$i]:-10}s " "${f[$i]}"); done
+    echo "$out"
+}
+echo
+echo "m40 benchmark table  ($(date -u '+%Y-%m-%d %H:%M UTC'), m40 $REV)"
+echo "machine: $MACHINE_CPU x $MACHINE_NCPU CPUs; GPU: $MACHINE_GPU"
+echo "device: $DEVICE; roofline bandwidth $BANDWIDTH GB/s; raw output in $OUT"
+echo
+echo "engine (m40 bench $BENCH_ARGS: prefill of a random prompt, batch-1 greedy decode; roofline = bandwidth / weight bytes)"
+row "model	weights GB	prefill tok/s	decode tok/s	roofline tok/s	% roofline	device" 18 11 14 13 15 11 7
+for r in "${ENGINE_ROWS[@]}"; do row "$r" 18 11 14 13 15 11 7; done
+if [ ${#SERVER_ROWS[@]} -gt 0 ]; then
+    echo
+    echo "server (m40 serve + load.py: streaming chats, $PROMPT_WORDS-word prompts, max_tokens $MAX_TOKENS, temperature 0)"
+    row "model	load	ok/req	gen tok/s	TTFT p50 ms	TTFT p99 ms	ITL p50 ms	ITL p99 ms	tokens/req" 18 11 8 10 12 12 11 11 10
+    for r in "${SERVER_ROWS[@]}"; do row "$r" 18 11 8 10 12 12 11 11 10; done
+fi
