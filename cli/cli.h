@@ -11,4 +11,5 @@ int m40_cmd_eval(int argc, char **argv) __attribute__((weak));
 int m40_cmd_serve(int argc, char **argv) __attribute__((weak));
 int m40_cmd_bench(int argc, char **argv) __attribute__((weak));
 
+int m40_cmd_mkmodel(int argc, char **argv) __attribute__((weak));
 #endif

@@ -15,6 +15,7 @@ static const struct {
     {"eval", m40_cmd_eval, "eval [--tol X] MODEL REF.json      teacher-forced comparison with reference logprobs"},
     {"serve", m40_cmd_serve, "serve MODEL [--port N] [--device D] [--name NAME]   OpenAI-compatible HTTP server (nginx)"},
     {"bench", m40_cmd_bench, "bench MODEL [--prompt-len N] [--gen N] [--batch B] [--reps N]   prefill/decode tokens/s and roofline"},
+    {"mkmodel", m40_cmd_mkmodel, "mkmodel --shape NAME --type TYPE [--seed S] [--layers N] OUT.gguf   synthetic model with random weights"},
 };
 
 static void usage(FILE *f)
