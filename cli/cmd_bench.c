@@ -26,7 +26,7 @@
 
 typedef struct {
     const char *model_path;
-    long threads, prompt_len, gen, reps, batch, chunk;
+    long threads, prompt_len, gen, reps, batch, chunk, device;
     unsigned long long seed;
     double bandwidth_gbs;
 } bench_opts;
@@ -40,7 +40,7 @@ static void bench_usage(FILE *f)
 {
     fprintf(f,
             "usage: m40 bench MODEL [options]\n"
-            "  --device D        cpu (default) or a GPU index; GPU needs a GPU engine in this build\n"
+            "  --device D        cpu (default) or a CUDA device index (weights uploaded once, paged F16 KV)\n"
             "  --threads N       CPU threads (default: all)\n"
             "  --prompt-len N    random prompt tokens prefilled per sequence (default 512)\n"
             "  --chunk N         prompt tokens per prefill forward call (default 512)\n"
@@ -185,7 +185,7 @@ out:
 static int parse_args(int argc, char **argv, bench_opts *o)
 {
     *o = (bench_opts){.threads = 0, .prompt_len = 512, .gen = 128, .reps = 3, .batch = 1, .chunk = 512,
-                      .seed = 1, .bandwidth_gbs = BENCH_DEFAULT_BANDWIDTH_GBS};
+                      .seed = 1, .bandwidth_gbs = BENCH_DEFAULT_BANDWIDTH_GBS, .device = -1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -208,18 +208,16 @@ static int parse_args(int argc, char **argv, bench_opts *o)
         long *target = NULL, lo = 0, hi = 0;
         if (!strcmp(a, "--device")) {
             long dev;
-            if (!strcmp(v, "cpu") || !strcmp(v, "-1"))
+            if (!strcmp(v, "cpu") || !strcmp(v, "-1")) {
+                o->device = -1;
                 continue;
+            }
             if (parse_long(v, 0, 1024, &dev)) {
                 fprintf(stderr, "m40 bench: --device must be cpu or a GPU index\n");
                 return 2;
             }
-            /* engine/model.h loads onto the CPU only; a device option plugs in here once
-             * the model API has one. */
-            fprintf(stderr, "m40 bench: --device %ld: this build's model API (engine/model.h) has no GPU "
-                            "loading yet, so there is nothing to measure on a GPU; run without --device "
-                            "(or --device cpu) for the CPU backend\n", dev);
-            return 1;
+            o->device = dev;
+            continue;
         } else if (!strcmp(a, "--threads")) {
             target = &o->threads, lo = 0, hi = 1024;
         } else if (!strcmp(a, "--prompt-len")) {
@@ -276,7 +274,8 @@ int m40_cmd_bench(int argc, char **argv)
 
     char err[512];
     m40_model *m = NULL;
-    if (m40_model_load(o.model_path, (int)o.threads, &m, err, sizeof err)) {
+    m40_model_options mo = {.n_threads = (int)o.threads, .device = (int)o.device, .log_progress = 1};
+    if (m40_model_load_opts(o.model_path, &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 bench: %s\n", err);
         return 1;
     }
@@ -292,7 +291,8 @@ int m40_cmd_bench(int argc, char **argv)
         m40_model_free(m);
         return 2;
     }
-    double kv_bytes = (double)o.batch * p->n_layers * (double)ctx * 2.0 * p->n_kv_heads * p->head_dim * 4.0;
+    int on_gpu = m40_model_device(m) >= 0;
+    double kv_bytes = (double)o.batch * p->n_layers * (double)ctx * 2.0 * p->n_kv_heads * p->head_dim * (on_gpu ? 2.0 : 4.0);
     m40_kv *kv = m40_kv_new(m, (int32_t)o.batch, (int32_t)ctx);
     if (!kv) {
         fprintf(stderr, "m40 bench: cannot allocate the KV cache (%ld slots of %ld positions, %.2f GB)\n", o.batch,
@@ -308,10 +308,14 @@ int m40_cmd_bench(int argc, char **argv)
     printf("weights:  ");
     print_bytes(weight_bytes);
     printf(" = sum of the GGUF's tensor sizes\n");
-    printf("device:   cpu, %d threads\n", m40_model_n_threads(m));
+    if (on_gpu)
+        printf("device:   cuda:%d (paged KV pool of %d blocks of 16 tokens)\n", m40_model_device(m),
+               (int)m40_kv_pool_blocks(kv));
+    else
+        printf("device:   cpu, %d threads\n", m40_model_n_threads(m));
     printf("setup:    prompt %ld random tokens (chunks of %ld), decode %ld greedy steps, batch %ld, %ld reps; "
-           "KV cache %.2f GB (F32)\n",
-           o.prompt_len, o.chunk, o.gen, o.batch, o.reps, kv_bytes / 1e9);
+           "KV cache %.2f GB (%s)\n",
+           o.prompt_len, o.chunk, o.gen, o.batch, o.reps, kv_bytes / 1e9, on_gpu ? "F16, paged" : "F32");
     fflush(stdout);
 
     double *prefill_tps = calloc((size_t)o.reps, sizeof *prefill_tps);
@@ -352,8 +356,9 @@ int m40_cmd_bench(int argc, char **argv)
            100.0 * implied_gbs / o.bandwidth_gbs);
     /* One line for scripts (tests/bench/run-all.sh). */
     printf("result: prefill_tok_s=%.2f decode_tok_s=%.3f batch=%ld weight_bytes=%.0f weight_gb_s=%.2f "
-           "roofline_pct=%.3f bandwidth_gb_s=%.0f device=cpu\n",
-           pf, dt, o.batch, weight_bytes, implied_gbs, 100.0 * implied_gbs / o.bandwidth_gbs, o.bandwidth_gbs);
+           "roofline_pct=%.3f bandwidth_gb_s=%.0f device=%s\n",
+           pf, dt, o.batch, weight_bytes, implied_gbs, 100.0 * implied_gbs / o.bandwidth_gbs, o.bandwidth_gbs,
+           on_gpu ? "cuda" : "cpu");
     rc = 0;
 out:
     free(prefill_tps);

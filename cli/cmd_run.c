@@ -13,14 +13,15 @@
 static void run_usage(FILE *f)
 {
     fprintf(f, "usage: m40 run MODEL -p PROMPT [-n N] [--temp T] [--top-p P] [--top-k K] [--min-p P]\n"
-               "                 [--seed S] [--threads N]\n"
+               "                 [--seed S] [--threads N] [--device D]\n"
                "  -n N         tokens to generate (default 128)\n"
                "  --temp T     temperature (default 0.8; 0 = greedy)\n"
                "  --top-p P    nucleus sampling mass (default 1 = off)\n"
                "  --top-k K    keep the K most likely tokens (default 0 = off)\n"
                "  --min-p P    drop tokens below P times the most likely (default 0 = off)\n"
                "  --seed S     random seed (default: from the clock)\n"
-               "  --threads N  CPU threads (default: all)\n");
+               "  --threads N  CPU threads (default: all)\n"
+               "  --device D   cpu (default) or a CUDA device index\n");
 }
 
 static double now_s(void)
@@ -50,7 +51,7 @@ static int parse_long(const char *s, long long *out)
 int m40_cmd_run(int argc, char **argv)
 {
     const char *model_path = NULL, *prompt = NULL;
-    long long n_gen = 128, threads = 0, top_k = 0, seed = -1;
+    long long n_gen = 128, threads = 0, top_k = 0, seed = -1, device = -1;
     double temp = 0.8, top_p = 1.0, min_p = 0.0;
 
     for (int i = 1; i < argc; i++) {
@@ -78,6 +79,11 @@ int m40_cmd_run(int argc, char **argv)
             bad = !has_val || parse_long(argv[++i], &seed);
         } else if (!strcmp(a, "--threads")) {
             bad = !has_val || parse_long(argv[++i], &threads) || threads < 0 || threads > 1024;
+        } else if (!strcmp(a, "--device")) {
+            if (has_val && !strcmp(argv[i + 1], "cpu"))
+                device = -1, i++;
+            else
+                bad = !has_val || parse_long(argv[++i], &device) || device < -1 || device > 1024;
         } else if (a[0] == '-' && a[1] != '\0') {
             fprintf(stderr, "m40 run: unknown option '%s'\n", a);
             run_usage(stderr);
@@ -103,7 +109,8 @@ int m40_cmd_run(int argc, char **argv)
 
     char err[512];
     m40_model *m = NULL;
-    if (m40_model_load(model_path, (int)threads, &m, err, sizeof err)) {
+    m40_model_options mo = {.n_threads = (int)threads, .device = (int)device, .log_progress = 1};
+    if (m40_model_load_opts(model_path, &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 run: %s\n", err);
         return 1;
     }

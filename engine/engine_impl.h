@@ -79,8 +79,10 @@ typedef struct {
 typedef struct {
     m40_request *r;      /* NULL: free */
     uint64_t order;      /* admission counter: older sequences prefill first */
-    int32_t *prompt;
-    int32_t n_prompt;
+    int32_t *prompt;     /* prompt tokens, then the generated tokens fed so far */
+    int32_t n_prompt;    /* tokens to prefill (grows when a preempted sequence recomputes) */
+    int32_t n_prompt_user; /* the request's prompt length (usage) */
+    int32_t cap_prompt;
     int32_t n_prefilled;
     int32_t n_past;      /* tokens in the KV cache */
     int32_t n_gen;       /* tokens sampled */
@@ -94,6 +96,7 @@ typedef struct {
     double t_last;       /* when the previous token was sampled */
     int fallback_chat;   /* rendered by the fallback template: its end marker stops */
     int cancel;          /* released by the submitter, finish without events */
+    int preempted;       /* KV blocks given back this step: not scheduled again until the next */
 } m40_slot;
 
 struct m40_engine {
@@ -145,6 +148,7 @@ struct m40_engine {
     /* The counters only the engine thread writes; copied into stats (under mu) at the
      * end of every step, so that per-token updates take no lock. */
     m40_engine_stats tstats;
+    uint64_t preemptions;         /* sequences sent back to recompute for lack of KV blocks */
 };
 
 /* engine.c: helpers the scheduler uses. */

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ggml_types.h"
+#include "model_gpu.h"
 #include "quant.h"
 #include "threadpool.h"
 
@@ -27,22 +28,8 @@ void m40_gemma3_free(m40_gemma3 *g);
 int m40_gemma3_forward(m40_gemma3 *g, m40_threadpool *pool, float *kv_k, float *kv_v, int32_t kv_ctx,
                        const m40_batch *b, float *logits, char *err, size_t errlen);
 
-/* A weight matrix in GGUF layout: `rows` rows (ne[1], the output dim) of `cols`
- * elements (ne[0], the input dim), row r at data + r * row_bytes. */
-typedef struct {
-    const uint8_t *data;
-    uint32_t type;
-    int64_t rows;
-    int64_t cols;
-    size_t row_bytes;
-} matrix;
-
-typedef struct {
-    float *attn_norm, *ffn_norm;  /* owned F32 copies */
-    float *bq, *bk, *bv;          /* attention biases (qwen2); NULL when absent */
-    matrix wq, wk, wv, wo;
-    matrix w_gate, w_up, w_down;
-} layer;
+typedef m40_matrix matrix;
+typedef m40_layer layer;
 
 struct m40_model {
     m40_gguf *gguf;
@@ -55,6 +42,8 @@ struct m40_model {
     float *output_norm;
     layer *layers;
     m40_gemma3 *gemma3;           /* arch gemma3: holds the weights (the llama ones above stay unset) */
+    m40_gpu *gpu;                 /* device >= 0: the weights on the GPU, forward runs there */
+    int device;
 
     m40_threadpool *pool;
     int n_threads;
@@ -73,7 +62,8 @@ struct m40_model {
 
 struct m40_kv {
     int32_t n_slots, ctx, n_layers, kv_dim;
-    float *k, *v;                 /* [slot][layer][pos][kv_dim] */
+    float *k, *v;                 /* [slot][layer][pos][kv_dim] (CPU) */
+    m40_gpu_kv *gpu;              /* GPU model: the paged pool instead */
 };
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -356,6 +346,14 @@ static int load_weights(m40_model *m, char *err, size_t errlen)
 
 int m40_model_load(const char *path, int n_threads, m40_model **out, char *err, size_t errlen)
 {
+    m40_model_options o = {.n_threads = n_threads, .device = -1};
+    return m40_model_load_opts(path, &o, out, err, errlen);
+}
+
+int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen)
+{
+    int n_threads = opts ? opts->n_threads : 0;
+    int device = opts ? opts->device : -1;
     *out = NULL;
     m40_model *m = calloc(1, sizeof *m);
     if (!m) {
@@ -394,6 +392,22 @@ int m40_model_load(const char *path, int n_threads, m40_model **out, char *err, 
         goto fail;
     }
     m->n_threads = m40_threadpool_size(m->pool);
+    m->device = -1;
+    if (device >= 0) {
+        if (m->gemma3) {
+            set_err(err, errlen, "%s: architecture 'gemma3' runs on the CPU only for now (the GPU engine covers "
+                    "llama and qwen2); leave out the device", path);
+            goto fail;
+        }
+        m40_gpu_src src = {.p = &m->p, .q_dim = m->q_dim, .kv_dim = m->kv_dim, .tok_embd = &m->tok_embd,
+                           .output = &m->output, .output_norm = m->output_norm,
+                           .rope_freq_factors = m->rope_freq_factors, .layers = m->layers};
+        if (m40_gpu_load(&src, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub)) {
+            set_err(err, errlen, "%s: %s", path, sub);
+            goto fail;
+        }
+        m->device = device;
+    }
     *out = m;
     return 0;
 fail:
@@ -416,6 +430,7 @@ void m40_model_free(m40_model *m)
         }
         free(m->layers);
     }
+    m40_gpu_free(m->gpu);
     free(m->output_norm);
     free(m->rope_freq_factors);
     m40_gemma3_free(m->gemma3);
@@ -434,6 +449,7 @@ const m40_model_params *m40_model_get_params(const m40_model *m) { return &m->p;
 const m40_tokenizer *m40_model_tokenizer(const m40_model *m) { return m->tok; }
 const m40_gguf *m40_model_gguf(const m40_model *m) { return m->gguf; }
 int m40_model_n_threads(const m40_model *m) { return m->n_threads; }
+int m40_model_device(const m40_model *m) { return m->gpu ? m->device : -1; }
 
 /* --------------------------------------------------------------- KV cache ---- */
 
@@ -454,6 +470,14 @@ m40_kv *m40_kv_new(const m40_model *m, int32_t n_slots, int32_t ctx)
     kv->ctx = ctx;
     kv->n_layers = m->p.n_layers;
     kv->kv_dim = m->kv_dim;
+    if (m->gpu) {
+        kv->gpu = m40_gpu_kv_new(m->gpu, n_slots, ctx);
+        if (!kv->gpu) {
+            free(kv);
+            return NULL;
+        }
+        return kv;
+    }
     kv->k = calloc(per_slot * (size_t)n_slots, sizeof(float));
     kv->v = calloc(per_slot * (size_t)n_slots, sizeof(float));
     if (!kv->k || !kv->v) {
@@ -467,10 +491,20 @@ void m40_kv_free(m40_kv *kv)
 {
     if (!kv)
         return;
+    m40_gpu_kv_free(kv->gpu);
     free(kv->k);
     free(kv->v);
     free(kv);
 }
+
+void m40_kv_slot_clear(m40_kv *kv, int32_t slot)
+{
+    if (kv && kv->gpu && slot >= 0 && slot < kv->n_slots)
+        m40_gpu_kv_slot_clear(kv->gpu, slot);
+}
+
+int32_t m40_kv_pool_blocks(const m40_kv *kv) { return kv->gpu ? m40_gpu_kv_blocks_total(kv->gpu) : 0; }
+int32_t m40_kv_pool_free_blocks(const m40_kv *kv) { return kv->gpu ? m40_gpu_kv_blocks_free(kv->gpu) : 0; }
 
 int32_t m40_kv_ctx(const m40_kv *kv) { return kv->ctx; }
 int32_t m40_kv_n_slots(const m40_kv *kv) { return kv->n_slots; }
@@ -726,6 +760,13 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
     const m40_model_params *p = &m->p;
     if (check_batch(m, kv, b, err, errlen))
         return -1;
+    if (m->gpu || kv->gpu) {
+        if (!m->gpu || !kv->gpu) {
+            set_err(err, errlen, "the KV cache and the model live on different devices");
+            return -1;
+        }
+        return m40_gpu_forward(m->gpu, kv->gpu, b, logits, err, errlen);
+    }
     if (m->gemma3)
         return m40_gemma3_forward(m->gemma3, m->pool, kv->k, kv->v, kv->ctx, b, logits, err, errlen);
     int32_t n = b->n;

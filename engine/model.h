@@ -35,6 +35,19 @@ typedef struct m40_model m40_model;
  * supported) and builds the tokenizer. -1 with err naming the problem. n_threads <= 0:
  * all online CPUs. */
 int m40_model_load(const char *path, int n_threads, m40_model **out, char *err, size_t errlen);
+
+/* Loading options. device < 0: the CPU backend; device N >= 0: every weight is
+ * uploaded once to CUDA device N (mmap -> pinned staging -> device) and forward calls
+ * run there with GPU-resident activations and a paged F16 KV cache (llama, qwen2;
+ * engine/model_cuda.c). log_progress: upload progress lines on stderr. */
+typedef struct {
+    int n_threads;
+    int device;
+    int log_progress;
+} m40_model_options;
+int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen);
+/* -1: the CPU, else the CUDA device index the model lives on. */
+int m40_model_device(const m40_model *m);
 void m40_model_free(m40_model *m);
 const m40_model_params *m40_model_get_params(const m40_model *m);
 const m40_tokenizer *m40_model_tokenizer(const m40_model *m);
@@ -52,6 +65,18 @@ m40_kv *m40_kv_new(const m40_model *m, int32_t n_slots, int32_t ctx);
 void m40_kv_free(m40_kv *kv);
 int32_t m40_kv_ctx(const m40_kv *kv);
 int32_t m40_kv_n_slots(const m40_kv *kv);
+/* The slot's sequence is over: on the GPU its KV blocks go back to the pool (a no-op
+ * on the CPU, where a slot's memory is fixed). Positions restart at 0 afterwards.
+ *
+ * On a GPU model the cache is a pool of 16-token blocks (engine/kv_blocks) shared by
+ * all slots, sized by ctx * n_slots or the free GPU memory, whichever is smaller
+ * (the environment variable M40_KV_BLOCKS caps it: a test seam). A slot takes blocks
+ * as its positions grow; a batch whose first position for a slot is below the slot's
+ * length restarts that slot there. */
+void m40_kv_slot_clear(m40_kv *kv, int32_t slot);
+/* Pool blocks in total and unused (GPU); both 0 on the CPU. */
+int32_t m40_kv_pool_blocks(const m40_kv *kv);
+int32_t m40_kv_pool_free_blocks(const m40_kv *kv);
 
 /* One forward call over n tokens that may belong to different slots. For each slot,
  * its tokens appear in increasing position order and positions continue the slot's
@@ -68,6 +93,9 @@ typedef struct {
     const uint8_t *want_logits; /* NULL: only the last token of the batch */
 } m40_batch;
 
+/* M40_FORWARD_NO_BLOCKS (-2, GPU only): the KV pool lacks the blocks this batch needs;
+ * nothing changed, so the caller can free a sequence's slot and retry. */
+#define M40_FORWARD_NO_BLOCKS (-2)
 int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);
 
 #endif

@@ -17,7 +17,12 @@
  * With nothing queued and nothing running the thread sleeps on a condition variable.
  *
  * A slot's KV cache is reused without clearing: a new sequence writes positions from
- * 0 and attends only to positions it has written itself. */
+ * 0 and attends only to positions it has written itself. On a GPU model the cache is
+ * a pool of blocks shared by the slots: a finished sequence's blocks go back at once
+ * (m40_kv_slot_clear), and when a step needs more blocks than are free the forward
+ * call says so (M40_FORWARD_NO_BLOCKS) and changes nothing; the youngest sequence is
+ * then preempted (its blocks freed, its tokens so far, generated ones included,
+ * become a prompt to recompute later) and the step is rebuilt, until it fits. */
 #include "engine_impl.h"
 
 #include <math.h>
@@ -55,6 +60,7 @@ static void slot_finish(m40_engine *e, int32_t i)
 {
     m40_slot *s = &e->slots[i];
     e->done_batch[e->n_done_batch++] = s->r;
+    m40_kv_slot_clear(e->kv, i);
     slot_clear(s);
 }
 
@@ -84,7 +90,7 @@ static void push_done(m40_engine *e, m40_slot *s, m40_finish finish)
     memset(&ev, 0, sizeof ev);
     ev.type = M40_EV_DONE;
     ev.finish = finish;
-    ev.prompt_tokens = s->n_prompt;
+    ev.prompt_tokens = s->n_prompt_user;
     ev.completion_tokens = s->n_gen;
     push_or_drop(e, s->r, &ev);
 }
@@ -434,6 +440,8 @@ static void admit(m40_engine *e, m40_request *r, int32_t slot)
     s->order = e->admit_counter++;
     s->prompt = ids;
     s->n_prompt = n;
+    s->n_prompt_user = n;
+    s->cap_prompt = n;
     e->tstats.prompt_tokens_total += (uint64_t)n;
 }
 
@@ -564,7 +572,42 @@ static void batch_add(m40_engine *e, int32_t *n, int32_t tok, int32_t pos, int32
     (*n)++;
 }
 
-static void run_step(m40_engine *e)
+/* Keeps the token just fed at position s->n_past in s->prompt, so that a preempted
+ * sequence can recompute its whole cache. -1 when out of memory. */
+static int remember_token(m40_slot *s, int32_t tok)
+{
+    if (s->n_past >= s->cap_prompt) {
+        int32_t cap = s->cap_prompt < 16 ? 32 : s->cap_prompt * 2;
+        int32_t *p = realloc(s->prompt, (size_t)cap * sizeof *p);
+        if (!p)
+            return -1;
+        s->prompt = p;
+        s->cap_prompt = cap;
+    }
+    s->prompt[s->n_past] = tok;
+    return 0;
+}
+
+/* Gives slot i's KV blocks back: its tokens so far (and the sampled token not yet fed)
+ * become the prompt it prefills again later; output already emitted stays emitted. */
+static int preempt(m40_engine *e, int32_t i)
+{
+    m40_slot *s = &e->slots[i];
+    m40_kv_slot_clear(e->kv, i);
+    if (s->n_prefilled == s->n_prompt && s->n_gen > 0) {
+        if (remember_token(s, s->next_token) != 0)
+            return -1;
+        s->n_prompt = s->n_past + 1;
+    }
+    s->n_prefilled = 0;
+    s->n_past = 0;
+    s->preempted = 1;
+    e->preemptions++;
+    return 0;
+}
+
+/* Builds the step's batch from the slots' state; returns its size. */
+static int32_t build_batch(m40_engine *e, int32_t *rows_out)
 {
     int32_t n = 0, rows = 0;
     int32_t *take = e->take;
@@ -572,7 +615,7 @@ static void run_step(m40_engine *e)
     for (int32_t i = 0; i < e->max_seqs; i++) {
         m40_slot *s = &e->slots[i];
         take[i] = 0;
-        if (s->r && s->n_prefilled == s->n_prompt) {
+        if (s->r && !s->preempted && s->n_prefilled == s->n_prompt) {
             batch_add(e, &n, s->next_token, s->n_past, i, 1);
             e->row_slot[rows++] = i;
             take[i] = 1;
@@ -584,7 +627,8 @@ static void run_step(m40_engine *e)
         int32_t best = -1;
         for (int32_t i = 0; i < e->max_seqs; i++) {
             m40_slot *s = &e->slots[i];
-            if (s->r && s->n_prefilled < s->n_prompt && take[i] == 0 && (best < 0 || s->order < e->slots[best].order))
+            if (s->r && !s->preempted && s->n_prefilled < s->n_prompt && take[i] == 0 &&
+                (best < 0 || s->order < e->slots[best].order))
                 best = i;
         }
         if (best < 0)
@@ -602,12 +646,67 @@ static void run_step(m40_engine *e)
         take[best] = k;
         budget -= k;
     }
-    if (n == 0)
-        return;
+    *rows_out = rows;
+    return n;
+}
 
-    m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
+/* The KV pool cannot hold the step: preempt the youngest running sequence that holds
+ * blocks or is in the batch, never the oldest one. When the oldest is alone and still
+ * does not fit, it ends (finish "length" once it has generated, else an error). */
+static void make_room(m40_engine *e)
+{
+    int32_t oldest = -1, youngest = -1;
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        m40_slot *s = &e->slots[i];
+        if (!s->r || s->preempted)
+            continue;
+        if (oldest < 0 || s->order < e->slots[oldest].order)
+            oldest = i;
+    }
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        m40_slot *s = &e->slots[i];
+        if (!s->r || s->preempted || i == oldest || (e->take[i] == 0 && s->n_past == 0))
+            continue;
+        if (youngest < 0 || s->order > e->slots[youngest].order)
+            youngest = i;
+    }
+    if (youngest >= 0 && preempt(e, youngest) == 0)
+        return;
+    int32_t i = youngest >= 0 ? youngest : oldest;
+    if (i < 0)
+        return;
+    m40_slot *s = &e->slots[i];
+    if (youngest < 0 && s->n_gen > 0) {
+        push_done(e, s, M40_FINISH_LENGTH);
+    } else {
+        char msg[200];
+        snprintf(msg, sizeof msg, "the sequence (%d tokens) does not fit in the KV cache pool (%d blocks of 16)",
+                 (int)(s->n_prompt), (int)m40_kv_pool_blocks(e->kv));
+        push_error(e, s->r, youngest < 0 ? 400 : 500, msg);
+    }
+    slot_finish(e, i);
+    step_flush(e);
+}
+
+static void run_step(m40_engine *e)
+{
+    int32_t n, rows;
+    int32_t *take = e->take;
+    int rc;
     char err[256];
-    if (m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err) != 0) {
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        e->slots[i].preempted = 0;
+    for (;;) {
+        n = build_batch(e, &rows);
+        if (n == 0)
+            return;
+        m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
+        rc = m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err);
+        if (rc != M40_FORWARD_NO_BLOCKS)
+            break;
+        make_room(e);
+    }
+    if (rc != 0) {
         char msg[300];
         snprintf(msg, sizeof msg, "forward pass failed: %s", err);
         for (int32_t i = 0; i < e->max_seqs; i++)
@@ -625,11 +724,17 @@ static void run_step(m40_engine *e)
         if (s->n_prefilled < s->n_prompt) {
             s->n_prefilled += take[i];
             e->tstats.prompt_tokens_computed += (uint64_t)take[i];
+        } else if (remember_token(s, s->next_token) != 0) {
+            push_error(e, s->r, 500, "out of memory");
+            slot_finish(e, i);
+            take[i] = 0;
+            continue;
         }
         s->n_past += take[i];
     }
     for (int32_t k = 0; k < rows; k++)
-        sequence_advance(e, e->row_slot[k], e->logits + (size_t)k * (size_t)e->n_vocab);
+        if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
+            sequence_advance(e, e->row_slot[k], e->logits + (size_t)k * (size_t)e->n_vocab);
     step_flush(e);
 }
 
@@ -650,7 +755,8 @@ static void stats_publish(m40_engine *e)
     o->completion_tokens_total = t->completion_tokens_total;
     o->running = running;
     o->kv_tokens_used = used;
-    o->kv_tokens_total = (int64_t)e->max_seqs * e->ctx;
+    o->kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16
+                                                        : (int64_t)e->max_seqs * e->ctx;
     memcpy(o->ttft_counts, t->ttft_counts, sizeof o->ttft_counts);
     memcpy(o->itl_counts, t->itl_counts, sizeof o->itl_counts);
     o->ttft_sum = t->ttft_sum;
@@ -662,13 +768,9 @@ static void stats_publish(m40_engine *e)
 
 static int engine_load(m40_engine *e, char *err, size_t errlen)
 {
-    if (e->device >= 0) {
-        snprintf(err, errlen, "device %d was asked for, but this engine runs on the CPU only (device -1)",
-                 e->device);
-        return -1;
-    }
     char merr[384];
-    if (m40_model_load(e->model_path, e->n_threads, &e->model, merr, sizeof merr) != 0) {
+    m40_model_options mo = {.n_threads = e->n_threads, .device = e->device < 0 ? -1 : e->device, .log_progress = 1};
+    if (m40_model_load_opts(e->model_path, &mo, &e->model, merr, sizeof merr) != 0) {
         snprintf(err, errlen, "%s: %s", e->model_path, merr);
         return -1;
     }
@@ -806,7 +908,8 @@ void *m40_engine_thread_main(void *arg)
     }
     pthread_mutex_lock(&e->mu);
     e->state = M40_ENGINE_READY;
-    e->stats.kv_tokens_total = (int64_t)e->max_seqs * e->ctx;
+    e->stats.kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16
+                                                               : (int64_t)e->max_seqs * e->ctx;
     pthread_mutex_unlock(&e->mu);
     m40_engine_wake(e);
 

@@ -1,33 +1,104 @@
 #!/usr/bin/env bash
-# Builds the CUDA kernels and their GPU test (sm_90 only, for speed) and runs it.
-#   tests/gpu/run.sh            compare every kernel with its CPU twin
+# GPU checks, one command (`make check-gpu`); ends with "N passed, N failed, N skipped".
+#   1. every CUDA kernel against its CPU twin (test_kernels.cu; kernels built here with
+#      nvcc for sm_90 only, for speed);
+#   2. the GPU model and engine (test_model_gpu.c, linked against build/libm40engine.a of
+#      a CUDA-configured build): references, batched == alone, 6 concurrent requests,
+#      preemption under a tiny KV pool;
+#   3. `m40 eval --device 0 --tol 5e-2` for every shared model with a reference.
+#   tests/gpu/run.sh            all of it
 #   tests/gpu/run.sh --bench    also the GEMV microbenchmark
-# Needs nvcc (CUDA_DIR, default /usr/local/cuda) and a C compiler; no configure step:
-# the CPU side (engine/quant.c, ggml_types.c, cpu_ref.c) is compiled here directly.
-# ARCH=... overrides the target (e.g. ARCH="-gencode arch=compute_80,code=sm_80").
-set -eu
+# Without a GPU (or nvcc): prints why and "0 passed, 0 failed, 1 skipped", exit 0.
+# Needs nvcc (CUDA_DIR, default /usr/local/cuda) and a C compiler; the CPU side of the
+# kernel test is compiled here directly. ARCH=... overrides the kernel test's target.
+# M40_SHARED: the shared fixtures (default ../shared); M40_BIN: a prebuilt m40 and
+# M40_GPU_TEST: a prebuilt test_model_gpu (used as they are when given).
+set -u
 cd "$(dirname "$0")/../.."
 CUDA_DIR=${CUDA_DIR:-/usr/local/cuda}
 NVCC=${NVCC:-$CUDA_DIR/bin/nvcc}
 ARCH=${ARCH:--gencode arch=compute_90,code=sm_90}
 CC=${CC:-cc}
+export M40_SHARED=${M40_SHARED:-$(cd .. && pwd)/shared}
 out=build/gpu
 mkdir -p "$out"
-objs=()
-for f in engine/quant.c engine/ggml_types.c engine/cpu_ref.c; do
-    o="$out/$(basename "$f" .c).o"
-    $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -c "$f" -o "$o"
-    objs+=("$o")
-done
-pids=()
-for f in kernels/*.cu; do
-    o="$out/$(basename "$f" .cu).o"
-    if [ ! -f "$o" ] || [ "$f" -nt "$o" ] || [ -n "$(find kernels -name '*.h' -newer "$o")" ]; then
-        $NVCC -O3 -std=c++17 $ARCH -Ikernels -c "$f" -o "$o" &
-        pids+=($!)
-    fi
-    objs+=("$o")
-done
-for p in "${pids[@]}"; do wait "$p"; done
-$NVCC -O2 -std=c++17 $ARCH -Ikernels -Iengine tests/gpu/test_kernels.cu "${objs[@]}" -o "$out/test_kernels" -lm
-exec "$out/test_kernels" "$@"
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q GPU; then
+    echo "no NVIDIA GPU here: GPU checks skipped"
+    echo "0 passed, 0 failed, 1 skipped"
+    exit 0
+fi
+passed=0 failed=0 skipped=0
+tally() { # adds the last "N passed, N failed, N skipped" line of a log
+    local line
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$1" | tail -n 1)
+    if [ -z "$line" ]; then failed=$((failed + 1)); return; fi
+    set -- $line
+    passed=$((passed + $1)); failed=$((failed + $3))
+    [ $# -ge 6 ] && skipped=$((skipped + $5))
+}
+log=$(mktemp -d)
+trap 'rm -rf "$log"' EXIT
+
+# 1. kernels
+if [ -x "$NVCC" ]; then
+    (
+        set -e
+        objs=()
+        for f in engine/quant.c engine/ggml_types.c engine/cpu_ref.c; do
+            o="$out/$(basename "$f" .c).o"
+            $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -c "$f" -o "$o"
+            objs+=("$o")
+        done
+        pids=()
+        for f in kernels/*.cu; do
+            o="$out/$(basename "$f" .cu).o"
+            if [ ! -f "$o" ] || [ "$f" -nt "$o" ] || [ -n "$(find kernels -name '*.h' -newer "$o")" ]; then
+                $NVCC -O3 -std=c++17 $ARCH -Ikernels -c "$f" -o "$o" &
+                pids+=($!)
+            fi
+            objs+=("$o")
+        done
+        for p in "${pids[@]}"; do wait "$p"; done
+        $NVCC -O2 -std=c++17 $ARCH -Ikernels -Iengine tests/gpu/test_kernels.cu "${objs[@]}" -o "$out/test_kernels" -lm
+    ) && { echo "== test_kernels"; "$out/test_kernels" "$@" 2>&1 | tee "$log/kernels"; tally "$log/kernels"; } \
+      || { echo "test_kernels: build failed"; failed=$((failed + 1)); }
+else
+    echo "no nvcc at $NVCC: kernel test skipped"; skipped=$((skipped + 1))
+fi
+
+# 2. model and engine on the GPU
+M40_BIN=${M40_BIN:-build/m40}
+gpu_test=${M40_GPU_TEST:-}
+if [ -z "$gpu_test" ] && [ -f build/libm40engine.a ] && [ -f build/engine-libs.txt ]; then
+    gpu_test=$out/test_model_gpu
+    $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -Itests/unit -I"$CUDA_DIR/include" \
+        $(pkg-config --cflags jansson 2>/dev/null) tests/gpu/test_model_gpu.c build/libm40engine.a \
+        $(cat build/engine-libs.txt) -o "$gpu_test" || gpu_test=
+fi
+if [ -n "$gpu_test" ] && [ -x "$gpu_test" ]; then
+    echo "== test_model_gpu"
+    "$gpu_test" 2>&1 | tee "$log/model"
+    tally "$log/model"
+else
+    echo "test_model_gpu: no CUDA build (./configure && make), skipped"; skipped=$((skipped + 1))
+fi
+
+# 3. m40 eval --device 0 on every shared model with a reference
+if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
+    for ref in "$M40_SHARED"/models/ref/*.json; do
+        case "$ref" in *.native.json) continue ;; esac
+        name=$(basename "$ref" .json)
+        model="$M40_SHARED/models/$name.gguf"
+        [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
+        if "$M40_BIN" eval --device 0 --tol 5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
+            passed=$((passed + 1)); echo "eval --device 0 $name: $(tail -n 1 "$log/eval")"
+        else
+            failed=$((failed + 1)); echo "eval --device 0 $name FAILED:"; tail -n 20 "$log/eval"
+        fi
+    done
+else
+    echo "m40 eval --device 0: no $M40_BIN or no references, skipped"; skipped=$((skipped + 1))
+fi
+echo "$passed passed, $failed failed, $skipped skipped"
+[ "$failed" -eq 0 ]

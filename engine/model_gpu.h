@@ -1,0 +1,55 @@
+/* Internal interface between the model front end (model.c: GGUF parsing, validation,
+ * CPU forward) and the GPU back end (model_cuda.c). Not part of the public API. */
+#ifndef M40_MODEL_GPU_H
+#define M40_MODEL_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+
+/* A weight matrix in GGUF layout: `rows` rows (ne[1], the output dim) of `cols`
+ * elements (ne[0], the input dim), row r at data + r * row_bytes. */
+typedef struct {
+    const uint8_t *data;
+    uint32_t type;
+    int64_t rows;
+    int64_t cols;
+    size_t row_bytes;
+} m40_matrix;
+
+typedef struct {
+    float *attn_norm, *ffn_norm;  /* owned F32 copies */
+    float *bq, *bk, *bv;          /* attention biases (qwen2); NULL when absent */
+    m40_matrix wq, wk, wv, wo;
+    m40_matrix w_gate, w_up, w_down;
+} m40_layer;
+
+/* What the GPU back end uploads (host views into the mmap'd GGUF). */
+typedef struct {
+    const m40_model_params *p;
+    int32_t q_dim, kv_dim;
+    const m40_matrix *tok_embd, *output;
+    const float *output_norm;
+    const float *rope_freq_factors;  /* rope_dim/2 entries or NULL */
+    const m40_layer *layers;
+} m40_gpu_src;
+
+typedef struct m40_gpu m40_gpu;
+typedef struct m40_gpu_kv m40_gpu_kv;
+
+/* Uploads every weight to device `device` (mmap -> pinned staging -> device). -1 with
+ * err when there is no such device, CUDA is not built in, or memory runs out. */
+int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu **out, char *err, size_t errlen);
+void m40_gpu_free(m40_gpu *g);
+/* Paged KV pool for n_slots sequences of up to ctx tokens. NULL when out of memory. */
+m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx);
+void m40_gpu_kv_free(m40_gpu_kv *kv);
+void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot);
+int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv);
+int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv);
+/* The batch was validated by the caller (tokens, slots, positions in range). 0, -1
+ * with err, or -2 (M40_FORWARD_NO_BLOCKS) when the pool lacks blocks: nothing changed. */
+int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,143 @@
+/* Helpers of the GPU forward pass; see model_aux.h. */
+#include "cuda_common.h"
+#include "model_aux.h"
+
+#include <math.h>
+
+__global__ void f32_to_f16_kernel(const float *__restrict__ x, uint16_t *__restrict__ y, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = m40k_f2h(x[i]);
+}
+
+extern "C" int m40k_f32_to_f16(const float *x, uint16_t *y, int64_t n, m40k_stream stream)
+{
+    if (n <= 0)
+        return 0;
+    int64_t blocks = (n + 255) / 256;
+    f32_to_f16_kernel<<<(int)(blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(x, y, n);
+    return m40k_launch_status();
+}
+
+__global__ void add_bias_kernel(float *__restrict__ y, int64_t ys, const float *__restrict__ b, int cols)
+{
+    float *row = y + (int64_t)blockIdx.x * ys;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x)
+        row[c] += b[c];
+}
+
+extern "C" int m40k_add_bias(float *y, int64_t y_stride, const float *bias, int rows, int cols, m40k_stream stream)
+{
+    if (rows <= 0 || cols <= 0)
+        return 0;
+    add_bias_kernel<<<rows, 256, 0, stream>>>(y, y_stride, bias, cols);
+    return m40k_launch_status();
+}
+
+__global__ void gather_rows_kernel(float *__restrict__ dst, int64_t ds, const float *__restrict__ src, int64_t ss,
+                                   const int32_t *__restrict__ rows, int dim)
+{
+    const float *s = src + (int64_t)rows[blockIdx.x] * ss;
+    float *d = dst + (int64_t)blockIdx.x * ds;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        d[i] = s[i];
+}
+
+extern "C" int m40k_gather_rows(float *dst, int64_t dst_stride, const float *src, int64_t src_stride,
+                                const int32_t *rows, int n, int dim, m40k_stream stream)
+{
+    if (n <= 0 || dim <= 0)
+        return 0;
+    gather_rows_kernel<<<n, 256, 0, stream>>>(dst, dst_stride, src, src_stride, rows, dim);
+    return m40k_launch_status();
+}
+
+#define AG_T 128
+#define AG_MAXD 512
+
+__global__ __launch_bounds__(AG_T) void attn_generic_kernel(
+    float *__restrict__ out, int64_t os, const float *__restrict__ q, int64_t qs, const int32_t *__restrict__ row_seq,
+    const int32_t *__restrict__ row_pos, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
+    const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, int n_heads, int n_kv_heads, int hd,
+    float scale)
+{
+    __shared__ float qv[AG_MAXD], acc[AG_MAXD], p[AG_T], red_m[AG_T / 32], red_s[AG_T / 32];
+    __shared__ float m_run, l_run, alpha_s;
+    const int row = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int s = row_seq[row], pos = row_pos[row];
+    const int kvh = h / (n_heads / n_kv_heads);
+    const int page0 = indptr[s];
+    for (int d = tid; d < hd; d += AG_T) {
+        qv[d] = q[(int64_t)row * qs + (int64_t)h * hd + d] * scale;
+        acc[d] = 0.0f;
+    }
+    if (tid == 0)
+        m_run = -INFINITY, l_run = 0.0f, alpha_s = 0.0f;
+    __syncthreads();
+    for (int t0 = 0; t0 <= pos; t0 += AG_T) {
+        const int t = t0 + tid;
+        float sc = -INFINITY;
+        if (t <= pos) {
+            const int64_t blk = indices[page0 + t / M40K_PAGE];
+            const uint16_t *kr = kc + (((size_t)blk * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * hd;
+            float dsum = 0.0f;
+            for (int d = 0; d < hd; d++)
+                dsum = fmaf(qv[d], m40k_h2f(kr[d]), dsum);
+            sc = dsum;
+        }
+        float mx = m40k_warp_max(sc);
+        if (lane == 0)
+            red_m[w] = mx;
+        __syncthreads();
+        if (tid == 0) {
+            float m = red_m[0];
+            for (int i = 1; i < AG_T / 32; i++)
+                m = fmaxf(m, red_m[i]);
+            const float m_new = fmaxf(m_run, m);
+            alpha_s = __expf(m_run - m_new);
+            m_run = m_new;
+        }
+        __syncthreads();
+        const float pv = t <= pos ? __expf(sc - m_run) : 0.0f;
+        p[tid] = pv;
+        const float ps = m40k_warp_sum(pv);
+        if (lane == 0)
+            red_s[w] = ps;
+        __syncthreads();
+        if (tid == 0) {
+            float sum = 0.0f;
+            for (int i = 0; i < AG_T / 32; i++)
+                sum += red_s[i];
+            l_run = l_run * alpha_s + sum;
+        }
+        const int cnt = min(AG_T, pos + 1 - t0);
+        for (int d = tid; d < hd; d += AG_T) {
+            float a = acc[d] * alpha_s;
+            for (int j = 0; j < cnt; j++) {
+                const int tt = t0 + j;
+                const int64_t blk = indices[page0 + tt / M40K_PAGE];
+                a = fmaf(p[j], m40k_h2f(vc[(((size_t)blk * n_kv_heads + kvh) * M40K_PAGE + tt % M40K_PAGE) * hd + d]),
+                         a);
+            }
+            acc[d] = a;
+        }
+        __syncthreads();
+    }
+    for (int d = tid; d < hd; d += AG_T)
+        out[(int64_t)row * os + (int64_t)h * hd + d] = l_run > 0.0f ? acc[d] / l_run : 0.0f;
+}
+
+extern "C" int m40k_attn_generic(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                 const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
+                                 const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
+                                 int n_kv_heads, int head_dim, float scale, m40k_stream stream)
+{
+    if (n_rows <= 0)
+        return 0;
+    if (head_dim <= 0 || head_dim > AG_MAXD || n_kv_heads <= 0 || n_heads % n_kv_heads)
+        return M40K_INVALID;
+    dim3 grid(n_rows, n_heads);
+    attn_generic_kernel<<<grid, AG_T, 0, stream>>>(out, out_stride, q, q_stride, row_seq, row_pos, k_cache, v_cache,
+                                                   indptr, indices, n_heads, n_kv_heads, head_dim, scale);
+    return m40k_launch_status();
+}

@@ -1,0 +1,41 @@
+/* Small CUDA helpers of the GPU forward pass (engine/model_cuda.c) that the kernel
+ * families of kernels.h do not cover: type conversion, bias broadcast, row gather, and a
+ * plain paged attention for the shapes the tuned kernels reject (head_dim other than
+ * 64/128/256, or more than 8 query heads per KV head). Same conventions as kernels.h:
+ * asynchronous on `stream`, the launch status returned as a cudaError_t value. */
+#ifndef M40_MODEL_AUX_H
+#define M40_MODEL_AUX_H
+
+#include <stdint.h>
+
+#include "kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y[i] = f16(x[i]), i < n. */
+int m40k_f32_to_f16(const float *x, uint16_t *y, int64_t n, m40k_stream stream);
+
+/* y[r*y_stride + c] += bias[c], r < rows, c < cols. */
+int m40k_add_bias(float *y, int64_t y_stride, const float *bias, int rows, int cols, m40k_stream stream);
+
+/* dst[i*dst_stride + d] = src[rows[i]*src_stride + d], i < n, d < dim. */
+int m40k_gather_rows(float *dst, int64_t dst_stride, const float *src, int64_t src_stride, const int32_t *rows,
+                     int n, int dim, m40k_stream stream);
+
+/* Causal attention over the paged cache for any head_dim <= 512 and any group size:
+ * query row i belongs to sequence row_seq[i] and sits at position row_pos[i]; it
+ * attends to positions 0..row_pos[i] of that sequence's pages (CSR indptr/indices,
+ * layout [block][kv_head][16][head_dim] F16). One block of 128 threads per (row, head),
+ * online softmax over chunks of 128 positions. Slow but shape-agnostic. */
+int m40k_attn_generic(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *row_seq,
+                      const int32_t *row_pos, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int32_t *indptr, const int32_t *indices, int n_heads, int n_kv_heads, int head_dim,
+                      float scale, m40k_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
