@@ -1,6 +1,26 @@
 /* Quantized GEMV for decode batches: y[b][n] = W[n] . x[b], batch 1..8.
  *
- * One warp per weight row, 4 warps per block. The row is walked in segments of 1024
+ * Fast path (W 16-byte aligned and rows a multiple of 16 bytes: every K that is a
+ * multiple of 256, so every real model shape): gemv_fast_kernel below. A block of 4 warps
+ * owns 4/S groups of R = 4 rows; the S warps of a group split the row's segments
+ * (round robin) and their partial sums meet in shared memory at the end. Each warp
+ * walks its segments (512..2048 elements, ~1 KB of each of its R rows) the same way:
+ *   - the segment of all R rows is fetched with 16-byte streaming loads into registers
+ *     one segment ahead (R*CH loads of 16 B in flight per lane), stored to the warp's
+ *     shared buffer, and read back with 32/64/128-bit shared loads (never byte loads);
+ *   - lane l takes the 8 elements 8l + 256i of the segment, so x is read as two float4
+ *     per batch row, coalesced, ONCE for all R rows (R-fold reuse of x from L1/L2);
+ *   - K-quant scales are decoded once per sub-block per segment into shared memory
+ *     (one lane per sub-block), not once per group;
+ *   - 4- and 6-bit quants become floats with one byte permute each: the byte
+ *     0x80|q<<3 (or q<<1) under exponent 0x3F gives f = 1 + q/16 (1 + q/64) exactly, so
+ *     sum(q*x) = 16*(sum(f*x) - sum(x)); with w = a*q - m every group folds into
+ *     acc += A*sum(f*x) + C*sum(x). F16 and Q8_0 convert exactly as before.
+ * Accumulation is F32 throughout (the CPU twin's semantics; rounding differs only in
+ * order). Other alignments take the generic kernel that follows, which is the
+ * original one-warp-per-row design (byte-granular staging).
+ *
+ * Generic kernel: one warp per weight row, 4 warps per block. The row is walked in segments of 1024
  * elements (a whole number of quant blocks of every type). For each segment the warp
  * copies the segment's bytes, widened to 16-byte boundaries, with 16-byte loads into
  * its slice of shared memory; the loads of the NEXT segment are issued into registers
@@ -105,12 +125,300 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
     }
 }
 
+/* ------------------------------------------------------------------ fast path */
+#define GF_WARPS 4
+#define GF_R 4
+
+template <int T> struct gf_cfg;
+template <> struct gf_cfg<M40K_TYPE_F16> { enum { SEG = 512, NSC = 0 }; };
+template <> struct gf_cfg<M40K_TYPE_Q8_0> { enum { SEG = 1024, NSC = 0 }; };
+template <> struct gf_cfg<M40K_TYPE_Q4_0> { enum { SEG = 2048, NSC = 0 }; };
+template <> struct gf_cfg<M40K_TYPE_Q4_K> { enum { SEG = 2048, NSC = 64 }; };  /* (A, C) per 32-sub-block */
+template <> struct gf_cfg<M40K_TYPE_Q6_K> { enum { SEG = 1024, NSC = 64 }; };  /* A per 16-sub-block */
+
+template <int T> struct gf_dims {
+    typedef m40k_tinfo<T> ti;
+    enum {
+        SEG = gf_cfg<T>::SEG,
+        SEGB = SEG / ti::BE * ti::BB,                              /* bytes of a full segment */
+        NCH = (SEGB + 15) / 16 + (SEGB % 16 ? 1 : 0),               /* 16-byte chunks, worst offset */
+        CH = (NCH + 31) / 32,                                       /* chunks per lane */
+        SMB = CH * 512 + 16,                                        /* + slack for 3-word reads */
+        NSC = gf_cfg<T>::NSC > 0 ? gf_cfg<T>::NSC : 1,
+    };
+};
+
+/* 8 bytes at any byte offset a of a 4-byte aligned shared buffer: 3 word loads. */
+__device__ __forceinline__ uint2 gf_ld8(const uint8_t *p, int a)
+{
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(p + (a & ~3));
+    const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+    const int sh = (a & 3) * 8;
+    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
+}
+/* f16 at an even byte offset a */
+__device__ __forceinline__ float gf_ldh(const uint8_t *p, int a)
+{
+    const uint32_t w = *reinterpret_cast<const uint32_t *>(p + (a & ~3));
+    return m40k_h2f((uint16_t)(w >> ((a & 2) * 8)));
+}
+/* byte j of word u, under exponent 0x3F: 1 + (mantissa byte)/128 */
+__device__ __forceinline__ float gf_b2f_one(uint32_t u, int j)
+{
+    return __int_as_float((int)__byte_perm(u, 0x3F000000u, 0x7044u | (j << 8)));
+}
+/* byte j of word u as an exact float 0..255 */
+__device__ __forceinline__ float gf_b2f_int(uint32_t u, int j)
+{
+    return __int_as_float((int)__byte_perm(u, 0x4B000000u, 0x7440u | j)) - 8388608.0f;
+}
+
+/* Decode lane `lane`'s group of segment-relative element e0 = 8*lane + 256*i of one row
+ * staged at p (data starts at byte off). Output: f[8] and A, C with
+ * contribution = A*sum(f*x) + C*sum(x). */
+template <int T>
+__device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2 *sc, int lane, int i, float f[8],
+                                         float &A, float &C)
+{
+    if (T == M40K_TYPE_F16) {
+        const uint4 u = *reinterpret_cast<const uint4 *>(p + 16 * lane + 512 * i); /* off == 0 */
+        m40k_unpack_h8(u, f);
+        A = 1.0f, C = 0.0f;
+    } else if (T == M40K_TYPE_Q8_0) {
+        const int j = 8 * i + (lane >> 2), jj = 8 * (lane & 3);
+        const int bo = off + 34 * j;
+        uint2 v = gf_ld8(p, bo + 2 + jj);
+        v.x ^= 0x80808080u, v.y ^= 0x80808080u;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            f[k] = gf_b2f_int(v.x, k);
+            f[4 + k] = gf_b2f_int(v.y, k);
+        }
+        const float d = gf_ldh(p, bo);
+        A = d, C = -128.0f * d;
+    } else if (T == M40K_TYPE_Q4_0) {
+        const int j = 8 * i + (lane >> 2), jj = 8 * (lane & 3);
+        const int bo = off + 18 * j;
+        const uint2 v = gf_ld8(p, bo + 2 + (jj & 15));
+        const int sh = jj < 16 ? 0 : 4;
+        const uint32_t ux = ((v.x >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
+        const uint32_t uy = ((v.y >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            f[k] = gf_b2f_one(ux, k);
+            f[4 + k] = gf_b2f_one(uy, k);
+        }
+        const float d = gf_ldh(p, bo);
+        A = 16.0f * d, C = -24.0f * d;
+    } else if (T == M40K_TYPE_Q4_K) {
+        /* block i (off == 0, 144-byte blocks stay 16-aligned); e = 8*lane */
+        const int c = lane >> 3, l = 8 * (lane & 7), sh = l < 32 ? 0 : 4;
+        const uint2 v = *reinterpret_cast<const uint2 *>(p + 144 * i + 16 + 32 * c + (l & 31));
+        const uint32_t ux = ((v.x >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
+        const uint32_t uy = ((v.y >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            f[k] = gf_b2f_one(ux, k);
+            f[4 + k] = gf_b2f_one(uy, k);
+        }
+        const float2 ac = sc[8 * i + (lane >> 2)];
+        A = ac.x, C = ac.y;
+    } else if (T == M40K_TYPE_Q6_K) {
+        const int n = lane >> 4, r = 8 * (lane & 15), k = r >> 5, l = r & 31;
+        const int bo = off + 210 * i;
+        const uint2 ql = gf_ld8(p, bo + 64 * n + l + 32 * (k & 1));
+        const uint2 qh = gf_ld8(p, bo + 128 + 32 * n + l);
+        const int shl = k < 2 ? 0 : 4, shh = 2 * k;
+        const uint32_t ux =
+            (((ql.x >> shl) & 0x0F0F0F0Fu) | (((qh.x >> shh) & 0x03030303u) << 4)) * 2u + 0x80808080u;
+        const uint32_t uy =
+            (((ql.y >> shl) & 0x0F0F0F0Fu) | (((qh.y >> shh) & 0x03030303u) << 4)) * 2u + 0x80808080u;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            f[kk] = gf_b2f_one(ux, kk);
+            f[4 + kk] = gf_b2f_one(uy, kk);
+        }
+        A = sc[16 * i + (lane >> 1)].x;
+        C = -1.5f * A;
+    }
+}
+
+/* Per-segment scale decode (K-quants): sc[s] for every sub-block of the staged segment. */
+template <int T>
+__device__ __forceinline__ void gf_scales(const uint8_t *p, int off, float2 *sc, int lane)
+{
+    if (T == M40K_TYPE_Q4_K) {
+#pragma unroll
+        for (int idx = lane; idx < gf_cfg<T>::NSC; idx += 32) {
+            const int blk = idx >> 3, s = idx & 7;
+            const uint4 h = *reinterpret_cast<const uint4 *>(p + 144 * blk); /* off == 0 */
+            const float d = m40k_h2f((uint16_t)(h.x & 0xFFFF)), dmin = m40k_h2f((uint16_t)(h.x >> 16));
+            const int t = (s & 3) * 8;
+            const uint32_t b1 = (h.y >> t) & 0xFF, b2 = (h.z >> t) & 0xFF, b3 = (h.w >> t) & 0xFF;
+            int scv, mnv;
+            if (s < 4) {
+                scv = b1 & 63;
+                mnv = b2 & 63;
+            } else {
+                scv = (b3 & 15) | ((b1 >> 6) << 4);
+                mnv = (b3 >> 4) | ((b2 >> 6) << 4);
+            }
+            const float a = d * (float)scv, m = dmin * (float)mnv;
+            sc[idx] = make_float2(16.0f * a, -(16.0f * a + m));
+        }
+    } else if (T == M40K_TYPE_Q6_K) {
+#pragma unroll
+        for (int idx = lane; idx < gf_cfg<T>::NSC; idx += 32) {
+            const int blk = idx >> 4, t = idx & 15;
+            const uint8_t *b = p + off + 210 * blk;
+            const float d = m40k_h2f((uint16_t)(b[208] | (b[209] << 8)));
+            sc[idx] = make_float2(64.0f * d * (float)(int8_t)b[192 + t], 0.0f);
+        }
+    }
+}
+
+template <int T, int B>
+__global__ __launch_bounds__(GF_WARPS * 32) void gemv_fast_kernel(const uint8_t *__restrict__ w, size_t row_bytes,
+                                                                  int N, int K, int S, const float *__restrict__ x,
+                                                                  int64_t x_stride, float *__restrict__ y,
+                                                                  int64_t y_stride)
+{
+    typedef gf_dims<T> D;
+    constexpr int R = GF_R, SEG = D::SEG, SEGB = D::SEGB, CH = D::CH;
+    __shared__ __align__(16) uint8_t sbuf[GF_WARPS][R][D::SMB];
+    __shared__ __align__(16) float2 ssc[GF_WARPS][R][D::NSC];
+    __shared__ float red[GF_WARPS][R][B];
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int groups = GF_WARPS / S, g = warp / S, ks = warp % S;
+    const int row0 = (blockIdx.x * groups + g) * R;
+    const uint8_t *rowp[R];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        rowp[r] = w + (size_t)min(row0 + r, N - 1) * row_bytes; /* rows past N: recomputed, not written */
+    const int nseg = (K + SEG - 1) / SEG;
+
+    uint4 rg[R][CH];
+    auto fetch = [&](int sg) {
+        const int elems = min(SEG, K - sg * SEG);
+        const size_t s0 = (size_t)sg * SEGB, s1 = s0 + (size_t)elems / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const uintptr_t b0 = (uintptr_t)(rowp[r] + s0), b1 = (uintptr_t)(rowp[r] + s1);
+            const uint4 *a0 = reinterpret_cast<const uint4 *>(b0 & ~(uintptr_t)15);
+            const int nch = (int)((((b1 + 15) & ~(uintptr_t)15) - (b0 & ~(uintptr_t)15)) / 16);
+#pragma unroll
+            for (int c = 0; c < CH; c++)
+                if (lane + 32 * c < nch)
+                    rg[r][c] = __ldcs(a0 + lane + 32 * c);
+        }
+    };
+
+    float acc[R][B];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++)
+            acc[r][b] = 0.0f;
+
+    if (ks < nseg)
+        fetch(ks);
+    for (int sg = ks; sg < nseg; sg += S) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int c = 0; c < CH; c++)
+                reinterpret_cast<uint4 *>(sbuf[warp][r])[lane + 32 * c] = rg[r][c];
+        __syncwarp();
+        if (sg + S < nseg)
+            fetch(sg + S);
+        const int off = (int)((uintptr_t)(rowp[0] + (size_t)sg * SEGB) & 15); /* same for every row */
+        const int elems = min(SEG, K - sg * SEG);
+        if (gf_cfg<T>::NSC > 0) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                gf_scales<T>(sbuf[warp][r], off, ssc[warp][r], lane);
+            __syncwarp();
+        }
+        const float *xs = x + (size_t)sg * SEG;
+#pragma unroll
+        for (int i = 0; i < SEG / 256; i++) {
+            const int e0 = 8 * lane + 256 * i;
+            if (e0 < elems) {
+                float f[R][8], A[R], C[R];
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    gf_group<T>(sbuf[warp][r], off, ssc[warp][r], lane, i, f[r], A[r], C[r]);
+#pragma unroll
+                for (int b = 0; b < B; b++) {
+                    const float4 xa = __ldg(reinterpret_cast<const float4 *>(xs + b * x_stride + e0));
+                    const float4 xb = __ldg(reinterpret_cast<const float4 *>(xs + b * x_stride + e0 + 4));
+                    const float sx = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        float t = f[r][0] * xa.x;
+                        t = fmaf(f[r][1], xa.y, t);
+                        t = fmaf(f[r][2], xa.z, t);
+                        t = fmaf(f[r][3], xa.w, t);
+                        t = fmaf(f[r][4], xb.x, t);
+                        t = fmaf(f[r][5], xb.y, t);
+                        t = fmaf(f[r][6], xb.z, t);
+                        t = fmaf(f[r][7], xb.w, t);
+                        if (T == M40K_TYPE_F16)
+                            acc[r][b] += t;
+                        else
+                            acc[r][b] = fmaf(A[r], t, fmaf(C[r], sx, acc[r][b]));
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const float v = m40k_warp_sum(acc[r][b]);
+            if (lane == 0)
+                red[warp][r][b] = v;
+        }
+    __syncthreads();
+    for (int t = threadIdx.x; t < groups * R * B; t += blockDim.x) {
+        const int gg = t / (R * B), r = (t / B) % R, b = t % B;
+        float v = 0.0f;
+        for (int k = 0; k < S; k++)
+            v += red[gg * S + k][r][b];
+        const int n = (blockIdx.x * groups + gg) * R + r;
+        if (n < N)
+            y[b * y_stride + n] = v;
+    }
+}
+
 template <int T, int B>
 static int gemv_launch_b(const void *w, int N, int K, const float *x, int64_t xs, float *y, int64_t ys,
                          cudaStream_t st)
 {
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
+    if (((uintptr_t)w & 15) == 0 && row_bytes % 16 == 0) {
+        /* split of each row's segments over S warps: score = share of warp time not idle at
+         * the end (segments split evenly?) x how well the grid fills the GPU (about 2100
+         * warps resident on an H100: 132 SMs x 16) */
+        const int nseg = (K + gf_dims<T>::SEG - 1) / gf_dims<T>::SEG;
+        int S = 1;
+        double best = -1.0;
+        for (int s = 4; s >= 1; s >>= 1) {
+            const double even = (double)nseg / (double)(((nseg + s - 1) / s) * s);
+            const double warps = (double)((N + GF_WARPS / s * GF_R - 1) / (GF_WARPS / s * GF_R)) * GF_WARPS;
+            const double score = even * (warps >= 2112.0 ? 1.0 : warps / 2112.0);
+            if (score > best + 1e-9)
+                best = score, S = s;
+        }
+        const int rows_per_block = GF_WARPS / S * GF_R;
+        gemv_fast_kernel<T, B><<<(N + rows_per_block - 1) / rows_per_block, GF_WARPS * 32, 0, st>>>(
+            (const uint8_t *)w, row_bytes, N, K, S, x, xs, y, ys);
+        return m40k_launch_status();
+    }
     gemv_kernel<T, B><<<(N + GEMV_WARPS - 1) / GEMV_WARPS, GEMV_WARPS * 32, 0, st>>>((const uint8_t *)w, row_bytes, N,
                                                                                     K, x, xs, y, ys);
     return m40k_launch_status();

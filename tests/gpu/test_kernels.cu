@@ -338,10 +338,14 @@ static const int gemv_types[] = {M40K_TYPE_F16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, 
 
 static void test_gemv(void)
 {
+    /* K 608 (19 blocks of 32): F16 ends in a partial segment, Q8_0/Q4_0 rows are not
+     * 16-byte multiples and take the generic kernel; the rest take the fast kernel. */
     for (int type : gemv_types)
-        for (int K : {256 * 3, 256 * 9, 4096 + 256})
+        for (int K : {256 * 3, 256 * 9, 4096 + 256, 608})
             for (int N : {1, 17, 259})
                 for (int batch : {1, 3, 8}) {
+                    if (K % 256 && (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K))
+                        continue;
                     std::vector<uint8_t> w = quant_matrix(type, N, K);
                     const int64_t xs = K + 4, ys = N + 1;
                     std::vector<float> x = rand_vec(batch * xs), c(batch * ys, 0.0f);
@@ -365,6 +369,17 @@ static void test_gemv(void)
                     char what[96];
                     snprintf(what, sizeof what, "gemv %s N %d K %d batch %d", m40_type_name(type), N, K, batch);
                     compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
+                    if (N == 17 && batch == 3) { /* W at an address that is not 16-byte aligned: generic kernel */
+                        uint8_t *dw2;
+                        CK(cudaMalloc(&dw2, w.size() + 16));
+                        CK(cudaMemcpy(dw2 + 2, w.data(), w.size(), cudaMemcpyHostToDevice));
+                        CK(cudaMemset(dy, 0, c.size() * 4));
+                        CK(m40k_gemv(dw2 + 2, type, N, K, dx, xs, dy, ys, batch, 0));
+                        g = back(dy, c.size());
+                        snprintf(what, sizeof what, "gemv %s N %d K %d batch %d W+2", m40_type_name(type), N, K, batch);
+                        compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
+                        cudaFree(dw2);
+                    }
                     cudaFree(dw), cudaFree(dx), cudaFree(dy);
                 }
 }
@@ -416,27 +431,35 @@ static void bench_gemv(void)
             if (type != M40K_TYPE_Q4_K) /* keep F16 values / scales finite: small exponents */
                 for (size_t i = 1; i < bytes; i += 2)
                     w[i] &= 0x3B;
-            uint8_t *dw = dup(w);
+            uint8_t *dw;
+            CK(cudaMalloc(&dw, bytes + 16));
+            CK(cudaMemcpy(dw, w.data(), bytes, cudaMemcpyHostToDevice));
             std::vector<float> x = rand_vec((size_t)8 * sh.K);
             float *dx = dup(x), *dy;
             CK(cudaMalloc(&dy, (size_t)8 * sh.N * 4));
+            /* "fast": the kernel real (aligned) weights take; "generic": the same weights at
+             * W+2, which takes the byte-granular fallback kernel (the previous design) */
+            for (int generic : {0, 1})
             for (int batch : {1, 8}) {
+                const uint8_t *wp = dw + (generic ? 2 : 0);
+                if (generic)
+                    CK(cudaMemcpy(dw + 2, w.data(), bytes, cudaMemcpyHostToDevice));
                 cudaEvent_t e0, e1;
                 CK(cudaEventCreate(&e0));
                 CK(cudaEventCreate(&e1));
                 for (int i = 0; i < 3; i++)
-                    CK(m40k_gemv(dw, type, sh.N, sh.K, dx, sh.K, dy, sh.N, batch, 0));
+                    CK(m40k_gemv(wp, type, sh.N, sh.K, dx, sh.K, dy, sh.N, batch, 0));
                 const int iters = 50;
                 CK(cudaEventRecord(e0));
                 for (int i = 0; i < iters; i++)
-                    CK(m40k_gemv(dw, type, sh.N, sh.K, dx, sh.K, dy, sh.N, batch, 0));
+                    CK(m40k_gemv(wp, type, sh.N, sh.K, dx, sh.K, dy, sh.N, batch, 0));
                 CK(cudaEventRecord(e1));
                 CK(cudaEventSynchronize(e1));
                 float ms;
                 CK(cudaEventElapsedTime(&ms, e0, e1));
                 const double us = ms * 1000.0 / iters, gbs = bytes / (us * 1e3);
-                printf("bench gemv %-5s N %5d K %5d batch %d: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n",
-                       m40_type_name(type), sh.N, sh.K, batch, us, gbs, 100.0 * gbs / peak);
+                printf("bench gemv %-7s %-5s N %5d K %5d batch %d: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n",
+                       generic ? "generic" : "fast", m40_type_name(type), sh.N, sh.K, batch, us, gbs, 100.0 * gbs / peak);
                 cudaEventDestroy(e0), cudaEventDestroy(e1);
             }
             cudaFree(dw), cudaFree(dx), cudaFree(dy);
