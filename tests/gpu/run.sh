@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks, one command (`make check-gpu`); ends with "N passed, N failed, N skipped".
-#   1. every CUDA kernel against its CPU twin (test_kernels.cu; kernels built here with
+#   1. every CUDA kernel against its CPU twin (tests/gpu/test_*.cu; kernels built here with
 #      nvcc for sm_90 only, for speed);
 #   2. the GPU model and engine (test_model_gpu.c, linked against build/libm40engine.a of
 #      a CUDA-configured build): references, batched == alone, 6 concurrent requests,
@@ -60,9 +60,19 @@ if [ -x "$NVCC" ]; then
             objs+=("$o")
         done
         for p in "${pids[@]}"; do wait "$p"; done
-        $NVCC -O2 -std=c++17 $ARCH -Ikernels -Iengine tests/gpu/test_kernels.cu "${objs[@]}" -o "$out/test_kernels" -lm
-    ) && { echo "== test_kernels"; "$out/test_kernels" "$@" 2>&1 | tee "$log/kernels"; tally "$log/kernels"; } \
-      || { echo "test_kernels: build failed"; failed=$((failed + 1)); }
+        printf '%s\n' "${objs[@]}" >"$out/objs.txt"
+    ) || { echo "kernels: build failed"; failed=$((failed + 1)); }
+    # every tests/gpu/test_*.cu is a kernel test against the CPU twins
+    if [ -f "$out/objs.txt" ]; then
+        for t in tests/gpu/test_*.cu; do
+            name=$(basename "$t" .cu)
+            if $NVCC -O2 -std=c++17 $ARCH -Ikernels -Iengine "$t" $(cat "$out/objs.txt") -o "$out/$name" -lm; then
+                echo "== $name"; "$out/$name" "$@" 2>&1 | tee "$log/$name"; tally "$log/$name"
+            else
+                echo "$name: build failed"; failed=$((failed + 1))
+            fi
+        done
+    fi
 else
     echo "no nvcc at $NVCC: kernel test skipped"; skipped=$((skipped + 1))
 fi
