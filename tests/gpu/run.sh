@@ -42,6 +42,7 @@ trap 'rm -rf "$log"' EXIT
 
 # 1. kernels
 if [ -x "$NVCC" ]; then
+    rm -f "$out/objs.txt"
     (
         set -e
         objs=()
