@@ -3,6 +3,7 @@
 #include "cpu_ref.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ggml_types.h"
@@ -124,14 +125,14 @@ void m40_ref_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int
     }
 }
 
-/* softmax(scale * q.K[0..n_ctx)) . V for one query head, two passes, F32 (scores in
+/* softmax(scale * q.K[p0..n_ctx)) . V for one query head, two passes, F32 (scores in
  * double for the sum so the twin is at least as accurate as the kernel). */
 static void attend_one(float *o, const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                       const int32_t *indptr, const int32_t *indices, int s, int64_t n_ctx, int n_kv_heads,
-                       int head_dim, int kvh, float scale, float *scores)
+                       const int32_t *indptr, const int32_t *indices, int s, int64_t p0, int64_t n_ctx,
+                       int n_kv_heads, int head_dim, int kvh, float scale, float *scores)
 {
     float mx = -INFINITY;
-    for (int64_t p = 0; p < n_ctx; p++) {
+    for (int64_t p = p0; p < n_ctx; p++) {
         size_t base = paged_index(indptr, indices, s, p, n_kv_heads, head_dim, kvh, 0);
         float dot = 0;
         for (int d = 0; d < head_dim; d++)
@@ -141,25 +142,31 @@ static void attend_one(float *o, const float *q, const uint16_t *k_cache, const 
             mx = scores[p];
     }
     double sum = 0;
-    for (int64_t p = 0; p < n_ctx; p++) {
+    for (int64_t p = p0; p < n_ctx; p++) {
         scores[p] = expf(scores[p] - mx);
         sum += scores[p];
     }
     for (int d = 0; d < head_dim; d++)
         o[d] = 0;
-    for (int64_t p = 0; p < n_ctx; p++) {
+    for (int64_t p = p0; p < n_ctx; p++) {
         size_t base = paged_index(indptr, indices, s, p, n_kv_heads, head_dim, kvh, 0);
         for (int d = 0; d < head_dim; d++)
             o[d] += scores[p] * m40_fp16_to_fp32(v_cache[base + d]);
     }
     for (int d = 0; d < head_dim; d++)
-        o[d] = n_ctx > 0 ? (float)(o[d] / sum) : 0.0f;
+        o[d] = n_ctx > p0 ? (float)(o[d] / sum) : 0.0f;
 }
 
-void m40_ref_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
-                         const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
-                         const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
-                         float scale)
+/* First visible position for a query at position p (window 0: no window). */
+static int64_t window_first(int64_t p, int window)
+{
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
+void m40_ref_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
+                                const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
+                                int n_kv_heads, int head_dim, float scale, int window)
 {
     int group = n_heads / n_kv_heads;
     for (int s = 0; s < n_seqs; s++) {
@@ -167,14 +174,25 @@ void m40_ref_attn_decode(float *out, int64_t out_stride, const float *q, int64_t
         float scores[len > 0 ? len : 1];
         for (int h = 0; h < n_heads; h++)
             attend_one(out + s * out_stride + (int64_t)h * head_dim, q + s * q_stride + (int64_t)h * head_dim, k_cache,
-                       v_cache, indptr, indices, s, len, n_kv_heads, head_dim, h / group, scale, scores);
+                       v_cache, indptr, indices, s, window_first(len - 1, window), len, n_kv_heads, head_dim,
+                       h / group, scale, scores);
     }
 }
 
-void m40_ref_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
-                          int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
-                          const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
-                          int n_kv_heads, int head_dim, float scale)
+void m40_ref_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                         const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                         float scale)
+{
+    m40_ref_attn_decode_window(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs,
+                               n_heads, n_kv_heads, head_dim, scale, 0);
+}
+
+void m40_ref_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                 const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                 const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                 const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                 int window)
 {
     (void)n_rows;
     int group = n_heads / n_kv_heads;
@@ -185,10 +203,64 @@ void m40_ref_attn_prefill(float *out, int64_t out_stride, const float *q, int64_
             int64_t p = len - (q_indptr[s + 1] - i);
             for (int h = 0; h < n_heads; h++)
                 attend_one(out + i * out_stride + (int64_t)h * head_dim, q + i * q_stride + (int64_t)h * head_dim,
-                           k_cache, v_cache, indptr, indices, s, p + 1, n_kv_heads, head_dim, h / group, scale,
-                           scores);
+                           k_cache, v_cache, indptr, indices, s, window_first(p, window), p + 1, n_kv_heads, head_dim,
+                           h / group, scale, scores);
         }
     }
+}
+
+void m40_ref_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
+                          int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
+                          int n_kv_heads, int head_dim, float scale)
+{
+    m40_ref_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
+                                indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0);
+}
+
+void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                 const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
+                                 const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
+                                 int n_kv_heads, int head_dim, float scale, int window)
+{
+    int group = n_heads / n_kv_heads;
+    for (int i = 0; i < n_rows; i++) {
+        int64_t p = row_pos[i];
+        float *scores = malloc((size_t)(p + 1) * sizeof *scores);
+        if (!scores)
+            return;
+        for (int h = 0; h < n_heads; h++)
+            attend_one(out + i * out_stride + (int64_t)h * head_dim, q + i * q_stride + (int64_t)h * head_dim, k_cache,
+                       v_cache, indptr, indices, row_seq[i], window_first(p, window), p + 1, n_kv_heads, head_dim,
+                       h / group, scale, scores);
+        free(scores);
+    }
+}
+
+void m40_ref_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows, float eps)
+{
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + r * x_stride + (int64_t)h * head_dim;
+            double ss = 0;
+            for (int d = 0; d < head_dim; d++)
+                ss += (double)v[d] * v[d];
+            float sc = (float)(1.0 / sqrt(ss / head_dim + eps));
+            for (int d = 0; d < head_dim; d++)
+                v[d] = v[d] * sc * w[d];
+        }
+}
+
+void m40_ref_scale(float *x, int64_t n, float s)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= s;
+}
+
+void m40_ref_softcap(float *x, int64_t n, float cap)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] = cap * tanhf(x[i] / cap);
 }
 
 void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x_stride, float *y,
@@ -231,4 +303,151 @@ void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_
             top_logprobs[r * top_k + j] = pick >= 0 ? l[pick] - lse : -INFINITY;
         }
     }
+}
+
+/* ---- full sampling (m40k_sample) ----
+ * Every step that decides the token is exact: probabilities come from m40_ref_sample_exp
+ * (IEEE single operations in a fixed order; the C standard mode keeps the compiler from
+ * fusing them, nvcc gets explicit __f*_rn), masses are 2^-40 fixed-point integers whose
+ * sums do not depend on order, and the draw is an integer. Only the reported logprobs
+ * carry float rounding. */
+
+uint64_t m40_ref_sample_random(uint64_t seed, uint64_t step)
+{
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * (step + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    z += seed ^ 0x6a09e667f3bcc909ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+float m40_ref_sample_exp(float x)
+{
+    if (!(x > -32.0f))
+        return 0.0f;
+    float n = rintf(x * 1.44269504f);
+    float r = x - n * 0.693145751953125f; /* ln 2 high part: n * it is exact */
+    r = r - n * 1.42860677e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t bits = (uint32_t)(127 + (int)n) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float sample_lv(float x) { return x != x ? -INFINITY : x == 0.0f ? 0.0f : x; }
+
+static inline uint32_t sample_key(float x)
+{
+    x = sample_lv(x);
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+typedef struct {
+    uint32_t key;
+    int32_t id;
+} sample_rank;
+
+static int sample_rank_cmp(const void *a, const void *b)
+{
+    const sample_rank *x = a, *y = b;
+    if (x->key != y->key)
+        return x->key > y->key ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+void m40_ref_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const m40k_sample_params *params,
+                    const int32_t *bias_indptr, const int32_t *bias_ids, const float *bias_values,
+                    const int32_t *pen_indptr, const int32_t *pen_ids, const int32_t *pen_counts, int32_t *token,
+                    float *logprob, int n_top, int32_t *top_ids, float *top_logprobs)
+{
+    sample_rank *rank = malloc((size_t)n_vocab * sizeof *rank);
+    uint64_t *cum = malloc((size_t)n_vocab * sizeof *cum);
+    if (!rank || !cum) {
+        free(rank);
+        free(cum);
+        return;
+    }
+    for (int s = 0; s < n_seq; s++) {
+        float *l = logits + (int64_t)s * stride;
+        const m40k_sample_params *p = &params[s];
+        if (bias_indptr)
+            for (int32_t j = bias_indptr[s]; j < bias_indptr[s + 1]; j++)
+                if (bias_ids[j] >= 0 && bias_ids[j] < n_vocab)
+                    l[bias_ids[j]] += bias_values[j];
+        if (pen_indptr)
+            for (int32_t j = pen_indptr[s]; j < pen_indptr[s + 1]; j++) {
+                int32_t t = pen_ids[j];
+                if (t < 0 || t >= n_vocab)
+                    continue;
+                float x = l[t];
+                if (p->repetition_penalty != 1.0f)
+                    x = x > 0 ? x / p->repetition_penalty : x * p->repetition_penalty;
+                float d = (float)pen_counts[j] * p->frequency_penalty;
+                d = d + p->presence_penalty;
+                l[t] = x - d;
+            }
+
+        for (int i = 0; i < n_vocab; i++)
+            rank[i] = (sample_rank){sample_key(l[i]), i};
+        qsort(rank, (size_t)n_vocab, sizeof *rank, sample_rank_cmp);
+        const float max = sample_lv(l[rank[0].id]);
+        double sum = 0;
+        for (int i = 0; i < n_vocab; i++)
+            sum += exp((double)sample_lv(l[i]) - max);
+        const double lse = isfinite(max) ? max + log(sum) : max;
+
+        int32_t tok = rank[0].id;
+        if (p->temperature > 0.0f && p->top_k != 1 && isfinite(max)) {
+            uint64_t acc = 0;
+            for (int i = 0; i < n_vocab; i++) {
+                float pr = m40_ref_sample_exp((sample_lv(l[rank[i].id]) - max) / p->temperature);
+                acc += (uint64_t)(pr * 1099511627776.0f);
+                cum[i] = acc;
+            }
+            int keep = p->top_k > 0 && p->top_k < n_vocab ? p->top_k : n_vocab;
+            if (p->top_p < 1.0f) {
+                const uint64_t total = cum[keep - 1];
+                double t = ceil((double)p->top_p * (double)total);
+                uint64_t thr = t < 1.0 ? 1 : t >= (double)total ? total : (uint64_t)t;
+                int n = 0;
+                while (cum[n] < thr)
+                    n++;
+                keep = n + 1;
+            }
+            if (p->min_p > 0.0f) {
+                const float min_p = p->min_p < 1.0f ? p->min_p : 1.0f;
+                int n = 1; /* the first has p = 1; the prefix ends at the first p < min_p */
+                while (n < keep &&
+                       m40_ref_sample_exp((sample_lv(l[rank[n].id]) - max) / p->temperature) >= min_p)
+                    n++;
+                keep = n;
+            }
+            const uint64_t mass = cum[keep - 1];
+            const uint64_t r = (uint64_t)(((unsigned __int128)m40_ref_sample_random(p->seed, p->step) * mass) >> 64);
+            int n = 0;
+            while (cum[n] <= r)
+                n++;
+            tok = rank[n].id;
+        }
+        token[s] = tok;
+        logprob[s] = (float)(sample_lv(l[tok]) - lse);
+        for (int j = 0; j < n_top; j++) {
+            top_ids[s * n_top + j] = j < n_vocab ? rank[j].id : -1;
+            top_logprobs[s * n_top + j] = j < n_vocab ? (float)(sample_lv(l[rank[j].id]) - lse) : -INFINITY;
+        }
+    }
+    free(rank);
+    free(cum);
 }

@@ -38,10 +38,36 @@ void m40_ref_attn_prefill(float *out, int64_t out_stride, const float *q, int64_
                           int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
                           int n_kv_heads, int head_dim, float scale);
+/* Sliding-window twins (window 0 = none) and the Gemma helpers of kernels/model_aux.h. */
+void m40_ref_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
+                                const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
+                                int n_kv_heads, int head_dim, float scale, int window);
+void m40_ref_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                 const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                 const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                 const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                 int window);
+void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                 const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
+                                 const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
+                                 int n_kv_heads, int head_dim, float scale, int window);
+void m40_ref_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows, float eps);
+void m40_ref_scale(float *x, int64_t n, float s);
+void m40_ref_softcap(float *x, int64_t n, float cap);
 void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x_stride, float *y,
                   int64_t y_stride, int batch);
 void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token,
                            float *logprob, int top_k, int32_t *top_tokens, float *top_logprobs);
+/* Sampling twins of m40k_sample (kernels.h 9b): the counter-based random number for
+ * (seed, step), the fixed exp used for probabilities (x <= 0; 0 below -32), and the
+ * sampler itself, written as a sort of the row in rank order and linear walks over it. */
+uint64_t m40_ref_sample_random(uint64_t seed, uint64_t step);
+float m40_ref_sample_exp(float x);
+void m40_ref_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const m40k_sample_params *params,
+                    const int32_t *bias_indptr, const int32_t *bias_ids, const float *bias_values,
+                    const int32_t *pen_indptr, const int32_t *pen_ids, const int32_t *pen_counts, int32_t *token,
+                    float *logprob, int n_top, int32_t *top_ids, float *top_logprobs);
 
 /* Length of sequence s in the CSR page table. */
 static inline int64_t m40_ref_seq_len(const int32_t *indptr, const int32_t *last_page_len, int s)

@@ -142,6 +142,12 @@ typedef struct {
     double ttft_sum;
     uint64_t itl_counts[M40_HIST_BUCKETS];
     double itl_sum;
+    /* Automatic prefix caching (GPU engine; all 0 on the CPU): prompt lookups when
+     * sequences start prefilling (again after a preemption), the tokens they presented,
+     * and those found cached, which are not computed (hit ratio: hit / query tokens). */
+    uint64_t prefix_cache_queries;
+    uint64_t prefix_cache_query_tokens;
+    uint64_t prefix_cache_hit_tokens;
 } m40_engine_stats;
 
 void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out);

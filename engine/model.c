@@ -27,6 +27,8 @@ int m40_gemma3_load(const m40_gguf *g, m40_model_params *p, m40_gemma3 **out, ch
 void m40_gemma3_free(m40_gemma3 *g);
 int m40_gemma3_forward(m40_gemma3 *g, m40_threadpool *pool, float *kv_k, float *kv_v, int32_t kv_ctx,
                        const m40_batch *b, float *logits, char *err, size_t errlen);
+int m40_gemma3_gpu_src(const m40_gemma3 *g, m40_gpu_src *src, m40_gpu_gemma3 *extra, m40_matrix *tok_embd,
+                       m40_matrix *output, m40_layer **layers_out);
 
 typedef m40_matrix matrix;
 typedef m40_layer layer;
@@ -394,15 +396,19 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
     m->n_threads = m40_threadpool_size(m->pool);
     m->device = -1;
     if (device >= 0) {
-        if (m->gemma3) {
-            set_err(err, errlen, "%s: architecture 'gemma3' runs on the CPU only for now (the GPU engine covers "
-                    "llama and qwen2); leave out the device", path);
-            goto fail;
-        }
         m40_gpu_src src = {.p = &m->p, .q_dim = m->q_dim, .kv_dim = m->kv_dim, .tok_embd = &m->tok_embd,
                            .output = &m->output, .output_norm = m->output_norm,
                            .rope_freq_factors = m->rope_freq_factors, .layers = m->layers};
-        if (m40_gpu_load(&src, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub)) {
+        m40_gpu_gemma3 g3;
+        m40_matrix g3_embd, g3_out;
+        m40_layer *g3_layers = NULL;
+        if (m->gemma3 && m40_gemma3_gpu_src(m->gemma3, &src, &g3, &g3_embd, &g3_out, &g3_layers)) {
+            set_err(err, errlen, "out of memory");
+            goto fail;
+        }
+        int rc = m40_gpu_load(&src, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub);
+        free(g3_layers);
+        if (rc) {
             set_err(err, errlen, "%s: %s", path, sub);
             goto fail;
         }
@@ -505,6 +511,24 @@ void m40_kv_slot_clear(m40_kv *kv, int32_t slot)
 
 int32_t m40_kv_pool_blocks(const m40_kv *kv) { return kv->gpu ? m40_gpu_kv_blocks_total(kv->gpu) : 0; }
 int32_t m40_kv_pool_free_blocks(const m40_kv *kv) { return kv->gpu ? m40_gpu_kv_blocks_free(kv->gpu) : 0; }
+
+/* The CPU backend keeps no prefix cache (a slot's memory is its own): no hits. */
+int m40_kv_prefix_cache_enabled(const m40_kv *kv) { return kv && kv->gpu && m40_gpu_kv_prefix_cache_enabled(kv->gpu); }
+
+int32_t m40_kv_slot_match_prefix(m40_kv *kv, int32_t slot, const int32_t *tokens, int32_t n)
+{
+    if (!kv || !kv->gpu || slot < 0 || slot >= kv->n_slots || !tokens || n <= 0)
+        return 0;
+    int32_t got = m40_gpu_kv_match_prefix(kv->gpu, slot, tokens, n);
+    return got > 0 ? got : 0;
+}
+
+void m40_kv_get_prefix_stats(const m40_kv *kv, m40_kv_prefix_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (kv && kv->gpu)
+        m40_gpu_kv_prefix_stats(kv->gpu, &out->queries, &out->query_tokens, &out->hit_tokens);
+}
 
 int32_t m40_kv_ctx(const m40_kv *kv) { return kv->ctx; }
 int32_t m40_kv_n_slots(const m40_kv *kv) { return kv->n_slots; }

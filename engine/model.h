@@ -72,11 +72,40 @@ int32_t m40_kv_n_slots(const m40_kv *kv);
  * all slots, sized by ctx * n_slots or the free GPU memory, whichever is smaller
  * (the environment variable M40_KV_BLOCKS caps it: a test seam). A slot takes blocks
  * as its positions grow; a batch whose first position for a slot is below the slot's
- * length restarts that slot there. */
+ * length restarts that slot there (position 0 always works; a restart inside a full
+ * block that the prefix cache shares with other sequences is an error). */
 void m40_kv_slot_clear(m40_kv *kv, int32_t slot);
 /* Pool blocks in total and unused (GPU); both 0 on the CPU. */
 int32_t m40_kv_pool_blocks(const m40_kv *kv);
 int32_t m40_kv_pool_free_blocks(const m40_kv *kv);
+
+/* Automatic prefix caching (GPU pool; engine/kv_blocks.h has the design). Full 16-token
+ * blocks whose KV has been computed stay registered under the hash of their whole
+ * token prefix, also after their sequence ends (idle, evicted least recently used when
+ * the pool runs short), and a new sequence can start on them instead of recomputing.
+ *
+ * m40_kv_slot_match_prefix: for an EMPTY slot (new, or after m40_kv_slot_clear) about
+ * to prefill tokens[0..n): attaches the longest chain of cached blocks that prefixes
+ * them and returns how many leading tokens that covers (a multiple of 16, never all n,
+ * so the last token is always computed and yields logits). The caller then feeds
+ * positions from the returned value on. 0 on the CPU backend, when caching is off, or
+ * when the slot is not empty.
+ *
+ * Commits are automatic: every m40_model_forward on a GPU model records the token ids
+ * of the positions it computed (prompt and generated tokens alike) and registers each
+ * block that became full. So what the cache holds is always keyed by the real tokens.
+ *
+ * Caching is on for GPU models; the environment variable M40_PREFIX_CACHE=0 at
+ * m40_kv_new turns it off (a test and benchmarking seam). */
+int m40_kv_prefix_cache_enabled(const m40_kv *kv);
+int32_t m40_kv_slot_match_prefix(m40_kv *kv, int32_t slot, const int32_t *tokens, int32_t n);
+typedef struct {
+    int64_t queries;      /* m40_kv_slot_match_prefix calls */
+    int64_t query_tokens; /* tokens presented to them */
+    int64_t hit_tokens;   /* tokens found cached (not computed) */
+} m40_kv_prefix_stats;
+/* All zero on the CPU backend. */
+void m40_kv_get_prefix_stats(const m40_kv *kv, m40_kv_prefix_stats *out);
 
 /* One forward call over n tokens that may belong to different slots. For each slot,
  * its tokens appear in increasing position order and positions continue the slot's

@@ -1,5 +1,13 @@
-/* The GPU back end of the llama-family forward pass (llama, qwen2): host code in C11
- * that drives the kernels of kernels/ through their C wrappers, plus cuBLAS.
+/* The GPU back end of the llama-family forward pass (llama, qwen2) and of Gemma 3: host
+ * code in C11 that drives the kernels of kernels/ through their C wrappers, plus cuBLAS.
+ *
+ * Gemma 3 (src->gemma3 set; the math is model_gemma3.c's) is the same pipeline plus:
+ * the embedding scaled by sqrt(n_embd), per-head RMSNorm of Q and K after the QKV
+ * product, the attention and FFN outputs RMSNorm'ed before their residual adds, GeGLU
+ * (tanh) instead of SwiGLU, its own attention scale, and per layer either a global
+ * layer (the file's RoPE base, linear scaling as freq factors) or a local one (the
+ * local base, attention limited to the last `window` positions by the *_window
+ * attention kernels; the cache keeps every position, as on the CPU).
  *
  * Shape of a forward call (one call per scheduler step, any mix of slots):
  *   - the batch's rows are grouped by slot (stable), so each sequence's new tokens are
@@ -8,6 +16,10 @@
  *   - blocks are reserved from the engine/kv_blocks manager for every slot's new
  *     positions first; when the pool cannot hold them the call returns -2 before
  *     anything is written (the scheduler preempts and retries);
+ *   - the manager's prefix cache is on (M40_PREFIX_CACHE=0 turns it off): a slot may
+ *     start on cached blocks (m40_gpu_kv_match_prefix, its first position then being
+ *     the matched length), and after the step every block that became full is
+ *     committed under the slot's real token ids, kept per slot in kv->toks;
  *   - the small integer tables (tokens, positions, CSR) go up in one copy from pinned
  *     memory; then per layer: RMSNorm -> fused QKV matmul (+bias) -> RoPE -> paged KV
  *     append -> attention (decode kernel when every sequence has one new token, the
@@ -56,6 +68,17 @@ void m40_gpu_kv_free(m40_gpu_kv *kv) { (void)kv; }
 void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot) { (void)kv, (void)slot; }
 int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv) { (void)kv; return 0; }
 int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv) { (void)kv; return 0; }
+int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv) { (void)kv; return 0; }
+int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n)
+{
+    (void)kv, (void)slot, (void)tokens, (void)n;
+    return 0;
+}
+void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens)
+{
+    (void)kv;
+    *queries = *query_tokens = *hit_tokens = 0;
+}
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen)
 {
     (void)g, (void)kv, (void)b, (void)logits;
@@ -97,6 +120,8 @@ typedef struct {
 typedef struct {
     float *attn_norm, *ffn_norm;
     gproj qkv, wo, gate_up, down;
+    float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm; /* gemma3; NULL otherwise */
+    int local;                                               /* gemma3 sliding-window layer */
 } glayer;
 
 struct m40_gpu {
@@ -110,6 +135,9 @@ struct m40_gpu {
     int output_shared;   /* output is tok_embd's buffer */
     float *output_norm, *rope_ff;
     glayer *layers;
+    int gemma3;          /* arch gemma3: the extras below apply */
+    m40_gpu_gemma3 g3;
+    float *rope_ff_global; /* gemma3 with linear RoPE scaling: global_scale per frequency */
     size_t weight_bytes;
 
     /* Tiled path: F16 copy of one dequantized weight, allocated on first use. */
@@ -141,6 +169,11 @@ struct m40_gpu_kv {
     size_t layer_elems;  /* elements of one layer's K (or V) */
     int32_t *csr_indptr, *csr_lpl, *csr_indices;
     int32_t csr_cap;
+    /* Prefix cache: the token id at every position of each slot (what m40_kv_seq_commit
+     * keys the slot's full blocks by), grown with the slot's length. */
+    int prefix_cache;
+    int32_t **toks;
+    int32_t *toks_cap;
 };
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -397,6 +430,10 @@ void m40_gpu_free(m40_gpu *g)
             glayer *L = &g->layers[l];
             cudaFree(L->attn_norm);
             cudaFree(L->ffn_norm);
+            cudaFree(L->q_norm);
+            cudaFree(L->k_norm);
+            cudaFree(L->post_attn_norm);
+            cudaFree(L->post_ffw_norm);
             gproj_free(&L->qkv);
             gproj_free(&L->wo);
             gproj_free(&L->gate_up);
@@ -409,6 +446,7 @@ void m40_gpu_free(m40_gpu *g)
         cudaFree(g->output.data);
     cudaFree(g->output_norm);
     cudaFree(g->rope_ff);
+    cudaFree(g->rope_ff_global);
     cudaFree(g->deq);
     cudaFree(g->iota);
     void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg, g->logits_d, g->x16, g->ws, g->ints_d};
@@ -460,6 +498,10 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     g->q_dim = src->q_dim;
     g->kv_dim = src->kv_dim;
     g->qkv_dim = src->q_dim + 2 * src->kv_dim;
+    if (src->gemma3) {
+        g->gemma3 = 1;
+        g->g3 = *src->gemma3;
+    }
     struct cudaDeviceProp prop;
     if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -514,6 +556,20 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     if (upload_vec(g, src->output_norm, p->dim, &g->output_norm, err, errlen) ||
         upload_vec(g, src->rope_freq_factors, p->rope_dim / 2, &g->rope_ff, err, errlen))
         goto fail_upload;
+    if (g->gemma3 && g->g3.global_scale != 1.0f) {
+        /* theta_i = pos * base^(-2i/d) / factor_i: linear scaling is a constant factor */
+        float *ff = malloc((size_t)(p->rope_dim / 2) * sizeof *ff);
+        if (!ff) {
+            set_err(err, errlen, "out of memory");
+            goto fail_upload;
+        }
+        for (int32_t i = 0; i < p->rope_dim / 2; i++)
+            ff[i] = g->g3.global_scale;
+        int rc = upload_vec(g, ff, p->rope_dim / 2, &g->rope_ff_global, err, errlen);
+        free(ff);
+        if (rc)
+            goto fail_upload;
+    }
     g->layers = calloc((size_t)p->n_layers, sizeof *g->layers);
     if (!g->layers) {
         set_err(err, errlen, "out of memory");
@@ -536,6 +592,18 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
             upload_proj(&u, gu, 2, NULL, &G->gate_up, err, errlen) ||
             upload_proj(&u, dn, 1, NULL, &G->down, err, errlen))
             goto fail_upload;
+        if (g->gemma3) {
+            if (!L->q_norm || !L->k_norm || !L->post_attn_norm || !L->post_ffw_norm) {
+                set_err(err, errlen, "gemma3 layer %d lacks its Q/K or post norms", (int)l);
+                goto fail_upload;
+            }
+            if (upload_vec(g, L->q_norm, p->head_dim, &G->q_norm, err, errlen) ||
+                upload_vec(g, L->k_norm, p->head_dim, &G->k_norm, err, errlen) ||
+                upload_vec(g, L->post_attn_norm, p->dim, &G->post_attn_norm, err, errlen) ||
+                upload_vec(g, L->post_ffw_norm, p->dim, &G->post_ffw_norm, err, errlen))
+                goto fail_upload;
+            G->local = L->local;
+        }
         gproj *ps[] = {&G->qkv, &G->wo, &G->gate_up, &G->down};
         for (int i = 0; i < 4; i++)
             for (int j = 0; j < ps[i]->n_parts; j++) {
@@ -647,10 +715,13 @@ m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx)
     m40_kv_blocks_params bp;
     m40_kv_blocks_params_default(&bp, kv->n_blocks);
     bp.block_size = M40K_PAGE;
-    bp.prefix_cache = 0;
+    const char *pc = getenv("M40_PREFIX_CACHE"); /* "0": off (test and benchmark seam) */
+    bp.prefix_cache = kv->prefix_cache = !(pc && strcmp(pc, "0") == 0);
     kv->mgr = m40_kv_blocks_new(&bp);
     kv->seqs = calloc((size_t)n_slots, sizeof *kv->seqs);
-    if (!kv->mgr || !kv->seqs)
+    kv->toks = calloc((size_t)n_slots, sizeof *kv->toks);
+    kv->toks_cap = calloc((size_t)n_slots, sizeof *kv->toks_cap);
+    if (!kv->mgr || !kv->seqs || !kv->toks || !kv->toks_cap)
         goto fail;
     for (int32_t i = 0; i < n_slots; i++)
         if (!(kv->seqs[i] = m40_kv_seq_new(kv->mgr)))
@@ -677,6 +748,11 @@ void m40_gpu_kv_free(m40_gpu_kv *kv)
     free(kv->csr_indptr);
     free(kv->csr_lpl);
     free(kv->csr_indices);
+    if (kv->toks)
+        for (int32_t i = 0; i < kv->n_slots; i++)
+            free(kv->toks[i]);
+    free(kv->toks);
+    free(kv->toks_cap);
     free(kv);
 }
 
@@ -688,6 +764,48 @@ void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot)
 
 int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv) { return kv->n_blocks; }
 int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv) { return m40_kv_blocks_n_available(kv->mgr); }
+
+/* Room for n token ids in slot's token record. -1 when out of memory. */
+static int slot_toks_reserve(m40_gpu_kv *kv, int32_t slot, int32_t n)
+{
+    if (n <= kv->toks_cap[slot])
+        return 0;
+    int32_t cap = kv->toks_cap[slot] > 0 ? kv->toks_cap[slot] : 64;
+    while (cap < n)
+        cap = cap > INT32_MAX / 2 ? n : cap * 2;
+    int32_t *t = realloc(kv->toks[slot], (size_t)cap * sizeof *t);
+    if (!t)
+        return -1;
+    kv->toks[slot] = t;
+    kv->toks_cap[slot] = cap;
+    return 0;
+}
+
+int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv) { return kv->prefix_cache; }
+
+int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n)
+{
+    if (slot < 0 || slot >= kv->n_slots || n <= 0 || m40_kv_seq_len(kv->seqs[slot]) != 0)
+        return 0;
+    /* The record must hold the matched tokens before later commits read it; sized for
+     * the whole prompt, which the coming prefill needs anyway. */
+    if (kv->prefix_cache && slot_toks_reserve(kv, slot, n) != 0)
+        return 0;
+    int32_t got = m40_kv_seq_match_prefix(kv->seqs[slot], tokens, n);
+    if (got <= 0)
+        return 0;
+    memcpy(kv->toks[slot], tokens, (size_t)got * sizeof *tokens);
+    return got;
+}
+
+void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens)
+{
+    m40_kv_cache_stats st;
+    m40_kv_blocks_stats(kv->mgr, &st);
+    *queries = st.queries;
+    *query_tokens = st.query_tokens;
+    *hit_tokens = st.hit_tokens;
+}
 
 /* ------------------------------------------------------------- forward ---- */
 
@@ -879,6 +997,10 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             set_err(err, errlen, "slot %d: cannot restart at position %d", (int)g->grp_slot[j], (int)g->grp_first[j]);
             return -1;
         }
+        if (kv->prefix_cache && slot_toks_reserve(kv, g->grp_slot[j], g->grp_first[j] + g->grp_n[j]) != 0) {
+            set_err(err, errlen, "out of memory for slot %d's token record", (int)g->grp_slot[j]);
+            return -1;
+        }
         need += m40_kv_seq_blocks_needed(s, g->grp_n[j]);
         g->grp_seq[j] = s;
     }
@@ -892,6 +1014,9 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             set_err(err, errlen, "KV block allocation failed");
             return -1;
         }
+    if (kv->prefix_cache) /* the ids the commit below keys full blocks by */
+        for (int32_t i = 0; i < n; i++)
+            kv->toks[b->slot[i]][b->pos[i]] = b->tokens[i];
 
     /* Host tables: permuted tokens and positions, q_indptr, CSR, logit rows. */
     int32_t total_blocks = 0, max_len = 0;
@@ -944,12 +1069,19 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     int G = p->n_heads / p->n_kv_heads;
     int hd = p->head_dim;
     int tuned = (hd == 64 || hd == 128 || hd == 256) && G >= 1 && G <= 8;
-    int splits = 1;
+    int splits = 1, splits_local = 1;
+    const int window = g->gemma3 ? g->g3.window : 0;
     if (tuned && decode) {
         splits = m40k_decode_pick_splits(n_grp, p->n_kv_heads, max_len, g->sm_count);
         if (splits < 1)
             splits = 1;
-        size_t need_ws = m40k_decode_workspace_floats(n_grp, p->n_heads, hd, splits);
+        /* sliding-window layers read at most `window` positions: fewer splits */
+        splits_local = window > 0 && window < max_len
+                           ? m40k_decode_pick_splits(n_grp, p->n_kv_heads, window, g->sm_count)
+                           : splits;
+        if (splits_local < 1)
+            splits_local = 1;
+        size_t need_ws = m40k_decode_workspace_floats(n_grp, p->n_heads, hd, splits > splits_local ? splits : splits_local);
         if (need_ws > g->ws_cap) {
             if (grow_dev((void **)&g->ws, need_ws * 4)) {
                 g->ws_cap = 0;
@@ -959,39 +1091,57 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             g->ws_cap = need_ws;
         }
     }
-    const float scale = 1.0f / sqrtf((float)hd);
+    const float scale = g->gemma3 ? g->g3.attn_scale : 1.0f / sqrtf((float)hd);
     const int64_t dim = p->dim, qkvd = g->qkv_dim, ffn = p->ffn_dim;
 
     CK(m40k_embed(g->tok_embd.data, g->tok_embd.type, g->tok_embd.rows, (int)dim, d_tok, n, g->x, M40K_TYPE_F32, dim,
                   g->stream));
+    if (g->gemma3)
+        CK(m40k_scale(g->x, (int64_t)n * dim, g->g3.embd_scale, g->stream));
     for (int32_t l = 0; l < p->n_layers; l++) {
         const glayer *L = &g->layers[l];
         uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
+        /* gemma3: local layers have their own RoPE base and a window; global ones the
+         * file's base, optionally linearly scaled */
+        const int win = g->gemma3 && L->local ? window : 0;
+        const float base = !g->gemma3 ? p->rope_base : L->local ? g->g3.local_base : g->g3.global_base;
+        const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
         CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
         if (matmul(g, &L->qkv, g->xb, n, g->qkv, err, errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
-        CK(m40k_rope(q, qkvd, p->n_heads, k, qkvd, p->n_kv_heads, hd, p->rope_dim, d_pos, n, p->rope_base, g->rope_ff,
-                     p->rope_neox, g->stream));
+        if (g->gemma3) {
+            CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
+            CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
+        }
+        CK(m40k_rope(q, qkvd, p->n_heads, k, qkvd, p->n_kv_heads, hd, p->rope_dim, d_pos, n, base, ff, p->rope_neox,
+                     g->stream));
         CK(m40k_kv_append(kc, vc, k, qkvd, v, qkvd, d_qi, n_grp, n, d_ip, d_idx, d_lpl, p->n_kv_heads, hd, g->stream));
         if (tuned && decode)
-            CK(m40k_attn_decode(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_grp, p->n_heads,
-                                p->n_kv_heads, hd, scale, splits, g->ws, g->stream));
+            CK(m40k_attn_decode_window(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_grp, p->n_heads,
+                                       p->n_kv_heads, hd, scale, win, win ? splits_local : splits, g->ws, g->stream));
         else if (tuned)
-            CK(m40k_attn_prefill(g->att, g->q_dim, q, qkvd, d_qi, n_grp, n, kc, vc, d_ip, d_idx, d_lpl, p->n_heads,
-                                 p->n_kv_heads, hd, scale, g->stream));
+            CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi, n_grp, n, kc, vc, d_ip, d_idx, d_lpl,
+                                             p->n_heads, p->n_kv_heads, hd, scale, win, g->stream));
         else
-            CK(m40k_attn_generic(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
-                                 p->n_kv_heads, hd, scale, g->stream));
+            CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
+                                        p->n_kv_heads, hd, scale, win, g->stream));
         if (matmul(g, &L->wo, g->att, n, g->xb, err, errlen))
             return -1;
+        if (g->gemma3)
+            CK(m40k_rmsnorm(g->xb, dim, L->post_attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+                            g->stream));
         CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
         CK(m40k_rmsnorm(g->x, dim, L->ffn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
         if (matmul(g, &L->gate_up, g->xb, n, g->hb, err, errlen))
             return -1;
-        CK(m40k_glu(M40K_GLU_SILU, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
+        CK(m40k_glu(g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n,
+                    (int)ffn, g->stream));
         if (matmul(g, &L->down, g->hb2, n, g->xb, err, errlen))
             return -1;
+        if (g->gemma3)
+            CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+                            g->stream));
         CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
     }
     if (n_out > 0) {
@@ -1000,14 +1150,20 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
                         g->stream));
         if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, err, errlen))
             return -1;
+        if (g->gemma3 && g->g3.logit_softcap > 0)
+            CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
         CK(cudaMemcpyAsync(g->logits_h, g->logits_d, (size_t)n_out * p->n_vocab * 4, cudaMemcpyDeviceToHost,
                            g->stream));
     }
     CK(cudaStreamSynchronize(g->stream));
     if (n_out > 0)
         memcpy(logits, g->logits_h, (size_t)n_out * p->n_vocab * 4);
+    /* Every position of the batch is computed: with the prefix cache, each block that is
+     * now full is registered under its token prefix (or merged into an identical cached
+     * block; block ids may change, the next call re-exports the tables). */
     for (int32_t j = 0; j < n_grp; j++)
-        m40_kv_seq_commit(g->grp_seq[j], NULL, m40_kv_seq_len(g->grp_seq[j]));
+        m40_kv_seq_commit(g->grp_seq[j], kv->prefix_cache ? kv->toks[g->grp_slot[j]] : NULL,
+                          m40_kv_seq_len(g->grp_seq[j]));
     return 0;
 }
 

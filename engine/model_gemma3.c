@@ -42,6 +42,7 @@
 #include "ggml_types.h"
 #include "gguf.h"
 #include "model.h"
+#include "model_gpu.h"
 #include "quant.h"
 #include "threadpool.h"
 
@@ -51,6 +52,8 @@ int m40_gemma3_load(const m40_gguf *g, m40_model_params *p, m40_gemma3 **out, ch
 void m40_gemma3_free(m40_gemma3 *g);
 int m40_gemma3_forward(m40_gemma3 *g, m40_threadpool *pool, float *kv_k, float *kv_v, int32_t kv_ctx,
                        const m40_batch *b, float *logits, char *err, size_t errlen);
+int m40_gemma3_gpu_src(const m40_gemma3 *g, m40_gpu_src *src, m40_gpu_gemma3 *extra, m40_matrix *tok_embd,
+                       m40_matrix *output, m40_layer **layers_out);
 
 #define GEMMA3_DEFAULT_SWA_PERIOD 6
 #define GEMMA3_DEFAULT_LOCAL_ROPE_BASE 10000.0f
@@ -726,5 +729,40 @@ int m40_gemma3_forward(m40_gemma3 *g, m40_threadpool *pool, float *kv_k, float *
                 logits[i] = c * tanhf(logits[i] / c);
         }
     }
+    return 0;
+}
+
+/* ------------------------------------------------------- the GPU's view ---- */
+
+static m40_matrix g3_view(const g3_matrix *m)
+{
+    return (m40_matrix){.data = m->data, .type = m->type, .rows = m->rows, .cols = m->cols, .row_bytes = m->row_bytes};
+}
+
+/* Fills src (and the arrays behind it) with views of g's weights for m40_gpu_load. The
+ * caller owns *layers_out (free() it after the upload; the norms it points to stay g's). */
+int m40_gemma3_gpu_src(const m40_gemma3 *g, m40_gpu_src *src, m40_gpu_gemma3 *extra, m40_matrix *tok_embd,
+                       m40_matrix *output, m40_layer **layers_out)
+{
+    const m40_model_params *p = g->p;
+    m40_layer *ls = calloc((size_t)p->n_layers, sizeof *ls);
+    if (!ls)
+        return -1;
+    for (int32_t l = 0; l < p->n_layers; l++) {
+        const g3_layer *L = &g->layers[l];
+        ls[l] = (m40_layer){.attn_norm = L->attn_norm, .ffn_norm = L->ffn_norm, .wq = g3_view(&L->wq),
+                            .wk = g3_view(&L->wk), .wv = g3_view(&L->wv), .wo = g3_view(&L->wo),
+                            .w_gate = g3_view(&L->w_gate), .w_up = g3_view(&L->w_up), .w_down = g3_view(&L->w_down),
+                            .q_norm = L->q_norm, .k_norm = L->k_norm, .post_attn_norm = L->post_attn_norm,
+                            .post_ffw_norm = L->post_ffw_norm, .local = L->local};
+    }
+    *tok_embd = g3_view(&g->tok_embd);
+    *output = g->output.data == g->tok_embd.data ? *tok_embd : g3_view(&g->output);
+    *extra = (m40_gpu_gemma3){.window = g->window, .local_base = g->local_base, .global_base = g->global_base,
+                              .global_scale = g->global_scale, .attn_scale = g->attn_scale,
+                              .embd_scale = g->embd_scale, .logit_softcap = g->logit_softcap};
+    *src = (m40_gpu_src){.p = p, .q_dim = g->q_dim, .kv_dim = g->kv_dim, .tok_embd = tok_embd, .output = output,
+                         .output_norm = g->output_norm, .rope_freq_factors = NULL, .layers = ls, .gemma3 = extra};
+    *layers_out = ls;
     return 0;
 }

@@ -23,7 +23,21 @@ typedef struct {
     float *bq, *bk, *bv;          /* attention biases (qwen2); NULL when absent */
     m40_matrix wq, wk, wv, wo;
     m40_matrix w_gate, w_up, w_down;
+    /* gemma3 only (NULL / 0 otherwise): per-head Q/K norms [head_dim], the norms after
+     * attention and after the FFN [dim], and whether the layer is sliding-window. */
+    float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm;
+    int local;
 } m40_layer;
+
+/* The gemma3 parts of the forward pass the llama family lacks (see model_gemma3.c). */
+typedef struct {
+    int32_t window;                      /* local layers see the last `window` positions */
+    float local_base, global_base;       /* RoPE bases of local and global layers */
+    float global_scale;                  /* linear RoPE factor of the global layers (1: none) */
+    float attn_scale;                    /* multiplies q.k */
+    float embd_scale;                    /* sqrt(n_embd) */
+    float logit_softcap;                 /* 0: none */
+} m40_gpu_gemma3;
 
 /* What the GPU back end uploads (host views into the mmap'd GGUF). */
 typedef struct {
@@ -33,6 +47,7 @@ typedef struct {
     const float *output_norm;
     const float *rope_freq_factors;  /* rope_dim/2 entries or NULL */
     const m40_layer *layers;
+    const m40_gpu_gemma3 *gemma3;    /* arch gemma3: GeGLU, extra norms, windows; NULL for llama/qwen2 */
 } m40_gpu_src;
 
 typedef struct m40_gpu m40_gpu;
@@ -48,6 +63,11 @@ void m40_gpu_kv_free(m40_gpu_kv *kv);
 void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot);
 int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv);
 int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv);
+/* Prefix cache (see m40_kv_slot_match_prefix in model.h): on unless M40_PREFIX_CACHE=0
+ * was set at m40_gpu_kv_new. */
+int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv);
+int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n);
+void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens);
 /* The batch was validated by the caller (tokens, slots, positions in range). 0, -1
  * with err, or -2 (M40_FORWARD_NO_BLOCKS) when the pool lacks blocks: nothing changed. */
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);

@@ -22,8 +22,19 @@
  * (m40_kv_slot_clear), and when a step needs more blocks than are free the forward
  * call says so (M40_FORWARD_NO_BLOCKS) and changes nothing; the youngest sequence is
  * then preempted (its blocks freed, its tokens so far, generated ones included,
- * become a prompt to recompute later) and the step is rebuilt, until it fits. */
+ * become a prompt to recompute later) and the step is rebuilt, until it fits.
+ *
+ * Prefix caching (GPU pool, m40_kv_slot_match_prefix): when a sequence gets its first
+ * prompt chunk, the full blocks of its prompt that are already cached are attached to
+ * its slot and prefill starts after them; only the tokens actually run through the
+ * model count as prompt_tokens_computed. A sequence whose prompt shares full blocks
+ * that an older sequence is computing in this very step waits one step and then finds
+ * them cached, so requests arriving together with one system prompt compute it once.
+ * A preempted sequence usually finds its own blocks still cached (released blocks stay
+ * cached until evicted) and recomputes little; a finished or cancelled one leaves its
+ * full blocks to later requests. */
 #include "engine_impl.h"
+#include "kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
 
 #include <math.h>
 #include <stdio.h>
@@ -606,6 +617,35 @@ static int preempt(m40_engine *e, int32_t i)
     return 0;
 }
 
+/* Whether an older sequence in this step's batch is prefilling full blocks that slot c's
+ * prompt shares and that are not cached yet: c then waits one step and finds them
+ * cached instead of computing them a second time alongside. The older sequences always
+ * finish their prefill this step (the step's budget goes to them first), so c waits at
+ * most one step per such sequence. */
+static int prefix_in_flight(const m40_engine *e, int32_t c)
+{
+    const int32_t bs = M40_KV_BLOCK_SIZE_DEFAULT;
+    const m40_slot *sc = &e->slots[c];
+    const int32_t max_blocks = (sc->n_prompt - 1) / bs; /* a match never covers the last token */
+    for (int32_t o = 0; o < e->max_seqs; o++) {
+        const m40_slot *so = &e->slots[o];
+        if (o == c || !so->r || e->take[o] <= 0 || so->n_prefilled >= so->n_prompt)
+            continue;
+        int32_t lim = so->n_prefilled + e->take[o]; /* o's computed tokens after the step */
+        if (lim > sc->n_prompt)
+            lim = sc->n_prompt;
+        int32_t l = 0;
+        while (l < lim && so->prompt[l] == sc->prompt[l])
+            l++;
+        int32_t after = l / bs, now = (l < so->n_prefilled ? l : so->n_prefilled) / bs;
+        if (after > max_blocks)
+            after = max_blocks;
+        if (after > now)
+            return 1;
+    }
+    return 0;
+}
+
 /* Builds the step's batch from the slots' state; returns its size. */
 static int32_t build_batch(m40_engine *e, int32_t *rows_out)
 {
@@ -623,6 +663,7 @@ static int32_t build_batch(m40_engine *e, int32_t *rows_out)
     }
     /* Then prompt chunks, oldest admission first, within the step's prefill budget. */
     int32_t budget = e->prefill_chunk;
+    const int cache = m40_kv_prefix_cache_enabled(e->kv);
     while (budget > 0) {
         int32_t best = -1;
         for (int32_t i = 0; i < e->max_seqs; i++) {
@@ -634,6 +675,16 @@ static int32_t build_batch(m40_engine *e, int32_t *rows_out)
         if (best < 0)
             break;
         m40_slot *s = &e->slots[best];
+        if (s->n_past == 0 && s->n_prefilled == 0) {
+            /* First chunk (of a new or a preempted sequence): start after its cached prefix. */
+            if (cache && prefix_in_flight(e, best)) {
+                take[best] = -1; /* not this step; reset to 0 below */
+                continue;
+            }
+            int32_t hit = m40_kv_slot_match_prefix(e->kv, best, s->prompt, s->n_prompt);
+            if (hit > 0 && hit < s->n_prompt)
+                s->n_prefilled = s->n_past = hit;
+        }
         int32_t k = s->n_prompt - s->n_prefilled;
         if (k > budget)
             k = budget;
@@ -646,6 +697,9 @@ static int32_t build_batch(m40_engine *e, int32_t *rows_out)
         take[best] = k;
         budget -= k;
     }
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        if (take[i] < 0)
+            take[i] = 0;
     *rows_out = rows;
     return n;
 }
@@ -747,12 +801,21 @@ static void stats_publish(m40_engine *e)
             used += e->slots[i].n_past;
             running++;
         }
+    /* A GPU pool: the blocks held by sequences (a block shared through the prefix cache
+     * counts once; idle cached blocks count as free, they are evicted on demand). */
+    if (m40_kv_pool_blocks(e->kv) > 0)
+        used = (int64_t)(m40_kv_pool_blocks(e->kv) - m40_kv_pool_free_blocks(e->kv)) * 16;
     const m40_engine_stats *t = &e->tstats;
+    m40_kv_prefix_stats ps;
+    m40_kv_get_prefix_stats(e->kv, &ps);
     pthread_mutex_lock(&e->mu);
     m40_engine_stats *o = &e->stats;
     o->prompt_tokens_total = t->prompt_tokens_total;
     o->prompt_tokens_computed = t->prompt_tokens_computed;
     o->completion_tokens_total = t->completion_tokens_total;
+    o->prefix_cache_queries = (uint64_t)ps.queries;
+    o->prefix_cache_query_tokens = (uint64_t)ps.query_tokens;
+    o->prefix_cache_hit_tokens = (uint64_t)ps.hit_tokens;
     o->running = running;
     o->kv_tokens_used = used;
     o->kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16

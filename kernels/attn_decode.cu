@@ -11,7 +11,9 @@
  * update of the tile, and every thread accumulates p * V for its 8 dims and G heads in
  * registers. At the end the teams' partial outputs are summed in shared memory.
  * With n_splits > 1 each split writes (unnormalized output, max, sum) to a workspace
- * and a second kernel merges the splits. */
+ * and a second kernel merges the splits (an empty split leaves max -inf: skipped).
+ * window > 0 (sliding-window layers, Gemma 3): only the last `window` positions are
+ * read, and the splits divide that range. */
 #include "cuda_common.h"
 
 #include <math.h>
@@ -24,7 +26,7 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc, const int32_t *__restrict__ indptr,
     const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads,
-    float scale, int n_splits, float *__restrict__ ws)
+    float scale, int n_splits, float *__restrict__ ws, int window)
 {
     constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
     __shared__ float S[GMAX][TILE];
@@ -37,8 +39,16 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
 
     const int page0 = indptr[s], npages = indptr[s + 1] - page0;
     const int len = npages > 0 ? (npages - 1) * M40K_PAGE + last_page_len[s] : 0;
-    const int pps = (npages + n_splits - 1) / n_splits;
-    const int tok0 = min(len, split * pps * M40K_PAGE), tok1 = min(len, (split + 1) * pps * M40K_PAGE);
+    int tok0, tok1;
+    if (window > 0) {
+        /* sliding window: the last `window` positions, split evenly (in whole pages) */
+        const int start = max(0, len - window);
+        const int per = ((len - start + n_splits - 1) / n_splits + M40K_PAGE - 1) / M40K_PAGE * M40K_PAGE;
+        tok0 = min(len, start + split * per), tok1 = min(len, start + (split + 1) * per);
+    } else {
+        const int pps = (npages + n_splits - 1) / n_splits;
+        tok0 = min(len, split * pps * M40K_PAGE), tok1 = min(len, (split + 1) * pps * M40K_PAGE);
+    }
 
     float qr[GMAX][8], acc[GMAX][8];
 #pragma unroll
@@ -203,11 +213,11 @@ extern "C" int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_l
 template <int D, int GMAX>
 static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc, const uint16_t *vc,
                          const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
-                         int n_kv_heads, float scale, int n_splits, float *ws, cudaStream_t st)
+                         int n_kv_heads, float scale, int n_splits, float *ws, int window, cudaStream_t st)
 {
     dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
     attn_decode_kernel<D, GMAX><<<grid, DEC_THREADS, 0, st>>>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
-                                                              n_kv_heads, scale, n_splits, ws);
+                                                              n_kv_heads, scale, n_splits, ws, window);
     if (n_splits > 1)
         attn_decode_merge<<<dim3((unsigned)n_heads, (unsigned)n_seqs), D, 0, st>>>(out, os, ws, n_seqs, n_heads, D,
                                                                                   n_splits);
@@ -218,19 +228,39 @@ template <int D>
 static int decode_group(int G, float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc,
                         const uint16_t *vc, const int32_t *indptr, const int32_t *indices, const int32_t *lpl,
                         int n_seqs, int n_heads, int n_kv_heads, float scale, int n_splits, float *ws,
-                        cudaStream_t st)
+                        int window, cudaStream_t st)
 {
     if (G == 1)
         return decode_launch<D, 1>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, st);
+                                   n_splits, ws, window, st);
     if (G == 2)
         return decode_launch<D, 2>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, st);
+                                   n_splits, ws, window, st);
     if (G <= 4)
         return decode_launch<D, 4>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, st);
+                                   n_splits, ws, window, st);
     return decode_launch<D, 8>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                               n_splits, ws, st);
+                               n_splits, ws, window, st);
+}
+
+extern "C" int m40k_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                       const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
+                                       const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
+                                       int n_kv_heads, int head_dim, float scale, int window, int n_splits,
+                                       float *workspace, m40k_stream stream)
+{
+    if (n_seqs <= 0)
+        return 0;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || n_splits < 1 || n_seqs > 65535 ||
+        n_splits > 65535 || (n_splits > 1 && !workspace) || q_stride % 4 || window < 0)
+        return M40K_INVALID;
+    const int G = n_heads / n_kv_heads;
+    switch (head_dim) {
+    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, window, stream);
+    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, window, stream);
+    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, window, stream);
+    default: return M40K_INVALID;
+    }
 }
 
 extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -239,16 +269,6 @@ extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, 
                                 int n_kv_heads, int head_dim, float scale, int n_splits, float *workspace,
                                 m40k_stream stream)
 {
-    if (n_seqs <= 0)
-        return 0;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || n_splits < 1 || n_seqs > 65535 ||
-        n_splits > 65535 || (n_splits > 1 && !workspace) || q_stride % 4)
-        return M40K_INVALID;
-    const int G = n_heads / n_kv_heads;
-    switch (head_dim) {
-    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, stream);
-    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, stream);
-    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, stream);
-    default: return M40K_INVALID;
-    }
+    return m40k_attn_decode_window(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len,
+                                   n_seqs, n_heads, n_kv_heads, head_dim, scale, 0, n_splits, workspace, stream);
 }

@@ -9,6 +9,8 @@
  * 4 rows does the online-softmax update, and each thread accumulates its rows x dims
  * slice of the output in registers. Tiles beyond the last row's position are skipped
  * (causality), so a chunk of n tokens after a prefix of p costs ~n*(p+n/2) work.
+ * window > 0 (sliding-window layers): a row at position p sees p-window+1..p only;
+ * tiles before the block's first window are skipped.
  *
  * Blocks map to (sequence, row tile) by a scan over q_indptr: the grid is sized for the
  * worst case (n_rows*G/BM + n_seqs tiles) and surplus blocks exit. */
@@ -29,7 +31,7 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
-    int n_heads, int n_kv_heads, float scale)
+    int n_heads, int n_kv_heads, float scale, int window)
 {
     constexpr int BN = pf_cfg<D>::BN, KS = pf_cfg<D>::KS;
     extern __shared__ float smem[];
@@ -85,7 +87,9 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
     const int ty = tid / 16, tx = tid % 16;
 
     const int kv_end = min(len, last_pos + 1);
-    for (int kv0 = 0; kv0 < kv_end; kv0 += BN) {
+    /* sliding window: tiles wholly before the first row's window are skipped */
+    const int kv_begin = window > 0 ? max(0, first_pos - window + 1) / BN * BN : 0;
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {
         __syncthreads(); /* previous tile fully consumed */
         for (int i = tid; i < BN * D / 8; i += PF_THREADS) {
             const int n = i / (D / 8), c = i % (D / 8), t = kv0 + n;
@@ -124,11 +128,13 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
             }
             const int pa = len - nq + (row0 + ty) / G, pb = len - nq + (row0 + ty + 8) / G;
             const int ta = kv0 + tx, tb = kv0 + tx + 16;
-            Ss[ty * (BN + 1) + tx] = ta <= pa ? s00 : -INFINITY;
-            Ss[(ty + 8) * (BN + 1) + tx] = ta <= pb ? s10 : -INFINITY;
+            /* visible: causal, and inside the window when there is one (p - window < t <= p) */
+            const int wa = window > 0 ? pa - window : -1, wb = window > 0 ? pb - window : -1;
+            Ss[ty * (BN + 1) + tx] = ta <= pa && ta > wa ? s00 : -INFINITY;
+            Ss[(ty + 8) * (BN + 1) + tx] = ta <= pb && ta > wb ? s10 : -INFINITY;
             if (BN == 32) {
-                Ss[ty * (BN + 1) + tx + 16] = tb <= pa ? s01 : -INFINITY;
-                Ss[(ty + 8) * (BN + 1) + tx + 16] = tb <= pb ? s11 : -INFINITY;
+                Ss[ty * (BN + 1) + tx + 16] = tb <= pa && tb > wa ? s01 : -INFINITY;
+                Ss[(ty + 8) * (BN + 1) + tx + 16] = tb <= pb && tb > wb ? s11 : -INFINITY;
             }
         }
         __syncthreads();
@@ -172,7 +178,6 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
             }
         }
     }
-    (void)first_pos;
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -191,7 +196,7 @@ template <int D>
 static int prefill_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                           int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lpl, int n_heads, int n_kv_heads, float scale,
-                          cudaStream_t st)
+                          int window, cudaStream_t st)
 {
     const size_t smem = pf_cfg<D>::smem;
     static int attr_set; /* per instantiation; setting it twice is harmless */
@@ -206,8 +211,26 @@ static int prefill_launch(float *out, int64_t os, const float *q, int64_t qs, co
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
     attn_prefill_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads), PF_THREADS, smem, st>>>(
-        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale);
+        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale, window);
     return m40k_launch_status();
+}
+
+extern "C" int m40k_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                        const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                        const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                        const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                        float scale, int window, m40k_stream stream)
+{
+    if (n_seqs <= 0 || n_rows <= 0)
+        return 0;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0)
+        return M40K_INVALID;
+    switch (head_dim) {
+    case 64: return prefill_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
+    case 128: return prefill_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
+    case 256: return prefill_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
+    default: return M40K_INVALID;
+    }
 }
 
 extern "C" int m40k_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -216,14 +239,6 @@ extern "C" int m40k_attn_prefill(float *out, int64_t out_stride, const float *q,
                                  const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
                                  m40k_stream stream)
 {
-    if (n_seqs <= 0 || n_rows <= 0)
-        return 0;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8)
-        return M40K_INVALID;
-    switch (head_dim) {
-    case 64: return prefill_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, stream);
-    case 128: return prefill_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, stream);
-    case 256: return prefill_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, stream);
-    default: return M40K_INVALID;
-    }
+    return m40k_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
+                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, stream);
 }

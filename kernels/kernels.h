@@ -112,6 +112,48 @@ int m40k_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_
                       const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
                       int n_kv_heads, int head_dim, float scale, m40k_stream stream);
 
+/* 6b, 7b. Sliding-window variants (Gemma 3's local layers): the same kernels, but a
+ * query at position p attends to positions max(0, p-window+1)..p only (window tokens,
+ * itself included). window 0 means no window: m40k_attn_decode and m40k_attn_prefill
+ * are these with window 0. */
+int m40k_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                            const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                            float scale, int window, int n_splits, float *workspace, m40k_stream stream);
+int m40k_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                             const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                             const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                             const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                             int window, m40k_stream stream);
+
+/* 7c. Prefill attention on tensor cores (kernels/attn_prefill_tc.cu): the same arguments
+ * and results as m40k_attn_prefill[_window] (up to F16 rounding of Q and of the softmax
+ * weights: ~1e-3 of the output scale), flash-attention-2 style with mma.sync, for
+ * sm_80 and newer. m40k_attn_prefill_tc_supported(head_dim) says whether it runs on the
+ * current device (sm_80+, head_dim 64/128/256, a kernel image built for sm_80+, enough
+ * shared memory); where it does not, the _tc calls return
+ * cudaErrorNoKernelImageForDevice (209). The _auto calls take the tensor-core path where
+ * it is supported and the SIMT kernel otherwise: the ones to call from model code. */
+int m40k_attn_prefill_tc_supported(int head_dim);
+int m40k_attn_prefill_tc(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
+                         int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
+                         int n_kv_heads, int head_dim, float scale, m40k_stream stream);
+int m40k_attn_prefill_tc_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                int window, m40k_stream stream);
+int m40k_attn_prefill_auto(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
+                           int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
+                           int n_kv_heads, int head_dim, float scale, m40k_stream stream);
+int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                  const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                  const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                  float scale, int window, m40k_stream stream);
+
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
  * n < N, b < batch (1..8). W rows are K elements of w_type (F16, Q8_0, Q4_0, Q4_K,
  * Q6_K; GGUF block layouts) packed, row bytes = K/block*block_bytes. K a multiple of 32
@@ -128,6 +170,53 @@ int m40k_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x
  * top_tokens[r*top_k ..] and top_logprobs[r*top_k ..]. */
 int m40k_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token, float *logprob,
                        int top_k, int32_t *top_tokens, float *top_logprobs, m40k_stream stream);
+
+/* 9b. Full sampling, batched: one block per sequence s over logits row s
+ * (logits + s*stride, n_vocab <= 2^23 entries, modified in place: logit bias and
+ * penalties are applied to it), with the CPU sampler's order (engine/sampler.c):
+ *   logit bias -> penalties -> [logprobs: log-softmax at temperature 1] ->
+ *   temperature -> top-k -> top-p -> min-p -> draw.
+ * Rank order is (logit descending, id ascending); NaN counts as -inf and -0 as +0.
+ * Temperature <= 0, top_k == 1 or a non-finite max logit give the argmax (first in rank
+ * order) without a draw. Otherwise p_i = m40 exp((l_i - max) / T) (a fixed polynomial of
+ * IEEE-rounded operations, identical on CPU and GPU), held as a 2^-40 fixed-point integer
+ * so every sum is exact and order-free; the kept set is a prefix of the rank order:
+ * the first top_k (all when top_k <= 0 or >= n_vocab), cut after the first element whose
+ * inclusive mass reaches ceil(top_p * mass of the top-k) (top_p < 1), then only those
+ * with p >= min_p (min_p > 0). The draw takes r = floor(rand * kept_mass / 2^64) with
+ * rand = m40 random(seed, step) and picks the first element whose inclusive mass
+ * exceeds r. So the GPU and the CPU twin (m40_ref_sample) pick the same token exactly.
+ * The caller advances `step` once per sampled token (e.g. tokens generated so far).
+ *
+ * Logit bias (optional, bias_indptr NULL = none): entries bias_indptr[s] ..
+ * bias_indptr[s+1] of bias_ids/bias_values are added in list order (duplicates add up;
+ * ids outside [0, n_vocab) are ignored). Penalties (optional, pen_indptr NULL = none):
+ * entries pen_indptr[s] .. pen_indptr[s+1] of pen_ids/pen_counts are the DISTINCT tokens
+ * of the sequence's penalty window with their occurrence counts (>= 1); each gets
+ *   l = repetition != 1 ? (l > 0 ? l / repetition : l * repetition) : l;
+ *   l -= count * frequency + presence.
+ * Outputs: token[s], logprob[s] (log-softmax of the biased, penalized logits at
+ * temperature 1), and when n_top > 0 (<= 20) the n_top first (token, logprob) of the rank
+ * order at top_ids[s*n_top ..], top_logprobs[s*n_top ..] (-1 / -inf past n_vocab).
+ * Cost: a few passes over the row (a 4-digit radix descent on the ordered float bits per
+ * threshold: top-k/top-p cut, draw, top-n), no sort. */
+typedef struct {
+    float temperature;        /* <= 0: greedy */
+    int32_t top_k;            /* <= 0: off */
+    float top_p;              /* >= 1: off */
+    float min_p;              /* <= 0: off */
+    float repetition_penalty; /* 1: off */
+    float presence_penalty;   /* 0: off */
+    float frequency_penalty;  /* 0: off */
+    uint32_t pad_;
+    uint64_t seed;
+    uint64_t step;
+} m40k_sample_params;
+
+int m40k_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const m40k_sample_params *params,
+                const int32_t *bias_indptr, const int32_t *bias_ids, const float *bias_values,
+                const int32_t *pen_indptr, const int32_t *pen_ids, const int32_t *pen_counts, int32_t *token,
+                float *logprob, int n_top, int32_t *top_ids, float *top_logprobs, m40k_stream stream);
 
 #ifdef __cplusplus
 }

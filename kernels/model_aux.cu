@@ -59,7 +59,7 @@ __global__ __launch_bounds__(AG_T) void attn_generic_kernel(
     float *__restrict__ out, int64_t os, const float *__restrict__ q, int64_t qs, const int32_t *__restrict__ row_seq,
     const int32_t *__restrict__ row_pos, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, int n_heads, int n_kv_heads, int hd,
-    float scale)
+    float scale, int window)
 {
     __shared__ float qv[AG_MAXD], acc[AG_MAXD], p[AG_T], red_m[AG_T / 32], red_s[AG_T / 32];
     __shared__ float m_run, l_run, alpha_s;
@@ -74,7 +74,8 @@ __global__ __launch_bounds__(AG_T) void attn_generic_kernel(
     if (tid == 0)
         m_run = -INFINITY, l_run = 0.0f, alpha_s = 0.0f;
     __syncthreads();
-    for (int t0 = 0; t0 <= pos; t0 += AG_T) {
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    for (int t0 = first; t0 <= pos; t0 += AG_T) {
         const int t = t0 + tid;
         float sc = -INFINITY;
         if (t <= pos) {
@@ -127,17 +128,91 @@ __global__ __launch_bounds__(AG_T) void attn_generic_kernel(
         out[(int64_t)row * os + (int64_t)h * hd + d] = l_run > 0.0f ? acc[d] / l_run : 0.0f;
 }
 
+extern "C" int m40k_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                        const int32_t *row_seq, const int32_t *row_pos, int n_rows,
+                                        const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
+                                        const int32_t *indices, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                        int window, m40k_stream stream)
+{
+    if (n_rows <= 0)
+        return 0;
+    if (head_dim <= 0 || head_dim > AG_MAXD || n_kv_heads <= 0 || n_heads % n_kv_heads || window < 0)
+        return M40K_INVALID;
+    dim3 grid(n_rows, n_heads);
+    attn_generic_kernel<<<grid, AG_T, 0, stream>>>(out, out_stride, q, q_stride, row_seq, row_pos, k_cache, v_cache,
+                                                   indptr, indices, n_heads, n_kv_heads, head_dim, scale, window);
+    return m40k_launch_status();
+}
+
 extern "C" int m40k_attn_generic(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                  const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
                                  int n_kv_heads, int head_dim, float scale, m40k_stream stream)
 {
-    if (n_rows <= 0)
+    return m40k_attn_generic_window(out, out_stride, q, q_stride, row_seq, row_pos, n_rows, k_cache, v_cache, indptr,
+                                    indices, n_heads, n_kv_heads, head_dim, scale, 0, stream);
+}
+
+/* One warp per (row, head): sum of squares by shuffles, then scale in place. */
+__global__ void rmsnorm_heads_kernel(float *__restrict__ x, int64_t xs, int n_heads, int hd,
+                                     const float *__restrict__ w, int n_items, float eps)
+{
+    const int item = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (item >= n_items)
+        return;
+    float *v = x + (int64_t)(item / n_heads) * xs + (int64_t)(item % n_heads) * hd;
+    float ss = 0.0f;
+    for (int d = lane; d < hd; d += 32)
+        ss = fmaf(v[d], v[d], ss);
+    ss = m40k_warp_sum(ss);
+    const float r = rsqrtf(ss / (float)hd + eps);
+    for (int d = lane; d < hd; d += 32)
+        v[d] = v[d] * r * w[d];
+}
+
+extern "C" int m40k_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows,
+                                  float eps, m40k_stream stream)
+{
+    if (rows <= 0 || n_heads <= 0)
         return 0;
-    if (head_dim <= 0 || head_dim > AG_MAXD || n_kv_heads <= 0 || n_heads % n_kv_heads)
+    if (head_dim <= 0)
         return M40K_INVALID;
-    dim3 grid(n_rows, n_heads);
-    attn_generic_kernel<<<grid, AG_T, 0, stream>>>(out, out_stride, q, q_stride, row_seq, row_pos, k_cache, v_cache,
-                                                   indptr, indices, n_heads, n_kv_heads, head_dim, scale);
+    const int64_t items = (int64_t)rows * n_heads;
+    if (items > 0x7fffffffL)
+        return M40K_INVALID;
+    rmsnorm_heads_kernel<<<(unsigned)((items + 7) / 8), 256, 0, stream>>>(x, x_stride, n_heads, head_dim, w,
+                                                                          (int)items, eps);
+    return m40k_launch_status();
+}
+
+__global__ void scale_kernel(float *__restrict__ x, int64_t n, float s)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] *= s;
+}
+
+extern "C" int m40k_scale(float *x, int64_t n, float s, m40k_stream stream)
+{
+    if (n <= 0)
+        return 0;
+    int64_t blocks = (n + 255) / 256;
+    scale_kernel<<<(int)(blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(x, n, s);
+    return m40k_launch_status();
+}
+
+__global__ void softcap_kernel(float *__restrict__ x, int64_t n, float cap)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] / cap);
+}
+
+extern "C" int m40k_softcap(float *x, int64_t n, float cap, m40k_stream stream)
+{
+    if (n <= 0)
+        return 0;
+    if (!(cap > 0.0f))
+        return M40K_INVALID;
+    int64_t blocks = (n + 255) / 256;
+    softcap_kernel<<<(int)(blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(x, n, cap);
     return m40k_launch_status();
 }

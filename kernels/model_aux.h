@@ -28,11 +28,32 @@ int m40k_gather_rows(float *dst, int64_t dst_stride, const float *src, int64_t s
  * query row i belongs to sequence row_seq[i] and sits at position row_pos[i]; it
  * attends to positions 0..row_pos[i] of that sequence's pages (CSR indptr/indices,
  * layout [block][kv_head][16][head_dim] F16). One block of 128 threads per (row, head),
- * online softmax over chunks of 128 positions. Slow but shape-agnostic. */
+ * online softmax over chunks of 128 positions. Slow but shape-agnostic. The CPU twins of
+ * this file's kernels are in engine/cpu_ref.c (m40_ref_attn_generic_window, ...),
+ * compared in tests/gpu/test_gemma_kernels.cu. */
 int m40k_attn_generic(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *row_seq,
                       const int32_t *row_pos, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
                       const int32_t *indptr, const int32_t *indices, int n_heads, int n_kv_heads, int head_dim,
                       float scale, m40k_stream stream);
+
+/* m40k_attn_generic with a sliding window: row i attends to positions
+ * max(0, row_pos[i]-window+1)..row_pos[i]; window 0 = no window (m40k_attn_generic). */
+int m40k_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                             const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
+                             const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
+                             int n_kv_heads, int head_dim, float scale, int window, m40k_stream stream);
+
+/* Per-head RMSNorm in place (Gemma 3's Q/K norms): for row r < rows and head h <
+ * n_heads, the head_dim values at x + r*x_stride + h*head_dim become
+ * v / sqrt(mean(v^2) + eps) * w (w: head_dim weights shared by all heads). */
+int m40k_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows, float eps,
+                       m40k_stream stream);
+
+/* x[i] *= s, i < n (Gemma's embedding scale sqrt(n_embd)). */
+int m40k_scale(float *x, int64_t n, float s, m40k_stream stream);
+
+/* x[i] = cap * tanh(x[i] / cap), i < n (final logit soft-capping). */
+int m40k_softcap(float *x, int64_t n, float cap, m40k_stream stream);
 
 #ifdef __cplusplus
 }

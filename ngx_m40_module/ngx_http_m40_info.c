@@ -158,7 +158,7 @@ ngx_http_m40_metrics_handler(ngx_http_request_t *r)
 {
     int                        n;
     u_char                    *p, *end;
-    double                     kv;
+    double                     kv, hit;
     ngx_int_t                  rc, state;
     ngx_buf_t                 *b;
     ngx_chain_t                out;
@@ -209,6 +209,30 @@ ngx_http_m40_metrics_handler(ngx_http_request_t *r)
     ngx_http_m40_metric(p, end, "counter", "m40_generation_tokens_total",
                         "Generated tokens",
                         "%uL", (uint64_t) s.completion_tokens_total);
+    ngx_http_m40_metric(p, end, "counter", "m40_prefix_cache_queries_total",
+                        "Prompt lookups in the KV prefix cache",
+                        "%uL", (uint64_t) s.prefix_cache_queries);
+    ngx_http_m40_metric(p, end, "counter",
+                        "m40_prefix_cache_query_tokens_total",
+                        "Prompt tokens looked up in the KV prefix cache",
+                        "%uL", (uint64_t) s.prefix_cache_query_tokens);
+    ngx_http_m40_metric(p, end, "counter", "m40_prefix_cache_hit_tokens_total",
+                        "Prompt tokens found in the KV prefix cache "
+                        "(not computed)",
+                        "%uL", (uint64_t) s.prefix_cache_hit_tokens);
+
+    hit = s.prefix_cache_query_tokens > 0
+          ? (double) s.prefix_cache_hit_tokens
+            / (double) s.prefix_cache_query_tokens
+          : 0.0;
+
+    n = snprintf((char *) p, end - p,
+                 "# HELP m40_prefix_cache_hit_ratio Fraction of looked-up "
+                 "prompt tokens found in the KV prefix cache\n"
+                 "# TYPE m40_prefix_cache_hit_ratio gauge\n"
+                 "m40_prefix_cache_hit_ratio %.6f\n",
+                 hit);
+    p += (n > 0 && n < end - p) ? n : 0;
     ngx_http_m40_metric(p, end, "gauge", "m40_queue_depth",
                         "Requests waiting for a sequence slot",
                         "%D", (int32_t) s.queue_depth);

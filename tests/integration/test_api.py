@@ -257,6 +257,10 @@ def test_metrics_count_requests(base_url, client, model):
     assert after["m40_prompt_tokens_computed_total"] >= before["m40_prompt_tokens_computed_total"]
     assert after["m40_running_sequences"] == 0 and after["m40_queue_depth"] == 0
     assert 0 <= after["m40_kv_usage_ratio"] <= 1
+    # prefix cache counters (all 0 on the CPU engine, which has no cache)
+    assert after["m40_prefix_cache_queries_total"] >= before["m40_prefix_cache_queries_total"]
+    assert after["m40_prefix_cache_hit_tokens_total"] <= after["m40_prefix_cache_query_tokens_total"]
+    assert 0 <= after["m40_prefix_cache_hit_ratio"] <= 1
     for h in ("m40_time_to_first_token_seconds", "m40_inter_token_latency_seconds"):
         assert after[h + '_bucket{le="+Inf"}'] == after[h + "_count"]
     assert after['m40_time_to_first_token_seconds_bucket{le="+Inf"}'] == \

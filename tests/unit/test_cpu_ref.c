@@ -1,7 +1,9 @@
 /* CPU twins of the CUDA kernels (engine/cpu_ref.c) against direct formulas: paged
  * attention equals naive contiguous attention, prefill's last row equals decode, the KV
- * append lands where the page table says, RoPE matches the rotation formula. */
+ * append lands where the page table says, RoPE matches the rotation formula, sliding
+ * windows (Gemma 3) restrict attention to the last `window` positions. */
 #include <math.h>
+#include <string.h>
 
 #include "check.h"
 #include "cpu_ref.h"
@@ -96,6 +98,87 @@ static void test_paged_attention(void)
         for (int j = 0; j < HD; j++)
             worst = fmax(worst, fabs(po[new_indptr[1] * NH * HD + h * HD + j] - v[(1 * 40) * NKV * HD + (h / G) * HD + j]));
     CHECK(worst < 1e-6, "causal first row = V: %g", worst);
+
+    /* sliding windows (Gemma 3's local layers) */
+    static float wo[3 * NH * HD], wpo[97 * NH * HD], wgo[97 * NH * HD];
+    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 1000);
+    CHECK(memcmp(wo, out, sizeof wo) == 0, "a window longer than the context changes decode");
+    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 1);
+    worst = 0;
+    for (int s = 0; s < 3; s++)
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < HD; j++)
+                worst = fmax(worst, fabs(wo[(s * NH + h) * HD + j] -
+                                         v[(s * 40 + lens[s] - 1) * NKV * HD + (h / G) * HD + j]));
+    CHECK(worst < 1e-6, "window 1: decode = the last V: %g", worst);
+    /* window 5: decode vs naive over the last 5 positions */
+    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 5);
+    worst = 0;
+    for (int s = 0; s < 3; s++)
+        for (int h = 0; h < NH; h++) {
+            const float *qh = q + (s * NH + h) * HD;
+            int t0 = lens[s] > 5 ? lens[s] - 5 : 0;
+            double sc[40], mx = -1e30, sum = 0;
+            for (int t = t0; t < lens[s]; t++) {
+                double d = 0;
+                for (int j = 0; j < HD; j++)
+                    d += qh[j] * k[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
+                sc[t] = d * scale;
+                mx = fmax(mx, sc[t]);
+            }
+            for (int t = t0; t < lens[s]; t++)
+                sum += sc[t] = exp(sc[t] - mx);
+            for (int j = 0; j < HD; j++) {
+                double o = 0;
+                for (int t = t0; t < lens[s]; t++)
+                    o += sc[t] * v[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
+                worst = fmax(worst, fabs(o / sum - wo[(s * NH + h) * HD + j]));
+            }
+        }
+    CHECK(worst < 1e-5, "window 5: decode vs naive: %g", worst);
+    /* prefill with window 5: last rows equal decode; generic with window 5 equals prefill */
+    m40_ref_attn_prefill_window(wpo, NH * HD, pq, NH * HD, new_indptr, 3, 97, kc, vc, indptr, indices, lpl, NH, NKV,
+                                HD, scale, 5);
+    worst = 0;
+    for (int s = 0; s < 3; s++)
+        for (int i = 0; i < NH * HD; i++)
+            worst = fmax(worst, fabs(wpo[(new_indptr[s + 1] - 1) * NH * HD + i] - wo[s * NH * HD + i]));
+    CHECK(worst < 1e-6, "window 5: prefill last row vs decode: %g", worst);
+    int32_t row_seq[97], row_pos[97];
+    for (int s = 0; s < 3; s++)
+        for (int t = new_indptr[s]; t < new_indptr[s + 1]; t++)
+            row_seq[t] = s, row_pos[t] = t - new_indptr[s];
+    m40_ref_attn_generic_window(wgo, NH * HD, pq, NH * HD, row_seq, row_pos, 97, kc, vc, indptr, indices, NH, NKV, HD,
+                                scale, 5);
+    CHECK(memcmp(wgo, wpo, sizeof wgo) == 0, "window 5: generic differs from prefill");
+}
+
+static void test_gemma_helpers(void)
+{
+    enum { HD = 24, NH = 3, STRIDE = 100 };
+    float x[2 * STRIDE], y[2 * STRIDE], w[HD];
+    for (int i = 0; i < 2 * STRIDE; i++)
+        x[i] = y[i] = 3 * frand();
+    for (int i = 0; i < HD; i++)
+        w[i] = 1 + frand() * 0.5f;
+    m40_ref_rmsnorm_heads(x, STRIDE, NH, HD, w, 2, 1e-6f);
+    double worst = 0;
+    for (int r = 0; r < 2; r++) {
+        for (int h = 0; h < NH; h++) {
+            float o[HD];
+            m40_ref_rmsnorm(y + r * STRIDE + h * HD, HD, w, o, M40K_TYPE_F32, HD, 1, HD, 1e-6f);
+            for (int d = 0; d < HD; d++)
+                worst = fmax(worst, fabs(o[d] - x[r * STRIDE + h * HD + d]));
+        }
+        for (int i = NH * HD; i < STRIDE; i++)
+            CHECK(x[r * STRIDE + i] == y[r * STRIDE + i], "rmsnorm_heads wrote past its heads");
+    }
+    CHECK(worst < 1e-5, "rmsnorm_heads vs rmsnorm per head: %g", worst);
+    float c[3] = {0.0f, 3.0f, -1000.0f};
+    m40_ref_softcap(c, 3, 30.0f);
+    CHECK(c[0] == 0.0f && fabsf(c[1] - 30.0f * tanhf(0.1f)) < 1e-6f && fabsf(c[2] + 30.0f) < 1e-4f, "softcap");
+    m40_ref_scale(c, 3, 2.0f);
+    CHECK(c[0] == 0.0f && fabsf(c[2] + 60.0f) < 2e-4f, "scale");
 }
 
 static void test_rope(void)
@@ -162,5 +245,6 @@ int main(void)
     test_paged_attention();
     test_rope();
     test_small();
+    test_gemma_helpers();
     return check_done();
 }

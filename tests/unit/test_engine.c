@@ -309,6 +309,10 @@ int main(void)
               (unsigned long long)st.requests_total, (unsigned long long)st.completion_tokens_total);
         CHECK(st.prompt_tokens_computed == (uint64_t)np, "prompt tokens computed %llu",
               (unsigned long long)st.prompt_tokens_computed);
+        /* The CPU engine has no prefix cache: every prompt token is computed. */
+        CHECK(st.prefix_cache_hit_tokens == 0 && st.prefix_cache_queries == 0 && st.prefix_cache_query_tokens == 0,
+              "cpu prefix cache counters %llu %llu", (unsigned long long)st.prefix_cache_queries,
+              (unsigned long long)st.prefix_cache_hit_tokens);
         CHECK(st.ttft_counts[M40_HIST_BUCKETS - 1] == 1, "one TTFT sample");
         CHECK(st.itl_counts[M40_HIST_BUCKETS - 1] == (uint64_t)ref_n - 1, "ITL samples %llu",
               (unsigned long long)st.itl_counts[M40_HIST_BUCKETS - 1]);

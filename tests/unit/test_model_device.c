@@ -32,6 +32,20 @@ int main(void)
     m40_kv_slot_clear(kv, 99); /* out of range: ignored */
     CHECK(m40_model_forward(m, kv, &bt, b, err, sizeof err) == 0, "%s", err);
     CHECK(memcmp(a, b, sizeof a) == 0, "slot clear changed a CPU result");
+    /* No prefix cache on the CPU: nothing matches, even a prompt just computed, and the
+     * slot is left as it was (its cache still continues at position 3). */
+    CHECK(!m40_kv_prefix_cache_enabled(kv), "cpu kv claims a prefix cache");
+    CHECK(m40_kv_slot_match_prefix(kv, 1, toks, 3) == 0, "cpu match");
+    CHECK(m40_kv_slot_match_prefix(kv, 0, toks, 3) == 0 && m40_kv_slot_match_prefix(kv, 99, toks, 3) == 0 &&
+              m40_kv_slot_match_prefix(kv, 0, NULL, 3) == 0,
+          "cpu match on another slot, out of range, no tokens");
+    m40_kv_prefix_stats ps;
+    memset(&ps, 0xff, sizeof ps);
+    m40_kv_get_prefix_stats(kv, &ps);
+    CHECK(ps.queries == 0 && ps.query_tokens == 0 && ps.hit_tokens == 0, "cpu prefix stats not zero");
+    int32_t p3 = 3, t3 = 4, s1 = 1;
+    m40_batch next = {.n = 1, .tokens = &t3, .pos = &p3, .slot = &s1};
+    CHECK(m40_model_forward(m, kv, &next, b, err, sizeof err) == 0, "continue after a cpu match: %s", err);
     m40_kv_free(kv);
     m40_model_free(m);
 

@@ -1,0 +1,230 @@
+/* Gemma 3's kernels against their CPU twins (engine/cpu_ref.c) on random inputs:
+ *   - the sliding-window attention variants (decode with and without splits, prefill,
+ *     and the shape-agnostic generic kernel), windows from 1 to longer than the context;
+ *   - per-head RMSNorm, scale and logit soft-capping (kernels/model_aux.h).
+ * Ends with "N passed, N failed, N skipped"; without a GPU it skips. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <algorithm>
+#include <vector>
+
+extern "C" {
+#include "ggml_types.h"
+#include "quant.h"
+}
+#include "cpu_ref.h"
+#include "model_aux.h"
+
+static int n_pass, n_fail;
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (cudaError_t)(call);                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t rng = 0x2545F4914F6CDD1Dull;
+static uint32_t rnd32(void)
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+static float frand(float lo, float hi) { return lo + (hi - lo) * (rnd32() & 0xFFFFFF) / 16777216.0f; }
+static std::vector<float> rand_vec(size_t n, float lo = -1.0f, float hi = 1.0f)
+{
+    std::vector<float> v(n);
+    for (auto &x : v)
+        x = frand(lo, hi);
+    return v;
+}
+template <class T> static T *dup(const std::vector<T> &h)
+{
+    T *d;
+    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T) + 64));
+    if (!h.empty())
+        CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+template <class T> static std::vector<T> back(const T *d, size_t n)
+{
+    std::vector<T> h(n);
+    CK(cudaDeviceSynchronize());
+    if (n)
+        CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+static void compare(const char *what, const float *g, const float *c, size_t n, float atol, float rtol)
+{
+    size_t bad = 0, first = 0;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)g[i] - c[i]);
+        if (!(d <= atol + rtol * fabs(c[i])) && !bad++)
+            first = i;
+        worst = std::max(worst, d);
+    }
+    if (bad) {
+        n_fail++;
+        printf("FAIL %s: %zu/%zu differ, first [%zu] gpu %g cpu %g (max abs diff %g)\n", what, bad, n, first,
+               g[first], c[first], worst);
+    } else {
+        n_pass++;
+    }
+}
+
+/* ---------------------------------------------------------------- paged cache fixture */
+struct Paged {
+    int n_seqs, n_blocks;
+    std::vector<int32_t> indptr, indices, lpl;
+};
+static Paged make_paged(const std::vector<int> &lens)
+{
+    Paged p;
+    p.n_seqs = (int)lens.size();
+    p.indptr.push_back(0);
+    int total = 0;
+    for (int l : lens) {
+        int pages = (l + M40K_PAGE - 1) / M40K_PAGE;
+        total += pages;
+        p.indptr.push_back(total);
+        p.lpl.push_back(l - (pages - 1) * M40K_PAGE);
+    }
+    p.n_blocks = total + 3;
+    std::vector<int32_t> perm(p.n_blocks);
+    for (int i = 0; i < p.n_blocks; i++)
+        perm[i] = i;
+    for (int i = p.n_blocks - 1; i > 0; i--)
+        std::swap(perm[i], perm[rnd32() % (i + 1)]);
+    p.indices.assign(perm.begin(), perm.begin() + total);
+    return p;
+}
+
+static void test_window_attention(void)
+{
+    const std::vector<int> lens = {1, 15, 17, 100, 700}, news = {1, 15, 3, 100, 37};
+    for (int hd : {24, 64, 128, 256})
+        for (int G : {1, 4}) {
+            const int nkv = 2, nh = nkv * G;
+            const float scale = 0.0625f;
+            Paged p = make_paged(lens);
+            const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
+            std::vector<uint16_t> kc(cache_elems), vc(cache_elems);
+            for (size_t i = 0; i < cache_elems; i++)
+                kc[i] = m40_fp32_to_fp16(frand(-2, 2)), vc[i] = m40_fp32_to_fp16(frand(-1, 1));
+            std::vector<int32_t> new_indptr = {0}, row_seq, row_pos;
+            for (size_t s = 0; s < news.size(); s++) {
+                new_indptr.push_back(new_indptr.back() + news[s]);
+                for (int i = 0; i < news[s]; i++)
+                    row_seq.push_back((int)s), row_pos.push_back(lens[s] - news[s] + i);
+            }
+            const int nt = new_indptr.back();
+            const int64_t qs = nh * hd + 4, os = nh * hd + 8;
+            uint16_t *dkc = dup(kc), *dvc = dup(vc);
+            int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *dni = dup(new_indptr);
+            int32_t *drs = dup(row_seq), *drp = dup(row_pos);
+            std::vector<float> q = rand_vec((size_t)nt * qs, -2, 2);
+            float *dq = dup(q), *dout, *dws;
+            CK(cudaMalloc(&dout, (size_t)nt * os * 4));
+            CK(cudaMalloc(&dws, m40k_decode_workspace_floats(p.n_seqs, nh, hd, 8) * 4 + 64));
+            char what[160];
+            for (int window : {0, 1, 5, 16, 33, 512, 2000}) {
+                const bool tuned = hd != 24;
+                if (tuned) {
+                    /* decode: one query per sequence (the first rows of q) */
+                    std::vector<float> c((size_t)p.n_seqs * os, 0.0f);
+                    m40_ref_attn_decode_window(c.data(), os, q.data(), qs, kc.data(), vc.data(), p.indptr.data(),
+                                               p.indices.data(), p.lpl.data(), p.n_seqs, nh, nkv, hd, scale, window);
+                    for (int splits : {1, 3, 8}) {
+                        CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
+                        CK(m40k_attn_decode_window(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv, hd,
+                                                   scale, window, splits, splits > 1 ? dws : nullptr, 0));
+                        std::vector<float> g = back(dout, c.size());
+                        snprintf(what, sizeof what, "attn_decode_window hd %d G %d window %d splits %d", hd, G,
+                                 window, splits);
+                        compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
+                    }
+                    /* prefill: the new tokens of every sequence */
+                    std::vector<float> pc((size_t)nt * os, 0.0f);
+                    m40_ref_attn_prefill_window(pc.data(), os, q.data(), qs, new_indptr.data(), p.n_seqs, nt,
+                                                kc.data(), vc.data(), p.indptr.data(), p.indices.data(),
+                                                p.lpl.data(), nh, nkv, hd, scale, window);
+                    CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
+                    CK(m40k_attn_prefill_window(dout, os, dq, qs, dni, p.n_seqs, nt, dkc, dvc, dip, dix, dlp, nh, nkv,
+                                                hd, scale, window, 0));
+                    std::vector<float> g = back(dout, pc.size());
+                    snprintf(what, sizeof what, "attn_prefill_window hd %d G %d window %d rows %d", hd, G, window,
+                             nt);
+                    compare(what, g.data(), pc.data(), pc.size(), 2e-4f, 1e-3f);
+                }
+                /* generic: same rows, any head size */
+                std::vector<float> gc((size_t)nt * os, 0.0f);
+                m40_ref_attn_generic_window(gc.data(), os, q.data(), qs, row_seq.data(), row_pos.data(), nt,
+                                            kc.data(), vc.data(), p.indptr.data(), p.indices.data(), nh, nkv, hd,
+                                            scale, window);
+                CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
+                CK(m40k_attn_generic_window(dout, os, dq, qs, drs, drp, nt, dkc, dvc, dip, dix, nh, nkv, hd, scale,
+                                            window, 0));
+                std::vector<float> g = back(dout, gc.size());
+                snprintf(what, sizeof what, "attn_generic_window hd %d G %d window %d rows %d", hd, G, window, nt);
+                compare(what, g.data(), gc.data(), gc.size(), 2e-4f, 1e-3f);
+            }
+            cudaFree(dq), cudaFree(dout), cudaFree(dws), cudaFree(dkc), cudaFree(dvc), cudaFree(dip), cudaFree(dix),
+                cudaFree(dlp), cudaFree(dni), cudaFree(drs), cudaFree(drp);
+        }
+}
+
+static void test_elementwise(void)
+{
+    char what[128];
+    for (int hd : {24, 100, 256})
+        for (int nheads : {1, 4}) {
+            const int rows = 37;
+            const int64_t stride = (int64_t)nheads * hd * 3 + 5; /* q inside a wider qkv row */
+            std::vector<float> x = rand_vec((size_t)rows * stride, -3, 3), w = rand_vec(hd, 0.5f, 1.5f);
+            float *dx = dup(x), *dw = dup(w);
+            CK(m40k_rmsnorm_heads(dx, stride, nheads, hd, dw, rows, 1e-6f, 0));
+            m40_ref_rmsnorm_heads(x.data(), stride, nheads, hd, w.data(), rows, 1e-6f);
+            std::vector<float> g = back(dx, x.size());
+            snprintf(what, sizeof what, "rmsnorm_heads hd %d heads %d rows %d", hd, nheads, rows);
+            compare(what, g.data(), x.data(), x.size(), 1e-5f, 1e-5f);
+            cudaFree(dx), cudaFree(dw);
+        }
+    const int64_t n = 100003;
+    std::vector<float> x = rand_vec(n, -100, 100);
+    float *dx = dup(x);
+    CK(m40k_scale(dx, n, 25.298221f, 0));
+    m40_ref_scale(x.data(), n, 25.298221f);
+    std::vector<float> g = back(dx, n);
+    compare("scale", g.data(), x.data(), n, 0.0f, 1e-7f);
+    CK(m40k_softcap(dx, n, 30.0f, 0));
+    m40_ref_softcap(x.data(), n, 30.0f);
+    g = back(dx, n);
+    compare("softcap 30", g.data(), x.data(), n, 1e-5f, 1e-5f);
+    cudaFree(dx);
+}
+
+int main(void)
+{
+    int ndev = 0;
+    cudaError_t e = cudaGetDeviceCount(&ndev);
+    if (e != cudaSuccess || ndev == 0) {
+        printf("SKIP: no CUDA device (%s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        printf("0 passed, 0 failed, 1 skipped\n");
+        return 0;
+    }
+    struct { const char *name; void (*fn)(void); } tests[] = {
+        {"window attention", test_window_attention}, {"elementwise", test_elementwise}};
+    for (auto &t : tests) {
+        int f0 = n_fail, p0 = n_pass;
+        t.fn();
+        printf("%-18s %d passed, %d failed\n", t.name, n_pass - p0, n_fail - f0);
+    }
+    printf("%d passed, %d failed, 0 skipped\n", n_pass, n_fail);
+    return n_fail ? 1 : 0;
+}
