@@ -357,7 +357,11 @@ __device__ smp_sel smp_descend(const smp_ctx &c, uint32_t K, uint64_t T, smp_sha
             const uint64_t q = mb / nb;
             uint64_t j = K > c_above ? (uint64_t)(K - c_above) : 1;
             if (q > 0) {
-                const uint64_t jm = T > m_above ? (T - m_above + q - 1) / q : 1;
+                /* smallest j with m_above + j * q >= T, i.e. ceil((T - m_above) / q), computed
+                 * without overflow: T is ~0 ("no mass condition") for the top-k and top-N
+                 * descents, where T - m_above + q - 1 used to wrap around to a tiny value */
+                const uint64_t need = T > m_above ? T - m_above : 1;
+                const uint64_t jm = need / q + (need % q != 0);
                 if (jm < j)
                     j = jm;
             }

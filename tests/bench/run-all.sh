@@ -208,7 +208,8 @@ s.settimeout(1)
 sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
 EOF
 }
-# Waits until GET /v1/models answers 200 (the model is loaded), the server exits, or 600 s.
+# Waits until GET /health answers 200 (the model is loaded: /v1/models answers while it
+# is still loading), the server exits, or 600 s.
 wait_ready() {
     python3 - "$PORT" "$SERVE_PID" <<'EOF'
 import os, sys, time, urllib.request
@@ -220,7 +221,7 @@ while time.time() < deadline:
     except OSError:
         sys.exit(2)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
             if r.status == 200:
                 sys.exit(0)
     except Exception:

@@ -118,7 +118,8 @@ static m40k_sample_params params_for(int cls, int V)
     return p;
 }
 
-static batch make_batch(int V, int n_seq, int first_class, int n_top)
+/* sequence s gets class (first_class + s * class_step) % N_CLASS (class_step 0: all the same) */
+static batch make_batch(int V, int n_seq, int first_class, int n_top, int class_step = 1)
 {
     batch b;
     b.n_seq = n_seq, b.n_vocab = V, b.n_top = n_top;
@@ -127,7 +128,7 @@ static batch make_batch(int V, int n_seq, int first_class, int n_top)
     b.bias_indptr.push_back(0);
     b.pen_indptr.push_back(0);
     for (int s = 0; s < n_seq; s++) {
-        const int cls = (first_class + s) % N_CLASS;
+        const int cls = (first_class + s * class_step) % N_CLASS;
         b.cls.push_back(cls);
         float *l = &b.logits[(size_t)s * b.stride];
         for (int64_t i = 0; i < b.stride; i++)
@@ -308,7 +309,7 @@ int main(void)
     /* penalties change exactly the listed tokens, by the documented formula */
     {
         const int V = 50257;
-        batch b = make_batch(V, 3, C_PEN, 0);
+        batch b = make_batch(V, 3, C_PEN, 0, 0); /* every sequence has a history and a bias */
         result r = run_gpu(b);
         for (int s = 0; s < 3; s++) {
             const float *before = &b.logits[(size_t)s * b.stride], *after = &r.logits[(size_t)s * b.stride];
