@@ -8,16 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
+#include "model_internal.h"
 
 static int token_id(const json_t *j, int32_t *out)
 {
@@ -33,7 +24,7 @@ static int parse_prompt(const json_t *e, m40_ref_prompt *p, char *err, size_t er
     const json_t *toks = json_object_get(e, "prompt_tokens");
     const json_t *steps = json_object_get(e, "steps");
     if (!json_is_string(prompt) || !json_is_array(toks) || !json_is_array(steps)) {
-        set_err(err, errlen, "needs \"prompt\" (string), \"prompt_tokens\" and \"steps\" (arrays)");
+        m40_set_err(err, errlen, "needs \"prompt\" (string), \"prompt_tokens\" and \"steps\" (arrays)");
         return -1;
     }
     p->prompt_len = json_string_length(prompt);
@@ -43,17 +34,17 @@ static int parse_prompt(const json_t *e, m40_ref_prompt *p, char *err, size_t er
     p->n_steps = (int32_t)json_array_size(steps);
     p->steps = calloc(json_array_size(steps) + 1, sizeof *p->steps);
     if (!p->prompt || !p->prompt_tokens || !p->steps) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         return -1;
     }
     memcpy(p->prompt, json_string_value(prompt), p->prompt_len + 1);
     if (p->n_prompt_tokens == 0) {
-        set_err(err, errlen, "prompt_tokens is empty");
+        m40_set_err(err, errlen, "prompt_tokens is empty");
         return -1;
     }
     for (int32_t i = 0; i < p->n_prompt_tokens; i++)
         if (token_id(json_array_get(toks, (size_t)i), &p->prompt_tokens[i])) {
-            set_err(err, errlen, "prompt_tokens[%d] is not a token id", (int)i);
+            m40_set_err(err, errlen, "prompt_tokens[%d] is not a token id", (int)i);
             return -1;
         }
     for (int32_t s = 0; s < p->n_steps; s++) {
@@ -62,7 +53,7 @@ static int parse_prompt(const json_t *e, m40_ref_prompt *p, char *err, size_t er
         m40_ref_step *rs = &p->steps[s];
         if (token_id(json_object_get(st, "token"), &rs->token) || !json_is_array(top) ||
             json_array_size(top) > M40_REF_MAX_TOP) {
-            set_err(err, errlen, "steps[%d] needs \"token\" (id) and \"top\" (at most %d pairs)", (int)s,
+            m40_set_err(err, errlen, "steps[%d] needs \"token\" (id) and \"top\" (at most %d pairs)", (int)s,
                     M40_REF_MAX_TOP);
             return -1;
         }
@@ -71,7 +62,7 @@ static int parse_prompt(const json_t *e, m40_ref_prompt *p, char *err, size_t er
             const json_t *pair = json_array_get(top, (size_t)k);
             if (!json_is_array(pair) || json_array_size(pair) != 2 ||
                 token_id(json_array_get(pair, 0), &rs->top_ids[k]) || !json_is_number(json_array_get(pair, 1))) {
-                set_err(err, errlen, "steps[%d].top[%d] is not [token, logprob]", (int)s, (int)k);
+                m40_set_err(err, errlen, "steps[%d].top[%d] is not [token, logprob]", (int)s, (int)k);
                 return -1;
             }
             rs->top_logprobs[k] = json_number_value(json_array_get(pair, 1));
@@ -86,11 +77,11 @@ int m40_ref_load(const char *path, m40_ref **out, char *err, size_t errlen)
     json_error_t jerr;
     json_t *root = json_load_file(path, 0, &jerr);
     if (!root) {
-        set_err(err, errlen, "%s: %s (line %d)", path, jerr.text, jerr.line);
+        m40_set_err(err, errlen, "%s: %s (line %d)", path, jerr.text, jerr.line);
         return -1;
     }
     if (!json_is_array(root) || json_array_size(root) == 0) {
-        set_err(err, errlen, "%s: expected a non-empty JSON array of prompts", path);
+        m40_set_err(err, errlen, "%s: expected a non-empty JSON array of prompts", path);
         json_decref(root);
         return -1;
     }
@@ -98,7 +89,7 @@ int m40_ref_load(const char *path, m40_ref **out, char *err, size_t errlen)
     if (r)
         r->prompts = calloc(json_array_size(root), sizeof *r->prompts);
     if (!r || !r->prompts) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         free(r);
         json_decref(root);
         return -1;
@@ -107,7 +98,7 @@ int m40_ref_load(const char *path, m40_ref **out, char *err, size_t errlen)
         char sub[256];
         r->n_prompts++; /* counted first so that m40_ref_free releases a half-parsed entry */
         if (parse_prompt(json_array_get(root, i), &r->prompts[i], sub, sizeof sub)) {
-            set_err(err, errlen, "%s: entry %zu: %s", path, i, sub);
+            m40_set_err(err, errlen, "%s: entry %zu: %s", path, i, sub);
             m40_ref_free(r);
             json_decref(root);
             return -1;
@@ -173,7 +164,7 @@ int m40_eval_prompt(m40_model *m, const m40_ref_prompt *p, m40_eval_result *res,
         free(ours);
         ours = malloc((size_t)cap * sizeof *ours);
         if (!ours) {
-            set_err(err, errlen, "out of memory");
+            m40_set_err(err, errlen, "out of memory");
             goto done;
         }
         got = m40_tokenize(tok, p->prompt, p->prompt_len, m40_tokenizer_add_bos(tok), 0, ours, cap, err, errlen);
@@ -199,7 +190,7 @@ int m40_eval_prompt(m40_model *m, const m40_ref_prompt *p, m40_eval_result *res,
     slot = calloc((size_t)np, sizeof *slot);
     logits = malloc((size_t)n_vocab * sizeof *logits);
     if (!kv || !tokens || !pos || !slot || !logits) {
-        set_err(err, errlen, "out of memory (KV cache for %d tokens)", (int)n_ctx);
+        m40_set_err(err, errlen, "out of memory (KV cache for %d tokens)", (int)n_ctx);
         goto done;
     }
     for (int32_t i = 0; i < np; i++) {

@@ -17,6 +17,7 @@
 
 #include "ggml_types.h"
 #include "model_gpu.h"
+#include "model_internal.h"
 #include "quant.h"
 #include "threadpool.h"
 
@@ -68,95 +69,11 @@ struct m40_kv {
     m40_gpu_kv *gpu;              /* GPU model: the paged pool instead */
 };
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* ---------------------------------------------------------------- loading ---- */
 
-static const m40_gguf_tensor *find_tensor(const m40_model *m, const char *name, char *err, size_t errlen)
-{
-    const m40_gguf_tensor *t = m40_gguf_find_tensor(m->gguf, name);
-    if (!t) {
-        set_err(err, errlen, "tensor '%s' is missing", name);
-        return NULL;
-    }
-    if (!m40_type_supported(t->type)) {
-        set_err(err, errlen, "tensor '%s' has type %s which is not supported", name, m40_type_name(t->type));
-        return NULL;
-    }
-    return t;
-}
 
-static int load_matrix(const m40_model *m, const char *name, int64_t cols, int64_t rows, matrix *out, char *err,
-                       size_t errlen)
-{
-    const m40_gguf_tensor *t = find_tensor(m, name, err, errlen);
-    if (!t)
-        return -1;
-    if (t->n_dims != 2 || t->ne[0] != (uint64_t)cols || t->ne[1] != (uint64_t)rows) {
-        set_err(err, errlen, "tensor '%s' has shape [%llu, %llu, %llu, %llu], expected [%lld, %lld]", name,
-                (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (unsigned long long)t->ne[2],
-                (unsigned long long)t->ne[3], (long long)cols, (long long)rows);
-        return -1;
-    }
-    uint64_t row_bytes;
-    if (m40_type_nbytes(t->type, (uint64_t)cols, &row_bytes) != 0) {
-        set_err(err, errlen, "tensor '%s': row length %lld is not a multiple of the %s block size", name,
-                (long long)cols, m40_type_name(t->type));
-        return -1;
-    }
-    if (row_bytes * (uint64_t)rows > t->nbytes) {
-        set_err(err, errlen, "tensor '%s': %llu bytes of data, %llu needed", name, (unsigned long long)t->nbytes,
-                (unsigned long long)(row_bytes * (uint64_t)rows));
-        return -1;
-    }
-    out->data = t->data;
-    out->type = t->type;
-    out->rows = rows;
-    out->cols = cols;
-    out->row_bytes = (size_t)row_bytes;
-    return 0;
-}
 
-/* A 1-D tensor of n elements, converted to an owned F32 array. Absent and optional:
- * 0 with *out NULL. */
-static int load_vector(const m40_model *m, const char *name, int64_t n, int optional, float **out, char *err,
-                       size_t errlen)
-{
-    *out = NULL;
-    if (optional && !m40_gguf_find_tensor(m->gguf, name))
-        return 0;
-    const m40_gguf_tensor *t = find_tensor(m, name, err, errlen);
-    if (!t)
-        return -1;
-    if (t->n_elems != (uint64_t)n || t->ne[0] != (uint64_t)n) {
-        set_err(err, errlen, "tensor '%s' has shape [%llu, %llu], expected [%lld]", name,
-                (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (long long)n);
-        return -1;
-    }
-    uint64_t nbytes;
-    if (m40_type_nbytes(t->type, (uint64_t)n, &nbytes) != 0 || nbytes > t->nbytes) {
-        set_err(err, errlen, "tensor '%s': %lld elements do not fit type %s", name, (long long)n,
-                m40_type_name(t->type));
-        return -1;
-    }
-    float *v = malloc((size_t)n * sizeof *v);
-    if (!v) {
-        set_err(err, errlen, "out of memory loading tensor '%s'", name);
-        return -1;
-    }
-    m40_dequantize_row(t->type, t->data, v, n);
-    *out = v;
-    return 0;
-}
 
 static int get_u32(const m40_gguf *g, const char *arch, const char *suffix, int required, uint32_t dflt,
                    int32_t *out, char *err, size_t errlen)
@@ -167,17 +84,17 @@ static int get_u32(const m40_gguf *g, const char *arch, const char *suffix, int 
         char key[160];
         snprintf(key, sizeof key, "%s.%s", arch, suffix);
         if (m40_gguf_get(g, key)) {
-            set_err(err, errlen, "metadata '%s' is not an unsigned 32-bit integer", key);
+            m40_set_err(err, errlen, "metadata '%s' is not an unsigned 32-bit integer", key);
             return -1;
         }
         if (required) {
-            set_err(err, errlen, "metadata '%s' is missing", key);
+            m40_set_err(err, errlen, "metadata '%s' is missing", key);
             return -1;
         }
         v = dflt;
     }
     if (v > INT32_MAX) {
-        set_err(err, errlen, "metadata '%s.%s' = %u is out of range", arch, suffix, v);
+        m40_set_err(err, errlen, "metadata '%s.%s' = %u is out of range", arch, suffix, v);
         return -1;
     }
     *out = (int32_t)v;
@@ -192,11 +109,11 @@ static int get_f32(const m40_gguf *g, const char *arch, const char *suffix, int 
     char key[160];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
     if (m40_gguf_get(g, key)) {
-        set_err(err, errlen, "metadata '%s' is not a number", key);
+        m40_set_err(err, errlen, "metadata '%s' is not a number", key);
         return -1;
     }
     if (required) {
-        set_err(err, errlen, "metadata '%s' is missing", key);
+        m40_set_err(err, errlen, "metadata '%s' is missing", key);
         return -1;
     }
     *out = dflt;
@@ -209,11 +126,11 @@ static int load_hparams(m40_model *m, char *err, size_t errlen)
     m40_model_params *p = &m->p;
     const char *arch = m40_gguf_arch(g);
     if (!arch) {
-        set_err(err, errlen, "metadata 'general.architecture' is missing");
+        m40_set_err(err, errlen, "metadata 'general.architecture' is missing");
         return -1;
     }
     if (strcmp(arch, "llama") != 0 && strcmp(arch, "qwen2") != 0) {
-        set_err(err, errlen, "architecture '%s' is not supported (llama, qwen2, gemma3)", arch);
+        m40_set_err(err, errlen, "architecture '%s' is not supported (llama, qwen2, gemma3)", arch);
         return -1;
     }
     snprintf(p->arch, sizeof p->arch, "%s", arch);
@@ -228,14 +145,14 @@ static int load_hparams(m40_model *m, char *err, size_t errlen)
         get_u32(g, arch, "context_length", 1, 0, &p->ctx_train, err, errlen))
         return -1;
     if (p->dim <= 0 || p->n_heads <= 0 || p->n_layers <= 0 || p->ffn_dim <= 0 || p->ctx_train <= 0) {
-        set_err(err, errlen, "bad hyperparameters: embedding_length %d, block_count %d, head_count %d, "
+        m40_set_err(err, errlen, "bad hyperparameters: embedding_length %d, block_count %d, head_count %d, "
                 "feed_forward_length %d, context_length %d (all must be > 0)",
                 p->dim, p->n_layers, p->n_heads, p->ffn_dim, p->ctx_train);
         return -1;
     }
     /* Bounds that keep every size computation below far from overflow. */
     if (p->dim > (1 << 20) || p->ffn_dim > (1 << 22) || p->n_layers > 4096 || p->n_heads > 4096) {
-        set_err(err, errlen, "hyperparameters out of range: embedding_length %d, feed_forward_length %d, "
+        m40_set_err(err, errlen, "hyperparameters out of range: embedding_length %d, feed_forward_length %d, "
                 "block_count %d, head_count %d", p->dim, p->ffn_dim, p->n_layers, p->n_heads);
         return -1;
     }
@@ -246,19 +163,19 @@ static int load_hparams(m40_model *m, char *err, size_t errlen)
     if (get_u32(g, arch, "attention.value_length", 0, (uint32_t)p->head_dim, &value_length, err, errlen))
         return -1;
     if (p->n_kv_heads <= 0 || p->n_heads % p->n_kv_heads != 0) {
-        set_err(err, errlen, "attention.head_count %d is not a multiple of attention.head_count_kv %d", p->n_heads,
+        m40_set_err(err, errlen, "attention.head_count %d is not a multiple of attention.head_count_kv %d", p->n_heads,
                 p->n_kv_heads);
         return -1;
     }
     if (p->head_dim <= 0 || p->head_dim % 2 != 0 || p->head_dim > 65536 || value_length != p->head_dim) {
-        set_err(err, errlen, "head dimension %d (value length %d) is not supported: it must be even and the "
+        m40_set_err(err, errlen, "head dimension %d (value length %d) is not supported: it must be even and the "
                 "same for keys and values", p->head_dim, value_length);
         return -1;
     }
     if (get_u32(g, arch, "rope.dimension_count", 0, (uint32_t)p->head_dim, &p->rope_dim, err, errlen))
         return -1;
     if (p->rope_dim <= 0 || p->rope_dim % 2 != 0 || p->rope_dim > p->head_dim) {
-        set_err(err, errlen, "rope.dimension_count %d must be even and at most the head dimension %d", p->rope_dim,
+        m40_set_err(err, errlen, "rope.dimension_count %d must be even and at most the head dimension %d", p->rope_dim,
                 p->head_dim);
         return -1;
     }
@@ -266,7 +183,7 @@ static int load_hparams(m40_model *m, char *err, size_t errlen)
         get_f32(g, arch, "rope.freq_base", 0, 10000.0f, &p->rope_base, err, errlen))
         return -1;
     if (!(p->norm_eps >= 0) || !(p->rope_base > 0)) {
-        set_err(err, errlen, "bad layer_norm_rms_epsilon %g or rope.freq_base %g", p->norm_eps, p->rope_base);
+        m40_set_err(err, errlen, "bad layer_norm_rms_epsilon %g or rope.freq_base %g", p->norm_eps, p->rope_base);
         return -1;
     }
     /* Context-extension schemes change the rotation angles; computing them as plain
@@ -275,7 +192,7 @@ static int load_hparams(m40_model *m, char *err, size_t errlen)
     snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
     const char *scaling = m40_gguf_get_str(g, key);
     if (scaling && strcmp(scaling, "none") != 0) {
-        set_err(err, errlen, "RoPE scaling '%s' (%s) is not supported", scaling, key);
+        m40_set_err(err, errlen, "RoPE scaling '%s' (%s) is not supported", scaling, key);
         return -1;
     }
     m->q_dim = p->n_heads * p->head_dim;
@@ -288,31 +205,31 @@ static int load_weights(m40_model *m, char *err, size_t errlen)
     m40_model_params *p = &m->p;
     const m40_gguf_tensor *te = m40_gguf_find_tensor(m->gguf, "token_embd.weight");
     if (!te) {
-        set_err(err, errlen, "tensor 'token_embd.weight' is missing");
+        m40_set_err(err, errlen, "tensor 'token_embd.weight' is missing");
         return -1;
     }
     if (te->ne[1] == 0 || te->ne[1] > INT32_MAX) {
-        set_err(err, errlen, "tensor 'token_embd.weight' has a bad vocabulary dimension %llu",
+        m40_set_err(err, errlen, "tensor 'token_embd.weight' has a bad vocabulary dimension %llu",
                 (unsigned long long)te->ne[1]);
         return -1;
     }
     p->n_vocab = (int32_t)te->ne[1];
-    if (load_matrix(m, "token_embd.weight", p->dim, p->n_vocab, &m->tok_embd, err, errlen) ||
-        load_vector(m, "output_norm.weight", p->dim, 0, &m->output_norm, err, errlen))
+    if (m40_weight_matrix(m->gguf, "token_embd.weight", p->dim, p->n_vocab, &m->tok_embd, err, errlen) ||
+        m40_weight_vector(m->gguf, "output_norm.weight", p->dim, 0, &m->output_norm, err, errlen))
         return -1;
     if (m40_gguf_find_tensor(m->gguf, "output.weight")) {
-        if (load_matrix(m, "output.weight", p->dim, p->n_vocab, &m->output, err, errlen))
+        if (m40_weight_matrix(m->gguf, "output.weight", p->dim, p->n_vocab, &m->output, err, errlen))
             return -1;
     } else {
         m->output = m->tok_embd;
         p->tied_output = 1;
     }
-    if (load_vector(m, "rope_freqs.weight", p->rope_dim / 2, 1, &m->rope_freq_factors, err, errlen))
+    if (m40_weight_vector(m->gguf, "rope_freqs.weight", p->rope_dim / 2, 1, &m->rope_freq_factors, err, errlen))
         return -1;
 
     m->layers = calloc((size_t)p->n_layers, sizeof *m->layers);
     if (!m->layers) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         return -1;
     }
     unsigned type_count[M40_TYPE_COUNT] = {0};
@@ -321,18 +238,18 @@ static int load_weights(m40_model *m, char *err, size_t errlen)
         layer *L = &m->layers[l];
         char n[96];
 #define NAME(s) (snprintf(n, sizeof n, "blk.%d.%s", (int)l, s), n)
-        if (load_vector(m, NAME("attn_norm.weight"), p->dim, 0, &L->attn_norm, err, errlen) ||
-            load_vector(m, NAME("ffn_norm.weight"), p->dim, 0, &L->ffn_norm, err, errlen) ||
-            load_matrix(m, NAME("attn_q.weight"), p->dim, m->q_dim, &L->wq, err, errlen) ||
-            load_matrix(m, NAME("attn_k.weight"), p->dim, m->kv_dim, &L->wk, err, errlen) ||
-            load_matrix(m, NAME("attn_v.weight"), p->dim, m->kv_dim, &L->wv, err, errlen) ||
-            load_matrix(m, NAME("attn_output.weight"), m->q_dim, p->dim, &L->wo, err, errlen) ||
-            load_matrix(m, NAME("ffn_gate.weight"), p->dim, p->ffn_dim, &L->w_gate, err, errlen) ||
-            load_matrix(m, NAME("ffn_up.weight"), p->dim, p->ffn_dim, &L->w_up, err, errlen) ||
-            load_matrix(m, NAME("ffn_down.weight"), p->ffn_dim, p->dim, &L->w_down, err, errlen) ||
-            load_vector(m, NAME("attn_q.bias"), m->q_dim, !need_bias, &L->bq, err, errlen) ||
-            load_vector(m, NAME("attn_k.bias"), m->kv_dim, !need_bias, &L->bk, err, errlen) ||
-            load_vector(m, NAME("attn_v.bias"), m->kv_dim, !need_bias, &L->bv, err, errlen))
+        if (m40_weight_vector(m->gguf, NAME("attn_norm.weight"), p->dim, 0, &L->attn_norm, err, errlen) ||
+            m40_weight_vector(m->gguf, NAME("ffn_norm.weight"), p->dim, 0, &L->ffn_norm, err, errlen) ||
+            m40_weight_matrix(m->gguf, NAME("attn_q.weight"), p->dim, m->q_dim, &L->wq, err, errlen) ||
+            m40_weight_matrix(m->gguf, NAME("attn_k.weight"), p->dim, m->kv_dim, &L->wk, err, errlen) ||
+            m40_weight_matrix(m->gguf, NAME("attn_v.weight"), p->dim, m->kv_dim, &L->wv, err, errlen) ||
+            m40_weight_matrix(m->gguf, NAME("attn_output.weight"), m->q_dim, p->dim, &L->wo, err, errlen) ||
+            m40_weight_matrix(m->gguf, NAME("ffn_gate.weight"), p->dim, p->ffn_dim, &L->w_gate, err, errlen) ||
+            m40_weight_matrix(m->gguf, NAME("ffn_up.weight"), p->dim, p->ffn_dim, &L->w_up, err, errlen) ||
+            m40_weight_matrix(m->gguf, NAME("ffn_down.weight"), p->ffn_dim, p->dim, &L->w_down, err, errlen) ||
+            m40_weight_vector(m->gguf, NAME("attn_q.bias"), m->q_dim, !need_bias, &L->bq, err, errlen) ||
+            m40_weight_vector(m->gguf, NAME("attn_k.bias"), m->kv_dim, !need_bias, &L->bk, err, errlen) ||
+            m40_weight_vector(m->gguf, NAME("attn_v.bias"), m->kv_dim, !need_bias, &L->bv, err, errlen))
             return -1;
 #undef NAME
         const matrix *ms[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
@@ -359,38 +276,38 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
     *out = NULL;
     m40_model *m = calloc(1, sizeof *m);
     if (!m) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         return -1;
     }
     char sub[512];
     if (m40_gguf_open(path, &m->gguf, sub, sizeof sub) != 0) {
-        set_err(err, errlen, "%s: %s", path, sub);
+        m40_set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
     const char *arch = m40_gguf_arch(m->gguf);
     if (arch && !strcmp(arch, "gemma3")) {
         if (m40_gemma3_load(m->gguf, &m->p, &m->gemma3, sub, sizeof sub)) {
-            set_err(err, errlen, "%s: %s", path, sub);
+            m40_set_err(err, errlen, "%s: %s", path, sub);
             goto fail;
         }
         m->q_dim = m->p.n_heads * m->p.head_dim;
         m->kv_dim = m->p.n_kv_heads * m->p.head_dim;
     } else if (load_hparams(m, sub, sizeof sub) || load_weights(m, sub, sizeof sub)) {
-        set_err(err, errlen, "%s: %s", path, sub);
+        m40_set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
     if (m40_tokenizer_from_gguf(m->gguf, &m->tok, sub, sizeof sub) != 0) {
-        set_err(err, errlen, "%s: tokenizer: %s", path, sub);
+        m40_set_err(err, errlen, "%s: tokenizer: %s", path, sub);
         goto fail;
     }
     if (m40_tokenizer_n_vocab(m->tok) > m->p.n_vocab) {
-        set_err(err, errlen, "%s: the tokenizer has %d tokens but token_embd.weight only %d rows", path,
+        m40_set_err(err, errlen, "%s: the tokenizer has %d tokens but token_embd.weight only %d rows", path,
                 (int)m40_tokenizer_n_vocab(m->tok), (int)m->p.n_vocab);
         goto fail;
     }
     m->pool = m40_threadpool_new(n_threads);
     if (!m->pool) {
-        set_err(err, errlen, "cannot start the CPU thread pool");
+        m40_set_err(err, errlen, "cannot start the CPU thread pool");
         goto fail;
     }
     m->n_threads = m40_threadpool_size(m->pool);
@@ -403,13 +320,13 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         m40_matrix g3_embd, g3_out;
         m40_layer *g3_layers = NULL;
         if (m->gemma3 && m40_gemma3_gpu_src(m->gemma3, &src, &g3, &g3_embd, &g3_out, &g3_layers)) {
-            set_err(err, errlen, "out of memory");
+            m40_set_err(err, errlen, "out of memory");
             goto fail;
         }
         int rc = m40_gpu_load(&src, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub);
         free(g3_layers);
         if (rc) {
-            set_err(err, errlen, "%s: %s", path, sub);
+            m40_set_err(err, errlen, "%s: %s", path, sub);
             goto fail;
         }
         m->device = device;
@@ -752,26 +669,26 @@ static int ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
 static int check_batch(const m40_model *m, const m40_kv *kv, const m40_batch *b, char *err, size_t errlen)
 {
     if (b->n <= 0) {
-        set_err(err, errlen, "empty batch");
+        m40_set_err(err, errlen, "empty batch");
         return -1;
     }
     if (kv->n_layers != m->p.n_layers || kv->kv_dim != m->kv_dim) {
-        set_err(err, errlen, "the KV cache was made for another model");
+        m40_set_err(err, errlen, "the KV cache was made for another model");
         return -1;
     }
     for (int32_t i = 0; i < b->n; i++) {
         if (b->tokens[i] < 0 || b->tokens[i] >= m->p.n_vocab) {
-            set_err(err, errlen, "batch entry %d: token %d out of range (vocabulary of %d)", (int)i,
+            m40_set_err(err, errlen, "batch entry %d: token %d out of range (vocabulary of %d)", (int)i,
                     (int)b->tokens[i], (int)m->p.n_vocab);
             return -1;
         }
         if (b->slot[i] < 0 || b->slot[i] >= kv->n_slots) {
-            set_err(err, errlen, "batch entry %d: slot %d out of range (%d slots)", (int)i, (int)b->slot[i],
+            m40_set_err(err, errlen, "batch entry %d: slot %d out of range (%d slots)", (int)i, (int)b->slot[i],
                     (int)kv->n_slots);
             return -1;
         }
         if (b->pos[i] < 0 || b->pos[i] >= kv->ctx) {
-            set_err(err, errlen, "batch entry %d: position %d beyond the context of %d", (int)i, (int)b->pos[i],
+            m40_set_err(err, errlen, "batch entry %d: position %d beyond the context of %d", (int)i, (int)b->pos[i],
                     (int)kv->ctx);
             return -1;
         }
@@ -786,7 +703,7 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         return -1;
     if (m->gpu || kv->gpu) {
         if (!m->gpu || !kv->gpu) {
-            set_err(err, errlen, "the KV cache and the model live on different devices");
+            m40_set_err(err, errlen, "the KV cache and the model live on different devices");
             return -1;
         }
         return m40_gpu_forward(m->gpu, kv->gpu, b, logits, err, errlen);
@@ -795,7 +712,7 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         return m40_gemma3_forward(m->gemma3, m->pool, kv->k, kv->v, kv->ctx, b, logits, err, errlen);
     int32_t n = b->n;
     if (ensure_scratch(m, n, kv->ctx)) {
-        set_err(err, errlen, "out of memory for a batch of %d tokens", (int)n);
+        m40_set_err(err, errlen, "out of memory for a batch of %d tokens", (int)n);
         return -1;
     }
     size_t dim = (size_t)p->dim, ffn = (size_t)p->ffn_dim, qd = (size_t)m->q_dim, kvd = (size_t)m->kv_dim;

@@ -43,6 +43,7 @@
  *
  * Built without CUDA (no M40_HAVE_CUDA), the entry points fail with a clear message. */
 #include "model_gpu.h"
+#include "model_internal.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -176,16 +177,6 @@ struct m40_gpu_kv {
     int32_t *toks_cap;
 };
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 static double now_s(void)
 {
@@ -315,7 +306,7 @@ static int dev_alloc(m40_gpu *g, void **p, size_t n, char *err, size_t errlen, c
     cudaError_t e = cudaMalloc(p, n + 256);
     if (e != cudaSuccess) {
         *p = NULL;
-        set_err(err, errlen, "gpu %d: cannot allocate %.1f MB for %s: %s", g->device, n / 1e6, what,
+        m40_set_err(err, errlen, "gpu %d: cannot allocate %.1f MB for %s: %s", g->device, n / 1e6, what,
                 cudaGetErrorString(e));
         return -1;
     }
@@ -372,7 +363,7 @@ static int upload_proj(uploader *u, const m40_matrix *const *ms, int n, const fl
     if (any_bias) {
         float *hb = calloc((size_t)out->rows, sizeof *hb);
         if (!hb) {
-            set_err(err, errlen, "out of memory");
+            m40_set_err(err, errlen, "out of memory");
             return -1;
         }
         int64_t r = 0;
@@ -386,13 +377,13 @@ static int upload_proj(uploader *u, const m40_matrix *const *ms, int n, const fl
             e = cudaMemcpy(out->bias, hb, (size_t)out->rows * sizeof *hb, cudaMemcpyHostToDevice);
         free(hb);
         if (e != cudaSuccess) {
-            set_err(err, errlen, "gpu %d: bias upload: %s", g->device, cudaGetErrorString(e));
+            m40_set_err(err, errlen, "gpu %d: bias upload: %s", g->device, cudaGetErrorString(e));
             return -1;
         }
     }
     return 0;
 cuda_fail:
-    set_err(err, errlen, "gpu %d: weight upload failed: %s", g->device, cudaGetErrorString(u->status));
+    m40_set_err(err, errlen, "gpu %d: weight upload failed: %s", g->device, cudaGetErrorString(u->status));
     return -1;
 }
 
@@ -405,7 +396,7 @@ static int upload_vec(m40_gpu *g, const float *v, int64_t n, float **out, char *
     if (e == cudaSuccess)
         e = cudaMemcpy(*out, v, (size_t)n * sizeof(float), cudaMemcpyHostToDevice);
     if (e != cudaSuccess) {
-        set_err(err, errlen, "gpu %d: cannot upload a norm vector: %s", g->device, cudaGetErrorString(e));
+        m40_set_err(err, errlen, "gpu %d: cannot upload a norm vector: %s", g->device, cudaGetErrorString(e));
         return -1;
     }
     return 0;
@@ -473,24 +464,24 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     int n_dev = 0;
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess || device >= n_dev) {
-        set_err(err, errlen, "device %d was asked for, but %s", device,
+        m40_set_err(err, errlen, "device %d was asked for, but %s", device,
                 e != cudaSuccess ? cudaGetErrorString(e) : n_dev == 0 ? "there is no CUDA device" : "no such CUDA device");
         if (e == cudaSuccess && n_dev > 0)
-            set_err(err, errlen, "device %d was asked for, but there are only %d CUDA device(s)", device, n_dev);
+            m40_set_err(err, errlen, "device %d was asked for, but there are only %d CUDA device(s)", device, n_dev);
         return -1;
     }
     if ((e = cudaSetDevice(device)) != cudaSuccess) {
-        set_err(err, errlen, "cannot use CUDA device %d: %s", device, cudaGetErrorString(e));
+        m40_set_err(err, errlen, "cannot use CUDA device %d: %s", device, cudaGetErrorString(e));
         return -1;
     }
     const m40_model_params *p = src->p;
     if (p->head_dim > 512 || p->rope_dim > p->head_dim) {
-        set_err(err, errlen, "head dimension %d is not supported on the GPU (at most 512)", p->head_dim);
+        m40_set_err(err, errlen, "head dimension %d is not supported on the GPU (at most 512)", p->head_dim);
         return -1;
     }
     m40_gpu *g = calloc(1, sizeof *g);
     if (!g) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         return -1;
     }
     g->device = device;
@@ -505,13 +496,13 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     struct cudaDeviceProp prop;
     if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking)) != cudaSuccess) {
-        set_err(err, errlen, "gpu %d: %s", device, cudaGetErrorString(e));
+        m40_set_err(err, errlen, "gpu %d: %s", device, cudaGetErrorString(e));
         goto fail;
     }
     g->sm_count = prop.multiProcessorCount;
     if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(g->blas, g->stream) != CUBLAS_STATUS_SUCCESS) {
         g->blas = NULL;
-        set_err(err, errlen, "gpu %d: cannot initialize cuBLAS", device);
+        m40_set_err(err, errlen, "gpu %d: cannot initialize cuBLAS", device);
         goto fail;
     }
 
@@ -531,7 +522,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     for (int i = 0; i < 2; i++) {
         if ((e = cudaHostAlloc((void **)&u.stage[i], STAGE_BYTES, cudaHostAllocDefault)) != cudaSuccess ||
             (e = cudaEventCreateWithFlags(&u.ev[i], cudaEventDisableTiming)) != cudaSuccess) {
-            set_err(err, errlen, "gpu %d: cannot allocate pinned staging memory: %s", device, cudaGetErrorString(e));
+            m40_set_err(err, errlen, "gpu %d: cannot allocate pinned staging memory: %s", device, cudaGetErrorString(e));
             goto fail_upload;
         }
         cudaEventRecord(u.ev[i], g->stream);
@@ -560,7 +551,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         /* theta_i = pos * base^(-2i/d) / factor_i: linear scaling is a constant factor */
         float *ff = malloc((size_t)(p->rope_dim / 2) * sizeof *ff);
         if (!ff) {
-            set_err(err, errlen, "out of memory");
+            m40_set_err(err, errlen, "out of memory");
             goto fail_upload;
         }
         for (int32_t i = 0; i < p->rope_dim / 2; i++)
@@ -572,7 +563,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     }
     g->layers = calloc((size_t)p->n_layers, sizeof *g->layers);
     if (!g->layers) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         goto fail_upload;
     }
     int64_t max_rows = p->n_vocab;
@@ -594,7 +585,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
             goto fail_upload;
         if (g->gemma3) {
             if (!L->q_norm || !L->k_norm || !L->post_attn_norm || !L->post_ffw_norm) {
-                set_err(err, errlen, "gemma3 layer %d lacks its Q/K or post norms", (int)l);
+                m40_set_err(err, errlen, "gemma3 layer %d lacks its Q/K or post norms", (int)l);
                 goto fail_upload;
             }
             if (upload_vec(g, L->q_norm, p->head_dim, &G->q_norm, err, errlen) ||
@@ -636,7 +627,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
      * the free memory cannot take it. */
     int32_t *iota = malloc((size_t)max_rows * sizeof *iota);
     if (!iota) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         goto fail;
     }
     for (int64_t i = 0; i < max_rows; i++)
@@ -650,7 +641,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         g->deq_cap = max_elems;
     }
     if (e != cudaSuccess) {
-        set_err(err, errlen, "gpu %d: cannot allocate the dequantization scratch: %s", device, cudaGetErrorString(e));
+        m40_set_err(err, errlen, "gpu %d: cannot allocate the dequantization scratch: %s", device, cudaGetErrorString(e));
         goto fail;
     }
     if (log_progress)
@@ -660,7 +651,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     return 0;
 
 fail_cuda:
-    set_err(err, errlen, "gpu %d: weight upload failed: %s", device, cudaGetErrorString(u.status));
+    m40_set_err(err, errlen, "gpu %d: weight upload failed: %s", device, cudaGetErrorString(u.status));
 fail_upload:
     cudaStreamSynchronize(g->stream);
     for (int i = 0; i < 2; i++) {
@@ -889,7 +880,7 @@ static int gemv_reads(int type, int64_t K)
     do {                                                                                                               \
         int rc_ = (call);                                                                                              \
         if (rc_ != 0) {                                                                                                \
-            set_err(err, errlen, "gpu %d: %s failed: %s", g->device, #call, cudaGetErrorString((cudaError_t)rc_));    \
+            m40_set_err(err, errlen, "gpu %d: %s failed: %s", g->device, #call, cudaGetErrorString((cudaError_t)rc_));    \
             return -1;                                                                                                 \
         }                                                                                                              \
     } while (0)
@@ -904,7 +895,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
         cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, (const float *)w->data,
                                        cols, x, cols, &zero, y, (int)ldy);
         if (s != CUBLAS_STATUS_SUCCESS) {
-            set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
+            m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
             return -1;
         }
         return 0;
@@ -912,14 +903,14 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
     if (n <= 8 && gemv_reads(w->type, cols))
         return m40k_gemv(w->data, w->type, rows, cols, x, cols, y, ldy, n, g->stream) == 0
                    ? 0
-                   : (set_err(err, errlen, "gpu %d: GEMV (type %d, %dx%d, batch %d) failed", g->device, w->type, rows,
+                   : (m40_set_err(err, errlen, "gpu %d: GEMV (type %d, %dx%d, batch %d) failed", g->device, w->type, rows,
                               cols, (int)n),
                       -1);
     /* The tiled path: F16 x F16 -> F32 on the tensor cores. */
     const void *wf16 = w->data;
     if (w->type != M40K_TYPE_F16) {
         if ((size_t)rows * (size_t)cols > g->deq_cap) {
-            set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
             return -1;
         }
         CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
@@ -930,7 +921,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
                                     g->x16, CUDA_R_16F, cols, &zero, y, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F,
                                     CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS) {
-        set_err(err, errlen, "gpu %d: cublasGemmEx failed (%d)", g->device, (int)s);
+        m40_set_err(err, errlen, "gpu %d: cublasGemmEx failed (%d)", g->device, (int)s);
         return -1;
     }
     return 0;
@@ -959,7 +950,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     for (int32_t i = 0; i < n; i++)
         n_out += b->want_logits ? b->want_logits[i] != 0 : i == n - 1;
     if (ensure_scratch(g, n, n_out)) {
-        set_err(err, errlen, "gpu %d: out of memory for a batch of %d tokens", g->device, (int)n);
+        m40_set_err(err, errlen, "gpu %d: out of memory for a batch of %d tokens", g->device, (int)n);
         return -1;
     }
 
@@ -976,7 +967,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             n_grp++;
         }
         if (b->pos[i] != g->grp_first[j] + g->grp_n[j]) {
-            set_err(err, errlen, "batch entry %d: slot %d's positions must be consecutive (got %d after %d)", (int)i,
+            m40_set_err(err, errlen, "batch entry %d: slot %d's positions must be consecutive (got %d after %d)", (int)i,
                     (int)b->slot[i], (int)b->pos[i], (int)(g->grp_first[j] + g->grp_n[j] - 1));
             return -1;
         }
@@ -989,29 +980,29 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         m40_kv_seq *s = kv->seqs[g->grp_slot[j]];
         int32_t len = m40_kv_seq_len(s);
         if (g->grp_first[j] > len) {
-            set_err(err, errlen, "slot %d: position %d skips ahead of its cache (%d tokens)", (int)g->grp_slot[j],
+            m40_set_err(err, errlen, "slot %d: position %d skips ahead of its cache (%d tokens)", (int)g->grp_slot[j],
                     (int)g->grp_first[j], (int)len);
             return -1;
         }
         if (g->grp_first[j] < len && m40_kv_seq_truncate(s, g->grp_first[j]) != g->grp_first[j]) {
-            set_err(err, errlen, "slot %d: cannot restart at position %d", (int)g->grp_slot[j], (int)g->grp_first[j]);
+            m40_set_err(err, errlen, "slot %d: cannot restart at position %d", (int)g->grp_slot[j], (int)g->grp_first[j]);
             return -1;
         }
         if (kv->prefix_cache && slot_toks_reserve(kv, g->grp_slot[j], g->grp_first[j] + g->grp_n[j]) != 0) {
-            set_err(err, errlen, "out of memory for slot %d's token record", (int)g->grp_slot[j]);
+            m40_set_err(err, errlen, "out of memory for slot %d's token record", (int)g->grp_slot[j]);
             return -1;
         }
         need += m40_kv_seq_blocks_needed(s, g->grp_n[j]);
         g->grp_seq[j] = s;
     }
     if (need > m40_kv_blocks_n_available(kv->mgr)) {
-        set_err(err, errlen, "the KV cache pool is full: this step needs %lld blocks, %d are free of %d",
+        m40_set_err(err, errlen, "the KV cache pool is full: this step needs %lld blocks, %d are free of %d",
                 (long long)need, (int)m40_kv_blocks_n_available(kv->mgr), (int)kv->n_blocks);
         return M40_FORWARD_NO_BLOCKS;
     }
     for (int32_t j = 0; j < n_grp; j++)
         if (m40_kv_seq_append(g->grp_seq[j], g->grp_n[j]) != 0) {
-            set_err(err, errlen, "KV block allocation failed");
+            m40_set_err(err, errlen, "KV block allocation failed");
             return -1;
         }
     if (kv->prefix_cache) /* the ids the commit below keys full blocks by */
@@ -1030,7 +1021,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
            o_lpl = o_ip + (size_t)n_grp + 1, o_out = o_lpl + (size_t)n_grp, o_idx = o_out + (size_t)n_out;
     size_t n_ints = o_idx + (size_t)total_blocks;
     if (ensure_ints(g, n_ints)) {
-        set_err(err, errlen, "gpu %d: out of memory for the batch tables", g->device);
+        m40_set_err(err, errlen, "gpu %d: out of memory for the batch tables", g->device);
         return -1;
     }
     int32_t *H = g->ints_h;
@@ -1054,7 +1045,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             H[o_out + k_out++] = g->perm[i];
     if (m40_kv_blocks_csr((const m40_kv_seq *const *)g->grp_seq, n_grp, H + o_ip, H + o_idx, total_blocks,
                           H + o_lpl) < 0) {
-        set_err(err, errlen, "block table export failed");
+        m40_set_err(err, errlen, "block table export failed");
         return -1;
     }
     int32_t *D = g->ints_d;
@@ -1085,7 +1076,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         if (need_ws > g->ws_cap) {
             if (grow_dev((void **)&g->ws, need_ws * 4)) {
                 g->ws_cap = 0;
-                set_err(err, errlen, "gpu %d: out of memory for the attention workspace", g->device);
+                m40_set_err(err, errlen, "gpu %d: out of memory for the attention workspace", g->device);
                 return -1;
             }
             g->ws_cap = need_ws;

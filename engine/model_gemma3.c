@@ -43,6 +43,7 @@
 #include "gguf.h"
 #include "model.h"
 #include "model_gpu.h"
+#include "model_internal.h"
 #include "quant.h"
 #include "threadpool.h"
 
@@ -58,12 +59,7 @@ int m40_gemma3_gpu_src(const m40_gemma3 *g, m40_gpu_src *src, m40_gpu_gemma3 *ex
 #define GEMMA3_DEFAULT_SWA_PERIOD 6
 #define GEMMA3_DEFAULT_LOCAL_ROPE_BASE 10000.0f
 
-typedef struct {
-    const uint8_t *data;
-    uint32_t type;
-    int64_t rows, cols;
-    size_t row_bytes;
-} g3_matrix;
+typedef m40_matrix g3_matrix;
 
 typedef struct {
     float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffw_norm;
@@ -94,83 +90,11 @@ struct m40_gemma3 {
     int32_t score_buf_len;
 };
 
-static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 /* ---------------------------------------------------------------- loading ---- */
 
-static const m40_gguf_tensor *g3_tensor(const m40_gguf *g, const char *name, char *err, size_t errlen)
-{
-    const m40_gguf_tensor *t = m40_gguf_find_tensor(g, name);
-    if (!t) {
-        set_err(err, errlen, "tensor '%s' is missing", name);
-        return NULL;
-    }
-    if (!m40_type_supported(t->type)) {
-        set_err(err, errlen, "tensor '%s' has type %s which is not supported", name, m40_type_name(t->type));
-        return NULL;
-    }
-    return t;
-}
 
-static int g3_load_matrix(const m40_gguf *g, const char *name, int64_t cols, int64_t rows, g3_matrix *out,
-                          char *err, size_t errlen)
-{
-    const m40_gguf_tensor *t = g3_tensor(g, name, err, errlen);
-    if (!t)
-        return -1;
-    if (t->n_dims != 2 || t->ne[0] != (uint64_t)cols || t->ne[1] != (uint64_t)rows) {
-        set_err(err, errlen, "tensor '%s' has shape [%llu, %llu, %llu, %llu], expected [%lld, %lld]", name,
-                (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (unsigned long long)t->ne[2],
-                (unsigned long long)t->ne[3], (long long)cols, (long long)rows);
-        return -1;
-    }
-    uint64_t row_bytes;
-    if (m40_type_nbytes(t->type, (uint64_t)cols, &row_bytes) != 0) {
-        set_err(err, errlen, "tensor '%s': row length %lld is not a multiple of the %s block size", name,
-                (long long)cols, m40_type_name(t->type));
-        return -1;
-    }
-    if (row_bytes * (uint64_t)rows > t->nbytes) {
-        set_err(err, errlen, "tensor '%s': %llu bytes of data, %llu needed", name, (unsigned long long)t->nbytes,
-                (unsigned long long)(row_bytes * (uint64_t)rows));
-        return -1;
-    }
-    *out = (g3_matrix){.data = t->data, .type = t->type, .rows = rows, .cols = cols, .row_bytes = row_bytes};
-    return 0;
-}
 
-/* A 1-D tensor of n elements as an owned F32 array. */
-static int g3_load_vector(const m40_gguf *g, const char *name, int64_t n, float **out, char *err, size_t errlen)
-{
-    *out = NULL;
-    const m40_gguf_tensor *t = g3_tensor(g, name, err, errlen);
-    if (!t)
-        return -1;
-    uint64_t nbytes;
-    if (t->n_elems != (uint64_t)n || t->ne[0] != (uint64_t)n || m40_type_nbytes(t->type, (uint64_t)n, &nbytes) != 0 ||
-        nbytes > t->nbytes) {
-        set_err(err, errlen, "tensor '%s' has shape [%llu, %llu], expected [%lld]", name,
-                (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (long long)n);
-        return -1;
-    }
-    float *v = malloc((size_t)n * sizeof *v);
-    if (!v) {
-        set_err(err, errlen, "out of memory loading tensor '%s'", name);
-        return -1;
-    }
-    m40_dequantize_row(t->type, t->data, v, n);
-    *out = v;
-    return 0;
-}
 
 /* Reads "gemma3.<suffix>": 0 found, 1 absent, -1 present with a bad type. */
 static int g3_u32(const m40_gguf *g, const char *suffix, int32_t *out, char *err, size_t errlen)
@@ -180,14 +104,14 @@ static int g3_u32(const m40_gguf *g, const char *suffix, int32_t *out, char *err
     uint32_t v;
     if (m40_gguf_get_u32(g, key, &v) == 0) {
         if (v > INT32_MAX) {
-            set_err(err, errlen, "metadata '%s' = %u is out of range", key, v);
+            m40_set_err(err, errlen, "metadata '%s' = %u is out of range", key, v);
             return -1;
         }
         *out = (int32_t)v;
         return 0;
     }
     if (m40_gguf_get(g, key)) {
-        set_err(err, errlen, "metadata '%s' is not an unsigned 32-bit integer", key);
+        m40_set_err(err, errlen, "metadata '%s' is not an unsigned 32-bit integer", key);
         return -1;
     }
     return 1;
@@ -200,7 +124,7 @@ static int g3_f32(const m40_gguf *g, const char *suffix, float *out, char *err, 
     if (m40_gguf_get_f32(g, key, out) == 0)
         return 0;
     if (m40_gguf_get(g, key)) {
-        set_err(err, errlen, "metadata '%s' is not a number", key);
+        m40_set_err(err, errlen, "metadata '%s' is not a number", key);
         return -1;
     }
     return 1;
@@ -210,7 +134,7 @@ static int g3_required_u32(const m40_gguf *g, const char *suffix, int32_t *out, 
 {
     int rc = g3_u32(g, suffix, out, err, errlen);
     if (rc == 1)
-        set_err(err, errlen, "metadata 'gemma3.%s' is missing", suffix);
+        m40_set_err(err, errlen, "metadata 'gemma3.%s' is missing", suffix);
     return rc == 0 ? 0 : -1;
 }
 
@@ -232,13 +156,13 @@ static int g3_hparams(m40_gemma3 *g, char *err, size_t errlen)
         return -1;
     if (p->dim <= 0 || p->n_heads <= 0 || p->n_layers <= 0 || p->ffn_dim <= 0 || p->ctx_train <= 0 ||
         g->window <= 0) {
-        set_err(err, errlen, "bad hyperparameters: embedding_length %d, block_count %d, head_count %d, "
+        m40_set_err(err, errlen, "bad hyperparameters: embedding_length %d, block_count %d, head_count %d, "
                 "feed_forward_length %d, context_length %d, sliding_window %d (all must be > 0)",
                 p->dim, p->n_layers, p->n_heads, p->ffn_dim, p->ctx_train, g->window);
         return -1;
     }
     if (p->dim > (1 << 20) || p->ffn_dim > (1 << 22) || p->n_layers > 4096 || p->n_heads > 4096) {
-        set_err(err, errlen, "hyperparameters out of range: embedding_length %d, feed_forward_length %d, "
+        m40_set_err(err, errlen, "hyperparameters out of range: embedding_length %d, feed_forward_length %d, "
                 "block_count %d, head_count %d", p->dim, p->ffn_dim, p->n_layers, p->n_heads);
         return -1;
     }
@@ -253,12 +177,12 @@ static int g3_hparams(m40_gemma3 *g, char *err, size_t errlen)
     if (g3_u32(f, "attention.value_length", &value_length, err, errlen) < 0)
         return -1;
     if (p->n_kv_heads <= 0 || p->n_heads % p->n_kv_heads != 0) {
-        set_err(err, errlen, "attention.head_count %d is not a multiple of attention.head_count_kv %d", p->n_heads,
+        m40_set_err(err, errlen, "attention.head_count %d is not a multiple of attention.head_count_kv %d", p->n_heads,
                 p->n_kv_heads);
         return -1;
     }
     if (p->head_dim <= 0 || p->head_dim % 2 != 0 || p->head_dim > 65536 || value_length != p->head_dim) {
-        set_err(err, errlen, "head dimension %d (value length %d) is not supported: it must be even and the "
+        m40_set_err(err, errlen, "head dimension %d (value length %d) is not supported: it must be even and the "
                 "same for keys and values", p->head_dim, value_length);
         return -1;
     }
@@ -266,13 +190,13 @@ static int g3_hparams(m40_gemma3 *g, char *err, size_t errlen)
     if (g3_u32(f, "rope.dimension_count", &p->rope_dim, err, errlen) < 0)
         return -1;
     if (p->rope_dim != p->head_dim) {
-        set_err(err, errlen, "rope.dimension_count %d: gemma3 rotates whole heads of %d", p->rope_dim, p->head_dim);
+        m40_set_err(err, errlen, "rope.dimension_count %d: gemma3 rotates whole heads of %d", p->rope_dim, p->head_dim);
         return -1;
     }
 
     if ((rc = g3_f32(f, "attention.layer_norm_rms_epsilon", &p->norm_eps, err, errlen)) != 0) {
         if (rc == 1)
-            set_err(err, errlen, "metadata 'gemma3.attention.layer_norm_rms_epsilon' is missing");
+            m40_set_err(err, errlen, "metadata 'gemma3.attention.layer_norm_rms_epsilon' is missing");
         return -1;
     }
     g->global_base = 10000.0f;
@@ -282,7 +206,7 @@ static int g3_hparams(m40_gemma3 *g, char *err, size_t errlen)
         return -1;
     p->rope_base = g->global_base;
     if (!(p->norm_eps >= 0) || !(g->global_base > 0) || !(g->local_base > 0)) {
-        set_err(err, errlen, "bad layer_norm_rms_epsilon %g or RoPE bases %g (global), %g (local)", p->norm_eps,
+        m40_set_err(err, errlen, "bad layer_norm_rms_epsilon %g or RoPE bases %g (global), %g (local)", p->norm_eps,
                 g->global_base, g->local_base);
         return -1;
     }
@@ -292,11 +216,11 @@ static int g3_hparams(m40_gemma3 *g, char *err, size_t errlen)
         if (g3_f32(f, "rope.scaling.factor", &g->global_scale, err, errlen) < 0)
             return -1;
         if (!(g->global_scale > 0) || g->global_scale > 1e6f) {
-            set_err(err, errlen, "bad gemma3.rope.scaling.factor %g", g->global_scale);
+            m40_set_err(err, errlen, "bad gemma3.rope.scaling.factor %g", g->global_scale);
             return -1;
         }
     } else if (scaling && strcmp(scaling, "none") != 0) {
-        set_err(err, errlen, "RoPE scaling '%s' (gemma3.rope.scaling.type) is not supported", scaling);
+        m40_set_err(err, errlen, "RoPE scaling '%s' (gemma3.rope.scaling.type) is not supported", scaling);
         return -1;
     }
 
@@ -310,7 +234,7 @@ static int g3_hparams(m40_gemma3 *g, char *err, size_t errlen)
     if (g3_f32(f, "final_logit_softcapping", &g->logit_softcap, err, errlen) < 0)
         return -1;
     if (!(g->attn_scale > 0) || !(g->logit_softcap >= 0)) {
-        set_err(err, errlen, "bad attention.scale %g or final_logit_softcapping %g", g->attn_scale, g->logit_softcap);
+        m40_set_err(err, errlen, "bad attention.scale %g or final_logit_softcapping %g", g->attn_scale, g->logit_softcap);
         return -1;
     }
     g->embd_scale = sqrtf((float)p->dim);
@@ -327,7 +251,7 @@ static int g3_layer_kinds(m40_gemma3 *g, char *err, size_t errlen)
     const m40_gguf_value *v = m40_gguf_get(g->gguf, key);
     if (v && v->type == M40_GGUF_ARRAY) {
         if (v->v.arr.type != M40_GGUF_BOOL || v->v.arr.n != (uint64_t)n_layers) {
-            set_err(err, errlen, "metadata '%s' must be an array of %d bools", key, (int)n_layers);
+            m40_set_err(err, errlen, "metadata '%s' must be an array of %d bools", key, (int)n_layers);
             return -1;
         }
         for (int32_t l = 0; l < n_layers; l++)
@@ -339,7 +263,7 @@ static int g3_layer_kinds(m40_gemma3 *g, char *err, size_t errlen)
         if (g3_u32(g->gguf, "attention.sliding_window_pattern", &period, err, errlen) < 0)
             return -1;
         if (period <= 0) {
-            set_err(err, errlen, "metadata '%s' = %d must be > 0", key, (int)period);
+            m40_set_err(err, errlen, "metadata '%s' = %d must be > 0", key, (int)period);
             return -1;
         }
     }
@@ -354,20 +278,20 @@ static int g3_weights(m40_gemma3 *g, char *err, size_t errlen)
     const m40_gguf *f = g->gguf;
     const m40_gguf_tensor *te = m40_gguf_find_tensor(f, "token_embd.weight");
     if (!te) {
-        set_err(err, errlen, "tensor 'token_embd.weight' is missing");
+        m40_set_err(err, errlen, "tensor 'token_embd.weight' is missing");
         return -1;
     }
     if (te->ne[1] == 0 || te->ne[1] > INT32_MAX) {
-        set_err(err, errlen, "tensor 'token_embd.weight' has a bad vocabulary dimension %llu",
+        m40_set_err(err, errlen, "tensor 'token_embd.weight' has a bad vocabulary dimension %llu",
                 (unsigned long long)te->ne[1]);
         return -1;
     }
     p->n_vocab = (int32_t)te->ne[1];
-    if (g3_load_matrix(f, "token_embd.weight", p->dim, p->n_vocab, &g->tok_embd, err, errlen) ||
-        g3_load_vector(f, "output_norm.weight", p->dim, &g->output_norm, err, errlen))
+    if (m40_weight_matrix(f, "token_embd.weight", p->dim, p->n_vocab, &g->tok_embd, err, errlen) ||
+        m40_weight_vector(f, "output_norm.weight", p->dim, 0, &g->output_norm, err, errlen))
         return -1;
     if (m40_gguf_find_tensor(f, "output.weight")) {
-        if (g3_load_matrix(f, "output.weight", p->dim, p->n_vocab, &g->output, err, errlen))
+        if (m40_weight_matrix(f, "output.weight", p->dim, p->n_vocab, &g->output, err, errlen))
             return -1;
     } else {
         g->output = g->tok_embd;
@@ -375,7 +299,7 @@ static int g3_weights(m40_gemma3 *g, char *err, size_t errlen)
     }
     g->layers = calloc((size_t)p->n_layers, sizeof *g->layers);
     if (!g->layers) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         return -1;
     }
     unsigned type_count[M40_TYPE_COUNT] = {0};
@@ -383,19 +307,19 @@ static int g3_weights(m40_gemma3 *g, char *err, size_t errlen)
         g3_layer *L = &g->layers[l];
         char n[96];
 #define NAME(s) (snprintf(n, sizeof n, "blk.%d.%s", (int)l, s), n)
-        if (g3_load_vector(f, NAME("attn_norm.weight"), p->dim, &L->attn_norm, err, errlen) ||
-            g3_load_vector(f, NAME("attn_q_norm.weight"), p->head_dim, &L->q_norm, err, errlen) ||
-            g3_load_vector(f, NAME("attn_k_norm.weight"), p->head_dim, &L->k_norm, err, errlen) ||
-            g3_load_vector(f, NAME("post_attention_norm.weight"), p->dim, &L->post_attn_norm, err, errlen) ||
-            g3_load_vector(f, NAME("ffn_norm.weight"), p->dim, &L->ffn_norm, err, errlen) ||
-            g3_load_vector(f, NAME("post_ffw_norm.weight"), p->dim, &L->post_ffw_norm, err, errlen) ||
-            g3_load_matrix(f, NAME("attn_q.weight"), p->dim, g->q_dim, &L->wq, err, errlen) ||
-            g3_load_matrix(f, NAME("attn_k.weight"), p->dim, g->kv_dim, &L->wk, err, errlen) ||
-            g3_load_matrix(f, NAME("attn_v.weight"), p->dim, g->kv_dim, &L->wv, err, errlen) ||
-            g3_load_matrix(f, NAME("attn_output.weight"), g->q_dim, p->dim, &L->wo, err, errlen) ||
-            g3_load_matrix(f, NAME("ffn_gate.weight"), p->dim, p->ffn_dim, &L->w_gate, err, errlen) ||
-            g3_load_matrix(f, NAME("ffn_up.weight"), p->dim, p->ffn_dim, &L->w_up, err, errlen) ||
-            g3_load_matrix(f, NAME("ffn_down.weight"), p->ffn_dim, p->dim, &L->w_down, err, errlen))
+        if (m40_weight_vector(f, NAME("attn_norm.weight"), p->dim, 0, &L->attn_norm, err, errlen) ||
+            m40_weight_vector(f, NAME("attn_q_norm.weight"), p->head_dim, 0, &L->q_norm, err, errlen) ||
+            m40_weight_vector(f, NAME("attn_k_norm.weight"), p->head_dim, 0, &L->k_norm, err, errlen) ||
+            m40_weight_vector(f, NAME("post_attention_norm.weight"), p->dim, 0, &L->post_attn_norm, err, errlen) ||
+            m40_weight_vector(f, NAME("ffn_norm.weight"), p->dim, 0, &L->ffn_norm, err, errlen) ||
+            m40_weight_vector(f, NAME("post_ffw_norm.weight"), p->dim, 0, &L->post_ffw_norm, err, errlen) ||
+            m40_weight_matrix(f, NAME("attn_q.weight"), p->dim, g->q_dim, &L->wq, err, errlen) ||
+            m40_weight_matrix(f, NAME("attn_k.weight"), p->dim, g->kv_dim, &L->wk, err, errlen) ||
+            m40_weight_matrix(f, NAME("attn_v.weight"), p->dim, g->kv_dim, &L->wv, err, errlen) ||
+            m40_weight_matrix(f, NAME("attn_output.weight"), g->q_dim, p->dim, &L->wo, err, errlen) ||
+            m40_weight_matrix(f, NAME("ffn_gate.weight"), p->dim, p->ffn_dim, &L->w_gate, err, errlen) ||
+            m40_weight_matrix(f, NAME("ffn_up.weight"), p->dim, p->ffn_dim, &L->w_up, err, errlen) ||
+            m40_weight_matrix(f, NAME("ffn_down.weight"), p->ffn_dim, p->dim, &L->w_down, err, errlen))
             return -1;
 #undef NAME
         const g3_matrix *ms[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
@@ -414,7 +338,7 @@ int m40_gemma3_load(const m40_gguf *f, m40_model_params *p, m40_gemma3 **out, ch
     *out = NULL;
     m40_gemma3 *g = calloc(1, sizeof *g);
     if (!g) {
-        set_err(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         return -1;
     }
     g->gguf = f;
@@ -655,7 +579,7 @@ int m40_gemma3_forward(m40_gemma3 *g, m40_threadpool *pool, float *kv_k, float *
     const m40_model_params *p = g->p;
     int32_t n = b->n;
     if (g3_scratch(g, m40_threadpool_size(pool), n, kv_ctx)) {
-        set_err(err, errlen, "out of memory for a batch of %d tokens", (int)n);
+        m40_set_err(err, errlen, "out of memory for a batch of %d tokens", (int)n);
         return -1;
     }
     size_t dim = (size_t)p->dim, ffn = (size_t)p->ffn_dim, qd = (size_t)g->q_dim, kvd = (size_t)g->kv_dim;
@@ -734,11 +658,6 @@ int m40_gemma3_forward(m40_gemma3 *g, m40_threadpool *pool, float *kv_k, float *
 
 /* ------------------------------------------------------- the GPU's view ---- */
 
-static m40_matrix g3_view(const g3_matrix *m)
-{
-    return (m40_matrix){.data = m->data, .type = m->type, .rows = m->rows, .cols = m->cols, .row_bytes = m->row_bytes};
-}
-
 /* Fills src (and the arrays behind it) with views of g's weights for m40_gpu_load. The
  * caller owns *layers_out (free() it after the upload; the norms it points to stay g's). */
 int m40_gemma3_gpu_src(const m40_gemma3 *g, m40_gpu_src *src, m40_gpu_gemma3 *extra, m40_matrix *tok_embd,
@@ -750,14 +669,14 @@ int m40_gemma3_gpu_src(const m40_gemma3 *g, m40_gpu_src *src, m40_gpu_gemma3 *ex
         return -1;
     for (int32_t l = 0; l < p->n_layers; l++) {
         const g3_layer *L = &g->layers[l];
-        ls[l] = (m40_layer){.attn_norm = L->attn_norm, .ffn_norm = L->ffn_norm, .wq = g3_view(&L->wq),
-                            .wk = g3_view(&L->wk), .wv = g3_view(&L->wv), .wo = g3_view(&L->wo),
-                            .w_gate = g3_view(&L->w_gate), .w_up = g3_view(&L->w_up), .w_down = g3_view(&L->w_down),
+        ls[l] = (m40_layer){.attn_norm = L->attn_norm, .ffn_norm = L->ffn_norm, .wq = L->wq,
+                            .wk = L->wk, .wv = L->wv, .wo = L->wo,
+                            .w_gate = L->w_gate, .w_up = L->w_up, .w_down = L->w_down,
                             .q_norm = L->q_norm, .k_norm = L->k_norm, .post_attn_norm = L->post_attn_norm,
                             .post_ffw_norm = L->post_ffw_norm, .local = L->local};
     }
-    *tok_embd = g3_view(&g->tok_embd);
-    *output = g->output.data == g->tok_embd.data ? *tok_embd : g3_view(&g->output);
+    *tok_embd = g->tok_embd;
+    *output = g->output.data == g->tok_embd.data ? *tok_embd : g->output;
     *extra = (m40_gpu_gemma3){.window = g->window, .local_base = g->local_base, .global_base = g->global_base,
                               .global_scale = g->global_scale, .attn_scale = g->attn_scale,
                               .embd_scale = g->embd_scale, .logit_softcap = g->logit_softcap};

@@ -1,0 +1,28 @@
+/* Helpers shared by the model backends (model.c, model_gemma3.c, model_cuda.c) and
+ * eval.c: error messages and validated views of GGUF weight tensors. Not public API. */
+#ifndef M40_MODEL_INTERNAL_H
+#define M40_MODEL_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gguf.h"
+#include "model_gpu.h"
+
+/* printf into err (when err and errlen are set). */
+void m40_set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* The tensor `name`, which must exist and have a type the CPU backend supports. */
+const m40_gguf_tensor *m40_weight_tensor(const m40_gguf *g, const char *name, char *err, size_t errlen);
+
+/* A 2-D weight of `rows` rows of `cols` elements (GGUF ne = [cols, rows]), checked for
+ * shape, block alignment of the rows and data size. */
+int m40_weight_matrix(const m40_gguf *g, const char *name, int64_t cols, int64_t rows, m40_matrix *out, char *err,
+                      size_t errlen);
+
+/* A 1-D tensor of n elements converted to an owned F32 array. optional and absent:
+ * 0 with *out NULL. */
+int m40_weight_vector(const m40_gguf *g, const char *name, int64_t n, int optional, float **out, char *err,
+                      size_t errlen);
+
+#endif
