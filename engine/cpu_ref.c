@@ -47,6 +47,18 @@ void m40_ref_rmsnorm(const float *x, int64_t x_stride, const float *w, void *out
     }
 }
 
+void m40_ref_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
+                         int64_t out_stride, int rows, int dim, float eps)
+{
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + r * x_stride;
+        const float *dr = d + r * d_stride;
+        for (int i = 0; i < dim; i++)
+            xr[i] += dr[i];
+    }
+    m40_ref_rmsnorm(x, x_stride, w, out, M40K_TYPE_F32, out_stride, rows, dim, eps);
+}
+
 static void rope_heads(float *x, int64_t stride, int n_heads, int head_dim, int rot_dim, int t, int i, float c,
                        float s, int neox)
 {

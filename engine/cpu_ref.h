@@ -19,6 +19,8 @@ void m40_ref_embed(const void *table, int table_type, int64_t n_rows, int dim, c
                    void *out, int out_type, int64_t out_stride);
 void m40_ref_rmsnorm(const float *x, int64_t x_stride, const float *w, void *out, int out_type, int64_t out_stride,
                      int rows, int dim, float eps);
+void m40_ref_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
+                         int64_t out_stride, int rows, int dim, float eps);
 void m40_ref_rope(float *q, int64_t q_stride, int n_q_heads, float *k, int64_t k_stride, int n_k_heads,
                   int head_dim, int rot_dim, const int32_t *pos, int n_tokens, float base, const float *freq_factors,
                   int neox);

@@ -148,6 +148,15 @@ typedef struct {
     uint64_t prefix_cache_queries;
     uint64_t prefix_cache_query_tokens;
     uint64_t prefix_cache_hit_tokens;
+    /* Where the engine thread's time goes: model steps run, the batch rows they carried
+     * (tokens through the model), and seconds spent in the forward pass (GPU work and the
+     * wait for it), in sampling + detokenizing + handing out events, and in the rest of
+     * the loop (admission, batch building, cancellation, statistics). */
+    uint64_t steps_total;
+    uint64_t step_tokens_total;
+    double forward_seconds;
+    double sample_seconds;
+    double schedule_seconds;
 } m40_engine_stats;
 
 void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out);

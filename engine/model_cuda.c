@@ -21,11 +21,12 @@
  *     the matched length), and after the step every block that became full is
  *     committed under the slot's real token ids, kept per slot in kv->toks;
  *   - the small integer tables (tokens, positions, CSR) go up in one copy from pinned
- *     memory; then per layer: RMSNorm -> fused QKV matmul (+bias) -> RoPE -> paged KV
- *     append -> attention (decode kernel when every sequence has one new token, the
- *     prefill kernel otherwise, a plain kernel for other head sizes) -> output matmul
- *     -> residual -> RMSNorm -> fused gate/up matmul -> SwiGLU -> down matmul ->
- *     residual; everything stays on the device;
+ *     memory; then per layer: RMSNorm (fused with the previous layer's residual add)
+ *     -> fused QKV matmul (+bias) -> RoPE -> paged KV append -> attention (the decode
+ *     kernel, split-K, for the sequences with one new token, which come first in the
+ *     step; the prefill kernel for the prompt chunks; a plain kernel for other head
+ *     sizes) -> output matmul -> residual add + RMSNorm -> fused gate/up matmul ->
+ *     SwiGLU -> down matmul; everything stays on the device;
  *   - only the rows that want logits go through the final norm and the head; their
  *     logits come back to the host in the caller's row order.
  *
@@ -973,6 +974,20 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         }
         g->grp_n[j]++;
     }
+    /* Decoding groups (one token) first, in order, then the prompt chunks: the first n_dec
+     * rows of the step are then one decode query each, for the decode attention kernel,
+     * and the prefill kernel takes the rest (a mixed step no longer runs its decode rows
+     * through prefill tiles of one query without split-K). */
+    int32_t n_dec = 0;
+    for (int32_t j = 0; j < n_grp; j++)
+        if (g->grp_n[j] == 1) {
+            int32_t sl = g->grp_slot[j], fi = g->grp_first[j];
+            memmove(g->grp_slot + n_dec + 1, g->grp_slot + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_slot);
+            memmove(g->grp_first + n_dec + 1, g->grp_first + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_first);
+            memmove(g->grp_n + n_dec + 1, g->grp_n + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_n);
+            g->grp_slot[n_dec] = sl, g->grp_first[n_dec] = fi, g->grp_n[n_dec] = 1;
+            n_dec++;
+        }
     /* A slot's tokens continue its cache; a first position below its length restarts
      * the slot there (a new sequence in a reused slot). */
     int64_t need = 0;
@@ -1010,10 +1025,10 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             kv->toks[b->slot[i]][b->pos[i]] = b->tokens[i];
 
     /* Host tables: permuted tokens and positions, q_indptr, CSR, logit rows. */
-    int32_t total_blocks = 0, max_len = 0;
+    int32_t total_blocks = 0, max_len = 0; /* max_len: of the decoding groups */
     for (int32_t j = 0; j < n_grp; j++) {
         total_blocks += m40_kv_seq_n_blocks(g->grp_seq[j]);
-        if (m40_kv_seq_len(g->grp_seq[j]) > max_len)
+        if (j < n_dec && m40_kv_seq_len(g->grp_seq[j]) > max_len)
             max_len = m40_kv_seq_len(g->grp_seq[j]);
     }
     /* layout: tokens[n] pos[n] row_seq[n] q_indptr[n_grp+1] indptr[n_grp+1] lpl[n_grp] out_rows[n_out] indices[] */
@@ -1053,26 +1068,23 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
                   *d_lpl = D + o_lpl, *d_out = D + o_out, *d_idx = D + o_idx;
     CK(cudaMemcpyAsync(D, H, n_ints * 4, cudaMemcpyHostToDevice, g->stream));
 
-    /* Attention kernel choice. */
-    int decode = 1;
-    for (int32_t j = 0; j < n_grp; j++)
-        decode &= g->grp_n[j] == 1;
+    /* Attention kernel choice: decode kernel for the first n_dec groups, prefill for the rest. */
     int G = p->n_heads / p->n_kv_heads;
     int hd = p->head_dim;
     int tuned = (hd == 64 || hd == 128 || hd == 256) && G >= 1 && G <= 8;
     int splits = 1, splits_local = 1;
     const int window = g->gemma3 ? g->g3.window : 0;
-    if (tuned && decode) {
-        splits = m40k_decode_pick_splits(n_grp, p->n_kv_heads, max_len, g->sm_count);
+    if (tuned && n_dec > 0) {
+        splits = m40k_decode_pick_splits(n_dec, p->n_kv_heads, max_len, g->sm_count);
         if (splits < 1)
             splits = 1;
         /* sliding-window layers read at most `window` positions: fewer splits */
         splits_local = window > 0 && window < max_len
-                           ? m40k_decode_pick_splits(n_grp, p->n_kv_heads, window, g->sm_count)
+                           ? m40k_decode_pick_splits(n_dec, p->n_kv_heads, window, g->sm_count)
                            : splits;
         if (splits_local < 1)
             splits_local = 1;
-        size_t need_ws = m40k_decode_workspace_floats(n_grp, p->n_heads, hd, splits > splits_local ? splits : splits_local);
+        size_t need_ws = m40k_decode_workspace_floats(n_dec, p->n_heads, hd, splits > splits_local ? splits : splits_local);
         if (need_ws > g->ws_cap) {
             if (grow_dev((void **)&g->ws, need_ws * 4)) {
                 g->ws_cap = 0;
@@ -1097,7 +1109,11 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         const int win = g->gemma3 && L->local ? window : 0;
         const float base = !g->gemma3 ? p->rope_base : L->local ? g->g3.local_base : g->g3.global_base;
         const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
-        CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
+        /* the previous layer's FFN residual is still in xb: added here, fused with this norm */
+        if (l == 0)
+            CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
+        else
+            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
         if (matmul(g, &L->qkv, g->xb, n, g->qkv, err, errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
@@ -1108,13 +1124,14 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         CK(m40k_rope(q, qkvd, p->n_heads, k, qkvd, p->n_kv_heads, hd, p->rope_dim, d_pos, n, base, ff, p->rope_neox,
                      g->stream));
         CK(m40k_kv_append(kc, vc, k, qkvd, v, qkvd, d_qi, n_grp, n, d_ip, d_idx, d_lpl, p->n_kv_heads, hd, g->stream));
-        if (tuned && decode)
-            CK(m40k_attn_decode_window(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_grp, p->n_heads,
+        if (tuned && n_dec > 0)
+            CK(m40k_attn_decode_window(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec, p->n_heads,
                                        p->n_kv_heads, hd, scale, win, win ? splits_local : splits, g->ws, g->stream));
-        else if (tuned)
-            CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi, n_grp, n, kc, vc, d_ip, d_idx, d_lpl,
-                                             p->n_heads, p->n_kv_heads, hd, scale, win, g->stream));
-        else
+        if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
+            CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
+                                             vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
+                                             scale, win, g->stream));
+        if (!tuned)
             CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
                                         p->n_kv_heads, hd, scale, win, g->stream));
         if (matmul(g, &L->wo, g->att, n, g->xb, err, errlen))
@@ -1122,8 +1139,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         if (g->gemma3)
             CK(m40k_rmsnorm(g->xb, dim, L->post_attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
-        CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
-        CK(m40k_rmsnorm(g->x, dim, L->ffn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
+        CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
         if (matmul(g, &L->gate_up, g->xb, n, g->hb, err, errlen))
             return -1;
         CK(m40k_glu(g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n,
@@ -1133,8 +1149,9 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         if (g->gemma3)
             CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
-        CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
     }
+    if (p->n_layers > 0) /* the last layer's FFN residual */
+        CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
     if (n_out > 0) {
         CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
         CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,

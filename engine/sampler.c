@@ -346,12 +346,16 @@ void m40_sampler_sample(m40_sampler *s, float *logits, m40_sample_result *out)
     if (s->penalties_on && s->hist_len > 0)
         apply_penalties(s, logits);
 
-    /* log Z of the (biased, penalized) logits at temperature 1, for the logprobs. */
-    float max = logits[argmax(logits, s->n_vocab)];
-    double sum = 0;
-    for (int32_t i = 0; i < s->n_vocab; i++)
-        sum += exp((double)logits[i] - max);
-    double log_z = isfinite(max) ? max + log(sum) : max;
+    /* log Z of the (biased, penalized) logits at temperature 1, for the logprobs: float
+     * exponentials (arguments <= 0, results in [0, 1]) summed in double. */
+    double log_z = NAN;
+    if (!p->skip_logprob || p->n_top_logprobs > 0) {
+        float max = logits[argmax(logits, s->n_vocab)];
+        double sum = 0;
+        for (int32_t i = 0; i < s->n_vocab; i++)
+            sum += expf(logits[i] - max);
+        log_z = isfinite(max) ? max + log(sum) : max;
+    }
 
     int32_t token;
     if (p->temperature <= 0.0f || p->top_k == 1)

@@ -19,6 +19,8 @@ typedef struct {
     const int32_t *logit_bias_ids;
     const float *logit_bias_values;
     int32_t n_top_logprobs;   /* 0..20: how many top alternatives to report */
+    int32_t skip_logprob;     /* 1: the chosen token's logprob is not wanted (reported as NaN;
+                               * saves a pass of exp() over the vocabulary per token) */
 } m40_sampler_params;
 
 void m40_sampler_params_default(m40_sampler_params *p);

@@ -439,6 +439,7 @@ static void admit(m40_engine *e, m40_request *r, int32_t slot)
         json_decref(r->messages);
         r->messages = NULL;
     }
+    r->sampling.skip_logprob = !r->logprobs; /* only logprobs requests report it */
     s->smp = m40_sampler_new(&r->sampling, e->n_vocab);
     s->detok = m40_detok_new(e->tok);
     if (!s->smp || !s->detok) {
@@ -750,16 +751,21 @@ static void run_step(m40_engine *e)
     char err[256];
     for (int32_t i = 0; i < e->max_seqs; i++)
         e->slots[i].preempted = 0;
+    double t0 = 0;
     for (;;) {
         n = build_batch(e, &rows);
         if (n == 0)
             return;
         m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
+        t0 = m40_now();
         rc = m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err);
+        e->tstats.forward_seconds += m40_now() - t0;
         if (rc != M40_FORWARD_NO_BLOCKS)
             break;
         make_room(e);
     }
+    e->tstats.steps_total++;
+    e->tstats.step_tokens_total += (uint64_t)n;
     if (rc != 0) {
         char msg[300];
         snprintf(msg, sizeof msg, "forward pass failed: %s", err);
@@ -786,10 +792,12 @@ static void run_step(m40_engine *e)
         }
         s->n_past += take[i];
     }
+    t0 = m40_now();
     for (int32_t k = 0; k < rows; k++)
         if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
             sequence_advance(e, e->row_slot[k], e->logits + (size_t)k * (size_t)e->n_vocab);
     step_flush(e);
+    e->tstats.sample_seconds += m40_now() - t0;
 }
 
 static void stats_publish(m40_engine *e)
@@ -816,6 +824,11 @@ static void stats_publish(m40_engine *e)
     o->prefix_cache_queries = (uint64_t)ps.queries;
     o->prefix_cache_query_tokens = (uint64_t)ps.query_tokens;
     o->prefix_cache_hit_tokens = (uint64_t)ps.hit_tokens;
+    o->steps_total = t->steps_total;
+    o->step_tokens_total = t->step_tokens_total;
+    o->forward_seconds = t->forward_seconds;
+    o->sample_seconds = t->sample_seconds;
+    o->schedule_seconds = t->schedule_seconds;
     o->running = running;
     o->kv_tokens_used = used;
     o->kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16
@@ -984,10 +997,12 @@ void *m40_engine_thread_main(void *arg)
         pthread_mutex_unlock(&e->mu);
         if (stop)
             break;
+        double t0 = m40_now(), busy0 = e->tstats.forward_seconds + e->tstats.sample_seconds;
         cancel_released(e);
         admit_queued(e);
         run_step(e);
         stats_publish(e);
+        e->tstats.schedule_seconds += m40_now() - t0 - (e->tstats.forward_seconds + e->tstats.sample_seconds - busy0);
     }
     engine_shutdown(e);
     engine_unload(e);

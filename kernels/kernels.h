@@ -54,6 +54,10 @@ int m40k_embed(const void *table, int table_type, int64_t n_rows, int dim, const
  * x row stride x_stride, out row stride out_stride; out_type F32 or F16. */
 int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, void *out, int out_type, int64_t out_stride,
                  int rows, int dim, float eps, m40k_stream stream);
+/* 2b. Residual add + RMSNorm in one pass: x[r] += d[r], then out[r] = rmsnorm(x[r]) * w
+ * (F32; out may alias d, not x). */
+int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
+                     int64_t out_stride, int rows, int dim, float eps, m40k_stream stream);
 
 /* 3. RoPE in place on q (and k unless NULL): token t's head h starts at
  * q + t*q_stride + h*head_dim. The first rot_dim (even, <= head_dim) dims rotate by

@@ -43,3 +43,48 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
                                                   eps);
     return m40k_launch_status();
 }
+
+/* Residual add fused with the next RMSNorm (one block per row):
+ *   x[r] += d[r];  out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w
+ * The first pass writes the sum back to x and keeps its sum of squares; the second
+ * re-reads x (each thread reads back what it wrote) to write out. out may be d. */
+__global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, const float *d, int64_t d_stride,
+                                   const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps)
+{
+    __shared__ float partial[32];
+    float *xr = x + blockIdx.x * x_stride;
+    const float *dr = d + blockIdx.x * d_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = xr[i] + dr[i];
+        xr[i] = v;
+        ss += v * v;
+    }
+    ss = m40k_warp_sum(ss);
+    if ((threadIdx.x & 31) == 0)
+        partial[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
+        v = m40k_warp_sum(v);
+        if (threadIdx.x == 0)
+            partial[0] = v;
+    }
+    __syncthreads();
+    const float scale = rsqrtf(partial[0] / dim + eps);
+    float *orow = out + blockIdx.x * out_stride;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        orow[i] = xr[i] * scale * w[i];
+}
+
+extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
+                                float *out, int64_t out_stride, int rows, int dim, float eps, m40k_stream stream)
+{
+    if (rows <= 0)
+        return 0;
+    if (dim <= 0)
+        return M40K_INVALID;
+    int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
+    add_rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, d, d_stride, w, out, out_stride, dim, eps);
+    return m40k_launch_status();
+}

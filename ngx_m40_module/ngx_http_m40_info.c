@@ -249,6 +249,23 @@ ngx_http_m40_metrics_handler(ngx_http_request_t *r)
                  kv);
     p += (n > 0 && n < end - p) ? n : 0;
 
+    ngx_http_m40_metric(p, end, "counter", "m40_engine_steps_total",
+                        "Model steps (forward passes) the engine ran",
+                        "%uL", (uint64_t) s.steps_total);
+    ngx_http_m40_metric(p, end, "counter", "m40_engine_step_tokens_total",
+                        "Tokens (batch rows) those steps carried",
+                        "%uL", (uint64_t) s.step_tokens_total);
+
+    n = snprintf((char *) p, end - p,
+                 "# HELP m40_engine_seconds_total Engine thread time by phase: "
+                 "forward pass, sampling and event delivery, scheduling\n"
+                 "# TYPE m40_engine_seconds_total counter\n"
+                 "m40_engine_seconds_total{phase=\"forward\"} %.6f\n"
+                 "m40_engine_seconds_total{phase=\"sample\"} %.6f\n"
+                 "m40_engine_seconds_total{phase=\"schedule\"} %.6f\n",
+                 s.forward_seconds, s.sample_seconds, s.schedule_seconds);
+    p += (n > 0 && n < end - p) ? n : 0;
+
     if (mcf->engine) {      /* the bucket bounds come from the engine */
         p = ngx_http_m40_histogram(p, end, "m40_time_to_first_token_seconds",
                                    "Time from submission to the first token",

@@ -371,6 +371,16 @@ def summarize(args, results, wall, m_before, m_after, m_err):
         else:
             s["prompt_tokens_computed"] = None
             s["metrics_error"] = m_err or f"{key} not in /metrics"
+        # where the engine thread spent the run (one worker's engine: the server of
+        # run-all.sh runs one worker)
+        if m_before is not None and m_after is not None and "m40_engine_steps_total" in m_after:
+            d = {k: m_after.get(k, 0.0) - m_before.get(k, 0.0) for k in m_after}
+            s["engine"] = {
+                "steps": d["m40_engine_steps_total"],
+                "step_tokens": d.get("m40_engine_step_tokens_total", 0.0),
+                **{ph: d.get('m40_engine_seconds_total{phase="%s"}' % ph, 0.0)
+                   for ph in ("forward", "sample", "schedule")},
+            }
     return s
 
 
@@ -399,6 +409,12 @@ def print_report(s):
             pc = s["prompt_tokens_computed"]
             print(f"prefix:     {pt} prompt tokens sent, {pc:.0f} computed (m40_prompt_tokens_computed_total delta)"
                   + (f" = {100.0 * (1 - pc / pt):.1f}% reused" if pt else ""))
+    if s.get("engine") and s["engine"]["steps"] > 0:
+        e = s["engine"]
+        st = e["steps"]
+        print(f"engine:     {st:.0f} steps, {e['step_tokens'] / st:.1f} tokens/step; per step "
+              f"forward {1e3 * e['forward'] / st:.2f} ms, sample+events {1e3 * e['sample'] / st:.2f} ms, "
+              f"schedule {1e3 * e['schedule'] / st:.2f} ms")
     if s["ok"] and s["max_tokens"] and s["mean_tokens_per_request"] < 0.9 * s["max_tokens"]:
         print(f"note:       outputs averaged {s['mean_tokens_per_request']:.1f} of max_tokens {s['max_tokens']} "
               "('stop': end of sequence, which OpenAI's API can not forbid -- see --extra-json; "

@@ -232,6 +232,10 @@ EOF
 }
 jget() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); v=d.get(sys.argv[2]); print("-" if v is None else (f"{v:.1f}" if isinstance(v,float) else v))' "$1" "$2"; }
 
+# engine thread per step, from /metrics: tokens/step, forward / sample+events / schedule ms
+estep() { python3 -c 'import json,sys; e=json.load(open(sys.argv[1])).get("engine") or {}; st=e.get("steps") or 0
+print("-" if not st else "%.1f  %.2f/%.2f/%.2f" % (e["step_tokens"]/st, 1e3*e["forward"]/st, 1e3*e["sample"]/st, 1e3*e["schedule"]/st))' "$1"; }
+
 in_serve_types() { [ "$SERVE_TYPES" = all ] && return 0; for t in $SERVE_TYPES; do [ "$1" = "$SHAPE $t" ] && return 0; done; return 1; }
 
 for e in "${ENTRIES[@]}"; do
@@ -262,7 +266,7 @@ for e in "${ENTRIES[@]}"; do
         res=$OUT/load-${label// /-}-c$c.json
         say "load.py --concurrency $c --requests $((RPS * c))"
         $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
-            --prompt-words "$PROMPT_WORDS" --max-tokens "$MAX_TOKENS" "${extra[@]}" --json >"$res" 2>"$res.err"
+            --prompt-words "$PROMPT_WORDS" --max-tokens "$MAX_TOKENS" --metrics "${extra[@]}" --json >"$res" 2>"$res.err"
         if ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
             SERVER_ROWS+=("$label	$c streams	load.py failed: $(tail -1 "$res.err")")
             continue
@@ -271,7 +275,7 @@ for e in "${ENTRIES[@]}"; do
             SERVER_ROWS+=("$label	$c streams	$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("0/%d ok: %s" % (d["requests"], "; ".join(d["error_kinds"])[:200]))' "$res")")
             continue
         fi
-        SERVER_ROWS+=("$label	$c streams	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)")
+        SERVER_ROWS+=("$label	$c streams	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)	$(estep "$res")")
     done
     if [ "$PREFIX_WORDS" -gt 0 ]; then
         c=$(set -- $CONCURRENCY; echo "$1")
@@ -323,6 +327,6 @@ for r in "${ENGINE_ROWS[@]}"; do row "$r" 18 11 14 13 15 11 7; done
 if [ ${#SERVER_ROWS[@]} -gt 0 ]; then
     echo
     echo "server (m40 serve + load.py: streaming chats, $PROMPT_WORDS-word prompts, max_tokens $MAX_TOKENS, temperature 0)"
-    row "model	load	ok/req	gen tok/s	TTFT p50 ms	TTFT p99 ms	ITL p50 ms	ITL p99 ms	tokens/req" 18 11 8 10 12 12 11 11 10
-    for r in "${SERVER_ROWS[@]}"; do row "$r" 18 11 8 10 12 12 11 11 10; done
+    row "model	load	ok/req	gen tok/s	TTFT p50 ms	TTFT p99 ms	ITL p50 ms	ITL p99 ms	tokens/req	tok/step  ms/step fwd/sample/sched" 18 11 8 10 12 12 11 11 10 30
+    for r in "${SERVER_ROWS[@]}"; do row "$r" 18 11 8 10 12 12 11 11 10 30; done
 fi

@@ -178,6 +178,33 @@ static void test_rmsnorm(void)
             }
 }
 
+static void test_add_rmsnorm(void)
+{
+    for (int dim : {7, 64, 4096 + 64 + 1})
+        for (int rows : {1, 3, 17})
+            for (int alias : {0, 1}) { /* out == d, as the model uses it */
+                const int64_t xs = dim + 5, ds = dim + 3, os = alias ? ds : dim + 2;
+                std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
+                                   w = rand_vec(dim, 0.5f, 1.5f), c(rows * os, 0.0f);
+                float *dx = dup(x), *dd = dup(d), *dw = dup(w), *dout = dd;
+                if (!alias) {
+                    CK(cudaMalloc(&dout, rows * os * 4));
+                    CK(cudaMemset(dout, 0, rows * os * 4));
+                }
+                CK(m40k_add_rmsnorm(dx, xs, dd, ds, dw, dout, os, rows, dim, 1e-5f, 0));
+                float *cout = alias ? d.data() : c.data();
+                m40_ref_add_rmsnorm(x.data(), xs, d.data(), ds, w.data(), cout, os, rows, dim, 1e-5f);
+                char what[96];
+                snprintf(what, sizeof what, "add_rmsnorm rows %d dim %d%s", rows, dim, alias ? " out=d" : "");
+                std::vector<float> gx = back(dx, x.size()), go = back(dout, rows * os);
+                compare(what, gx.data(), x.data(), x.size(), 0.0f, 0.0f); /* x + d: exact */
+                compare(what, go.data(), cout, go.size(), 1e-5f, 1e-5f);
+                cudaFree(dx), cudaFree(dd), cudaFree(dw);
+                if (!alias)
+                    cudaFree(dout);
+            }
+}
+
 /* ---------------------------------------------------------------- 3. rope */
 static void test_rope(void)
 {
@@ -185,8 +212,9 @@ static void test_rope(void)
         for (int rot : {hd, 32})
             for (int neox : {0, 1})
                 for (int ff : {0, 1})
-                    for (int nt : {1, 3, 17}) {
-                        const int nq = 8, nk = 2;
+                    for (int nt : {1, 3, 17})
+                    for (int heads : {0, 1, 2}) { /* 8/2, 7/3 (partial head chunks), 5 Q heads and no K */
+                        const int nq = heads == 0 ? 8 : heads == 1 ? 7 : 5, nk = heads == 0 ? 2 : heads == 1 ? 3 : 1;
                         const int64_t qs = nq * hd + 4, ks = nk * hd + 8;
                         std::vector<float> q = rand_vec(nt * qs), k = rand_vec(nt * ks), f = rand_vec(rot / 2, 1, 8);
                         std::vector<int32_t> pos(nt);
@@ -194,11 +222,13 @@ static void test_rope(void)
                             pos[t] = t == 0 ? 0 : (int32_t)(rnd32() % 200000);
                         float *dq = dup(q), *dk = dup(k), *df = dup(f);
                         int32_t *dp = dup(pos);
-                        CK(m40k_rope(dq, qs, nq, dk, ks, nk, hd, rot, dp, nt, 500000.0f, ff ? df : nullptr, neox, 0));
-                        m40_ref_rope(q.data(), qs, nq, k.data(), ks, nk, hd, rot, pos.data(), nt, 500000.0f,
-                                     ff ? f.data() : nullptr, neox);
-                        char what[96];
-                        snprintf(what, sizeof what, "rope hd %d rot %d neox %d ff %d tokens %d", hd, rot, neox, ff, nt);
+                        CK(m40k_rope(dq, qs, nq, heads == 2 ? nullptr : dk, ks, nk, hd, rot, dp, nt, 500000.0f,
+                                     ff ? df : nullptr, neox, 0));
+                        m40_ref_rope(q.data(), qs, nq, heads == 2 ? nullptr : k.data(), ks, nk, hd, rot, pos.data(),
+                                     nt, 500000.0f, ff ? f.data() : nullptr, neox);
+                        char what[112];
+                        snprintf(what, sizeof what, "rope hd %d rot %d neox %d ff %d tokens %d heads %d/%d", hd, rot,
+                                 neox, ff, nt, nq, heads == 2 ? 0 : nk);
                         std::vector<float> gq = back(dq, q.size()), gk = back(dk, k.size());
                         compare(what, gq.data(), q.data(), q.size(), 1e-5f, 1e-5f);
                         compare(what, gk.data(), k.data(), k.size(), 1e-5f, 1e-5f);
@@ -466,6 +496,61 @@ static void bench_gemv(void)
         }
 }
 
+/* Paged decode attention, Mistral-7B heads (32 query / 8 KV heads, head_dim 128): time
+ * per call at the split count the engine picks and at fixed ones, and the K/V bytes read
+ * per second. */
+static void bench_attn_decode(void)
+{
+    const int nh = 32, nkv = 8, hd = 128;
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    for (int n_seqs : {1, 16, 64})
+        for (int ctx : {576, 4096}) {
+            const int pages = (ctx + M40K_PAGE - 1) / M40K_PAGE;
+            std::vector<int32_t> indptr(n_seqs + 1), indices((size_t)n_seqs * pages), lpl(n_seqs);
+            for (int s = 0; s <= n_seqs; s++)
+                indptr[s] = s * pages;
+            for (size_t i = 0; i < indices.size(); i++) /* interleaved sequences */
+                indices[i] = (int32_t)((i % pages) * n_seqs + i / pages);
+            for (int s = 0; s < n_seqs; s++)
+                lpl[s] = ctx - (pages - 1) * M40K_PAGE;
+            const size_t cache = (size_t)n_seqs * pages * nkv * M40K_PAGE * hd;
+            std::vector<uint16_t> kv(cache);
+            for (auto &h : kv)
+                h = (uint16_t)(0x3000 + rnd32() % 0x0C00); /* small positive halves */
+            uint16_t *dk = dup(kv), *dv = dup(kv);
+            std::vector<float> q = rand_vec((size_t)n_seqs * nh * hd);
+            float *dq = dup(q), *dout, *dws;
+            CK(cudaMalloc(&dout, q.size() * 4));
+            CK(cudaMalloc(&dws, m40k_decode_workspace_floats(n_seqs, nh, hd, 64) * 4 + 4));
+            int32_t *dip = dup(indptr), *dix = dup(indices), *dlp = dup(lpl);
+            const int pick = m40k_decode_pick_splits(n_seqs, nkv, ctx, sms);
+            for (int splits : {pick, 1, 4, 16, 64}) {
+                cudaEvent_t e0, e1;
+                CK(cudaEventCreate(&e0));
+                CK(cudaEventCreate(&e1));
+                for (int i = 0; i < 3; i++)
+                    CK(m40k_attn_decode(dout, nh * hd, dq, nh * hd, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd,
+                                        0.088f, splits, dws, 0));
+                const int iters = 50;
+                CK(cudaEventRecord(e0));
+                for (int i = 0; i < iters; i++)
+                    CK(m40k_attn_decode(dout, nh * hd, dq, nh * hd, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd,
+                                        0.088f, splits, dws, 0));
+                CK(cudaEventRecord(e1));
+                CK(cudaEventSynchronize(e1));
+                float ms;
+                CK(cudaEventElapsedTime(&ms, e0, e1));
+                const double us = ms * 1000.0 / iters, bytes = (double)n_seqs * ctx * nkv * hd * 2 * 2;
+                printf("bench attn_decode seqs %2d ctx %4d splits %2d%s: %8.1f us  %7.1f GB/s of K/V\n", n_seqs, ctx,
+                       splits, splits == pick ? " (picked)" : "", us, bytes / (us * 1e3));
+                cudaEventDestroy(e0), cudaEventDestroy(e1);
+            }
+            cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout), cudaFree(dws);
+            cudaFree(dip), cudaFree(dix), cudaFree(dlp);
+        }
+}
+
 int main(int argc, char **argv)
 {
     int ndev = 0;
@@ -477,7 +562,7 @@ int main(int argc, char **argv)
     }
     const bool bench = argc > 1 && strcmp(argv[1], "--bench") == 0;
     struct { const char *name; void (*fn)(void); } tests[] = {
-        {"embed", test_embed},   {"rmsnorm", test_rmsnorm},     {"rope", test_rope},   {"act", test_act},
+        {"embed", test_embed},   {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},     {"rope", test_rope},   {"act", test_act},
         {"attention", test_attention}, {"gemv", test_gemv}, {"sample", test_sample},
     };
     for (auto &t : tests) {
@@ -485,8 +570,10 @@ int main(int argc, char **argv)
         t.fn();
         printf("%-10s %d passed, %d failed\n", t.name, n_pass - p0, n_fail - f0);
     }
-    if (bench)
+    if (bench) {
         bench_gemv();
+        bench_attn_decode();
+    }
     printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
     return n_fail ? 1 : 0;
 }

@@ -261,6 +261,16 @@ def test_metrics_count_requests(base_url, client, model):
     assert after["m40_prefix_cache_queries_total"] >= before["m40_prefix_cache_queries_total"]
     assert after["m40_prefix_cache_hit_tokens_total"] <= after["m40_prefix_cache_query_tokens_total"]
     assert 0 <= after["m40_prefix_cache_hit_ratio"] <= 1
+    # every generated token came out of a model step; the steps carried the prompt too
+    steps = after["m40_engine_steps_total"] - before["m40_engine_steps_total"]
+    assert steps >= r.usage.completion_tokens
+    assert after["m40_engine_step_tokens_total"] - before["m40_engine_step_tokens_total"] >= \
+        steps + after["m40_prompt_tokens_computed_total"] - before["m40_prompt_tokens_computed_total"] - 1
+    fwd = 'm40_engine_seconds_total{phase="forward"}'
+    assert after[fwd] > before[fwd]
+    for ph in ("sample", "schedule"):
+        k = 'm40_engine_seconds_total{phase="%s"}' % ph
+        assert after[k] >= before[k] >= 0
     for h in ("m40_time_to_first_token_seconds", "m40_inter_token_latency_seconds"):
         assert after[h + '_bucket{le="+Inf"}'] == after[h + "_count"]
     assert after['m40_time_to_first_token_seconds_bucket{le="+Inf"}'] == \

@@ -64,6 +64,29 @@ static void test_greedy(void)
     CHECK(ok, "temperature 0 picks the argmax and reports its log-softmax");
     m40_sampler_free(s);
 
+    /* Without logprobs wanted: the same tokens, greedy and seeded, and no logprob. */
+    for (int temp = 0; temp < 2; temp++) {
+        m40_sampler_params q = p;
+        q.n_top_logprobs = 0;
+        q.temperature = temp ? 0.8f : 0.0f;
+        q.seed = 99;
+        m40_sampler *a = m40_sampler_new(&q, V);
+        q.skip_logprob = 1;
+        m40_sampler *b = m40_sampler_new(&q, V);
+        int same = 1, nan = 1;
+        for (uint32_t seed = 1; seed <= 20; seed++) {
+            m40_sample_result ra, rb;
+            fill_logits(l, V, seed);
+            sample_copy(a, l, V, &ra);
+            sample_copy(b, l, V, &rb);
+            same &= ra.token == rb.token;
+            nan &= isnan(rb.logprob) && !isnan(ra.logprob);
+        }
+        CHECK(same && nan, "skip_logprob (temperature %d): same tokens, logprob NaN only when skipped", temp);
+        m40_sampler_free(a);
+        m40_sampler_free(b);
+    }
+
     /* Ties resolve to the lowest id. */
     float t[4] = {1, 3, 3, 2};
     s = m40_sampler_new(&p, 4);
