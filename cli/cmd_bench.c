@@ -136,21 +136,33 @@ static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *r
         goto out;
     }
 
-    /* Prefill: slot s restarts at position 0, which is all a fresh slot needs. */
+    /* Prefill: slot s restarts at position 0, which is all a fresh slot needs. Each
+     * forward call carries up to --chunk prompt tokens, of one slot or several (a slot's
+     * prompt continues in the next call where the chunk ends); a slot's last prompt
+     * token wants logits, its greedy pick starts the decode. */
     double t0 = now_s();
-    for (int32_t s = 0; s < B; s++) {
-        for (long start = 0; start < o->prompt_len; start += o->chunk) {
-            int32_t n = (int32_t)(o->prompt_len - start < o->chunk ? o->prompt_len - start : o->chunk);
-            for (int32_t i = 0; i < n; i++) {
-                tok[i] = (int32_t)(rng_next(rng) % (uint64_t)V);
-                pos[i] = (int32_t)(start + i);
-                slot[i] = s;
+    {
+        int32_t s = 0, n = 0, n_out = 0, first_out = 0;
+        long at = 0;
+        while (s < B) {
+            tok[n] = (int32_t)(rng_next(rng) % (uint64_t)V);
+            pos[n] = (int32_t)at;
+            slot[n] = s;
+            want[n] = at + 1 == o->prompt_len;
+            n_out += want[n];
+            n++;
+            if (++at == o->prompt_len)
+                s++, at = 0;
+            if (n == (int32_t)o->chunk || s == B) {
+                m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+                if (m40_model_forward(m, kv, &b, logits, err, errlen))
+                    goto out;
+                for (int32_t k = 0; k < n_out; k++)
+                    next[first_out + k] = argmax(logits + (size_t)k * (size_t)V, V);
+                first_out += n_out;
+                n = n_out = 0;
             }
-            m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = NULL};
-            if (m40_model_forward(m, kv, &b, logits, err, errlen))
-                goto out;
         }
-        next[s] = argmax(logits, V);
     }
     r->prefill_s = now_s() - t0;
 

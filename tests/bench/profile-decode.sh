@@ -34,14 +34,18 @@ done
 command -v "$NCU" >/dev/null 2>&1 || { echo "profile-decode.sh: $NCU not found (Nsight Compute)" >&2; exit 2; }
 [ -x "$M40" ] || { echo "profile-decode.sh: $M40 missing: build it first" >&2; exit 2; }
 
+# prompts of several sequences share forward calls (up to CHUNK tokens each), so the
+# profiled run stays a handful of prefill calls at large batches
+CHUNK=$((BATCH * PROMPT < 4096 ? BATCH * PROMPT : 4096))
+[ "$CHUNK" -ge "$PROMPT" ] || CHUNK=$PROMPT
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # unprofiled step time for the comparison
-"$M40" bench --device "$DEVICE" "$MODEL" --prompt-len "$PROMPT" --gen 64 --reps 3 --batch "$BATCH" >"$tmp/bench.txt" 2>&1 ||
+"$M40" bench --device "$DEVICE" "$MODEL" --prompt-len "$PROMPT" --chunk "$CHUNK" --gen 64 --reps 3 --batch "$BATCH" >"$tmp/bench.txt" 2>&1 ||
     { cat "$tmp/bench.txt" >&2; exit 1; }
 "$NCU" --clock-control none --cache-control none --csv --page raw \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-    "$M40" bench --device "$DEVICE" "$MODEL" --prompt-len "$PROMPT" --gen 3 --reps 1 --batch "$BATCH" \
+    "$M40" bench --device "$DEVICE" "$MODEL" --prompt-len "$PROMPT" --chunk "$CHUNK" --gen 3 --reps 1 --batch "$BATCH" \
     >"$tmp/ncu.csv" 2>"$tmp/ncu.err" || { tail -20 "$tmp/ncu.err" >&2; exit 1; }
 
 python3 - "$tmp/ncu.csv" "$tmp/bench.txt" "$BANDWIDTH" <<'EOF'

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# m40 bench on the CPU with a tiny model: every repetition and the median are printed,
+# the machine-readable result line adds up (decode tok/s = steps/s x batch), prompts of
+# several sequences share prefill calls, and bad arguments are refused (exit 2).
+cd "$(dirname "$0")/../.." || exit 1
+source tests/cli/lib.bash
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+model=$SHARED/models/stories260K.gguf
+if [ -f "$model" ]; then
+    for chunk in 7 32 512; do # 7: prompts split over calls; 32: several slots per call
+        "$M40" bench "$model" --prompt-len 20 --batch 3 --gen 5 --reps 2 --chunk $chunk >"$tmp/out" 2>"$tmp/err"; rc=$?
+        check "bench --chunk $chunk exits 0" [ "$rc" -eq 0 ]
+        check "bench --chunk $chunk prints both runs" [ "$(grep -c '^run [12]: ' "$tmp/out")" -eq 2 ]
+        check "bench --chunk $chunk counts 60 prompt tokens, 5 x 3 decoded" \
+            grep -qE '^run 1: +prefill 60 tokens in .* decode 5 x 3 tokens' "$tmp/out"
+        line=$(grep '^result: ' "$tmp/out")
+        check "bench --chunk $chunk result line" python3 - "$line" <<'PY'
+import sys
+kv = dict(f.split("=", 1) for f in sys.argv[1].split()[1:])
+assert float(kv["prefill_tok_s"]) > 0 and float(kv["decode_tok_s"]) > 0, kv
+assert kv["batch"] == "3" and kv["device"] == "cpu", kv
+assert int(kv["weight_bytes"]) > 0, kv
+PY
+    done
+else
+    skip "$model absent"
+fi
+
+"$M40" bench "$model" --batch 0 >/dev/null 2>"$tmp/e"; rc=$?
+check "bench --batch 0 is refused with exit 2" [ "$rc" -eq 2 ]
+"$M40" bench >/dev/null 2>"$tmp/e"; rc=$?
+check "bench without a model is exit 2" [ "$rc" -eq 2 ]
+"$M40" bench "$tmp/missing.gguf" >/dev/null 2>"$tmp/e"; rc=$?
+check "bench on a missing file is exit 1" [ "$rc" -eq 1 ]
+check "bench on a missing file says why" [ -s "$tmp/e" ]
+done_tests
