@@ -139,6 +139,7 @@ struct m40_engine {
     int32_t *b_tokens, *b_pos, *b_slot;
     uint8_t *b_want;
     int32_t *row_slot;            /* logits row -> slot */
+    int32_t *picks;               /* the model's greedy picks, per logits row (all-greedy steps) */
     int32_t *take;                /* tokens of each slot in the current batch */
     float *logits;
     m40_request **ready_batch;    /* requests that got events this step */

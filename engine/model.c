@@ -708,6 +708,29 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         }
         return m40_gpu_forward(m->gpu, kv->gpu, b, logits, err, errlen);
     }
+    if (b->argmax) { /* the CPU computes the logits anyway: pick on them */
+        if (!logits) {
+            m40_set_err(err, errlen, "argmax on the CPU needs the logits buffer");
+            return -1;
+        }
+        m40_batch full = *b;
+        full.argmax = NULL;
+        int rc = m40_model_forward(m, kv, &full, logits, err, errlen);
+        if (rc != 0)
+            return rc;
+        int32_t n_out = 0;
+        for (int32_t i = 0; i < b->n; i++)
+            n_out += b->want_logits ? b->want_logits[i] != 0 : i == b->n - 1;
+        for (int32_t k = 0; k < n_out; k++) {
+            const float *row = logits + (size_t)k * (size_t)p->n_vocab;
+            int32_t best = 0;
+            for (int32_t v = 1; v < p->n_vocab; v++)
+                if (row[v] > row[best])
+                    best = v;
+            b->argmax[k] = best;
+        }
+        return 0;
+    }
     if (m->gemma3)
         return m40_gemma3_forward(m->gemma3, m->pool, kv->k, kv->v, kv->ctx, b, logits, err, errlen);
     int32_t n = b->n;

@@ -113,13 +113,17 @@ void m40_kv_get_prefix_stats(const m40_kv *kv, m40_kv_prefix_stats *out);
  * set get n_vocab logits written, packed in order, into logits. Returns 0, or -1 with
  * err (position beyond ctx, bad slot, token out of range, out of memory). Not
  * thread-safe: one forward call at a time per model (it uses the model's scratch and
- * thread pool). */
+ * thread pool). With argmax set, each logits row's greedy token (its largest logit,
+ * lowest id on ties) goes to argmax[k] for the k-th row instead: on the GPU only those
+ * ids leave the device and logits is not written; on the CPU logits is still used as
+ * scratch (and holds the rows). */
 typedef struct {
     int32_t n;
     const int32_t *tokens;
     const int32_t *pos;
     const int32_t *slot;
     const uint8_t *want_logits; /* NULL: only the last token of the batch */
+    int32_t *argmax;            /* NULL: logits wanted */
 } m40_batch;
 
 /* M40_FORWARD_NO_BLOCKS (-2, GPU only): the KV pool lacks the blocks this batch needs;

@@ -156,6 +156,7 @@ struct m40_gpu {
     int32_t *ints_d, *ints_h;
     size_t ints_cap;
     float *logits_h;
+    int32_t *pick_d; /* greedy picks: cap_out ids, then cap_out logprobs */
     /* Host-side grouping scratch. */
     int32_t *perm, *grp_slot, *grp_first, *grp_n, *out_rows;
     m40_kv_seq **grp_seq;
@@ -441,7 +442,7 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->rope_ff_global);
     cudaFree(g->deq);
     cudaFree(g->iota);
-    void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg, g->logits_d, g->x16, g->ws, g->ints_d};
+    void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg, g->logits_d, g->x16, g->ws, g->ints_d, g->pick_d};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);
@@ -844,7 +845,7 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
         cudaFreeHost(g->logits_h);
         g->logits_h = NULL;
         if (grow_dev((void **)&g->xg, (size_t)c * p->dim * 4) ||
-            grow_dev((void **)&g->logits_d, (size_t)c * p->n_vocab * 4) ||
+            grow_dev((void **)&g->logits_d, (size_t)c * p->n_vocab * 4) || grow_dev((void **)&g->pick_d, (size_t)c * 8) ||
             cudaHostAlloc((void **)&g->logits_h, (size_t)c * p->n_vocab * 4, cudaHostAllocDefault) != cudaSuccess)
             return -1;
         g->cap_out = c;
@@ -1160,12 +1161,19 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             return -1;
         if (g->gemma3 && g->g3.logit_softcap > 0)
             CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
-        CK(cudaMemcpyAsync(g->logits_h, g->logits_d, (size_t)n_out * p->n_vocab * 4, cudaMemcpyDeviceToHost,
-                           g->stream));
+        if (b->argmax) { /* greedy on the device: n_out ids come back instead of the rows */
+            CK(m40k_sample_greedy(g->logits_d, p->n_vocab, n_out, p->n_vocab, g->pick_d,
+                                  (float *)(g->pick_d + g->cap_out), 0, NULL, NULL, g->stream));
+            CK(cudaMemcpyAsync(g->logits_h, g->pick_d, (size_t)n_out * 4, cudaMemcpyDeviceToHost, g->stream));
+        } else {
+            CK(cudaMemcpyAsync(g->logits_h, g->logits_d, (size_t)n_out * p->n_vocab * 4, cudaMemcpyDeviceToHost,
+                               g->stream));
+        }
     }
     CK(cudaStreamSynchronize(g->stream));
     if (n_out > 0)
-        memcpy(logits, g->logits_h, (size_t)n_out * p->n_vocab * 4);
+        memcpy(b->argmax ? (void *)b->argmax : (void *)logits, g->logits_h,
+               b->argmax ? (size_t)n_out * 4 : (size_t)n_out * p->n_vocab * 4);
     /* Every position of the batch is computed: with the prefix cache, each block that is
      * now full is registered under its token prefix (or merged into an identical cached
      * block; block ids may change, the next call re-exports the tables). */

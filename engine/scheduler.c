@@ -514,12 +514,29 @@ static void admit_queued(m40_engine *e)
 
 /* Handles the logits of slot i's newest position: sample, detokenize, stop strings,
  * finish conditions, events. */
-static void sequence_advance(m40_engine *e, int32_t i, float *logits)
+/* A request whose next token is the plain argmax of the logits: greedy, nothing that
+ * reshapes the logits, no logprobs to report. When every row of a step is such, the
+ * model picks the tokens itself (on the GPU, without sending the logits back). */
+static int greedy_only(const m40_request *r)
+{
+    const m40_sampler_params *p = &r->sampling;
+    return (p->temperature <= 0.0f || p->top_k == 1) && p->n_logit_bias == 0 && p->repetition_penalty == 1.0f &&
+           p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !r->logprobs;
+}
+
+/* logits: the row to sample from, or NULL when the model already picked `picked`. */
+static void sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picked)
 {
     m40_slot *s = &e->slots[i];
     m40_request *r = s->r;
     m40_sample_result res;
-    m40_sampler_sample(s->smp, logits, &res);
+    if (logits) {
+        m40_sampler_sample(s->smp, logits, &res);
+    } else {
+        res.token = picked;
+        res.logprob = NAN;
+        res.n_top = 0;
+    }
     m40_sampler_accept(s->smp, res.token);
 
     double now = m40_now();
@@ -747,7 +764,7 @@ static void run_step(m40_engine *e)
 {
     int32_t n, rows;
     int32_t *take = e->take;
-    int rc;
+    int rc, picked = 0;
     char err[256];
     for (int32_t i = 0; i < e->max_seqs; i++)
         e->slots[i].preempted = 0;
@@ -757,9 +774,14 @@ static void run_step(m40_engine *e)
         if (n == 0)
             return;
         m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
+        int greedy = rows > 0;
+        for (int32_t k = 0; k < rows && greedy; k++)
+            greedy = greedy_only(e->slots[e->row_slot[k]].r);
+        b.argmax = greedy ? e->picks : NULL;
         t0 = m40_now();
         rc = m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err);
         e->tstats.forward_seconds += m40_now() - t0;
+        picked = b.argmax != NULL;
         if (rc != M40_FORWARD_NO_BLOCKS)
             break;
         make_room(e);
@@ -795,7 +817,8 @@ static void run_step(m40_engine *e)
     t0 = m40_now();
     for (int32_t k = 0; k < rows; k++)
         if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
-            sequence_advance(e, e->row_slot[k], e->logits + (size_t)k * (size_t)e->n_vocab);
+            sequence_advance(e, e->row_slot[k], picked ? NULL : e->logits + (size_t)k * (size_t)e->n_vocab,
+                             picked ? e->picks[k] : -1);
     step_flush(e);
     e->tstats.sample_seconds += m40_now() - t0;
 }
@@ -897,11 +920,12 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
     e->b_slot = malloc(bcap * sizeof *e->b_slot);
     e->b_want = malloc(bcap);
     e->row_slot = malloc((size_t)e->max_seqs * sizeof *e->row_slot);
+    e->picks = malloc((size_t)e->max_seqs * sizeof *e->picks);
     e->take = malloc((size_t)e->max_seqs * sizeof *e->take);
     e->logits = malloc((size_t)e->max_seqs * (size_t)e->n_vocab * sizeof *e->logits);
     e->ready_batch = malloc((size_t)e->max_seqs * sizeof *e->ready_batch);
     e->done_batch = malloc((size_t)e->max_seqs * sizeof *e->done_batch);
-    if (!e->slots || !e->b_tokens || !e->b_pos || !e->b_slot || !e->b_want || !e->row_slot || !e->take || !e->logits ||
+    if (!e->slots || !e->b_tokens || !e->b_pos || !e->b_slot || !e->b_want || !e->row_slot || !e->picks || !e->take || !e->logits ||
         !e->ready_batch || !e->done_batch) {
         snprintf(err, errlen, "out of memory allocating the scheduler's buffers");
         return -1;
@@ -920,6 +944,7 @@ static void engine_unload(m40_engine *e)
     free(e->b_slot);
     free(e->b_want);
     free(e->row_slot);
+    free(e->picks);
     free(e->take);
     free(e->logits);
     free(e->ready_batch);

@@ -123,6 +123,59 @@ static double max_logprob_diff(const float *a, const float *b, int32_t n)
 #define NB 3
 #define STEPS 6
 
+/* forward with b.argmax: the picks equal the argmax of the logits a plain forward returns
+ * (3 interleaved prompts, then a decode step), and no logits buffer is needed. */
+static void test_argmax(const char *path)
+{
+    char err[512];
+    if (access(path, R_OK)) {
+        SKIP("%s is absent", path);
+        return;
+    }
+    m40_model *m = NULL;
+    m40_model_options o = {.n_threads = 2, .device = 0};
+    if (m40_model_load_opts(path, &o, &m, err, sizeof err)) {
+        CHECK(0, "%s: %s", path, err);
+        return;
+    }
+    const int32_t V = m40_model_get_params(m)->n_vocab;
+    int32_t tok[30], pos[30], slot[30];
+    uint8_t want[30];
+    for (int i = 0; i < 30; i++) {
+        tok[i] = (int32_t)((i * 7919u + 13u) % (uint32_t)V);
+        slot[i] = i % 3, pos[i] = i / 3, want[i] = i >= 27;
+    }
+    float *logits = malloc((size_t)3 * V * sizeof *logits);
+    int32_t picks[3] = {-1, -1, -1}, want_ids[3];
+    m40_kv *a = m40_kv_new(m, 3, 64), *b2 = m40_kv_new(m, 3, 64);
+    for (int step = 0; step < 2 && logits && a && b2; step++) {
+        int n = step == 0 ? 30 : 3;
+        m40_batch full = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = step == 0 ? want : NULL};
+        if (step == 1) {
+            for (int s = 0; s < 3; s++)
+                tok[s] = picks[s], pos[s] = 10, slot[s] = s, want[s] = 1;
+            full.want_logits = want;
+        }
+        CHECK(m40_model_forward(m, a, &full, logits, err, sizeof err) == 0, "%s", err);
+        for (int k = 0; k < 3; k++) {
+            want_ids[k] = 0;
+            for (int32_t v = 1; v < V; v++)
+                if (logits[(size_t)k * V + v] > logits[(size_t)k * V + want_ids[k]])
+                    want_ids[k] = v;
+        }
+        m40_batch pick = full;
+        pick.argmax = picks;
+        CHECK(m40_model_forward(m, b2, &pick, NULL, err, sizeof err) == 0, "argmax forward: %s", err);
+        CHECK(picks[0] == want_ids[0] && picks[1] == want_ids[1] && picks[2] == want_ids[2],
+              "%s step %d: device picks %d %d %d, argmax of the logits %d %d %d", path, step, picks[0], picks[1],
+              picks[2], want_ids[0], want_ids[1], want_ids[2]);
+    }
+    free(logits);
+    m40_kv_free(a);
+    m40_kv_free(b2);
+    m40_model_free(m);
+}
+
 static void test_batched(const char *path)
 {
     char err[512];
@@ -634,6 +687,32 @@ static void test_engine(const char *path)
         m40_request_release(conc[i].req);
     }
     printf("engine gpu: 6 concurrent greedy requests, %d/6 equal to solo\n", same);
+
+    /* Plain greedy requests (no logit bias): every step's tokens are picked on the device. */
+    static job g1[6], g6[6];
+    for (int i = 0; i < 6; i++) {
+        m40_request_params p;
+        params(&p, prompts[i], GEN);
+        p.sampling.n_logit_bias = 0;
+        job *one[1] = {&g1[i]};
+        CHECK(m40_engine_submit(e, &p, &g1[i], &g1[i].req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+        CHECK(pump(e, one, 1, 60) == 0, "greedy request %d did not finish", i);
+    }
+    for (int i = 0; i < 6; i++) {
+        m40_request_params p;
+        params(&p, prompts[i], GEN);
+        p.sampling.n_logit_bias = 0;
+        js[i] = &g6[i];
+        CHECK(m40_engine_submit(e, &p, &g6[i], &g6[i].req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+    }
+    CHECK(pump(e, js, 6, 120) == 0, "concurrent greedy requests did not finish");
+    for (int i = 0; i < 6; i++) {
+        CHECK(g6[i].completion_tokens > 0 && strcmp(g6[i].text, g1[i].text) == 0,
+              "device-picked greedy %d: concurrent differs from alone:\n  [%s]\n  [%s] %s", i, g6[i].text, g1[i].text,
+              g6[i].err_msg);
+        m40_request_release(g1[i].req);
+        m40_request_release(g6[i].req);
+    }
     m40_engine_destroy(e);
 
     /* A pool of 12 blocks (192 tokens) for 6 sequences of ~60 tokens (4 blocks each):
@@ -956,6 +1035,7 @@ int main(void)
     for (size_t i = 0; i < sizeof batch_models / sizeof batch_models[0]; i++) {
         snprintf(path, sizeof path, "%s/models/%s", shared_copy, batch_models[i]);
         test_batched(path);
+        test_argmax(path);
     }
     snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
     test_engine(path);

@@ -118,6 +118,46 @@ static int run_all_rows(m40_model *m, m40_kv *kv, const int32_t *tok, int n, int
     return rc;
 }
 
+/* b.argmax on the CPU: every want row's pick is the argmax (lowest id on ties) of the
+ * logits the same call leaves in the buffer, which equal a plain forward's. */
+static void test_argmax(void)
+{
+    char path[4096], err[512];
+    if (!check_shared_file("models/stories260K.gguf", path, sizeof path))
+        return;
+    m40_model *m = NULL;
+    if (m40_model_load(path, 1, &m, err, sizeof err)) {
+        CHECK(0, "load: %s", err);
+        return;
+    }
+    const int32_t V = m40_model_get_params(m)->n_vocab;
+    int32_t tok[12], pos[12], slot[12], picks[2] = {-1, -1};
+    uint8_t want[12];
+    for (int i = 0; i < 12; i++)
+        tok[i] = (int32_t)((i * 31u + 7u) % (uint32_t)V), pos[i] = i / 2, slot[i] = i % 2, want[i] = i >= 10;
+    float *plain = malloc((size_t)2 * V * sizeof *plain), *scratch = malloc((size_t)2 * V * sizeof *scratch);
+    m40_kv *a = m40_kv_new(m, 2, 32), *b = m40_kv_new(m, 2, 32);
+    m40_batch full = {.n = 12, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+    CHECK(m40_model_forward(m, a, &full, plain, err, sizeof err) == 0, "%s", err);
+    m40_batch pick = full;
+    pick.argmax = picks;
+    CHECK(m40_model_forward(m, b, &pick, NULL, err, sizeof err) != 0, "argmax on the CPU without a buffer is refused");
+    CHECK(m40_model_forward(m, b, &pick, scratch, err, sizeof err) == 0, "%s", err);
+    for (int k = 0; k < 2; k++) {
+        int32_t best = 0;
+        for (int32_t v = 1; v < V; v++)
+            if (plain[(size_t)k * V + v] > plain[(size_t)k * V + best])
+                best = v;
+        CHECK(picks[k] == best, "row %d: pick %d, argmax %d", k, picks[k], best);
+    }
+    CHECK(memcmp(plain, scratch, (size_t)2 * V * sizeof *plain) == 0, "the argmax call leaves the same logits");
+    free(plain);
+    free(scratch);
+    m40_kv_free(a);
+    m40_kv_free(b);
+    m40_model_free(m);
+}
+
 static void test_batching(void)
 {
     char path[4096], rpath[4096], err[512];
@@ -351,6 +391,7 @@ int main(void)
 {
     test_all_references();
     test_batching();
+    test_argmax();
     test_load_errors();
     return check_done();
 }
