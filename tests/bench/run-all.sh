@@ -27,6 +27,7 @@
 #   --prompt-words N      random words per user message [100]
 #   --max-tokens N        max_tokens per request [256]
 #   --shared-prefix-words K  shared system message of the prefix run; 0 skips it [1000]
+#   --prefix-concurrency N   streams of the prefix run [the first --concurrency]
 #   --ctx-size N          m40 serve --ctx-size [2048]
 #   --max-seqs N          m40 serve --max-seqs [largest --concurrency]
 #   --bench-args "..."    extra arguments for m40 bench, e.g. "--reps 5 --gen 256"
@@ -50,6 +51,7 @@ RPS=2
 PROMPT_WORDS=100
 MAX_TOKENS=256
 PREFIX_WORDS=1000
+PREFIX_CONC=
 CTX_SIZE=2048
 MAX_SEQS=
 BENCH_ARGS=
@@ -76,6 +78,7 @@ while [ $# -gt 0 ]; do
         --prompt-words) PROMPT_WORDS=$2 ;;
         --max-tokens) MAX_TOKENS=$2 ;;
         --shared-prefix-words) PREFIX_WORDS=$2 ;;
+        --prefix-concurrency) PREFIX_CONC=$2 ;;
         --ctx-size) CTX_SIZE=$2 ;;
         --max-seqs) MAX_SEQS=$2 ;;
         --bench-args) BENCH_ARGS=$2 ;;
@@ -278,7 +281,7 @@ for e in "${ENTRIES[@]}"; do
         SERVER_ROWS+=("$label	$c streams	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)	$(estep "$res")")
     done
     if [ "$PREFIX_WORDS" -gt 0 ]; then
-        c=$(set -- $CONCURRENCY; echo "$1")
+        c=${PREFIX_CONC:-$(set -- $CONCURRENCY; echo "$1")}
         res=$OUT/load-${label// /-}-prefix.json
         say "load.py shared prefix: $PREFIX_WORDS-word system message, --concurrency $c"
         $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
