@@ -286,6 +286,114 @@ void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64
                                               x + b * x_stride, K);
 }
 
+/* kernels.h 8b: per block of 32, d = max|x|/127, q = rint(x/d) (0 when d == 0; the
+ * clamp only decides NaN), s = d*sum(q); the max starts from the first element so that
+ * NaN behaves as in the GPU's fmaxf tree. */
+void m40_ref_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws)
+{
+    int8_t *q = ws;
+    float *ds = (float *)(q + (size_t)batch * K);
+    for (int b = 0; b < batch; b++)
+        for (int j = 0; j < K / 32; j++) {
+            const float *v = x + b * x_stride + 32 * j;
+            float amax = fabsf(v[0]);
+            for (int i = 1; i < 32; i++)
+                amax = fmaxf(amax, fabsf(v[i]));
+            const float d = amax / 127.0f;
+            int sum = 0;
+            for (int i = 0; i < 32; i++) {
+                int qi = d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v[i] / d))) : 0;
+                q[(size_t)b * K + 32 * j + i] = (int8_t)qi;
+                sum += qi;
+            }
+            size_t at = 2 * ((size_t)b * (K / 32) + j);
+            ds[at] = d;
+            ds[at + 1] = d * (float)sum;
+        }
+}
+
+static float ldh(const uint8_t *p) { return m40_fp16_to_fp32((uint16_t)(p[0] | p[1] << 8)); }
+
+/* Contribution of x block j (32 elements: int8 q, scale dx, sum sx) to one row of W:
+ * the integer dot of every weight scale group with q, then F32 terms as the GPU forms
+ * them: (group scale * dx) * dot, plus the offset term (coefficient * sx) of Q4_0/Q4_K. */
+static double q8_block_term(int type, const uint8_t *row, int j, const int8_t *q, float dx, float sx)
+{
+    switch (type) {
+    case M40K_TYPE_Q8_0: {
+        const uint8_t *blk = row + 34 * (size_t)j;
+        int dot = 0;
+        for (int i = 0; i < 32; i++)
+            dot += (int8_t)blk[2 + i] * q[i];
+        return (ldh(blk) * dx) * (float)dot;
+    }
+    case M40K_TYPE_Q4_0: {
+        const uint8_t *blk = row + 18 * (size_t)j;
+        int dot = 0;
+        for (int i = 0; i < 16; i++)
+            dot += (blk[2 + i] & 15) * q[i] + (blk[2 + i] >> 4) * q[16 + i];
+        const float d = ldh(blk);
+        return (double)((d * dx) * (float)dot) + (double)((-8.0f * d) * sx);
+    }
+    case M40K_TYPE_Q4_K: { /* sub-block t of superblock j/8 */
+        const uint8_t *sb = row + 144 * (size_t)(j / 8), *sc = sb + 4;
+        const int t = j % 8;
+        int scv, mnv;
+        if (t < 4) {
+            scv = sc[t] & 63;
+            mnv = sc[t + 4] & 63;
+        } else {
+            scv = (sc[t + 4] & 15) | ((sc[t - 4] >> 6) << 4);
+            mnv = (sc[t + 4] >> 4) | ((sc[t] >> 6) << 4);
+        }
+        const uint8_t *qs = sb + 16 + 32 * (t / 2);
+        int dot = 0;
+        for (int l = 0; l < 32; l++)
+            dot += ((qs[l] >> (4 * (t & 1))) & 15) * q[l];
+        const float a = ldh(sb) * (float)scv, m = -(ldh(sb + 2) * (float)mnv);
+        return (double)((a * dx) * (float)dot) + (double)(m * sx);
+    }
+    case M40K_TYPE_Q6_K: { /* scale groups 2t, 2t+1 of superblock j/8 */
+        const uint8_t *sb = row + 210 * (size_t)(j / 8);
+        const int t = j % 8;
+        const float d = ldh(sb + 208);
+        double term = 0;
+        for (int e = 0; e < 2; e++) {
+            int dot = 0;
+            for (int i = 0; i < 16; i++) {
+                const int el = 32 * t + 16 * e + i, n = el >> 7, k = (el & 127) >> 5, l = el & 31;
+                const uint8_t ql = sb[64 * n + 32 * (k & 1) + l];
+                const int lo = k < 2 ? ql & 15 : ql >> 4, hi = (sb[128 + 32 * n + l] >> (2 * k)) & 3;
+                dot += ((lo | hi << 4) - 32) * q[16 * e + i];
+            }
+            const float a = d * (float)(int8_t)sb[192 + 2 * t + e];
+            term += (double)((a * dx) * (float)dot);
+        }
+        return term;
+    }
+    default:
+        return 0.0;
+    }
+}
+
+void m40_ref_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride)
+{
+    const m40_type_info *ti = m40_type_get((uint32_t)w_type);
+    const size_t row_bytes = (size_t)K / ti->block_elems * ti->block_bytes;
+    const int8_t *xq = ws;
+    const float *ds = (const float *)(xq + (size_t)batch * K);
+    for (int b = 0; b < batch; b++)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *row = (const uint8_t *)w + (size_t)n * row_bytes;
+            double acc = 0;
+            for (int j = 0; j < K / 32; j++) {
+                const size_t blk = (size_t)b * (K / 32) + j;
+                acc += q8_block_term(w_type, row, j, xq + 32 * blk, ds[2 * blk], ds[2 * blk + 1]);
+            }
+            y[b * y_stride + n] = (float)acc;
+        }
+}
+
 void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token,
                            float *logprob, int top_k, int32_t *top_tokens, float *top_logprobs)
 {

@@ -168,6 +168,28 @@ int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q
 int m40k_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x_stride, float *y, int64_t y_stride,
               int batch, m40k_stream stream);
 
+/* 8b. GEMV with int8 activations (kernels/gemv_q8.cu): the decode path for Q8_0, Q4_0,
+ * Q4_K and Q6_K weights, integer dot products (dp4a) at memory bandwidth. Two steps:
+ *   m40k_quantize_q8: x[b*x_stride + k] (b < batch 1..8, k < K, K a multiple of 32) into
+ *     the workspace ws (16-byte aligned, m40k_gemv_q8_ws_bytes(K, batch) bytes):
+ *     int8 q[batch][K], then float (d, s)[batch][K/32] at byte batch*K. Per block of 32:
+ *     d = max|x| / 127, q = rint(x / d) (IEEE division, ties to even; 0 when d == 0),
+ *     s = d * sum(q). So |x - d*q| <= d/2 = max|x of the block| / 254.
+ *   m40k_gemv_q8: y[b*y_stride + n] = sum over the weight's scale groups of
+ *     (weight group scale * d) * sum(w_int * q) minus the offset terms (Q4_0: 8*d_w*s;
+ *     Q4_K: dmin*m*s), all in F32 (the exact definition: m40_ref_gemv_q8 in
+ *     engine/cpu_ref.c), for the ws written by m40k_quantize_q8 with the same K, batch.
+ *     K a multiple of 32 (256 for the K-quants), W 16-byte aligned (rows packed as for
+ *     m40k_gemv; other alignments: use m40k_gemv). Never reads past the 16-byte-aligned
+ *     chunk that holds W's last byte.
+ * One quantization serves every matrix applied to the same x. Compared with m40k_gemv
+ * (exact F32 x), the result differs by at most sum_k |W[n][k]| * max|x of k's block|/254
+ * plus F32 rounding. */
+size_t m40k_gemv_q8_ws_bytes(int K, int batch);
+int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws, m40k_stream stream);
+int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride,
+                 m40k_stream stream);
+
 /* 9. Sampling helpers: per row r of logits [rows][stride] (n_vocab entries), writes
  * argmax token (ties: lowest id) to token[r] and its log-softmax to logprob[r]; when
  * top_k > 0 also the top_k (<= 32) largest (token, logprob) pairs, descending, to

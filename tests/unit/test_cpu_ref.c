@@ -240,11 +240,101 @@ static void test_small(void)
     CHECK(fabs(yv - d) < 1e-5, "gemv q8_0 %g vs %g", yv, d);
 }
 
+/* The int8 activation quantizer (twin of m40k_quantize_q8): layout, rounding (ties to
+ * even), zero blocks, huge and tiny scales, the error bound d/2; the GEMV twin against
+ * the dequantized weights times the dequantized activations, and against the exact F32
+ * GEMV within the documented bound sum |w| * max|x of the block| / 254. */
+static void test_quantize_q8(void)
+{
+    enum { K = 96, BATCH = 3, XS = K + 5 };
+    static float x[BATCH * XS];
+    static uint8_t ws[BATCH * K / 32 * 40];
+    for (int i = 0; i < BATCH * XS; i++)
+        x[i] = frand();
+    /* row 0, block 0: max 127 gives d = 1, so q = rint(x) with ties to even */
+    const float ties[8] = {127.0f, 2.5f, 3.5f, -2.5f, -0.5f, 0.5f, 1.5f, -126.5f};
+    const int want[8] = {127, 2, 4, -2, 0, 0, 2, -126};
+    for (int i = 0; i < 32; i++)
+        x[i] = i < 8 ? ties[i] : 0.25f;
+    for (int i = 32; i < 64; i++) /* row 0, block 1: zero */
+        x[i] = 0.0f;
+    for (int i = 0; i < K; i++) /* row 1: huge in block 0, tiny in block 1, mixed in block 2 */
+        x[XS + i] *= i < 32 ? 1e30f : i < 64 ? 1e-30f : (i == 70 ? 1e4f : 1e-4f);
+    m40_ref_quantize_q8(x, XS, K, BATCH, ws);
+    const int8_t *q = (const int8_t *)ws;
+    const float *ds = (const float *)(ws + BATCH * K);
+    int ok = ds[0] == 1.0f;
+    for (int i = 0; i < 8; i++)
+        ok &= q[i] == want[i];
+    CHECK(ok, "ties to even: d %g, q %d %d %d %d %d %d %d %d", ds[0], q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]);
+    CHECK(ds[2] == 0.0f && ds[3] == 0.0f && q[32] == 0 && q[63] == 0, "zero block: d %g s %g", ds[2], ds[3]);
+    int worst_q = 0, bound_ok = 1, sum_ok = 1, max_ok = 1;
+    for (int b = 0; b < BATCH; b++)
+        for (int j = 0; j < K / 32; j++) {
+            const float d = ds[2 * (b * K / 32 + j)], s = ds[2 * (b * K / 32 + j) + 1];
+            float amax = 0.0f;
+            int sum = 0, qmax = 0;
+            for (int i = 0; i < 32; i++) {
+                const float v = x[b * XS + 32 * j + i];
+                const int qi = q[b * K + 32 * j + i];
+                amax = fmaxf(amax, fabsf(v));
+                sum += qi;
+                qmax = abs(qi) > qmax ? abs(qi) : qmax;
+                worst_q = abs(qi) > worst_q ? abs(qi) : worst_q;
+                bound_ok &= fabs((double)v - (double)d * qi) <= 0.5 * d * (1 + 1e-6);
+            }
+            sum_ok &= d == amax / 127.0f && s == d * (float)sum;
+            max_ok &= amax == 0.0f ? qmax == 0 : qmax == 127;
+        }
+    CHECK(worst_q <= 127 && bound_ok, "|x - d q| <= d/2 and |q| <= 127 (largest |q| %d)", worst_q);
+    CHECK(sum_ok, "d = max|x|/127 and s = d*sum(q) in every block");
+    CHECK(max_ok, "the largest |x| of a block maps to +-127");
+
+    /* GEMV twin: equals sum deq(W) * d*q; within the bound of the exact F32 GEMV */
+    const int types[4] = {M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+    for (int t = 0; t < 4; t++) {
+        enum { KK = 512, N = 3 };
+        static float wf[N * KK], deq[N * KK], xx[BATCH * KK], yq[BATCH * N], ye[BATCH * N];
+        static uint8_t wq[N * KK / 32 * 34], ws2[BATCH * KK / 32 * 40];
+        const m40_type_info *ti = m40_type_get((uint32_t)types[t]);
+        const size_t rb = (size_t)KK / ti->block_elems * ti->block_bytes;
+        for (int i = 0; i < N * KK; i++)
+            wf[i] = frand();
+        for (int i = 0; i < BATCH * KK; i++)
+            xx[i] = frand() * (i % 64 == 5 ? 30.0f : 1.0f);
+        for (int n = 0; n < N; n++) {
+            m40_quantize_row((uint32_t)types[t], wf + n * KK, wq + n * rb, KK);
+            m40_dequantize_row((uint32_t)types[t], wq + n * rb, deq + n * KK, KK);
+        }
+        m40_ref_quantize_q8(xx, KK, KK, BATCH, ws2);
+        m40_ref_gemv_q8(wq, types[t], N, KK, ws2, BATCH, yq, N);
+        m40_ref_gemv(wq, types[t], N, KK, xx, KK, ye, N, BATCH);
+        const int8_t *q2 = (const int8_t *)ws2;
+        const float *d2 = (const float *)(ws2 + BATCH * KK);
+        double worst_twin = 0, worst_bound = 0;
+        for (int b = 0; b < BATCH; b++)
+            for (int n = 0; n < N; n++) {
+                double direct = 0, mag = 0, bound = 0;
+                for (int k = 0; k < KK; k++) {
+                    const float d = d2[2 * (b * KK / 32 + k / 32)];
+                    direct += (double)deq[n * KK + k] * d * q2[b * KK + k];
+                    mag += fabs(deq[n * KK + k] * xx[b * KK + k]);
+                    bound += fabs(deq[n * KK + k]) * d * 127.0 / 254.0;
+                }
+                worst_twin = fmax(worst_twin, fabs(yq[b * N + n] - direct) / mag);
+                worst_bound = fmax(worst_bound, fabs(yq[b * N + n] - ye[b * N + n]) / (bound + 1e-5 * mag));
+            }
+        CHECK(worst_twin < 1e-5, "gemv_q8 twin %s vs deq(W).deq(x): %g of sum |w x|", ti->name, worst_twin);
+        CHECK(worst_bound <= 1.0, "gemv_q8 twin %s vs exact: %g of the bound", ti->name, worst_bound);
+    }
+}
+
 int main(void)
 {
     test_paged_attention();
     test_rope();
     test_small();
     test_gemma_helpers();
+    test_quantize_q8();
     return check_done();
 }
