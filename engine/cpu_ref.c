@@ -286,54 +286,86 @@ void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64
                                               x + b * x_stride, K);
 }
 
-/* kernels.h 8b: per block of 32, d = max|x|/127, q = rint(x/d) (0 when d == 0; the
- * clamp only decides NaN), s = d*sum(q); the max starts from the first element so that
- * NaN behaves as in the GPU's fmaxf tree. */
+/* rint(v/d) as an int (0 when d == 0; the clamp only decides NaN), as the GPU's. */
+static int q8_round(float v, float d)
+{
+    return d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v / d))) : 0;
+}
+
+/* max |v[i]|, starting from the first element so that NaN behaves as in the GPU's fmaxf
+ * tree */
+static float q8_amax(const float *v)
+{
+    float m = fabsf(v[0]);
+    for (int i = 1; i < 32; i++)
+        m = fmaxf(m, fabsf(v[i]));
+    return m;
+}
+
+/* kernels.h 8b: per block of 32 elements one 80-byte record q1[32] | q2[32] | float d1,
+ * d2, s, 0: d1 = max|x|/127, q1 = rint(x/d1), the residual r = fma(-d1, q1, x) (rounded
+ * once), d2 = max|r|/127, q2 = rint(r/d2), s = fma(d1, sum(q1), d2*sum(q2)). */
 void m40_ref_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws)
 {
-    int8_t *q = ws;
-    float *ds = (float *)(q + (size_t)batch * K);
+    uint8_t *rec = ws;
     for (int b = 0; b < batch; b++)
-        for (int j = 0; j < K / 32; j++) {
+        for (int j = 0; j < K / 32; j++, rec += 80) {
             const float *v = x + b * x_stride + 32 * j;
-            float amax = fabsf(v[0]);
-            for (int i = 1; i < 32; i++)
-                amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax / 127.0f;
-            int sum = 0;
+            int8_t *q1 = (int8_t *)rec, *q2 = q1 + 32;
+            float r[32], f[4];
+            f[0] = q8_amax(v) / 127.0f;
+            int s1 = 0, s2 = 0;
             for (int i = 0; i < 32; i++) {
-                int qi = d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v[i] / d))) : 0;
-                q[(size_t)b * K + 32 * j + i] = (int8_t)qi;
-                sum += qi;
+                q1[i] = (int8_t)q8_round(v[i], f[0]);
+                r[i] = fmaf(-f[0], (float)q1[i], v[i]);
+                s1 += q1[i];
             }
-            size_t at = 2 * ((size_t)b * (K / 32) + j);
-            ds[at] = d;
-            ds[at + 1] = d * (float)sum;
+            f[1] = q8_amax(r) / 127.0f;
+            for (int i = 0; i < 32; i++) {
+                q2[i] = (int8_t)q8_round(r[i], f[1]);
+                s2 += q2[i];
+            }
+            f[2] = fmaf(f[0], (float)s1, f[1] * (float)s2);
+            f[3] = 0.0f;
+            memcpy(rec + 64, f, sizeof f);
         }
 }
 
 static float ldh(const uint8_t *p) { return m40_fp16_to_fp32((uint16_t)(p[0] | p[1] << 8)); }
 
-/* Contribution of x block j (32 elements: int8 q, scale dx, sum sx) to one row of W:
- * the integer dot of every weight scale group with q, then F32 terms as the GPU forms
- * them: (group scale * dx) * dot, plus the offset term (coefficient * sx) of Q4_0/Q4_K. */
-static double q8_block_term(int type, const uint8_t *row, int j, const int8_t *q, float dx, float sx)
+/* One weight scale group against its activations: d1*S1 + d2*S2 of the integer dots
+ * S1 = sum(w*q1), S2 = sum(w*q2), in F32 as the GPU forms it. */
+static float q8_two(float d1, float d2, int s1, int s2) { return fmaf(d1, (float)s1, d2 * (float)s2); }
+
+/* Contribution of x block j (record xb: q1, q2, d1, d2, s) to one row of W: per weight
+ * scale group, scale * (d1*S1 + d2*S2) plus the offset term (coefficient * s) of
+ * Q4_0/Q4_K; each product exact in double, as the GPU's fmaf leaves it unrounded. */
+static double q8_block_term(int type, const uint8_t *row, int j, const uint8_t *xb)
 {
+    const int8_t *q1 = (const int8_t *)xb, *q2 = q1 + 32;
+    float f[4];
+    memcpy(f, xb + 64, sizeof f);
+    const float d1 = f[0], d2 = f[1], sx = f[2];
     switch (type) {
     case M40K_TYPE_Q8_0: {
         const uint8_t *blk = row + 34 * (size_t)j;
-        int dot = 0;
-        for (int i = 0; i < 32; i++)
-            dot += (int8_t)blk[2 + i] * q[i];
-        return (ldh(blk) * dx) * (float)dot;
+        int s1 = 0, s2 = 0;
+        for (int i = 0; i < 32; i++) {
+            s1 += (int8_t)blk[2 + i] * q1[i];
+            s2 += (int8_t)blk[2 + i] * q2[i];
+        }
+        return (double)ldh(blk) * q8_two(d1, d2, s1, s2);
     }
     case M40K_TYPE_Q4_0: {
         const uint8_t *blk = row + 18 * (size_t)j;
-        int dot = 0;
-        for (int i = 0; i < 16; i++)
-            dot += (blk[2 + i] & 15) * q[i] + (blk[2 + i] >> 4) * q[16 + i];
+        int s1 = 0, s2 = 0;
+        for (int i = 0; i < 16; i++) {
+            const int lo = blk[2 + i] & 15, hi = blk[2 + i] >> 4;
+            s1 += lo * q1[i] + hi * q1[16 + i];
+            s2 += lo * q2[i] + hi * q2[16 + i];
+        }
         const float d = ldh(blk);
-        return (double)((d * dx) * (float)dot) + (double)((-8.0f * d) * sx);
+        return (double)d * q8_two(d1, d2, s1, s2) + (double)(-8.0f * d) * sx;
     }
     case M40K_TYPE_Q4_K: { /* sub-block t of superblock j/8 */
         const uint8_t *sb = row + 144 * (size_t)(j / 8), *sc = sb + 4;
@@ -347,11 +379,14 @@ static double q8_block_term(int type, const uint8_t *row, int j, const int8_t *q
             mnv = (sc[t + 4] >> 4) | ((sc[t] >> 6) << 4);
         }
         const uint8_t *qs = sb + 16 + 32 * (t / 2);
-        int dot = 0;
-        for (int l = 0; l < 32; l++)
-            dot += ((qs[l] >> (4 * (t & 1))) & 15) * q[l];
+        int s1 = 0, s2 = 0;
+        for (int l = 0; l < 32; l++) {
+            const int w = (qs[l] >> (4 * (t & 1))) & 15;
+            s1 += w * q1[l];
+            s2 += w * q2[l];
+        }
         const float a = ldh(sb) * (float)scv, m = -(ldh(sb + 2) * (float)mnv);
-        return (double)((a * dx) * (float)dot) + (double)(m * sx);
+        return (double)a * q8_two(d1, d2, s1, s2) + (double)m * sx;
     }
     case M40K_TYPE_Q6_K: { /* scale groups 2t, 2t+1 of superblock j/8 */
         const uint8_t *sb = row + 210 * (size_t)(j / 8);
@@ -359,15 +394,17 @@ static double q8_block_term(int type, const uint8_t *row, int j, const int8_t *q
         const float d = ldh(sb + 208);
         double term = 0;
         for (int e = 0; e < 2; e++) {
-            int dot = 0;
+            int s1 = 0, s2 = 0;
             for (int i = 0; i < 16; i++) {
                 const int el = 32 * t + 16 * e + i, n = el >> 7, k = (el & 127) >> 5, l = el & 31;
                 const uint8_t ql = sb[64 * n + 32 * (k & 1) + l];
                 const int lo = k < 2 ? ql & 15 : ql >> 4, hi = (sb[128 + 32 * n + l] >> (2 * k)) & 3;
-                dot += ((lo | hi << 4) - 32) * q[16 * e + i];
+                const int w = (lo | hi << 4) - 32;
+                s1 += w * q1[16 * e + i];
+                s2 += w * q2[16 * e + i];
             }
             const float a = d * (float)(int8_t)sb[192 + 2 * t + e];
-            term += (double)((a * dx) * (float)dot);
+            term += (double)a * q8_two(d1, d2, s1, s2);
         }
         return term;
     }
@@ -380,16 +417,12 @@ void m40_ref_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, in
 {
     const m40_type_info *ti = m40_type_get((uint32_t)w_type);
     const size_t row_bytes = (size_t)K / ti->block_elems * ti->block_bytes;
-    const int8_t *xq = ws;
-    const float *ds = (const float *)(xq + (size_t)batch * K);
     for (int b = 0; b < batch; b++)
         for (int n = 0; n < N; n++) {
             const uint8_t *row = (const uint8_t *)w + (size_t)n * row_bytes;
             double acc = 0;
-            for (int j = 0; j < K / 32; j++) {
-                const size_t blk = (size_t)b * (K / 32) + j;
-                acc += q8_block_term(w_type, row, j, xq + 32 * blk, ds[2 * blk], ds[2 * blk + 1]);
-            }
+            for (int j = 0; j < K / 32; j++)
+                acc += q8_block_term(w_type, row, j, (const uint8_t *)ws + 80 * ((size_t)b * (K / 32) + j));
             y[b * y_stride + n] = (float)acc;
         }
 }

@@ -59,9 +59,9 @@ void m40_ref_scale(float *x, int64_t n, float s);
 void m40_ref_softcap(float *x, int64_t n, float cap);
 void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x_stride, float *y,
                   int64_t y_stride, int batch);
-/* Twins of m40k_quantize_q8 / m40k_gemv_q8 (kernels.h 8b), same workspace layout: the
- * same rounding of x and the same integer dots and F32 group terms; only the order of
- * the sum differs (here in double). */
+/* Twins of m40k_quantize_q8 / m40k_gemv_q8 (kernels.h 8b): the same workspace bytes
+ * (both levels of the rounding of x), the same integer dots and F32 group terms; only
+ * the order of the sum differs (here in double). */
 void m40_ref_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws);
 void m40_ref_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride);
 void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token,

@@ -1,20 +1,27 @@
 /* Quantized GEMV with int8 activations: the decode matmul of Q8_0, Q4_0, Q4_K and Q6_K
  * weights, y[b][n] = W[n] . x[b] for batch 1..8 (kernels.h, 8b).
  *
- * 1. q8_quantize_kernel: one warp per 32-element block of x: d = max|x|/127,
- *    q = rint(x/d) (0 when d == 0), s = d*sum(q), stored in the caller's workspace
- *    (int8 q[batch][K], then float2 (d, s)[batch][K/32]).
+ * 1. q8_quantize_kernel: one warp per 32-element block of x, two levels: x is rounded
+ *    to d1*q1 (d1 = max|x|/127, q1 = rint(x/d1)), the residual r = x - d1*q1 to d2*q2
+ *    (d2 = max|r|/127, q2 = rint(r/d2)); q = 0 where its d == 0. So
+ *    x ~ d1*q1 + d2*q2 with |r| <= d1/2, hence d2 <= d1/254 and an error of at most
+ *    d2/2 <= max|x|/254^2 per element, where one level alone had max|x|/254. Also the
+ *    block sum s = d1*sum(q1) + d2*sum(q2) of the rounded x, for the weight offsets.
+ *    Stored in the caller's workspace as one 80-byte record per block (gq_blk), blocks
+ *    in x's order, so that one pointer per batch row reaches all of a block's data.
  * 2. gemv_q8_kernel<T, B>: integer dot products with __dp4a (4 int8 products per
- *    instruction) between the weight's small integers and q, then the weight scales and
- *    the activation scale d in F32. The weight is read once for all B batch rows.
+ *    instruction) between the weight's small integers and q1 and q2, then the weight
+ *    scales and d1, d2 in F32: per weight scale group with integer dots S1, S2, the
+ *    group adds scale*(d1*S1 + d2*S2) (and offset*s). The weight is read once for all
+ *    B batch rows.
  *
  * Work split. A lane's unit of work is one run of weights that shares its scales and
  * lines up with whole activation blocks: a Q8_0/Q4_0 block (32 elements), a Q4_K pair
  * of sub-blocks (64: the low and high nibbles of 32 qs bytes), a quarter of a Q6_K
  * superblock (64: four 16-element scale groups, 48 quant bytes). A warp takes
  * GQ_R rows at once and its lanes take consecutive units, so each lane has GQ_R units
- * (one per row) in flight, ~18..52 bytes each; x is loaded once per unit and batch row
- * and used for all GQ_R rows. S warps of a block (1, 2 or 4, picked on the host from
+ * (one per row) in flight, ~18..52 bytes each; x is loaded once per unit and batch row,
+ * a weight scale group at a time (gq_row), and used for all GQ_R rows. S warps of a block (1, 2 or 4, picked on the host from
  * the shape) split a row's units round robin and meet in shared memory at the end.
  *
  * Loads. Every weight load is a 16-byte streaming load (__ldcs) of an aligned chunk.
@@ -29,16 +36,17 @@
  * |dot| < 2^22 (largest here: 32*128*127 for Q8_0) and one FADD converts it. Nibbles are
  * unpacked with a mask and a shift per 4 bytes; Q6_K's 6-bit values get their bias of
  * 32 byte-wise as ((q + 0x60) ^ 0x80), no carries since q + 0x60 < 0x100. Per 32
- * weights and batch row: 8 dp4a and 3..4 F32 ops, plus loads of x shared by the GQ_R
- * rows. sm_90 SASS of the main loop, per byte of weight streamed: batch 1 ~2 (Q8_0),
- * 3 (Q4_K), 3.5 (Q4_0), 5 (Q6_K) instructions per lane; batch 8 ~5, 8.5, 9.5, 9.5. An
- * H100 issues ~11 per byte at 3 TB/s, so batch 1 is memory-bound and batch 8 of the
- * 4-bit types is close to issue-bound (3.6 dp4a per weight byte).
+ * weights and batch row: 16 dp4a (8 against q1, 8 against q2) and 5..6 F32 ops, plus
+ * loads of x shared by the GQ_R rows. sm_90 SASS of the main loop, per byte of weight
+ * streamed: batch 1 ~2.2 (Q8_0), 3.5 (Q4_K), 4.1 (Q4_0), 5.5 (Q6_K) instructions per
+ * lane; batch 8 ~7.6, 22, 14.6, 16 (Q4_K and Q6_K with the batch loop rolled,
+ * gq_rolled). An H100 issues ~11 per byte at 3 TB/s, so batch 1 is memory-bound and
+ * batch 8 issue-bound.
  * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), no spills, >= 16 warps per SM.
  *
- * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in engine/cpu_ref.c) forms the
- * same integer dots and the same per-group F32 terms; only the order of the F32
- * additions differs. */
+ * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in engine/cpu_ref.c) writes the
+ * same workspace bytes and forms the same integer dots and the same per-group F32
+ * terms; only the order of the F32 additions differs. */
 #include "quant_dev.h"
 
 #define GQ_WARPS 4
@@ -56,24 +64,48 @@
 __device__ __forceinline__ float gq_f(int acc) { return __int_as_float(acc) - 12582912.0f; }
 
 /* ------------------------------------------------------------------ x quantization */
+/* The workspace record of one block of 32 (kernels.h 8b): x ~ d1*q1 + d2*q2, s the sum
+ * of that over the block, z = 0. */
+struct __align__(16) gq_blk {
+    int8_t q1[32], q2[32];
+    float d1, d2, s, z;
+};
+static_assert(sizeof(gq_blk) == 80, "gq_blk: 80 bytes");
+
+/* rint(v/d) as an int (0 when d == 0). IEEE division and round-half-even, as the CPU
+ * twin; the clamp only decides NaN. */
+__device__ __forceinline__ int gq_round(float v, float d)
+{
+    return d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v / d))) : 0;
+}
+
+__device__ __forceinline__ int gq_warp_isum(int v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 __global__ __launch_bounds__(256) void q8_quantize_kernel(const float *__restrict__ x, int64_t x_stride, int K,
-                                                           int nblk, int8_t *__restrict__ q, float2 *__restrict__ ds)
+                                                           int nblk, gq_blk *__restrict__ out)
 {
     const int blk = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (blk >= nblk)
         return; /* whole warps only */
     const int per = K / 32, b = blk / per, j = blk % per;
     const float v = x[b * x_stride + 32 * j + lane];
-    const float d = m40k_warp_max(fabsf(v)) / 127.0f;
-    /* IEEE division and round-half-even, as the CPU twin; the clamp only decides NaN */
-    const int qi = d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v / d))) : 0;
-    int sum = qi;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    q[32 * (size_t)blk + lane] = (int8_t)qi; /* q[b][32j + lane] */
+    const float d1 = m40k_warp_max(fabsf(v)) / 127.0f;
+    const int a = gq_round(v, d1);
+    const float r = fmaf(-d1, (float)a, v); /* the residual x - d1*q1, rounded once */
+    const float d2 = m40k_warp_max(fabsf(r)) / 127.0f;
+    const int c = gq_round(r, d2);
+    const int sa = gq_warp_isum(a), sc = gq_warp_isum(c);
+    gq_blk *o = out + blk; /* block j of batch row b */
+    o->q1[lane] = (int8_t)a;
+    o->q2[lane] = (int8_t)c;
     if (lane == 0)
-        ds[blk] = make_float2(d, d * (float)sum);
+        *reinterpret_cast<float4 *>(&o->d1) = make_float4(d1, d2, fmaf(d1, (float)sa, __fmul_rn(d2, (float)sc)), 0.0f);
 }
 
 /* ------------------------------------------------------------------ weight loads */
@@ -115,21 +147,38 @@ __device__ __forceinline__ void gq_window(const uint8_t *p, uint32_t (&out)[NW])
 __device__ __forceinline__ float gq_i2f(int v) { return gq_f(GQ_MAGIC + v); }
 
 /* ------------------------------------------------------------------ per type */
-/* gq<T>: UE elements per unit; W = one unit of one row, decoded (load_w); X = the
- * activations of one unit for one batch row (load_x); dot adds W.X to acc.
- * xq: this batch row's int8 q (K bytes); xd: its (d, s) per block. */
+
+/* s + the dot of 4 weight words (16 int8) with 16 activation int8. */
+__device__ __forceinline__ int gq_dot16(const uint32_t *w, int4 v, int s)
+{
+    s = __dp4a((int)w[0], v.x, s), s = __dp4a((int)w[1], v.y, s);
+    s = __dp4a((int)w[2], v.z, s), s = __dp4a((int)w[3], v.w, s);
+    return s;
+}
+
+/* d1*S1 + d2*S2 for the dp4a sums s1 (against q1) and s2 (against q2) of one group. */
+__device__ __forceinline__ float gq_two(float d1, float d2, int s1, int s2)
+{
+    return fmaf(d1, gq_f(s1), d2 * gq_f(s2));
+}
+
+/* gq<T>: UE elements per unit, in G groups of one weight scale each; W = one unit of
+ * one row, decoded (load_w); X = the activations of group g of one unit for one batch
+ * row (load_x: v1 from q1, v2 from q2, UE/G bytes each, and the block's scales); dot
+ * adds group g of W.X to acc. One group of x at a time is live, in registers shared by
+ * the GQ_R rows. */
 template <int T> struct gq;
 
-/* Q8_0, unit = block u: d f16 | qs[32] int8 at 34u. */
+/* Q8_0, unit = block u: d f16 | qs[32] int8 at 34u; adds d*(d1*S1 + d2*S2). */
 template <> struct gq<M40K_TYPE_Q8_0> {
-    enum { UE = 32 };
+    enum { UE = 32, G = 1 };
     struct W {
         uint32_t q[8];
         float d;
     };
     struct X {
-        int4 a, b;
-        float d;
+        int4 v1[2], v2[2];
+        float2 d;
     };
     static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
     {
@@ -140,34 +189,31 @@ template <> struct gq<M40K_TYPE_Q8_0> {
         for (int i = 0; i < 8; i++)
             w.q[i] = __byte_perm(t[i], t[i + 1], 0x5432); /* bytes 2 + 4i .. 5 + 4i */
     }
-    static __device__ __forceinline__ void load_x(const int8_t *xq, const float2 *xd, int u, X &x)
+    static __device__ __forceinline__ void load_x(const gq_blk *p, int u, int, X &x)
     {
-        const int4 *p = reinterpret_cast<const int4 *>(xq + 32 * u);
-        x.a = __ldg(p), x.b = __ldg(p + 1);
-        x.d = __ldg(&xd[u].x);
+        const int4 *q = reinterpret_cast<const int4 *>(p + u);
+        x.v1[0] = __ldg(q), x.v1[1] = __ldg(q + 1), x.v2[0] = __ldg(q + 2), x.v2[1] = __ldg(q + 3);
+        x.d = __ldg(reinterpret_cast<const float2 *>(&p[u].d1));
     }
-    static __device__ __forceinline__ float dot(const W &w, const X &x, float acc)
+    static __device__ __forceinline__ float dot(const W &w, const X &x, int, float acc)
     {
-        int s = GQ_MAGIC;
-        s = __dp4a((int)w.q[0], x.a.x, s), s = __dp4a((int)w.q[1], x.a.y, s);
-        s = __dp4a((int)w.q[2], x.a.z, s), s = __dp4a((int)w.q[3], x.a.w, s);
-        s = __dp4a((int)w.q[4], x.b.x, s), s = __dp4a((int)w.q[5], x.b.y, s);
-        s = __dp4a((int)w.q[6], x.b.z, s), s = __dp4a((int)w.q[7], x.b.w, s);
-        return fmaf(w.d * x.d, gq_f(s), acc);
+        const int s = gq_dot16(w.q + 4, x.v1[1], gq_dot16(w.q, x.v1[0], GQ_MAGIC));
+        const int t = gq_dot16(w.q + 4, x.v2[1], gq_dot16(w.q, x.v2[0], GQ_MAGIC));
+        return fmaf(w.d, gq_two(x.d.x, x.d.y, s, t), acc);
     }
 };
 
 /* Q4_0, unit = block u: d f16 | qs[16] at 18u; element j < 16 is the low nibble of
- * qs[j], j + 16 the high one; w = d*(q - 8), so W.X = d*(dx*sum(q*qx) - 8*s). */
+ * qs[j], j + 16 the high one; w = d*(q - 8), so W.X = d*(d1*S1 + d2*S2) - 8*d*s. */
 template <> struct gq<M40K_TYPE_Q4_0> {
-    enum { UE = 32 };
+    enum { UE = 32, G = 1 };
     struct W {
         uint32_t lo[4], hi[4];
         float d, d8;
     };
     struct X {
-        int4 a, b;
-        float2 ds;
+        int4 v1[2], v2[2];
+        float4 d; /* d1, d2, s, 0 */
     };
     static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
     {
@@ -182,36 +228,33 @@ template <> struct gq<M40K_TYPE_Q4_0> {
             w.hi[i] = (v >> 4) & 0x0F0F0F0Fu;
         }
     }
-    static __device__ __forceinline__ void load_x(const int8_t *xq, const float2 *xd, int u, X &x)
+    static __device__ __forceinline__ void load_x(const gq_blk *p, int u, int, X &x)
     {
-        const int4 *p = reinterpret_cast<const int4 *>(xq + 32 * u);
-        x.a = __ldg(p), x.b = __ldg(p + 1);
-        x.ds = __ldg(&xd[u]);
+        const int4 *q = reinterpret_cast<const int4 *>(p + u);
+        x.v1[0] = __ldg(q), x.v1[1] = __ldg(q + 1), x.v2[0] = __ldg(q + 2), x.v2[1] = __ldg(q + 3);
+        x.d = __ldg(reinterpret_cast<const float4 *>(q + 4));
     }
-    static __device__ __forceinline__ float dot(const W &w, const X &x, float acc)
+    static __device__ __forceinline__ float dot(const W &w, const X &x, int, float acc)
     {
-        int s = GQ_MAGIC;
-        s = __dp4a((int)w.lo[0], x.a.x, s), s = __dp4a((int)w.lo[1], x.a.y, s);
-        s = __dp4a((int)w.lo[2], x.a.z, s), s = __dp4a((int)w.lo[3], x.a.w, s);
-        s = __dp4a((int)w.hi[0], x.b.x, s), s = __dp4a((int)w.hi[1], x.b.y, s);
-        s = __dp4a((int)w.hi[2], x.b.z, s), s = __dp4a((int)w.hi[3], x.b.w, s);
-        return fmaf(w.d * x.ds.x, gq_f(s), fmaf(w.d8, x.ds.y, acc));
+        const int s = gq_dot16(w.hi, x.v1[1], gq_dot16(w.lo, x.v1[0], GQ_MAGIC));
+        const int t = gq_dot16(w.hi, x.v2[1], gq_dot16(w.lo, x.v2[0], GQ_MAGIC));
+        return fmaf(w.d, gq_two(x.d.x, x.d.y, s, t), fmaf(w.d8, x.d.z, acc));
     }
 };
 
 /* Q4_K, unit u = chunk c = u & 3 of superblock u >> 2 (d f16 | dmin f16 | scales[12] |
  * qs[128], 144 bytes): qs[32c .. 32c+32) hold sub-block 2c in the low nibbles and 2c+1
- * in the high ones, w = d*sc*q - dmin*m per sub-block, so each sub-block adds
- * (d*sc)*dx*sum(q*qx) - (dmin*m)*s. */
+ * in the high ones (x blocks 2u, 2u+1), w = d*sc*q - dmin*m per sub-block, so each
+ * sub-block adds (d*sc)*(d1*S1 + d2*S2) - (dmin*m)*s. */
 template <> struct gq<M40K_TYPE_Q4_K> {
-    enum { UE = 64 };
+    enum { UE = 64, G = 2 };
     struct W {
         uint32_t lo[8], hi[8];
         float a0, a1, m0, m1; /* d*sc and -dmin*m of sub-blocks 2c, 2c+1 */
     };
     struct X {
-        int4 a0, a1, b0, b1;
-        float4 ds; /* (d, s) of x blocks 2c, 2c+1 */
+        int4 v1[2], v2[2]; /* sub-block 2c + g: x block 2u + g */
+        float4 d;          /* d1, d2, s, 0 */
     };
     static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
     {
@@ -236,42 +279,36 @@ template <> struct gq<M40K_TYPE_Q4_K> {
         w.a0 = d * gq_i2f(sc & 0xFF), w.a1 = d * gq_i2f(sc >> 8);
         w.m0 = -(dmin * gq_i2f(mn & 0xFF)), w.m1 = -(dmin * gq_i2f(mn >> 8));
     }
-    static __device__ __forceinline__ void load_x(const int8_t *xq, const float2 *xd, int u, X &x)
+    static __device__ __forceinline__ void load_x(const gq_blk *p, int u, int g, X &x)
     {
-        const int4 *p = reinterpret_cast<const int4 *>(xq + 64 * u);
-        x.a0 = __ldg(p), x.a1 = __ldg(p + 1), x.b0 = __ldg(p + 2), x.b1 = __ldg(p + 3);
-        x.ds = __ldg(reinterpret_cast<const float4 *>(xd + 2 * u));
+        const int4 *q = reinterpret_cast<const int4 *>(p + 2 * u + g);
+        x.v1[0] = __ldg(q), x.v1[1] = __ldg(q + 1), x.v2[0] = __ldg(q + 2), x.v2[1] = __ldg(q + 3);
+        x.d = __ldg(reinterpret_cast<const float4 *>(q + 4));
     }
-    static __device__ __forceinline__ float dot(const W &w, const X &x, float acc)
+    static __device__ __forceinline__ float dot(const W &w, const X &x, int g, float acc)
     {
-        int s = GQ_MAGIC, t = GQ_MAGIC;
-        s = __dp4a((int)w.lo[0], x.a0.x, s), s = __dp4a((int)w.lo[1], x.a0.y, s);
-        s = __dp4a((int)w.lo[2], x.a0.z, s), s = __dp4a((int)w.lo[3], x.a0.w, s);
-        s = __dp4a((int)w.lo[4], x.a1.x, s), s = __dp4a((int)w.lo[5], x.a1.y, s);
-        s = __dp4a((int)w.lo[6], x.a1.z, s), s = __dp4a((int)w.lo[7], x.a1.w, s);
-        t = __dp4a((int)w.hi[0], x.b0.x, t), t = __dp4a((int)w.hi[1], x.b0.y, t);
-        t = __dp4a((int)w.hi[2], x.b0.z, t), t = __dp4a((int)w.hi[3], x.b0.w, t);
-        t = __dp4a((int)w.hi[4], x.b1.x, t), t = __dp4a((int)w.hi[5], x.b1.y, t);
-        t = __dp4a((int)w.hi[6], x.b1.z, t), t = __dp4a((int)w.hi[7], x.b1.w, t);
-        acc = fmaf(w.a0 * x.ds.x, gq_f(s), fmaf(w.m0, x.ds.y, acc));
-        return fmaf(w.a1 * x.ds.z, gq_f(t), fmaf(w.m1, x.ds.w, acc));
+        const uint32_t(&q)[8] = g ? w.hi : w.lo;
+        const int s = gq_dot16(q + 4, x.v1[1], gq_dot16(q, x.v1[0], GQ_MAGIC));
+        const int t = gq_dot16(q + 4, x.v2[1], gq_dot16(q, x.v2[0], GQ_MAGIC));
+        return fmaf(g ? w.a1 : w.a0, gq_two(x.d.x, x.d.y, s, t), fmaf(g ? w.m1 : w.m0, x.d.z, acc));
     }
 };
 
 /* Q6_K, unit u = (superblock i = u >> 2, half n = (u >> 1) & 1, l0 = 16*(u & 1)) of
  * ql[128] | qh[64] | scales[16] int8 | d f16 (210 bytes): elements 128n + 32k + l0 + j
- * (k < 4, j < 16), one scale group (index 8n + 2k + (u & 1)) each. Element l of quarter
- * k: low 4 bits from ql[64n + 32(k&1) + l] (low nibble for k < 2, high for k >= 2), top
- * 2 from bits 2k of qh[32n + l], bias 32. Each group adds (d*sc)*dx*sum((q-32)*qx). */
+ * (k < 4, j < 16), one scale group (index 8n + 2k + (u & 1)) each, in x block
+ * 8i + 4n + k. Element l of quarter k: low 4 bits from ql[64n + 32(k&1) + l] (low
+ * nibble for k < 2, high for k >= 2), top 2 from bits 2k of qh[32n + l], bias 32. Each
+ * group adds (d*sc)*(d1*S1 + d2*S2) with S = sum((q-32)*q1 or q2). */
 template <> struct gq<M40K_TYPE_Q6_K> {
-    enum { UE = 64 };
+    enum { UE = 64, G = 4 };
     struct W {
         uint32_t q[4][4]; /* [k][word]: q - 32 as int8 */
         float a[4];       /* d*sc per k */
     };
     struct X {
-        int4 x[4];
-        float4 ds01, ds23; /* (d, s) of x blocks 4n .. 4n+3 of the superblock */
+        int4 v1, v2; /* quarter k = g: x block 8i + 4n + k */
+        float2 d;
     };
     static __device__ __forceinline__ uint32_t bias32(uint32_t v) { return (v + 0x60606060u) ^ 0x80808080u; }
     static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
@@ -296,35 +333,50 @@ template <> struct gq<M40K_TYPE_Q6_K> {
         w.a[0] = d * gq_i2f((int)(s0 << 24) >> 24), w.a[1] = d * gq_i2f((int)(s0 << 8) >> 24);
         w.a[2] = d * gq_i2f((int)(s1 << 24) >> 24), w.a[3] = d * gq_i2f((int)(s1 << 8) >> 24);
     }
-    static __device__ __forceinline__ void load_x(const int8_t *xq, const float2 *xd, int u, X &x)
+    static __device__ __forceinline__ void load_x(const gq_blk *p, int u, int k, X &x)
     {
-        const int i = u >> 2, n = (u >> 1) & 1, h = u & 1;
-        const int8_t *p = xq + 256 * i + 128 * n + 16 * h;
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-            x.x[k] = __ldg(reinterpret_cast<const int4 *>(p + 32 * k));
-        const float4 *dp = reinterpret_cast<const float4 *>(xd + 8 * i + 4 * n);
-        x.ds01 = __ldg(dp), x.ds23 = __ldg(dp + 1);
+        const gq_blk *bk = p + 8 * (u >> 2) + 4 * ((u >> 1) & 1) + k;
+        const int4 *q = reinterpret_cast<const int4 *>(bk) + (u & 1);
+        x.v1 = __ldg(q), x.v2 = __ldg(q + 2);
+        x.d = __ldg(reinterpret_cast<const float2 *>(&bk->d1));
     }
-    static __device__ __forceinline__ float dot(const W &w, const X &x, float acc)
+    static __device__ __forceinline__ float dot(const W &w, const X &x, int k, float acc)
     {
-        const float dx[4] = {x.ds01.x, x.ds01.z, x.ds23.x, x.ds23.z};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            int s = GQ_MAGIC;
-            s = __dp4a((int)w.q[k][0], x.x[k].x, s), s = __dp4a((int)w.q[k][1], x.x[k].y, s);
-            s = __dp4a((int)w.q[k][2], x.x[k].z, s), s = __dp4a((int)w.q[k][3], x.x[k].w, s);
-            acc = fmaf(w.a[k] * dx[k], gq_f(s), acc);
-        }
-        return acc;
+        const int s = gq_dot16(w.q[k], x.v1, GQ_MAGIC), t = gq_dot16(w.q[k], x.v2, GQ_MAGIC);
+        return fmaf(w.a[k], gq_two(x.d.x, x.d.y, s, t), acc);
     }
 };
 
 /* ------------------------------------------------------------------ kernel */
+/* acc[r] += unit u of row r of W (wr) . batch row xb of x, r < R, group by group. */
+template <int T, int R>
+__device__ __forceinline__ void gq_row(const typename gq<T>::W (&wr)[R], const gq_blk *xb, int u, float (&acc)[R])
+{
+#pragma unroll
+    for (int g = 0; g < gq<T>::G; g++) {
+        typename gq<T>::X xr;
+        gq<T>::load_x(xb, u, g, xr);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[r] = gq<T>::dot(wr[r], xr, g, acc[r]);
+    }
+}
+
+/* Whether the batch loop stays rolled. Unrolled, ptxas issues the x loads of later
+ * batch rows early and, where the decoded weights are largest (Q4_K, Q6_K: 2 x 20
+ * registers), spills the accumulators (Q6_K from batch 2, Q4_K from batch 3; at 168
+ * registers too). Rolled, one batch row's x is in flight: <= 118 registers, no spills,
+ * at a cost in sm_90 instructions per unit at batch 8 of +15% (Q6_K) and +60% (Q4_K,
+ * whose nibble unpacking ptxas then redoes per batch row). */
+__host__ __device__ constexpr bool gq_rolled(int T, int B)
+{
+    return (T == M40K_TYPE_Q6_K && B >= 2) || (T == M40K_TYPE_Q4_K && B >= 3);
+}
+
 template <int T, int B>
 __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_kernel(
-    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const int8_t *__restrict__ xq,
-    const float2 *__restrict__ xd, float *__restrict__ y, int64_t y_stride)
+    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const gq_blk *__restrict__ xs,
+    float *__restrict__ y, int64_t y_stride)
 {
     typedef gq<T> Q;
     constexpr int R = GQ_R;
@@ -349,13 +401,32 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_kernel(
 #pragma unroll
         for (int r = 0; r < R; r++)
             Q::load_w(rowp[r], u, wr[r]);
+        if (gq_rolled(T, B)) {
+            /* one batch row at a time: its sums into part, then into acc[.][b] by
+             * predicated adds */
+#pragma unroll 1
+            for (int b = 0; b < B; b++) {
+                float part[R] = {};
+                gq_row<T, R>(wr, xs + (size_t)b * (K / 32), u, part);
 #pragma unroll
-        for (int b = 0; b < B; b++) {
-            typename Q::X xr;
-            Q::load_x(xq + (size_t)b * K, xd + (size_t)b * (K / 32), u, xr);
+                for (int c = 0; c < B; c++)
 #pragma unroll
-            for (int r = 0; r < R; r++)
-                acc[r][b] = Q::dot(wr[r], xr, acc[r][b]);
+                    for (int r = 0; r < R; r++)
+                        if (c == b)
+                            acc[r][c] += part[r];
+            }
+        } else {
+#pragma unroll
+            for (int b = 0; b < B; b++) {
+                float a[R];
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    a[r] = acc[r][b];
+                gq_row<T, R>(wr, xs + (size_t)b * (K / 32), u, a);
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    acc[r][b] = a[r];
+            }
         }
     }
 #pragma unroll
@@ -379,8 +450,7 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_kernel(
 }
 
 template <int T, int B>
-static int gq_launch_b(const uint8_t *w, int N, int K, const int8_t *xq, const float2 *xd, float *y, int64_t ys,
-                       cudaStream_t st)
+static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, cudaStream_t st)
 {
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
@@ -399,30 +469,30 @@ static int gq_launch_b(const uint8_t *w, int N, int K, const int8_t *xq, const f
     }
     const int rows_per_block = GQ_WARPS / S * GQ_R;
     gemv_q8_kernel<T, B><<<(N + rows_per_block - 1) / rows_per_block, GQ_WARPS * 32, 0, st>>>(w, row_bytes, N, K, S,
-                                                                                             xq, xd, y, ys);
+                                                                                             xs, y, ys);
     return m40k_launch_status();
 }
 
 template <int T>
-static int gq_launch(const uint8_t *w, int N, int K, const int8_t *xq, const float2 *xd, float *y, int64_t ys,
-                     int batch, cudaStream_t st)
+static int gq_launch(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, int batch,
+                     cudaStream_t st)
 {
     switch (batch) {
-    case 1: return gq_launch_b<T, 1>(w, N, K, xq, xd, y, ys, st);
-    case 2: return gq_launch_b<T, 2>(w, N, K, xq, xd, y, ys, st);
-    case 3: return gq_launch_b<T, 3>(w, N, K, xq, xd, y, ys, st);
-    case 4: return gq_launch_b<T, 4>(w, N, K, xq, xd, y, ys, st);
-    case 5: return gq_launch_b<T, 5>(w, N, K, xq, xd, y, ys, st);
-    case 6: return gq_launch_b<T, 6>(w, N, K, xq, xd, y, ys, st);
-    case 7: return gq_launch_b<T, 7>(w, N, K, xq, xd, y, ys, st);
-    case 8: return gq_launch_b<T, 8>(w, N, K, xq, xd, y, ys, st);
+    case 1: return gq_launch_b<T, 1>(w, N, K, xs, y, ys, st);
+    case 2: return gq_launch_b<T, 2>(w, N, K, xs, y, ys, st);
+    case 3: return gq_launch_b<T, 3>(w, N, K, xs, y, ys, st);
+    case 4: return gq_launch_b<T, 4>(w, N, K, xs, y, ys, st);
+    case 5: return gq_launch_b<T, 5>(w, N, K, xs, y, ys, st);
+    case 6: return gq_launch_b<T, 6>(w, N, K, xs, y, ys, st);
+    case 7: return gq_launch_b<T, 7>(w, N, K, xs, y, ys, st);
+    case 8: return gq_launch_b<T, 8>(w, N, K, xs, y, ys, st);
     default: return M40K_INVALID;
     }
 }
 
 extern "C" size_t m40k_gemv_q8_ws_bytes(int K, int batch)
 {
-    return K > 0 && batch > 0 ? (size_t)batch * (size_t)K / 32 * (32 + sizeof(float2)) : 0;
+    return K > 0 && batch > 0 ? (size_t)batch * (size_t)K / 32 * sizeof(gq_blk) : 0;
 }
 
 extern "C" int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws, m40k_stream stream)
@@ -432,9 +502,7 @@ extern "C" int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int bat
     if (K <= 0 || K % 32 || batch > 8 || ((uintptr_t)ws & 15))
         return M40K_INVALID;
     const int nblk = batch * (K / 32);
-    int8_t *q = (int8_t *)ws;
-    q8_quantize_kernel<<<(nblk + 7) / 8, 256, 0, stream>>>(x, x_stride, K, nblk, q,
-                                                           (float2 *)(q + (size_t)batch * K));
+    q8_quantize_kernel<<<(nblk + 7) / 8, 256, 0, stream>>>(x, x_stride, K, nblk, (gq_blk *)ws);
     return m40k_launch_status();
 }
 
@@ -446,15 +514,14 @@ extern "C" int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void 
     if (K <= 0 || batch > 8 || ((uintptr_t)w & 15) || ((uintptr_t)ws & 15))
         return M40K_INVALID;
     const uint8_t *wb = (const uint8_t *)w;
-    const int8_t *xq = (const int8_t *)ws;
-    const float2 *xd = (const float2 *)(xq + (size_t)batch * K);
     if (K % (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q6_K ? 256 : 32))
         return M40K_INVALID;
+    const gq_blk *xs = (const gq_blk *)ws;
     switch (w_type) {
-    case M40K_TYPE_Q8_0: return gq_launch<M40K_TYPE_Q8_0>(wb, N, K, xq, xd, y, y_stride, batch, stream);
-    case M40K_TYPE_Q4_0: return gq_launch<M40K_TYPE_Q4_0>(wb, N, K, xq, xd, y, y_stride, batch, stream);
-    case M40K_TYPE_Q4_K: return gq_launch<M40K_TYPE_Q4_K>(wb, N, K, xq, xd, y, y_stride, batch, stream);
-    case M40K_TYPE_Q6_K: return gq_launch<M40K_TYPE_Q6_K>(wb, N, K, xq, xd, y, y_stride, batch, stream);
+    case M40K_TYPE_Q8_0: return gq_launch<M40K_TYPE_Q8_0>(wb, N, K, xs, y, y_stride, batch, stream);
+    case M40K_TYPE_Q4_0: return gq_launch<M40K_TYPE_Q4_0>(wb, N, K, xs, y, y_stride, batch, stream);
+    case M40K_TYPE_Q4_K: return gq_launch<M40K_TYPE_Q4_K>(wb, N, K, xs, y, y_stride, batch, stream);
+    case M40K_TYPE_Q6_K: return gq_launch<M40K_TYPE_Q6_K>(wb, N, K, xs, y, y_stride, batch, stream);
     default: return M40K_INVALID;
     }
 }

@@ -171,20 +171,29 @@ int m40k_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x
 /* 8b. GEMV with int8 activations (kernels/gemv_q8.cu): the decode path for Q8_0, Q4_0,
  * Q4_K and Q6_K weights, integer dot products (dp4a) at memory bandwidth. Two steps:
  *   m40k_quantize_q8: x[b*x_stride + k] (b < batch 1..8, k < K, K a multiple of 32) into
- *     the workspace ws (16-byte aligned, m40k_gemv_q8_ws_bytes(K, batch) bytes):
- *     int8 q[batch][K], then float (d, s)[batch][K/32] at byte batch*K. Per block of 32:
- *     d = max|x| / 127, q = rint(x / d) (IEEE division, ties to even; 0 when d == 0),
- *     s = d * sum(q). So |x - d*q| <= d/2 = max|x of the block| / 254.
+ *     the workspace ws (16-byte aligned, m40k_gemv_q8_ws_bytes(K, batch) bytes): per
+ *     block of 32 (batch row b, block j) an 80-byte record at 80*(b*K/32 + j):
+ *     int8 q1[32] | int8 q2[32] | float d1, d2, s, 0. Two levels (residual
+ *     quantization), IEEE division, ties to even, q = 0 where its d == 0:
+ *       d1 = max|x| / 127, q1 = rint(x / d1), r = fma(-d1, q1, x) (rounded once),
+ *       d2 = max|r| / 127, q2 = rint(r / d2), s = fma(d1, sum(q1), d2 * sum(q2)),
+ *     so x ~ d1*q1 + d2*q2, and s is that summed over the block.
  *   m40k_gemv_q8: y[b*y_stride + n] = sum over the weight's scale groups of
- *     (weight group scale * d) * sum(w_int * q) minus the offset terms (Q4_0: 8*d_w*s;
- *     Q4_K: dmin*m*s), all in F32 (the exact definition: m40_ref_gemv_q8 in
- *     engine/cpu_ref.c), for the ws written by m40k_quantize_q8 with the same K, batch.
- *     K a multiple of 32 (256 for the K-quants), W 16-byte aligned (rows packed as for
- *     m40k_gemv; other alignments: use m40k_gemv). Never reads past the 16-byte-aligned
- *     chunk that holds W's last byte.
- * One quantization serves every matrix applied to the same x. Compared with m40k_gemv
- * (exact F32 x), the result differs by at most sum_k |W[n][k]| * max|x of k's block|/254
- * plus F32 rounding. */
+ *     scale * (d1 * sum(w_int * q1) + d2 * sum(w_int * q2)) minus the offset terms
+ *     (Q4_0: 8*d_w*s; Q4_K: dmin*m*s), all in F32 (the exact definition:
+ *     m40_ref_gemv_q8 in engine/cpu_ref.c), for the ws written by m40k_quantize_q8 with
+ *     the same K, batch. K a multiple of 32 (256 for the K-quants), W 16-byte aligned
+ *     (rows packed as for m40k_gemv; other alignments: use m40k_gemv). Never reads past
+ *     the 16-byte-aligned chunk that holds W's last byte.
+ * One quantization serves every matrix applied to the same x.
+ * Accuracy. With u = 2^-24 and a = max|x| of a block: |x/d1 - q1| <= 1/2 + 128u, so
+ * |r| <= d1*(1/2 + 128u) and d2 <= a/(127*254) * (1 + 260u); likewise
+ * |r - d2*q2| <= d2*(1/2 + 128u), and the rounding of r adds at most u*|r|. So
+ *   |x - (d1*q1 + d2*q2)| <= a/254^2 * (1 + 2^-14)
+ * per element (a >= 1e-33, where d2 is a normal float), against a/254 for one level.
+ * Compared with m40k_gemv (exact F32 x) the result differs by at most
+ *   sum_k |W[n][k]| * max|x of k's block| / 254^2 * (1 + 2^-14)
+ * plus the F32 rounding of the two sums. */
 size_t m40k_gemv_q8_ws_bytes(int K, int batch);
 int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws, m40k_stream stream);
 int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride,
