@@ -32,8 +32,11 @@
  *
  * Matmuls (y = W x over n token rows):
  *   - F32 weights (the tiny test models): cublasSgemm;
- *   - n <= 8 and a type the GEMV kernel reads (F16, Q8_0, Q4_0, Q4_K, Q6_K): the GEMV
- *     kernel, which streams each weight once for the whole decode batch;
+ *   - n <= 8 and a type the GEMV kernels read: a GEMV, which streams each weight once
+ *     for the whole decode batch: Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned) the dp4a
+ *     GEMV on x quantized once per input to two int8 levels (m40k_quantize_q8,
+ *     m40k_gemv_q8: per element within max|x of its block|/254^2), F16 the
+ *     float-activation m40k_gemv;
  *   - otherwise the "tiled path": quantized weights are dequantized into an F16
  *     scratch matrix (the embedding-gather kernel over all rows), activations rounded
  *     to F16, and cublasGemmEx multiplies with F32 accumulation. A fused
@@ -151,6 +154,7 @@ struct m40_gpu {
     int32_t cap, cap_out;
     float *x, *xb, *qkv, *att, *hb, *hb2, *xg, *logits_d;
     uint16_t *x16;
+    void *xq;            /* m40k_quantize_q8 of the current GEMV input, batch <= 8 */
     float *ws;
     size_t ws_cap;
     int32_t *ints_d, *ints_h;
@@ -442,7 +446,8 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->rope_ff_global);
     cudaFree(g->deq);
     cudaFree(g->iota);
-    void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg, g->logits_d, g->x16, g->ws, g->ints_d, g->pick_d};
+    void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
+                    g->logits_d, g->x16, g->xq, g->ws, g->ints_d, g->pick_d};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);
@@ -822,7 +827,8 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
         if (grow_dev((void **)&g->x, N * p->dim * 4) || grow_dev((void **)&g->xb, N * p->dim * 4) ||
             grow_dev((void **)&g->qkv, N * g->qkv_dim * 4) || grow_dev((void **)&g->att, N * g->q_dim * 4) ||
             grow_dev((void **)&g->hb, N * 2 * p->ffn_dim * 4) || grow_dev((void **)&g->hb2, N * p->ffn_dim * 4) ||
-            grow_dev((void **)&g->x16, N * in_max * 2))
+            grow_dev((void **)&g->x16, N * in_max * 2) ||
+            grow_dev(&g->xq, m40k_gemv_q8_ws_bytes((int)in_max, 8)))
             return -1;
         free(g->perm);
         free(g->grp_slot);
@@ -887,9 +893,18 @@ static int gemv_reads(int type, int64_t K)
         }                                                                                                              \
     } while (0)
 
-/* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous). */
-static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, char *err,
-                      size_t errlen)
+/* The int8-activation GEMV (m40k_gemv_q8, two-level activations: within
+ * max|x of a block|/254^2 per element) takes quantized weights 16-byte aligned. */
+static int gemv_q8_reads(const gmat *w)
+{
+    return w->type != M40K_TYPE_F16 && gemv_reads(w->type, w->cols) && ((uintptr_t)w->data & 15) == 0;
+}
+
+/* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous).
+ * *xq_ready: whether g->xq already holds x quantized (m40k_quantize_q8); set once it
+ * does, so the products of one x share one quantization. */
+static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
+                      char *err, size_t errlen)
 {
     const float one = 1.0f, zero = 0.0f;
     int rows = (int)w->rows, cols = (int)w->cols;
@@ -900,6 +915,14 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
             m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
             return -1;
         }
+        return 0;
+    }
+    if (n <= 8 && gemv_q8_reads(w)) {
+        if (!*xq_ready) {
+            CK(m40k_quantize_q8(x, cols, cols, n, g->xq, g->stream));
+            *xq_ready = 1;
+        }
+        CK(m40k_gemv_q8(w->data, w->type, rows, cols, g->xq, n, y, ldy, g->stream));
         return 0;
     }
     if (n <= 8 && gemv_reads(w->type, cols))
@@ -932,8 +955,9 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
 static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *y, char *err, size_t errlen)
 {
     int64_t off = 0;
+    int xq_ready = 0;
     for (int i = 0; i < pr->n_parts; i++) {
-        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, err, errlen))
+        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, err, errlen))
             return -1;
         off += pr->part[i].rows;
     }
@@ -1157,7 +1181,8 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
         CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
                         g->stream));
-        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, err, errlen))
+        int xq_ready = 0;
+        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, err, errlen))
             return -1;
         if (g->gemma3 && g->g3.logit_softcap > 0)
             CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
