@@ -551,7 +551,9 @@ static void sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t pi
     stop_set st;
     stops_of(e, s, &st);
     m40_finish finish = M40_FINISH_NONE;
-    int eog = m40_tokenizer_is_eog(e->tok, res.token);
+    /* with ignore_eos an end-of-generation token is output like any other (a control
+     * token renders as nothing) and the sequence goes on */
+    int eog = !r->ignore_eos && m40_tokenizer_is_eog(e->tok, res.token);
     if (!eog) {
         size_t n = 0;
         const char *txt = m40_detok_push(s->detok, res.token, &n);
