@@ -353,6 +353,7 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
     r->add_generation_prompt = p->add_generation_prompt;
     r->max_tokens = p->max_tokens;
     r->logprobs = p->logprobs != 0;
+    r->ignore_eos = p->ignore_eos != 0;
     r->sampling = *sp;
     r->sampling.logit_bias_ids = NULL;
     r->sampling.logit_bias_values = NULL;

@@ -60,6 +60,7 @@ struct m40_request {
     size_t stop_len[M40_MAX_STOP_ALL];
     int n_stop;
     int logprobs;
+    int ignore_eos;
     double t_submit;     /* monotonic seconds, for time to first token */
 
     /* Event queue, guarded by evmu: a ring of ev_cap entries from ev_head. */

@@ -74,6 +74,8 @@ typedef struct {
     const char *const *stop;       /* stop strings (copied at submit) */
     int32_t n_stop;                /* 0..4 */
     int logprobs;                  /* report logprobs of each chosen token */
+    int ignore_eos;                /* end-of-generation tokens do not end the output (benchmarks:
+                                    * every request runs to max_tokens or the context) */
 } m40_request_params;
 
 typedef enum {

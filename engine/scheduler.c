@@ -512,8 +512,6 @@ static void admit_queued(m40_engine *e)
     }
 }
 
-/* Handles the logits of slot i's newest position: sample, detokenize, stop strings,
- * finish conditions, events. */
 /* A request whose next token is the plain argmax of the logits: greedy, nothing that
  * reshapes the logits, no logprobs to report. When every row of a step is such, the
  * model picks the tokens itself (on the GPU, without sending the logits back). */
@@ -524,7 +522,9 @@ static int greedy_only(const m40_request *r)
            p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !r->logprobs;
 }
 
-/* logits: the row to sample from, or NULL when the model already picked `picked`. */
+/* Handles the logits of slot i's newest position: sample (logits: the row to sample
+ * from, or NULL when the model already picked `picked`), detokenize, stop strings,
+ * finish conditions, events. */
 static void sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picked)
 {
     m40_slot *s = &e->slots[i];
@@ -551,7 +551,9 @@ static void sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t pi
     stop_set st;
     stops_of(e, s, &st);
     m40_finish finish = M40_FINISH_NONE;
-    int eog = m40_tokenizer_is_eog(e->tok, res.token);
+    /* with ignore_eos an end-of-generation token is output like any other (a control
+     * token renders as nothing) and the sequence goes on */
+    int eog = !r->ignore_eos && m40_tokenizer_is_eog(e->tok, res.token);
     if (!eog) {
         size_t n = 0;
         const char *txt = m40_detok_push(s->detok, res.token, &n);
@@ -925,8 +927,8 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
     e->logits = malloc((size_t)e->max_seqs * (size_t)e->n_vocab * sizeof *e->logits);
     e->ready_batch = malloc((size_t)e->max_seqs * sizeof *e->ready_batch);
     e->done_batch = malloc((size_t)e->max_seqs * sizeof *e->done_batch);
-    if (!e->slots || !e->b_tokens || !e->b_pos || !e->b_slot || !e->b_want || !e->row_slot || !e->picks || !e->take || !e->logits ||
-        !e->ready_batch || !e->done_batch) {
+    if (!e->slots || !e->b_tokens || !e->b_pos || !e->b_slot || !e->b_want || !e->row_slot || !e->picks || !e->take ||
+        !e->logits || !e->ready_batch || !e->done_batch) {
         snprintf(err, errlen, "out of memory allocating the scheduler's buffers");
         return -1;
     }

@@ -34,6 +34,25 @@ __device__ __forceinline__ float m40k_warp_max(float v)
     return v;
 }
 
+/* Sum of v over the whole block (blockDim.x a multiple of 32, at most 1024), returned
+ * to every thread: warp sums into partial[32] (shared), then the first warp sums those.
+ * Contains two __syncthreads: every thread of the block must call it. */
+__device__ __forceinline__ float m40k_block_sum(float v, float *partial)
+{
+    v = m40k_warp_sum(v);
+    if ((threadIdx.x & 31) == 0)
+        partial[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float t = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
+        t = m40k_warp_sum(t);
+        if (threadIdx.x == 0)
+            partial[0] = t;
+    }
+    __syncthreads();
+    return partial[0];
+}
+
 /* Eight F16 values packed in a uint4, to float. */
 __device__ __forceinline__ void m40k_unpack_h8(uint4 u, float f[8])
 {

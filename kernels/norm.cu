@@ -10,18 +10,7 @@ __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, co
     float ss = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         ss += xr[i] * xr[i];
-    ss = m40k_warp_sum(ss);
-    if ((threadIdx.x & 31) == 0)
-        partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
-        v = m40k_warp_sum(v);
-        if (threadIdx.x == 0)
-            partial[0] = v;
-    }
-    __syncthreads();
-    const float scale = rsqrtf(partial[0] / dim + eps);
+    const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float v = xr[i] * scale * w[i];
         if (out_f16)
@@ -60,18 +49,7 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
         xr[i] = v;
         ss += v * v;
     }
-    ss = m40k_warp_sum(ss);
-    if ((threadIdx.x & 31) == 0)
-        partial[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
-        v = m40k_warp_sum(v);
-        if (threadIdx.x == 0)
-            partial[0] = v;
-    }
-    __syncthreads();
-    const float scale = rsqrtf(partial[0] / dim + eps);
+    const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
     float *orow = out + blockIdx.x * out_stride;
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         orow[i] = xr[i] * scale * w[i];

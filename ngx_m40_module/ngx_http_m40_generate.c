@@ -268,6 +268,7 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     rp.stop = (const char *const *) p.stop;
     rp.n_stop = (int32_t) p.n_stop;
     rp.logprobs = p.logprobs ? 1 : 0;
+    rp.ignore_eos = p.ignore_eos ? 1 : 0;
 
     seed = p.has_seed ? p.seed
                       : ((uint64_t) ngx_random() << 32) ^ (uint64_t) ngx_random();

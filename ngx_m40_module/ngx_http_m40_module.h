@@ -86,6 +86,7 @@ typedef struct {
     ngx_flag_t           stream;
     ngx_flag_t           include_usage;
     ngx_flag_t           echo;                /* completions: echo the prompt */
+    ngx_flag_t           ignore_eos;          /* not OpenAI's: run to max_tokens */
 } ngx_http_m40_params_t;
 
 /* An OpenAI-shaped error: HTTP status, message, type, param, code. */

@@ -614,6 +614,12 @@ ngx_http_m40_parse_params(ngx_http_request_t *r, ngx_http_m40_main_conf_t *mcf,
         }
     }
 
+    if (ngx_http_m40_get_bool(root, "ignore_eos", &p->ignore_eos, err)
+        != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
     if (ngx_http_m40_get_bool(root, "stream", &p->stream, err) != NGX_OK) {
         return NGX_ERROR;
     }

@@ -5,7 +5,8 @@
 #   2. the GPU model and engine (test_model_gpu.c, linked against build/libm40engine.a of
 #      a CUDA-configured build): references, batched == alone, 6 concurrent requests,
 #      preemption under a tiny KV pool;
-#   3. `m40 eval --device 0 --tol 5e-2` for every shared model with a reference.
+#   3. `m40 eval --device 0 --tol 5e-2` for every shared model with a reference;
+#   4. the same for a synthetic Gemma 3 against tests/gemma3/ref.py (see step 4).
 #   tests/gpu/run.sh            all of it
 #   tests/gpu/run.sh --bench    also the GEMV microbenchmark
 # Without a GPU (or nvcc): prints why and "0 passed, 0 failed, 1 skipped", exit 0.
@@ -110,6 +111,32 @@ if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
     done
 else
     echo "m40 eval --device 0: no $M40_BIN or no references, skipped"; skipped=$((skipped + 1))
+fi
+# 4. Gemma 3 on the GPU against the independent NumPy reference (tests/gemma3/ref.py),
+#    on a small random-weight Gemma 3 built by tests/gemma3/mk_synthetic.py from the real
+#    model's vocabulary (window 32, so the long prompt crosses it many times). The real
+#    model itself is checked by test_model_gpu when models-cache/ holds it with its
+#    reference (scripts/fetch-gemma3.sh --ref). M40_G3_SYN=DIR: a prebuilt SYN.gguf +
+#    REF.json (for hosts without the Python gguf package).
+syn_dir=${M40_G3_SYN:-}
+if [ -z "$syn_dir" ] && [ -f models-cache/gemma-3-270m-q4_k_m.gguf ] && [ -x .venv-models/bin/python ] &&
+    .venv-models/bin/python -c 'import gguf, numpy, sentencepiece' 2>/dev/null; then
+    syn_dir=$out/g3syn
+    mkdir -p "$syn_dir"
+    .venv-models/bin/python tests/gemma3/mk_synthetic.py models-cache/gemma-3-270m-q4_k_m.gguf "$syn_dir/SYN.gguf" \
+        >"$log/g3syn" 2>&1 &&
+        .venv-models/bin/python tests/gemma3/ref.py "$syn_dir/SYN.gguf" "$syn_dir/REF.json" >>"$log/g3syn" 2>&1 ||
+        { echo "gemma3 synthetic model: build failed"; tail -5 "$log/g3syn"; failed=$((failed + 1)); syn_dir=; }
+fi
+if [ -n "$syn_dir" ] && [ -x "$M40_BIN" ]; then
+    if "$M40_BIN" eval --device 0 --tol 5e-2 "$syn_dir/SYN.gguf" "$syn_dir/REF.json" >"$log/eval" 2>&1; then
+        passed=$((passed + 1)); echo "eval --device 0 gemma3 synthetic: $(tail -n 1 "$log/eval")"
+    else
+        failed=$((failed + 1)); echo "eval --device 0 gemma3 synthetic FAILED:"; tail -n 20 "$log/eval"
+    fi
+else
+    echo "gemma3 synthetic: no models-cache/ model with .venv-models (scripts/fetch-gemma3.sh --ref) and no M40_G3_SYN, skipped"
+    skipped=$((skipped + 1))
 fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -231,6 +231,30 @@ def test_logit_bias_forces_token(client, model):
     assert r.choices[0].message.content != chat(client, model, temperature=0, max_tokens=4).choices[0].message.content
 
 
+def test_ignore_eos(client, model):
+    # end-of-sequence forced at every step by a logit bias: the answer ends at once, unless
+    # ignore_eos, which runs it to max_tokens (the control token renders as nothing)
+    eos = "2"  # </s> of the test model's SentencePiece vocabulary (the first assert shows it ends)
+    stopped = chat(client, model, temperature=0, max_tokens=5, logit_bias={eos: 100})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    for stream in (False, True):
+        kw = dict(temperature=0, max_tokens=5, logit_bias={eos: 100}, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(chat(client, model, stream=True, stream_options={"include_usage": True}, **kw))
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert finish == ["length"] and chunks[-1].usage.completion_tokens == 5
+        else:
+            r = chat(client, model, **kw)
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+            assert r.choices[0].message.content == ""
+
+
+def test_ignore_eos_must_be_boolean(base_url, model):
+    r = requests.post(base_url + "/v1/chat/completions",
+                      json={"model": model, "messages": PROMPT, "max_tokens": 2, "ignore_eos": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text
+
+
 def test_unknown_fields_ignored(base_url, model):
     r = requests.post(base_url + "/v1/chat/completions",
                       json={"model": model, "messages": PROMPT, "max_tokens": 2, "tools": [], "whatever": {"x": 1},

@@ -479,6 +479,30 @@ int main(void)
         m40_request_release(j.req);
     }
 
+    /* (8) ignore_eos: with end-of-sequence forced by a logit bias, a request stops at
+     * once; with ignore_eos it runs to max_tokens (the control token renders as nothing). */
+    for (int ignore = 0; ignore < 2; ignore++) {
+        static int32_t force_ids[1];
+        static float force_vals[1] = {100.0f};
+        force_ids[0] = g_eos;
+        m40_request_params p;
+        params_completion(&p, prompts[1], 6);
+        p.sampling.n_logit_bias = 1;
+        p.sampling.logit_bias_ids = force_ids;
+        p.sampling.logit_bias_values = force_vals;
+        p.ignore_eos = ignore;
+        job j, *js[1] = {&j};
+        CHECK(submit(e, &p, &j) == M40_SUBMIT_OK, "submit");
+        CHECK(pump(e, js, 1, 10) == 0, "no answer");
+        if (ignore)
+            CHECK(j.finish == M40_FINISH_LENGTH && j.completion_tokens == 6 && j.len == 0,
+                  "ignore_eos: finish %d, %d tokens, %zu bytes", j.finish, j.completion_tokens, j.len);
+        else
+            CHECK(j.finish == M40_FINISH_STOP && j.completion_tokens == 1 && j.len == 0,
+                  "forced eos: finish %d, %d tokens, %zu bytes", j.finish, j.completion_tokens, j.len);
+        m40_request_release(j.req);
+    }
+
     /* Invalid parameters are refused at submit. */
     {
         m40_request_params p;
