@@ -460,18 +460,6 @@ static float *kv_row(const m40_kv *kv, float *base, int32_t slot, int32_t l, int
 
 /* Eight independent partial sums: lets the compiler vectorize without -ffast-math and
  * fixes the summation order, so a result never depends on how work was split. */
-static float dot(const float *a, const float *b, int64_t n)
-{
-    float s[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++)
-            s[j] += a[i + j] * b[i + j];
-    for (; i < n; i++)
-        s[0] += a[i] * b[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
-
 static void rmsnorm(float *out, const float *x, const float *w, int32_t dim, float eps)
 {
     double ss = 0;
@@ -483,34 +471,6 @@ static void rmsnorm(float *out, const float *x, const float *w, int32_t dim, flo
 }
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-typedef struct {
-    m40_model *m;
-    const matrix *w;
-    const float *x;   /* [n][w->cols] */
-    float *out;       /* [n][w->rows] */
-    int32_t n;
-    int64_t rows_per_task;
-} matmul_job;
-
-static void matmul_task(void *ctx, int task, int thread)
-{
-    matmul_job *j = ctx;
-    const matrix *w = j->w;
-    int64_t r0 = (int64_t)task * j->rows_per_task;
-    int64_t r1 = r0 + j->rows_per_task < w->rows ? r0 + j->rows_per_task : w->rows;
-    float *buf = j->m->row_buf + (size_t)thread * (size_t)j->m->row_buf_len;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *src = w->data + (size_t)r * w->row_bytes;
-        const float *row = (const float *)(const void *)src;
-        if (w->type != M40_TYPE_F32) {
-            m40_dequantize_row(w->type, src, buf, w->cols);
-            row = buf;
-        }
-        for (int32_t t = 0; t < j->n; t++)
-            j->out[(size_t)t * (size_t)w->rows + (size_t)r] = dot(row, j->x + (size_t)t * (size_t)w->cols, w->cols);
-    }
-}
 
 /* Whether the reference rounds the activations of this product to F16 first.
  *
@@ -544,16 +504,7 @@ static void matmul(m40_model *m, const matrix *w, const float *x, int32_t n, flo
             m->x16[i] = m40_fp16_to_fp32(m40_fp32_to_fp16(x[i]));
         x = m->x16;
     }
-    matmul_job j = {.m = m, .w = w, .x = x, .out = out, .n = n};
-    /* Several tasks per thread balance uneven thread speed; tiny products (the test
-     * models) run on the caller because waking the pool costs more than the work. */
-    int64_t work = w->rows * w->cols * n;
-    int n_tasks = work < 32768 ? 1 : m->n_threads * 4;
-    if (n_tasks > w->rows)
-        n_tasks = (int)w->rows;
-    j.rows_per_task = (w->rows + n_tasks - 1) / n_tasks;
-    n_tasks = (int)((w->rows + j.rows_per_task - 1) / j.rows_per_task);
-    m40_threadpool_run(m->pool, n_tasks, matmul_task, &j);
+    m40_cpu_matmul(m->pool, m->n_threads, m->row_buf, m->row_buf_len, w, x, n, out);
     if (bias)
         for (int32_t t = 0; t < n; t++)
             for (int64_t r = 0; r < w->rows; r++)
@@ -600,7 +551,7 @@ static void attention_task(void *ctx, int task, int thread)
 
     float max = -INFINITY;
     for (int32_t t = 0; t <= pos; t++) {
-        score[t] = dot(q, kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd, hd) * scale;
+        score[t] = m40_dot_f32(q, kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd, hd) * scale;
         if (score[t] > max)
             max = score[t];
     }

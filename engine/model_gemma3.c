@@ -376,18 +376,6 @@ void m40_gemma3_free(m40_gemma3 *g)
 
 /* Eight partial sums in a fixed order (vectorizes without -ffast-math; the result does
  * not depend on how work was split). */
-static float g3_dot(const float *a, const float *b, int64_t n)
-{
-    float s[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++)
-            s[j] += a[i + j] * b[i + j];
-    for (; i < n; i++)
-        s[0] += a[i] * b[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
-
 /* In place allowed (out == x). */
 static void g3_rmsnorm(float *out, const float *x, const float *w, int32_t n, float eps)
 {
@@ -406,46 +394,10 @@ static float g3_gelu(float x)
     return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
 }
 
-typedef struct {
-    m40_gemma3 *g;
-    const g3_matrix *w;
-    const float *x;   /* [n][w->cols] */
-    float *out;       /* [n][w->rows] */
-    int32_t n;
-    int64_t rows_per_task;
-} g3_matmul_job;
-
-static void g3_matmul_task(void *ctx, int task, int thread)
-{
-    g3_matmul_job *j = ctx;
-    const g3_matrix *w = j->w;
-    int64_t r0 = (int64_t)task * j->rows_per_task;
-    int64_t r1 = r0 + j->rows_per_task < w->rows ? r0 + j->rows_per_task : w->rows;
-    float *buf = j->g->row_buf + (size_t)thread * (size_t)j->g->row_buf_len;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *src = w->data + (size_t)r * w->row_bytes;
-        const float *row = buf;
-        if (w->type == M40_TYPE_F32 && ((uintptr_t)src % sizeof(float)) == 0)
-            row = (const float *)(const void *)src;
-        else
-            m40_dequantize_row(w->type, src, buf, w->cols);
-        for (int32_t t = 0; t < j->n; t++)
-            j->out[(size_t)t * (size_t)w->rows + (size_t)r] =
-                g3_dot(row, j->x + (size_t)t * (size_t)w->cols, w->cols);
-    }
-}
-
 /* out[t] = W x[t] for the n token vectors of x. */
 static void g3_matmul(m40_gemma3 *g, m40_threadpool *pool, const g3_matrix *w, const float *x, int32_t n, float *out)
 {
-    g3_matmul_job j = {.g = g, .w = w, .x = x, .out = out, .n = n};
-    int64_t work = w->rows * w->cols * n;
-    int n_tasks = work < 32768 ? 1 : g->n_threads * 4;
-    if (n_tasks > w->rows)
-        n_tasks = (int)w->rows;
-    j.rows_per_task = (w->rows + n_tasks - 1) / n_tasks;
-    n_tasks = (int)((w->rows + j.rows_per_task - 1) / j.rows_per_task);
-    m40_threadpool_run(pool, n_tasks, g3_matmul_task, &j);
+    m40_cpu_matmul(pool, g->n_threads, g->row_buf, g->row_buf_len, w, x, n, out);
 }
 
 /* NeoX-style rotation of each head: pairs (i, i + head_dim/2). */
@@ -495,7 +447,7 @@ static void g3_attention_task(void *ctx, int task, int thread)
 
     float max = -INFINITY;
     for (int32_t t = first; t <= pos; t++) {
-        float s = g3_dot(q, g3_kv_row(g, j->kv_k, j->kv_ctx, slot, j->l, t) + (size_t)kvh * hd, hd) * g->attn_scale;
+        float s = m40_dot_f32(q, g3_kv_row(g, j->kv_k, j->kv_ctx, slot, j->l, t) + (size_t)kvh * hd, hd) * g->attn_scale;
         score[t - first] = s;
         if (s > max)
             max = s;

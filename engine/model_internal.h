@@ -25,4 +25,24 @@ int m40_weight_matrix(const m40_gguf *g, const char *name, int64_t cols, int64_t
 int m40_weight_vector(const m40_gguf *g, const char *name, int64_t n, int optional, float **out, char *err,
                       size_t errlen);
 
+/* Dot product of two float vectors: 8 running sums, combined pairwise (the CPU
+ * backends' one summation order, so their results agree bit for bit). */
+static inline float m40_dot_f32(const float *a, const float *b, int64_t n)
+{
+    float s[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++)
+            s[j] += a[i + j] * b[i + j];
+    for (; i < n; i++)
+        s[0] += a[i] * b[i];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
+/* out[t] = W x[t] for the n token vectors of x (x [n][w->cols], out [n][w->rows]) on
+ * the thread pool; row_buf holds row_buf_len floats (>= w->cols) per pool thread. */
+struct m40_threadpool;
+void m40_cpu_matmul(struct m40_threadpool *pool, int n_threads, float *row_buf, size_t row_buf_len,
+                    const m40_matrix *w, const float *x, int32_t n, float *out);
+
 #endif

@@ -25,41 +25,8 @@ extern "C" {
 }
 #include "cpu_ref.h"
 
-static int n_pass, n_fail, n_skip;
-
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (cudaError_t)(call);                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
-
-static uint64_t rng = 0xD1B54A32D192ED03ull;
-static uint32_t rnd32(void)
-{
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
-static float frand(float lo, float hi) { return lo + (hi - lo) * (rnd32() & 0xFFFFFF) / 16777216.0f; }
-
-template <class T> static T *dup(const std::vector<T> &h)
-{
-    T *d;
-    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T) + 64));
-    if (!h.empty())
-        CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-template <class T> static std::vector<T> back(const T *d, size_t n)
-{
-    std::vector<T> h(n);
-    CK(cudaDeviceSynchronize());
-    if (n)
-        CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-}
+#define GPU_CHECK_SEED 0xD1B54A32D192ED03ull
+#include "gpu_check.h"
 
 /* A batch: sequences of prefix[i] cached + news[i] new tokens on shuffled blocks. */
 struct Batch {

@@ -18,65 +18,8 @@ extern "C" {
 #include "cpu_ref.h"
 #include "model_aux.h"
 
-static int n_pass, n_fail;
-
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (cudaError_t)(call);                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
-
-static uint64_t rng = 0x2545F4914F6CDD1Dull;
-static uint32_t rnd32(void)
-{
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
-static float frand(float lo, float hi) { return lo + (hi - lo) * (rnd32() & 0xFFFFFF) / 16777216.0f; }
-static std::vector<float> rand_vec(size_t n, float lo = -1.0f, float hi = 1.0f)
-{
-    std::vector<float> v(n);
-    for (auto &x : v)
-        x = frand(lo, hi);
-    return v;
-}
-template <class T> static T *dup(const std::vector<T> &h)
-{
-    T *d;
-    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T) + 64));
-    if (!h.empty())
-        CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-template <class T> static std::vector<T> back(const T *d, size_t n)
-{
-    std::vector<T> h(n);
-    CK(cudaDeviceSynchronize());
-    if (n)
-        CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-}
-static void compare(const char *what, const float *g, const float *c, size_t n, float atol, float rtol)
-{
-    size_t bad = 0, first = 0;
-    double worst = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)g[i] - c[i]);
-        if (!(d <= atol + rtol * fabs(c[i])) && !bad++)
-            first = i;
-        worst = std::max(worst, d);
-    }
-    if (bad) {
-        n_fail++;
-        printf("FAIL %s: %zu/%zu differ, first [%zu] gpu %g cpu %g (max abs diff %g)\n", what, bad, n, first,
-               g[first], c[first], worst);
-    } else {
-        n_pass++;
-    }
-}
+#define GPU_CHECK_SEED 0x2545F4914F6CDD1Dull
+#include "gpu_check.h"
 
 /* ---------------------------------------------------------------- paged cache fixture */
 struct Paged {

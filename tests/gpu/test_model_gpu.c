@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "engine_jobs.h"
 #include "eval.h"
 #include "ggml_types.h"
 #include "gguf_writer.h"
@@ -38,12 +39,6 @@
 #include "model.h"
 #include "tokenizer.h"
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ---------- 1. references ---------- */
 
@@ -534,65 +529,6 @@ static void test_gemma3_real(void)
 
 /* ---------- 3, 4. the engine ---------- */
 
-typedef struct {
-    m40_request *req;
-    char text[8192];
-    size_t len;
-    int done, err_status;
-    m40_finish finish;
-    int completion_tokens;
-    char err_msg[256];
-} job;
-
-static void job_take(job *j)
-{
-    m40_event ev;
-    while (!j->done && m40_request_poll(j->req, &ev)) {
-        if (ev.type == M40_EV_TEXT) {
-            if (j->len + ev.text_len < sizeof j->text) {
-                memcpy(j->text + j->len, ev.text, ev.text_len);
-                j->len += ev.text_len;
-                j->text[j->len] = '\0';
-            }
-        } else if (ev.type == M40_EV_DONE) {
-            j->done = 1;
-            j->finish = ev.finish;
-            j->completion_tokens = ev.completion_tokens;
-        } else {
-            j->done = 1;
-            j->err_status = ev.http_status;
-            snprintf(j->err_msg, sizeof j->err_msg, "%s", ev.message);
-        }
-        m40_event_clear(&ev);
-    }
-}
-
-static int pump(m40_engine *e, job **jobs, int n, double timeout)
-{
-    double end = now_s() + timeout;
-    for (;;) {
-        int open = 0;
-        for (int i = 0; i < n; i++)
-            open += !jobs[i]->done;
-        if (!open)
-            return 0;
-        if (now_s() > end)
-            return -1;
-        struct pollfd pfd = {.fd = m40_engine_event_fd(e), .events = POLLIN};
-        if (poll(&pfd, 1, 50) > 0) {
-            uint64_t v;
-            if (read(pfd.fd, &v, sizeof v) != (ssize_t)sizeof v)
-                continue;
-        }
-        void *users[8];
-        int got;
-        do {
-            got = m40_engine_ready(e, users, 8);
-            for (int i = 0; i < got; i++)
-                job_take(users[i]);
-        } while (got == 8);
-    }
-}
 
 static const char *prompts[6] = {
     "Once upon a time",

@@ -16,16 +16,8 @@
 
 #include "cpu_ref.h"
 
-static int n_pass, n_fail;
-
-#define CK(call)                                                                                   \
-    do {                                                                                           \
-        cudaError_t e_ = (cudaError_t)(call);                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(2);                                                                               \
-        }                                                                                          \
-    } while (0)
+#define GPU_CHECK_SEED 0x243F6A8885A308D3ull
+#include "gpu_check.h"
 
 static void ok(bool c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void ok(bool c, const char *fmt, ...)
@@ -41,31 +33,6 @@ static void ok(bool c, const char *fmt, ...)
     vprintf(fmt, ap);
     printf("\n");
     va_end(ap);
-}
-
-static uint64_t rng = 0x243F6A8885A308D3ull;
-static uint32_t rnd32(void)
-{
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
-static float frand(float lo, float hi) { return lo + (hi - lo) * (rnd32() & 0xFFFFFF) / 16777216.0f; }
-
-template <class T> static T *dup(const std::vector<T> &h)
-{
-    T *d;
-    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T)));
-    if (!h.empty())
-        CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-template <class T> static std::vector<T> back(const T *d, size_t n)
-{
-    std::vector<T> h(n);
-    CK(cudaDeviceSynchronize());
-    if (n)
-        CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
 }
 
 enum { C_GREEDY, C_TEMP, C_TOPK, C_TOPP, C_MINP, C_ALL, C_PEN, C_TOPK1, C_TIES, C_HOT, N_CLASS };

@@ -1,0 +1,87 @@
+/* Shared by the GPU kernel tests (tests/gpu/test_*.cu): pass/fail counters, a CUDA
+ * error check that aborts, a seeded xorshift generator, device copies of host vectors
+ * and the tolerance comparison of GPU output against the CPU twin's.
+ * Define GPU_CHECK_SEED (a 64-bit nonzero constant) before including: each test keeps
+ * its own random inputs. */
+#ifndef M40_GPU_CHECK_H
+#define M40_GPU_CHECK_H
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <algorithm>
+#include <vector>
+
+#ifndef GPU_CHECK_SEED
+#error "define GPU_CHECK_SEED before including gpu_check.h"
+#endif
+
+static int n_pass, n_fail, n_skip;
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (cudaError_t)(call);                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t rng = GPU_CHECK_SEED;
+static inline uint32_t rnd32(void)
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+static inline float frand(float lo, float hi) { return lo + (hi - lo) * (rnd32() & 0xFFFFFF) / 16777216.0f; }
+static inline std::vector<float> rand_vec(size_t n, float lo = -1.0f, float hi = 1.0f)
+{
+    std::vector<float> v(n);
+    for (auto &x : v)
+        x = frand(lo, hi);
+    return v;
+}
+
+/* A device copy of h, with 64 bytes of slack past the end (kernels that may read a
+ * little past their data stay inside the allocation). */
+template <class T> static T *dup(const std::vector<T> &h)
+{
+    T *d;
+    CK(cudaMalloc(&d, std::max<size_t>(h.size(), 1) * sizeof(T) + 64));
+    if (!h.empty())
+        CK(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+/* n elements of d back on the host, after the device finished its work. */
+template <class T> static std::vector<T> back(const T *d, size_t n)
+{
+    std::vector<T> h(n);
+    CK(cudaDeviceSynchronize());
+    if (n)
+        CK(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* |g - c| <= atol + rtol*|c| everywhere; one pass/fail per call, first miss printed */
+static inline void compare(const char *what, const float *g, const float *c, size_t n, float atol, float rtol)
+{
+    size_t bad = 0, first = 0;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)g[i] - c[i]);
+        if (!(d <= atol + rtol * fabs(c[i])) && !bad++)
+            first = i;
+        worst = std::max(worst, d);
+    }
+    if (bad) {
+        n_fail++;
+        printf("FAIL %s: %zu/%zu differ, first [%zu] gpu %g cpu %g (max abs diff %g)\n", what, bad, n, first,
+               g[first], c[first], worst);
+    } else {
+        n_pass++;
+    }
+}
+
+#endif
