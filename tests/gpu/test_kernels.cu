@@ -49,7 +49,8 @@ static std::vector<uint8_t> quant_matrix(int type, int rows, int cols, float lo 
     }
     return q;
 }
-static const int all_types[] = {M40K_TYPE_F32, M40K_TYPE_F16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int all_types[] = {M40K_TYPE_F32,  M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
+                                M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
 
 /* ---------------------------------------------------------------- 1. embed */
 static void test_embed(void)
@@ -303,14 +304,16 @@ static void test_attention(void)
 }
 
 /* ---------------------------------------------------------------- 8. gemv */
-static const int gemv_types[] = {M40K_TYPE_F16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
+                                 M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
 
 static void test_gemv(void)
 {
     /* K 608 (19 blocks of 32): F16 ends in a partial segment, Q8_0/Q4_0 rows are not
-     * 16-byte multiples and take the generic kernel; the rest take the fast kernel. */
+     * 16-byte multiples and take the generic kernel; the rest take the fast kernel.
+     * Q4_1/Q5_0/Q5_1 always take the generic kernel; K 640 is Gemma 3 270M's width. */
     for (int type : gemv_types)
-        for (int K : {256 * 3, 256 * 9, 4096 + 256, 608})
+        for (int K : {256 * 3, 256 * 9, 4096 + 256, 608, 640})
             for (int N : {1, 17, 259})
                 for (int batch : {1, 3, 8}) {
                     if (K % 256 && (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K))
