@@ -35,12 +35,13 @@
  *   - n <= 8 and a type the GEMV kernels read: a GEMV, which streams each weight once
  *     for the whole decode batch: Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned) the dp4a
  *     GEMV on x quantized once per input to two int8 levels (m40k_quantize_q8,
- *     m40k_gemv_q8: per element within max|x of its block|/254^2), F16 the
- *     float-activation m40k_gemv;
+ *     m40k_gemv_q8: per element within max|x of its block|/254^2); F16, Q4_1, Q5_0,
+ *     Q5_1 the float-activation m40k_gemv;
  *   - otherwise the "tiled path": quantized weights are dequantized into an F16
  *     scratch matrix (the embedding-gather kernel over all rows), activations rounded
  *     to F16, and cublasGemmEx multiplies with F32 accumulation. A fused
- *     dequantize-in-the-tile GEMM is future work.
+ *     dequantize-in-the-tile GEMM is future work. Models under 1B parameters take it
+ *     in F32 instead (weights dequantized to F32, cublasSgemm): see gemm_f32.
  * Weight types the kernels do not read (BF16, other K-quants) are converted to F16 on
  * upload. Q/K/V and gate/up are concatenated on upload when their types match, so
  * each pair/triple is one product.
@@ -145,8 +146,9 @@ struct m40_gpu {
     float *rope_ff_global; /* gemma3 with linear RoPE scaling: global_scale per frequency */
     size_t weight_bytes;
 
-    /* Tiled path: F16 copy of one dequantized weight, allocated on first use. */
-    uint16_t *deq;
+    /* Tiled path: F16 (F32 when gemm_f32) copy of one dequantized weight. */
+    void *deq;
+    int gemm_f32;        /* tiled products in F32 (SGEMM) rather than F16 tensor cores */
     size_t deq_elems, deq_cap;
     int32_t *iota;       /* 0..max_rows-1, the row ids the dequantizing gather takes */
 
@@ -209,7 +211,8 @@ typedef struct {
 static int gpu_type_native(uint32_t t)
 {
     return t == M40_TYPE_F32 || t == M40_TYPE_F16 || t == M40_TYPE_Q8_0 || t == M40_TYPE_Q4_0 ||
-           t == M40_TYPE_Q4_K || t == M40_TYPE_Q6_K;
+           t == M40_TYPE_Q4_1 || t == M40_TYPE_Q5_0 || t == M40_TYPE_Q5_1 || t == M40_TYPE_Q4_K ||
+           t == M40_TYPE_Q6_K;
 }
 
 /* Bytes of a matrix once on the device (converted to F16 when not native). */
@@ -513,6 +516,30 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         goto fail;
     }
 
+    /* Precision of the tiled path (prefill, batches over 8 rows). F16 operands on the
+     * tensor cores round every weight and activation to 11 bits; over a long prompt
+     * that moves a small model's logprobs by up to ~0.05 (Gemma 3 270M, 712 tokens:
+     * 0.051 with F16, 0.028 with F32, measured on an H100). Under 1B parameters the
+     * F32 products cost little (the step is launch-bound), so they are the default
+     * there; M40_GEMM=f16|f32 overrides. */
+    {
+        double params = (double)src->tok_embd->rows * (double)src->tok_embd->cols;
+        if (src->output->data != src->tok_embd->data)
+            params += (double)src->output->rows * (double)src->output->cols;
+        for (int32_t l = 0; l < p->n_layers; l++) {
+            const m40_layer *L = &src->layers[l];
+            const m40_matrix *ms[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+            for (int i = 0; i < 7; i++)
+                params += (double)ms[i]->rows * (double)ms[i]->cols;
+        }
+        const char *gm = getenv("M40_GEMM");
+        g->gemm_f32 = gm && !strcmp(gm, "f32") ? 1 : gm && !strcmp(gm, "f16") ? 0 : params < 1e9;
+        if (log_progress)
+            fprintf(stderr, "m40: gpu %d: %.0fM parameters: prefill matmuls in %s%s\n", device, params / 1e6,
+                    g->gemm_f32 ? "F32" : "F16 on the tensor cores",
+                    gm && (!strcmp(gm, "f32") || !strcmp(gm, "f16")) ? " (M40_GEMM)" : "");
+    }
+
     uploader u = {.g = g, .log = log_progress, .t0 = now_s(), .status = cudaSuccess};
     u.total = dev_bytes(src->tok_embd);
     if (src->output->data != src->tok_embd->data)
@@ -608,14 +635,14 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
                 gmat *m = &ps[i]->part[j];
                 if (m->rows > max_rows)
                     max_rows = m->rows;
-                if (m->type != M40K_TYPE_F32 && m->type != M40K_TYPE_F16) {
+                if (m->type != M40K_TYPE_F32 && (m->type != M40K_TYPE_F16 || g->gemm_f32)) {
                     any_tiled = 1;
                     if ((size_t)(m->rows * m->cols) > max_elems)
                         max_elems = (size_t)(m->rows * m->cols);
                 }
             }
     }
-    if (g->output.type != M40K_TYPE_F32 && g->output.type != M40K_TYPE_F16) {
+    if (g->output.type != M40K_TYPE_F32 && (g->output.type != M40K_TYPE_F16 || g->gemm_f32)) {
         any_tiled = 1;
         if ((size_t)(g->output.rows * g->output.cols) > max_elems)
             max_elems = (size_t)(g->output.rows * g->output.cols);
@@ -644,7 +671,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         e = cudaMemcpy(g->iota, iota, (size_t)max_rows * sizeof *iota, cudaMemcpyHostToDevice);
     free(iota);
     if (e == cudaSuccess && any_tiled) {
-        e = cudaMalloc((void **)&g->deq, max_elems * 2 + 256);
+        e = cudaMalloc((void **)&g->deq, max_elems * (g->gemm_f32 ? 4 : 2) + 256);
         g->deq_cap = max_elems;
     }
     if (e != cudaSuccess) {
@@ -877,7 +904,10 @@ static int gemv_reads(int type, int64_t K)
     switch (type) {
     case M40K_TYPE_F16: return K % 8 == 0;
     case M40K_TYPE_Q8_0:
-    case M40K_TYPE_Q4_0: return K % 32 == 0;
+    case M40K_TYPE_Q4_0:
+    case M40K_TYPE_Q4_1:
+    case M40K_TYPE_Q5_0:
+    case M40K_TYPE_Q5_1: return K % 32 == 0;
     case M40K_TYPE_Q4_K:
     case M40K_TYPE_Q6_K: return K % 256 == 0;
     default: return 0;
@@ -897,7 +927,9 @@ static int gemv_reads(int type, int64_t K)
  * max|x of a block|/254^2 per element) takes quantized weights 16-byte aligned. */
 static int gemv_q8_reads(const gmat *w)
 {
-    return w->type != M40K_TYPE_F16 && gemv_reads(w->type, w->cols) && ((uintptr_t)w->data & 15) == 0;
+    const int t = w->type;
+    return (t == M40K_TYPE_Q8_0 || t == M40K_TYPE_Q4_0 || t == M40K_TYPE_Q4_K || t == M40K_TYPE_Q6_K) &&
+           gemv_reads(t, w->cols) && ((uintptr_t)w->data & 15) == 0;
 }
 
 /* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous).
@@ -931,6 +963,20 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
                    : (m40_set_err(err, errlen, "gpu %d: GEMV (type %d, %dx%d, batch %d) failed", g->device, w->type, rows,
                               cols, (int)n),
                       -1);
+    if (g->gemm_f32) { /* the tiled path in F32: exact weights and activations */
+        if ((size_t)rows * (size_t)cols > g->deq_cap) {
+            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+            return -1;
+        }
+        CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F32, cols, g->stream));
+        cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, (const float *)g->deq,
+                                       cols, x, cols, &zero, y, (int)ldy);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
+            return -1;
+        }
+        return 0;
+    }
     /* The tiled path: F16 x F16 -> F32 on the tensor cores. */
     const void *wf16 = w->data;
     if (w->type != M40K_TYPE_F16) {

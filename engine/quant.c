@@ -623,6 +623,58 @@ static void quantize_q4_0(const float *x, uint8_t *y, int64_t nb)
     }
 }
 
+/* Q5_0 has 32 levels, -16..15: as Q4_0, the element of largest magnitude maps to -16.
+ * The 5th bit of element j goes to bit j of qh (stored little-endian). */
+static void quantize_q5_0(const float *x, uint8_t *y, int64_t nb)
+{
+    for (int64_t b = 0; b < nb; b++, x += 32, y += 22) {
+        float vmax = 0.0f;
+        for (int j = 0; j < 32; j++)
+            if (fabsf(x[j]) > fabsf(vmax))
+                vmax = x[j];
+        uint16_t dh = m40_fp32_to_fp16(vmax / -16.0f);
+        float d = m40_fp16_to_fp32(dh), id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint32_t qh = 0;
+        wr16(y, dh);
+        for (int j = 0; j < 16; j++) {
+            int a = clampi(roundi(x[j] * id) + 16, 0, 31);
+            int c = clampi(roundi(x[j + 16] * id) + 16, 0, 31);
+            y[6 + j] = (uint8_t)((a & 15) | ((c & 15) << 4));
+            qh |= (uint32_t)(a >> 4) << j | (uint32_t)(c >> 4) << (j + 16);
+        }
+        for (int k = 0; k < 4; k++)
+            y[2 + k] = (uint8_t)(qh >> (8 * k));
+    }
+}
+
+/* Q4_1 / Q5_1: x ~= d*L + m with L in 0..15 (0..31), m = min, d = (max - min)/levels,
+ * levels chosen against d and m as stored in f16. */
+static void quantize_q4_1_q5_1(const float *x, uint8_t *y, int64_t nb, int five)
+{
+    const int nmax = five ? 31 : 15, bb = five ? 24 : 20, qs_off = five ? 8 : 4;
+    for (int64_t b = 0; b < nb; b++, x += 32, y += bb) {
+        float lo = x[0], hi = x[0];
+        for (int j = 1; j < 32; j++) {
+            lo = fminf(lo, x[j]);
+            hi = fmaxf(hi, x[j]);
+        }
+        uint16_t dh = m40_fp32_to_fp16((hi - lo) / (float)nmax), mh = m40_fp32_to_fp16(lo);
+        float d = m40_fp16_to_fp32(dh), m = m40_fp16_to_fp32(mh), id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint32_t qh = 0;
+        wr16(y, dh);
+        wr16(y + 2, mh);
+        for (int j = 0; j < 16; j++) {
+            int a = clampi(roundi((x[j] - m) * id), 0, nmax);
+            int c = clampi(roundi((x[j + 16] - m) * id), 0, nmax);
+            y[qs_off + j] = (uint8_t)((a & 15) | ((c & 15) << 4));
+            qh |= (uint32_t)(a >> 4) << j | (uint32_t)(c >> 4) << (j + 16);
+        }
+        if (five)
+            for (int k = 0; k < 4; k++)
+                y[4 + k] = (uint8_t)(qh >> (8 * k));
+    }
+}
+
 /* Fit x ~= s*L - m with L in 0..nmax, s >= 0, m >= 0 (the K-quant "scale and
  * min" form). A handful of candidate steps around (max-min)/nmax are tried; for
  * each, levels are assigned and (s, m) refit by least squares; the lowest squared
@@ -807,6 +859,17 @@ int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n)
         if (n % 32)
             return -1;
         quantize_q4_0(src, y, n / 32);
+        return 0;
+    case M40_TYPE_Q4_1:
+    case M40_TYPE_Q5_1:
+        if (n % 32)
+            return -1;
+        quantize_q4_1_q5_1(src, y, n / 32, type == M40_TYPE_Q5_1);
+        return 0;
+    case M40_TYPE_Q5_0:
+        if (n % 32)
+            return -1;
+        quantize_q5_0(src, y, n / 32);
         return 0;
     case M40_TYPE_Q4_K:
         if (n % M40_QK_K)

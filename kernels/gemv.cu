@@ -1,7 +1,9 @@
 /* Quantized GEMV for decode batches: y[b][n] = W[n] . x[b], batch 1..8.
  *
- * Fast path (W 16-byte aligned and rows a multiple of 16 bytes: every K that is a
- * multiple of 256, so every real model shape): gemv_fast_kernel below. A block of 4 warps
+ * Fast path (F16, Q8_0, Q4_0, Q4_K, Q6_K with W 16-byte aligned and rows a multiple of
+ * 16 bytes: every K that is a multiple of 256, so most real model shapes):
+ * gemv_fast_kernel below. Q4_1, Q5_0 and Q5_1 (the fallbacks of K-quant files for rows
+ * that are not a multiple of 256, e.g. Gemma 3 270M's 640) take the generic kernel. A block of 4 warps
  * owns 4/S groups of R = 4 rows; the S warps of a group split the row's segments
  * (round robin) and their partial sums meet in shared memory at the end. Each warp
  * walks its segments (512..2048 elements, ~1 KB of each of its R rows) the same way:
@@ -400,6 +402,9 @@ static int gemv_launch_b(const void *w, int N, int K, const float *x, int64_t xs
 {
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
+    constexpr bool has_fast = T == M40K_TYPE_F16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
+                              T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K;
+    if constexpr (has_fast) {
     if (((uintptr_t)w & 15) == 0 && row_bytes % 16 == 0) {
         /* split of each row's segments over S warps: score = share of warp time not idle at
          * the end (segments split evenly?) x how well the grid fills the GPU (about 2100
@@ -418,6 +423,7 @@ static int gemv_launch_b(const void *w, int N, int K, const float *x, int64_t xs
         gemv_fast_kernel<T, B><<<(N + rows_per_block - 1) / rows_per_block, GF_WARPS * 32, 0, st>>>(
             (const uint8_t *)w, row_bytes, N, K, S, x, xs, y, ys);
         return m40k_launch_status();
+    }
     }
     gemv_kernel<T, B><<<(N + GEMV_WARPS - 1) / GEMV_WARPS, GEMV_WARPS * 32, 0, st>>>((const uint8_t *)w, row_bytes, N,
                                                                                     K, x, xs, y, ys);
@@ -452,6 +458,9 @@ extern "C" int m40k_gemv(const void *w, int w_type, int N, int K, const float *x
     case M40K_TYPE_F16: return K % 8 ? M40K_INVALID : gemv_launch<M40K_TYPE_F16>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_Q8_0: return K % 32 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q8_0>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_Q4_0: return K % 32 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q4_0>(w, N, K, x, x_stride, y, y_stride, batch, stream);
+    case M40K_TYPE_Q4_1: return K % 32 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q4_1>(w, N, K, x, x_stride, y, y_stride, batch, stream);
+    case M40K_TYPE_Q5_0: return K % 32 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q5_0>(w, N, K, x, x_stride, y, y_stride, batch, stream);
+    case M40K_TYPE_Q5_1: return K % 32 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q5_1>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_Q4_K: return K % 256 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q4_K>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_Q6_K: return K % 256 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q6_K>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     default: return M40K_INVALID;

@@ -38,13 +38,16 @@ enum {
     M40K_TYPE_F32 = 0,
     M40K_TYPE_F16 = 1,
     M40K_TYPE_Q4_0 = 2,
+    M40K_TYPE_Q4_1 = 3,
+    M40K_TYPE_Q5_0 = 6,
+    M40K_TYPE_Q5_1 = 7,
     M40K_TYPE_Q8_0 = 8,
     M40K_TYPE_Q4_K = 12,
     M40K_TYPE_Q6_K = 14
 };
 
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
- * F16, Q8_0, Q4_0, Q4_K or Q6_K (dim a multiple of the block size: 32, or 256 for the
+ * F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K (dim a multiple of the block size: 32, or 256 for the
  * K-quants); rows are dim elements packed (row bytes = dim/block*block_bytes). out_type
  * F32 or F16, row stride out_stride elements. Ids outside [0, n_rows) give zero rows. */
 int m40k_embed(const void *table, int table_type, int64_t n_rows, int dim, const int32_t *ids, int n_ids,
@@ -159,8 +162,8 @@ int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q
                                   float scale, int window, m40k_stream stream);
 
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
- * n < N, b < batch (1..8). W rows are K elements of w_type (F16, Q8_0, Q4_0, Q4_K,
- * Q6_K; GGUF block layouts) packed, row bytes = K/block*block_bytes. K a multiple of 32
+ * n < N, b < batch (1..8). W rows are K elements of w_type (F16, Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q4_K, Q6_K; GGUF block layouts) packed, row bytes = K/block*block_bytes. K a multiple of 32
  * (256 for the K-quants, 8 for F16). x 16-byte aligned, x_stride a multiple of 4.
  * One warp per row: 16-byte loads staged through shared memory, dequantization in
  * registers, F32 accumulation. May read up to 15 bytes past the end of W's last row

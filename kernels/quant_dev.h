@@ -2,6 +2,10 @@
  * the embedding gather and the GEMV. Same block layouts as engine/quant.c:
  *   Q8_0 (34 B / 32):  d f16 | qs[32] int8
  *   Q4_0 (18 B / 32):  d f16 | qs[16]  (element j: low nibble of qs[j], j+16: high)
+ *   Q4_1 (20 B / 32):  d f16 | m f16 | qs[16]  (w = d*q + m)
+ *   Q5_0 (22 B / 32):  d f16 | qh[4] | qs[16]  (Q4_0 nibbles, bit j of qh is element j's
+ *                      5th bit; w = d*(q - 16))
+ *   Q5_1 (24 B / 32):  d f16 | m f16 | qh[4] | qs[16]  (w = d*q + m)
  *   Q4_K (144 B / 256): d f16 | dmin f16 | scales[12] | qs[128]
  *   Q6_K (210 B / 256): ql[128] | qh[64] | scales[16] int8 | d f16
  * A group of 8 (first element e0, a multiple of 8) always lies in one scale sub-block,
@@ -17,6 +21,9 @@ template <> struct m40k_tinfo<M40K_TYPE_F32> { enum { BE = 1, BB = 4 }; };
 template <> struct m40k_tinfo<M40K_TYPE_F16> { enum { BE = 1, BB = 2 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q8_0> { enum { BE = 32, BB = 34 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q4_0> { enum { BE = 32, BB = 18 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q4_1> { enum { BE = 32, BB = 20 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q5_0> { enum { BE = 32, BB = 22 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q5_1> { enum { BE = 32, BB = 24 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q4_K> { enum { BE = 256, BB = 144 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K> { enum { BE = 256, BB = 210 }; };
 
@@ -54,6 +61,21 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
             q[i] = m40k_u8f((b[2 + (j & 15) + i] >> sh) & 15u);
         scale = m40k_ldh(b);
         offset = 8.0f * scale;
+    } else if (T == M40K_TYPE_Q4_1 || T == M40K_TYPE_Q5_0 || T == M40K_TYPE_Q5_1) {
+        constexpr int BB = m40k_tinfo<T>::BB, QS = T == M40K_TYPE_Q4_1 ? 4 : T == M40K_TYPE_Q5_0 ? 6 : 8;
+        const uint8_t *b = p + BB * (e0 >> 5);
+        const int j = e0 & 31, sh = j < 16 ? 0 : 4;
+        uint32_t hb = 0;
+        if (T != M40K_TYPE_Q4_1) {
+            const uint8_t *qh = b + QS - 4;
+            hb = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+            hb = (hb >> j) << 4; /* bit j+i of qh lands at bit 4+i */
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f(((b[QS + (j & 15) + i] >> sh) & 15u) | ((hb >> i) & 16u));
+        scale = m40k_ldh(b);
+        offset = T == M40K_TYPE_Q5_0 ? 16.0f * scale : -m40k_ldh(b + 2);
     } else if (T == M40K_TYPE_Q4_K) {
         const uint8_t *b = p + 144 * (e0 >> 8);
         const int e = e0 & 255, s = e >> 5, c = e >> 6, l = e & 63, sh = l < 32 ? 0 : 4;

@@ -49,7 +49,8 @@ static std::vector<uint8_t> quant_matrix(int type, int rows, int cols, float lo 
     }
     return q;
 }
-static const int all_types[] = {M40K_TYPE_F32, M40K_TYPE_F16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int all_types[] = {M40K_TYPE_F32,  M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
+                                M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
 
 /* ---------------------------------------------------------------- 1. embed */
 static void test_embed(void)
@@ -303,14 +304,16 @@ static void test_attention(void)
 }
 
 /* ---------------------------------------------------------------- 8. gemv */
-static const int gemv_types[] = {M40K_TYPE_F16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
+                                 M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
 
 static void test_gemv(void)
 {
     /* K 608 (19 blocks of 32): F16 ends in a partial segment, Q8_0/Q4_0 rows are not
-     * 16-byte multiples and take the generic kernel; the rest take the fast kernel. */
+     * 16-byte multiples and take the generic kernel; the rest take the fast kernel.
+     * Q4_1/Q5_0/Q5_1 always take the generic kernel; K 640 is Gemma 3 270M's width. */
     for (int type : gemv_types)
-        for (int K : {256 * 3, 256 * 9, 4096 + 256, 608})
+        for (int K : {256 * 3, 256 * 9, 4096 + 256, 608, 640})
             for (int N : {1, 17, 259})
                 for (int batch : {1, 3, 8}) {
                     if (K % 256 && (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K))
@@ -424,8 +427,11 @@ static void test_gemv_q8(void)
                     m40_ref_quantize_q8(x.data(), xs, K, batch, ws.data());
                     m40_ref_gemv_q8(w.data(), type, N, K, ws.data(), batch, c.data(), ys);
                     m40_ref_gemv(w.data(), type, N, K, x.data(), xs, e.data(), ys, batch);
-                    /* per output: m = sum |w|(|x| + amax/254^2) bounds every term; q = the
-                     * activation-quantization bound sum |w| amax/254^2 (1 + 2^-14) */
+                    /* per output: m = sum (|w| + |o|)(|x| + amax/254^2) bounds every term,
+                     * o the offset the kernel subtracts separately (Q4_0: w = d q - 8 d, so
+                     * a zero weight still adds 8 d x and takes it away again: with one
+                     * large x, float rounding of that pair shows); q = the activation-
+                     * quantization bound sum |w| amax/254^2 (1 + 2^-14) */
                     std::vector<double> tt(c.size(), 0.0), te(c.size(), 0.0);
                     std::vector<float> amax(K / 32);
                     for (int b = 0; b < batch; b++) {
@@ -438,7 +444,12 @@ static void test_gemv_q8(void)
                             double m = 0, q = 0;
                             for (int k = 0; k < K; k++) {
                                 const double aw = fabs(deq[(size_t)n * K + k]), ab = amax[k / 32] / (254.0 * 254.0);
-                                m += aw * (fabs(x[b * xs + k]) + ab);
+                                double ao = 0.0;
+                                if (type == M40K_TYPE_Q4_0) {
+                                    const uint8_t *blk = w.data() + n * row_bytes(type, K) + 18 * (k / 32);
+                                    ao = 8.0 * fabs(m40_fp16_to_fp32((uint16_t)(blk[0] | blk[1] << 8)));
+                                }
+                                m += (aw + ao) * (fabs(x[b * xs + k]) + ab);
                                 q += aw * ab;
                             }
                             tt[b * ys + n] = 1e-5 * m;

@@ -677,7 +677,7 @@ static void test_engine(const char *path)
         m40_request_release(tight[i].req);
     }
     printf("engine gpu, 12-block pool: %d/6 requests complete and equal to solo (preemption)\n", same);
-    m40_engine_get_stats(e, &st);
+    settle_stats(e, &st);
     CHECK(st.running == 0, "running %d", (int)st.running);
     m40_engine_destroy(e);
 }
@@ -716,14 +716,6 @@ static m40_engine *pc_start(const char *path, int max_seqs, int chunk, const cha
 }
 
 /* Stats once the engine thread has published the step that finished the last request. */
-static void pc_stats(m40_engine *e, m40_engine_stats *st)
-{
-    double end = now_s() + 5;
-    do
-        m40_engine_get_stats(e, st);
-    while ((st->running != 0 || st->queue_depth != 0) && now_s() < end && usleep(2000) == 0);
-}
-
 /* Submits the PC_N prompts at once and waits for all; 0 when every one finished. */
 static int pc_run(m40_engine *e, char prompts_[PC_N][2048], job *jobs)
 {
@@ -853,7 +845,7 @@ static void test_prefix_cache(const char *path)
     if (!e)
         return;
     CHECK(pc_run(e, pr, off) == 0, "requests without the prefix cache did not finish");
-    pc_stats(e, &st0);
+    settle_stats(e, &st0);
     CHECK(st0.prompt_tokens_computed == (uint64_t)sum_n && st0.prefix_cache_hit_tokens == 0,
           "no cache: %llu computed of %lld, %llu hits", (unsigned long long)st0.prompt_tokens_computed,
           (long long)sum_n, (unsigned long long)st0.prefix_cache_hit_tokens);
@@ -863,7 +855,7 @@ static void test_prefix_cache(const char *path)
     if (!e)
         return;
     CHECK(pc_run(e, pr, on) == 0, "requests with the prefix cache did not finish");
-    pc_stats(e, &st1);
+    settle_stats(e, &st1);
     int same = 0;
     for (int i = 0; i < PC_N; i++) {
         CHECK(off[i].finish == M40_FINISH_LENGTH && off[i].completion_tokens == PC_GEN, "no cache %d: finish %d %s",
@@ -888,7 +880,7 @@ static void test_prefix_cache(const char *path)
 
     /* The same requests again: every full block of each prompt is cached by now. */
     CHECK(pc_run(e, pr, again) == 0, "repeated requests did not finish");
-    pc_stats(e, &st2);
+    settle_stats(e, &st2);
     uint64_t delta = st2.prompt_tokens_computed - st1.prompt_tokens_computed;
     for (int i = 0; i < PC_N; i++)
         CHECK(again[i].finish == M40_FINISH_LENGTH && strcmp(again[i].text, off[i].text) == 0,
@@ -914,7 +906,7 @@ static void test_prefix_cache(const char *path)
               tight[i].err_status, tight[i].err_msg, tight[i].text, off[i].text);
     }
     m40_engine_stats st3;
-    pc_stats(e, &st3);
+    settle_stats(e, &st3);
     printf("prefix cache %s, 24-block pool: %d/%d texts equal to uncached, %llu prompt tokens computed, %llu hit\n",
            strrchr(path, '/') + 1, same, PC_N, (unsigned long long)st3.prompt_tokens_computed,
            (unsigned long long)st3.prefix_cache_hit_tokens);
@@ -936,7 +928,7 @@ static void test_prefix_cache(const char *path)
               "after cancellations %d: finish %d (%s), text:\n  [%s]\n  [%s]", i, after[i].finish,
               after[i].err_msg, after[i].text, off[i].text);
     }
-    pc_stats(e, &st3);
+    settle_stats(e, &st3);
     printf("prefix cache %s, 24-block pool: 4 of 8 cancelled mid-decode, then %d/%d texts equal to uncached\n",
            strrchr(path, '/') + 1, same, PC_N);
     CHECK(st3.running == 0 && st3.kv_tokens_used == 0, "running %d, kv tokens used %lld", (int)st3.running,

@@ -21,6 +21,17 @@ static inline double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* The engine publishes its stats after a step's events went out, so a request's last
+ * event can come before the gauges count it gone: wait (up to 5 s) for nothing running
+ * or queued. */
+static inline void settle_stats(m40_engine *e, m40_engine_stats *st)
+{
+    double end = now_s() + 5;
+    do
+        m40_engine_get_stats(e, st);
+    while ((st->running != 0 || st->queue_depth != 0) && now_s() < end && usleep(2000) == 0);
+}
+
 typedef struct {
     m40_request *req;
     char text[8192];

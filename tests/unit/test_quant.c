@@ -518,7 +518,8 @@ static void test_roundtrip(void)
         double bound;
     } cases[] = {
         {M40_TYPE_F32, 0.0},    {M40_TYPE_F16, 5e-4},  {M40_TYPE_BF16, 4e-3}, {M40_TYPE_Q8_0, 0.01},
-        {M40_TYPE_Q4_0, 0.10},  {M40_TYPE_Q4_K, 0.08}, {M40_TYPE_Q6_K, 0.02},
+        {M40_TYPE_Q4_0, 0.10},  {M40_TYPE_Q4_K, 0.08}, {M40_TYPE_Q6_K, 0.02}, {M40_TYPE_Q4_1, 0.10},
+        {M40_TYPE_Q5_0, 0.05},  {M40_TYPE_Q5_1, 0.05},
     };
     /* Gaussian data with a per-256 magnitude that varies over 3 decades, so super
      * scales and sub-block scales are both exercised. */
