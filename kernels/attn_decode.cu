@@ -9,11 +9,14 @@
  * 4 tokens per team is loaded (K and V together, all loads in flight before use),
  * scores are team-reduced by shuffles, a warp per query head does the online-softmax
  * update of the tile, and every thread accumulates p * V for its 8 dims and G heads in
- * registers. At the end the teams' partial outputs are summed in shared memory.
+ * registers. At the end each team stores its partial outputs to shared memory and they
+ * are summed in a fixed order (no shared-memory float atomics: those are compare-and-swap
+ * loops, and 8 teams adding to the same words made them most of a short split's time).
  * With n_splits > 1 each split writes (unnormalized output, max, sum) to a workspace
- * and a second kernel merges the splits (an empty split leaves max -inf: skipped).
- * window > 0 (sliding-window layers, Gemma 3): only the last `window` positions are
- * read, and the splits divide that range. */
+ * and a second kernel merges the splits (an empty split leaves max -inf: skipped). The
+ * splits divide the positions evenly (any token boundary). window > 0 (sliding-window
+ * layers, Gemma 3): only the last `window` positions are read, and the splits divide
+ * that range. */
 #include "cuda_common.h"
 
 #include <math.h>
@@ -30,7 +33,7 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
 {
     constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
     __shared__ float S[GMAX][TILE];
-    __shared__ float O[GMAX][D];
+    __shared__ __align__(16) float P[NT][GMAX * D]; /* the teams' partial outputs */
     __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
 
     const int kvh = blockIdx.x, s = blockIdx.y, split = blockIdx.z;
@@ -39,16 +42,10 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
 
     const int page0 = indptr[s], npages = indptr[s + 1] - page0;
     const int len = npages > 0 ? (npages - 1) * M40K_PAGE + last_page_len[s] : 0;
-    int tok0, tok1;
-    if (window > 0) {
-        /* sliding window: the last `window` positions, split evenly (in whole pages) */
-        const int start = max(0, len - window);
-        const int per = ((len - start + n_splits - 1) / n_splits + M40K_PAGE - 1) / M40K_PAGE * M40K_PAGE;
-        tok0 = min(len, start + split * per), tok1 = min(len, start + (split + 1) * per);
-    } else {
-        const int pps = (npages + n_splits - 1) / n_splits;
-        tok0 = min(len, split * pps * M40K_PAGE), tok1 = min(len, (split + 1) * pps * M40K_PAGE);
-    }
+    /* sliding window: only the last `window` positions */
+    const int start = window > 0 ? max(0, len - window) : 0;
+    const int per = (len - start + n_splits - 1) / n_splits;
+    const int tok0 = min(len, start + split * per), tok1 = min(len, start + (split + 1) * per);
 
     float qr[GMAX][8], acc[GMAX][8];
 #pragma unroll
@@ -62,8 +59,6 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
         for (int i = 0; i < 8; i++)
             acc[g][i] = 0.0f;
     }
-    for (int i = tid; i < GMAX * D; i += DEC_THREADS)
-        O[i / D][i % D] = 0.0f;
     if (tid < GMAX)
         m_s[tid] = -INFINITY, l_s[tid] = 0.0f;
     __syncthreads();
@@ -150,19 +145,24 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
 
 #pragma unroll
     for (int g = 0; g < GMAX; g++)
-        if (g < G)
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                atomicAdd(&O[g][8 * c + i], acc[g][i]);
+        if (g < G) {
+            float4 *pp = reinterpret_cast<float4 *>(&P[tm][g * D + 8 * c]);
+            pp[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            pp[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+        }
     __syncthreads();
     for (int j = tid; j < G * D; j += DEC_THREADS) {
         const int g = j / D, d = j % D, h = kvh * G + g;
+        float o = 0.0f;
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            o += P[t][j];
         if (n_splits == 1) {
             const float l = l_s[g];
-            out[s * out_stride + (int64_t)h * D + d] = l > 0.0f ? O[g][d] / l : 0.0f;
+            out[s * out_stride + (int64_t)h * D + d] = l > 0.0f ? o / l : 0.0f;
         } else {
             const size_t r = ((size_t)s * n_heads + h) * n_splits + split;
-            ws[r * D + d] = O[g][d];
+            ws[r * D + d] = o;
             if (d == 0) {
                 float *ml = ws + (size_t)gridDim.y * n_heads * n_splits * D;
                 ml[2 * r] = m_s[g];
@@ -180,10 +180,12 @@ __global__ void attn_decode_merge(float *__restrict__ out, int64_t out_stride, c
     const size_t r0 = ((size_t)s * n_heads + h) * n_splits;
     const float *ml = ws + (size_t)n_seqs * n_heads * n_splits * head_dim;
     float M = -INFINITY;
+#pragma unroll 4
     for (int i = 0; i < n_splits; i++)
         M = fmaxf(M, ml[2 * (r0 + i)]);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float num = 0.0f, den = 0.0f;
+#pragma unroll 4
         for (int i = 0; i < n_splits; i++) {
             const float m = ml[2 * (r0 + i)];
             if (m == -INFINITY)
@@ -201,17 +203,21 @@ extern "C" size_t m40k_decode_workspace_floats(int n_seqs, int n_heads, int head
     return n_splits > 1 ? (size_t)n_seqs * n_heads * n_splits * (head_dim + 2) : 0;
 }
 
-/* Splits until the grid covers the GPU twice, each split keeping at least 64 positions
- * (two 32-token tiles at D=128): a block walks its range tile by tile, each tile a
- * dependent round of loads and barriers, so few long ranges are latency-bound (H100,
- * batch 1, 8 KV heads, 515 positions: 2 splits of 256 took 33 us a layer). */
+/* About one 32-token tile per split (the tile at D=128), as long as the grid stays
+ * within 4 blocks per SM and 64 splits: a block walks its range tile by tile, each tile
+ * a dependent round of loads, shuffles and barriers at one warp per scheduler, so at
+ * small batches time follows the tiles per block, not the bytes (H100, batch 1, 8 KV
+ * heads, 515 positions: 2 splits of 256 took 33 us a layer, 8 of 65 21 us). */
 extern "C" int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_len, int sm_count)
 {
     const int blocks = n_seqs * n_kv_heads;
-    int splits = 1;
-    while (blocks * splits < 2 * sm_count && max_seq_len / (2 * splits) >= 64 && splits < 64)
-        splits *= 2;
-    return splits;
+    int splits = (max_seq_len + 31) / 32;
+    const int cap = blocks > 0 ? 4 * sm_count / blocks : 1;
+    if (splits > cap)
+        splits = cap;
+    if (splits > 64)
+        splits = 64;
+    return splits < 1 ? 1 : splits;
 }
 
 template <int D, int GMAX>

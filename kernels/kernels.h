@@ -95,12 +95,12 @@ int m40k_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int64_t
  * q: [n_seqs][q_stride] F32 (head h at h*head_dim), out likewise with out_stride.
  * head_dim 64, 128 or 256; n_heads/n_kv_heads in 1..8 (n_heads a multiple).
  * scale multiplies q.k (usually 1/sqrt(head_dim)). n_splits > 1 splits each sequence's
- * pages into that many ranges processed by separate blocks (better GPU fill for few
- * long sequences) and merges them; it needs a workspace of
+ * positions into that many even ranges processed by separate blocks (better GPU fill for
+ * few long sequences) and merges them; it needs a workspace of
  * m40k_decode_workspace_floats(...) floats (NULL is fine for n_splits == 1). */
 size_t m40k_decode_workspace_floats(int n_seqs, int n_heads, int head_dim, int n_splits);
-/* A split count for the given shape: enough blocks to fill the GPU, at least 256 tokens
- * per split. sm_count from cudaDeviceProp.multiProcessorCount. */
+/* A split count for the given shape: about 32 positions per split, at most 4 blocks per
+ * SM and 64 splits. sm_count from cudaDeviceProp.multiProcessorCount. */
 int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_len, int sm_count);
 int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
                      const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
