@@ -1,8 +1,9 @@
 /* Elementwise: gated activations (SwiGLU, GeGLU-tanh) and the residual add. */
 #include "cuda_common.h"
+#include "q8_dev.h"
 
 __global__ void glu_kernel(int act, const float *__restrict__ gate, const float *__restrict__ up, int64_t in_stride,
-                           float *__restrict__ out, int64_t out_stride, int n)
+                           float *__restrict__ out, int64_t out_stride, int n, gq_blk *__restrict__ xq)
 {
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -12,6 +13,8 @@ __global__ void glu_kernel(int act, const float *__restrict__ gate, const float 
         else
             a = g / (1.0f + expf(-g));
         out[r * out_stride + i] = a * u;
+        if (xq) /* n % 32 == 0: a warp holds one whole block */
+            gq_quantize_block(a * u, threadIdx.x & 31, xq + (size_t)r * (n / 32) + i / 32);
     }
 }
 
@@ -29,7 +32,19 @@ extern "C" int m40k_glu(int act, const float *gate, const float *up, int64_t in_
     if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535)
         return M40K_INVALID;
     dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    glu_kernel<<<grid, 256, 0, stream>>>(act, gate, up, in_stride, out, out_stride, n);
+    glu_kernel<<<grid, 256, 0, stream>>>(act, gate, up, in_stride, out, out_stride, n, nullptr);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_glu_q8(int act, const float *gate, const float *up, int64_t in_stride, float *out,
+                           int64_t out_stride, int rows, int n, void *xq, m40k_stream stream)
+{
+    if (rows <= 0 || n <= 0)
+        return 0;
+    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || n % 32 || !xq)
+        return M40K_INVALID;
+    dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
+    glu_kernel<<<grid, 256, 0, stream>>>(act, gate, up, in_stride, out, out_stride, n, (gq_blk *)xq);
     return m40k_launch_status();
 }
 

@@ -172,27 +172,38 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
     }
 }
 
-/* Merge the splits of one (sequence, head): rescale each to the common max. */
+/* Merge the splits of one (sequence, head): rescale each to the common max. Warp 0 finds
+ * the max and the denominator with the splits spread over its lanes (one round of
+ * loads, not a chain of n_splits), then every thread sums its dims. */
 __global__ void attn_decode_merge(float *__restrict__ out, int64_t out_stride, const float *__restrict__ ws,
                                   int n_seqs, int n_heads, int head_dim, int n_splits)
 {
+    __shared__ float M_s, den_s;
     const int h = blockIdx.x, s = blockIdx.y;
     const size_t r0 = ((size_t)s * n_heads + h) * n_splits;
-    const float *ml = ws + (size_t)n_seqs * n_heads * n_splits * head_dim;
-    float M = -INFINITY;
-#pragma unroll 4
-    for (int i = 0; i < n_splits; i++)
-        M = fmaxf(M, ml[2 * (r0 + i)]);
+    const float *ml = ws + (size_t)n_seqs * n_heads * n_splits * head_dim + 2 * r0;
+    if (threadIdx.x < 32) {
+        float M = -INFINITY;
+        for (int i = threadIdx.x; i < n_splits; i += 32)
+            M = fmaxf(M, ml[2 * i]);
+        M = m40k_warp_max(M);
+        float den = 0.0f;
+        for (int i = threadIdx.x; i < n_splits; i += 32)
+            if (ml[2 * i] != -INFINITY)
+                den += __expf(ml[2 * i] - M) * ml[2 * i + 1];
+        den = m40k_warp_sum(den);
+        if (threadIdx.x == 0)
+            M_s = M, den_s = den;
+    }
+    __syncthreads();
+    const float M = M_s, den = den_s;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float num = 0.0f, den = 0.0f;
-#pragma unroll 4
+        float num = 0.0f;
+#pragma unroll 8
         for (int i = 0; i < n_splits; i++) {
-            const float m = ml[2 * (r0 + i)];
-            if (m == -INFINITY)
-                continue;
-            const float w = __expf(m - M);
-            num += w * ws[(r0 + i) * head_dim + d];
-            den += w * ml[2 * (r0 + i) + 1];
+            const float m = ml[2 * i];
+            if (m != -INFINITY) /* an empty split: max -inf, nothing written to its row */
+                num += __expf(m - M) * ws[(r0 + i) * head_dim + d];
         }
         out[s * out_stride + (int64_t)h * head_dim + d] = den > 0.0f ? num / den : 0.0f;
     }

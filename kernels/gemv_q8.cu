@@ -48,6 +48,7 @@
  * same workspace bytes and forms the same integer dots and the same per-group F32
  * terms; only the order of the F32 additions differs. */
 #include "quant_dev.h"
+#include "q8_dev.h"
 
 #define GQ_WARPS 4
 #define GQ_R 2               /* rows per warp */
@@ -64,29 +65,6 @@
 __device__ __forceinline__ float gq_f(int acc) { return __int_as_float(acc) - 12582912.0f; }
 
 /* ------------------------------------------------------------------ x quantization */
-/* The workspace record of one block of 32 (kernels.h 8b): x ~ d1*q1 + d2*q2, s the sum
- * of that over the block, z = 0. */
-struct __align__(16) gq_blk {
-    int8_t q1[32], q2[32];
-    float d1, d2, s, z;
-};
-static_assert(sizeof(gq_blk) == 80, "gq_blk: 80 bytes");
-
-/* rint(v/d) as an int (0 when d == 0). IEEE division and round-half-even, as the CPU
- * twin; the clamp only decides NaN. */
-__device__ __forceinline__ int gq_round(float v, float d)
-{
-    return d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v / d))) : 0;
-}
-
-__device__ __forceinline__ int gq_warp_isum(int v)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 __global__ __launch_bounds__(256) void q8_quantize_kernel(const float *__restrict__ x, int64_t x_stride, int K,
                                                            int nblk, gq_blk *__restrict__ out)
 {
@@ -94,18 +72,7 @@ __global__ __launch_bounds__(256) void q8_quantize_kernel(const float *__restric
     if (blk >= nblk)
         return; /* whole warps only */
     const int per = K / 32, b = blk / per, j = blk % per;
-    const float v = x[b * x_stride + 32 * j + lane];
-    const float d1 = m40k_warp_max(fabsf(v)) / 127.0f;
-    const int a = gq_round(v, d1);
-    const float r = fmaf(-d1, (float)a, v); /* the residual x - d1*q1, rounded once */
-    const float d2 = m40k_warp_max(fabsf(r)) / 127.0f;
-    const int c = gq_round(r, d2);
-    const int sa = gq_warp_isum(a), sc = gq_warp_isum(c);
-    gq_blk *o = out + blk; /* block j of batch row b */
-    o->q1[lane] = (int8_t)a;
-    o->q2[lane] = (int8_t)c;
-    if (lane == 0)
-        *reinterpret_cast<float4 *>(&o->d1) = make_float4(d1, d2, fmaf(d1, (float)sa, __fmul_rn(d2, (float)sc)), 0.0f);
+    gq_quantize_block(x[b * x_stride + 32 * j + lane], lane, out + blk); /* block j of batch row b */
 }
 
 /* ------------------------------------------------------------------ weight loads */

@@ -61,6 +61,11 @@ int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, void *out, in
  * (F32; out may alias d, not x). */
 int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
                      int64_t out_stride, int rows, int dim, float eps, m40k_stream stream);
+/* 2c. The same, and out quantized for m40k_gemv_q8 on the way (8b): xq receives the
+ * workspace m40k_quantize_q8(out, out_stride, dim, rows, xq) would write, byte for byte.
+ * dim a multiple of 32, rows <= 8 for the GEMV. */
+int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
+                        int64_t out_stride, int rows, int dim, float eps, void *xq, m40k_stream stream);
 
 /* 3. RoPE in place on q (and k unless NULL): token t's head h starts at
  * q + t*q_stride + h*head_dim. The first rot_dim (even, <= head_dim) dims rotate by
@@ -77,6 +82,9 @@ int m40k_rope(float *q, int64_t q_stride, int n_q_heads, float *k, int64_t k_str
 enum { M40K_GLU_SILU = 0, M40K_GLU_GELU_TANH = 1 };
 int m40k_glu(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride, int rows,
              int n, m40k_stream stream);
+/* 4b. The same, and out quantized for m40k_gemv_q8 on the way, as 2c (n a multiple of 32). */
+int m40k_glu_q8(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
+                int rows, int n, void *xq, m40k_stream stream);
 
 /* Residual add: out[i] = a[i] + b[i], i < n (out may alias a or b). */
 int m40k_add(float *out, const float *a, const float *b, int64_t n, m40k_stream stream);

@@ -1,6 +1,7 @@
 /* RMSNorm: one block per row; sum of squares in F32 per thread, block reduction, then
  * a second pass over the (cache-hot) row writes the scaled output. Any dim. */
 #include "cuda_common.h"
+#include "q8_dev.h"
 
 __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, const float *__restrict__ w,
                                void *__restrict__ out, int out_f16, int64_t out_stride, int dim, float eps)
@@ -38,7 +39,8 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
  * The first pass writes the sum back to x and keeps its sum of squares; the second
  * re-reads x (each thread reads back what it wrote) to write out. out may be d. */
 __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, const float *d, int64_t d_stride,
-                                   const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps)
+                                   const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
+                                   gq_blk *__restrict__ xq)
 {
     __shared__ float partial[32];
     float *xr = x + blockIdx.x * x_stride;
@@ -51,8 +53,12 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
     }
     const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
     float *orow = out + blockIdx.x * out_stride;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        orow[i] = xr[i] * scale * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float o = xr[i] * scale * w[i];
+        orow[i] = o;
+        if (xq) /* dim % 32 == 0 and blockDim.x % 32 == 0: a warp holds one whole block */
+            gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
+    }
 }
 
 extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
@@ -63,6 +69,20 @@ extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int6
     if (dim <= 0)
         return M40K_INVALID;
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    add_rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, d, d_stride, w, out, out_stride, dim, eps);
+    add_rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, d, d_stride, w, out, out_stride, dim, eps, nullptr);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
+                                   float *out, int64_t out_stride, int rows, int dim, float eps, void *xq,
+                                   m40k_stream stream)
+{
+    if (rows <= 0)
+        return 0;
+    if (dim <= 0 || dim % 32 || !xq)
+        return M40K_INVALID;
+    int threads = dim >= 1024 ? 1024 : dim;
+    add_rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, d, d_stride, w, out, out_stride, dim, eps,
+                                                     (gq_blk *)xq);
     return m40k_launch_status();
 }

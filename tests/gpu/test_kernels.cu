@@ -205,6 +205,62 @@ static void test_act(void)
     cudaFree(da), cudaFree(db);
 }
 
+/* 2c / 4b: add + RMSNorm and the gated activation that also quantize their output for
+ * the int8 GEMV: the output as the plain kernels' twins, and the workspace byte for byte
+ * what the twin quantizer (m40_ref_quantize_q8) makes of the GPU's output. */
+static void test_fused_q8(void)
+{
+    for (int dim : {64, 640, 4096, 4096 + 1024 + 32})
+        for (int rows : {1, 3, 8}) {
+            const int64_t xs = dim + 5, ds = dim + 3;
+            std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
+                               w = rand_vec(dim, 0.5f, 1.5f);
+            float *dx = dup(x), *dd = dup(d), *dw = dup(w);
+            void *dq;
+            const size_t wsb = m40k_gemv_q8_ws_bytes(dim, rows);
+            CK(cudaMalloc(&dq, wsb));
+            CK(m40k_add_rmsnorm_q8(dx, xs, dd, ds, dw, dd, ds, rows, dim, 1e-5f, dq, 0));
+            m40_ref_add_rmsnorm(x.data(), xs, d.data(), ds, w.data(), d.data(), ds, rows, dim, 1e-5f);
+            std::vector<float> go = back(dd, d.size());
+            char what[96];
+            snprintf(what, sizeof what, "add_rmsnorm_q8 rows %d dim %d: out", rows, dim);
+            compare(what, go.data(), d.data(), go.size(), 1e-5f, 1e-5f);
+            std::vector<uint8_t> ws(wsb);
+            m40_ref_quantize_q8(go.data(), ds, dim, rows, ws.data());
+            snprintf(what, sizeof what, "add_rmsnorm_q8 rows %d dim %d: workspace", rows, dim);
+            check(what, back((uint8_t *)dq, wsb) == ws);
+            cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dq);
+        }
+    for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
+        for (int n : {32, 640, 14336 + 32})
+            for (int rows : {1, 5, 8}) {
+                const int64_t is = 2 * n + 1, os = n + 3;
+                std::vector<float> in = rand_vec(rows * is, -6, 6), c(rows * os, 0.0f);
+                float *din = dup(in), *dout;
+                void *dq;
+                const size_t wsb = m40k_gemv_q8_ws_bytes(n, rows);
+                CK(cudaMalloc(&dq, wsb));
+                CK(cudaMalloc(&dout, c.size() * 4));
+                CK(cudaMemset(dout, 0, c.size() * 4));
+                CK(m40k_glu_q8(act, din, din + n, is, dout, os, rows, n, dq, 0));
+                m40_ref_glu(act, in.data(), in.data() + n, is, c.data(), os, rows, n);
+                std::vector<float> g = back(dout, c.size());
+                char what[96];
+                snprintf(what, sizeof what, "glu_q8 act %d n %d rows %d: out", act, n, rows);
+                compare(what, g.data(), c.data(), c.size(), 1e-5f, 1e-5f);
+                std::vector<uint8_t> ws(wsb);
+                m40_ref_quantize_q8(g.data(), os, n, rows, ws.data());
+                snprintf(what, sizeof what, "glu_q8 act %d n %d rows %d: workspace", act, n, rows);
+                check(what, back((uint8_t *)dq, wsb) == ws);
+                cudaFree(din), cudaFree(dout), cudaFree(dq);
+            }
+    /* refused: a dim that is not a multiple of 32, a missing workspace */
+    check("add_rmsnorm_q8 dim 7 refused", m40k_add_rmsnorm_q8(nullptr, 8, nullptr, 8, nullptr, nullptr, 8, 1, 7, 1e-5f,
+                                                               (void *)16, 0) != 0);
+    check("glu_q8 without workspace refused",
+          m40k_glu_q8(M40K_GLU_SILU, nullptr, nullptr, 64, nullptr, 32, 1, 32, nullptr, 0) != 0);
+}
+
 /* ---------------------------------------------------------------- paged cache fixture */
 struct Paged {
     int n_seqs, n_blocks;
@@ -559,8 +615,10 @@ static void bench_gemv(void)
             static const char *const vname[] = {"fast", "generic", "q8", "q8+x"};
             for (int v : {FAST, GENERIC, Q8, Q8X})
             for (int batch : {1, 8}) {
-                if (v >= Q8 && type == M40K_TYPE_F16)
-                    continue;
+                if (v >= Q8 && std::find(std::begin(q8_types), std::end(q8_types), type) == std::end(q8_types))
+                    continue; /* m40k_gemv_q8 reads Q8_0, Q4_0, Q4_K, Q6_K */
+                if (v == FAST && (type == M40K_TYPE_Q4_1 || type == M40K_TYPE_Q5_0 || type == M40K_TYPE_Q5_1))
+                    continue; /* no fast kernel: "generic" is their number */
                 for (auto d : dw)
                     CK(cudaMemcpy(d + (v == GENERIC ? 2 : 0), w.data(), bytes, cudaMemcpyHostToDevice));
                 int turn = 0;
@@ -665,7 +723,7 @@ int main(int argc, char **argv)
     const bool bench = argc > 1 && strcmp(argv[1], "--bench") == 0;
     struct { const char *name; void (*fn)(void); } tests[] = {
         {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
-        {"rope", test_rope},           {"act", test_act},         {"attention", test_attention},
+        {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},         {"attention", test_attention},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"sample", test_sample},
     };
     for (auto &t : tests) {
