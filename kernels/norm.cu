@@ -36,8 +36,11 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
 
 /* Residual add fused with the next RMSNorm (one block per row):
  *   x[r] += d[r];  out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w
- * The first pass writes the sum back to x and keeps its sum of squares; the second
- * re-reads x (each thread reads back what it wrote) to write out. out may be d. */
+ * The first pass writes the sum back to x, keeps its sum of squares and holds the
+ * thread's first AR_REG sums and weights in registers (rows up to AR_REG * blockDim.x,
+ * 8192 wide at 1024 threads), so that the second pass after the block reduction has no
+ * dependent global loads; longer rows re-read the rest. out may be d. */
+#define AR_REG 8
 __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, const float *d, int64_t d_stride,
                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
                                    gq_blk *__restrict__ xq)
@@ -45,18 +48,41 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
     __shared__ float partial[32];
     float *xr = x + blockIdx.x * x_stride;
     const float *dr = d + blockIdx.x * d_stride;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float ss = 0.0f, xv[AR_REG], wv[AR_REG];
+#pragma unroll
+    for (int k = 0; k < AR_REG; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        xv[k] = wv[k] = 0.0f;
+        if (i < dim) {
+            const float v = xr[i] + dr[i];
+            xr[i] = v;
+            ss += v * v;
+            xv[k] = v;
+            wv[k] = w[i];
+        }
+    }
+    for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x) {
         const float v = xr[i] + dr[i];
         xr[i] = v;
         ss += v * v;
     }
     const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
     float *orow = out + blockIdx.x * out_stride;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    /* with xq: dim % 32 == 0 and blockDim.x % 32 == 0, so a warp holds one whole block */
+#pragma unroll
+    for (int k = 0; k < AR_REG; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < dim) {
+            const float o = xv[k] * scale * wv[k];
+            orow[i] = o;
+            if (xq)
+                gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
+        }
+    }
+    for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x) {
         const float o = xr[i] * scale * w[i];
         orow[i] = o;
-        if (xq) /* dim % 32 == 0 and blockDim.x % 32 == 0: a warp holds one whole block */
+        if (xq)
             gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
     }
 }
