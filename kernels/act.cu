@@ -5,6 +5,7 @@
 __global__ void glu_kernel(int act, const float *__restrict__ gate, const float *__restrict__ up, int64_t in_stride,
                            float *__restrict__ out, int64_t out_stride, int n, gq_blk *__restrict__ xq)
 {
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         float g = gate[r * in_stride + i], u = up[r * in_stride + i], a;

@@ -31,6 +31,7 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
     const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads,
     float scale, int n_splits, float *__restrict__ ws, int window)
 {
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
     __shared__ float S[GMAX][TILE];
     __shared__ __align__(16) float P[NT][GMAX * D]; /* the teams' partial outputs */
@@ -178,6 +179,7 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
 __global__ void attn_decode_merge(float *__restrict__ out, int64_t out_stride, const float *__restrict__ ws,
                                   int n_seqs, int n_heads, int head_dim, int n_splits)
 {
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     __shared__ float M_s, den_s;
     const int h = blockIdx.x, s = blockIdx.y;
     const size_t r0 = ((size_t)s * n_heads + h) * n_splits;

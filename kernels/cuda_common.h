@@ -53,6 +53,56 @@ __device__ __forceinline__ float m40k_block_sum(float v, float *partial)
     return partial[0];
 }
 
+/* Programmatic dependent launch (Hopper and later). The decode GEMVs are launched with
+ * programmatic stream serialization (m40k_launch_pdl): such a kernel may start while the
+ * kernel before it on the stream is still finishing, so it first issues what does not
+ * depend on that kernel (its first weight loads) and then waits (m40k_grid_wait) before
+ * it reads its input or writes anything. Kernels that come before a GEMV call
+ * m40k_grid_launch_dependents at their start: the GEMV is then scheduled once every
+ * block of theirs has started. Both are no-ops before sm_90 and on a normal launch.
+ * M40_PDL=0 in the environment turns the attribute off (for measuring it). */
+__device__ __forceinline__ void m40k_grid_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void m40k_grid_launch_dependents(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+/* The wait, returning p laundered through an empty asm: loads through the result depend
+ * on the asm's output, so the compiler can not hoist them above the wait (plain
+ * const __restrict__ / __ldg loads count as invariant and may be hoisted). Inputs a PDL
+ * kernel reads after the wait use coherent loads (__ldca), not the read-only path. */
+template <typename P> __device__ __forceinline__ P *m40k_grid_wait_for(P *p)
+{
+    m40k_grid_wait();
+    asm volatile("" : "+l"(p)::"memory");
+    return p;
+}
+
+int m40k_pdl_enabled(void); /* model_aux.cu: compute capability >= 9 and M40_PDL != 0 */
+
+template <typename... KArgs, typename... Args>
+static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t st, Args... args)
+{
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cfg.attrs = at;
+    cfg.numAttrs = m40k_pdl_enabled() ? 1 : 0;
+    return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
 /* Eight F16 values packed in a uint4, to float. */
 __device__ __forceinline__ void m40k_unpack_h8(uint4 u, float f[8])
 {

@@ -50,6 +50,7 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
                                                                int K, const float *__restrict__ x, int64_t x_stride,
                                                                float *__restrict__ y, int64_t y_stride)
 {
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     typedef m40k_tinfo<T> ti;
     constexpr int CH = gemv_cfg<T>::CH;
     __shared__ __align__(16) uint8_t sbuf[GEMV_WARPS][CH * 32 * 16];
@@ -79,6 +80,7 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
     for (int b = 0; b < B; b++)
         acc[b] = 0.0f;
     fetch(0);
+    x = m40k_grid_wait_for(x); /* x is the previous kernel's output (PDL launch) */
     for (int sg = 0; sg < nseg; sg++) {
 #pragma unroll
         for (int c = 0; c < CH; c++)
@@ -98,8 +100,8 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
                 m40k_group8<T>(p, e0, q, sc, of);
 #pragma unroll
                 for (int b = 0; b < B; b++) {
-                    const float4 xa = __ldg(reinterpret_cast<const float4 *>(xs + b * x_stride + e0));
-                    const float4 xb = __ldg(reinterpret_cast<const float4 *>(xs + b * x_stride + e0 + 4));
+                    const float4 xa = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0));
+                    const float4 xb = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0 + 4));
                     float sqx = q[0] * xa.x;
                     sqx = fmaf(q[1], xa.y, sqx);
                     sqx = fmaf(q[2], xa.z, sqx);
@@ -285,6 +287,7 @@ __global__ __launch_bounds__(GF_WARPS * 32) void gemv_fast_kernel(const uint8_t 
                                                                   int64_t x_stride, float *__restrict__ y,
                                                                   int64_t y_stride)
 {
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     typedef gf_dims<T> D;
     constexpr int R = GF_R, SEG = D::SEG, SEGB = D::SEGB, CH = D::CH;
     __shared__ __align__(16) uint8_t sbuf[GF_WARPS][R][D::SMB];
@@ -325,6 +328,7 @@ __global__ __launch_bounds__(GF_WARPS * 32) void gemv_fast_kernel(const uint8_t 
 
     if (ks < nseg)
         fetch(ks);
+    x = m40k_grid_wait_for(x); /* x is the previous kernel's output (PDL launch) */
     for (int sg = ks; sg < nseg; sg += S) {
 #pragma unroll
         for (int r = 0; r < R; r++)
@@ -353,8 +357,8 @@ __global__ __launch_bounds__(GF_WARPS * 32) void gemv_fast_kernel(const uint8_t 
                     gf_group<T>(sbuf[warp][r], off, ssc[warp][r], lane, i, f[r], A[r], C[r]);
 #pragma unroll
                 for (int b = 0; b < B; b++) {
-                    const float4 xa = __ldg(reinterpret_cast<const float4 *>(xs + b * x_stride + e0));
-                    const float4 xb = __ldg(reinterpret_cast<const float4 *>(xs + b * x_stride + e0 + 4));
+                    const float4 xa = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0));
+                    const float4 xb = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0 + 4));
                     const float sx = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
 #pragma unroll
                     for (int r = 0; r < R; r++) {
@@ -420,14 +424,12 @@ static int gemv_launch_b(const void *w, int N, int K, const float *x, int64_t xs
                 best = score, S = s;
         }
         const int rows_per_block = GF_WARPS / S * GF_R;
-        gemv_fast_kernel<T, B><<<(N + rows_per_block - 1) / rows_per_block, GF_WARPS * 32, 0, st>>>(
-            (const uint8_t *)w, row_bytes, N, K, S, x, xs, y, ys);
-        return m40k_launch_status();
+        return m40k_launch_pdl(gemv_fast_kernel<T, B>, dim3((unsigned)((N + rows_per_block - 1) / rows_per_block)),
+                               dim3(GF_WARPS * 32), st, (const uint8_t *)w, row_bytes, N, K, S, x, xs, y, ys);
     }
     }
-    gemv_kernel<T, B><<<(N + GEMV_WARPS - 1) / GEMV_WARPS, GEMV_WARPS * 32, 0, st>>>((const uint8_t *)w, row_bytes, N,
-                                                                                    K, x, xs, y, ys);
-    return m40k_launch_status();
+    return m40k_launch_pdl(gemv_kernel<T, B>, dim3((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS)),
+                           dim3(GEMV_WARPS * 32), st, (const uint8_t *)w, row_bytes, N, K, x, xs, y, ys);
 }
 
 template <int T>

@@ -3,6 +3,30 @@
 #include "model_aux.h"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int m40k_pdl_enabled(void)
+{
+    static int off = -1;                 /* M40_PDL=0, read once */
+    static signed char by_dev[64];       /* 0 unknown, 1 yes, -1 no */
+    if (off < 0) {
+        const char *e = getenv("M40_PDL");
+        off = e && strcmp(e, "0") == 0;
+    }
+    if (off)
+        return 0;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return 0;
+    if (by_dev[dev] == 0) {
+        int major = 0;
+        by_dev[dev] = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9
+                          ? 1
+                          : -1;
+    }
+    return by_dev[dev] > 0;
+}
 
 __global__ void f32_to_f16_kernel(const float *__restrict__ x, uint16_t *__restrict__ y, int64_t n)
 {

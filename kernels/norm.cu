@@ -6,6 +6,7 @@
 __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, const float *__restrict__ w,
                                void *__restrict__ out, int out_f16, int64_t out_stride, int dim, float eps)
 {
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     __shared__ float partial[32];
     const float *xr = x + blockIdx.x * x_stride;
     float ss = 0.0f;
@@ -45,6 +46,7 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
                                    gq_blk *__restrict__ xq)
 {
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     __shared__ float partial[32];
     float *xr = x + blockIdx.x * x_stride;
     const float *dr = d + blockIdx.x * d_stride;
