@@ -758,19 +758,7 @@ static int pc_run_cancel(m40_engine *e, char prompts_[PC_N][2048], job *jobs)
         }
         if (!open || now_s() > end)
             break;
-        struct pollfd pfd = {.fd = m40_engine_event_fd(e), .events = POLLIN};
-        if (poll(&pfd, 1, 50) > 0) {
-            uint64_t v;
-            if (read(pfd.fd, &v, sizeof v) != (ssize_t)sizeof v)
-                continue;
-        }
-        void *users[8];
-        int got;
-        do {
-            got = m40_engine_ready(e, users, 8);
-            for (int i = 0; i < got; i++)
-                job_take(users[i]);
-        } while (got == 8);
+        pump_once(e);
     }
     int rc = 0;
     for (int i = 0; i < PC_N; i++) {

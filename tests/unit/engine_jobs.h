@@ -70,6 +70,25 @@ static inline void job_take(job *j)
     }
 }
 
+/* One round of the module's event loop: wait up to 50 ms on the eventfd, then hand each
+ * ready request's events to its job. */
+static inline void pump_once(m40_engine *e)
+{
+    struct pollfd pfd = {.fd = m40_engine_event_fd(e), .events = POLLIN};
+    if (poll(&pfd, 1, 50) > 0) {
+        uint64_t v;
+        if (read(pfd.fd, &v, sizeof v) != (ssize_t)sizeof v)
+            return;
+    }
+    void *users[8];
+    int got;
+    do {
+        got = m40_engine_ready(e, users, 8);
+        for (int i = 0; i < got; i++)
+            job_take(users[i]);
+    } while (got == 8);
+}
+
 /* Waits (poll on the eventfd, as the module does) until every job is done (0) or the
  * timeout passes (-1). */
 static inline int pump(m40_engine *e, job **jobs, int n, double timeout)
@@ -83,19 +102,7 @@ static inline int pump(m40_engine *e, job **jobs, int n, double timeout)
             return 0;
         if (now_s() > end)
             return -1;
-        struct pollfd pfd = {.fd = m40_engine_event_fd(e), .events = POLLIN};
-        if (poll(&pfd, 1, 50) > 0) {
-            uint64_t v;
-            if (read(pfd.fd, &v, sizeof v) != (ssize_t)sizeof v)
-                continue;
-        }
-        void *users[8];
-        int got;
-        do {
-            got = m40_engine_ready(e, users, 8);
-            for (int i = 0; i < got; i++)
-                job_take(users[i]);
-        } while (got == 8);
+        pump_once(e);
     }
 }
 
