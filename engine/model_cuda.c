@@ -533,11 +533,13 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
                 params += (double)ms[i]->rows * (double)ms[i]->cols;
         }
         const char *gm = getenv("M40_GEMM");
-        g->gemm_f32 = gm && !strcmp(gm, "f32") ? 1 : gm && !strcmp(gm, "f16") ? 0 : params < 1e9;
+        const int forced = gm && (!strcmp(gm, "f32") || !strcmp(gm, "f16"));
+        g->gemm_f32 = forced ? !strcmp(gm, "f32") : params < 1e9;
+        if (gm && !forced)
+            fprintf(stderr, "m40: M40_GEMM=%s is neither f16 nor f32: ignored\n", gm);
         if (log_progress)
             fprintf(stderr, "m40: gpu %d: %.0fM parameters: prefill matmuls in %s%s\n", device, params / 1e6,
-                    g->gemm_f32 ? "F32" : "F16 on the tensor cores",
-                    gm && (!strcmp(gm, "f32") || !strcmp(gm, "f16")) ? " (M40_GEMM)" : "");
+                    g->gemm_f32 ? "F32" : "F16 on the tensor cores", forced ? " (M40_GEMM)" : "");
     }
 
     uploader u = {.g = g, .log = log_progress, .t0 = now_s(), .status = cudaSuccess};
@@ -1003,7 +1005,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
  * m40k_glu_q8) and matmul is told so (xq_ready). */
 static int wants_xq(const gproj *pr, int32_t n)
 {
-    return n <= 8 && pr->n_parts > 0 && gemv_q8_reads(&pr->part[0]) && pr->part[0].cols % 32 == 0;
+    return n <= 8 && pr->n_parts > 0 && gemv_q8_reads(&pr->part[0]); /* cols: a multiple of 32 */
 }
 
 /* xq_ready: g->xq already holds x quantized (m40k_quantize_q8 layout). */
