@@ -204,7 +204,7 @@ __global__ void attn_decode_merge(float *__restrict__ out, int64_t out_stride, c
 #pragma unroll 8
         for (int i = 0; i < n_splits; i++) {
             const float m = ml[2 * i];
-            if (m != -INFINITY) /* an empty split: max -inf, nothing written to its row */
+            if (m != -INFINITY) /* an empty split: max -inf, its row zeros */
                 num += __expf(m - M) * ws[(r0 + i) * head_dim + d];
         }
         out[s * out_stride + (int64_t)h * head_dim + d] = den > 0.0f ? num / den : 0.0f;
