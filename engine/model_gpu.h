@@ -1,5 +1,6 @@
 /* Internal interface between the model front end (model.c: GGUF parsing, validation,
- * CPU forward) and the GPU back end (model_cuda.c). Not part of the public API. */
+ * CPU forward) and the GPU back end (model_cuda.c, model_cuda_fwd.c). Not part of the
+ * public API. */
 #ifndef M40_MODEL_GPU_H
 #define M40_MODEL_GPU_H
 

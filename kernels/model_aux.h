@@ -1,4 +1,4 @@
-/* Small CUDA helpers of the GPU forward pass (engine/model_cuda.c) that the kernel
+/* Small CUDA helpers of the GPU forward pass (engine/model_cuda_fwd.c) that the kernel
  * families of kernels.h do not cover: type conversion, bias broadcast, row gather, and a
  * plain paged attention for the shapes the tuned kernels reject (head_dim other than
  * 64/128/256, or more than 8 query heads per KV head). Same conventions as kernels.h:

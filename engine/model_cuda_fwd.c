@@ -1,0 +1,624 @@
+/* The GPU back end, part 2 (part 1, model_cuda.c, loads the weights): the paged KV
+ * pool and the forward pass.
+ *
+ * Shape of a forward call (one call per scheduler step, any mix of slots):
+ *   - the batch's rows are grouped by slot (stable), so each sequence's new tokens are
+ *     contiguous: that is the CSR layout every paged kernel takes (q_indptr = rows of
+ *     sequence s, indptr/indices/last_page_len = its KV blocks);
+ *   - blocks are reserved from the engine/kv_blocks manager for every slot's new
+ *     positions first; when the pool cannot hold them the call returns -2 before
+ *     anything is written (the scheduler preempts and retries);
+ *   - the manager's prefix cache is on (M40_PREFIX_CACHE=0 turns it off): a slot may
+ *     start on cached blocks (m40_gpu_kv_match_prefix, its first position then being
+ *     the matched length), and after the step every block that became full is
+ *     committed under the slot's real token ids, kept per slot in kv->toks;
+ *   - the small integer tables (tokens, positions, CSR) go up in one copy from pinned
+ *     memory; then per layer: RMSNorm (fused with the previous layer's residual add)
+ *     -> fused QKV matmul (+bias) -> RoPE -> paged KV append -> attention (the decode
+ *     kernel, split-K, for the sequences with one new token, which come first in the
+ *     step; the prefill kernel for the prompt chunks; a plain kernel for other head
+ *     sizes) -> output matmul -> residual add + RMSNorm -> fused gate/up matmul ->
+ *     SwiGLU -> down matmul; everything stays on the device;
+ *   - only the rows that want logits go through the final norm and the head; their
+ *     logits come back to the host in the caller's row order.
+ *
+ * Matmuls (y = W x over n token rows):
+ *   - F32 weights (the tiny test models): cublasSgemm;
+ *   - n <= 8 and a type the GEMV kernels read: a GEMV, which streams each weight once
+ *     for the whole decode batch: Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned) the dp4a
+ *     GEMV on x quantized once per input to two int8 levels (m40k_quantize_q8,
+ *     m40k_gemv_q8: per element within max|x of its block|/254^2); F16, Q4_1, Q5_0,
+ *     Q5_1 the float-activation m40k_gemv;
+ *   - otherwise the "tiled path": quantized weights are dequantized into an F16
+ *     scratch matrix (the embedding-gather kernel over all rows), activations rounded
+ *     to F16, and cublasGemmEx multiplies with F32 accumulation. A fused
+ *     dequantize-in-the-tile GEMM is future work. Models under 1B parameters take it
+ *     in F32 instead (weights dequantized to F32, cublasSgemm): see gemm_f32.
+ * Weight types the kernels do not read (BF16, other K-quants) are converted to F16 on
+ * upload. Q/K/V and gate/up are concatenated on upload when their types match, so
+ * each pair/triple is one product. */
+#ifdef M40_HAVE_CUDA
+
+#include "model_cuda_int.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* ------------------------------------------------------------- KV pool ---- */
+
+m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx)
+{
+    if (n_slots <= 0 || ctx <= 0)
+        return NULL;
+    cudaSetDevice(g->device);
+    m40_gpu_kv *kv = calloc(1, sizeof *kv);
+    if (!kv)
+        return NULL;
+    kv->g = g;
+    kv->n_slots = n_slots;
+    kv->ctx = ctx;
+    /* Bytes of one block over all layers, K and V. */
+    size_t block_elems = (size_t)M40K_PAGE * (size_t)g->kv_dim;
+    size_t block_bytes = block_elems * 2 * 2 * (size_t)g->p.n_layers;
+    int64_t want = (int64_t)n_slots * (((int64_t)ctx + M40K_PAGE - 1) / M40K_PAGE);
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    /* Leave room for the activations of big steps, cuBLAS workspaces and other
+     * allocations: 1 GiB or 5% of the card, whichever is larger. */
+    size_t margin = (size_t)1 << 30;
+    if (total_b / 20 > margin)
+        margin = total_b / 20;
+    int64_t fit = free_b > margin ? (int64_t)((free_b - margin) / block_bytes) : 0;
+    int64_t nb = want < fit ? want : fit;
+    const char *cap = getenv("M40_KV_BLOCKS");
+    if (cap && atoll(cap) > 0 && atoll(cap) < nb)
+        nb = atoll(cap);
+    if (nb > INT32_MAX / M40K_PAGE)
+        nb = INT32_MAX / M40K_PAGE;
+    if (nb <= 0)
+        goto fail;
+    kv->n_blocks = (int32_t)nb;
+    kv->layer_elems = (size_t)nb * block_elems;
+    if (cudaMalloc((void **)&kv->k, kv->layer_elems * 2 * (size_t)g->p.n_layers) != cudaSuccess ||
+        cudaMalloc((void **)&kv->v, kv->layer_elems * 2 * (size_t)g->p.n_layers) != cudaSuccess)
+        goto fail;
+    m40_kv_blocks_params bp;
+    m40_kv_blocks_params_default(&bp, kv->n_blocks);
+    bp.block_size = M40K_PAGE;
+    const char *pc = getenv("M40_PREFIX_CACHE"); /* "0": off (test and benchmark seam) */
+    bp.prefix_cache = kv->prefix_cache = !(pc && strcmp(pc, "0") == 0);
+    kv->mgr = m40_kv_blocks_new(&bp);
+    kv->seqs = calloc((size_t)n_slots, sizeof *kv->seqs);
+    kv->toks = calloc((size_t)n_slots, sizeof *kv->toks);
+    kv->toks_cap = calloc((size_t)n_slots, sizeof *kv->toks_cap);
+    if (!kv->mgr || !kv->seqs || !kv->toks || !kv->toks_cap)
+        goto fail;
+    for (int32_t i = 0; i < n_slots; i++)
+        if (!(kv->seqs[i] = m40_kv_seq_new(kv->mgr)))
+            goto fail;
+    return kv;
+fail:
+    m40_gpu_kv_free(kv);
+    return NULL;
+}
+
+void m40_gpu_kv_free(m40_gpu_kv *kv)
+{
+    if (!kv)
+        return;
+    cudaSetDevice(kv->g->device);
+    cudaStreamSynchronize(kv->g->stream);
+    if (kv->seqs)
+        for (int32_t i = 0; i < kv->n_slots; i++)
+            m40_kv_seq_free(kv->seqs[i]);
+    free(kv->seqs);
+    m40_kv_blocks_free(kv->mgr);
+    cudaFree(kv->k);
+    cudaFree(kv->v);
+    free(kv->csr_indptr);
+    free(kv->csr_lpl);
+    free(kv->csr_indices);
+    if (kv->toks)
+        for (int32_t i = 0; i < kv->n_slots; i++)
+            free(kv->toks[i]);
+    free(kv->toks);
+    free(kv->toks_cap);
+    free(kv);
+}
+
+void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot)
+{
+    if (slot >= 0 && slot < kv->n_slots)
+        m40_kv_seq_reset(kv->seqs[slot]);
+}
+
+int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv) { return kv->n_blocks; }
+int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv) { return m40_kv_blocks_n_available(kv->mgr); }
+
+/* Room for n token ids in slot's token record. -1 when out of memory. */
+static int slot_toks_reserve(m40_gpu_kv *kv, int32_t slot, int32_t n)
+{
+    if (n <= kv->toks_cap[slot])
+        return 0;
+    int32_t cap = kv->toks_cap[slot] > 0 ? kv->toks_cap[slot] : 64;
+    while (cap < n)
+        cap = cap > INT32_MAX / 2 ? n : cap * 2;
+    int32_t *t = realloc(kv->toks[slot], (size_t)cap * sizeof *t);
+    if (!t)
+        return -1;
+    kv->toks[slot] = t;
+    kv->toks_cap[slot] = cap;
+    return 0;
+}
+
+int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv) { return kv->prefix_cache; }
+
+int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n)
+{
+    if (slot < 0 || slot >= kv->n_slots || n <= 0 || m40_kv_seq_len(kv->seqs[slot]) != 0)
+        return 0;
+    /* The record must hold the matched tokens before later commits read it; sized for
+     * the whole prompt, which the coming prefill needs anyway. */
+    if (kv->prefix_cache && slot_toks_reserve(kv, slot, n) != 0)
+        return 0;
+    int32_t got = m40_kv_seq_match_prefix(kv->seqs[slot], tokens, n);
+    if (got <= 0)
+        return 0;
+    memcpy(kv->toks[slot], tokens, (size_t)got * sizeof *tokens);
+    return got;
+}
+
+void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens)
+{
+    m40_kv_cache_stats st;
+    m40_kv_blocks_stats(kv->mgr, &st);
+    *queries = st.queries;
+    *query_tokens = st.query_tokens;
+    *hit_tokens = st.hit_tokens;
+}
+
+/* ------------------------------------------------------------- forward ---- */
+
+static int grow_dev(void **p, size_t bytes)
+{
+    cudaFree(*p);
+    *p = NULL;
+    return cudaMalloc(p, bytes + 256) == cudaSuccess ? 0 : -1;
+}
+
+static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
+{
+    const m40_model_params *p = &g->p;
+    if (n > g->cap) {
+        int32_t c = n < 64 ? 64 : n;
+        size_t N = (size_t)c, in_max = (size_t)p->ffn_dim;
+        if ((size_t)p->dim > in_max)
+            in_max = (size_t)p->dim;
+        if ((size_t)g->q_dim > in_max)
+            in_max = (size_t)g->q_dim;
+        if (grow_dev((void **)&g->x, N * p->dim * 4) || grow_dev((void **)&g->xb, N * p->dim * 4) ||
+            grow_dev((void **)&g->qkv, N * g->qkv_dim * 4) || grow_dev((void **)&g->att, N * g->q_dim * 4) ||
+            grow_dev((void **)&g->hb, N * 2 * p->ffn_dim * 4) || grow_dev((void **)&g->hb2, N * p->ffn_dim * 4) ||
+            grow_dev((void **)&g->x16, N * in_max * 2) ||
+            grow_dev(&g->xq, m40k_gemv_q8_ws_bytes((int)in_max, 8)))
+            return -1;
+        free(g->perm);
+        free(g->grp_slot);
+        free(g->grp_first);
+        free(g->grp_n);
+        free(g->out_rows);
+        free(g->grp_seq);
+        g->perm = malloc(N * sizeof *g->perm);
+        g->grp_slot = malloc(N * sizeof *g->grp_slot);
+        g->grp_first = malloc(N * sizeof *g->grp_first);
+        g->grp_n = malloc(N * sizeof *g->grp_n);
+        g->out_rows = malloc(N * sizeof *g->out_rows);
+        g->grp_seq = malloc(N * sizeof *g->grp_seq);
+        if (!g->perm || !g->grp_slot || !g->grp_first || !g->grp_n || !g->out_rows || !g->grp_seq)
+            return -1;
+        g->cap = c;
+    }
+    if (n_out > g->cap_out) {
+        int32_t c = n_out < 8 ? 8 : n_out;
+        cudaFreeHost(g->logits_h);
+        g->logits_h = NULL;
+        if (grow_dev((void **)&g->xg, (size_t)c * p->dim * 4) ||
+            grow_dev((void **)&g->logits_d, (size_t)c * p->n_vocab * 4) || grow_dev((void **)&g->pick_d, (size_t)c * 8) ||
+            cudaHostAlloc((void **)&g->logits_h, (size_t)c * p->n_vocab * 4, cudaHostAllocDefault) != cudaSuccess)
+            return -1;
+        g->cap_out = c;
+    }
+    return 0;
+}
+
+static int ensure_ints(m40_gpu *g, size_t n)
+{
+    if (n <= g->ints_cap)
+        return 0;
+    n = n < 4096 ? 4096 : n * 2;
+    cudaFreeHost(g->ints_h);
+    g->ints_h = NULL;
+    if (grow_dev((void **)&g->ints_d, n * 4) || cudaHostAlloc((void **)&g->ints_h, n * 4, cudaHostAllocDefault))
+        return -1;
+    g->ints_cap = n;
+    return 0;
+}
+
+static int gemv_reads(int type, int64_t K)
+{
+    switch (type) {
+    case M40K_TYPE_F16: return K % 8 == 0;
+    case M40K_TYPE_Q8_0:
+    case M40K_TYPE_Q4_0:
+    case M40K_TYPE_Q4_1:
+    case M40K_TYPE_Q5_0:
+    case M40K_TYPE_Q5_1: return K % 32 == 0;
+    case M40K_TYPE_Q4_K:
+    case M40K_TYPE_Q6_K: return K % 256 == 0;
+    default: return 0;
+    }
+}
+
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        int rc_ = (call);                                                                                              \
+        if (rc_ != 0) {                                                                                                \
+            m40_set_err(err, errlen, "gpu %d: %s failed: %s", g->device, #call, cudaGetErrorString((cudaError_t)rc_));    \
+            return -1;                                                                                                 \
+        }                                                                                                              \
+    } while (0)
+
+/* The int8-activation GEMV (m40k_gemv_q8, two-level activations: within
+ * max|x of a block|/254^2 per element) takes quantized weights 16-byte aligned. */
+static int gemv_q8_reads(const gmat *w)
+{
+    const int t = w->type;
+    return (t == M40K_TYPE_Q8_0 || t == M40K_TYPE_Q4_0 || t == M40K_TYPE_Q4_K || t == M40K_TYPE_Q6_K) &&
+           gemv_reads(t, w->cols) && ((uintptr_t)w->data & 15) == 0;
+}
+
+/* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous).
+ * *xq_ready: whether g->xq already holds x quantized (m40k_quantize_q8); set once it
+ * does, so the products of one x share one quantization. */
+static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
+                      char *err, size_t errlen)
+{
+    const float one = 1.0f, zero = 0.0f;
+    int rows = (int)w->rows, cols = (int)w->cols;
+    if (w->type == M40K_TYPE_F32) {
+        cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, (const float *)w->data,
+                                       cols, x, cols, &zero, y, (int)ldy);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
+            return -1;
+        }
+        return 0;
+    }
+    if (n <= 8 && gemv_q8_reads(w)) {
+        if (!*xq_ready) {
+            CK(m40k_quantize_q8(x, cols, cols, n, g->xq, g->stream));
+            *xq_ready = 1;
+        }
+        CK(m40k_gemv_q8(w->data, w->type, rows, cols, g->xq, n, y, ldy, g->stream));
+        return 0;
+    }
+    if (n <= 8 && gemv_reads(w->type, cols))
+        return m40k_gemv(w->data, w->type, rows, cols, x, cols, y, ldy, n, g->stream) == 0
+                   ? 0
+                   : (m40_set_err(err, errlen, "gpu %d: GEMV (type %d, %dx%d, batch %d) failed", g->device, w->type, rows,
+                              cols, (int)n),
+                      -1);
+    if (g->gemm_f32) { /* the tiled path in F32: exact weights and activations */
+        if ((size_t)rows * (size_t)cols > g->deq_cap) {
+            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+            return -1;
+        }
+        CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F32, cols, g->stream));
+        cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, (const float *)g->deq,
+                                       cols, x, cols, &zero, y, (int)ldy);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
+            return -1;
+        }
+        return 0;
+    }
+    /* The tiled path: F16 x F16 -> F32 on the tensor cores. */
+    const void *wf16 = w->data;
+    if (w->type != M40K_TYPE_F16) {
+        if ((size_t)rows * (size_t)cols > g->deq_cap) {
+            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+            return -1;
+        }
+        CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
+        wf16 = g->deq;
+    }
+    CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
+    cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, wf16, CUDA_R_16F, cols,
+                                    g->x16, CUDA_R_16F, cols, &zero, y, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        m40_set_err(err, errlen, "gpu %d: cublasGemmEx failed (%d)", g->device, (int)s);
+        return -1;
+    }
+    return 0;
+}
+
+/* Whether the product pr over n rows starts with the int8-activation GEMV: then the
+ * kernel that writes its input can quantize it on the way (m40k_add_rmsnorm_q8,
+ * m40k_glu_q8) and matmul is told so (xq_ready). */
+static int wants_xq(const gproj *pr, int32_t n)
+{
+    return n <= 8 && pr->n_parts > 0 && gemv_q8_reads(&pr->part[0]); /* cols: a multiple of 32 */
+}
+
+/* xq_ready: g->xq already holds x quantized (m40k_quantize_q8 layout). */
+static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *y, int xq_ready, char *err,
+                  size_t errlen)
+{
+    int64_t off = 0;
+    for (int i = 0; i < pr->n_parts; i++) {
+        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, err, errlen))
+            return -1;
+        off += pr->part[i].rows;
+    }
+    if (pr->bias)
+        CK(m40k_add_bias(y, pr->rows, pr->bias, n, (int)pr->rows, g->stream));
+    return 0;
+}
+
+int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen)
+{
+    const m40_model_params *p = &g->p;
+    const int32_t n = b->n;
+    cudaSetDevice(g->device);
+
+    int32_t n_out = 0;
+    for (int32_t i = 0; i < n; i++)
+        n_out += b->want_logits ? b->want_logits[i] != 0 : i == n - 1;
+    if (ensure_scratch(g, n, n_out)) {
+        m40_set_err(err, errlen, "gpu %d: out of memory for a batch of %d tokens", g->device, (int)n);
+        return -1;
+    }
+
+    /* Group rows by slot, in order of first appearance; check each slot's positions. */
+    int32_t n_grp = 0;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t j = 0;
+        while (j < n_grp && g->grp_slot[j] != b->slot[i])
+            j++;
+        if (j == n_grp) {
+            g->grp_slot[n_grp] = b->slot[i];
+            g->grp_first[n_grp] = b->pos[i];
+            g->grp_n[n_grp] = 0;
+            n_grp++;
+        }
+        if (b->pos[i] != g->grp_first[j] + g->grp_n[j]) {
+            m40_set_err(err, errlen, "batch entry %d: slot %d's positions must be consecutive (got %d after %d)", (int)i,
+                    (int)b->slot[i], (int)b->pos[i], (int)(g->grp_first[j] + g->grp_n[j] - 1));
+            return -1;
+        }
+        g->grp_n[j]++;
+    }
+    /* Decoding groups (one token) first, in order, then the prompt chunks: the first n_dec
+     * rows of the step are then one decode query each, for the decode attention kernel,
+     * and the prefill kernel takes the rest (a mixed step no longer runs its decode rows
+     * through prefill tiles of one query without split-K). */
+    int32_t n_dec = 0;
+    for (int32_t j = 0; j < n_grp; j++)
+        if (g->grp_n[j] == 1) {
+            int32_t sl = g->grp_slot[j], fi = g->grp_first[j];
+            memmove(g->grp_slot + n_dec + 1, g->grp_slot + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_slot);
+            memmove(g->grp_first + n_dec + 1, g->grp_first + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_first);
+            memmove(g->grp_n + n_dec + 1, g->grp_n + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_n);
+            g->grp_slot[n_dec] = sl, g->grp_first[n_dec] = fi, g->grp_n[n_dec] = 1;
+            n_dec++;
+        }
+    /* A slot's tokens continue its cache; a first position below its length restarts
+     * the slot there (a new sequence in a reused slot). */
+    int64_t need = 0;
+    for (int32_t j = 0; j < n_grp; j++) {
+        m40_kv_seq *s = kv->seqs[g->grp_slot[j]];
+        int32_t len = m40_kv_seq_len(s);
+        if (g->grp_first[j] > len) {
+            m40_set_err(err, errlen, "slot %d: position %d skips ahead of its cache (%d tokens)", (int)g->grp_slot[j],
+                    (int)g->grp_first[j], (int)len);
+            return -1;
+        }
+        if (g->grp_first[j] < len && m40_kv_seq_truncate(s, g->grp_first[j]) != g->grp_first[j]) {
+            m40_set_err(err, errlen, "slot %d: cannot restart at position %d", (int)g->grp_slot[j], (int)g->grp_first[j]);
+            return -1;
+        }
+        if (kv->prefix_cache && slot_toks_reserve(kv, g->grp_slot[j], g->grp_first[j] + g->grp_n[j]) != 0) {
+            m40_set_err(err, errlen, "out of memory for slot %d's token record", (int)g->grp_slot[j]);
+            return -1;
+        }
+        need += m40_kv_seq_blocks_needed(s, g->grp_n[j]);
+        g->grp_seq[j] = s;
+    }
+    if (need > m40_kv_blocks_n_available(kv->mgr)) {
+        m40_set_err(err, errlen, "the KV cache pool is full: this step needs %lld blocks, %d are free of %d",
+                (long long)need, (int)m40_kv_blocks_n_available(kv->mgr), (int)kv->n_blocks);
+        return M40_FORWARD_NO_BLOCKS;
+    }
+    for (int32_t j = 0; j < n_grp; j++)
+        if (m40_kv_seq_append(g->grp_seq[j], g->grp_n[j]) != 0) {
+            m40_set_err(err, errlen, "KV block allocation failed");
+            return -1;
+        }
+    if (kv->prefix_cache) /* the ids the commit below keys full blocks by */
+        for (int32_t i = 0; i < n; i++)
+            kv->toks[b->slot[i]][b->pos[i]] = b->tokens[i];
+
+    /* Host tables: permuted tokens and positions, q_indptr, CSR, logit rows. */
+    int32_t total_blocks = 0, max_len = 0; /* max_len: of the decoding groups */
+    for (int32_t j = 0; j < n_grp; j++) {
+        total_blocks += m40_kv_seq_n_blocks(g->grp_seq[j]);
+        if (j < n_dec && m40_kv_seq_len(g->grp_seq[j]) > max_len)
+            max_len = m40_kv_seq_len(g->grp_seq[j]);
+    }
+    /* layout: tokens[n] pos[n] row_seq[n] q_indptr[n_grp+1] indptr[n_grp+1] lpl[n_grp] out_rows[n_out] indices[] */
+    size_t o_tok = 0, o_pos = (size_t)n, o_rs = 2 * (size_t)n, o_qi = 3 * (size_t)n, o_ip = o_qi + (size_t)n_grp + 1,
+           o_lpl = o_ip + (size_t)n_grp + 1, o_out = o_lpl + (size_t)n_grp, o_idx = o_out + (size_t)n_out;
+    size_t n_ints = o_idx + (size_t)total_blocks;
+    if (ensure_ints(g, n_ints)) {
+        m40_set_err(err, errlen, "gpu %d: out of memory for the batch tables", g->device);
+        return -1;
+    }
+    int32_t *H = g->ints_h;
+    /* The previous call's logits copy has completed (it synchronized), so H is free. */
+    int32_t r = 0;
+    H[o_qi] = 0;
+    for (int32_t j = 0; j < n_grp; j++) {
+        for (int32_t i = 0; i < n; i++)
+            if (b->slot[i] == g->grp_slot[j]) {
+                g->perm[i] = r;
+                H[o_tok + r] = b->tokens[i];
+                H[o_pos + r] = b->pos[i];
+                H[o_rs + r] = j;
+                r++;
+            }
+        H[o_qi + j + 1] = r;
+    }
+    int32_t k_out = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (b->want_logits ? b->want_logits[i] != 0 : i == n - 1)
+            H[o_out + k_out++] = g->perm[i];
+    if (m40_kv_blocks_csr((const m40_kv_seq *const *)g->grp_seq, n_grp, H + o_ip, H + o_idx, total_blocks,
+                          H + o_lpl) < 0) {
+        m40_set_err(err, errlen, "block table export failed");
+        return -1;
+    }
+    int32_t *D = g->ints_d;
+    const int32_t *d_tok = D + o_tok, *d_pos = D + o_pos, *d_rs = D + o_rs, *d_qi = D + o_qi, *d_ip = D + o_ip,
+                  *d_lpl = D + o_lpl, *d_out = D + o_out, *d_idx = D + o_idx;
+    CK(cudaMemcpyAsync(D, H, n_ints * 4, cudaMemcpyHostToDevice, g->stream));
+
+    /* Attention kernel choice: decode kernel for the first n_dec groups, prefill for the rest. */
+    int G = p->n_heads / p->n_kv_heads;
+    int hd = p->head_dim;
+    int tuned = (hd == 64 || hd == 128 || hd == 256) && G >= 1 && G <= 8;
+    int splits = 1, splits_local = 1;
+    const int window = g->gemma3 ? g->g3.window : 0;
+    if (tuned && n_dec > 0) {
+        splits = m40k_decode_pick_splits(n_dec, p->n_kv_heads, max_len, g->sm_count);
+        if (splits < 1)
+            splits = 1;
+        /* sliding-window layers read at most `window` positions: fewer splits */
+        splits_local = window > 0 && window < max_len
+                           ? m40k_decode_pick_splits(n_dec, p->n_kv_heads, window, g->sm_count)
+                           : splits;
+        if (splits_local < 1)
+            splits_local = 1;
+        size_t need_ws = m40k_decode_workspace_floats(n_dec, p->n_heads, hd, splits > splits_local ? splits : splits_local);
+        if (need_ws > g->ws_cap) {
+            if (grow_dev((void **)&g->ws, need_ws * 4)) {
+                g->ws_cap = 0;
+                m40_set_err(err, errlen, "gpu %d: out of memory for the attention workspace", g->device);
+                return -1;
+            }
+            g->ws_cap = need_ws;
+        }
+    }
+    const float scale = g->gemma3 ? g->g3.attn_scale : 1.0f / sqrtf((float)hd);
+    const int64_t dim = p->dim, qkvd = g->qkv_dim, ffn = p->ffn_dim;
+
+    CK(m40k_embed(g->tok_embd.data, g->tok_embd.type, g->tok_embd.rows, (int)dim, d_tok, n, g->x, M40K_TYPE_F32, dim,
+                  g->stream));
+    if (g->gemma3)
+        CK(m40k_scale(g->x, (int64_t)n * dim, g->g3.embd_scale, g->stream));
+    for (int32_t l = 0; l < p->n_layers; l++) {
+        const glayer *L = &g->layers[l];
+        uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
+        /* gemma3: local layers have their own RoPE base and a window; global ones the
+         * file's base, optionally linearly scaled */
+        const int win = g->gemma3 && L->local ? window : 0;
+        const float base = !g->gemma3 ? p->rope_base : L->local ? g->g3.local_base : g->g3.global_base;
+        const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
+        /* the previous layer's FFN residual is still in xb: added here, fused with this norm
+         * (and with the int8 quantization of its output when the GEMV takes that) */
+        const int xq_qkv = wants_xq(&L->qkv, n);
+        if (l == 0)
+            CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
+        else if (xq_qkv)
+            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
+                                   g->stream));
+        else
+            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
+        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, err, errlen))
+            return -1;
+        float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
+        if (g->gemma3) {
+            CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
+            CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
+        }
+        CK(m40k_rope(q, qkvd, p->n_heads, k, qkvd, p->n_kv_heads, hd, p->rope_dim, d_pos, n, base, ff, p->rope_neox,
+                     g->stream));
+        CK(m40k_kv_append(kc, vc, k, qkvd, v, qkvd, d_qi, n_grp, n, d_ip, d_idx, d_lpl, p->n_kv_heads, hd, g->stream));
+        if (tuned && n_dec > 0)
+            CK(m40k_attn_decode_window(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec, p->n_heads,
+                                       p->n_kv_heads, hd, scale, win, win ? splits_local : splits, g->ws, g->stream));
+        if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
+            CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
+                                             vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
+                                             scale, win, g->stream));
+        if (!tuned)
+            CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
+                                        p->n_kv_heads, hd, scale, win, g->stream));
+        if (matmul(g, &L->wo, g->att, n, g->xb, 0, err, errlen))
+            return -1;
+        if (g->gemma3)
+            CK(m40k_rmsnorm(g->xb, dim, L->post_attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+                            g->stream));
+        const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
+        if (xq_gu)
+            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
+                                   g->stream));
+        else
+            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
+        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, err, errlen))
+            return -1;
+        const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
+        if (xq_dn)
+            CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
+        else
+            CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
+        if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, err, errlen))
+            return -1;
+        if (g->gemma3)
+            CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+                            g->stream));
+    }
+    if (p->n_layers > 0) /* the last layer's FFN residual */
+        CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
+    if (n_out > 0) {
+        CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
+        CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
+                        g->stream));
+        int xq_ready = 0;
+        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, err, errlen))
+            return -1;
+        if (g->gemma3 && g->g3.logit_softcap > 0)
+            CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
+        if (b->argmax) { /* greedy on the device: n_out ids come back instead of the rows */
+            CK(m40k_sample_greedy(g->logits_d, p->n_vocab, n_out, p->n_vocab, g->pick_d,
+                                  (float *)(g->pick_d + g->cap_out), 0, NULL, NULL, g->stream));
+            CK(cudaMemcpyAsync(g->logits_h, g->pick_d, (size_t)n_out * 4, cudaMemcpyDeviceToHost, g->stream));
+        } else {
+            CK(cudaMemcpyAsync(g->logits_h, g->logits_d, (size_t)n_out * p->n_vocab * 4, cudaMemcpyDeviceToHost,
+                               g->stream));
+        }
+    }
+    CK(cudaStreamSynchronize(g->stream));
+    if (n_out > 0)
+        memcpy(b->argmax ? (void *)b->argmax : (void *)logits, g->logits_h,
+               b->argmax ? (size_t)n_out * 4 : (size_t)n_out * p->n_vocab * 4);
+    /* Every position of the batch is computed: with the prefix cache, each block that is
+     * now full is registered under its token prefix (or merged into an identical cached
+     * block; block ids may change, the next call re-exports the tables). */
+    for (int32_t j = 0; j < n_grp; j++)
+        m40_kv_seq_commit(g->grp_seq[j], kv->prefix_cache ? kv->toks[g->grp_slot[j]] : NULL,
+                          m40_kv_seq_len(g->grp_seq[j]));
+    return 0;
+}
+
+#endif /* M40_HAVE_CUDA */

@@ -1,0 +1,101 @@
+/* Private to the GPU back end (model_cuda.c: load and free; model_cuda_fwd.c: the KV
+ * pool and the forward pass): the device-side structures both work on. Only included
+ * when building with CUDA (M40_HAVE_CUDA). */
+#ifndef M40_MODEL_CUDA_INT_H
+#define M40_MODEL_CUDA_INT_H
+
+#include "model_gpu.h"
+#include "model_internal.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "ggml_types.h"
+#include "kernels.h"
+#include "kv_blocks.h"
+#include "model_aux.h"
+#include "quant.h"
+
+/* A weight matrix on the device. */
+typedef struct {
+    void *data;
+    int type;            /* M40K_TYPE_* (GGUF numbering) */
+    int64_t rows, cols;
+    size_t row_bytes;
+} gmat;
+
+/* One product target: either one fused matrix, or up to 3 parts written side by side. */
+typedef struct {
+    gmat part[3];
+    int n_parts;
+    int64_t rows;        /* sum of the parts' rows */
+    float *bias;         /* [rows] or NULL */
+} gproj;
+
+typedef struct {
+    float *attn_norm, *ffn_norm;
+    gproj qkv, wo, gate_up, down;
+    float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm; /* gemma3; NULL otherwise */
+    int local;                                               /* gemma3 sliding-window layer */
+} glayer;
+
+struct m40_gpu {
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    int sm_count;
+    m40_model_params p;
+    int32_t q_dim, kv_dim, qkv_dim;
+    gmat tok_embd, output;
+    int output_shared;   /* output is tok_embd's buffer */
+    float *output_norm, *rope_ff;
+    glayer *layers;
+    int gemma3;          /* arch gemma3: the extras below apply */
+    m40_gpu_gemma3 g3;
+    float *rope_ff_global; /* gemma3 with linear RoPE scaling: global_scale per frequency */
+    size_t weight_bytes;
+
+    /* Tiled path: F16 (F32 when gemm_f32) copy of one dequantized weight. */
+    void *deq;
+    int gemm_f32;        /* tiled products in F32 (SGEMM) rather than F16 tensor cores */
+    size_t deq_elems, deq_cap;
+    int32_t *iota;       /* 0..max_rows-1, the row ids the dequantizing gather takes */
+
+    /* Per-forward scratch, grown on demand to cap tokens / cap_out logit rows. */
+    int32_t cap, cap_out;
+    float *x, *xb, *qkv, *att, *hb, *hb2, *xg, *logits_d;
+    uint16_t *x16;
+    void *xq;            /* m40k_quantize_q8 of the current GEMV input, batch <= 8 */
+    float *ws;
+    size_t ws_cap;
+    int32_t *ints_d, *ints_h;
+    size_t ints_cap;
+    float *logits_h;
+    int32_t *pick_d; /* greedy picks: cap_out ids, then cap_out logprobs */
+    /* Host-side grouping scratch. */
+    int32_t *perm, *grp_slot, *grp_first, *grp_n, *out_rows;
+    m40_kv_seq **grp_seq;
+    int32_t host_cap;
+};
+
+struct m40_gpu_kv {
+    m40_gpu *g;
+    int32_t n_slots, ctx, n_blocks;
+    m40_kv_blocks *mgr;
+    m40_kv_seq **seqs;
+    uint16_t *k, *v;     /* [layer][block][kv_head][16][head_dim] */
+    size_t layer_elems;  /* elements of one layer's K (or V) */
+    int32_t *csr_indptr, *csr_lpl, *csr_indices;
+    int32_t csr_cap;
+    /* Prefix cache: the token id at every position of each slot (what m40_kv_seq_commit
+     * keys the slot's full blocks by), grown with the slot's length. */
+    int prefix_cache;
+    int32_t **toks;
+    int32_t *toks_cap;
+};
+
+#endif
