@@ -42,6 +42,38 @@
 
 /* ---------- 1. references ---------- */
 
+/* Teacher-forced comparison of MODEL on the GPU with the reference file: every prompt
+ * tokenizes identically and every |dlogprob| is within 5e-2. */
+static void eval_against_ref(const char *model, const char *ref_path, const char *label)
+{
+    char err[512];
+    m40_ref *ref = NULL;
+    m40_model *m = NULL;
+    m40_model_options o = {.n_threads = 2, .device = 0};
+    if (m40_ref_load(ref_path, &ref, err, sizeof err) || m40_model_load_opts(model, &o, &m, err, sizeof err)) {
+        CHECK(0, "%s: %s", model, err);
+        m40_ref_free(ref);
+        return;
+    }
+    double worst = 0;
+    int ok = 1;
+    for (int32_t i = 0; i < ref->n_prompts; i++) {
+        m40_eval_result r;
+        if (m40_eval_prompt(m, &ref->prompts[i], &r, err, sizeof err)) {
+            CHECK(0, "%s prompt %d: %s", model, (int)i, err);
+            ok = 0;
+            continue;
+        }
+        CHECK(r.tokens_match, "%s prompt %d: tokenization differs", model, (int)i);
+        if (r.max_abs_delta > worst)
+            worst = r.max_abs_delta;
+    }
+    printf("ref %-32s max |dlogprob| %.4g over %d prompts (gpu)\n", label, worst, (int)ref->n_prompts);
+    CHECK(ok && worst <= 5e-2, "%s: max |dlogprob| %g > 5e-2", model, worst);
+    m40_model_free(m);
+    m40_ref_free(ref);
+}
+
 static void test_refs(const char *shared)
 {
     char dir[4096];
@@ -56,34 +88,10 @@ static void test_refs(const char *shared)
         size_t n = strlen(de->d_name);
         if (n < 6 || strcmp(de->d_name + n - 5, ".json") || strstr(de->d_name, ".native."))
             continue;
-        char model[4096], ref_path[4096], err[512];
+        char model[4096], ref_path[4096];
         snprintf(model, sizeof model, "%s/models/%.*s.gguf", shared, (int)(n - 5), de->d_name);
         snprintf(ref_path, sizeof ref_path, "%s/%s", dir, de->d_name);
-        m40_ref *ref = NULL;
-        m40_model *m = NULL;
-        m40_model_options o = {.n_threads = 2, .device = 0};
-        if (m40_ref_load(ref_path, &ref, err, sizeof err) || m40_model_load_opts(model, &o, &m, err, sizeof err)) {
-            CHECK(0, "%s: %s", model, err);
-            m40_ref_free(ref);
-            continue;
-        }
-        double worst = 0;
-        int ok = 1;
-        for (int32_t i = 0; i < ref->n_prompts; i++) {
-            m40_eval_result r;
-            if (m40_eval_prompt(m, &ref->prompts[i], &r, err, sizeof err)) {
-                CHECK(0, "%s prompt %d: %s", model, (int)i, err);
-                ok = 0;
-                continue;
-            }
-            CHECK(r.tokens_match, "%s prompt %d: tokenization differs", model, (int)i);
-            if (r.max_abs_delta > worst)
-                worst = r.max_abs_delta;
-        }
-        printf("ref %-32s max |dlogprob| %.4g over %d prompts (gpu)\n", de->d_name, worst, (int)ref->n_prompts);
-        CHECK(ok && worst <= 5e-2, "%s: max |dlogprob| %g > 5e-2", model, worst);
-        m40_model_free(m);
-        m40_ref_free(ref);
+        eval_against_ref(model, ref_path, de->d_name);
     }
     closedir(d);
 }
@@ -499,32 +507,7 @@ static void test_gemma3_real(void)
         SKIP("%s or its reference is absent (scripts/fetch-gemma3.sh)", model);
         return;
     }
-    char err[512];
-    m40_ref *ref = NULL;
-    m40_model *m = NULL;
-    m40_model_options o = {.n_threads = 2, .device = 0};
-    if (m40_ref_load(ref_path, &ref, err, sizeof err) || m40_model_load_opts(model, &o, &m, err, sizeof err)) {
-        CHECK(0, "%s: %s", model, err);
-        m40_ref_free(ref);
-        return;
-    }
-    double worst = 0;
-    int ok = 1;
-    for (int32_t i = 0; i < ref->n_prompts; i++) {
-        m40_eval_result r;
-        if (m40_eval_prompt(m, &ref->prompts[i], &r, err, sizeof err)) {
-            CHECK(0, "%s prompt %d: %s", model, (int)i, err);
-            ok = 0;
-            continue;
-        }
-        CHECK(r.tokens_match, "%s prompt %d: tokenization differs", model, (int)i);
-        if (r.max_abs_delta > worst)
-            worst = r.max_abs_delta;
-    }
-    printf("ref gemma-3-270m-q4_k_m max |dlogprob| %.4g over %d prompts (gpu)\n", worst, (int)ref->n_prompts);
-    CHECK(ok && worst <= 5e-2, "%s: max |dlogprob| %g > 5e-2", model, worst);
-    m40_model_free(m);
-    m40_ref_free(ref);
+    eval_against_ref(model, ref_path, "gemma-3-270m-q4_k_m");
 }
 
 /* ---------- 3, 4. the engine ---------- */
