@@ -1,15 +1,25 @@
 /* Paged KV-cache append: one block per new token. The block finds its sequence by binary
  * search over new_indptr, its position from the sequence length (the new tokens are the
- * last ones), its page through the CSR table, and writes every KV head's row as F16. */
+ * last ones), its page through the CSR table, and writes every KV head's row as F16.
+ *
+ * m40k_kv_append_rope does the same and rotates K (RoPE) on the way, so the forward pass
+ * needs no separate RoPE launch for K (m40k_rope then rotates Q alone): at batch 1 both
+ * kernels are launch-latency bound, a few us each per layer. The block first forms the
+ * (cos, sin) of each of its token's rot_dim/2 pairs in shared memory, once for all KV
+ * heads, with rope_dev.h's helpers, the ones rope_kernel uses; it writes V meanwhile,
+ * then each thread rotates its K element against its pair's partner (read from k, which
+ * stays untouched) and stores it. The cache then holds the same bits m40k_rope on k
+ * followed by m40k_kv_append would leave there. */
 #include "cuda_common.h"
+#include "rope_dev.h"
 
-__global__ void kv_append_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict__ vc, const float *__restrict__ k,
-                                 int64_t k_stride, const float *__restrict__ v, int64_t v_stride,
-                                 const int32_t *__restrict__ new_indptr, int n_seqs, const int32_t *__restrict__ indptr,
-                                 const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
-                                 int n_kv_heads, int head_dim)
+/* Block and slot of new token t in the cache, or -1 where its position would be
+ * negative (a sequence shorter than its new tokens: nothing is written). */
+__device__ __forceinline__ int64_t kv_row_block(int t, const int32_t *__restrict__ new_indptr, int n_seqs,
+                                                const int32_t *__restrict__ indptr,
+                                                const int32_t *__restrict__ indices,
+                                                const int32_t *__restrict__ last_page_len, int *slot)
 {
-    const int t = blockIdx.x;
     int lo = 0, hi = n_seqs - 1; /* last s with new_indptr[s] <= t */
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
@@ -23,15 +33,75 @@ __global__ void kv_append_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict
     const int64_t len = pages > 0 ? (int64_t)(pages - 1) * M40K_PAGE + last_page_len[s] : 0;
     const int64_t p = len - (new_indptr[s + 1] - t);
     if (p < 0)
+        return -1;
+    *slot = (int)(p % M40K_PAGE);
+    return indices[indptr[s] + p / M40K_PAGE];
+}
+
+__global__ void kv_append_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict__ vc, const float *__restrict__ k,
+                                 int64_t k_stride, const float *__restrict__ v, int64_t v_stride,
+                                 const int32_t *__restrict__ new_indptr, int n_seqs, const int32_t *__restrict__ indptr,
+                                 const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
+                                 int n_kv_heads, int head_dim)
+{
+    const int t = blockIdx.x;
+    int slot;
+    const int64_t blk = kv_row_block(t, new_indptr, n_seqs, indptr, indices, last_page_len, &slot);
+    if (blk < 0)
         return;
-    const int64_t blk = indices[indptr[s] + p / M40K_PAGE];
-    const int slot = (int)(p % M40K_PAGE);
     const int row = n_kv_heads * head_dim;
     for (int j = threadIdx.x; j < row; j += blockDim.x) {
         const int h = j / head_dim, d = j % head_dim;
         const size_t at = (((size_t)blk * n_kv_heads + h) * M40K_PAGE + slot) * head_dim + d;
         kc[at] = m40k_f2h(k[t * k_stride + j]);
         vc[at] = m40k_f2h(v[t * v_stride + j]);
+    }
+}
+
+/* Dynamic shared memory: rot_dim/2 float2 (cos, sin). */
+__global__ void kv_append_rope_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict__ vc,
+                                      const float *__restrict__ k, int64_t k_stride, const float *__restrict__ v,
+                                      int64_t v_stride, const int32_t *__restrict__ new_indptr, int n_seqs,
+                                      const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices,
+                                      const int32_t *__restrict__ last_page_len, int n_kv_heads, int head_dim,
+                                      const int32_t *__restrict__ pos, int rot_dim, double log2_base,
+                                      const float *__restrict__ ff, int neox)
+{
+    extern __shared__ float2 cs[];
+    const int t = blockIdx.x;
+    int slot;
+    const int64_t blk = kv_row_block(t, new_indptr, n_seqs, indptr, indices, last_page_len, &slot);
+    if (blk < 0) /* the whole block leaves: no thread reaches the barrier below */
+        return;
+    const int half = rot_dim / 2, row = n_kv_heads * head_dim;
+    const int32_t pt = pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        m40k_rope_sincos(pt, i, rot_dim, log2_base, ff, &s, &c);
+        cs[i] = make_float2(c, s);
+    }
+    const float *kr = k + t * k_stride;
+    for (int j = threadIdx.x; j < row; j += blockDim.x) {
+        const int h = j / head_dim, d = j % head_dim;
+        vc[(((size_t)blk * n_kv_heads + h) * M40K_PAGE + slot) * head_dim + d] = m40k_f2h(v[t * v_stride + j]);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < row; j += blockDim.x) {
+        const int h = j / head_dim, d = j % head_dim;
+        float y = kr[j];
+        if (d < rot_dim) {
+            /* this element's pair (a, b) and which of the two it is; as rope_kernel:
+             * normal pairs (2i, 2i+1), neox pairs (i, i + half) */
+            const bool first = neox ? d < half : (d & 1) == 0;
+            const int i = neox ? (first ? d : d - half) : d >> 1;
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            const float *kh = kr + (int64_t)h * head_dim;
+            const float2 r = cs[i];
+            float y0, y1;
+            m40k_rope_rotate(kh[a], kh[b], r.x, r.y, &y0, &y1);
+            y = first ? y0 : y1;
+        }
+        kc[(((size_t)blk * n_kv_heads + h) * M40K_PAGE + slot) * head_dim + d] = m40k_f2h(y);
     }
 }
 
@@ -45,5 +115,28 @@ extern "C" int m40k_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float 
     int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
     kv_append_kernel<<<n_tokens, threads, 0, stream>>>(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs,
                                                        indptr, indices, last_page_len, n_kv_heads, head_dim);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_kv_append_rope(uint16_t *k_cache, uint16_t *v_cache, const float *k, int64_t k_stride,
+                                   const float *v, int64_t v_stride, const int32_t *new_indptr, int n_seqs,
+                                   int n_tokens, const int32_t *indptr, const int32_t *indices,
+                                   const int32_t *last_page_len, int n_kv_heads, int head_dim, const int32_t *pos,
+                                   int rot_dim, float base, const float *freq_factors, int neox, m40k_stream stream)
+{
+    if (n_tokens <= 0 || n_seqs <= 0)
+        return 0;
+    /* m40k_rope's checks, in its order: rot_dim 0 rotates nothing (pos is not read) */
+    if (rot_dim == 0)
+        return m40k_kv_append(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, n_tokens, indptr,
+                              indices, last_page_len, n_kv_heads, head_dim, stream);
+    if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || !(base > 0.0f))
+        return M40K_INVALID;
+    int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
+    const size_t smem = (size_t)(rot_dim / 2) * sizeof(float2);
+    kv_append_rope_kernel<<<n_tokens, threads, smem, stream>>>(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr,
+                                                               n_seqs, indptr, indices, last_page_len, n_kv_heads,
+                                                               head_dim, pos, rot_dim, log2((double)base),
+                                                               freq_factors, neox);
     return m40k_launch_status();
 }

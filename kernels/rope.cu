@@ -1,10 +1,12 @@
 /* RoPE in place. One thread per (token, rotation pair i, chunk of ROPE_HC heads): Q
  * heads first, then K heads, so a decode token's 40 heads x 64 pairs spread over 640
  * threads instead of walking the heads serially (that took 18 us a layer on an H100).
- * The angle is formed in double precision (positions in the hundreds of thousands keep
- * float accuracy), reduced to [-pi, pi] in double, and only then handed to the float
- * sincosf: a small argument never takes its slow path, and a double sincos is avoided. */
+ * The angle (formed in double, reduced to [-pi, pi], then a float sincosf) and the
+ * rotation are rope_dev.h's, shared with m40k_kv_append_rope (kv_cache.cu), which
+ * rotates K on its way into the cache bit for bit as this kernel does; the model's
+ * forward pass calls this one for Q only. */
 #include "cuda_common.h"
+#include "rope_dev.h"
 
 #define ROPE_HC 4 /* heads per thread */
 
@@ -18,12 +20,8 @@ __global__ void rope_kernel(float *__restrict__ q, int64_t q_stride, int n_q_hea
     if (id >= (int64_t)n_tokens * half * nc)
         return;
     const int chunk = (int)(id % nc), i = (int)(id / nc % half), t = (int)(id / nc / half);
-    double theta = (double)pos[t] * exp2(-2.0 * i / rot_dim * log2_base);
-    if (ff)
-        theta /= ff[i];
-    const double r = theta - 6.283185307179586 * rint(theta * 0.15915494309189535);
     float s, c;
-    sincosf((float)r, &s, &c);
+    m40k_rope_sincos(pos[t], i, rot_dim, log2_base, ff, &s, &c);
     const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
     float *base;
     int h0, h1;
@@ -34,9 +32,7 @@ __global__ void rope_kernel(float *__restrict__ q, int64_t q_stride, int n_q_hea
     }
     for (int h = h0; h < h1; h++) {
         float *v = base + (int64_t)h * head_dim;
-        const float x0 = v[a], x1 = v[b];
-        v[a] = x0 * c - x1 * s;
-        v[b] = x0 * s + x1 * c;
+        m40k_rope_rotate(v[a], v[b], c, s, &v[a], &v[b]);
     }
 }
 

@@ -359,6 +359,90 @@ static void test_attention(void)
         }
 }
 
+/* ---------------------------------------------------------------- 5b. kv append with RoPE on K */
+/* m40k_kv_append_rope against (a) m40k_rope on k then m40k_kv_append, byte for byte,
+ * both caches, (b) the CPU twins m40_ref_rope + m40_ref_kv_append: V exactly, K within
+ * the rope test's tolerance widened by one F16 step (two floats that close may round to
+ * neighbouring halves), (c) k as it was. Sequence sets: a decode step (one new token
+ * each) and a mixed one (prompt chunks across page boundaries); positions are the cache
+ * positions for even sequences and large random ones for odd sequences. */
+static void test_kv_append_rope(void)
+{
+    const std::vector<int> lens_sets[2] = {{5, 16, 17, 33, 1000}, {1, 15, 16, 17, 100, 1000}};
+    const std::vector<int> news_sets[2] = {{1, 1, 1, 1, 1}, {1, 15, 3, 17, 100, 37}};
+    for (int hd : {64, 128, 256})
+        for (int rot : {hd, 32, 0})
+            for (int neox : {0, 1})
+                for (int ff : {0, 1})
+                    for (int set : {0, 1}) {
+                        const int nkv = hd == 64 ? 3 : 2;
+                        const std::vector<int> &news = news_sets[set];
+                        Paged p = make_paged(lens_sets[set]);
+                        const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
+                        std::vector<uint16_t> kc(cache_elems), vc(cache_elems);
+                        for (size_t i = 0; i < cache_elems; i++)
+                            kc[i] = m40_fp32_to_fp16(frand(-1, 1)), vc[i] = m40_fp32_to_fp16(frand(-1, 1));
+                        std::vector<int32_t> new_indptr = {0}, pos;
+                        for (int s = 0; s < p.n_seqs; s++) {
+                            new_indptr.push_back(new_indptr.back() + news[s]);
+                            for (int j = 0; j < news[s]; j++) {
+                                const int cp = p.lens[s] - news[s] + j;
+                                pos.push_back(s % 2 ? cp + (int32_t)(rnd32() % 200000) : cp);
+                            }
+                        }
+                        const int nt = new_indptr.back();
+                        const int64_t ks = nkv * hd + 4, vs = nkv * hd + 8;
+                        const float base = 500000.0f;
+                        std::vector<float> k = rand_vec(nt * ks, -2, 2), v = rand_vec(nt * vs, -2, 2),
+                                           f = rand_vec(rot / 2, 1, 8);
+
+                        /* the fused kernel, then the two-kernel path on a second copy */
+                        uint16_t *dkc = dup(kc), *dvc = dup(vc), *dkc2 = dup(kc), *dvc2 = dup(vc);
+                        int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *dni = dup(new_indptr),
+                                *dp = dup(pos);
+                        float *dk = dup(k), *dv = dup(v), *dk2 = dup(k), *df = dup(f);
+                        const float *ffp = ff ? df : nullptr;
+                        CK(m40k_kv_append_rope(dkc, dvc, dk, ks, dv, vs, dni, p.n_seqs, nt, dip, dix, dlp, nkv, hd,
+                                               dp, rot, base, ffp, neox, 0));
+                        CK(m40k_rope(nullptr, 0, 0, dk2, ks, nkv, hd, rot, dp, nt, base, ffp, neox, 0));
+                        CK(m40k_kv_append(dkc2, dvc2, dk2, ks, dv, vs, dni, p.n_seqs, nt, dip, dix, dlp, nkv, hd, 0));
+                        std::vector<uint16_t> gk = back(dkc, cache_elems), gv = back(dvc, cache_elems);
+                        char what[128];
+                        snprintf(what, sizeof what, "kv_append_rope hd %d rot %d neox %d ff %d %s tokens %d", hd, rot,
+                                 neox, ff, set ? "mixed" : "decode", nt);
+                        char w2[160];
+                        snprintf(w2, sizeof w2, "%s: cache == rope + kv_append", what);
+                        check(w2, gk == back(dkc2, cache_elems) && gv == back(dvc2, cache_elems));
+                        snprintf(w2, sizeof w2, "%s: k unchanged", what);
+                        check(w2, back(dk, k.size()) == k);
+
+                        std::vector<float> kr = k; /* the twins rotate in place */
+                        m40_ref_rope(nullptr, 0, 0, kr.data(), ks, nkv, hd, rot, pos.data(), nt, base,
+                                     ff ? f.data() : nullptr, neox);
+                        m40_ref_kv_append(kc.data(), vc.data(), kr.data(), ks, v.data(), vs, new_indptr.data(),
+                                          p.n_seqs, nt, p.indptr.data(), p.indices.data(), p.lpl.data(), nkv, hd);
+                        snprintf(w2, sizeof w2, "%s: v cache == cpu", what);
+                        check(w2, gv == vc);
+                        snprintf(w2, sizeof w2, "%s: k cache vs cpu", what);
+                        std::vector<float> g = h2f(gk), c = h2f(kc);
+                        compare(w2, g.data(), c.data(), c.size(), 1e-5f, 1e-5f + 1.0f / 1024);
+                        cudaFree(dkc), cudaFree(dvc), cudaFree(dkc2), cudaFree(dvc2), cudaFree(dip), cudaFree(dix),
+                            cudaFree(dlp), cudaFree(dni), cudaFree(dp), cudaFree(dk), cudaFree(dv), cudaFree(dk2),
+                            cudaFree(df);
+                    }
+    /* refused as m40k_rope refuses: odd or too long rot_dim, base <= 0 (checked before
+     * any launch, so no device memory is needed) */
+    check("kv_append_rope odd rot_dim refused",
+          m40k_kv_append_rope(nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr, nullptr, 1,
+                              64, nullptr, 31, 10000.0f, nullptr, 0, 0) != 0);
+    check("kv_append_rope rot_dim > head_dim refused",
+          m40k_kv_append_rope(nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr, nullptr, 1,
+                              64, nullptr, 66, 10000.0f, nullptr, 0, 0) != 0);
+    check("kv_append_rope base 0 refused",
+          m40k_kv_append_rope(nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr, nullptr, 1,
+                              64, nullptr, 64, 0.0f, nullptr, 0, 0) != 0);
+}
+
 /* ---------------------------------------------------------------- 8. gemv */
 static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
                                  M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
@@ -724,6 +808,7 @@ int main(int argc, char **argv)
     struct { const char *name; void (*fn)(void); } tests[] = {
         {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},         {"attention", test_attention},
+        {"kv_rope", test_kv_append_rope},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"sample", test_sample},
     };
     for (auto &t : tests) {
