@@ -329,7 +329,7 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->deq);
     cudaFree(g->iota);
     void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
-                    g->logits_d, g->x16, g->xq, g->ws, g->ints_d, g->pick_d};
+                    g->logits_d, g->x16, g->xq, g->ws, g->att_cnt, g->ints_d, g->pick_d};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);

@@ -518,6 +518,18 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             }
             g->ws_cap = need_ws;
         }
+        /* the split counters start zeroed and every decode call leaves them so: zeroed
+         * here only when (re)allocated, on the stream, before the first call uses them */
+        size_t need_cnt = splits > 1 || splits_local > 1 ? m40k_decode_counter_ints(n_dec, p->n_kv_heads) : 0;
+        if (need_cnt > g->att_cnt_cap) {
+            if (grow_dev((void **)&g->att_cnt, need_cnt * sizeof *g->att_cnt) ||
+                cudaMemsetAsync(g->att_cnt, 0, need_cnt * sizeof *g->att_cnt, g->stream) != cudaSuccess) {
+                g->att_cnt_cap = 0;
+                m40_set_err(err, errlen, "gpu %d: out of memory for the attention split counters", g->device);
+                return -1;
+            }
+            g->att_cnt_cap = need_cnt;
+        }
     }
     const float scale = g->gemma3 ? g->g3.attn_scale : 1.0f / sqrtf((float)hd);
     const int64_t dim = p->dim, qkvd = g->qkv_dim, ffn = p->ffn_dim;
@@ -558,7 +570,8 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
                                p->rope_dim, base, ff, p->rope_neox, g->stream));
         if (tuned && n_dec > 0)
             CK(m40k_attn_decode_window(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec, p->n_heads,
-                                       p->n_kv_heads, hd, scale, win, win ? splits_local : splits, g->ws, g->stream));
+                                       p->n_kv_heads, hd, scale, win, win ? splits_local : splits, g->ws, g->att_cnt,
+                                       g->stream));
         if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
             CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
                                              vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,

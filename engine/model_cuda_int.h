@@ -72,6 +72,8 @@ struct m40_gpu {
     void *xq;            /* m40k_quantize_q8 of the current GEMV input, batch <= 8 */
     float *ws;
     size_t ws_cap;
+    int *att_cnt;        /* decode attention's split counters: zeroed when allocated, zero between calls */
+    size_t att_cnt_cap;
     int32_t *ints_d, *ints_h;
     size_t ints_cap;
     float *logits_h;

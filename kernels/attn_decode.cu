@@ -13,10 +13,21 @@
  * are summed in a fixed order (no shared-memory float atomics: those are compare-and-swap
  * loops, and 8 teams adding to the same words made them most of a short split's time).
  * With n_splits > 1 each split writes (unnormalized output, max, sum) to a workspace
- * and a second kernel merges the splits (an empty split leaves max -inf: skipped). The
- * splits divide the positions evenly (any token boundary). window > 0 (sliding-window
- * layers, Gemma 3): only the last `window` positions are read, and the splits divide
- * that range. */
+ * and the splits are merged in the same launch, by whichever split block of a (sequence,
+ * KV head) finishes last (no second kernel: its launch cost ~5 us a layer at batch 1).
+ * Each split block stores its partials, fences them (__threadfence: visible to the whole
+ * device before anything it does next) and counts itself in a per-(sequence, KV head)
+ * counter with one atomicAdd; the block that reads n_splits - 1 knows every other split
+ * has stored and fenced its rows. It fences again (the acquire side), reads all the rows
+ * back through L2 (__ldcg: this SM's L1 is not coherent with the others' stores), merges
+ * them for its G query heads (max over splits, den = sum exp(m_i - M) l_i, num likewise
+ * per dim; an empty split leaves max -inf: skipped), writes `out` and sets the counter
+ * back to 0. The counters (caller-owned, zeroed once) are therefore zero between calls
+ * (two calls in flight at once must not share them). No block ever waits on another, so
+ * any block schedule is safe; a PDL-launched GEMV that follows waits (griddepcontrol.wait)
+ * for the whole grid, merging blocks included, before it reads `out`. The splits divide the
+ * positions evenly (any token boundary). window > 0 (sliding-window layers, Gemma 3):
+ * only the last `window` positions are read, and the splits divide that range. */
 #include "cuda_common.h"
 
 #include <math.h>
@@ -24,12 +35,27 @@
 #define DEC_THREADS 128
 #define DEC_TT 4 /* tokens per team per tile */
 
+/* VW consecutive floats (VW 1, 2 or 4; p aligned to VW floats) read through L2 only
+ * (ld.global.cg): rows other SMs stored are never served from this SM's L1. */
+template <int VW> __device__ __forceinline__ void dec_ldcg(const float *p, float (&w)[VW])
+{
+    if constexpr (VW == 4) {
+        const float4 t = __ldcg(reinterpret_cast<const float4 *>(p));
+        w[0] = t.x, w[1] = t.y, w[2] = t.z, w[3] = t.w;
+    } else if constexpr (VW == 2) {
+        const float2 t = __ldcg(reinterpret_cast<const float2 *>(p));
+        w[0] = t.x, w[1] = t.y;
+    } else {
+        w[0] = __ldcg(p);
+    }
+}
+
 template <int D, int GMAX>
 __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc, const int32_t *__restrict__ indptr,
     const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads,
-    float scale, int n_splits, float *__restrict__ ws, int window)
+    float scale, int n_splits, float *__restrict__ ws, int *__restrict__ counters, int window)
 {
     m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
@@ -171,49 +197,99 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
             }
         }
     }
-}
+    if (n_splits == 1)
+        return;
 
-/* Merge the splits of one (sequence, head): rescale each to the common max. Warp 0 finds
- * the max and the denominator with the splits spread over its lanes (one round of
- * loads, not a chain of n_splits), then every thread sums its dims. */
-__global__ void attn_decode_merge(float *__restrict__ out, int64_t out_stride, const float *__restrict__ ws,
-                                  int n_seqs, int n_heads, int head_dim, int n_splits)
-{
-    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
-    __shared__ float M_s, den_s;
-    const int h = blockIdx.x, s = blockIdx.y;
-    const size_t r0 = ((size_t)s * n_heads + h) * n_splits;
-    const float *ml = ws + (size_t)n_seqs * n_heads * n_splits * head_dim + 2 * r0;
-    if (threadIdx.x < 32) {
-        float M = -INFINITY;
-        for (int i = threadIdx.x; i < n_splits; i += 32)
-            M = fmaxf(M, ml[2 * i]);
-        M = m40k_warp_max(M);
-        float den = 0.0f;
-        for (int i = threadIdx.x; i < n_splits; i += 32)
-            if (ml[2 * i] != -INFINITY)
-                den += __expf(ml[2 * i] - M) * ml[2 * i + 1];
-        den = m40k_warp_sum(den);
-        if (threadIdx.x == 0)
-            M_s = M, den_s = den;
+    /* Count this split in; the last of the (sequence, KV head) to arrive merges. Release:
+     * every thread fences its own stores above; after the barrier thread 0 fences again
+     * (cumulative over the whole block's stores, which the barrier ordered before it:
+     * the PTX model's release pattern is a fence then a write by the same thread) and
+     * then counts. Acquire: the thread that read n_splits - 1 fences before the barrier
+     * that releases the block's loads. An empty split (tok0 == tok1) also gets here: it
+     * stored zeros and max -inf, and it must be counted. */
+    __shared__ int last_s;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        int *cnt = counters + (size_t)s * n_kv_heads + kvh;
+        __threadfence();
+        const int last = atomicAdd(cnt, 1) == n_splits - 1;
+        if (last) {
+            __threadfence();
+            atomicExch(cnt, 0); /* all n_splits have counted: nothing else touches it in this launch */
+        }
+        last_s = last;
     }
     __syncthreads();
-    const float M = M_s, den = den_s;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float num = 0.0f;
-#pragma unroll 8
-        for (int i = 0; i < n_splits; i++) {
-            const float m = ml[2 * i];
-            if (m != -INFINITY) /* an empty split: max -inf, its row zeros */
-                num += __expf(m - M) * ws[(r0 + i) * head_dim + d];
+    if (!last_s)
+        return;
+
+    /* Merge: every split rescaled to the common max M of its head, out = num / den with
+     * den = sum_i exp(m_i - M) l_i and num = sum_i exp(m_i - M) o_i (splits with m_i
+     * -inf skipped). Warp w finds M and den of heads w, w+4, ... with the splits spread
+     * over its lanes (one round of loads, not a chain of n_splits); then each thread sums
+     * VW consecutive dims of the block's G*D outputs over the splits (VW up to 4, as wide
+     * as keeps the 128 threads busy: one 4- to 16-byte load per split and thread). */
+    __shared__ float M_s[GMAX], den_s[GMAX];
+    constexpr int VW = GMAX * D >= 4 * DEC_THREADS ? 4 : GMAX * D >= 2 * DEC_THREADS ? 2 : 1;
+    /* splits per unrolled round (loads in flight): 8 with scalar loads, 4 with vectors
+     * (8 took the D=256, G=1 kernel from 64 to 72 registers: 7 blocks per SM, not 8) */
+    constexpr int MU = VW == 1 ? 8 : 4;
+    const size_t r0 = ((size_t)s * n_heads + (size_t)kvh * G) * n_splits; /* head kvh*G, split 0 */
+    const float *mlb = ws + (size_t)gridDim.y * n_heads * n_splits * D + 2 * r0;
+    for (int g = tid >> 5; g < G; g += DEC_THREADS / 32) {
+        const int lane = tid & 31;
+        const float *ml = mlb + 2 * (size_t)g * n_splits;
+        float M = -INFINITY;
+        for (int i = lane; i < n_splits; i += 32)
+            M = fmaxf(M, __ldcg(ml + 2 * i));
+        M = m40k_warp_max(M);
+        float den = 0.0f;
+        for (int i = lane; i < n_splits; i += 32) {
+            const float m = __ldcg(ml + 2 * i);
+            if (m != -INFINITY)
+                den += __expf(m - M) * __ldcg(ml + 2 * i + 1);
         }
-        out[s * out_stride + (int64_t)h * head_dim + d] = den > 0.0f ? num / den : 0.0f;
+        den = m40k_warp_sum(den);
+        if (lane == 0)
+            M_s[g] = M, den_s[g] = den;
+    }
+    __syncthreads();
+    for (int j = tid; j < G * (D / VW); j += DEC_THREADS) {
+        const int g = j / (D / VW), d = VW * (j % (D / VW));
+        const float M = M_s[g], den = den_s[g];
+        const float *ml = mlb + 2 * (size_t)g * n_splits, *row = ws + (r0 + (size_t)g * n_splits) * D + d;
+        float num[VW];
+#pragma unroll
+        for (int k = 0; k < VW; k++)
+            num[k] = 0.0f;
+#pragma unroll MU
+        for (int i = 0; i < n_splits; i++) {
+            const float m = __ldcg(ml + 2 * i);
+            float w[VW];
+            dec_ldcg<VW>(row + (size_t)i * D, w); /* an empty split's row: zeros */
+            if (m != -INFINITY) {
+                const float e = __expf(m - M);
+#pragma unroll
+                for (int k = 0; k < VW; k++)
+                    num[k] += e * w[k];
+            }
+        }
+        float *op = out + s * out_stride + (int64_t)(kvh * G + g) * D + d;
+#pragma unroll
+        for (int k = 0; k < VW; k++)
+            op[k] = den > 0.0f ? num[k] / den : 0.0f;
     }
 }
 
 extern "C" size_t m40k_decode_workspace_floats(int n_seqs, int n_heads, int head_dim, int n_splits)
 {
     return n_splits > 1 ? (size_t)n_seqs * n_heads * n_splits * (head_dim + 2) : 0;
+}
+
+extern "C" size_t m40k_decode_counter_ints(int n_seqs, int n_kv_heads)
+{
+    return n_seqs > 0 && n_kv_heads > 0 ? (size_t)n_seqs * n_kv_heads : 0;
 }
 
 /* About one 32-token tile per split (the tile at D=128), as long as the grid stays
@@ -236,52 +312,51 @@ extern "C" int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_l
 template <int D, int GMAX>
 static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc, const uint16_t *vc,
                          const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
-                         int n_kv_heads, float scale, int n_splits, float *ws, int window, cudaStream_t st)
+                         int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window,
+                         cudaStream_t st)
 {
     dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
     attn_decode_kernel<D, GMAX><<<grid, DEC_THREADS, 0, st>>>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
-                                                              n_kv_heads, scale, n_splits, ws, window);
-    if (n_splits > 1)
-        attn_decode_merge<<<dim3((unsigned)n_heads, (unsigned)n_seqs), D, 0, st>>>(out, os, ws, n_seqs, n_heads, D,
-                                                                                  n_splits);
+                                                              n_kv_heads, scale, n_splits, ws, cnt, window);
     return m40k_launch_status();
 }
 
 template <int D>
 static int decode_group(int G, float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc,
                         const uint16_t *vc, const int32_t *indptr, const int32_t *indices, const int32_t *lpl,
-                        int n_seqs, int n_heads, int n_kv_heads, float scale, int n_splits, float *ws,
+                        int n_seqs, int n_heads, int n_kv_heads, float scale, int n_splits, float *ws, int *cnt,
                         int window, cudaStream_t st)
 {
     if (G == 1)
         return decode_launch<D, 1>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, window, st);
+                                   n_splits, ws, cnt, window, st);
     if (G == 2)
         return decode_launch<D, 2>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, window, st);
+                                   n_splits, ws, cnt, window, st);
     if (G <= 4)
         return decode_launch<D, 4>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, window, st);
+                                   n_splits, ws, cnt, window, st);
     return decode_launch<D, 8>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                               n_splits, ws, window, st);
+                               n_splits, ws, cnt, window, st);
 }
 
 extern "C" int m40k_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                        const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                        const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
                                        int n_kv_heads, int head_dim, float scale, int window, int n_splits,
-                                       float *workspace, m40k_stream stream)
+                                       float *workspace, int *counters, m40k_stream stream)
 {
     if (n_seqs <= 0)
         return 0;
     if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || n_splits < 1 || n_seqs > 65535 ||
-        n_splits > 65535 || (n_splits > 1 && !workspace) || q_stride % 4 || window < 0)
+        n_splits > 65535 || (n_splits > 1 && (!workspace || !counters || (uintptr_t)workspace % 16)) ||
+        q_stride % 4 || window < 0)
         return M40K_INVALID;
     const int G = n_heads / n_kv_heads;
     switch (head_dim) {
-    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, window, stream);
-    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, window, stream);
-    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, window, stream);
+    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, stream);
+    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, stream);
+    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, stream);
     default: return M40K_INVALID;
     }
 }
@@ -290,8 +365,9 @@ extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, 
                                 const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                 const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
                                 int n_kv_heads, int head_dim, float scale, int n_splits, float *workspace,
-                                m40k_stream stream)
+                                int *counters, m40k_stream stream)
 {
     return m40k_attn_decode_window(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len,
-                                   n_seqs, n_heads, n_kv_heads, head_dim, scale, 0, n_splits, workspace, stream);
+                                   n_seqs, n_heads, n_kv_heads, head_dim, scale, 0, n_splits, workspace, counters,
+                                   stream);
 }

@@ -116,16 +116,26 @@ int m40k_kv_append_rope(uint16_t *k_cache, uint16_t *v_cache, const float *k, in
  * head_dim 64, 128 or 256; n_heads/n_kv_heads in 1..8 (n_heads a multiple).
  * scale multiplies q.k (usually 1/sqrt(head_dim)). n_splits > 1 splits each sequence's
  * positions into that many even ranges processed by separate blocks (better GPU fill for
- * few long sequences) and merges them; it needs a workspace of
- * m40k_decode_workspace_floats(...) floats (NULL is fine for n_splits == 1). */
+ * few long sequences); the last block of each (sequence, KV head) to finish merges them,
+ * in the same launch. n_splits > 1 needs:
+ *   - workspace: m40k_decode_workspace_floats(...) floats, 16-byte aligned (cudaMalloc
+ *     memory is); its contents need no initialization and are scratch after the call;
+ *   - counters: m40k_decode_counter_ints(n_seqs, n_kv_heads) ints (or more) of device
+ *     memory that the caller ZEROES ONCE when it allocates them (cudaMemset[Async]). Every
+ *     call that completes leaves them zero again, so one array serves every later call
+ *     of any shape up to that size (every layer, every step). Two calls that may run at
+ *     the same time (different streams) need different counters; a call that faults
+ *     mid-kernel may leave them nonzero (zero them again before reuse).
+ * Both may be NULL for n_splits == 1 (neither is touched). */
 size_t m40k_decode_workspace_floats(int n_seqs, int n_heads, int head_dim, int n_splits);
+size_t m40k_decode_counter_ints(int n_seqs, int n_kv_heads);
 /* A split count for the given shape: about 32 positions per split, at most 4 blocks per
  * SM and 64 splits. sm_count from cudaDeviceProp.multiProcessorCount. */
 int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_len, int sm_count);
 int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
                      const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                      const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale,
-                     int n_splits, float *workspace, m40k_stream stream);
+                     int n_splits, float *workspace, int *counters, m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they
@@ -146,7 +156,8 @@ int m40k_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_
 int m40k_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
                             const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                             const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
-                            float scale, int window, int n_splits, float *workspace, m40k_stream stream);
+                            float scale, int window, int n_splits, float *workspace, int *counters,
+                            m40k_stream stream);
 int m40k_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                              const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,

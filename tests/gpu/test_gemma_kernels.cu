@@ -21,6 +21,14 @@ extern "C" {
 #define GPU_CHECK_SEED 0x2545F4914F6CDD1Dull
 #include "gpu_check.h"
 
+static void check(const char *what, bool ok)
+{
+    if (ok)
+        n_pass++;
+    else
+        n_fail++, printf("FAIL %s\n", what);
+}
+
 /* ---------------------------------------------------------------- paged cache fixture */
 struct Paged {
     int n_seqs, n_blocks;
@@ -74,7 +82,10 @@ static void test_window_attention(void)
             std::vector<float> q = rand_vec((size_t)nt * qs, -2, 2);
             float *dq = dup(q), *dout, *dws;
             CK(cudaMalloc(&dout, (size_t)nt * os * 4));
-            CK(cudaMalloc(&dws, m40k_decode_workspace_floats(p.n_seqs, nh, hd, 8) * 4 + 64));
+            CK(cudaMalloc(&dws, m40k_decode_workspace_floats(p.n_seqs, nh, hd, 64) * 4 + 64));
+            /* split counters: zeroed once here, left zero by every decode call */
+            const size_t n_cnt = m40k_decode_counter_ints(p.n_seqs, nkv);
+            int *dcnt = dup(std::vector<int>(n_cnt, 0));
             char what[160];
             for (int window : {0, 1, 5, 16, 33, 512, 2000}) {
                 const bool tuned = hd != 24;
@@ -83,15 +94,21 @@ static void test_window_attention(void)
                     std::vector<float> c((size_t)p.n_seqs * os, 0.0f);
                     m40_ref_attn_decode_window(c.data(), os, q.data(), qs, kc.data(), vc.data(), p.indptr.data(),
                                                p.indices.data(), p.lpl.data(), p.n_seqs, nh, nkv, hd, scale, window);
-                    for (int splits : {1, 3, 8}) {
-                        CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
-                        CK(m40k_attn_decode_window(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv, hd,
-                                                   scale, window, splits, splits > 1 ? dws : nullptr, 0));
-                        std::vector<float> g = back(dout, c.size());
-                        snprintf(what, sizeof what, "attn_decode_window hd %d G %d window %d splits %d", hd, G,
-                                 window, splits);
-                        compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
-                    }
+                    for (int splits : {1, 3, 8, 64})
+                        for (int rep = 0; rep < 2; rep++) { /* twice: the counters were reset */
+                            CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
+                            CK(m40k_attn_decode_window(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv,
+                                                       hd, scale, window, splits, splits > 1 ? dws : nullptr,
+                                                       splits > 1 ? dcnt : nullptr, 0));
+                            std::vector<float> g = back(dout, c.size());
+                            snprintf(what, sizeof what, "attn_decode_window hd %d G %d window %d splits %d call %d",
+                                     hd, G, window, splits, rep + 1);
+                            compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
+                        }
+                    std::vector<int> cnt = back(dcnt, n_cnt);
+                    snprintf(what, sizeof what, "attn_decode_window hd %d G %d window %d: counters left zero", hd, G,
+                             window);
+                    check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
                     /* prefill: the new tokens of every sequence */
                     std::vector<float> pc((size_t)nt * os, 0.0f);
                     m40_ref_attn_prefill_window(pc.data(), os, q.data(), qs, new_indptr.data(), p.n_seqs, nt,
@@ -117,8 +134,8 @@ static void test_window_attention(void)
                 snprintf(what, sizeof what, "attn_generic_window hd %d G %d window %d rows %d", hd, G, window, nt);
                 compare(what, g.data(), gc.data(), gc.size(), 2e-4f, 1e-3f);
             }
-            cudaFree(dq), cudaFree(dout), cudaFree(dws), cudaFree(dkc), cudaFree(dvc), cudaFree(dip), cudaFree(dix),
-                cudaFree(dlp), cudaFree(dni), cudaFree(drs), cudaFree(drp);
+            cudaFree(dq), cudaFree(dout), cudaFree(dws), cudaFree(dcnt), cudaFree(dkc), cudaFree(dvc), cudaFree(dip),
+                cudaFree(dix), cudaFree(dlp), cudaFree(dni), cudaFree(drs), cudaFree(drp);
         }
 }
 

@@ -329,18 +329,34 @@ static void test_attention(void)
             m40_ref_attn_decode(c.data(), os, q.data(), qs, kc.data(), vc.data(), p.indptr.data(), p.indices.data(),
                                 p.lpl.data(), p.n_seqs, nh, nkv, hd, scale);
             float *dq = dup(q), *dout, *dws;
+            /* the split counters: zeroed once, shared by every call below (each call must
+             * leave them zero); 64 splits leave most of the short sequences' splits empty */
+            const size_t n_cnt = m40k_decode_counter_ints(p.n_seqs, nkv);
+            int *dcnt = dup(std::vector<int>(n_cnt, 0));
             CK(cudaMalloc(&dout, c.size() * 4));
-            for (int splits : {1, 3, 8}) {
-                CK(cudaMemset(dout, 0, c.size() * 4));
+            for (int splits : {1, 3, 8, 64}) {
                 CK(cudaMalloc(&dws, std::max<size_t>(1, m40k_decode_workspace_floats(p.n_seqs, nh, hd, splits)) * 4));
-                CK(m40k_attn_decode(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv, hd, scale, splits,
-                                    splits > 1 ? dws : nullptr, 0));
-                std::vector<float> g = back(dout, c.size());
-                snprintf(what, sizeof what, "attn_decode hd %d G %d splits %d ctx 1..1000", hd, G, splits);
-                compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
+                for (int rep = 0; rep < 2; rep++) { /* twice in a row: the counters were reset */
+                    CK(cudaMemset(dout, 0, c.size() * 4));
+                    CK(m40k_attn_decode(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv, hd, scale,
+                                        splits, splits > 1 ? dws : nullptr, splits > 1 ? dcnt : nullptr, 0));
+                    std::vector<float> g = back(dout, c.size());
+                    snprintf(what, sizeof what, "attn_decode hd %d G %d splits %d ctx 1..1000 call %d", hd, G, splits,
+                             rep + 1);
+                    compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
+                }
+                std::vector<int> cnt = back(dcnt, n_cnt);
+                snprintf(what, sizeof what, "attn_decode hd %d G %d splits %d: counters left zero", hd, G, splits);
+                check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                if (splits > 1) { /* splits need both the workspace and the counters */
+                    snprintf(what, sizeof what, "attn_decode hd %d G %d splits %d: no counters refused", hd, G, splits);
+                    const int rc = m40k_attn_decode(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv, hd,
+                                                    scale, splits, dws, nullptr, 0);
+                    check(what, rc == (int)cudaErrorInvalidValue);
+                }
                 cudaFree(dws);
             }
-            cudaFree(dq), cudaFree(dout);
+            cudaFree(dq), cudaFree(dout), cudaFree(dcnt);
 
             /* prefill: the new tokens of every sequence as queries */
             std::vector<float> pq = rand_vec(nt * qs, -2, 2), pc(nt * os, 0.0f);
@@ -767,6 +783,7 @@ static void bench_attn_decode(void)
             float *dq = dup(q), *dout, *dws;
             CK(cudaMalloc(&dout, q.size() * 4));
             CK(cudaMalloc(&dws, m40k_decode_workspace_floats(n_seqs, nh, hd, 64) * 4 + 4));
+            int *dcnt = dup(std::vector<int>(m40k_decode_counter_ints(n_seqs, nkv), 0));
             int32_t *dip = dup(indptr), *dix = dup(indices), *dlp = dup(lpl);
             const int pick = m40k_decode_pick_splits(n_seqs, nkv, ctx, sms);
             for (int splits : {pick, 1, 4, 16, 64}) {
@@ -775,12 +792,12 @@ static void bench_attn_decode(void)
                 CK(cudaEventCreate(&e1));
                 for (int i = 0; i < 3; i++)
                     CK(m40k_attn_decode(dout, nh * hd, dq, nh * hd, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd,
-                                        0.088f, splits, dws, 0));
+                                        0.088f, splits, dws, dcnt, 0));
                 const int iters = 50;
                 CK(cudaEventRecord(e0));
                 for (int i = 0; i < iters; i++)
                     CK(m40k_attn_decode(dout, nh * hd, dq, nh * hd, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd,
-                                        0.088f, splits, dws, 0));
+                                        0.088f, splits, dws, dcnt, 0));
                 CK(cudaEventRecord(e1));
                 CK(cudaEventSynchronize(e1));
                 float ms;
@@ -790,7 +807,7 @@ static void bench_attn_decode(void)
                        splits, splits == pick ? " (picked)" : "", us, bytes / (us * 1e3));
                 cudaEventDestroy(e0), cudaEventDestroy(e1);
             }
-            cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout), cudaFree(dws);
+            cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout), cudaFree(dws), cudaFree(dcnt);
             cudaFree(dip), cudaFree(dix), cudaFree(dlp);
         }
 }
