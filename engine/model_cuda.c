@@ -329,7 +329,7 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->deq);
     cudaFree(g->iota);
     void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
-                    g->logits_d, g->x16, g->xq, g->ws, g->att_cnt, g->ints_d, g->pick_d};
+                    g->logits_d, g->x16, g->xq, g->ws, g->att_cnt, g->ints_d, g->pick_d, g->sk_ws, g->sk_cnt};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);
@@ -389,6 +389,10 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         goto fail;
     }
     g->sm_count = prop.multiProcessorCount;
+    {
+        const char *sk = getenv("M40_SKINNY");
+        g->skinny = prop.major >= 8 && !(sk && !strcmp(sk, "0"));
+    }
     if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(g->blas, g->stream) != CUBLAS_STATUS_SUCCESS) {
         g->blas = NULL;
         m40_set_err(err, errlen, "gpu %d: cannot initialize cuBLAS", device);

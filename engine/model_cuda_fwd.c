@@ -218,6 +218,24 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             return -1;
         g->cap = c;
     }
+    if (g->skinny && !g->sk_cnt) {
+        /* split-K scratch of the skinny GEMM: 16 MB covers every split the picker makes
+         * for 7B-class shapes at 64 rows; larger ones take fewer splits */
+        size_t rows = (size_t)p->n_vocab;
+        const size_t cand[] = {(size_t)g->qkv_dim, 2 * (size_t)p->ffn_dim, (size_t)p->dim};
+        for (int i = 0; i < 3; i++)
+            if (cand[i] > rows)
+                rows = cand[i];
+        g->sk_cnt_ints = m40k_gemm_skinny_counter_ints((int)rows);
+        g->sk_ws_floats = (size_t)4 << 20;
+        if (grow_dev((void **)&g->sk_ws, g->sk_ws_floats * 4) ||
+            grow_dev((void **)&g->sk_cnt, g->sk_cnt_ints * sizeof *g->sk_cnt) ||
+            cudaMemsetAsync(g->sk_cnt, 0, g->sk_cnt_ints * sizeof *g->sk_cnt, g->stream) != cudaSuccess) {
+            cudaFree(g->sk_cnt);
+            g->sk_cnt = NULL;
+            return -1;
+        }
+    }
     if (n_out > g->cap_out) {
         int32_t c = n_out < 8 ? 8 : n_out;
         cudaFreeHost(g->logits_h);
@@ -279,9 +297,10 @@ static int gemv_q8_reads(const gmat *w)
 
 /* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous).
  * *xq_ready: whether g->xq already holds x quantized (m40k_quantize_q8); set once it
- * does, so the products of one x share one quantization. */
+ * does, so the products of one x share one quantization. *x16_ready likewise for the
+ * F16 copy of x in g->x16 (tensor-core paths). */
 static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
-                      char *err, size_t errlen)
+                      int *x16_ready, char *err, size_t errlen)
 {
     const float one = 1.0f, zero = 0.0f;
     int rows = (int)w->rows, cols = (int)w->cols;
@@ -332,7 +351,17 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
         CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
         wf16 = g->deq;
     }
-    CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
+    if (!*x16_ready) {
+        CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
+        *x16_ready = 1;
+    }
+    if (g->skinny && n <= 64 && cols % 128 == 0 && ((uintptr_t)wf16 & 15) == 0) {
+        /* a few rows: one pass over the weights on the tensor cores (memory-bound) */
+        const int S = m40k_gemm_skinny_pick_splits(rows, cols, n, g->sm_count, g->sk_ws_floats, g->sk_cnt_ints);
+        CK(m40k_gemm_skinny((const uint16_t *)wf16, rows, cols, g->x16, n, y, ldy, S, g->sk_ws, g->sk_cnt,
+                            g->stream));
+        return 0;
+    }
     cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, wf16, CUDA_R_16F, cols,
                                     g->x16, CUDA_R_16F, cols, &zero, y, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F,
                                     CUBLAS_GEMM_DEFAULT);
@@ -356,8 +385,9 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
                   size_t errlen)
 {
     int64_t off = 0;
+    int x16_ready = 0;
     for (int i = 0; i < pr->n_parts; i++) {
-        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, err, errlen))
+        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, &x16_ready, err, errlen))
             return -1;
         off += pr->part[i].rows;
     }
@@ -609,8 +639,8 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
         CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
                         g->stream));
-        int xq_ready = 0;
-        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, err, errlen))
+        int xq_ready = 0, x16_ready = 0;
+        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready, err, errlen))
             return -1;
         if (g->gemma3 && g->g3.logit_softcap > 0)
             CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));

@@ -5,7 +5,11 @@
 __global__ void glu_kernel(int act, const float *__restrict__ gate, const float *__restrict__ up, int64_t in_stride,
                            float *__restrict__ out, int64_t out_stride, int n, gq_blk *__restrict__ xq)
 {
-    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(gate);
+    M40K_LAUNDER(up);
+    M40K_LAUNDER(out);
+    M40K_LAUNDER(xq);
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         float g = gate[r * in_stride + i], u = up[r * in_stride + i], a;
@@ -33,7 +37,7 @@ extern "C" int m40k_glu(int act, const float *gate, const float *up, int64_t in_
     if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535)
         return M40K_INVALID;
     dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    glu_kernel<<<grid, 256, 0, stream>>>(act, gate, up, in_stride, out, out_stride, n, nullptr);
+    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, nullptr);
     return m40k_launch_status();
 }
 
@@ -45,7 +49,7 @@ extern "C" int m40k_glu_q8(int act, const float *gate, const float *up, int64_t 
     if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || n % 32 || !xq)
         return M40K_INVALID;
     dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    glu_kernel<<<grid, 256, 0, stream>>>(act, gate, up, in_stride, out, out_stride, n, (gq_blk *)xq);
+    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, (gq_blk *)xq);
     return m40k_launch_status();
 }
 

@@ -57,7 +57,16 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
     const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads,
     float scale, int n_splits, float *__restrict__ ws, int *__restrict__ counters, int window)
 {
-    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(out);
+    M40K_LAUNDER(q);
+    M40K_LAUNDER(kc);
+    M40K_LAUNDER(vc);
+    M40K_LAUNDER(indptr);
+    M40K_LAUNDER(indices);
+    M40K_LAUNDER(last_page_len);
+    M40K_LAUNDER(ws);
+    M40K_LAUNDER(counters);
     constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
     __shared__ float S[GMAX][TILE];
     __shared__ __align__(16) float P[NT][GMAX * D]; /* the teams' partial outputs */
@@ -316,8 +325,8 @@ static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, con
                          cudaStream_t st)
 {
     dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
-    attn_decode_kernel<D, GMAX><<<grid, DEC_THREADS, 0, st>>>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
-                                                              n_kv_heads, scale, n_splits, ws, cnt, window);
+    M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr, indices,
+                    lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window);
     return m40k_launch_status();
 }
 

@@ -85,10 +85,23 @@ template <typename P> __device__ __forceinline__ P *m40k_grid_wait_for(P *p)
     return p;
 }
 
+/* The start of a small kernel of the decode chain launched with PDL (m40k_launch_pdl):
+ * lets the kernel after it be scheduled, then waits until the one before it is done and
+ * its writes are visible. Every pointer the kernel reads or writes through is then
+ * passed through M40K_LAUNDER (see m40k_grid_wait_for) so that no access moves above
+ * the wait. */
+__device__ __forceinline__ void m40k_pdl_begin(void)
+{
+    m40k_grid_launch_dependents();
+    m40k_grid_wait();
+}
+#define M40K_LAUNDER(p) asm volatile("" : "+l"(p)::"memory")
+
 int m40k_pdl_enabled(void); /* model_aux.cu: compute capability >= 9 and M40_PDL != 0 */
 
 template <typename... KArgs, typename... Args>
-static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t st, Args... args)
+static inline int m40k_launch_pdl_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                                       Args... args)
 {
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -96,12 +109,28 @@ static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 bloc
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
     cfg.attrs = at;
     cfg.numAttrs = m40k_pdl_enabled() ? 1 : 0;
     return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
 }
+template <typename... KArgs, typename... Args>
+static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t st, Args... args)
+{
+    return m40k_launch_pdl_smem(kernel, grid, block, 0, st, args...);
+}
+
+/* kernel<<<grid, block, smem, st>>>(args) with programmatic stream serialization (the
+ * kernel must begin with m40k_pdl_begin or m40k_grid_wait_for); returns the launch
+ * error from the enclosing function. */
+#define M40K_LAUNCH_PDL(kernel, grid, block, smem, st, ...)                                                           \
+    do {                                                                                                               \
+        const int e_ = m40k_launch_pdl_smem(kernel, dim3(grid), dim3(block), (size_t)(smem), (cudaStream_t)(st),       \
+                                            __VA_ARGS__);                                                              \
+        if (e_)                                                                                                        \
+            return e_;                                                                                                 \
+    } while (0)
 
 /* Eight F16 values packed in a uint4, to float. */
 __device__ __forceinline__ void m40k_unpack_h8(uint4 u, float f[8])

@@ -68,7 +68,9 @@ __device__ __forceinline__ float gq_f(int acc) { return __int_as_float(acc) - 12
 __global__ __launch_bounds__(256) void q8_quantize_kernel(const float *__restrict__ x, int64_t x_stride, int K,
                                                            int nblk, gq_blk *__restrict__ out)
 {
-    m40k_grid_launch_dependents();
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(x);
+    M40K_LAUNDER(out);
     const int blk = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (blk >= nblk)
         return; /* whole warps only */
@@ -487,7 +489,7 @@ extern "C" int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int bat
     if (K <= 0 || K % 32 || batch > 8 || ((uintptr_t)ws & 15))
         return M40K_INVALID;
     const int nblk = batch * (K / 32);
-    q8_quantize_kernel<<<(nblk + 7) / 8, 256, 0, stream>>>(x, x_stride, K, nblk, (gq_blk *)ws);
+    M40K_LAUNCH_PDL(q8_quantize_kernel, (nblk + 7) / 8, 256, 0, stream, x, x_stride, K, nblk, (gq_blk *)ws);
     return m40k_launch_status();
 }
 

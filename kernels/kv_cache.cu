@@ -44,6 +44,15 @@ __global__ void kv_append_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict
                                  const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
                                  int n_kv_heads, int head_dim)
 {
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(kc);
+    M40K_LAUNDER(vc);
+    M40K_LAUNDER(k);
+    M40K_LAUNDER(v);
+    M40K_LAUNDER(new_indptr);
+    M40K_LAUNDER(indptr);
+    M40K_LAUNDER(indices);
+    M40K_LAUNDER(last_page_len);
     const int t = blockIdx.x;
     int slot;
     const int64_t blk = kv_row_block(t, new_indptr, n_seqs, indptr, indices, last_page_len, &slot);
@@ -67,6 +76,17 @@ __global__ void kv_append_rope_kernel(uint16_t *__restrict__ kc, uint16_t *__res
                                       const int32_t *__restrict__ pos, int rot_dim, double log2_base,
                                       const float *__restrict__ ff, int neox)
 {
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(kc);
+    M40K_LAUNDER(vc);
+    M40K_LAUNDER(k);
+    M40K_LAUNDER(v);
+    M40K_LAUNDER(new_indptr);
+    M40K_LAUNDER(indptr);
+    M40K_LAUNDER(indices);
+    M40K_LAUNDER(last_page_len);
+    M40K_LAUNDER(pos);
+    M40K_LAUNDER(ff);
     extern __shared__ float2 cs[];
     const int t = blockIdx.x;
     int slot;
@@ -113,8 +133,8 @@ extern "C" int m40k_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float 
     if (n_tokens <= 0 || n_seqs <= 0)
         return 0;
     int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
-    kv_append_kernel<<<n_tokens, threads, 0, stream>>>(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs,
-                                                       indptr, indices, last_page_len, n_kv_heads, head_dim);
+    M40K_LAUNCH_PDL(kv_append_kernel, n_tokens, threads, 0, stream, k_cache, v_cache, k, k_stride, v, v_stride,
+                    new_indptr, n_seqs, indptr, indices, last_page_len, n_kv_heads, head_dim);
     return m40k_launch_status();
 }
 
@@ -134,9 +154,8 @@ extern "C" int m40k_kv_append_rope(uint16_t *k_cache, uint16_t *v_cache, const f
         return M40K_INVALID;
     int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
     const size_t smem = (size_t)(rot_dim / 2) * sizeof(float2);
-    kv_append_rope_kernel<<<n_tokens, threads, smem, stream>>>(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr,
-                                                               n_seqs, indptr, indices, last_page_len, n_kv_heads,
-                                                               head_dim, pos, rot_dim, log2((double)base),
-                                                               freq_factors, neox);
+    M40K_LAUNCH_PDL(kv_append_rope_kernel, n_tokens, threads, smem, stream, k_cache, v_cache, k, k_stride, v, v_stride,
+                    new_indptr, n_seqs, indptr, indices, last_page_len, n_kv_heads, head_dim, pos, rot_dim,
+                    log2((double)base), freq_factors, neox);
     return m40k_launch_status();
 }

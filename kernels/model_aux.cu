@@ -30,6 +30,9 @@ int m40k_pdl_enabled(void)
 
 __global__ void f32_to_f16_kernel(const float *__restrict__ x, uint16_t *__restrict__ y, int64_t n)
 {
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(x);
+    M40K_LAUNDER(y);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = m40k_f2h(x[i]);
 }
@@ -39,7 +42,7 @@ extern "C" int m40k_f32_to_f16(const float *x, uint16_t *y, int64_t n, m40k_stre
     if (n <= 0)
         return 0;
     int64_t blocks = (n + 255) / 256;
-    f32_to_f16_kernel<<<(int)(blocks < 65535 ? blocks : 65535), 256, 0, stream>>>(x, y, n);
+    M40K_LAUNCH_PDL(f32_to_f16_kernel, (int)(blocks < 65535 ? blocks : 65535), 256, 0, stream, x, y, n);
     return m40k_launch_status();
 }
 

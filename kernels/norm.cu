@@ -6,7 +6,10 @@
 __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, const float *__restrict__ w,
                                void *__restrict__ out, int out_f16, int64_t out_stride, int dim, float eps)
 {
-    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(x);
+    M40K_LAUNDER(w);
+    M40K_LAUNDER(out);
     __shared__ float partial[32];
     const float *xr = x + blockIdx.x * x_stride;
     float ss = 0.0f;
@@ -30,8 +33,8 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
     if (dim <= 0 || (out_type != M40K_TYPE_F32 && out_type != M40K_TYPE_F16))
         return M40K_INVALID;
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, w, out, out_type == M40K_TYPE_F16, out_stride, dim,
-                                                  eps);
+    M40K_LAUNCH_PDL(rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, w, out, out_type == M40K_TYPE_F16,
+                    out_stride, dim, eps);
     return m40k_launch_status();
 }
 
@@ -46,7 +49,12 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
                                    gq_blk *__restrict__ xq)
 {
-    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(x);
+    M40K_LAUNDER(d);
+    M40K_LAUNDER(w);
+    M40K_LAUNDER(out);
+    M40K_LAUNDER(xq);
     __shared__ float partial[32];
     float *xr = x + blockIdx.x * x_stride;
     const float *dr = d + blockIdx.x * d_stride;
@@ -97,7 +105,8 @@ extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int6
     if (dim <= 0)
         return M40K_INVALID;
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    add_rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, d, d_stride, w, out, out_stride, dim, eps, nullptr);
+    M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
+                    eps, nullptr);
     return m40k_launch_status();
 }
 
@@ -110,7 +119,7 @@ extern "C" int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, i
     if (dim <= 0 || dim % 32 || !xq)
         return M40K_INVALID;
     int threads = dim >= 1024 ? 1024 : dim;
-    add_rmsnorm_kernel<<<rows, threads, 0, stream>>>(x, x_stride, d, d_stride, w, out, out_stride, dim, eps,
-                                                     (gq_blk *)xq);
+    M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
+                    eps, (gq_blk *)xq);
     return m40k_launch_status();
 }

@@ -14,6 +14,11 @@ __global__ void rope_kernel(float *__restrict__ q, int64_t q_stride, int n_q_hea
                             int64_t k_stride, int n_k_heads, int head_dim, int rot_dim, const int32_t *__restrict__ pos,
                             int n_tokens, double log2_base, const float *__restrict__ ff, int neox)
 {
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(q);
+    M40K_LAUNDER(k);
+    M40K_LAUNDER(pos);
+    M40K_LAUNDER(ff);
     const int half = rot_dim / 2;
     const int qc = (n_q_heads + ROPE_HC - 1) / ROPE_HC, nc = qc + (k ? (n_k_heads + ROPE_HC - 1) / ROPE_HC : 0);
     const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -48,8 +53,7 @@ extern "C" int m40k_rope(float *q, int64_t q_stride, int n_q_heads, float *k, in
     if (nc == 0)
         return 0;
     const int64_t n = (int64_t)n_tokens * (rot_dim / 2) * nc;
-    rope_kernel<<<(unsigned)((n + 127) / 128), 128, 0, stream>>>(q, q_stride, n_q_heads, k, k_stride, n_k_heads,
-                                                                 head_dim, rot_dim, pos, n_tokens, log2((double)base),
-                                                                 freq_factors, neox);
+    M40K_LAUNCH_PDL(rope_kernel, (unsigned)((n + 127) / 128), 128, 0, stream, q, q_stride, n_q_heads, k, k_stride,
+                    n_k_heads, head_dim, rot_dim, pos, n_tokens, log2((double)base), freq_factors, neox);
     return m40k_launch_status();
 }

@@ -68,7 +68,7 @@ if [ -x "$NVCC" ]; then
     if [ -f "$out/objs.txt" ]; then
         for t in tests/gpu/test_*.cu; do
             name=$(basename "$t" .cu)
-            if $NVCC -O2 -std=c++17 $ARCH -Ikernels -Iengine "$t" $(cat "$out/objs.txt") -o "$out/$name" -lm; then
+            if $NVCC -O2 -std=c++17 $ARCH -Ikernels -Iengine "$t" $(cat "$out/objs.txt") -o "$out/$name" -lcublas -lm; then
                 echo "== $name"; "$out/$name" "$@" 2>&1 | tee "$log/$name"; tally "$log/$name"
             else
                 echo "$name: build failed"; failed=$((failed + 1))

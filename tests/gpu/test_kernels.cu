@@ -2,8 +2,11 @@
  *   test_kernels          run every comparison; ends with "N passed, N failed, N skipped"
  *   test_kernels --bench  also time the GEMVs (m40k_gemv, and m40k_gemv_q8 for the
  *                         quantized types) on 4096x14336 and 14336x4096 matrices of each
- *                         type and report GB/s against the H100's 3.02 TB/s copy bandwidth
+ *                         type and report GB/s against the H100's 3.02 TB/s copy bandwidth;
+ *                         the skinny F16 GEMM against cuBLAS and the GEMV at 1..64 rows;
+ *                         and decode attention. `--bench skinny attn`: only those.
  * Without a GPU: prints why, "0 passed, 0 failed, 1 skipped", exit 0. */
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -512,6 +515,86 @@ static void test_gemv(void)
                 }
 }
 
+/* 8c. Skinny F16 GEMM (m40k_gemm_skinny) against its twin, m40_ref_gemv of the F16
+ * weights on x rounded to F16 (exact products, F32/double sums: only the order of the
+ * sum differs). Every row count the kernel's tile sizes distinguish (1..8, 16, 32, 48,
+ * 64 and the sizes just past them), N not a multiple of the 128-row block, K of one and
+ * of many 128-wide steps, split counts 1, picked and the most (one step per split).
+ * Also: y columns past N (ldy > N) left alone, the same bits on a second call (the split
+ * sums are ordered), the split counters back at zero after every call. */
+static void test_gemm_skinny(void)
+{
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    for (int K : {128, 640, 1152, 4096 + 128})
+        for (int N : {1, 17, 130, 259})
+            for (int n : {1, 3, 8, 9, 16, 17, 33, 48, 49, 64}) {
+                std::vector<float> wf = rand_vec((size_t)N * K), xf = rand_vec((size_t)n * K);
+                std::vector<uint16_t> w(wf.size()), x16(xf.size());
+                for (size_t i = 0; i < wf.size(); i++)
+                    w[i] = m40_fp32_to_fp16(wf[i]);
+                for (size_t i = 0; i < xf.size(); i++)
+                    x16[i] = m40_fp32_to_fp16(xf[i]);
+                std::vector<float> xr = h2f(x16);
+                const int64_t ldy = N + 3;
+                std::vector<float> c((size_t)n * ldy, 0.0f);
+                m40_ref_gemv(w.data(), M40K_TYPE_F16, N, K, xr.data(), K, c.data(), ldy, n);
+                double mag = 0; /* sum_k |w||x| <= sum_k |w| (|x| <= 1) */
+                for (int r = 0; r < N; r++) {
+                    double m = 0;
+                    for (int k = 0; k < K; k++)
+                        m += fabs(m40_fp16_to_fp32(w[(size_t)r * K + k]));
+                    mag = std::max(mag, m);
+                }
+                uint16_t *dw = dup(w), *dx = dup(x16);
+                float *dy, *dws;
+                const int maxS = K / 128;
+                CK(cudaMalloc(&dy, c.size() * 4));
+                CK(cudaMalloc(&dws, m40k_gemm_skinny_ws_floats(N, n, maxS) * 4 + 16));
+                int *dcnt = dup(std::vector<int>(m40k_gemm_skinny_counter_ints(N), 0));
+                const int pick = m40k_gemm_skinny_pick_splits(N, K, n, sms, m40k_gemm_skinny_ws_floats(N, n, maxS),
+                                                              m40k_gemm_skinny_counter_ints(N));
+                check("gemm_skinny pick in 1..K/128", pick >= 1 && pick <= maxS);
+                for (int S : {1, pick, maxS}) {
+                    std::vector<float> sentinel(c.size(), -7.0f);
+                    CK(cudaMemcpy(dy, sentinel.data(), c.size() * 4, cudaMemcpyHostToDevice));
+                    CK(m40k_gemm_skinny(dw, N, K, dx, n, dy, ldy, S, dws, dcnt, 0));
+                    std::vector<float> g = back(dy, c.size());
+                    bool gaps = true;
+                    for (int t = 0; t < n; t++)
+                        for (int64_t r = N; r < ldy; r++) {
+                            gaps = gaps && g[(size_t)t * ldy + r] == -7.0f;
+                            g[(size_t)t * ldy + r] = 0.0f; /* the twin's zeros there */
+                        }
+                    char what[112];
+                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d", N, K, n, S);
+                    compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
+                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d: ldy gap kept", N, K, n, S);
+                    check(what, gaps);
+                    CK(m40k_gemm_skinny(dw, N, K, dx, n, dy, ldy, S, dws, dcnt, 0));
+                    std::vector<float> g2 = back(dy, c.size());
+                    bool same = true;
+                    for (int t = 0; t < n; t++)
+                        for (int r = 0; r < N; r++)
+                            same = same && memcmp(&g2[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
+                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d: same bits again", N, K, n, S);
+                    check(what, same);
+                    std::vector<int> cnt = back(dcnt, m40k_gemm_skinny_counter_ints(N));
+                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d: counters zero", N, K, n, S);
+                    check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                }
+                cudaFree(dw), cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
+            }
+    /* refused shapes: K not a multiple of 128, more than 64 rows, splits past K/128 */
+    check("gemm_skinny refuses K 96", m40k_gemm_skinny((const uint16_t *)16, 4, 96, (const uint16_t *)16, 1,
+                                                        (float *)16, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_skinny refuses n 65", m40k_gemm_skinny((const uint16_t *)16, 4, 128, (const uint16_t *)16, 65,
+                                                        (float *)16, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_skinny refuses 2 splits of K 128", m40k_gemm_skinny((const uint16_t *)16, 4, 128,
+                                                                     (const uint16_t *)16, 1, (float *)16, 4, 2,
+                                                                     (float *)16, (int *)16, 0) != 0);
+}
+
 /* 8b. int8-activation GEMV (m40k_quantize_q8 + m40k_gemv_q8) against its twin
  * (m40_ref_quantize_q8 / m40_ref_gemv_q8: same workspace bytes, same integer dots, so a
  * tight tolerance) and against the exact F32 m40_ref_gemv with the documented bound of
@@ -756,6 +839,86 @@ static void bench_gemv(void)
         }
 }
 
+/* The F16 products of a step with n token rows: m40k_gemm_skinny (picked splits),
+ * cuBLAS's F16 x F16 -> F32 GEMM (what the engine ran for n > 8 before) and, for n <= 8,
+ * the F16 GEMV; weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights
+ * only). Mistral-7B shapes: q/o, k/v, gate+up, down. */
+static void bench_skinny(void)
+{
+    const double peak = 3020.0;
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cublasHandle_t blas;
+    if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) {
+        printf("bench skinny: no cuBLAS\n");
+        return;
+    }
+    struct { int N, K; } shapes[] = {{4096, 4096}, {1024, 4096}, {28672, 4096}, {4096, 14336}};
+    for (auto sh : shapes) {
+        const size_t bytes = (size_t)sh.N * sh.K * 2;
+        std::vector<uint16_t> w((size_t)sh.N * sh.K);
+        for (auto &h : w)
+            h = (uint16_t)(0x3000 + rnd32() % 0x0C00) ^ (uint16_t)((rnd32() & 1) << 15);
+        const int copies = (int)(120000000 / bytes) + 1;
+        std::vector<uint16_t *> dw(copies);
+        for (auto &d : dw)
+            d = dup(w);
+        std::vector<float> x = rand_vec((size_t)64 * sh.K);
+        std::vector<uint16_t> x16(x.size());
+        for (size_t i = 0; i < x.size(); i++)
+            x16[i] = m40_fp32_to_fp16(x[i]);
+        float *dx = dup(x), *dy, *dws;
+        uint16_t *dx16 = dup(x16);
+        const size_t wsf = (size_t)4 << 20;
+        CK(cudaMalloc(&dy, (size_t)64 * sh.N * 4));
+        CK(cudaMalloc(&dws, wsf * 4));
+        int *dcnt = dup(std::vector<int>(m40k_gemm_skinny_counter_ints(sh.N), 0));
+        for (int n : {1, 2, 4, 8, 16, 24, 32, 38, 48, 64})
+            for (int v = 0; v < 3; v++) { /* 0 skinny, 1 cuBLAS, 2 GEMV */
+                if (v == 2 && n > 8)
+                    continue;
+                const int S = m40k_gemm_skinny_pick_splits(sh.N, sh.K, n, sms, wsf, m40k_gemm_skinny_counter_ints(sh.N));
+                int turn = 0;
+                auto run = [&]() {
+                    const uint16_t *wp = dw[turn++ % copies];
+                    if (v == 0)
+                        CK(m40k_gemm_skinny(wp, sh.N, sh.K, dx16, n, dy, sh.N, S, dws, dcnt, 0));
+                    else if (v == 2)
+                        CK(m40k_gemv(wp, M40K_TYPE_F16, sh.N, sh.K, dx, sh.K, dy, sh.N, n, 0));
+                    else {
+                        const float one = 1.0f, zero = 0.0f;
+                        if (cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.N, n, sh.K, &one, wp, CUDA_R_16F, sh.K,
+                                         dx16, CUDA_R_16F, sh.K, &zero, dy, CUDA_R_32F, sh.N, CUBLAS_COMPUTE_32F,
+                                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+                            CK(cudaErrorUnknown);
+                    }
+                };
+                cudaEvent_t e0, e1;
+                CK(cudaEventCreate(&e0));
+                CK(cudaEventCreate(&e1));
+                for (int i = 0; i < 3; i++)
+                    run();
+                const int iters = 30;
+                CK(cudaEventRecord(e0));
+                for (int i = 0; i < iters; i++)
+                    run();
+                CK(cudaEventRecord(e1));
+                CK(cudaEventSynchronize(e1));
+                float ms;
+                CK(cudaEventElapsedTime(&ms, e0, e1));
+                const double us = ms * 1000.0 / iters, gbs = bytes / (us * 1e3);
+                static const char *const vn[] = {"skinny", "cublas", "gemv"};
+                printf("bench f16 %-6s N %5d K %5d n %2d%s: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n", vn[v], sh.N,
+                       sh.K, n, v == 0 ? (S > 1 ? " (split)" : "        ") : "        ", us, gbs, 100.0 * gbs / peak);
+                cudaEventDestroy(e0), cudaEventDestroy(e1);
+            }
+        for (auto d : dw)
+            cudaFree(d);
+        cudaFree(dx), cudaFree(dx16), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
+    }
+    cublasDestroy(blas);
+}
+
 /* Paged decode attention, Mistral-7B heads (32 query / 8 KV heads, head_dim 128): time
  * per call at the split count the engine picks and at fixed ones, and the K/V bytes read
  * per second. */
@@ -826,16 +989,29 @@ int main(int argc, char **argv)
         {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},         {"attention", test_attention},
         {"kv_rope", test_kv_append_rope},
-        {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"sample", test_sample},
+        {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"skinny", test_gemm_skinny},
+        {"sample", test_sample},
     };
     for (auto &t : tests) {
         int f0 = n_fail, p0 = n_pass;
         t.fn();
         printf("%-10s %d passed, %d failed\n", t.name, n_pass - p0, n_fail - f0);
     }
-    if (bench) {
-        bench_gemv();
-        bench_attn_decode();
+    if (bench) { /* --bench [gemv] [skinny] [attn]: those only; none named: all */
+        auto want = [&](const char *w) {
+            if (argc <= 2)
+                return true;
+            for (int i = 2; i < argc; i++)
+                if (strcmp(argv[i], w) == 0)
+                    return true;
+            return false;
+        };
+        if (want("gemv"))
+            bench_gemv();
+        if (want("skinny"))
+            bench_skinny();
+        if (want("attn"))
+            bench_attn_decode();
     }
     printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
     return n_fail ? 1 : 0;

@@ -1,5 +1,6 @@
 """Servers other than the main one: overload (429), a model that fails to load
 (503), the conf/ examples for TLS + API keys and for a reverse proxy, `m40 serve`."""
+import glob
 import json
 import os
 import shutil
@@ -259,10 +260,14 @@ def test_behind_proxy_client_disconnect(proxy_server):
 def test_m40_serve():
     m40 = os.path.join(harness.ROOT, "build", "m40")
     port = harness.free_port()
+    workdir = harness.make_workdir("serve")
+    # the engine's switches set for `m40 serve` must reach the nginx worker (nginx
+    # clears its workers' environment): the written conf passes them with env
     proc = subprocess.Popen([m40, "serve", harness.MODEL, "--port", str(port), "--name", "served", "--threads", "1",
                              "--module", harness.MODULE, "--nginx", harness.NGINX],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, TMPDIR=harness.make_workdir("serve")))
+                            env=dict({k: v for k, v in os.environ.items() if k != "M40_SKINNY"}, TMPDIR=workdir,
+                                     M40_PDL="1"))
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 60
@@ -274,6 +279,11 @@ def test_m40_serve():
             except requests.ConnectionError:
                 pass
             time.sleep(0.1)
+        confs = glob.glob(os.path.join(workdir, "**", "nginx.conf"), recursive=True)
+        assert len(confs) == 1, confs
+        with open(confs[0]) as f:
+            conf = f.read()
+        assert "\nenv M40_PDL;\n" in conf and "env M40_SKINNY;" not in conf
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["served"]
         r = client.chat.completions.create(model="served", messages=MSGS, max_tokens=4)
