@@ -219,15 +219,15 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
         g->cap = c;
     }
     if (g->skinny && !g->sk_cnt) {
-        /* split-K scratch of the skinny GEMM: 16 MB covers every split the picker makes
-         * for 7B-class shapes at 64 rows; larger ones take fewer splits */
+        /* split-K scratch of the tensor-core GEMV: 4 MB covers every split the picker
+         * makes for 7B-class shapes at 8 rows; larger ones take fewer splits */
         size_t rows = (size_t)p->n_vocab;
         const size_t cand[] = {(size_t)g->qkv_dim, 2 * (size_t)p->ffn_dim, (size_t)p->dim};
         for (int i = 0; i < 3; i++)
             if (cand[i] > rows)
                 rows = cand[i];
         g->sk_cnt_ints = m40k_gemm_skinny_counter_ints((int)rows);
-        g->sk_ws_floats = (size_t)4 << 20;
+        g->sk_ws_floats = (size_t)1 << 20;
         if (grow_dev((void **)&g->sk_ws, g->sk_ws_floats * 4) ||
             grow_dev((void **)&g->sk_cnt, g->sk_cnt_ints * sizeof *g->sk_cnt) ||
             cudaMemsetAsync(g->sk_cnt, 0, g->sk_cnt_ints * sizeof *g->sk_cnt, g->stream) != cudaSuccess) {
@@ -295,6 +295,17 @@ static int gemv_q8_reads(const gmat *w)
            gemv_reads(t, w->cols) && ((uintptr_t)w->data & 15) == 0;
 }
 
+/* F16 decode products that the tensor-core GEMV (m40k_gemm_skinny) reads faster than
+ * m40k_gemv (H100, test_kernels --bench): 3..8 rows (batch 8, N 4096 x K 14336: 86.8%
+ * of bandwidth against 47.5%), and one or two rows of long K (batch 1, K 14336: 89.7%
+ * against 79.4%; at K = N and below the GEMV is as fast or faster). It rounds x to F16,
+ * so not for models under 1B parameters (gemm_f32: their products stay F32). */
+static int skinny_reads(const m40_gpu *g, const gmat *w, int32_t n)
+{
+    return g->skinny && g->sk_cnt && !g->gemm_f32 && w->type == M40K_TYPE_F16 && n <= 8 && w->cols % 128 == 0 &&
+           ((uintptr_t)w->data & 15) == 0 && (n >= 3 || w->cols >= 2 * w->rows);
+}
+
 /* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous).
  * *xq_ready: whether g->xq already holds x quantized (m40k_quantize_q8); set once it
  * does, so the products of one x share one quantization. *x16_ready likewise for the
@@ -311,6 +322,12 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
             m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
             return -1;
         }
+        return 0;
+    }
+    if (skinny_reads(g, w, n)) {
+        const int S = m40k_gemm_skinny_pick_splits(rows, cols, n, g->sm_count, g->sk_ws_floats, g->sk_cnt_ints);
+        CK(m40k_gemm_skinny((const uint16_t *)w->data, rows, cols, x, cols, n, y, ldy, S, g->sk_ws, g->sk_cnt,
+                            g->stream));
         return 0;
     }
     if (n <= 8 && gemv_q8_reads(w)) {
@@ -354,13 +371,6 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
     if (!*x16_ready) {
         CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
         *x16_ready = 1;
-    }
-    if (g->skinny && n <= 64 && cols % 128 == 0 && ((uintptr_t)wf16 & 15) == 0) {
-        /* a few rows: one pass over the weights on the tensor cores (memory-bound) */
-        const int S = m40k_gemm_skinny_pick_splits(rows, cols, n, g->sm_count, g->sk_ws_floats, g->sk_cnt_ints);
-        CK(m40k_gemm_skinny((const uint16_t *)wf16, rows, cols, g->x16, n, y, ldy, S, g->sk_ws, g->sk_cnt,
-                            g->stream));
-        return 0;
     }
     cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, wf16, CUDA_R_16F, cols,
                                     g->x16, CUDA_R_16F, cols, &zero, y, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F,

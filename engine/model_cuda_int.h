@@ -64,7 +64,7 @@ struct m40_gpu {
     int gemm_f32;        /* tiled products in F32 (SGEMM) rather than F16 tensor cores */
     size_t deq_elems, deq_cap;
     int32_t *iota;       /* 0..max_rows-1, the row ids the dequantizing gather takes */
-    /* Skinny tensor-core GEMM (m40k_gemm_skinny) for F16 products of 9..64 rows: on
+    /* Tensor-core GEMV (m40k_gemm_skinny) for F16 decode products (skinny_reads): on
      * where the GPU has mma.sync F16 (cc >= 8.0) unless M40_SKINNY=0; its split-K
      * workspace and counters (zeroed once, zero between calls). */
     int skinny;

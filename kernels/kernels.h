@@ -233,11 +233,12 @@ int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *w
 int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride,
                  m40k_stream stream);
 
-/* 8c. Skinny F16 GEMM on the tensor cores (kernels/gemm_skinny.cu), for steps of 1..64
- * token rows (server decode batches and prompt chunks) where reading the weights once is
- * the cost: y[t*ldy + r] = sum_k W[r][k] * x16[t*K + k], r < N, t < n (1..64). W F16
- * [N][K] row-major, x16 F16 [n][K], both 16-byte aligned; K a multiple of 128; ldy >= N;
- * F32 accumulation in an order of its own (twin: m40_ref_gemv of W on x16 as floats).
+/* 8c. F16 GEMV on the tensor cores (kernels/gemm_skinny.cu), for decode steps of 1..8
+ * token rows where a row-per-warp GEMV leaves bandwidth unused (long K, several rows):
+ * y[t*ldy + r] = sum_k W[r][k] * f16(x[t*x_stride + k]), r < N, t < n (1..8). W F16
+ * [N][K] row-major and x (F32) 16-byte aligned, x_stride a multiple of 4; K a multiple
+ * of 128; ldy >= N. x is rounded to F16 (as the tiled path's cuBLAS products round it);
+ * F32 accumulation in an order of its own (twin: m40_ref_gemv of W on f16(x)).
  * n_splits (1..K/128) splits K over blocks; n_splits > 1 needs:
  *   - workspace: m40k_gemm_skinny_ws_floats(N, n, n_splits) floats (scratch);
  *   - counters: m40k_gemm_skinny_counter_ints(N) ints of device memory the caller ZEROES
@@ -249,8 +250,8 @@ int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int ba
 size_t m40k_gemm_skinny_ws_floats(int N, int n, int n_splits);
 size_t m40k_gemm_skinny_counter_ints(int N);
 int m40k_gemm_skinny_pick_splits(int N, int K, int n, int sm_count, size_t ws_floats, size_t counter_ints);
-int m40k_gemm_skinny(const uint16_t *w, int N, int K, const uint16_t *x16, int n, float *y, int64_t ldy, int n_splits,
-                     float *workspace, int *counters, m40k_stream stream);
+int m40k_gemm_skinny(const uint16_t *w, int N, int K, const float *x, int64_t x_stride, int n, float *y, int64_t ldy,
+                     int n_splits, float *workspace, int *counters, m40k_stream stream);
 
 /* 9. Sampling helpers: per row r of logits [rows][stride] (n_vocab entries), writes
  * argmax token (ties: lowest id) to token[r] and its log-softmax to logprob[r]; when

@@ -917,6 +917,12 @@ int main(void)
     test_gemma3_synthetic(256, 1, 0.0f, M40_TYPE_F32);
     test_gemma3_synthetic(24, 0, 30.0f, M40_TYPE_F32);
     test_gemma3_synthetic(256, 0, 0.0f, M40_TYPE_Q8_0); /* GEMV (decode) and dequantize + GEMM (prefill) */
+    /* F16 layers with the F16 tiled path forced (M40_GEMM=f16; a model this small would
+     * take F32 products): the decode steps read attn_output (K 1024 = 2 x 4 x 256 >= 2 x
+     * N 64) with the tensor-core GEMV (m40k_gemm_skinny), the rest with m40k_gemv */
+    setenv("M40_GEMM", "f16", 1);
+    test_gemma3_synthetic(256, 0, 0.0f, M40_TYPE_F16);
+    unsetenv("M40_GEMM");
     test_gemma3_real();
     const char *shared = check_shared_dir();
     if (!shared) {
