@@ -4,8 +4,9 @@
  * Prefill: --prompt-len random token ids run through a fresh KV slot, one forward call
  * per --chunk tokens. Decode: --gen greedy steps after that prompt, one forward call per
  * step; with --batch B, B sequences in B slots advance together, one call of B tokens
- * per step. Each measurement is repeated --reps times; every run and the median are
- * printed.
+ * per step; the greedy picks are made by the forward pass (m40_batch.argmax: on the GPU
+ * only the token ids come back, as in the server's engine). Each measurement is
+ * repeated --reps times; every run and the median are printed.
  *
  * The roofline (see GUIDE.md, "Performance method"): a decode step reads every weight
  * once, so steps/s can not beat bandwidth / weight bytes. The weight bytes are the sum
@@ -176,11 +177,11 @@ static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *r
             pos[s] = (int32_t)(o->prompt_len + step);
             slot[s] = s;
         }
-        m40_batch b = {.n = B, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+        /* greedy picks made where the logits are (on the GPU: B ids come back instead
+         * of B rows of logits), as the server's engine does */
+        m40_batch b = {.n = B, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want, .argmax = next};
         if (m40_model_forward(m, kv, &b, logits, err, errlen))
             goto out;
-        for (int32_t s = 0; s < B; s++)
-            next[s] = argmax(logits + (size_t)s * (size_t)V, V);
     }
     r->decode_s = now_s() - t0;
     rc = 0;

@@ -390,12 +390,25 @@ static int wants_xq(const gproj *pr, int32_t n)
     return n <= 8 && pr->n_parts > 0 && gemv_q8_reads(&pr->part[0]); /* cols: a multiple of 32 */
 }
 
-/* xq_ready: g->xq already holds x quantized (m40k_quantize_q8 layout). */
-static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *y, int xq_ready, char *err,
-                  size_t errlen)
+/* Whether the product pr over n rows multiplies an F16 copy of x on the tensor cores
+ * (g->x16): then the kernel that writes its input writes that copy on the way
+ * (m40k_add_rmsnorm_f16, m40k_glu_f16) and matmul is told so (x16_ready). */
+static int wants_x16(const m40_gpu *g, const gproj *pr, int32_t n)
+{
+    if (n <= 8 || g->gemm_f32 || pr->n_parts == 0)
+        return 0;
+    for (int i = 0; i < pr->n_parts; i++)
+        if (pr->part[i].type == M40K_TYPE_F32)
+            return 0;
+    return 1;
+}
+
+/* xq_ready: g->xq already holds x quantized (m40k_quantize_q8 layout); x16_ready: g->x16
+ * already holds x in F16. */
+static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *y, int xq_ready, int x16_ready,
+                  char *err, size_t errlen)
 {
     int64_t off = 0;
-    int x16_ready = 0;
     for (int i = 0; i < pr->n_parts; i++) {
         if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, &x16_ready, err, errlen))
             return -1;
@@ -588,15 +601,18 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
         /* the previous layer's FFN residual is still in xb: added here, fused with this norm
          * (and with the int8 quantization of its output when the GEMV takes that) */
-        const int xq_qkv = wants_xq(&L->qkv, n);
+        const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
         if (l == 0)
             CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
         else if (xq_qkv)
             CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
                                    g->stream));
+        else if (x16_qkv)
+            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
+                                    g->stream));
         else
             CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
-        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, err, errlen))
+        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, l > 0 && x16_qkv, err, errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
         if (g->gemma3) {
@@ -619,25 +635,31 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         if (!tuned)
             CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
                                         p->n_kv_heads, hd, scale, win, g->stream));
-        if (matmul(g, &L->wo, g->att, n, g->xb, 0, err, errlen))
+        if (matmul(g, &L->wo, g->att, n, g->xb, 0, 0, err, errlen))
             return -1;
         if (g->gemma3)
             CK(m40k_rmsnorm(g->xb, dim, L->post_attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
         const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
+        const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
         if (xq_gu)
             CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
                                    g->stream));
+        else if (x16_gu)
+            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
+                                    g->stream));
         else
             CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
-        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, err, errlen))
+        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, err, errlen))
             return -1;
         const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
         if (xq_dn)
             CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
+        else if (x16_dn)
+            CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
         else
             CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
-        if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, err, errlen))
+        if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, x16_dn, err, errlen))
             return -1;
         if (g->gemma3)
             CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,

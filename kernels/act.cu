@@ -3,13 +3,15 @@
 #include "q8_dev.h"
 
 __global__ void glu_kernel(int act, const float *__restrict__ gate, const float *__restrict__ up, int64_t in_stride,
-                           float *__restrict__ out, int64_t out_stride, int n, gq_blk *__restrict__ xq)
+                           float *__restrict__ out, int64_t out_stride, int n, gq_blk *__restrict__ xq,
+                           uint16_t *__restrict__ o16)
 {
     m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
     M40K_LAUNDER(gate);
     M40K_LAUNDER(up);
     M40K_LAUNDER(out);
     M40K_LAUNDER(xq);
+    M40K_LAUNDER(o16);
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         float g = gate[r * in_stride + i], u = up[r * in_stride + i], a;
@@ -20,6 +22,8 @@ __global__ void glu_kernel(int act, const float *__restrict__ gate, const float 
         out[r * out_stride + i] = a * u;
         if (xq) /* n % 32 == 0: a warp holds one whole block */
             gq_quantize_block(a * u, threadIdx.x & 31, xq + (size_t)r * (n / 32) + i / 32);
+        if (o16)
+            o16[(size_t)r * n + i] = m40k_f2h(a * u);
     }
 }
 
@@ -37,7 +41,7 @@ extern "C" int m40k_glu(int act, const float *gate, const float *up, int64_t in_
     if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535)
         return M40K_INVALID;
     dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, nullptr);
+    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, nullptr, nullptr);
     return m40k_launch_status();
 }
 
@@ -49,7 +53,20 @@ extern "C" int m40k_glu_q8(int act, const float *gate, const float *up, int64_t 
     if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || n % 32 || !xq)
         return M40K_INVALID;
     dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, (gq_blk *)xq);
+    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, (gq_blk *)xq,
+                    nullptr);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_glu_f16(int act, const float *gate, const float *up, int64_t in_stride, float *out,
+                            int64_t out_stride, int rows, int n, uint16_t *out16, m40k_stream stream)
+{
+    if (rows <= 0 || n <= 0)
+        return 0;
+    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || !out16)
+        return M40K_INVALID;
+    dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
+    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, nullptr, out16);
     return m40k_launch_status();
 }
 

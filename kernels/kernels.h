@@ -66,6 +66,10 @@ int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_strid
  * dim a multiple of 32, rows <= 8 for the GEMV. */
 int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
                         int64_t out_stride, int rows, int dim, float eps, void *xq, m40k_stream stream);
+/* 2d. The same with an F16 copy of out for the tensor-core products (what
+ * m40k_f32_to_f16 of out would write, bit for bit): out16[r*dim + i], rows contiguous. */
+int m40k_add_rmsnorm_f16(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
+                         int64_t out_stride, int rows, int dim, float eps, uint16_t *out16, m40k_stream stream);
 
 /* 3. RoPE in place on q (and k unless NULL): token t's head h starts at
  * q + t*q_stride + h*head_dim. The first rot_dim (even, <= head_dim) dims rotate by
@@ -85,6 +89,9 @@ int m40k_glu(int act, const float *gate, const float *up, int64_t in_stride, flo
 /* 4b. The same, and out quantized for m40k_gemv_q8 on the way, as 2c (n a multiple of 32). */
 int m40k_glu_q8(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
                 int rows, int n, void *xq, m40k_stream stream);
+/* 4c. The same with an F16 copy of out, as 2d: out16[r*n + i], rows contiguous. */
+int m40k_glu_f16(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
+                 int rows, int n, uint16_t *out16, m40k_stream stream);
 
 /* Residual add: out[i] = a[i] + b[i], i < n (out may alias a or b). */
 int m40k_add(float *out, const float *a, const float *b, int64_t n, m40k_stream stream);

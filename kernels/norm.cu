@@ -47,7 +47,7 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
 #define AR_REG 8
 __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, const float *d, int64_t d_stride,
                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
-                                   gq_blk *__restrict__ xq)
+                                   gq_blk *__restrict__ xq, uint16_t *__restrict__ o16)
 {
     m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
     M40K_LAUNDER(x);
@@ -55,6 +55,7 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
     M40K_LAUNDER(w);
     M40K_LAUNDER(out);
     M40K_LAUNDER(xq);
+    M40K_LAUNDER(o16);
     __shared__ float partial[32];
     float *xr = x + blockIdx.x * x_stride;
     const float *dr = d + blockIdx.x * d_stride;
@@ -87,6 +88,8 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
             orow[i] = o;
             if (xq)
                 gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
+            if (o16)
+                o16[(size_t)blockIdx.x * dim + i] = m40k_f2h(o);
         }
     }
     for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x) {
@@ -94,6 +97,8 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
         orow[i] = o;
         if (xq)
             gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
+        if (o16)
+            o16[(size_t)blockIdx.x * dim + i] = m40k_f2h(o);
     }
 }
 
@@ -106,7 +111,7 @@ extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int6
         return M40K_INVALID;
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
     M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
-                    eps, nullptr);
+                    eps, nullptr, nullptr);
     return m40k_launch_status();
 }
 
@@ -120,6 +125,20 @@ extern "C" int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, i
         return M40K_INVALID;
     int threads = dim >= 1024 ? 1024 : dim;
     M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
-                    eps, (gq_blk *)xq);
+                    eps, (gq_blk *)xq, nullptr);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_add_rmsnorm_f16(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
+                                    float *out, int64_t out_stride, int rows, int dim, float eps, uint16_t *out16,
+                                    m40k_stream stream)
+{
+    if (rows <= 0)
+        return 0;
+    if (dim <= 0 || !out16)
+        return M40K_INVALID;
+    int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
+    M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
+                    eps, nullptr, out16);
     return m40k_launch_status();
 }

@@ -264,6 +264,66 @@ static void test_fused_q8(void)
           m40k_glu_q8(M40K_GLU_SILU, nullptr, nullptr, 64, nullptr, 32, 1, 32, nullptr, 0) != 0);
 }
 
+/* 2d / 4c: the same two kernels writing an F16 copy of their output for the tensor-core
+ * products: the output as the plain kernels' twins, the copy bit for bit the F16
+ * rounding (m40_fp32_to_fp16) of the GPU's output, rows contiguous. Row counts past 8
+ * (where the engine uses them) and odd widths. */
+static void test_fused_f16(void)
+{
+    for (int dim : {64, 100, 4096, 4096 + 1024 + 32})
+        for (int rows : {1, 9, 38}) {
+            const int64_t xs = dim + 5, ds = dim + 3;
+            std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
+                               w = rand_vec(dim, 0.5f, 1.5f);
+            float *dx = dup(x), *dd = dup(d), *dw = dup(w);
+            uint16_t *dh;
+            CK(cudaMalloc(&dh, (size_t)rows * dim * 2));
+            CK(m40k_add_rmsnorm_f16(dx, xs, dd, ds, dw, dd, ds, rows, dim, 1e-5f, dh, 0));
+            m40_ref_add_rmsnorm(x.data(), xs, d.data(), ds, w.data(), d.data(), ds, rows, dim, 1e-5f);
+            std::vector<float> go = back(dd, d.size());
+            char what[96];
+            snprintf(what, sizeof what, "add_rmsnorm_f16 rows %d dim %d: out", rows, dim);
+            compare(what, go.data(), d.data(), go.size(), 1e-5f, 1e-5f);
+            std::vector<uint16_t> h = back(dh, (size_t)rows * dim);
+            bool same = true;
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < dim; i++)
+                    same = same && h[(size_t)r * dim + i] == m40_fp32_to_fp16(go[(size_t)r * ds + i]);
+            snprintf(what, sizeof what, "add_rmsnorm_f16 rows %d dim %d: F16 copy", rows, dim);
+            check(what, same);
+            cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dh);
+        }
+    for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
+        for (int n : {33, 640, 14336 + 32})
+            for (int rows : {1, 9, 38}) {
+                const int64_t is = 2 * n + 1, os = n + 3;
+                std::vector<float> in = rand_vec(rows * is, -6, 6), c(rows * os, 0.0f);
+                float *din = dup(in), *dout;
+                uint16_t *dh;
+                CK(cudaMalloc(&dh, (size_t)rows * n * 2));
+                CK(cudaMalloc(&dout, c.size() * 4));
+                CK(cudaMemset(dout, 0, c.size() * 4));
+                CK(m40k_glu_f16(act, din, din + n, is, dout, os, rows, n, dh, 0));
+                m40_ref_glu(act, in.data(), in.data() + n, is, c.data(), os, rows, n);
+                std::vector<float> g = back(dout, c.size());
+                char what[96];
+                snprintf(what, sizeof what, "glu_f16 act %d n %d rows %d: out", act, n, rows);
+                compare(what, g.data(), c.data(), c.size(), 1e-5f, 1e-5f);
+                std::vector<uint16_t> h = back(dh, (size_t)rows * n);
+                bool same = true;
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < n; i++)
+                        same = same && h[(size_t)r * n + i] == m40_fp32_to_fp16(g[(size_t)r * os + i]);
+                snprintf(what, sizeof what, "glu_f16 act %d n %d rows %d: F16 copy", act, n, rows);
+                check(what, same);
+                cudaFree(din), cudaFree(dout), cudaFree(dh);
+            }
+    check("add_rmsnorm_f16 without out16 refused", m40k_add_rmsnorm_f16(nullptr, 8, nullptr, 8, nullptr, nullptr, 8,
+                                                                         1, 8, 1e-5f, nullptr, 0) != 0);
+    check("glu_f16 without out16 refused",
+          m40k_glu_f16(M40K_GLU_SILU, nullptr, nullptr, 64, nullptr, 32, 1, 32, nullptr, 0) != 0);
+}
+
 /* ---------------------------------------------------------------- paged cache fixture */
 struct Paged {
     int n_seqs, n_blocks;
@@ -984,7 +1044,8 @@ int main(int argc, char **argv)
     const bool bench = argc > 1 && strcmp(argv[1], "--bench") == 0;
     struct { const char *name; void (*fn)(void); } tests[] = {
         {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
-        {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},         {"attention", test_attention},
+        {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
+        {"fused_f16", test_fused_f16},         {"attention", test_attention},
         {"kv_rope", test_kv_append_rope},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"skinny", test_gemm_skinny},
         {"sample", test_sample},
