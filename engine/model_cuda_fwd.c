@@ -619,11 +619,10 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
             CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
         }
-        /* RoPE on Q here; K is rotated on its way into the cache (k in qkv stays unrotated:
-         * the attention kernels below read K from the cache only) */
-        CK(m40k_rope(q, qkvd, p->n_heads, NULL, 0, 0, hd, p->rope_dim, d_pos, n, base, ff, p->rope_neox, g->stream));
-        CK(m40k_kv_append_rope(kc, vc, k, qkvd, v, qkvd, d_qi, n_grp, n, d_ip, d_idx, d_lpl, p->n_kv_heads, hd, d_pos,
-                               p->rope_dim, base, ff, p->rope_neox, g->stream));
+        /* RoPE on Q in place and on K on its way into the cache, one launch (k in qkv stays
+         * unrotated: the attention kernels below read K from the cache only) */
+        CK(m40k_kv_append_rope(q, qkvd, p->n_heads, kc, vc, k, qkvd, v, qkvd, d_qi, n_grp, n, d_ip, d_idx, d_lpl,
+                               p->n_kv_heads, hd, d_pos, p->rope_dim, base, ff, p->rope_neox, g->stream));
         if (tuned && n_dec > 0)
             CK(m40k_attn_decode_window(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec, p->n_heads,
                                        p->n_kv_heads, hd, scale, win, win ? splits_local : splits, g->ws, g->att_cnt,

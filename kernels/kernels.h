@@ -105,18 +105,19 @@ int m40k_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int64_t
                    int64_t v_stride, const int32_t *new_indptr, int n_seqs, int n_tokens, const int32_t *indptr,
                    const int32_t *indices, const int32_t *last_page_len, int n_kv_heads, int head_dim,
                    m40k_stream stream);
-/* 5b. The same with K rotated by RoPE on the way: the cache receives, bit for bit, what
- * m40k_rope(NULL, 0, 0, k, k_stride, n_kv_heads, head_dim, rot_dim, pos, n_tokens, base,
- * freq_factors, neox) followed by m40k_kv_append would write (pos: one position per row
- * of k, as m40k_rope's; the other RoPE arguments as there, and refused as there), while
- * k itself is left as it is. One launch instead of two: the forward pass rotates Q alone
- * with m40k_rope and appends K and V with this. rot_dim 0 is m40k_kv_append. CPU twin:
- * m40_ref_rope on a copy of k, then m40_ref_kv_append. */
-int m40k_kv_append_rope(uint16_t *k_cache, uint16_t *v_cache, const float *k, int64_t k_stride, const float *v,
-                        int64_t v_stride, const int32_t *new_indptr, int n_seqs, int n_tokens, const int32_t *indptr,
-                        const int32_t *indices, const int32_t *last_page_len, int n_kv_heads, int head_dim,
-                        const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
-                        m40k_stream stream);
+/* 5b. The same with K rotated by RoPE on the way, and Q rotated in place: the cache
+ * receives, and q holds afterwards, bit for bit what m40k_rope(q, q_stride, n_q_heads,
+ * k, k_stride, n_kv_heads, head_dim, rot_dim, pos, n_tokens, base, freq_factors, neox)
+ * followed by m40k_kv_append would write (pos: one position per row of k, as
+ * m40k_rope's; the other RoPE arguments as there, and refused as there), while k itself
+ * is left as it is. q may be NULL (K only). One launch instead of two: the forward pass
+ * ropes Q and appends K and V with this. rot_dim 0 is m40k_kv_append. CPU twin:
+ * m40_ref_rope on q and a copy of k, then m40_ref_kv_append. */
+int m40k_kv_append_rope(float *q, int64_t q_stride, int n_q_heads, uint16_t *k_cache, uint16_t *v_cache,
+                        const float *k, int64_t k_stride, const float *v, int64_t v_stride, const int32_t *new_indptr,
+                        int n_seqs, int n_tokens, const int32_t *indptr, const int32_t *indices,
+                        const int32_t *last_page_len, int n_kv_heads, int head_dim, const int32_t *pos, int rot_dim,
+                        float base, const float *freq_factors, int neox, m40k_stream stream);
 
 /* 6. Paged decode attention: one query token per sequence (the sequence's last).
  * q: [n_seqs][q_stride] F32 (head h at h*head_dim), out likewise with out_stride.

@@ -68,7 +68,8 @@ __global__ void kv_append_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict
 }
 
 /* Dynamic shared memory: rot_dim/2 float2 (cos, sin). */
-__global__ void kv_append_rope_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict__ vc,
+__global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, int n_q_heads,
+                                      uint16_t *__restrict__ kc, uint16_t *__restrict__ vc,
                                       const float *__restrict__ k, int64_t k_stride, const float *__restrict__ v,
                                       int64_t v_stride, const int32_t *__restrict__ new_indptr, int n_seqs,
                                       const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices,
@@ -77,6 +78,7 @@ __global__ void kv_append_rope_kernel(uint16_t *__restrict__ kc, uint16_t *__res
                                       const float *__restrict__ ff, int neox)
 {
     m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(q);
     M40K_LAUNDER(kc);
     M40K_LAUNDER(vc);
     M40K_LAUNDER(k);
@@ -90,9 +92,9 @@ __global__ void kv_append_rope_kernel(uint16_t *__restrict__ kc, uint16_t *__res
     extern __shared__ float2 cs[];
     const int t = blockIdx.x;
     int slot;
+    /* blk < 0 (a token outside every sequence) is the same for the whole block: its K/V
+     * go nowhere, its Q is still rotated (as m40k_rope would) */
     const int64_t blk = kv_row_block(t, new_indptr, n_seqs, indptr, indices, last_page_len, &slot);
-    if (blk < 0) /* the whole block leaves: no thread reaches the barrier below */
-        return;
     const int half = rot_dim / 2, row = n_kv_heads * head_dim;
     const int32_t pt = pos[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -101,11 +103,25 @@ __global__ void kv_append_rope_kernel(uint16_t *__restrict__ kc, uint16_t *__res
         cs[i] = make_float2(c, s);
     }
     const float *kr = k + t * k_stride;
-    for (int j = threadIdx.x; j < row; j += blockDim.x) {
-        const int h = j / head_dim, d = j % head_dim;
-        vc[(((size_t)blk * n_kv_heads + h) * M40K_PAGE + slot) * head_dim + d] = m40k_f2h(v[t * v_stride + j]);
-    }
+    if (blk >= 0)
+        for (int j = threadIdx.x; j < row; j += blockDim.x) {
+            const int h = j / head_dim, d = j % head_dim;
+            vc[(((size_t)blk * n_kv_heads + h) * M40K_PAGE + slot) * head_dim + d] = m40k_f2h(v[t * v_stride + j]);
+        }
     __syncthreads();
+    if (q) /* Q in place, one rotation pair a thread */
+        for (int j = threadIdx.x; j < n_q_heads * half; j += blockDim.x) {
+            const int h = j / half, i = j % half;
+            const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+            float *qh = q + t * q_stride + (int64_t)h * head_dim;
+            const float2 r = cs[i];
+            float y0, y1;
+            m40k_rope_rotate(qh[a], qh[b], r.x, r.y, &y0, &y1);
+            qh[a] = y0;
+            qh[b] = y1;
+        }
+    if (blk < 0)
+        return;
     for (int j = threadIdx.x; j < row; j += blockDim.x) {
         const int h = j / head_dim, d = j % head_dim;
         float y = kr[j];
@@ -138,11 +154,12 @@ extern "C" int m40k_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float 
     return m40k_launch_status();
 }
 
-extern "C" int m40k_kv_append_rope(uint16_t *k_cache, uint16_t *v_cache, const float *k, int64_t k_stride,
-                                   const float *v, int64_t v_stride, const int32_t *new_indptr, int n_seqs,
-                                   int n_tokens, const int32_t *indptr, const int32_t *indices,
-                                   const int32_t *last_page_len, int n_kv_heads, int head_dim, const int32_t *pos,
-                                   int rot_dim, float base, const float *freq_factors, int neox, m40k_stream stream)
+extern "C" int m40k_kv_append_rope(float *q, int64_t q_stride, int n_q_heads, uint16_t *k_cache, uint16_t *v_cache,
+                                   const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                                   const int32_t *new_indptr, int n_seqs, int n_tokens, const int32_t *indptr,
+                                   const int32_t *indices, const int32_t *last_page_len, int n_kv_heads, int head_dim,
+                                   const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
+                                   m40k_stream stream)
 {
     if (n_tokens <= 0 || n_seqs <= 0)
         return 0;
@@ -150,11 +167,12 @@ extern "C" int m40k_kv_append_rope(uint16_t *k_cache, uint16_t *v_cache, const f
     if (rot_dim == 0)
         return m40k_kv_append(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, n_tokens, indptr,
                               indices, last_page_len, n_kv_heads, head_dim, stream);
-    if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || !(base > 0.0f))
+    if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || !(base > 0.0f) || (q && n_q_heads < 0))
         return M40K_INVALID;
     int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
     const size_t smem = (size_t)(rot_dim / 2) * sizeof(float2);
-    M40K_LAUNCH_PDL(kv_append_rope_kernel, n_tokens, threads, smem, stream, k_cache, v_cache, k, k_stride, v, v_stride,
+    M40K_LAUNCH_PDL(kv_append_rope_kernel, n_tokens, threads, smem, stream, q, q_stride, q ? n_q_heads : 0, k_cache,
+                    v_cache, k, k_stride, v, v_stride,
                     new_indptr, n_seqs, indptr, indices, last_page_len, n_kv_heads, head_dim, pos, rot_dim,
                     log2((double)base), freq_factors, neox);
     return m40k_launch_status();

@@ -439,10 +439,11 @@ static void test_attention(void)
 }
 
 /* ---------------------------------------------------------------- 5b. kv append with RoPE on K */
-/* m40k_kv_append_rope against (a) m40k_rope on k then m40k_kv_append, byte for byte,
- * both caches, (b) the CPU twins m40_ref_rope + m40_ref_kv_append: V exactly, K within
- * the rope test's tolerance widened by one F16 step (two floats that close may round to
- * neighbouring halves), (c) k as it was. Sequence sets: a decode step (one new token
+/* m40k_kv_append_rope against (a) m40k_rope on q and k then m40k_kv_append, byte for
+ * byte, both caches and q, (b) the CPU twins m40_ref_rope + m40_ref_kv_append: V
+ * exactly, K within the rope test's tolerance widened by one F16 step (two floats that
+ * close may round to neighbouring halves), q within the rope test's tolerance, (c) k as
+ * it was. q NULL (K only) for head_dim 64. Sequence sets: a decode step (one new token
  * each) and a mixed one (prompt chunks across page boundaries); positions are the cache
  * positions for even sequences and large random ones for odd sequences. */
 static void test_kv_append_rope(void)
@@ -474,6 +475,11 @@ static void test_kv_append_rope(void)
                         const float base = 500000.0f;
                         std::vector<float> k = rand_vec(nt * ks, -2, 2), v = rand_vec(nt * vs, -2, 2),
                                            f = rand_vec(rot / 2, 1, 8);
+                        const bool use_q = hd != 64;
+                        const int nh = 3 * nkv;
+                        const int64_t qs = nh * hd + 2;
+                        std::vector<float> qv = rand_vec(nt * qs, -2, 2);
+                        float *dq = dup(qv), *dq2 = dup(qv);
 
                         /* the fused kernel, then the two-kernel path on a second copy */
                         uint16_t *dkc = dup(kc), *dvc = dup(vc), *dkc2 = dup(kc), *dvc2 = dup(vc);
@@ -481,9 +487,10 @@ static void test_kv_append_rope(void)
                                 *dp = dup(pos);
                         float *dk = dup(k), *dv = dup(v), *dk2 = dup(k), *df = dup(f);
                         const float *ffp = ff ? df : nullptr;
-                        CK(m40k_kv_append_rope(dkc, dvc, dk, ks, dv, vs, dni, p.n_seqs, nt, dip, dix, dlp, nkv, hd,
-                                               dp, rot, base, ffp, neox, 0));
-                        CK(m40k_rope(nullptr, 0, 0, dk2, ks, nkv, hd, rot, dp, nt, base, ffp, neox, 0));
+                        CK(m40k_kv_append_rope(use_q ? dq : nullptr, qs, nh, dkc, dvc, dk, ks, dv, vs, dni, p.n_seqs,
+                                               nt, dip, dix, dlp, nkv, hd, dp, rot, base, ffp, neox, 0));
+                        CK(m40k_rope(use_q ? dq2 : nullptr, qs, use_q ? nh : 0, dk2, ks, nkv, hd, rot, dp, nt, base,
+                                     ffp, neox, 0));
                         CK(m40k_kv_append(dkc2, dvc2, dk2, ks, dv, vs, dni, p.n_seqs, nt, dip, dix, dlp, nkv, hd, 0));
                         std::vector<uint16_t> gk = back(dkc, cache_elems), gv = back(dvc, cache_elems);
                         char what[128];
@@ -494,6 +501,16 @@ static void test_kv_append_rope(void)
                         check(w2, gk == back(dkc2, cache_elems) && gv == back(dvc2, cache_elems));
                         snprintf(w2, sizeof w2, "%s: k unchanged", what);
                         check(w2, back(dk, k.size()) == k);
+                        std::vector<float> gq = back(dq, qv.size());
+                        snprintf(w2, sizeof w2, "%s: q == rope%s", what, use_q ? "" : " (q NULL: untouched)");
+                        check(w2, gq == (use_q ? back(dq2, qv.size()) : qv));
+                        if (use_q) {
+                            std::vector<float> qr = qv;
+                            m40_ref_rope(qr.data(), qs, nh, nullptr, 0, 0, hd, rot, pos.data(), nt, base,
+                                         ff ? f.data() : nullptr, neox);
+                            snprintf(w2, sizeof w2, "%s: q vs cpu", what);
+                            compare(w2, gq.data(), qr.data(), qr.size(), 1e-5f, 1e-5f);
+                        }
 
                         std::vector<float> kr = k; /* the twins rotate in place */
                         m40_ref_rope(nullptr, 0, 0, kr.data(), ks, nkv, hd, rot, pos.data(), nt, base,
@@ -507,19 +524,19 @@ static void test_kv_append_rope(void)
                         compare(w2, g.data(), c.data(), c.size(), 1e-5f, 1e-5f + 1.0f / 1024);
                         cudaFree(dkc), cudaFree(dvc), cudaFree(dkc2), cudaFree(dvc2), cudaFree(dip), cudaFree(dix),
                             cudaFree(dlp), cudaFree(dni), cudaFree(dp), cudaFree(dk), cudaFree(dv), cudaFree(dk2),
-                            cudaFree(df);
+                            cudaFree(df), cudaFree(dq), cudaFree(dq2);
                     }
     /* refused as m40k_rope refuses: odd or too long rot_dim, base <= 0 (checked before
      * any launch, so no device memory is needed) */
     check("kv_append_rope odd rot_dim refused",
-          m40k_kv_append_rope(nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr, nullptr, 1,
-                              64, nullptr, 31, 10000.0f, nullptr, 0, 0) != 0);
+          m40k_kv_append_rope(nullptr, 0, 0, nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr,
+                              nullptr, 1, 64, nullptr, 31, 10000.0f, nullptr, 0, 0) != 0);
     check("kv_append_rope rot_dim > head_dim refused",
-          m40k_kv_append_rope(nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr, nullptr, 1,
-                              64, nullptr, 66, 10000.0f, nullptr, 0, 0) != 0);
+          m40k_kv_append_rope(nullptr, 0, 0, nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr,
+                              nullptr, 1, 64, nullptr, 66, 10000.0f, nullptr, 0, 0) != 0);
     check("kv_append_rope base 0 refused",
-          m40k_kv_append_rope(nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr, nullptr, 1,
-                              64, nullptr, 64, 0.0f, nullptr, 0, 0) != 0);
+          m40k_kv_append_rope(nullptr, 0, 0, nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr,
+                              nullptr, 1, 64, nullptr, 64, 0.0f, nullptr, 0, 0) != 0);
 }
 
 /* ---------------------------------------------------------------- 8. gemv */
