@@ -302,12 +302,8 @@ static int gemv_q8_reads(const gmat *w)
  * so not for models under 1B parameters (gemm_f32: their products stay F32). */
 static int skinny_reads(const m40_gpu *g, const gmat *w, int32_t n)
 {
-    if (!g->skinny || !g->sk_cnt || g->gemm_f32 || w->type != M40K_TYPE_F16 || n > 16 || w->cols % 128 ||
-        ((uintptr_t)w->data & 15))
-        return 0;
-    if (n > 8) /* against cuBLAS: the attention projections (both sides <= 8192) */
-        return w->rows <= 8192 && w->cols <= 8192;
-    return n >= 3 || w->cols >= 2 * w->rows;
+    return g->skinny && g->sk_cnt && !g->gemm_f32 && w->type == M40K_TYPE_F16 && n <= 8 && w->cols % 128 == 0 &&
+           ((uintptr_t)w->data & 15) == 0 && (n >= 3 || w->cols >= 2 * w->rows);
 }
 
 /* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous).

@@ -1,10 +1,9 @@
-/* F16 GEMV on the tensor cores for 1..16 token rows: y[t][r] = sum_k W[r][k] x[t][k],
+/* F16 GEMV on the tensor cores for 1..8 token rows: y[t][r] = sum_k W[r][k] x[t][k],
  * the decode products of F16 weights where a row-per-warp GEMV leaves bandwidth unused
  * (long K, or several rows: measured on an H100 at N 4096 x K 14336, batch 1, 89.7% of
  * 3.02 TB/s against the GEMV's 79.4%; batch 8 86.8% against 47.5%).
  *
- * Block: 8 warps and 128 weight rows (16 a warp) up to 8 batch rows, 4 warps and 64
- * weight rows for 9..16 (two 8-row tiles of x), one range of K (split-K over blockIdx.y).
+ * Block: 8 warps, 128 weight rows (16 a warp), one range of K (split-K over blockIdx.y).
  * Each warp streams its 16 rows straight from global memory into mma.sync A fragments
  * (m16n8k16, F16 in, F32 accumulate), 16-byte loads one 128-wide K step ahead; no
  * shared-memory staging of the weights. The 16-element K of one product is permuted in
@@ -21,9 +20,11 @@
  * counter. */
 #include "cuda_common.h"
 
-#define SK_KC 128          /* K per step */
-#define SK_XS (SK_KC + 32) /* halves per staged x row: 320 bytes, 64 mod 128 (no bank conflicts) */
-#define SK_MAXN 16
+#define SK_WARPS 8
+#define SK_ROWS (SK_WARPS * 16) /* weight rows per block */
+#define SK_KC 128               /* K per step */
+#define SK_XS (SK_KC + 32)      /* halves per staged x row: 320 bytes, 64 mod 128 (no bank conflicts) */
+#define SK_MAXN 8
 
 __device__ __forceinline__ void sk_mma(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                        uint32_t b1)
@@ -36,20 +37,17 @@ __device__ __forceinline__ void sk_mma(float c[4], uint32_t a0, uint32_t a1, uin
 #endif
 }
 
-/* NT: 8-row tiles of x (1: n <= 8, 2: n <= 16); W: warps per block (16 weight rows each) */
-template <int NT, int W>
-__global__ __launch_bounds__(W * 32, 16 / W) void skinny_kernel(const uint16_t *__restrict__ w, int N, int K,
-                                                                const float *x, int64_t x_stride, int n,
-                                                                float *__restrict__ y, int64_t ldy, int S, float *ws,
-                                                                int *counters)
+__global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t *__restrict__ w, int N, int K,
+                                                                  const float *x, int64_t x_stride, int n,
+                                                                  float *__restrict__ y, int64_t ldy, int S, float *ws,
+                                                                  int *counters)
 {
     m40k_grid_launch_dependents(); /* a PDL-launched kernel may follow */
-    constexpr int ROWS = W * 16, XV = (NT * 8 * 32 + W * 32 - 1) / (W * 32); /* float4 of x a thread stages */
-    __shared__ __align__(16) uint16_t xs[2][NT * 8][SK_XS];
+    __shared__ __align__(16) uint16_t xs[2][SK_MAXN][SK_XS];
     __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int rb = blockIdx.x, s = blockIdx.y;
-    const int row0 = rb * ROWS + warp * 16;
+    const int row0 = rb * SK_ROWS + warp * 16;
     const int nit = K / SK_KC;
     const int it0 = (int)((int64_t)s * nit / S), it1 = (int)((int64_t)(s + 1) * nit / S);
     /* rows past N read row N-1 (valid memory) and are never written */
@@ -64,47 +62,32 @@ __global__ __launch_bounds__(W * 32, 16 / W) void skinny_kernel(const uint16_t *
     }
     x = m40k_grid_wait_for(x); /* x is the previous kernel's output (PDL launch) */
 
-    /* the thread's float4 number u of a step: batch row idx / 32, columns 4 * (idx % 32) */
-    auto xidx = [&](int u) { return (int)threadIdx.x + u * W * 32; };
-    auto put = [&](float4 v, int idx, int buf) {
+    /* thread t stages float4 number t % 32 of batch row t / 32 (n * 32 <= 256 threads) */
+    const int xr = threadIdx.x >> 5, xc = threadIdx.x & 31;
+    const bool xon = xr < n;
+    const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)xr * x_stride) + xc;
+    auto put = [&](float4 v, int buf) {
         const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
-        uint2 t;
-        t.x = *reinterpret_cast<const uint32_t *>(&lo);
-        t.y = *reinterpret_cast<const uint32_t *>(&hi);
-        *reinterpret_cast<uint2 *>(&xs[buf][idx >> 5][4 * (idx & 31)]) = t;
+        uint2 u;
+        u.x = *reinterpret_cast<const uint32_t *>(&lo);
+        u.y = *reinterpret_cast<const uint32_t *>(&hi);
+        *reinterpret_cast<uint2 *>(&xs[buf][xr][4 * xc]) = u;
     };
-    auto ldx = [&](int idx, int it) {
-        return __ldca(reinterpret_cast<const float4 *>(x + (size_t)(idx >> 5) * x_stride + (size_t)it * SK_KC) +
-                      (idx & 31));
-    };
-    float4 xv[XV];
-#pragma unroll
-    for (int u = 0; u < XV; u++) {
-        const int idx = xidx(u);
-        if (idx < n * 32) {
-            put(ldx(idx, it0), idx, 0);
-            if (it0 + 1 < it1)
-                xv[u] = ldx(idx, it0 + 1);
-        }
+    float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (xon) {
+        put(__ldca(xp + (size_t)it0 * (SK_KC / 4)), 0);
+        if (it0 + 1 < it1)
+            xv = __ldca(xp + (size_t)(it0 + 1) * (SK_KC / 4));
     }
 
-    float acc[NT][4];
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-        acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int it = it0; it < it1; it++) {
         const int i = it - it0;
         __syncthreads(); /* step it's x is staged; everyone is done with step it - 1's buffer */
-        if (it + 1 < it1) {
-#pragma unroll
-            for (int u = 0; u < XV; u++) {
-                const int idx = xidx(u);
-                if (idx < n * 32) {
-                    put(xv[u], idx, (i + 1) & 1);
-                    if (it + 2 < it1)
-                        xv[u] = ldx(idx, it + 2);
-                }
-            }
+        if (xon && it + 1 < it1) {
+            put(xv, (i + 1) & 1);
+            if (it + 2 < it1)
+                xv = __ldca(xp + (size_t)(it + 2) * (SK_KC / 4));
         }
         uint4 an[2][4];
         if (it + 1 < it1) {
@@ -115,13 +98,11 @@ __global__ __launch_bounds__(W * 32, 16 / W) void skinny_kernel(const uint16_t *
             }
         }
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                const uint4 b = *reinterpret_cast<const uint4 *>(&xs[i & 1][t * 8 + g][32 * j + 8 * q]);
-                sk_mma(acc[t], a[0][j].x, a[1][j].x, a[0][j].y, a[1][j].y, b.x, b.y);
-                sk_mma(acc[t], a[0][j].z, a[1][j].z, a[0][j].w, a[1][j].w, b.z, b.w);
-            }
+        for (int j = 0; j < 4; j++) {
+            const uint4 b = *reinterpret_cast<const uint4 *>(&xs[i & 1][g][32 * j + 8 * q]);
+            sk_mma(acc, a[0][j].x, a[1][j].x, a[0][j].y, a[1][j].y, b.x, b.y);
+            sk_mma(acc, a[0][j].z, a[1][j].z, a[0][j].w, a[1][j].w, b.z, b.w);
+        }
         if (it + 1 < it1) {
 #pragma unroll
             for (int j = 0; j < 4; j++)
@@ -129,18 +110,16 @@ __global__ __launch_bounds__(W * 32, 16 / W) void skinny_kernel(const uint16_t *
         }
     }
 
-    /* accumulator (m16n8): acc[t][0..1] weight row g, batch rows 8t + 2q, 8t + 2q + 1;
-     * acc[t][2..3] row g + 8 (batch rows >= n hold products with unstaged x: not written) */
+    /* accumulator (m16n8): acc[0..1] weight row g, batch rows 2q, 2q+1; acc[2..3] row g + 8
+     * (batch rows >= n hold products with unstaged x: never written) */
     float *dst = S > 1 ? ws + (size_t)s * n * N : y;
     const int64_t ld = S > 1 ? N : ldy;
 #pragma unroll
-    for (int t = 0; t < NT; t++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int col = 8 * t + 2 * q + (c & 1), row = row0 + g + (c >> 1) * 8;
-            if (col < n && row < N)
-                dst[(size_t)col * ld + row] = acc[t][c];
-        }
+    for (int c = 0; c < 4; c++) {
+        const int col = 2 * q + (c & 1), row = row0 + g + (c >> 1) * 8;
+        if (col < n && row < N)
+            dst[(size_t)col * ld + row] = acc[c];
+    }
     if (S == 1)
         return;
     __threadfence();
@@ -153,9 +132,9 @@ __global__ __launch_bounds__(W * 32, 16 / W) void skinny_kernel(const uint16_t *
     if (!last)
         return;
     __threadfence();
-    const int rows = min(ROWS, N - rb * ROWS);
-    for (int idx = threadIdx.x; idx < n * rows; idx += W * 32) {
-        const int col = idx / rows, row = rb * ROWS + idx % rows;
+    const int rows = min(SK_ROWS, N - rb * SK_ROWS);
+    for (int idx = threadIdx.x; idx < n * rows; idx += SK_WARPS * 32) {
+        const int col = idx / rows, row = rb * SK_ROWS + idx % rows;
         float v = 0.0f;
         for (int k = 0; k < S; k++)
             v += __ldcg(ws + ((size_t)k * n + col) * N + row);
@@ -165,10 +144,7 @@ __global__ __launch_bounds__(W * 32, 16 / W) void skinny_kernel(const uint16_t *
         atomicExch(counters + rb, 0); /* every split has counted: nothing else touches it now */
 }
 
-/* weight rows per block: 128 (8 warps) up to 8 batch rows, 64 (4 warps) above */
-static int sk_rows(int n) { return n <= 8 ? 128 : 64; }
-
-extern "C" size_t m40k_gemm_skinny_counter_ints(int N) { return N > 0 ? (size_t)(N + 63) / 64 : 0; }
+extern "C" size_t m40k_gemm_skinny_counter_ints(int N) { return N > 0 ? (size_t)(N + SK_ROWS - 1) / SK_ROWS : 0; }
 
 extern "C" size_t m40k_gemm_skinny_ws_floats(int N, int n, int n_splits)
 {
@@ -177,25 +153,15 @@ extern "C" size_t m40k_gemm_skinny_ws_floats(int N, int n, int n_splits)
 
 extern "C" int m40k_gemm_skinny_pick_splits(int N, int K, int n, int sm_count, size_t ws_floats, size_t counter_ints)
 {
-    if (N <= 0 || K < SK_KC || n <= 0 || n > SK_MAXN || sm_count <= 0 ||
-        m40k_gemm_skinny_counter_ints(N) > counter_ints)
+    if (N <= 0 || K < SK_KC || n <= 0 || sm_count <= 0 || m40k_gemm_skinny_counter_ints(N) > counter_ints)
         return 1;
-    const int R = sk_rows(n), rbs = (N + R - 1) / R, nit = K / SK_KC;
-    /* one wave of resident blocks (16 warps an SM); at least two K steps a split */
-    int S = (16 * 16 / R * sm_count) / rbs;
+    const int rbs = (N + SK_ROWS - 1) / SK_ROWS, nit = K / SK_KC;
+    /* one wave of two resident blocks per SM; at least two K steps a split */
+    int S = (2 * sm_count) / rbs;
     S = min(S, nit / 2);
     while (S > 1 && m40k_gemm_skinny_ws_floats(N, n, S) > ws_floats)
         S--;
     return S < 1 ? 1 : S;
-}
-
-template <int NT, int W>
-static int sk_launch(const uint16_t *w, int N, int K, const float *x, int64_t xs, int n, float *y, int64_t ldy, int S,
-                     float *ws, int *cnt, m40k_stream stream)
-{
-    M40K_LAUNCH_PDL((skinny_kernel<NT, W>), dim3((unsigned)((N + W * 16 - 1) / (W * 16)), (unsigned)S), W * 32, 0,
-                    stream, w, N, K, x, xs, n, y, ldy, S, ws, cnt);
-    return m40k_launch_status();
 }
 
 extern "C" int m40k_gemm_skinny(const uint16_t *w, int N, int K, const float *x, int64_t x_stride, int n, float *y,
@@ -207,7 +173,7 @@ extern "C" int m40k_gemm_skinny(const uint16_t *w, int N, int K, const float *x,
         x_stride % 4 || (n > 1 && x_stride < K) || n_splits < 1 || n_splits > K / SK_KC || n_splits > 65535 ||
         (n_splits > 1 && (!workspace || !counters)))
         return M40K_INVALID;
-    if (n <= 8)
-        return sk_launch<1, 8>(w, N, K, x, x_stride, n, y, ldy, n_splits, workspace, counters, stream);
-    return sk_launch<2, 4>(w, N, K, x, x_stride, n, y, ldy, n_splits, workspace, counters, stream);
+    M40K_LAUNCH_PDL(skinny_kernel, dim3((unsigned)((N + SK_ROWS - 1) / SK_ROWS), (unsigned)n_splits),
+                    SK_WARPS * 32, 0, stream, w, N, K, x, x_stride, n, y, ldy, n_splits, workspace, counters);
+    return m40k_launch_status();
 }

@@ -241,9 +241,9 @@ int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *w
 int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride,
                  m40k_stream stream);
 
-/* 8c. F16 GEMV on the tensor cores (kernels/gemm_skinny.cu), for decode steps of 1..16
+/* 8c. F16 GEMV on the tensor cores (kernels/gemm_skinny.cu), for decode steps of 1..8
  * token rows where a row-per-warp GEMV leaves bandwidth unused (long K, several rows):
- * y[t*ldy + r] = sum_k W[r][k] * f16(x[t*x_stride + k]), r < N, t < n (1..16). W F16
+ * y[t*ldy + r] = sum_k W[r][k] * f16(x[t*x_stride + k]), r < N, t < n (1..8). W F16
  * [N][K] row-major and x (F32) 16-byte aligned, x_stride a multiple of 4; K a multiple
  * of 128; ldy >= N. x is rounded to F16 (as the tiled path's cuBLAS products round it);
  * F32 accumulation in an order of its own (twin: m40_ref_gemv of W on f16(x)).

@@ -594,7 +594,7 @@ static void test_gemv(void)
 
 /* 8c. Tensor-core F16 GEMV (m40k_gemm_skinny) against its twin, m40_ref_gemv of the F16
  * weights on x rounded to F16 (exact products, double sums: only the order of the sum
- * differs). Batch rows 1..16, N not a multiple of the 64/128-row blocks, K of one and of many
+ * differs). Batch rows 1..8, N not a multiple of the 128-row block, K of one and of many
  * 128-wide steps, x rows strided (K + 4), split counts 1, picked and the most (one step
  * a split). Also: y columns past N (ldy > N) left alone, the same bits on a second call
  * (ordered split sums), the split counters back at zero after every call. */
@@ -604,7 +604,7 @@ static void test_gemm_skinny(void)
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     for (int K : {128, 640, 1152, 4096 + 128})
         for (int N : {1, 17, 130, 259})
-            for (int n : {1, 2, 3, 5, 8, 9, 12, 16}) {
+            for (int n : {1, 2, 3, 5, 8}) {
                 const int64_t xs = K + 4, ldy = N + 3;
                 std::vector<float> wf = rand_vec((size_t)N * K), x = rand_vec((size_t)n * xs);
                 std::vector<uint16_t> w(wf.size());
@@ -661,12 +661,12 @@ static void test_gemm_skinny(void)
                 }
                 cudaFree(dw), cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
             }
-    /* refused shapes: K not a multiple of 128, more than 16 rows, splits past K/128 */
+    /* refused shapes: K not a multiple of 128, more than 8 rows, splits past K/128 */
     const uint16_t *pw = (const uint16_t *)16;
     const float *px = (const float *)16;
     float *py = (float *)16;
     check("gemm_skinny refuses K 96", m40k_gemm_skinny(pw, 4, 96, px, 96, 1, py, 4, 1, NULL, NULL, 0) != 0);
-    check("gemm_skinny refuses n 17", m40k_gemm_skinny(pw, 4, 128, px, 128, 17, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_skinny refuses n 9", m40k_gemm_skinny(pw, 4, 128, px, 128, 9, py, 4, 1, NULL, NULL, 0) != 0);
     check("gemm_skinny refuses 2 splits of K 128",
           m40k_gemm_skinny(pw, 4, 128, px, 128, 1, py, 4, 2, py, (int *)16, 0) != 0);
 }
@@ -861,9 +861,9 @@ static void bench_gemv(void)
             std::vector<uint8_t *> dw(copies);
             for (auto &d : dw)
                 CK(cudaMalloc(&d, bytes + 16));
-            std::vector<float> x = rand_vec((size_t)16 * sh.K);
+            std::vector<float> x = rand_vec((size_t)8 * sh.K);
             float *dx = dup(x), *dy;
-            CK(cudaMalloc(&dy, (size_t)16 * sh.N * 4));
+            CK(cudaMalloc(&dy, (size_t)8 * sh.N * 4));
             void *dws;
             CK(cudaMalloc(&dws, m40k_gemv_q8_ws_bytes(sh.K, 8)));
             /* "fast": m40k_gemv on real (aligned) weights; "generic": the same weights at
@@ -915,10 +915,10 @@ static void bench_gemv(void)
         }
 }
 
-/* F16 decode products of n = 1..16 rows: the tensor-core GEMV m40k_gemm_skinny (picked
- * splits), the F16 m40k_gemv (n <= 8), and cuBLAS's F16 x F16 -> F32 GEMM on an F16
- * copy of x; weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
- * Mistral-7B shapes: o, q+k+v, k/v, gate+up, down. */
+/* F16 decode products of n = 1..8 rows: the tensor-core GEMV m40k_gemm_skinny (picked
+ * splits), the F16 m40k_gemv, and cuBLAS's F16 x F16 -> F32 GEMM on an F16 copy of x;
+ * weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
+ * Mistral-7B shapes: q/o, k/v, gate+up, down. */
 static void bench_skinny(void)
 {
     const double peak = 3020.0;
@@ -929,7 +929,7 @@ static void bench_skinny(void)
         printf("bench skinny: no cuBLAS\n");
         return;
     }
-    struct { int N, K; } shapes[] = {{4096, 4096}, {6144, 4096}, {1024, 4096}, {28672, 4096}, {4096, 14336}};
+    struct { int N, K; } shapes[] = {{4096, 4096}, {1024, 4096}, {28672, 4096}, {4096, 14336}};
     for (auto sh : shapes) {
         const size_t bytes = (size_t)sh.N * sh.K * 2;
         std::vector<uint16_t> w((size_t)sh.N * sh.K);
@@ -939,20 +939,18 @@ static void bench_skinny(void)
         std::vector<uint16_t *> dw(copies);
         for (auto &d : dw)
             d = dup(w);
-        std::vector<float> x = rand_vec((size_t)16 * sh.K);
+        std::vector<float> x = rand_vec((size_t)8 * sh.K);
         std::vector<uint16_t> x16(x.size());
         for (size_t i = 0; i < x.size(); i++)
             x16[i] = m40_fp32_to_fp16(x[i]);
         float *dx = dup(x), *dy, *dws;
         uint16_t *dx16 = dup(x16);
         const size_t wsf = (size_t)1 << 20;
-        CK(cudaMalloc(&dy, (size_t)16 * sh.N * 4));
+        CK(cudaMalloc(&dy, (size_t)8 * sh.N * 4));
         CK(cudaMalloc(&dws, wsf * 4));
         int *dcnt = dup(std::vector<int>(m40k_gemm_skinny_counter_ints(sh.N), 0));
-        for (int n : {1, 2, 4, 8, 12, 16})
+        for (int n : {1, 2, 4, 8})
             for (int v = 0; v < 3; v++) { /* 0 skinny, 1 cuBLAS, 2 GEMV */
-                if (v == 2 && n > 8)
-                    continue;
                 const int S = m40k_gemm_skinny_pick_splits(sh.N, sh.K, n, sms, wsf, m40k_gemm_skinny_counter_ints(sh.N));
                 int turn = 0;
                 auto run = [&]() {
@@ -1025,7 +1023,7 @@ static void bench_attn_decode(void)
             int *dcnt = dup(std::vector<int>(m40k_decode_counter_ints(n_seqs, nkv), 0));
             int32_t *dip = dup(indptr), *dix = dup(indices), *dlp = dup(lpl);
             const int pick = m40k_decode_pick_splits(n_seqs, nkv, ctx, sms);
-            for (int splits : {pick, 1, 2, 4, 8, 16, 64}) {
+            for (int splits : {pick, 1, 4, 16, 64}) {
                 cudaEvent_t e0, e1;
                 CK(cudaEventCreate(&e0));
                 CK(cudaEventCreate(&e1));
