@@ -1023,7 +1023,7 @@ static void bench_attn_decode(void)
             int *dcnt = dup(std::vector<int>(m40k_decode_counter_ints(n_seqs, nkv), 0));
             int32_t *dip = dup(indptr), *dix = dup(indices), *dlp = dup(lpl);
             const int pick = m40k_decode_pick_splits(n_seqs, nkv, ctx, sms);
-            for (int splits : {pick, 1, 4, 16, 64}) {
+            for (int splits : {pick, 1, 2, 4, 8, 16, 64}) {
                 cudaEvent_t e0, e1;
                 CK(cudaEventCreate(&e0));
                 CK(cudaEventCreate(&e1));
