@@ -33,41 +33,39 @@ __global__ void add_kernel(float *out, const float *a, const float *b, int64_t n
         out[i] = a[i] + b[i];
 }
 
-extern "C" int m40k_glu(int act, const float *gate, const float *up, int64_t in_stride, float *out,
-                        int64_t out_stride, int rows, int n, m40k_stream stream)
+/* xq: also the int8 quantization of out (n a multiple of 32); o16: also its F16 copy */
+static int glu_launch(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
+                      int rows, int n, gq_blk *xq, uint16_t *o16, m40k_stream stream)
 {
     if (rows <= 0 || n <= 0)
         return 0;
-    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535)
+    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || (xq && n % 32))
         return M40K_INVALID;
     dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, nullptr, nullptr);
+    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, xq, o16);
     return m40k_launch_status();
+}
+
+extern "C" int m40k_glu(int act, const float *gate, const float *up, int64_t in_stride, float *out,
+                        int64_t out_stride, int rows, int n, m40k_stream stream)
+{
+    return glu_launch(act, gate, up, in_stride, out, out_stride, rows, n, nullptr, nullptr, stream);
 }
 
 extern "C" int m40k_glu_q8(int act, const float *gate, const float *up, int64_t in_stride, float *out,
                            int64_t out_stride, int rows, int n, void *xq, m40k_stream stream)
 {
-    if (rows <= 0 || n <= 0)
-        return 0;
-    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || n % 32 || !xq)
+    if (!xq && rows > 0 && n > 0)
         return M40K_INVALID;
-    dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, (gq_blk *)xq,
-                    nullptr);
-    return m40k_launch_status();
+    return glu_launch(act, gate, up, in_stride, out, out_stride, rows, n, (gq_blk *)xq, nullptr, stream);
 }
 
 extern "C" int m40k_glu_f16(int act, const float *gate, const float *up, int64_t in_stride, float *out,
                             int64_t out_stride, int rows, int n, uint16_t *out16, m40k_stream stream)
 {
-    if (rows <= 0 || n <= 0)
-        return 0;
-    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || !out16)
+    if (!out16 && rows > 0 && n > 0)
         return M40K_INVALID;
-    dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-    M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, nullptr, out16);
-    return m40k_launch_status();
+    return glu_launch(act, gate, up, in_stride, out, out_stride, rows, n, nullptr, out16, stream);
 }
 
 extern "C" int m40k_add(float *out, const float *a, const float *b, int64_t n, m40k_stream stream)

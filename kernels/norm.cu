@@ -102,43 +102,42 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
     }
 }
 
-extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
-                                float *out, int64_t out_stride, int rows, int dim, float eps, m40k_stream stream)
+/* xq: also the int8 quantization of out (dim a multiple of 32); o16: also its F16 copy */
+static int add_rmsnorm_launch(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
+                              int64_t out_stride, int rows, int dim, float eps, gq_blk *xq, uint16_t *o16,
+                              m40k_stream stream)
 {
     if (rows <= 0)
         return 0;
-    if (dim <= 0)
+    if (dim <= 0 || (xq && dim % 32))
         return M40K_INVALID;
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
     M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
-                    eps, nullptr, nullptr);
+                    eps, xq, o16);
     return m40k_launch_status();
+}
+
+extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
+                                float *out, int64_t out_stride, int rows, int dim, float eps, m40k_stream stream)
+{
+    return add_rmsnorm_launch(x, x_stride, d, d_stride, w, out, out_stride, rows, dim, eps, nullptr, nullptr, stream);
 }
 
 extern "C" int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
                                    float *out, int64_t out_stride, int rows, int dim, float eps, void *xq,
                                    m40k_stream stream)
 {
-    if (rows <= 0)
-        return 0;
-    if (dim <= 0 || dim % 32 || !xq)
+    if (!xq && rows > 0)
         return M40K_INVALID;
-    int threads = dim >= 1024 ? 1024 : dim;
-    M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
-                    eps, (gq_blk *)xq, nullptr);
-    return m40k_launch_status();
+    return add_rmsnorm_launch(x, x_stride, d, d_stride, w, out, out_stride, rows, dim, eps, (gq_blk *)xq, nullptr,
+                              stream);
 }
 
 extern "C" int m40k_add_rmsnorm_f16(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,
                                     float *out, int64_t out_stride, int rows, int dim, float eps, uint16_t *out16,
                                     m40k_stream stream)
 {
-    if (rows <= 0)
-        return 0;
-    if (dim <= 0 || !out16)
+    if (!out16 && rows > 0)
         return M40K_INVALID;
-    int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
-    M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
-                    eps, nullptr, out16);
-    return m40k_launch_status();
+    return add_rmsnorm_launch(x, x_stride, d, d_stride, w, out, out_stride, rows, dim, eps, nullptr, out16, stream);
 }

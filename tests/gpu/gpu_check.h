@@ -29,6 +29,26 @@ static int n_pass, n_fail, n_skip;
         }                                                                                          \
     } while (0)
 
+/* Mean microseconds of one run() over iters calls on the default stream, after 3
+ * untimed calls (CUDA events). */
+template <class F> static double time_us(F run, int iters)
+{
+    for (int i = 0; i < 3; i++)
+        run();
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaEventRecord(e0));
+    for (int i = 0; i < iters; i++)
+        run();
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    return ms * 1000.0 / iters;
+}
+
 static uint64_t rng = GPU_CHECK_SEED;
 static inline uint32_t rnd32(void)
 {

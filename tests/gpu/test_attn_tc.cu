@@ -307,21 +307,7 @@ static void bench(bool tc_ok)
                     CK(m40k_attn_prefill(dout, os, dq, qs, dqi, b.n_seqs, b.n_rows, dkc, dvc, dip, dix, dlp, nh, nkv,
                                          hd, scale, 0));
             };
-            for (int i = 0; i < 3; i++)
-                run();
-            cudaEvent_t e0, e1;
-            CK(cudaEventCreate(&e0));
-            CK(cudaEventCreate(&e1));
-            const int iters = 20;
-            CK(cudaEventRecord(e0));
-            for (int i = 0; i < iters; i++)
-                run();
-            CK(cudaEventRecord(e1));
-            CK(cudaEventSynchronize(e1));
-            float ms = 0;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            us[which] = ms * 1000.0 / iters;
-            cudaEventDestroy(e0), cudaEventDestroy(e1);
+            us[which] = time_us(run, 20);
         }
         const double t_tc = us[0] > 0 ? flops / (us[0] * 1e6) : 0, t_simt = flops / (us[1] * 1e6);
         printf("bench attn_prefill %-28s %6.2f GFLOP: tc %8.1f us %6.1f TFLOP/s | simt %8.1f us %6.1f TFLOP/s | "

@@ -891,23 +891,9 @@ static void bench_gemv(void)
                     else
                         CK(m40k_gemv(wp, type, sh.N, sh.K, dx, sh.K, dy, sh.N, batch, 0));
                 };
-                cudaEvent_t e0, e1;
-                CK(cudaEventCreate(&e0));
-                CK(cudaEventCreate(&e1));
-                for (int i = 0; i < 3; i++)
-                    run();
-                const int iters = 50;
-                CK(cudaEventRecord(e0));
-                for (int i = 0; i < iters; i++)
-                    run();
-                CK(cudaEventRecord(e1));
-                CK(cudaEventSynchronize(e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
-                const double us = ms * 1000.0 / iters, gbs = bytes / (us * 1e3);
+                const double us = time_us(run, 50), gbs = bytes / (us * 1e3);
                 printf("bench gemv %-7s %-5s N %5d K %5d batch %d: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n",
                        vname[v], m40_type_name(type), sh.N, sh.K, batch, us, gbs, 100.0 * gbs / peak);
-                cudaEventDestroy(e0), cudaEventDestroy(e1);
             }
             for (auto d : dw)
                 cudaFree(d);
@@ -967,24 +953,10 @@ static void bench_skinny(void)
                             CK(cudaErrorUnknown);
                     }
                 };
-                cudaEvent_t e0, e1;
-                CK(cudaEventCreate(&e0));
-                CK(cudaEventCreate(&e1));
-                for (int i = 0; i < 3; i++)
-                    run();
-                const int iters = 30;
-                CK(cudaEventRecord(e0));
-                for (int i = 0; i < iters; i++)
-                    run();
-                CK(cudaEventRecord(e1));
-                CK(cudaEventSynchronize(e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
-                const double us = ms * 1000.0 / iters, gbs = bytes / (us * 1e3);
+                const double us = time_us(run, 30), gbs = bytes / (us * 1e3);
                 static const char *const vn[] = {"skinny", "cublas", "gemv"};
                 printf("bench f16 %-6s N %5d K %5d n %2d%s: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n", vn[v], sh.N,
                        sh.K, n, v == 0 ? (S > 1 ? " (split)" : "        ") : "        ", us, gbs, 100.0 * gbs / peak);
-                cudaEventDestroy(e0), cudaEventDestroy(e1);
             }
         for (auto d : dw)
             cudaFree(d);
@@ -1024,25 +996,13 @@ static void bench_attn_decode(void)
             int32_t *dip = dup(indptr), *dix = dup(indices), *dlp = dup(lpl);
             const int pick = m40k_decode_pick_splits(n_seqs, nkv, ctx, sms);
             for (int splits : {pick, 1, 2, 4, 8, 16, 64}) {
-                cudaEvent_t e0, e1;
-                CK(cudaEventCreate(&e0));
-                CK(cudaEventCreate(&e1));
-                for (int i = 0; i < 3; i++)
-                    CK(m40k_attn_decode(dout, nh * hd, dq, nh * hd, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd,
-                                        0.088f, splits, dws, dcnt, 0));
-                const int iters = 50;
-                CK(cudaEventRecord(e0));
-                for (int i = 0; i < iters; i++)
-                    CK(m40k_attn_decode(dout, nh * hd, dq, nh * hd, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd,
-                                        0.088f, splits, dws, dcnt, 0));
-                CK(cudaEventRecord(e1));
-                CK(cudaEventSynchronize(e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
-                const double us = ms * 1000.0 / iters, bytes = (double)n_seqs * ctx * nkv * hd * 2 * 2;
+                auto run = [&] {
+                    CK(m40k_attn_decode(dout, nh * hd, dq, nh * hd, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd, 0.088f,
+                                        splits, dws, dcnt, 0));
+                };
+                const double us = time_us(run, 50), bytes = (double)n_seqs * ctx * nkv * hd * 2 * 2;
                 printf("bench attn_decode seqs %2d ctx %4d splits %2d%s: %8.1f us  %7.1f GB/s of K/V\n", n_seqs, ctx,
                        splits, splits == pick ? " (picked)" : "", us, bytes / (us * 1e3));
-                cudaEventDestroy(e0), cudaEventDestroy(e1);
             }
             cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout), cudaFree(dws), cudaFree(dcnt);
             cudaFree(dip), cudaFree(dix), cudaFree(dlp);
