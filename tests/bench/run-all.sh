@@ -265,11 +265,16 @@ for e in "${ENTRIES[@]}"; do
     fi
     extra=()
     [ -n "$EXTRA_JSON" ] && extra=(--extra-json "$EXTRA_JSON")
+    # every load.py run of one server gets prompts of its own (--seed): with the same seed
+    # a later run would find the earlier run's prompts in the prefix cache
+    seed=0
     for c in $CONCURRENCY; do
         res=$OUT/load-${label// /-}-c$c.json
-        say "load.py --concurrency $c --requests $((RPS * c))"
+        seed=$((seed + 1))
+        say "load.py --concurrency $c --requests $((RPS * c)) --seed $seed"
         $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
-            --prompt-words "$PROMPT_WORDS" --max-tokens "$MAX_TOKENS" --metrics "${extra[@]}" --json >"$res" 2>"$res.err"
+            --prompt-words "$PROMPT_WORDS" --max-tokens "$MAX_TOKENS" --seed "$seed" --metrics "${extra[@]}" \
+            --json >"$res" 2>"$res.err"
         if ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
             SERVER_ROWS+=("$label	$c streams	load.py failed: $(tail -1 "$res.err")")
             continue
@@ -285,8 +290,8 @@ for e in "${ENTRIES[@]}"; do
         res=$OUT/load-${label// /-}-prefix.json
         say "load.py shared prefix: $PREFIX_WORDS-word system message, --concurrency $c"
         $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
-            --prompt-words 20 --shared-prefix-words "$PREFIX_WORDS" --max-tokens 32 --metrics "${extra[@]}" \
-            --json >"$res" 2>"$res.err"
+            --prompt-words 20 --shared-prefix-words "$PREFIX_WORDS" --max-tokens 32 --seed $((seed + 1)) \
+            --metrics "${extra[@]}" --json >"$res" 2>"$res.err"
         if python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
             PREFIX_ROW=$(python3 -c '
 import json, sys
