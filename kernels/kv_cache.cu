@@ -67,6 +67,8 @@ __global__ void kv_append_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict
     }
 }
 
+#define KVR_QH 4 /* Q heads a block of kv_append_rope_kernel rotates */
+
 /* Dynamic shared memory: rot_dim/2 float2 (cos, sin). */
 __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, int n_q_heads,
                                       uint16_t *__restrict__ kc, uint16_t *__restrict__ vc,
@@ -90,11 +92,13 @@ __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, i
     M40K_LAUNDER(pos);
     M40K_LAUNDER(ff);
     extern __shared__ float2 cs[];
-    const int t = blockIdx.x;
-    int slot;
+    /* blockIdx.y 0: token t's K and V; 1, 2, ...: KVR_QH of its Q heads each (so that one
+     * decode token is several blocks, not one) */
+    const int t = blockIdx.x, part = blockIdx.y;
+    int slot = 0;
     /* blk < 0 (a token outside every sequence) is the same for the whole block: its K/V
      * go nowhere, its Q is still rotated (as m40k_rope would) */
-    const int64_t blk = kv_row_block(t, new_indptr, n_seqs, indptr, indices, last_page_len, &slot);
+    const int64_t blk = part == 0 ? kv_row_block(t, new_indptr, n_seqs, indptr, indices, last_page_len, &slot) : -1;
     const int half = rot_dim / 2, row = n_kv_heads * head_dim;
     const int32_t pt = pos[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -109,9 +113,10 @@ __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, i
             vc[(((size_t)blk * n_kv_heads + h) * M40K_PAGE + slot) * head_dim + d] = m40k_f2h(v[t * v_stride + j]);
         }
     __syncthreads();
-    if (q) /* Q in place, one rotation pair a thread */
-        for (int j = threadIdx.x; j < n_q_heads * half; j += blockDim.x) {
-            const int h = j / half, i = j % half;
+    if (part > 0) { /* Q in place, one rotation pair a thread */
+        const int h0 = (part - 1) * KVR_QH, nh = min(KVR_QH, n_q_heads - h0);
+        for (int j = threadIdx.x; j < nh * half; j += blockDim.x) {
+            const int h = h0 + j / half, i = j % half;
             const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
             float *qh = q + t * q_stride + (int64_t)h * head_dim;
             const float2 r = cs[i];
@@ -120,6 +125,8 @@ __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, i
             qh[a] = y0;
             qh[b] = y1;
         }
+        return;
+    }
     if (blk < 0)
         return;
     for (int j = threadIdx.x; j < row; j += blockDim.x) {
@@ -165,15 +172,16 @@ extern "C" int m40k_kv_append_rope(float *q, int64_t q_stride, int n_q_heads, ui
         return 0;
     /* m40k_rope's checks, in its order: rot_dim 0 rotates nothing (pos is not read) */
     if (rot_dim == 0)
-        return m40k_kv_append(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, n_tokens, indptr,
-                              indices, last_page_len, n_kv_heads, head_dim, stream);
-    if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || !(base > 0.0f) || (q && n_q_heads < 0))
+        return m40k_kv_append(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, n_tokens, indptr, indices,
+                              last_page_len, n_kv_heads, head_dim, stream);
+    if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || !(base > 0.0f) ||
+        (q && (n_q_heads < 0 || n_q_heads > 65534 * KVR_QH)))
         return M40K_INVALID;
     int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
     const size_t smem = (size_t)(rot_dim / 2) * sizeof(float2);
-    M40K_LAUNCH_PDL(kv_append_rope_kernel, n_tokens, threads, smem, stream, q, q_stride, q ? n_q_heads : 0, k_cache,
-                    v_cache, k, k_stride, v, v_stride,
-                    new_indptr, n_seqs, indptr, indices, last_page_len, n_kv_heads, head_dim, pos, rot_dim,
-                    log2((double)base), freq_factors, neox);
+    const int qparts = q ? (n_q_heads + KVR_QH - 1) / KVR_QH : 0;
+    M40K_LAUNCH_PDL(kv_append_rope_kernel, dim3((unsigned)n_tokens, (unsigned)(1 + qparts)), threads, smem, stream, q,
+                    q_stride, q ? n_q_heads : 0, k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, indptr,
+                    indices, last_page_len, n_kv_heads, head_dim, pos, rot_dim, log2((double)base), freq_factors, neox);
     return m40k_launch_status();
 }
