@@ -218,7 +218,7 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             return -1;
         g->cap = c;
     }
-    if (g->skinny && !g->sk_cnt) {
+    if (g->skinny && !g->gemm_f32 && !g->sk_cnt) {
         /* split-K scratch of the tensor-core GEMV: 4 MB covers every split the picker
          * makes for 7B-class shapes at 8 rows; larger ones take fewer splits */
         size_t rows = (size_t)p->n_vocab;
@@ -296,10 +296,11 @@ static int gemv_q8_reads(const gmat *w)
 }
 
 /* F16 decode products that the tensor-core GEMV (m40k_gemm_skinny) reads faster than
- * m40k_gemv (H100, test_kernels --bench): 3..8 rows (batch 8, N 4096 x K 14336: 86.8%
- * of bandwidth against 47.5%), and one or two rows of long K (batch 1, K 14336: 89.7%
- * against 79.4%; at K = N and below the GEMV is as fast or faster). It rounds x to F16,
- * so not for models under 1B parameters (gemm_f32: their products stay F32). */
+ * m40k_gemv (H100, test_kernels --bench skinny, BENCHMARKS.md): 3..8 rows (8 rows, N 4096
+ * x K 14336: 87.1% of bandwidth against 47.2%), and one or two rows of long K (1 row, K
+ * 14336: 91.1% against 79.7%; at K = N and below the GEMV is as fast or faster). It
+ * rounds x to F16, so not for models under 1B parameters (gemm_f32: their products stay
+ * F32). */
 static int skinny_reads(const m40_gpu *g, const gmat *w, int32_t n)
 {
     return g->skinny && g->sk_cnt && !g->gemm_f32 && w->type == M40K_TYPE_F16 && n <= 8 && w->cols % 128 == 0 &&

@@ -1,7 +1,7 @@
 /* F16 GEMV on the tensor cores for 1..8 token rows: y[t][r] = sum_k W[r][k] x[t][k],
  * the decode products of F16 weights where a row-per-warp GEMV leaves bandwidth unused
- * (long K, or several rows: measured on an H100 at N 4096 x K 14336, batch 1, 89.7% of
- * 3.02 TB/s against the GEMV's 79.4%; batch 8 86.8% against 47.5%).
+ * (long K, or several rows: measured on an H100 at N 4096 x K 14336, batch 1, 91.1% of
+ * 3.02 TB/s against the GEMV's 79.7%; batch 8 87.1% against 47.2%).
  *
  * Block: 8 warps, 128 weight rows (16 a warp), one range of K (split-K over blockIdx.y).
  * Each warp streams its 16 rows straight from global memory into mma.sync A fragments
