@@ -79,27 +79,23 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
     }
     const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
     float *orow = out + blockIdx.x * out_stride;
-    /* with xq: dim % 32 == 0 and blockDim.x % 32 == 0, so a warp holds one whole block */
-#pragma unroll
-    for (int k = 0; k < AR_REG; k++) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < dim) {
-            const float o = xv[k] * scale * wv[k];
-            orow[i] = o;
-            if (xq)
-                gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
-            if (o16)
-                o16[(size_t)blockIdx.x * dim + i] = m40k_f2h(o);
-        }
-    }
-    for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x) {
-        const float o = xr[i] * scale * w[i];
+    /* element i's output o, and its int8 / F16 copies where asked (with xq: dim % 32 == 0
+     * and blockDim.x % 32 == 0, so a warp holds one whole block) */
+    auto emit = [&](int i, float o) {
         orow[i] = o;
         if (xq)
             gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
         if (o16)
             o16[(size_t)blockIdx.x * dim + i] = m40k_f2h(o);
+    };
+#pragma unroll
+    for (int k = 0; k < AR_REG; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < dim)
+            emit(i, xv[k] * scale * wv[k]);
     }
+    for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x)
+        emit(i, xr[i] * scale * w[i]);
 }
 
 /* xq: also the int8 quantization of out (dim a multiple of 32); o16: also its F16 copy */
