@@ -208,6 +208,20 @@ static int32_t block_alloc(m40_kv_blocks *kv)
     return b;
 }
 
+int32_t m40_kv_blocks_drop_idle(m40_kv_blocks *kv)
+{
+    int32_t n = 0;
+    while (kv->lru_head != NO_BLOCK) {
+        int32_t b = kv->lru_head;
+        lru_unlink(kv, b);
+        block_unregister(kv, b);
+        kv->state[b] = BLOCK_FREE;
+        kv->free_stack[kv->n_free++] = b;
+        n++;
+    }
+    return n;
+}
+
 /* ---- manager -------------------------------------------------------------------- */
 
 void m40_kv_blocks_params_default(m40_kv_blocks_params *p, int32_t n_blocks)

@@ -76,6 +76,9 @@ int32_t m40_kv_blocks_n_cached(const m40_kv_blocks *kv);    /* registered, used 
 /* Blocks an allocation may take: free + idle. */
 int32_t m40_kv_blocks_n_available(const m40_kv_blocks *kv);
 void m40_kv_blocks_stats(const m40_kv_blocks *kv, m40_kv_cache_stats *out);
+/* Forget every idle cached block (unregistered, back on the free list); blocks that a
+ * sequence holds stay as they are. Returns how many were dropped. */
+int32_t m40_kv_blocks_drop_idle(m40_kv_blocks *kv);
 
 /* Full consistency check (O(n_blocks + held blocks)). 0 when consistent, else -1 with
  * the first violation described in err. */

@@ -447,6 +447,12 @@ void m40_kv_get_prefix_stats(const m40_kv *kv, m40_kv_prefix_stats *out)
         m40_gpu_kv_prefix_stats(kv->gpu, &out->queries, &out->query_tokens, &out->hit_tokens);
 }
 
+void m40_kv_prefix_forget(m40_kv *kv)
+{
+    if (kv && kv->gpu)
+        m40_gpu_kv_prefix_forget(kv->gpu);
+}
+
 int32_t m40_kv_ctx(const m40_kv *kv) { return kv->ctx; }
 int32_t m40_kv_n_slots(const m40_kv *kv) { return kv->n_slots; }
 

@@ -106,6 +106,9 @@ typedef struct {
 } m40_kv_prefix_stats;
 /* All zero on the CPU backend. */
 void m40_kv_get_prefix_stats(const m40_kv *kv, m40_kv_prefix_stats *out);
+/* The prefix cache forgets the blocks that no sequence holds (their memory goes back to
+ * the pool); what running sequences hold stays. No-op on the CPU backend. */
+void m40_kv_prefix_forget(m40_kv *kv);
 
 /* One forward call over n tokens that may belong to different slots. For each slot,
  * its tokens appear in increasing position order and positions continue the slot's

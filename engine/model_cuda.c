@@ -52,6 +52,7 @@ void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *qu
     (void)kv;
     *queries = *query_tokens = *hit_tokens = 0;
 }
+void m40_gpu_kv_prefix_forget(m40_gpu_kv *kv) { (void)kv; }
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen)
 {
     (void)g, (void)kv, (void)b, (void)logits;

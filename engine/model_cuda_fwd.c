@@ -177,6 +177,8 @@ void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *qu
     *hit_tokens = st.hit_tokens;
 }
 
+void m40_gpu_kv_prefix_forget(m40_gpu_kv *kv) { m40_kv_blocks_drop_idle(kv->mgr); }
+
 /* ------------------------------------------------------------- forward ---- */
 
 static int grow_dev(void **p, size_t bytes)

@@ -146,6 +146,33 @@ static void test_prefix(void)
     m40_kv_blocks_free(kv);
 }
 
+/* m40_kv_blocks_drop_idle (the engine's warm-up forgets its blocks with it): idle cached
+ * blocks go back to the free list and are no longer found; what a sequence holds stays
+ * cached and shared. */
+static void test_drop_idle(void)
+{
+    m40_kv_blocks *kv = mk(16, 4, 1, 64);
+    int32_t t[32], u[32];
+    fill(t, 32, 100);
+    fill(u, 32, 500);
+    m40_kv_seq *a = m40_kv_seq_new(kv), *b = m40_kv_seq_new(kv);
+    CHECK(m40_kv_seq_append(a, 13) == 0 && m40_kv_seq_commit(a, t, 13) == 0, "a: 3 full blocks");
+    CHECK(m40_kv_seq_append(b, 9) == 0 && m40_kv_seq_commit(b, u, 9) == 0, "b: 2 full blocks");
+    m40_kv_seq_free(a);
+    CHECK(m40_kv_blocks_n_idle(kv) == 3 && m40_kv_blocks_n_cached(kv) == 5, "a's blocks idle");
+    CHECK(m40_kv_blocks_drop_idle(kv) == 3, "three dropped");
+    CHECK(m40_kv_blocks_n_idle(kv) == 0 && m40_kv_blocks_n_cached(kv) == 2 && m40_kv_blocks_n_free(kv) == 13,
+          "free %d cached %d", (int)m40_kv_blocks_n_free(kv), (int)m40_kv_blocks_n_cached(kv));
+    CHECK_KV(kv);
+    m40_kv_seq *c = m40_kv_seq_new(kv), *d = m40_kv_seq_new(kv);
+    CHECK(m40_kv_seq_match_prefix(c, t, 13) == 0, "a's prefix is forgotten");
+    CHECK(m40_kv_seq_match_prefix(d, u, 12) == 8 && m40_kv_seq_blocks(d)[0] == m40_kv_seq_blocks(b)[0],
+          "b's blocks are still shared");
+    CHECK(m40_kv_blocks_drop_idle(kv) == 0, "nothing idle");
+    CHECK_KV(kv);
+    m40_kv_blocks_free(kv);
+}
+
 static void test_lru_and_dedup(void)
 {
     m40_kv_blocks *kv = mk(8, 4, 1, 64);
@@ -621,6 +648,7 @@ int main(void)
 {
     test_basic();
     test_prefix();
+    test_drop_idle();
     test_lru_and_dedup();
     run_world(64, 16, 1, 64, 50, 1, 4000);
     run_world(48, 4, 1, 64, 4, 2, 4000);   /* tiny vocab: same block tokens under many prefixes */
