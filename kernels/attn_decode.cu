@@ -241,25 +241,35 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
      * as keeps the 128 threads busy: one 4- to 16-byte load per split and thread). */
     __shared__ float M_s[GMAX], den_s[GMAX];
     constexpr int VW = GMAX * D >= 4 * DEC_THREADS ? 4 : GMAX * D >= 2 * DEC_THREADS ? 2 : 1;
-    /* splits per unrolled round (loads in flight): 8 with scalar loads, 4 with vectors
-     * (8 took the D=256, G=1 kernel from 64 to 72 registers: 7 blocks per SM, not 8) */
-    constexpr int MU = VW == 1 ? 8 : 4;
+    /* splits per unrolled round of loads: at batch 1 the merge is the tail of the
+     * layer's attention and each round an L2 round trip, so 16 (H100, 1 sequence, 576
+     * positions, 18 splits: 4 a round took 5 rounds) */
+    constexpr int MU = 16;
     const size_t r0 = ((size_t)s * n_heads + (size_t)kvh * G) * n_splits; /* head kvh*G, split 0 */
     const float *mlb = ws + (size_t)gridDim.y * n_heads * n_splits * D + 2 * r0;
     for (int g = tid >> 5; g < G; g += DEC_THREADS / 32) {
         const int lane = tid & 31;
         const float *ml = mlb + 2 * (size_t)g * n_splits;
-        float M = -INFINITY;
-        for (int i = lane; i < n_splits; i += 32)
-            M = fmaxf(M, __ldcg(ml + 2 * i));
-        M = m40k_warp_max(M);
-        float den = 0.0f;
+        /* (M, den) over the lane's splits, rescaled as the max grows, then over the warp:
+         * one round of loads of (m, l) pairs */
+        float M = -INFINITY, den = 0.0f;
         for (int i = lane; i < n_splits; i += 32) {
-            const float m = __ldcg(ml + 2 * i);
-            if (m != -INFINITY)
-                den += __expf(m - M) * __ldcg(ml + 2 * i + 1);
+            const float2 t = __ldcg(reinterpret_cast<const float2 *>(ml + 2 * i));
+            if (t.x != -INFINITY) {
+                const float Mn = fmaxf(M, t.x);
+                den = den * __expf(M - Mn) + t.y * __expf(t.x - Mn);
+                M = Mn;
+            }
         }
-        den = m40k_warp_sum(den);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float Mo = __shfl_xor_sync(0xffffffffu, M, o), dn = __shfl_xor_sync(0xffffffffu, den, o);
+            const float Mn = fmaxf(M, Mo);
+            if (Mn != -INFINITY) {
+                den = den * __expf(M - Mn) + dn * __expf(Mo - Mn);
+                M = Mn;
+            }
+        }
         if (lane == 0)
             M_s[g] = M, den_s[g] = den;
     }

@@ -904,7 +904,7 @@ static void bench_gemv(void)
 /* F16 decode products of n = 1..8 rows: the tensor-core GEMV m40k_gemm_skinny (picked
  * splits), the F16 m40k_gemv, and cuBLAS's F16 x F16 -> F32 GEMM on an F16 copy of x;
  * weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
- * Mistral-7B shapes: q/o, k/v, gate+up, down. */
+ * Mistral-7B shapes: q/o, q+k+v, k/v, gate+up, down, output. */
 static void bench_skinny(void)
 {
     const double peak = 3020.0;
@@ -915,7 +915,7 @@ static void bench_skinny(void)
         printf("bench skinny: no cuBLAS\n");
         return;
     }
-    struct { int N, K; } shapes[] = {{4096, 4096}, {1024, 4096}, {28672, 4096}, {4096, 14336}};
+    struct { int N, K; } shapes[] = {{4096, 4096}, {6144, 4096}, {1024, 4096}, {28672, 4096}, {4096, 14336}, {32000, 4096}};
     for (auto sh : shapes) {
         const size_t bytes = (size_t)sh.N * sh.K * 2;
         std::vector<uint16_t> w((size_t)sh.N * sh.K);
