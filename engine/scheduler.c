@@ -487,23 +487,31 @@ static void cancel_released(m40_engine *e)
     step_flush(e);
 }
 
+/* The oldest queued request, taken off the queue and now the engine's (NULL when the
+ * queue is empty). Under e->mu. */
+static m40_request *queue_pop_locked(m40_engine *e)
+{
+    m40_request *r = e->q_head;
+    if (r) {
+        e->q_head = r->q_next;
+        if (e->q_head)
+            e->q_head->q_prev = NULL;
+        else
+            e->q_tail = NULL;
+        r->q_next = r->q_prev = NULL;
+        e->q_n--;
+        e->stats.queue_depth = e->q_n;
+        r->phase = M40_REQ_ENGINE;
+    }
+    return r;
+}
+
 static void admit_queued(m40_engine *e)
 {
     for (int32_t i = 0; i < e->max_seqs; i++) {
         while (!e->slots[i].r) {
             pthread_mutex_lock(&e->mu);
-            m40_request *r = e->q_head;
-            if (r) {
-                e->q_head = r->q_next;
-                if (e->q_head)
-                    e->q_head->q_prev = NULL;
-                else
-                    e->q_tail = NULL;
-                r->q_next = r->q_prev = NULL;
-                e->q_n--;
-                e->stats.queue_depth = e->q_n;
-                r->phase = M40_REQ_ENGINE;
-            }
+            m40_request *r = queue_pop_locked(e);
             pthread_mutex_unlock(&e->mu);
             if (!r)
                 return;
@@ -1031,17 +1039,7 @@ static void engine_shutdown(m40_engine *e)
     step_flush(e);
     for (;;) {
         pthread_mutex_lock(&e->mu);
-        m40_request *r = e->q_head;
-        if (r) {
-            e->q_head = r->q_next;
-            if (e->q_head)
-                e->q_head->q_prev = NULL;
-            else
-                e->q_tail = NULL;
-            r->q_next = r->q_prev = NULL;
-            e->q_n--;
-            r->phase = M40_REQ_ENGINE;
-        }
+        m40_request *r = queue_pop_locked(e);
         e->stats.queue_depth = e->q_n;
         e->stats.requests_cancelled += (uint64_t)cancelled;
         cancelled = 0;

@@ -380,24 +380,7 @@ __global__ __launch_bounds__(GF_WARPS * 32) void gemv_fast_kernel(const uint8_t 
         }
         __syncwarp();
     }
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int b = 0; b < B; b++) {
-            const float v = m40k_warp_sum(acc[r][b]);
-            if (lane == 0)
-                red[warp][r][b] = v;
-        }
-    __syncthreads();
-    for (int t = threadIdx.x; t < groups * R * B; t += blockDim.x) {
-        const int gg = t / (R * B), r = (t / B) % R, b = t % B;
-        float v = 0.0f;
-        for (int k = 0; k < S; k++)
-            v += red[gg * S + k][r][b];
-        const int n = (blockIdx.x * groups + gg) * R + r;
-        if (n < N)
-            y[b * y_stride + n] = v;
-    }
+    m40k_gemv_block_store<GF_WARPS, R, B>(acc, red, S, N, y, y_stride);
 }
 
 template <int T, int B>
@@ -410,19 +393,9 @@ static int gemv_launch_b(const void *w, int N, int K, const float *x, int64_t xs
                               T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K;
     if constexpr (has_fast) {
     if (((uintptr_t)w & 15) == 0 && row_bytes % 16 == 0) {
-        /* split of each row's segments over S warps: score = share of warp time not idle at
-         * the end (segments split evenly?) x how well the grid fills the GPU (about 2100
-         * warps resident on an H100: 132 SMs x 16) */
+        /* each row's segments split over S warps (one segment a warp and iteration) */
         const int nseg = (K + gf_dims<T>::SEG - 1) / gf_dims<T>::SEG;
-        int S = 1;
-        double best = -1.0;
-        for (int s = 4; s >= 1; s >>= 1) {
-            const double even = (double)nseg / (double)(((nseg + s - 1) / s) * s);
-            const double warps = (double)((N + GF_WARPS / s * GF_R - 1) / (GF_WARPS / s * GF_R)) * GF_WARPS;
-            const double score = even * (warps >= 2112.0 ? 1.0 : warps / 2112.0);
-            if (score > best + 1e-9)
-                best = score, S = s;
-        }
+        const int S = m40k_gemv_pick_split(nseg, 1, N, GF_WARPS, GF_R);
         const int rows_per_block = GF_WARPS / S * GF_R;
         return m40k_launch_pdl(gemv_fast_kernel<T, B>, dim3((unsigned)((N + rows_per_block - 1) / rows_per_block)),
                                dim3(GF_WARPS * 32), st, (const uint8_t *)w, row_bytes, N, K, S, x, xs, y, ys);

@@ -417,24 +417,7 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_kernel(
     } else {
         xs = m40k_grid_wait_for(xs);
     }
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int b = 0; b < B; b++) {
-            const float v = m40k_warp_sum(acc[r][b]);
-            if (lane == 0)
-                red[warp][r][b] = v;
-        }
-    __syncthreads();
-    for (int t = threadIdx.x; t < groups * R * B; t += blockDim.x) {
-        const int gg = t / (R * B), r = (t / B) % R, b = t % B;
-        float v = 0.0f;
-        for (int k = 0; k < S; k++)
-            v += red[gg * S + k][r][b];
-        const int n = (blockIdx.x * groups + gg) * R + r;
-        if (n < N)
-            y[b * y_stride + n] = v;
-    }
+    m40k_gemv_block_store<GQ_WARPS, R, B>(acc, red, S, N, y, y_stride);
 }
 
 template <int T, int B>
@@ -442,19 +425,8 @@ static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *
 {
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
-    /* S warps per row group: score = share of lane-iterations doing work (units split
-     * evenly?) x how well the grid fills the GPU (about 2100 warps resident on an H100:
-     * 132 SMs x 16); ties go to the larger S (fewer serial iterations per warp). */
-    const int nu = K / gq<T>::UE;
-    int S = 1;
-    double best = -1.0;
-    for (int s = 4; s >= 1; s >>= 1) {
-        const double even = (double)nu / (double)(((nu + 32 * s - 1) / (32 * s)) * 32 * s);
-        const double warps = (double)((N + GQ_WARPS / s * GQ_R - 1) / (GQ_WARPS / s * GQ_R)) * GQ_WARPS;
-        const double score = even * (warps >= 2112.0 ? 1.0 : warps / 2112.0);
-        if (score > best + 1e-9)
-            best = score, S = s;
-    }
+    /* each row's units split over S warps (32 units a warp and iteration, one a lane) */
+    const int S = m40k_gemv_pick_split(K / gq<T>::UE, 32, N, GQ_WARPS, GQ_R);
     const int rows_per_block = GQ_WARPS / S * GQ_R;
     return m40k_launch_pdl(gemv_q8_kernel<T, B>, dim3((unsigned)((N + rows_per_block - 1) / rows_per_block)),
                            dim3(GQ_WARPS * 32), st, w, row_bytes, N, K, S, xs, y, ys);

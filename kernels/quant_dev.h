@@ -108,4 +108,53 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
     }
 }
 
+/* The two decode GEMV kernels (gemv.cu's fast kernel, gemv_q8.cu) share their work split
+ * and their end. A block of W warps takes W/S row groups of R rows; the S warps of a group
+ * walk the same rows' units of work round robin, per_iter units a warp and iteration.
+ *
+ * m40k_gemv_pick_split: S in {4, 2, 1} by score = share of warp iterations doing work
+ * (units split evenly?) x how well the grid fills the GPU (about 2112 warps resident on
+ * an H100: 132 SMs x 16); ties go to the larger S (fewer serial iterations a warp). */
+static inline int m40k_gemv_pick_split(int units, int per_iter, int N, int W, int R)
+{
+    int S = 1;
+    double best = -1.0;
+    for (int s = 4; s >= 1; s >>= 1) {
+        const double even = (double)units / (double)(((units + per_iter * s - 1) / (per_iter * s)) * per_iter * s);
+        const double warps = (double)((N + W / s * R - 1) / (W / s * R)) * W;
+        const double score = even * (warps >= 2112.0 ? 1.0 : warps / 2112.0);
+        if (score > best + 1e-9)
+            best = score, S = s;
+    }
+    return S;
+}
+
+/* The block's end: each warp's sums over its lanes into red (shared), then the S partial
+ * sums of a row added in warp order and stored as y[b*y_stride + row] (rows >= N: not
+ * written). Every thread of the block calls it (one barrier). */
+template <int W, int R, int B>
+__device__ __forceinline__ void m40k_gemv_block_store(const float (&acc)[R][B], float (&red)[W][R][B], int S, int N,
+                                                      float *__restrict__ y, int64_t y_stride)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, groups = W / S;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int b = 0; b < B; b++) {
+            const float v = m40k_warp_sum(acc[r][b]);
+            if (lane == 0)
+                red[warp][r][b] = v;
+        }
+    __syncthreads();
+    for (int t = threadIdx.x; t < groups * R * B; t += blockDim.x) {
+        const int gg = t / (R * B), r = (t / B) % R, b = t % B;
+        float v = 0.0f;
+        for (int k = 0; k < S; k++)
+            v += red[gg * S + k][r][b];
+        const int n = (blockIdx.x * groups + gg) * R + r;
+        if (n < N)
+            y[b * y_stride + n] = v;
+    }
+}
+
 #endif
