@@ -946,8 +946,8 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
 /* GPU warm-up, before the engine reports READY: forward passes over the batch shapes that
  * serving produces, so that the first requests do not pay for what the first pass of
  * each shape costs (an H100 with a 7B F16 model, the first 16-stream benchmark after a
- * start: 1,808 tokens/s without warm-up, 1,972..1,994 with it, 2,036 for the run after
- * it). CUDA loads a kernel at its first launch, cuBLAS picks other kernels for other
+ * start: 1,953 tokens/s without warm-up, 2,014 / 2,025 / 2,041 with it; BENCHMARKS.md).
+ * CUDA loads a kernel at its first launch, cuBLAS picks other kernels for other
  * row counts, the GEMVs are instantiated per batch size, the attention kernels differ
  * for one query and for many, and the device scratch grows to the largest step.
  * Shapes, largest first: a mixed step (one prompt chunk of prefill_chunk tokens and one
