@@ -300,9 +300,10 @@ static int gemv_q8_reads(const gmat *w)
 /* F16 decode products that the tensor-core GEMV (m40k_gemm_skinny) reads faster than
  * m40k_gemv (H100, test_kernels --bench skinny, BENCHMARKS.md): 3..8 rows (8 rows, N 4096
  * x K 14336: 87.1% of bandwidth against 47.2%), and one or two rows of long K (1 row, K
- * 14336: 91.1% against 79.7%; at K = N and below the GEMV is as fast or faster). It
- * rounds x to F16, so not for models under 1B parameters (gemm_f32: their products stay
- * F32). */
+ * 14336: 91.1% against 79.7%; at K = N and below the GEMV is as fast or faster: alone,
+ * N 4096 x K 4096 at 1 row takes 14.6 us here against 15.4, but Mistral's o-projection on
+ * it made batch-1 decode slower, 170.0 -> 169.1 tok/s, fifth session). It rounds x to
+ * F16, so not for models under 1B parameters (gemm_f32: their products stay F32). */
 static int skinny_reads(const m40_gpu *g, const gmat *w, int32_t n)
 {
     return g->skinny && g->sk_cnt && !g->gemm_f32 && w->type == M40K_TYPE_F16 && n <= 8 && w->cols % 128 == 0 &&
