@@ -126,21 +126,32 @@ static double max_logprob_diff(const float *a, const float *b, int32_t n)
 #define NB 3
 #define STEPS 6
 
-/* forward with b.argmax: the picks equal the argmax of the logits a plain forward returns
- * (3 interleaved prompts, then a decode step), and no logits buffer is needed. */
-static void test_argmax(const char *path)
+/* path loaded onto GPU 0; NULL after a SKIP (absent) or a failed CHECK (load error) */
+static m40_model *load_on_gpu(const char *path)
 {
     char err[512];
     if (access(path, R_OK)) {
         SKIP("%s is absent", path);
-        return;
+        return NULL;
     }
     m40_model *m = NULL;
     m40_model_options o = {.n_threads = 2, .device = 0};
     if (m40_model_load_opts(path, &o, &m, err, sizeof err)) {
         CHECK(0, "%s: %s", path, err);
-        return;
+        return NULL;
     }
+    return m;
+}
+
+
+/* forward with b.argmax: the picks equal the argmax of the logits a plain forward returns
+ * (3 interleaved prompts, then a decode step), and no logits buffer is needed. */
+static void test_argmax(const char *path)
+{
+    char err[512];
+    m40_model *m = load_on_gpu(path);
+    if (!m)
+        return;
     const int32_t V = m40_model_get_params(m)->n_vocab;
     int32_t tok[30], pos[30], slot[30];
     uint8_t want[30];
@@ -182,16 +193,9 @@ static void test_argmax(const char *path)
 static void test_batched(const char *path)
 {
     char err[512];
-    if (access(path, R_OK)) {
-        SKIP("%s is absent", path);
+    m40_model *m = load_on_gpu(path);
+    if (!m)
         return;
-    }
-    m40_model *m = NULL;
-    m40_model_options o = {.n_threads = 2, .device = 0};
-    if (m40_model_load_opts(path, &o, &m, err, sizeof err)) {
-        CHECK(0, "%s: %s", path, err);
-        return;
-    }
     const int32_t V = m40_model_get_params(m)->n_vocab;
     const int32_t lens[NB] = {23, 5, 40};
     int32_t toks[NB][64];
