@@ -310,6 +310,20 @@ static int skinny_reads(const m40_gpu *g, const gmat *w, int32_t n)
            ((uintptr_t)w->data & 15) == 0 && (n >= 3 || w->cols >= 2 * w->rows);
 }
 
+/* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] in F32 (cuBLAS SGEMM) for F32 weights w. */
+static int sgemm_rows(const m40_gpu *g, const float *w, int rows, int cols, const float *x, int32_t n, float *y,
+                      int64_t ldy, char *err, size_t errlen)
+{
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t s =
+        cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, w, cols, x, cols, &zero, y, (int)ldy);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
+        return -1;
+    }
+    return 0;
+}
+
 /* y[t*ldy + r] = sum_k W[r][k] x[t*cols + k] for r < W.rows, t < n (x contiguous).
  * *xq_ready: whether g->xq already holds x quantized (m40k_quantize_q8); set once it
  * does, so the products of one x share one quantization. *x16_ready likewise for the
@@ -319,15 +333,8 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
 {
     const float one = 1.0f, zero = 0.0f;
     int rows = (int)w->rows, cols = (int)w->cols;
-    if (w->type == M40K_TYPE_F32) {
-        cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, (const float *)w->data,
-                                       cols, x, cols, &zero, y, (int)ldy);
-        if (s != CUBLAS_STATUS_SUCCESS) {
-            m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
-            return -1;
-        }
-        return 0;
-    }
+    if (w->type == M40K_TYPE_F32)
+        return sgemm_rows(g, (const float *)w->data, rows, cols, x, n, y, ldy, err, errlen);
     if (skinny_reads(g, w, n)) {
         const int S = m40k_gemm_skinny_pick_splits(rows, cols, n, g->sm_count, g->sk_ws_floats, g->sk_cnt_ints);
         CK(m40k_gemm_skinny((const uint16_t *)w->data, rows, cols, x, cols, n, y, ldy, S, g->sk_ws, g->sk_cnt,
@@ -354,13 +361,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
             return -1;
         }
         CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F32, cols, g->stream));
-        cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, (const float *)g->deq,
-                                       cols, x, cols, &zero, y, (int)ldy);
-        if (s != CUBLAS_STATUS_SUCCESS) {
-            m40_set_err(err, errlen, "gpu %d: cublasSgemm failed (%d)", g->device, (int)s);
-            return -1;
-        }
-        return 0;
+        return sgemm_rows(g, (const float *)g->deq, rows, cols, x, n, y, ldy, err, errlen);
     }
     /* The tiled path: F16 x F16 -> F32 on the tensor cores. */
     const void *wf16 = w->data;
