@@ -126,12 +126,12 @@ void m40_ref_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int
     for (int s = 0; s < n_seqs; s++) {
         int64_t len = m40_ref_seq_len(indptr, last_page_len, s);
         for (int t = new_indptr[s]; t < new_indptr[s + 1]; t++) {
-            int64_t p = len - (new_indptr[s + 1] - t);
+            int64_t p = len - (new_indptr[s + 1] - t), row = t - new_indptr[0];
             for (int h = 0; h < n_kv_heads; h++)
                 for (int d = 0; d < head_dim; d++) {
                     size_t at = paged_index(indptr, indices, s, p, n_kv_heads, head_dim, h, d);
-                    k_cache[at] = m40_fp32_to_fp16(k[t * k_stride + h * head_dim + d]);
-                    v_cache[at] = m40_fp32_to_fp16(v[t * v_stride + h * head_dim + d]);
+                    k_cache[at] = m40_fp32_to_fp16(k[row * k_stride + h * head_dim + d]);
+                    v_cache[at] = m40_fp32_to_fp16(v[row * v_stride + h * head_dim + d]);
                 }
         }
     }

@@ -14,11 +14,15 @@
  *     committed under the slot's real token ids, kept per slot in kv->toks;
  *   - the small integer tables (tokens, positions, CSR) go up in one copy from pinned
  *     memory; then per layer: RMSNorm (fused with the previous layer's residual add)
- *     -> fused QKV matmul (+bias) -> RoPE -> paged KV append -> attention (the decode
- *     kernel, split-K, for the sequences with one new token, which come first in the
- *     step; the prefill kernel for the prompt chunks; a plain kernel for other head
- *     sizes) -> output matmul -> residual add + RMSNorm -> fused gate/up matmul ->
- *     SwiGLU -> down matmul; everything stays on the device;
+ *     -> fused QKV matmul (+bias) -> RoPE -> paged KV append -> attention -> output
+ *     matmul -> residual add + RMSNorm -> fused gate/up matmul -> SwiGLU -> down matmul;
+ *     everything stays on the device. Attention: the sequences with one new token come
+ *     first in the step and take the decode kernel (split-K), which also does their
+ *     RoPE and KV append (m40k_attn_decode_rope: one launch, not two); the prompt
+ *     chunks take RoPE + append (m40k_kv_append_rope) and the prefill kernel; other
+ *     head sizes all three separately, with a plain attention kernel. An F16 down
+ *     projection on the tensor-core GEMV (1..8 rows) forms SwiGLU of its input itself
+ *     (m40k_gemm_skinny_glu): one launch less there too;
  *   - only the rows that want logits go through the final norm and the head; their
  *     logits come back to the host in the caller's row order.
  *
@@ -624,14 +628,20 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
             CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
         }
-        /* RoPE on Q in place and on K on its way into the cache, one launch (k in qkv stays
-         * unrotated: the attention kernels below read K from the cache only) */
-        CK(m40k_kv_append_rope(q, qkvd, p->n_heads, kc, vc, k, qkvd, v, qkvd, d_qi, n_grp, n, d_ip, d_idx, d_lpl,
-                               p->n_kv_heads, hd, d_pos, p->rope_dim, base, ff, p->rope_neox, g->stream));
+        /* Decode rows (the first n_dec, one per sequence): the decode attention kernel
+         * rotates their Q and K (RoPE) and appends their K and V to the cache itself. The
+         * other rows: RoPE on Q in place and on K on its way into the cache, one launch
+         * (k in qkv stays unrotated: the attention kernels read K from the cache only). */
+        const int32_t r0 = tuned ? n_dec : 0;
         if (tuned && n_dec > 0)
-            CK(m40k_attn_decode_window(g->att, g->q_dim, q, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec, p->n_heads,
-                                       p->n_kv_heads, hd, scale, win, win ? splits_local : splits, g->ws, g->att_cnt,
-                                       g->stream));
+            CK(m40k_attn_decode_rope(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
+                                     p->n_heads, p->n_kv_heads, hd, scale, win, d_pos, p->rope_dim, base, ff,
+                                     p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, g->stream));
+        if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
+            CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
+                                   v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
+                                   d_lpl + r0, p->n_kv_heads, hd, d_pos + r0, p->rope_dim, base, ff, p->rope_neox,
+                                   g->stream));
         if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
             CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
                                              vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
@@ -657,14 +667,23 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, err, errlen))
             return -1;
         const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
-        if (xq_dn)
-            CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
-        else if (x16_dn)
-            CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
-        else
-            CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
-        if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, x16_dn, err, errlen))
-            return -1;
+        /* F16 down projection on the tensor-core GEMV: it forms act(gate) * up itself */
+        const gmat *dw = &L->down.part[0];
+        if (L->down.n_parts == 1 && !L->down.bias && skinny_reads(g, dw, n)) {
+            const int S = m40k_gemm_skinny_pick_splits((int)dw->rows, (int)dw->cols, n, g->sm_count, g->sk_ws_floats,
+                                                       g->sk_cnt_ints);
+            CK(m40k_gemm_skinny_glu(act, (const uint16_t *)dw->data, (int)dw->rows, (int)dw->cols, g->hb, g->hb + ffn,
+                                    2 * ffn, n, g->xb, dim, S, g->sk_ws, g->sk_cnt, g->stream));
+        } else {
+            if (xq_dn)
+                CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
+            else if (x16_dn)
+                CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
+            else
+                CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
+            if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, x16_dn, err, errlen))
+                return -1;
+        }
         if (g->gemma3)
             CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));

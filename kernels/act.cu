@@ -14,16 +14,12 @@ __global__ void glu_kernel(int act, const float *__restrict__ gate, const float 
     M40K_LAUNDER(o16);
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        float g = gate[r * in_stride + i], u = up[r * in_stride + i], a;
-        if (act == M40K_GLU_GELU_TANH)
-            a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-        else
-            a = g / (1.0f + expf(-g));
-        out[r * out_stride + i] = a * u;
+        const float o = m40k_glu_one(act, gate[r * in_stride + i], up[r * in_stride + i]);
+        out[r * out_stride + i] = o;
         if (xq) /* n % 32 == 0: a warp holds one whole block */
-            gq_quantize_block(a * u, threadIdx.x & 31, xq + (size_t)r * (n / 32) + i / 32);
+            gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)r * (n / 32) + i / 32);
         if (o16)
-            o16[(size_t)r * n + i] = m40k_f2h(a * u);
+            o16[(size_t)r * n + i] = m40k_f2h(o);
     }
 }
 

@@ -29,11 +29,17 @@
  * positions evenly (any token boundary). window > 0 (sliding-window layers, Gemma 3):
  * only the last `window` positions are read, and the splits divide that range. */
 #include "cuda_common.h"
+#include "rope_dev.h"
 
 #include <math.h>
 
 #define DEC_THREADS 128
 #define DEC_TT 4 /* tokens per team per tile */
+/* blocks per SM the registers must allow for groups of up to 4 heads (128 a thread;
+ * 8 heads: 2): the RoPE variant (6c) took 135 with no bound, 3 blocks an SM, and ran
+ * 1.5x the plain kernel on grids of 4 blocks an SM (H100, 64 sequences x 4,096
+ * positions: 598 against 394 us) */
+#define DEC_MIN_BLOCKS 4
 
 /* VW consecutive floats (VW 1, 2 or 4; p aligned to VW floats) read through L2 only
  * (ld.global.cg): rows other SMs stored are never served from this SM's L1. */
@@ -50,14 +56,71 @@ template <int VW> __device__ __forceinline__ void dec_ldcg(const float *p, float
     }
 }
 
-template <int D, int GMAX>
-__global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
-    float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
-    const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc, const int32_t *__restrict__ indptr,
-    const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads,
-    float scale, int n_splits, float *__restrict__ ws, int *__restrict__ counters, int window)
+/* The step's own K/V rows for the fused variant (m40k_attn_decode_rope): row s of k / v
+ * is sequence s's new token, k not yet rotated; RoPE as m40k_kv_append_rope's. */
+struct dec_rope {
+    const float *k, *v;
+    int64_t k_stride, v_stride;
+    const int32_t *pos;
+    const float *ff;
+    double log2_base;
+    int rot_dim, neox;
+};
+
+/* RoPE of element d (< rot_dim) of a head row x whose own value is xd: the pair (a, b)
+ * it belongs to as rope_kernel pairs them, rotated with cs[i] = (cos, sin) of the pair,
+ * and the half of the result that is d's; the same operations kv_append_rope_kernel
+ * applies to K and to Q, so the same bits. */
+__device__ __forceinline__ float dec_rope_elem(const float *x, float xd, int d, int rot_dim, int neox,
+                                               const float2 *cs)
 {
-    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    const int half = rot_dim / 2;
+    const bool first = neox ? d < half : (d & 1) == 0;
+    const int i = neox ? (first ? d : d - half) : d >> 1;
+    const float xo = x[neox ? (first ? d + half : d - half) : (d ^ 1)];
+    float y0, y1;
+    m40k_rope_rotate(first ? xd : xo, first ? xo : xd, cs[i].x, cs[i].y, &y0, &y1);
+    return first ? y0 : y1;
+}
+
+/* 8 consecutive elements d0.. of head row x (16-byte aligned), rotated where d < rot_dim */
+__device__ __forceinline__ void dec_rope8(const float *x, int d0, const dec_rope &rp, const float2 *cs, float o[8])
+{
+    const float4 a = *reinterpret_cast<const float4 *>(x + d0), b = *reinterpret_cast<const float4 *>(x + d0 + 4);
+    o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        r[i] = d0 + i < rp.rot_dim ? dec_rope_elem(x, o[i], d0 + i, rp.rot_dim, rp.neox, cs) : o[i];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        o[i] = r[i];
+}
+
+template <int D, int GMAX, bool ROPE>
+__global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void attn_decode_kernel(
+    float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride, uint16_t *kc,
+    uint16_t *vc, const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices,
+    const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads, float scale, int n_splits,
+    float *__restrict__ ws, int *__restrict__ counters, int window, dec_rope rp)
+{
+    __shared__ float2 cs[ROPE ? D / 2 : 1]; /* (cos, sin) of the new token's rotation pairs */
+    if constexpr (ROPE) {
+        /* before the wait: the angles need only pos and the frequency factors, which no
+         * kernel of the step writes (the forward pass uploads pos before its first
+         * kernel), so they overlap the previous kernel's tail */
+        m40k_grid_launch_dependents();
+        if ((int)threadIdx.x < rp.rot_dim / 2) {
+            float sn, c;
+            m40k_rope_sincos(rp.pos[blockIdx.y], threadIdx.x, rp.rot_dim, rp.log2_base, rp.ff, &sn, &c);
+            cs[threadIdx.x] = make_float2(c, sn);
+        }
+        m40k_grid_wait();
+        M40K_LAUNDER(rp.k);
+        M40K_LAUNDER(rp.v);
+    } else {
+        m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    }
     M40K_LAUNDER(out);
     M40K_LAUNDER(q);
     M40K_LAUNDER(kc);
@@ -83,42 +146,59 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
     const int per = (len - start + n_splits - 1) / n_splits;
     const int tok0 = min(len, start + split * per), tok1 = min(len, start + (split + 1) * per);
 
+    if (ROPE)
+        __syncthreads(); /* cs */
     float qr[GMAX][8], acc[GMAX][8];
 #pragma unroll
     for (int g = 0; g < GMAX; g++) {
-        const float *qp = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D + 8 * c;
-        const float4 a = *reinterpret_cast<const float4 *>(qp), b = *reinterpret_cast<const float4 *>(qp + 4);
+        const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D;
+        float qv[8];
+        if constexpr (ROPE) {
+            dec_rope8(qh, 8 * c, rp, cs, qv);
+        } else {
+            const float4 a = *reinterpret_cast<const float4 *>(qh + 8 * c),
+                         b = *reinterpret_cast<const float4 *>(qh + 8 * c + 4);
+            qv[0] = a.x, qv[1] = a.y, qv[2] = a.z, qv[3] = a.w, qv[4] = b.x, qv[5] = b.y, qv[6] = b.z, qv[7] = b.w;
+        }
         const float sc = g < G ? scale : 0.0f;
-        qr[g][0] = a.x * sc, qr[g][1] = a.y * sc, qr[g][2] = a.z * sc, qr[g][3] = a.w * sc;
-        qr[g][4] = b.x * sc, qr[g][5] = b.y * sc, qr[g][6] = b.z * sc, qr[g][7] = b.w * sc;
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            acc[g][i] = 0.0f;
+            qr[g][i] = qv[i] * sc, acc[g][i] = 0.0f;
     }
     if (tid < GMAX)
         m_s[tid] = -INFINITY, l_s[tid] = 0.0f;
     __syncthreads();
 
-    for (int t0 = tok0; t0 < tok1; t0 += TILE) {
-        uint4 kr[DEC_TT], vr[DEC_TT];
-#pragma unroll
-        for (int u = 0; u < DEC_TT; u++) {
-            const int t = t0 + tm + NT * u;
-            if (t < tok1) {
-                const int64_t blk = indices[page0 + t / M40K_PAGE];
-                const size_t at = (((size_t)blk * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + 8 * c;
-                kr[u] = __ldg(reinterpret_cast<const uint4 *>(kc + at));
-                vr[u] = __ldg(reinterpret_cast<const uint4 *>(vc + at));
-            } else {
-                kr[u] = make_uint4(0, 0, 0, 0);
-                vr[u] = make_uint4(0, 0, 0, 0);
-            }
-        }
+    /* The new token (position len - 1, in the last non-empty split only): its K rotated
+     * and its V, from the rows, rounded to F16 as the cache holds them; team 0 stores
+     * them there and in shared memory, and the block attends to them as a tile of its own
+     * after the cached positions: the loop over those stays the plain kernel's, and no
+     * register is held across it for the token (see DEC_MIN_BLOCKS). */
+    __shared__ uint4 nks[ROPE ? TPR : 1], nvs[ROPE ? TPR : 1];
+    const bool has_new = ROPE && tok0 < tok1 && tok1 == len;
+    if (has_new && tm == 0) {
+        float kf[8], vf[8];
+        dec_rope8(rp.k + s * rp.k_stride + (int64_t)kvh * D, 8 * c, rp, cs, kf);
+        const float4 a = *reinterpret_cast<const float4 *>(rp.v + s * rp.v_stride + (int64_t)kvh * D + 8 * c),
+                     b = *reinterpret_cast<const float4 *>(rp.v + s * rp.v_stride + (int64_t)kvh * D + 8 * c + 4);
+        vf[0] = a.x, vf[1] = a.y, vf[2] = a.z, vf[3] = a.w, vf[4] = b.x, vf[5] = b.y, vf[6] = b.z, vf[7] = b.w;
+        const uint4 nk = m40k_pack_h8(kf), nv = m40k_pack_h8(vf);
+        const int t = len - 1;
+        const size_t at =
+            (((size_t)indices[page0 + t / M40K_PAGE] * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + 8 * c;
+        *reinterpret_cast<uint4 *>(kc + at) = nk;
+        *reinterpret_cast<uint4 *>(vc + at) = nv;
+        nks[c] = nk, nvs[c] = nv;
+    }
+
+    /* One tile: the rows kr / vr of positions t0 + tm + NT*u (those >= tend are not
+     * part of it): scores, the online-softmax update, p * V into acc. */
+    auto tile = [&](int t0, int tend, const uint4 (&kr)[DEC_TT], const uint4 (&vr)[DEC_TT]) {
 #pragma unroll
         for (int u = 0; u < DEC_TT; u++) {
             float kf[8];
             m40k_unpack_h8(kr[u], kf);
-            const bool valid = t0 + tm + NT * u < tok1;
+            const bool valid = t0 + tm + NT * u < tend;
 #pragma unroll
             for (int g = 0; g < GMAX; g++) {
                 float d = 0.0f;
@@ -177,6 +257,34 @@ __global__ __launch_bounds__(DEC_THREADS) void attn_decode_kernel(
             }
         }
         __syncthreads();
+    };
+
+    /* positions read from the cache: all of the range, but for the new token */
+    const int tc = has_new ? len - 1 : tok1;
+    for (int t0 = tok0; t0 < tc; t0 += TILE) {
+        uint4 kr[DEC_TT], vr[DEC_TT];
+#pragma unroll
+        for (int u = 0; u < DEC_TT; u++) {
+            const int t = t0 + tm + NT * u;
+            if (t < tc) {
+                const int64_t blk = indices[page0 + t / M40K_PAGE];
+                const size_t at = (((size_t)blk * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + 8 * c;
+                kr[u] = __ldg(reinterpret_cast<const uint4 *>(kc + at));
+                vr[u] = __ldg(reinterpret_cast<const uint4 *>(vc + at));
+            } else {
+                kr[u] = make_uint4(0, 0, 0, 0);
+                vr[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        tile(t0, tc, kr, vr);
+    }
+    if (has_new) { /* the new token as a tile of its own (team 0's first row) */
+        __syncthreads(); /* nks, nvs (the loop may have run no tile) */
+        uint4 kr[DEC_TT], vr[DEC_TT];
+#pragma unroll
+        for (int u = 0; u < DEC_TT; u++)
+            kr[u] = u == 0 ? nks[c] : make_uint4(0, 0, 0, 0), vr[u] = u == 0 ? nvs[c] : make_uint4(0, 0, 0, 0);
+        tile(len - 1, len, kr, vr);
     }
 
 #pragma unroll
@@ -329,34 +437,58 @@ extern "C" int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_l
 }
 
 template <int D, int GMAX>
-static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc, const uint16_t *vc,
+static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uint16_t *kc, uint16_t *vc,
                          const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
                          int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window,
-                         cudaStream_t st)
+                         const dec_rope *rp, cudaStream_t st)
 {
     dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
-    M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr, indices,
-                    lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window);
+    if (rp)
+        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, true>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
+                        indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, *rp);
+    else
+        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
+                        indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, dec_rope{});
     return m40k_launch_status();
 }
 
 template <int D>
-static int decode_group(int G, float *out, int64_t os, const float *q, int64_t qs, const uint16_t *kc,
-                        const uint16_t *vc, const int32_t *indptr, const int32_t *indices, const int32_t *lpl,
-                        int n_seqs, int n_heads, int n_kv_heads, float scale, int n_splits, float *ws, int *cnt,
-                        int window, cudaStream_t st)
+static int decode_group(int G, float *out, int64_t os, const float *q, int64_t qs, uint16_t *kc, uint16_t *vc,
+                        const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
+                        int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window, const dec_rope *rp,
+                        cudaStream_t st)
 {
     if (G == 1)
         return decode_launch<D, 1>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, cnt, window, st);
+                                   n_splits, ws, cnt, window, rp, st);
     if (G == 2)
         return decode_launch<D, 2>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, cnt, window, st);
+                                   n_splits, ws, cnt, window, rp, st);
     if (G <= 4)
         return decode_launch<D, 4>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, cnt, window, st);
+                                   n_splits, ws, cnt, window, rp, st);
     return decode_launch<D, 8>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                               n_splits, ws, cnt, window, st);
+                               n_splits, ws, cnt, window, rp, st);
+}
+
+static int decode_any(float *out, int64_t out_stride, const float *q, int64_t q_stride, uint16_t *k_cache,
+                      uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len,
+                      int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale, int window, int n_splits,
+                      float *workspace, int *counters, const dec_rope *rp, m40k_stream stream)
+{
+    if (n_seqs <= 0)
+        return 0;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || n_splits < 1 || n_seqs > 65535 ||
+        n_splits > 65535 || (n_splits > 1 && (!workspace || !counters || (uintptr_t)workspace % 16)) ||
+        q_stride % 4 || ((uintptr_t)q & 15) || window < 0)
+        return M40K_INVALID;
+    const int G = n_heads / n_kv_heads;
+    switch (head_dim) {
+    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, rp, stream);
+    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, rp, stream);
+    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, rp, stream);
+    default: return M40K_INVALID;
+    }
 }
 
 extern "C" int m40k_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -365,19 +497,10 @@ extern "C" int m40k_attn_decode_window(float *out, int64_t out_stride, const flo
                                        int n_kv_heads, int head_dim, float scale, int window, int n_splits,
                                        float *workspace, int *counters, m40k_stream stream)
 {
-    if (n_seqs <= 0)
-        return 0;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || n_splits < 1 || n_seqs > 65535 ||
-        n_splits > 65535 || (n_splits > 1 && (!workspace || !counters || (uintptr_t)workspace % 16)) ||
-        q_stride % 4 || window < 0)
-        return M40K_INVALID;
-    const int G = n_heads / n_kv_heads;
-    switch (head_dim) {
-    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, stream);
-    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, stream);
-    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, stream);
-    default: return M40K_INVALID;
-    }
+    /* the kernel writes the caches only in its RoPE variant */
+    return decode_any(out, out_stride, q, q_stride, const_cast<uint16_t *>(k_cache), const_cast<uint16_t *>(v_cache),
+                      indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window, n_splits,
+                      workspace, counters, nullptr, stream);
 }
 
 extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -389,4 +512,24 @@ extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, 
     return m40k_attn_decode_window(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len,
                                    n_seqs, n_heads, n_kv_heads, head_dim, scale, 0, n_splits, workspace, counters,
                                    stream);
+}
+
+extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
+                                     int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache,
+                                     uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                     const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads,
+                                     int head_dim, float scale, int window, const int32_t *pos, int rot_dim, float base,
+                                     const float *freq_factors, int neox, int n_splits, float *workspace,
+                                     int *counters, m40k_stream stream)
+{
+    if (n_seqs <= 0)
+        return 0;
+    /* m40k_kv_append_rope's refusals, and the 16-byte rows the kernel reads */
+    if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || (rot_dim > 0 && (!(base > 0.0f) || !pos)) || !k || !v ||
+        ((uintptr_t)k & 15) || ((uintptr_t)v & 15) || k_stride % 4 || v_stride % 4)
+        return M40K_INVALID;
+    const dec_rope rp = {k, v, k_stride, v_stride, pos, freq_factors, rot_dim > 0 ? log2((double)base) : 0.0, rot_dim,
+                         neox};
+    return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
+                      n_kv_heads, head_dim, scale, window, n_splits, workspace, counters, &rp, stream);
 }

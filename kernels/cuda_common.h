@@ -18,6 +18,16 @@ __device__ __forceinline__ uint16_t m40k_f2h(float f) { return __half_as_ushort(
 /* 0..255 to float without the (quarter-rate) integer conversion: the bits of 2^23 + v. */
 __device__ __forceinline__ float m40k_u8f(uint32_t v) { return __int_as_float(0x4B000000 | v) - 8388608.0f; }
 
+/* One gated activation: act(g) * u, act M40K_GLU_SILU (g / (1 + e^-g)) or
+ * M40K_GLU_GELU_TANH. The one expression glu_kernel (act.cu) and the tensor-core GEMV's
+ * fused input (gemm_skinny.cu) both use. */
+__device__ __forceinline__ float m40k_glu_one(int act, float g, float u)
+{
+    const float a = act == M40K_GLU_GELU_TANH ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                                              : g / (1.0f + expf(-g));
+    return a * u;
+}
+
 __device__ __forceinline__ float m40k_warp_sum(float v)
 {
 #pragma unroll
@@ -131,6 +141,16 @@ static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 bloc
         if (e_)                                                                                                        \
             return e_;                                                                                                 \
     } while (0)
+
+/* Eight floats to F16 (round to nearest, as m40k_f2h), packed in a uint4. */
+__device__ __forceinline__ uint4 m40k_pack_h8(const float f[8])
+{
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        w[i] = (uint32_t)m40k_f2h(f[2 * i]) | (uint32_t)m40k_f2h(f[2 * i + 1]) << 16;
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 /* Eight F16 values packed in a uint4, to float. */
 __device__ __forceinline__ void m40k_unpack_h8(uint4 u, float f[8])

@@ -14,6 +14,11 @@
  * shared memory, 128 columns a step, two buffers, loaded one step ahead into registers,
  * one barrier a step. Batch rows past n are never written.
  *
+ * m40k_gemm_skinny_glu: the same product of x = act(gate) * up (SwiGLU / GeGLU), formed
+ * elementwise from the gate and up rows as they are staged (m40k_glu_one, the expression
+ * glu_kernel writes), so the FFN's down projection needs no separate activation kernel
+ * between the gate/up product and itself (one dependent launch less a layer at decode).
+ *
  * Split-K: split s writes its partial [n][128 rows] to the workspace, fences, counts on
  * the row block's counter; the block that counts last sums the splits in order 0..S-1
  * (deterministic, independent of which block finished last), writes y and resets the
@@ -37,8 +42,11 @@ __device__ __forceinline__ void sk_mma(float c[4], uint32_t a0, uint32_t a1, uin
 #endif
 }
 
+/* ACT < 0: x itself; else x = m40k_glu_one(ACT, x, up) elementwise (gate in x) */
+template <int ACT>
 __global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t *__restrict__ w, int N, int K,
-                                                                  const float *x, int64_t x_stride, int n,
+                                                                  const float *x, const float *up, int64_t x_stride,
+                                                                  int n,
                                                                   float *__restrict__ y, int64_t ldy, int S, float *ws,
                                                                   int *counters)
 {
@@ -61,11 +69,22 @@ __global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t
         a[1][j] = __ldcs(wb + (size_t)it0 * (SK_KC / 8) + 4 * j);
     }
     x = m40k_grid_wait_for(x); /* x is the previous kernel's output (PDL launch) */
+    M40K_LAUNDER(up);
 
     /* thread t stages float4 number t % 32 of batch row t / 32 (n * 32 <= 256 threads) */
     const int xr = threadIdx.x >> 5, xc = threadIdx.x & 31;
     const bool xon = xr < n;
     const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)xr * x_stride) + xc;
+    const float4 *up4 = ACT < 0 ? xp : reinterpret_cast<const float4 *>(up + (size_t)xr * x_stride) + xc;
+    auto ldx = [&](int it) {
+        float4 v = __ldca(xp + (size_t)it * (SK_KC / 4));
+        if constexpr (ACT >= 0) {
+            const float4 u = __ldca(up4 + (size_t)it * (SK_KC / 4));
+            v = make_float4(m40k_glu_one(ACT, v.x, u.x), m40k_glu_one(ACT, v.y, u.y), m40k_glu_one(ACT, v.z, u.z),
+                            m40k_glu_one(ACT, v.w, u.w));
+        }
+        return v;
+    };
     auto put = [&](float4 v, int buf) {
         const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
         uint2 u;
@@ -75,9 +94,9 @@ __global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t
     };
     float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
     if (xon) {
-        put(__ldca(xp + (size_t)it0 * (SK_KC / 4)), 0);
+        put(ldx(it0), 0);
         if (it0 + 1 < it1)
-            xv = __ldca(xp + (size_t)(it0 + 1) * (SK_KC / 4));
+            xv = ldx(it0 + 1);
     }
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -87,7 +106,7 @@ __global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t
         if (xon && it + 1 < it1) {
             put(xv, (i + 1) & 1);
             if (it + 2 < it1)
-                xv = __ldca(xp + (size_t)(it + 2) * (SK_KC / 4));
+                xv = ldx(it + 2);
         }
         uint4 an[2][4];
         if (it + 1 < it1) {
@@ -164,16 +183,45 @@ extern "C" int m40k_gemm_skinny_pick_splits(int N, int K, int n, int sm_count, s
     return S < 1 ? 1 : S;
 }
 
-extern "C" int m40k_gemm_skinny(const uint16_t *w, int N, int K, const float *x, int64_t x_stride, int n, float *y,
-                                int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream)
+static int skinny_launch(int act, const uint16_t *w, int N, int K, const float *x, const float *up, int64_t x_stride,
+                         int n, float *y, int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream)
 {
     if (N <= 0 || n <= 0)
         return 0;
     if (n > SK_MAXN || K <= 0 || K % SK_KC || ldy < N || ((uintptr_t)w & 15) || ((uintptr_t)x & 15) ||
-        x_stride % 4 || (n > 1 && x_stride < K) || n_splits < 1 || n_splits > K / SK_KC || n_splits > 65535 ||
-        (n_splits > 1 && (!workspace || !counters)))
+        ((uintptr_t)up & 15) || x_stride % 4 || (n > 1 && x_stride < K) || n_splits < 1 || n_splits > K / SK_KC ||
+        n_splits > 65535 || (n_splits > 1 && (!workspace || !counters)))
         return M40K_INVALID;
-    M40K_LAUNCH_PDL(skinny_kernel, dim3((unsigned)((N + SK_ROWS - 1) / SK_ROWS), (unsigned)n_splits),
-                    SK_WARPS * 32, 0, stream, w, N, K, x, x_stride, n, y, ldy, n_splits, workspace, counters);
+    const dim3 grid((unsigned)((N + SK_ROWS - 1) / SK_ROWS), (unsigned)n_splits);
+    switch (act) {
+    case -1:
+        M40K_LAUNCH_PDL(skinny_kernel<-1>, grid, SK_WARPS * 32, 0, stream, w, N, K, x, up, x_stride, n, y, ldy,
+                        n_splits, workspace, counters);
+        break;
+    case M40K_GLU_SILU:
+        M40K_LAUNCH_PDL(skinny_kernel<M40K_GLU_SILU>, grid, SK_WARPS * 32, 0, stream, w, N, K, x, up, x_stride, n, y,
+                        ldy, n_splits, workspace, counters);
+        break;
+    case M40K_GLU_GELU_TANH:
+        M40K_LAUNCH_PDL(skinny_kernel<M40K_GLU_GELU_TANH>, grid, SK_WARPS * 32, 0, stream, w, N, K, x, up, x_stride, n,
+                        y, ldy, n_splits, workspace, counters);
+        break;
+    default: return M40K_INVALID;
+    }
     return m40k_launch_status();
+}
+
+extern "C" int m40k_gemm_skinny(const uint16_t *w, int N, int K, const float *x, int64_t x_stride, int n, float *y,
+                                int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream)
+{
+    return skinny_launch(-1, w, N, K, x, x, x_stride, n, y, ldy, n_splits, workspace, counters, stream);
+}
+
+extern "C" int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *gate, const float *up,
+                                    int64_t in_stride, int n, float *y, int64_t ldy, int n_splits, float *workspace,
+                                    int *counters, m40k_stream stream)
+{
+    if (act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH)
+        return M40K_INVALID;
+    return skinny_launch(act, w, N, K, gate, up, in_stride, n, y, ldy, n_splits, workspace, counters, stream);
 }

@@ -97,7 +97,9 @@ int m40k_glu_f16(int act, const float *gate, const float *up, int64_t in_stride,
 int m40k_add(float *out, const float *a, const float *b, int64_t n, m40k_stream stream);
 
 /* 5. Paged KV append. The batch holds n_tokens new tokens; those of sequence s are rows
- * new_indptr[s] .. new_indptr[s+1] and are the LAST tokens of that sequence (whose
+ * new_indptr[s] - new_indptr[0] .. new_indptr[s+1] - new_indptr[0] (new_indptr[0] is
+ * usually 0; a slice of a larger batch's table works as it is) and are the LAST tokens
+ * of that sequence (whose
  * pages, already allocated, and length include them, see the CSR convention above).
  * Row t of k (F32, stride k_stride) holds n_kv_heads*head_dim values, head-major; same
  * for v. Written as F16 into k_cache / v_cache. */
@@ -144,6 +146,26 @@ int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_s
                      const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                      const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale,
                      int n_splits, float *workspace, int *counters, m40k_stream stream);
+
+/* 6c. Decode attention that appends the step's own K/V on the way: one launch for what
+ * m40k_kv_append_rope (new_indptr 0, 1, .., n_seqs: one new token per sequence, row s of
+ * q / k / v and pos[s] being sequence s's) followed by m40k_attn_decode_window on the
+ * rotated q would do. The caches receive the same bits as there (K rotated by RoPE, V,
+ * both as F16, at position len(s) - 1) and out is what the decode kernel gives on the
+ * rotated q; q and k are read and left as they are (q is rotated in registers only).
+ * k / v: 16-byte aligned, strides multiples of 4 floats. RoPE arguments and refusals as
+ * m40k_kv_append_rope's (rot_dim 0: no rotation). pos and freq_factors are read BEFORE
+ * the kernel waits for the kernel launched ahead of it (PDL): they must not be that
+ * kernel's output (the forward pass uploads pos before its first kernel). The split
+ * holding position len - 1 stores it; no split reads it from the cache. The rest (splits,
+ * workspace, counters, window) as m40k_attn_decode_window. Twin: m40_ref_rope and
+ * m40_ref_kv_append, then m40_ref_attn_decode. */
+int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
+                          int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
+                          const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
+                          int n_heads, int n_kv_heads, int head_dim, float scale, int window, const int32_t *pos,
+                          int rot_dim, float base, const float *freq_factors, int neox, int n_splits, float *workspace,
+                          int *counters, m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they
@@ -260,6 +282,14 @@ size_t m40k_gemm_skinny_counter_ints(int N);
 int m40k_gemm_skinny_pick_splits(int N, int K, int n, int sm_count, size_t ws_floats, size_t counter_ints);
 int m40k_gemm_skinny(const uint16_t *w, int N, int K, const float *x, int64_t x_stride, int n, float *y, int64_t ldy,
                      int n_splits, float *workspace, int *counters, m40k_stream stream);
+/* The same product of x = act(gate) * up elementwise (8c's x, the GLU output m40k_glu
+ * would write: act M40K_GLU_SILU or M40K_GLU_GELU_TANH), read from gate[t*in_stride + k]
+ * and up[t*in_stride + k] (both 16-byte aligned) and never stored: the FFN's down
+ * projection straight from the gate/up product, without m40k_glu in between. Twin:
+ * m40_ref_glu, then m40_ref_gemv of W on f16 of its output. */
+int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *gate, const float *up,
+                         int64_t in_stride, int n, float *y, int64_t ldy, int n_splits, float *workspace, int *counters,
+                         m40k_stream stream);
 
 /* 9. Sampling helpers: per row r of logits [rows][stride] (n_vocab entries), writes
  * argmax token (ties: lowest id) to token[r] and its log-softmax to logprob[r]; when

@@ -20,6 +20,7 @@ __device__ __forceinline__ int64_t kv_row_block(int t, const int32_t *__restrict
                                                 const int32_t *__restrict__ indices,
                                                 const int32_t *__restrict__ last_page_len, int *slot)
 {
+    t += new_indptr[0];          /* a slice of a larger table: its offsets as they are */
     int lo = 0, hi = n_seqs - 1; /* last s with new_indptr[s] <= t */
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;

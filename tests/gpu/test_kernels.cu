@@ -438,6 +438,120 @@ static void test_attention(void)
         }
 }
 
+/* ---------------------------------------------------------------- 6c. decode attention + RoPE + append */
+/* m40k_attn_decode_rope against (a) the two-kernel path it replaces, m40k_kv_append_rope
+ * (one new token a sequence) then m40k_attn_decode_window on the rotated q: the same bits
+ * in both caches, out within 1e-5 (the same terms, the new token's in a tile of its own); (b) the CPU twins m40_ref_rope + m40_ref_kv_append +
+ * m40_ref_attn_decode_window within the attention test's tolerance; (c) q, k and v left
+ * as they were; (d) the split counters back at zero. Head sizes 64/128/256, groups of
+ * 1, 4, 8 (7 at 64), RoPE over the whole head, over 32 dims and none, normal and neox
+ * pairs (neox with frequency factors), 1, 8 and 64 splits (most empty for the short
+ * sequences), with and without a 20-token window; lengths 1..1000 across page ends,
+ * positions the cache's for even sequences and large random ones for odd. */
+static void test_attn_decode_rope(void)
+{
+    const std::vector<int> lens = {1, 15, 16, 17, 100, 1000};
+    for (int hd : {64, 128, 256})
+        for (int G : {1, 4, 8, 7}) {
+            if (G == 7 && hd != 64)
+                continue;
+            const int nkv = 2, nh = nkv * G;
+            const float scale = 1.0f / sqrtf((float)hd), base = 10000.0f;
+            Paged p = make_paged(lens);
+            const int ns = p.n_seqs;
+            const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
+            std::vector<uint16_t> kc0(cache_elems), vc0(cache_elems);
+            for (size_t i = 0; i < cache_elems; i++)
+                kc0[i] = m40_fp32_to_fp16(frand(-1, 1)), vc0[i] = m40_fp32_to_fp16(frand(-1, 1));
+            std::vector<int32_t> one = {0}, pos;
+            for (int s = 0; s < ns; s++) {
+                one.push_back(s + 1);
+                pos.push_back(s % 2 ? p.lens[s] - 1 + (int32_t)(rnd32() % 200000) : p.lens[s] - 1);
+            }
+            /* one qkv buffer as the model's: q, k, v of a row side by side */
+            const int64_t rs = (int64_t)(nh + 2 * nkv) * hd + 4, os = nh * hd + 8;
+            std::vector<float> qkv = rand_vec(ns * rs, -2, 2), f = rand_vec(hd / 2, 1, 8);
+            int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *done = dup(one),
+                    *dp = dup(pos);
+            float *dqkv = dup(qkv), *df = dup(f), *dout, *dout2, *dws;
+            const size_t n_cnt = m40k_decode_counter_ints(ns, nkv);
+            int *dcnt = dup(std::vector<int>(n_cnt, 0));
+            CK(cudaMalloc(&dout, (size_t)ns * os * 4));
+            CK(cudaMalloc(&dout2, (size_t)ns * os * 4));
+            CK(cudaMalloc(&dws, m40k_decode_workspace_floats(ns, nh, hd, 64) * 4));
+            for (int rot : {hd, 32, 0})
+                for (int neox : {0, 1})
+                    for (int window : {0, 20})
+                        for (int splits : {1, 8, 64}) {
+                            const float *ffp = neox ? df : nullptr;
+                            uint16_t *dkc = dup(kc0), *dvc = dup(vc0), *dkc2 = dup(kc0), *dvc2 = dup(vc0);
+                            float *dq2 = dup(qkv); /* the two-kernel path rotates q in place */
+                            CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd,
+                                                     rs, dkc, dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, dp,
+                                                     rot, base, ffp, neox, splits, dws, dcnt, 0));
+                            CK(m40k_kv_append_rope(dq2, rs, nh, dkc2, dvc2, dq2 + nh * hd, rs, dq2 + (nh + nkv) * hd,
+                                                   rs, done, ns, ns, dip, dix, dlp, nkv, hd, dp, rot, base, ffp, neox,
+                                                   0));
+                            CK(m40k_attn_decode_window(dout2, os, dq2, rs, dkc2, dvc2, dip, dix, dlp, ns, nh, nkv, hd,
+                                                       scale, window, splits, dws, dcnt, 0));
+                            std::vector<float> g = back(dout, (size_t)ns * os), g2 = back(dout2, (size_t)ns * os);
+                            std::vector<uint16_t> gk = back(dkc, cache_elems), gv = back(dvc, cache_elems);
+                            char what[128], w2[176];
+                            snprintf(what, sizeof what, "attn_decode_rope hd %d G %d rot %d neox %d window %d splits %d",
+                                     hd, G, rot, neox, window, splits);
+                            for (int s = 0; s < ns; s++) /* the gap past each row: not written */
+                                for (int64_t j = (int64_t)nh * hd; j < os; j++)
+                                    g[(size_t)s * os + j] = 0.0f, g2[(size_t)s * os + j] = 0.0f;
+                            /* the new token is a tile of its own here: the same terms, summed
+                             * in another grouping */
+                            snprintf(w2, sizeof w2, "%s: out vs kv_append_rope + attn_decode", what);
+                            compare(w2, g.data(), g2.data(), g.size(), 1e-5f, 1e-5f);
+                            snprintf(w2, sizeof w2, "%s: caches == kv_append_rope's", what);
+                            check(w2, gk == back(dkc2, cache_elems) && gv == back(dvc2, cache_elems));
+                            snprintf(w2, sizeof w2, "%s: q, k, v unchanged", what);
+                            check(w2, back(dqkv, qkv.size()) == qkv);
+                            std::vector<int> cnt = back(dcnt, n_cnt);
+                            snprintf(w2, sizeof w2, "%s: counters zero", what);
+                            check(w2, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                            /* the CPU twins */
+                            std::vector<float> cq = qkv;
+                            std::vector<uint16_t> ck = kc0, cv = vc0;
+                            m40_ref_rope(cq.data(), rs, nh, cq.data() + nh * hd, rs, nkv, hd, rot, pos.data(), ns, base,
+                                         neox ? f.data() : nullptr, neox);
+                            m40_ref_kv_append(ck.data(), cv.data(), cq.data() + nh * hd, rs, cq.data() + (nh + nkv) * hd,
+                                              rs, one.data(), ns, ns, p.indptr.data(), p.indices.data(), p.lpl.data(),
+                                              nkv, hd);
+                            std::vector<float> c((size_t)ns * os, 0.0f);
+                            m40_ref_attn_decode_window(c.data(), os, cq.data(), rs, ck.data(), cv.data(),
+                                                       p.indptr.data(), p.indices.data(), p.lpl.data(), ns, nh, nkv,
+                                                       hd, scale, window);
+                            snprintf(w2, sizeof w2, "%s: vs cpu", what);
+                            compare(w2, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
+                            snprintf(w2, sizeof w2, "%s: v cache == cpu", what);
+                            check(w2, gv == cv);
+                            cudaFree(dkc), cudaFree(dvc), cudaFree(dkc2), cudaFree(dvc2), cudaFree(dq2);
+                        }
+            cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(done), cudaFree(dp), cudaFree(dqkv), cudaFree(df),
+                cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
+        }
+    /* refused: odd or too long rot_dim, base 0, misaligned k (before any launch) */
+    float *pf = (float *)16;
+    uint16_t *ph = (uint16_t *)16;
+    const int32_t *pi = (const int32_t *)16;
+    check("attn_decode_rope odd rot_dim refused",
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 31,
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+    check("attn_decode_rope rot_dim > head_dim refused",
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 66,
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+    check("attn_decode_rope base 0 refused",
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64, 0.0f,
+                                nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+    check("attn_decode_rope misaligned k refused",
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf + 1, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64,
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+}
+
 /* ---------------------------------------------------------------- 5b. kv append with RoPE on K */
 /* m40k_kv_append_rope against (a) m40k_rope on q and k then m40k_kv_append, byte for
  * byte, both caches and q, (b) the CPU twins m40_ref_rope + m40_ref_kv_append: V
@@ -512,6 +626,20 @@ static void test_kv_append_rope(void)
                             compare(w2, gq.data(), qr.data(), qr.size(), 1e-5f, 1e-5f);
                         }
 
+                        if (set == 1) { /* the same call in two slices of the tables (forward's decode/prefill split) */
+                            const int m = 2, r = new_indptr[m];
+                            uint16_t *dkc3 = dup(kc), *dvc3 = dup(vc);
+                            float *dq3 = dup(qv);
+                            CK(m40k_kv_append_rope(use_q ? dq3 : nullptr, qs, nh, dkc3, dvc3, dk, ks, dv, vs, dni, m, r,
+                                                   dip, dix, dlp, nkv, hd, dp, rot, base, ffp, neox, 0));
+                            CK(m40k_kv_append_rope(use_q ? dq3 + r * qs : nullptr, qs, nh, dkc3, dvc3, dk + r * ks, ks,
+                                                   dv + r * vs, vs, dni + m, p.n_seqs - m, nt - r, dip + m, dix,
+                                                   dlp + m, nkv, hd, dp + r, rot, base, ffp, neox, 0));
+                            snprintf(w2, sizeof w2, "%s: two slices == one call", what);
+                            check(w2, back(dkc3, cache_elems) == gk && back(dvc3, cache_elems) == gv &&
+                                          back(dq3, qv.size()) == gq);
+                            cudaFree(dkc3), cudaFree(dvc3), cudaFree(dq3);
+                        }
                         std::vector<float> kr = k; /* the twins rotate in place */
                         m40_ref_rope(nullptr, 0, 0, kr.data(), ks, nkv, hd, rot, pos.data(), nt, base,
                                      ff ? f.data() : nullptr, neox);
@@ -669,6 +797,73 @@ static void test_gemm_skinny(void)
     check("gemm_skinny refuses n 9", m40k_gemm_skinny(pw, 4, 128, px, 128, 9, py, 4, 1, NULL, NULL, 0) != 0);
     check("gemm_skinny refuses 2 splits of K 128",
           m40k_gemm_skinny(pw, 4, 128, px, 128, 1, py, 4, 2, py, (int *)16, 0) != 0);
+}
+
+/* 8c'. m40k_gemm_skinny_glu (the down projection fed by the gate/up product) against
+ * its twin: this GPU's m40k_glu output rounded to F16, then m40_ref_gemv (only the order
+ * of the sum differs; the GLU itself is compared with m40_ref_glu in test_act). Both
+ * activations, gate and up rows of one strided buffer (up K floats after gate, as the
+ * model lays them out), batch rows 1..8, N past the 128-row block, split counts 1, picked
+ * and the most; the counters back at zero. Refusals: an unknown activation, a misaligned
+ * up row. */
+static void test_gemm_skinny_glu(void)
+{
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
+        for (int K : {128, 1152, 4096 + 128})
+            for (int N : {17, 259})
+                for (int n : {1, 3, 8}) {
+                    const int64_t is = 2 * (int64_t)K + 4, ldy = N + 1;
+                    std::vector<float> wf = rand_vec((size_t)N * K), in = rand_vec((size_t)n * is, -4, 4);
+                    std::vector<uint16_t> w(wf.size());
+                    for (size_t i = 0; i < wf.size(); i++)
+                        w[i] = m40_fp32_to_fp16(wf[i]);
+                    float *din = dup(in), *dh, *dy, *dws;
+                    CK(cudaMalloc(&dh, (size_t)n * K * 4));
+                    CK(m40k_glu(act, din, din + K, is, dh, K, n, K, 0));
+                    std::vector<float> h = back(dh, (size_t)n * K);
+                    double hmax = 0, mag = 0;
+                    for (float &v : h) {
+                        v = m40_fp16_to_fp32(m40_fp32_to_fp16(v));
+                        hmax = std::max(hmax, (double)fabsf(v));
+                    }
+                    for (int r = 0; r < N; r++) {
+                        double m = 0;
+                        for (int k = 0; k < K; k++)
+                            m += fabs(m40_fp16_to_fp32(w[(size_t)r * K + k]));
+                        mag = std::max(mag, m);
+                    }
+                    std::vector<float> c((size_t)n * ldy, 0.0f);
+                    m40_ref_gemv(w.data(), M40K_TYPE_F16, N, K, h.data(), K, c.data(), ldy, n);
+                    uint16_t *dw = dup(w);
+                    const int maxS = K / 128;
+                    CK(cudaMalloc(&dy, c.size() * 4));
+                    CK(cudaMemset(dy, 0, c.size() * 4));
+                    CK(cudaMalloc(&dws, m40k_gemm_skinny_ws_floats(N, n, maxS) * 4 + 16));
+                    int *dcnt = dup(std::vector<int>(m40k_gemm_skinny_counter_ints(N), 0));
+                    const int pick = m40k_gemm_skinny_pick_splits(N, K, n, sms, m40k_gemm_skinny_ws_floats(N, n, maxS),
+                                                                  m40k_gemm_skinny_counter_ints(N));
+                    for (int S : {1, pick, maxS}) {
+                        CK(m40k_gemm_skinny_glu(act, dw, N, K, din, din + K, is, n, dy, ldy, S, dws, dcnt, 0));
+                        std::vector<float> g = back(dy, c.size());
+                        char what[112];
+                        snprintf(what, sizeof what, "gemm_skinny_glu act %d N %d K %d n %d splits %d", act, N, K, n, S);
+                        compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag * std::max(hmax, 1.0)), 1e-4f);
+                        std::vector<int> cnt = back(dcnt, m40k_gemm_skinny_counter_ints(N));
+                        snprintf(what, sizeof what, "gemm_skinny_glu act %d N %d K %d n %d splits %d: counters zero",
+                                 act, N, K, n, S);
+                        check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                    }
+                    cudaFree(dw), cudaFree(din), cudaFree(dh), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
+                }
+    const uint16_t *pw = (const uint16_t *)16;
+    const float *px = (const float *)16;
+    float *py = (float *)16;
+    check("gemm_skinny_glu refuses activation 7",
+          m40k_gemm_skinny_glu(7, pw, 4, 128, px, px + 128, 256, 1, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_skinny_glu refuses a misaligned up row",
+          m40k_gemm_skinny_glu(M40K_GLU_SILU, pw, 4, 128, px, px + 129, 260, 1, py, 4, 1, NULL, NULL, 0) != 0);
 }
 
 /* 8b. int8-activation GEMV (m40k_quantize_q8 + m40k_gemv_q8) against its twin
@@ -973,8 +1168,10 @@ static void bench_attn_decode(void)
     const int nh = 32, nkv = 8, hd = 128;
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    for (int n_seqs : {1, 16, 64})
+    for (int n_seqs : {1, 8, 16, 64})
         for (int ctx : {576, 4096}) {
+            if (n_seqs == 8 && ctx == 4096)
+                continue;
             const int pages = (ctx + M40K_PAGE - 1) / M40K_PAGE;
             std::vector<int32_t> indptr(n_seqs + 1), indices((size_t)n_seqs * pages), lpl(n_seqs);
             for (int s = 0; s <= n_seqs; s++)
@@ -1004,6 +1201,30 @@ static void bench_attn_decode(void)
                 printf("bench attn_decode seqs %2d ctx %4d splits %2d%s: %8.1f us  %7.1f GB/s of K/V\n", n_seqs, ctx,
                        splits, splits == pick ? " (picked)" : "", us, bytes / (us * 1e3));
             }
+            {   /* the step's RoPE + append: fused into the decode kernel, and the two launches it replaces */
+                const int64_t rs = (int64_t)(nh + 2 * nkv) * hd;
+                std::vector<float> qkv = rand_vec((size_t)n_seqs * rs);
+                std::vector<int32_t> one(n_seqs + 1), pos(n_seqs, ctx - 1);
+                for (int s = 0; s <= n_seqs; s++)
+                    one[s] = s;
+                float *dqkv = dup(qkv);
+                int32_t *done = dup(one), *dp = dup(pos);
+                auto fused = [&] {
+                    CK(m40k_attn_decode_rope(dout, nh * hd, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs,
+                                             dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd, 0.088f, 0, dp, hd, 1e6f,
+                                             nullptr, 0, pick, dws, dcnt, 0));
+                };
+                auto two = [&] {
+                    CK(m40k_kv_append_rope(dqkv, rs, nh, dk, dv, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, done,
+                                           n_seqs, n_seqs, dip, dix, dlp, nkv, hd, dp, hd, 1e6f, nullptr, 0, 0));
+                    CK(m40k_attn_decode(dout, nh * hd, dqkv, rs, dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd, 0.088f,
+                                        pick, dws, dcnt, 0));
+                };
+                const double uf = time_us(fused, 50), u2 = time_us(two, 50);
+                printf("bench attn_decode_rope seqs %2d ctx %4d splits %2d: fused %8.1f us, append_rope + decode %8.1f us\n",
+                       n_seqs, ctx, pick, uf, u2);
+                cudaFree(dqkv), cudaFree(done), cudaFree(dp);
+            }
             cudaFree(dk), cudaFree(dv), cudaFree(dq), cudaFree(dout), cudaFree(dws), cudaFree(dcnt);
             cudaFree(dip), cudaFree(dix), cudaFree(dlp);
         }
@@ -1023,8 +1244,9 @@ int main(int argc, char **argv)
         {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
         {"fused_f16", test_fused_f16},         {"attention", test_attention},
-        {"kv_rope", test_kv_append_rope},
+        {"kv_rope", test_kv_append_rope}, {"attn_rope", test_attn_decode_rope},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"skinny", test_gemm_skinny},
+        {"skinny_glu", test_gemm_skinny_glu},
         {"sample", test_sample},
     };
     for (auto &t : tests) {
