@@ -105,46 +105,66 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
     float *__restrict__ ws, int *__restrict__ counters, int window, dec_rope rp)
 {
     __shared__ float2 cs[ROPE ? D / 2 : 1]; /* (cos, sin) of the new token's rotation pairs */
-    if constexpr (ROPE) {
-        /* before the wait: the angles need only pos and the frequency factors, which no
-         * kernel of the step writes (the forward pass uploads pos before its first
-         * kernel), so they overlap the previous kernel's tail */
-        m40k_grid_launch_dependents();
-        if ((int)threadIdx.x < rp.rot_dim / 2) {
-            float sn, c;
-            m40k_rope_sincos(rp.pos[blockIdx.y], threadIdx.x, rp.rot_dim, rp.log2_base, rp.ff, &sn, &c);
-            cs[threadIdx.x] = make_float2(c, sn);
-        }
-        m40k_grid_wait();
-        M40K_LAUNDER(rp.k);
-        M40K_LAUNDER(rp.v);
-    } else {
-        m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
-    }
-    M40K_LAUNDER(out);
-    M40K_LAUNDER(q);
-    M40K_LAUNDER(kc);
-    M40K_LAUNDER(vc);
-    M40K_LAUNDER(indptr);
-    M40K_LAUNDER(indices);
-    M40K_LAUNDER(last_page_len);
-    M40K_LAUNDER(ws);
-    M40K_LAUNDER(counters);
     constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
-    __shared__ float S[GMAX][TILE];
-    __shared__ __align__(16) float P[NT][GMAX * D]; /* the teams' partial outputs */
-    __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
-
     const int kvh = blockIdx.x, s = blockIdx.y, split = blockIdx.z;
-    const int G = n_heads / n_kv_heads;
     const int tid = threadIdx.x, tm = tid / TPR, c = tid % TPR;
+    m40k_grid_launch_dependents(); /* a PDL-launched kernel may follow */
 
+    /* The block tables (indptr, indices, last_page_len) are uploaded before the step's
+     * first kernel and no kernel writes them: read before the wait. */
     const int page0 = indptr[s], npages = indptr[s + 1] - page0;
     const int len = npages > 0 ? (npages - 1) * M40K_PAGE + last_page_len[s] : 0;
     /* sliding window: only the last `window` positions */
     const int start = window > 0 ? max(0, len - window) : 0;
     const int per = (len - start + n_splits - 1) / n_splits;
     const int tok0 = min(len, start + split * per), tok1 = min(len, start + (split + 1) * per);
+    const bool has_new = ROPE && tok0 < tok1 && tok1 == len;
+    /* positions read from the cache: all of the range, but for the new token */
+    const int tc = has_new ? len - 1 : tok1;
+
+    /* Where this thread's row of K (V) for position t sits in the cache (t < len). */
+    auto row_at = [&](int t) {
+        const int64_t blk = indices[page0 + t / M40K_PAGE];
+        return (((size_t)blk * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + 8 * c;
+    };
+    if constexpr (ROPE) {
+        /* Before the wait, as well: the angles need only pos and the frequency factors,
+         * which no kernel of the step writes (the forward pass uploads pos before its
+         * first kernel); and the first tile of cached positions, which earlier steps
+         * wrote (this kernel appends the step's own token itself, and the other rows'
+         * append comes after it), is fetched into L1 (prefetch: no register held across
+         * the wait), so at one tile a split the K/V reads overlap the previous kernel's
+         * tail and the block waits only for q. */
+        if ((int)threadIdx.x < rp.rot_dim / 2) {
+            float sn, cv;
+            m40k_rope_sincos(rp.pos[blockIdx.y], threadIdx.x, rp.rot_dim, rp.log2_base, rp.ff, &sn, &cv);
+            cs[threadIdx.x] = make_float2(cv, sn);
+        }
+#pragma unroll
+        for (int u = 0; u < DEC_TT; u++) {
+            const int t = tok0 + tm + NT * u;
+            if (t < tc) {
+                const size_t at = row_at(t);
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(kc + at));
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(vc + at));
+            }
+        }
+        m40k_grid_wait();
+        M40K_LAUNDER(rp.k);
+        M40K_LAUNDER(rp.v);
+    } else {
+        m40k_grid_wait(); /* PDL-launched: the previous kernel appended the cache */
+    }
+    M40K_LAUNDER(out);
+    M40K_LAUNDER(q);
+    M40K_LAUNDER(kc);
+    M40K_LAUNDER(vc);
+    M40K_LAUNDER(ws);
+    M40K_LAUNDER(counters);
+    __shared__ float S[GMAX][TILE];
+    __shared__ __align__(16) float P[NT][GMAX * D]; /* the teams' partial outputs */
+    __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
+    const int G = n_heads / n_kv_heads;
 
     if (ROPE)
         __syncthreads(); /* cs */
@@ -175,7 +195,6 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
      * after the cached positions: the loop over those stays the plain kernel's, and no
      * register is held across it for the token (see DEC_MIN_BLOCKS). */
     __shared__ uint4 nks[ROPE ? TPR : 1], nvs[ROPE ? TPR : 1];
-    const bool has_new = ROPE && tok0 < tok1 && tok1 == len;
     if (has_new && tm == 0) {
         float kf[8], vf[8];
         dec_rope8(rp.k + s * rp.k_stride + (int64_t)kvh * D, 8 * c, rp, cs, kf);
@@ -259,16 +278,13 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
         __syncthreads();
     };
 
-    /* positions read from the cache: all of the range, but for the new token */
-    const int tc = has_new ? len - 1 : tok1;
     for (int t0 = tok0; t0 < tc; t0 += TILE) {
         uint4 kr[DEC_TT], vr[DEC_TT];
 #pragma unroll
         for (int u = 0; u < DEC_TT; u++) {
             const int t = t0 + tm + NT * u;
             if (t < tc) {
-                const int64_t blk = indices[page0 + t / M40K_PAGE];
-                const size_t at = (((size_t)blk * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + 8 * c;
+                const size_t at = row_at(t);
                 kr[u] = __ldg(reinterpret_cast<const uint4 *>(kc + at));
                 vr[u] = __ldg(reinterpret_cast<const uint4 *>(vc + at));
             } else {

@@ -107,7 +107,8 @@ __device__ __forceinline__ void m40k_pdl_begin(void)
 }
 #define M40K_LAUNDER(p) asm volatile("" : "+l"(p)::"memory")
 
-int m40k_pdl_enabled(void); /* model_aux.cu: compute capability >= 9 and M40_PDL != 0 */
+int m40k_pdl_enabled(void);      /* model_aux.cu: compute capability >= 9 and M40_PDL != 0 */
+int m40k_clusters_enabled(void); /* model_aux.cu: compute capability >= 9 and M40_CLUSTER != 0 */
 
 template <typename... KArgs, typename... Args>
 static inline int m40k_launch_pdl_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
@@ -129,6 +130,28 @@ template <typename... KArgs, typename... Args>
 static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t st, Args... args)
 {
     return m40k_launch_pdl_smem(kernel, grid, block, 0, st, args...);
+}
+
+/* The same with thread block clusters of `cluster_x` blocks along x (sm_90; the caller
+ * checks m40k_clusters_enabled first). */
+template <typename... KArgs, typename... Args>
+static inline int m40k_launch_cluster_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, unsigned cluster_x,
+                                          cudaStream_t st, Args... args)
+{
+    cudaLaunchAttribute at[2];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = cluster_x;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[1].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.stream = st;
+    cfg.attrs = at;
+    cfg.numAttrs = m40k_pdl_enabled() ? 2 : 1;
+    return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
 }
 
 /* kernel<<<grid, block, smem, st>>>(args) with programmatic stream serialization (the

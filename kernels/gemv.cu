@@ -281,8 +281,8 @@ __device__ __forceinline__ void gf_scales(const uint8_t *p, int off, float2 *sc,
     }
 }
 
-template <int T, int B>
-__global__ __launch_bounds__(GF_WARPS * 32) void gemv_fast_kernel(const uint8_t *__restrict__ w, size_t row_bytes,
+template <int T, int B, int MINB>
+__global__ __launch_bounds__(GF_WARPS * 32, MINB) void gemv_fast_kernel(const uint8_t *__restrict__ w, size_t row_bytes,
                                                                   int N, int K, int S, const float *__restrict__ x,
                                                                   int64_t x_stride, float *__restrict__ y,
                                                                   int64_t y_stride)
@@ -397,8 +397,17 @@ static int gemv_launch_b(const void *w, int N, int K, const float *x, int64_t xs
         const int nseg = (K + gf_dims<T>::SEG - 1) / gf_dims<T>::SEG;
         const int S = m40k_gemv_pick_split(nseg, 1, N, GF_WARPS, GF_R);
         const int rows_per_block = GF_WARPS / S * GF_R;
-        return m40k_launch_pdl(gemv_fast_kernel<T, B>, dim3((unsigned)((N + rows_per_block - 1) / rows_per_block)),
-                               dim3(GF_WARPS * 32), st, (const uint8_t *)w, row_bytes, N, K, S, x, xs, y, ys);
+        const dim3 grid((unsigned)((N + rows_per_block - 1) / rows_per_block)), block(GF_WARPS * 32);
+        /* F16 at batch 1, products up to 4096 x 4096 (attention output): 8 blocks an SM
+         * (64 registers, 72 unbounded). H100, test_kernels --bench skinny: 4096 x 4096
+         * 15.5 -> 13.4 us; larger ones measured slower that way (6144 x 4096 19.6 ->
+         * 21.0, 28672 x 4096 78.5 -> 82.3 us), so they keep the unbounded instance. */
+        if constexpr (T == M40K_TYPE_F16 && B == 1)
+            if ((int64_t)N * K <= (int64_t)4096 * 4096)
+                return m40k_launch_pdl(gemv_fast_kernel<T, B, 8>, grid, block, st, (const uint8_t *)w, row_bytes, N,
+                                       K, S, x, xs, y, ys);
+        return m40k_launch_pdl(gemv_fast_kernel<T, B, 0>, grid, block, st, (const uint8_t *)w, row_bytes, N, K, S, x,
+                               xs, y, ys);
     }
     }
     return m40k_launch_pdl(gemv_kernel<T, B>, dim3((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS)),

@@ -9,7 +9,7 @@
  *    block sum s = d1*sum(q1) + d2*sum(q2) of the rounded x, for the weight offsets.
  *    Stored in the caller's workspace as one 80-byte record per block (gq_blk), blocks
  *    in x's order, so that one pointer per batch row reaches all of a block's data.
- * 2. gemv_q8_kernel<T, B>: integer dot products with __dp4a (4 int8 products per
+ * 2. gemv_q8_kernel<T, B, MINB>: integer dot products with __dp4a (4 int8 products per
  *    instruction) between the weight's small integers and q1 and q2, then the weight
  *    scales and d1, d2 in F32: per weight scale group with integer dots S1, S2, the
  *    group adds scale*(d1*S1 + d2*S2) (and offset*s). The weight is read once for all
@@ -42,7 +42,8 @@
  * lane; batch 8 ~7.6, 22, 14.6, 16 (Q4_K and Q6_K with the batch loop rolled,
  * gq_rolled). An H100 issues ~11 per byte at 3 TB/s, so batch 1 is memory-bound and
  * batch 8 issue-bound.
- * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), no spills, >= 16 warps per SM.
+ * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), no spills, >= 16 warps per SM (Q4_K at
+ * batch 1 and short rows: 64 registers, 32 warps, GQ_MIN_BLOCKS_WIDE).
  *
  * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in engine/cpu_ref.c) writes the
  * same workspace bytes and forms the same integer dots and the same per-group F32
@@ -61,6 +62,15 @@
 #else
 #define GQ_MIN_BLOCKS 4
 #endif
+/* Q4_K at batch 1 has a second instance bounded to 8 blocks an SM (64 registers, no
+ * spills; 98 under the bound of 4): 32 warps an SM, twice the bytes in flight, which
+ * pays where each lane has at most two units of a row (K <= 4096 at the usual splits)
+ * and costs where the loop is long. H100, test_kernels --bench gemvq8, weights rotated,
+ * 4 -> 8 blocks: 28672 x 4096 27.3 -> 24.6 us, 4096 x 4096 7.03 -> 5.96 us, 6144 x 4096
+ * 8.46 -> 8.53 us, 4096 x 14336 14.5 -> 19.1 us. Q6_K squeezed the same way measured
+ * slower at most shapes (a spill, more instructions); Q8_0 and Q4_0 use 64 registers or
+ * fewer anyway. */
+#define GQ_MIN_BLOCKS_WIDE 8
 
 __device__ __forceinline__ float gq_f(int acc) { return __int_as_float(acc) - 12582912.0f; }
 
@@ -343,8 +353,8 @@ __host__ __device__ constexpr bool gq_rolled(int T, int B)
     return (T == M40K_TYPE_Q6_K && B >= 2) || (T == M40K_TYPE_Q4_K && B >= 3);
 }
 
-template <int T, int B>
-__global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_kernel(
+template <int T, int B, int MINB>
+__global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
     const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const gq_blk *__restrict__ xs,
     float *__restrict__ y, int64_t y_stride)
 {
@@ -426,10 +436,14 @@ static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
     /* each row's units split over S warps (32 units a warp and iteration, one a lane) */
-    const int S = m40k_gemv_pick_split(K / gq<T>::UE, 32, N, GQ_WARPS, GQ_R);
+    const int nu = K / gq<T>::UE, S = m40k_gemv_pick_split(nu, 32, N, GQ_WARPS, GQ_R);
     const int rows_per_block = GQ_WARPS / S * GQ_R;
-    return m40k_launch_pdl(gemv_q8_kernel<T, B>, dim3((unsigned)((N + rows_per_block - 1) / rows_per_block)),
-                           dim3(GQ_WARPS * 32), st, w, row_bytes, N, K, S, xs, y, ys);
+    const dim3 grid((unsigned)((N + rows_per_block - 1) / rows_per_block)), block(GQ_WARPS * 32);
+    if constexpr (T == M40K_TYPE_Q4_K && B == 1)
+        if (nu <= 2 * 32 * S)
+            return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS_WIDE>, grid, block, st, w, row_bytes, N, K, S, xs,
+                                   y, ys);
+    return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS>, grid, block, st, w, row_bytes, N, K, S, xs, y, ys);
 }
 
 template <int T>

@@ -136,7 +136,9 @@ int m40k_kv_append_rope(float *q, int64_t q_stride, int n_q_heads, uint16_t *k_c
  *     of any shape up to that size (every layer, every step). Two calls that may run at
  *     the same time (different streams) need different counters; a call that faults
  *     mid-kernel may leave them nonzero (zero them again before reuse).
- * Both may be NULL for n_splits == 1 (neither is touched). */
+ * Both may be NULL for n_splits == 1 (neither is touched). With programmatic dependent
+ * launch the block tables (indptr, indices, last_page_len) are read before the kernel
+ * waits for the kernel launched ahead of it: they must not be that kernel's output. */
 size_t m40k_decode_workspace_floats(int n_seqs, int n_heads, int head_dim, int n_splits);
 size_t m40k_decode_counter_ints(int n_seqs, int n_kv_heads);
 /* A split count for the given shape: about 32 positions per split, at most 4 blocks per
@@ -156,7 +158,9 @@ int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_s
  * k / v: 16-byte aligned, strides multiples of 4 floats. RoPE arguments and refusals as
  * m40k_kv_append_rope's (rot_dim 0: no rotation). pos and freq_factors are read BEFORE
  * the kernel waits for the kernel launched ahead of it (PDL): they must not be that
- * kernel's output (the forward pass uploads pos before its first kernel). The split
+ * kernel's output (the forward pass uploads pos before its first kernel); nor the block
+ * tables and the cached K/V rows before position len - 1, the first tile of which is
+ * prefetched then as well (that kernel must not append to the cache). The split
  * holding position len - 1 stores it; no split reads it from the cache. The rest (splits,
  * workspace, counters, window) as m40k_attn_decode_window. Twin: m40_ref_rope and
  * m40_ref_kv_append, then m40_ref_attn_decode. */

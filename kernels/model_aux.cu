@@ -6,16 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-int m40k_pdl_enabled(void)
+/* compute capability >= 9 (Hopper: PDL, thread block clusters) of the current device */
+static int cc9_current(void)
 {
-    static int off = -1;                 /* M40_PDL=0, read once */
-    static signed char by_dev[64];       /* 0 unknown, 1 yes, -1 no */
-    if (off < 0) {
-        const char *e = getenv("M40_PDL");
-        off = e && strcmp(e, "0") == 0;
-    }
-    if (off)
-        return 0;
+    static signed char by_dev[64]; /* 0 unknown, 1 yes, -1 no */
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
         return 0;
@@ -26,6 +20,28 @@ int m40k_pdl_enabled(void)
                           : -1;
     }
     return by_dev[dev] > 0;
+}
+
+/* 1 unless the environment variable `name` is "0" (read once per call site's flag) */
+static int env_on(const char *name, int *cached)
+{
+    if (*cached < 0) {
+        const char *e = getenv(name);
+        *cached = !(e && strcmp(e, "0") == 0);
+    }
+    return *cached;
+}
+
+int m40k_pdl_enabled(void)
+{
+    static int on = -1; /* M40_PDL=0 */
+    return env_on("M40_PDL", &on) && cc9_current();
+}
+
+int m40k_clusters_enabled(void)
+{
+    static int on = -1; /* M40_CLUSTER=0 */
+    return env_on("M40_CLUSTER", &on) && cc9_current();
 }
 
 __global__ void f32_to_f16_kernel(const float *__restrict__ x, uint16_t *__restrict__ y, int64_t n)

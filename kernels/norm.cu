@@ -3,6 +3,9 @@
 #include "cuda_common.h"
 #include "q8_dev.h"
 
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
+
 __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, const float *__restrict__ w,
                                void *__restrict__ out, int out_f16, int64_t out_stride, int dim, float eps)
 {
@@ -45,6 +48,18 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
  * 8192 wide at 1024 threads), so that the second pass after the block reduction has no
  * dependent global loads; longer rows re-read the rest. out may be d. */
 #define AR_REG 8
+/* Element i of row r: its output o, and the int8 / F16 copies where asked (with xq:
+ * dim % 32 == 0 and blockDim.x % 32 == 0, so a warp holds one whole block). */
+__device__ __forceinline__ void ar_emit(int i, float o, int r, float *out, int64_t out_stride, int dim, gq_blk *xq,
+                                        uint16_t *o16)
+{
+    out[r * out_stride + i] = o;
+    if (xq)
+        gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)r * (dim / 32) + i / 32);
+    if (o16)
+        o16[(size_t)r * dim + i] = m40k_f2h(o);
+}
+
 __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, const float *d, int64_t d_stride,
                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
                                    gq_blk *__restrict__ xq, uint16_t *__restrict__ o16)
@@ -78,24 +93,82 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
         ss += v * v;
     }
     const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
-    float *orow = out + blockIdx.x * out_stride;
-    /* element i's output o, and its int8 / F16 copies where asked (with xq: dim % 32 == 0
-     * and blockDim.x % 32 == 0, so a warp holds one whole block) */
-    auto emit = [&](int i, float o) {
-        orow[i] = o;
-        if (xq)
-            gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)blockIdx.x * (dim / 32) + i / 32);
-        if (o16)
-            o16[(size_t)blockIdx.x * dim + i] = m40k_f2h(o);
-    };
 #pragma unroll
     for (int k = 0; k < AR_REG; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < dim)
-            emit(i, xv[k] * scale * wv[k]);
+            ar_emit(i, xv[k] * scale * wv[k], blockIdx.x, out, out_stride, dim, xq, o16);
     }
     for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x)
-        emit(i, xr[i] * scale * w[i]);
+        ar_emit(i, xr[i] * scale * w[i], blockIdx.x, out, out_stride, dim, xq, o16);
+}
+
+/* The same for one row split over a thread block cluster of AR_CL blocks (sm_90): block
+ * r of the cluster takes the slice [r*dim/AR_CL, (r+1)*dim/AR_CL) in registers (up to
+ * AR_REG elements a thread), sums its squares, and the blocks exchange their sums
+ * through distributed shared memory; each adds all AR_CL of them in rank order (so the
+ * same scale in every block, and the same from run to run) and writes its slice. At one
+ * row the single-block kernel is bound by one SM's issue rate (the quantization's warp
+ * reductions for all 4,096 elements): here eight SMs share it. The slice is a whole
+ * number of 32-element blocks and blockDim.x a multiple of 32, so a warp still holds
+ * whole quantization blocks. */
+#define AR_CL 8
+#define AR_CL_THREADS 256
+#define AR_CL_MAX_ROWS 16 /* more rows fill the GPU with the single-block kernel */
+__global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_cl_kernel(float *__restrict__ x, int64_t x_stride,
+                                                                       const float *d, int64_t d_stride,
+                                                                       const float *__restrict__ w, float *out,
+                                                                       int64_t out_stride, int dim, float eps,
+                                                                       gq_blk *__restrict__ xq,
+                                                                       uint16_t *__restrict__ o16)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(x);
+    M40K_LAUNDER(d);
+    M40K_LAUNDER(w);
+    M40K_LAUNDER(out);
+    M40K_LAUNDER(xq);
+    M40K_LAUNDER(o16);
+    __shared__ float partial[32];
+    __shared__ float block_ss; /* read by every block of the cluster */
+    cg::cluster_group cluster = cg::this_cluster();
+    const int row = blockIdx.y, slice = dim / AR_CL, i0 = (int)cluster.block_rank() * slice;
+    float *xr = x + row * x_stride;
+    const float *dr = d + row * d_stride;
+    float ss = 0.0f, xv[AR_REG], wv[AR_REG];
+#pragma unroll
+    for (int k = 0; k < AR_REG; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        xv[k] = wv[k] = 0.0f;
+        if (j < slice) {
+            const float v = xr[i0 + j] + dr[i0 + j];
+            xr[i0 + j] = v;
+            ss += v * v;
+            xv[k] = v;
+            wv[k] = w[i0 + j];
+        }
+    }
+    const float bs = m40k_block_sum(ss, partial);
+    if (threadIdx.x == 0)
+        block_ss = bs;
+    cluster.sync(); /* every block's block_ss written */
+    float total = 0.0f;
+#pragma unroll
+    for (int r = 0; r < AR_CL; r++)
+        total += *cluster.map_shared_rank(&block_ss, r);
+    /* this block is done with the others' shared memory; they may exit once all have
+     * arrived (the wait below, before this block exits) */
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    const float scale = rsqrtf(total / dim + eps);
+#pragma unroll
+    for (int k = 0; k < AR_REG; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < slice)
+            ar_emit(i0 + j, xv[k] * scale * wv[k], row, out, out_stride, dim, xq, o16);
+    }
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
 }
 
 /* xq: also the int8 quantization of out (dim a multiple of 32); o16: also its F16 copy */
@@ -107,6 +180,14 @@ static int add_rmsnorm_launch(float *x, int64_t x_stride, const float *d, int64_
         return 0;
     if (dim <= 0 || (xq && dim % 32))
         return M40K_INVALID;
+    if (rows <= AR_CL_MAX_ROWS && dim % (AR_CL * 32) == 0 && dim / AR_CL <= AR_CL_THREADS * AR_REG &&
+        m40k_clusters_enabled()) {
+        const int threads = dim / AR_CL < AR_CL_THREADS ? dim / AR_CL : AR_CL_THREADS;
+        const int e = m40k_launch_cluster_pdl(add_rmsnorm_cl_kernel, dim3(AR_CL, (unsigned)rows), dim3(threads),
+                                              AR_CL, stream, x, x_stride, d, d_stride, w, out, out_stride, dim, eps,
+                                              xq, o16);
+        return e ? e : m40k_launch_status();
+    }
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
     M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, threads, 0, stream, x, x_stride, d, d_stride, w, out, out_stride, dim,
                     eps, xq, o16);

@@ -4,7 +4,10 @@
  *                         quantized types) on 4096x14336 and 14336x4096 matrices of each
  *                         type and report GB/s against the H100's 3.02 TB/s copy bandwidth;
  *                         the tensor-core F16 GEMV against m40k_gemv and cuBLAS at 1..8 rows;
- *                         and decode attention. `--bench skinny attn`: only those.
+ *                         the int8-activation GEMV at a 7B decode step's shapes; and
+ *                         decode attention. `--bench skinny attn`: only those (names:
+ *                         gemv, gemvq8, skinny, attn).
+ *   test_kernels --bench-only [names]   the same benchmarks without the comparisons.
  * Without a GPU: prints why, "0 passed, 0 failed, 1 skipped", exit 0. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -123,7 +126,9 @@ static void test_rmsnorm(void)
 
 static void test_add_rmsnorm(void)
 {
-    for (int dim : {7, 64, 4096 + 64 + 1})
+    /* on sm_90 rows <= 16 of a width that is a multiple of 256 (up to 16,384) take the
+     * cluster kernel (8 blocks a row): 256, 2048, 4096, 16384 at 1 and 3 rows */
+    for (int dim : {7, 64, 256, 2048, 4096, 4096 + 64 + 1, 16384})
         for (int rows : {1, 3, 17})
             for (int alias : {0, 1}) { /* out == d, as the model uses it */
                 const int64_t xs = dim + 5, ds = dim + 3, os = alias ? ds : dim + 2;
@@ -213,8 +218,8 @@ static void test_act(void)
  * what the twin quantizer (m40_ref_quantize_q8) makes of the GPU's output. */
 static void test_fused_q8(void)
 {
-    for (int dim : {64, 640, 4096, 4096 + 1024 + 32})
-        for (int rows : {1, 3, 8}) {
+    for (int dim : {64, 256, 640, 2048, 4096, 4096 + 1024 + 32, 8192})
+        for (int rows : {1, 3, 8, 17}) {
             const int64_t xs = dim + 5, ds = dim + 3;
             std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
                                w = rand_vec(dim, 0.5f, 1.5f);
@@ -1096,6 +1101,46 @@ static void bench_gemv(void)
         }
 }
 
+/* The int8-activation GEMV (m40k_gemv_q8 on an already quantized x) at the products of
+ * a Mistral-7B decode step (q+k+v, q/o, k/v, gate+up, down), batch 1 and 2: the small
+ * ones are where a step loses most against the roofline. Weights rotated over > 120 MB. */
+static void bench_gemv_q8_shapes(void)
+{
+    const double peak = 3020.0;
+    struct { int N, K; } shapes[] = {{6144, 4096}, {4096, 4096}, {1024, 4096}, {28672, 4096}, {4096, 14336}};
+    for (int type : {M40K_TYPE_Q8_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K})
+        for (auto sh : shapes) {
+            const size_t bytes = row_bytes(type, sh.K) * sh.N;
+            std::vector<uint8_t> w(bytes);
+            for (auto &b : w)
+                b = (uint8_t)rnd32();
+            if (type != M40K_TYPE_Q4_K)
+                for (size_t i = 1; i < bytes; i += 2)
+                    w[i] &= 0x3B;
+            const int copies = (int)(120000000 / bytes) + 1;
+            std::vector<uint8_t *> dw(copies);
+            for (auto &d : dw) {
+                CK(cudaMalloc(&d, bytes));
+                CK(cudaMemcpy(d, w.data(), bytes, cudaMemcpyHostToDevice));
+            }
+            float *dx = dup(rand_vec((size_t)2 * sh.K)), *dy;
+            CK(cudaMalloc(&dy, (size_t)2 * sh.N * 4));
+            void *dws;
+            CK(cudaMalloc(&dws, m40k_gemv_q8_ws_bytes(sh.K, 2)));
+            for (int batch : {1, 2}) {
+                CK(m40k_quantize_q8(dx, sh.K, sh.K, batch, dws, 0));
+                int turn = 0;
+                auto run = [&]() { CK(m40k_gemv_q8(dw[turn++ % copies], type, sh.N, sh.K, dws, batch, dy, sh.N, 0)); };
+                const double us = time_us(run, 100), gbs = bytes / (us * 1e3);
+                printf("bench gemvq8 %-5s N %5d K %5d batch %d: %8.2f us  %7.1f GB/s  %5.1f%% of roofline\n",
+                       m40_type_name(type), sh.N, sh.K, batch, us, gbs, 100.0 * gbs / peak);
+            }
+            for (auto d : dw)
+                cudaFree(d);
+            cudaFree(dx), cudaFree(dy), cudaFree(dws);
+        }
+}
+
 /* F16 decode products of n = 1..8 rows: the tensor-core GEMV m40k_gemm_skinny (picked
  * splits), the F16 m40k_gemv, and cuBLAS's F16 x F16 -> F32 GEMM on an F16 copy of x;
  * weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
@@ -1239,7 +1284,9 @@ int main(int argc, char **argv)
         printf("0 passed, 0 failed, 1 skipped\n");
         return 0;
     }
-    const bool bench = argc > 1 && strcmp(argv[1], "--bench") == 0;
+    /* --bench-only: the benchmarks without the comparisons (for timing several builds) */
+    const bool bench_only = argc > 1 && strcmp(argv[1], "--bench-only") == 0;
+    const bool bench = bench_only || (argc > 1 && strcmp(argv[1], "--bench") == 0);
     struct { const char *name; void (*fn)(void); } tests[] = {
         {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
@@ -1250,6 +1297,8 @@ int main(int argc, char **argv)
         {"sample", test_sample},
     };
     for (auto &t : tests) {
+        if (bench_only)
+            break;
         int f0 = n_fail, p0 = n_pass;
         t.fn();
         printf("%-10s %d passed, %d failed\n", t.name, n_pass - p0, n_fail - f0);
@@ -1265,6 +1314,8 @@ int main(int argc, char **argv)
         };
         if (want("gemv"))
             bench_gemv();
+        if (want("gemvq8"))
+            bench_gemv_q8_shapes();
         if (want("skinny"))
             bench_skinny();
         if (want("attn"))
