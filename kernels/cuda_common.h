@@ -110,48 +110,47 @@ __device__ __forceinline__ void m40k_pdl_begin(void)
 int m40k_pdl_enabled(void);      /* model_aux.cu: compute capability >= 9 and M40_PDL != 0 */
 int m40k_clusters_enabled(void); /* model_aux.cu: compute capability >= 9 and M40_CLUSTER != 0 */
 
+/* kernel<<<grid, block, smem, st>>>(args) through cudaLaunchKernelEx: with programmatic
+ * stream serialization (when m40k_pdl_enabled), and in thread block clusters of
+ * cluster_x blocks along x when cluster_x > 1 (sm_90; the caller checks
+ * m40k_clusters_enabled first). */
 template <typename... KArgs, typename... Args>
-static inline int m40k_launch_pdl_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
-                                       Args... args)
+static inline int m40k_launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, unsigned cluster_x,
+                                 cudaStream_t st, Args... args)
 {
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute at[2];
+    unsigned na = 0;
+    if (cluster_x > 1) {
+        at[na].id = cudaLaunchAttributeClusterDimension;
+        at[na].val.clusterDim.x = cluster_x;
+        at[na].val.clusterDim.y = 1;
+        at[na].val.clusterDim.z = 1;
+        na++;
+    }
+    if (m40k_pdl_enabled()) {
+        at[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[na].val.programmaticStreamSerializationAllowed = 1;
+        na++;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
     cfg.attrs = at;
-    cfg.numAttrs = m40k_pdl_enabled() ? 1 : 0;
+    cfg.numAttrs = na;
     return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+template <typename... KArgs, typename... Args>
+static inline int m40k_launch_pdl_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                                       Args... args)
+{
+    return m40k_launch_ex(kernel, grid, block, smem, 0, st, args...);
 }
 template <typename... KArgs, typename... Args>
 static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t st, Args... args)
 {
-    return m40k_launch_pdl_smem(kernel, grid, block, 0, st, args...);
-}
-
-/* The same with thread block clusters of `cluster_x` blocks along x (sm_90; the caller
- * checks m40k_clusters_enabled first). */
-template <typename... KArgs, typename... Args>
-static inline int m40k_launch_cluster_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, unsigned cluster_x,
-                                          cudaStream_t st, Args... args)
-{
-    cudaLaunchAttribute at[2];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = cluster_x;
-    at[0].val.clusterDim.y = 1;
-    at[0].val.clusterDim.z = 1;
-    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[1].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.stream = st;
-    cfg.attrs = at;
-    cfg.numAttrs = m40k_pdl_enabled() ? 2 : 1;
-    return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+    return m40k_launch_ex(kernel, grid, block, 0, 0, st, args...);
 }
 
 /* kernel<<<grid, block, smem, st>>>(args) with programmatic stream serialization (the

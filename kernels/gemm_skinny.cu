@@ -76,23 +76,31 @@ __global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t
     const bool xon = xr < n;
     const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)xr * x_stride) + xc;
     const float4 *up4 = ACT < 0 ? xp : reinterpret_cast<const float4 *>(up + (size_t)xr * x_stride) + xc;
+    /* x of a step as loaded: the gate (or x) float4 and, with ACT, the up float4; the
+     * activation is applied when the step is staged (put), so that a load issued a step
+     * ahead is not waited for until then */
+    struct xin {
+        float4 g, u;
+    };
     auto ldx = [&](int it) {
-        float4 v = __ldca(xp + (size_t)it * (SK_KC / 4));
-        if constexpr (ACT >= 0) {
-            const float4 u = __ldca(up4 + (size_t)it * (SK_KC / 4));
-            v = make_float4(m40k_glu_one(ACT, v.x, u.x), m40k_glu_one(ACT, v.y, u.y), m40k_glu_one(ACT, v.z, u.z),
-                            m40k_glu_one(ACT, v.w, u.w));
-        }
+        xin v;
+        v.g = __ldca(xp + (size_t)it * (SK_KC / 4));
+        if constexpr (ACT >= 0)
+            v.u = __ldca(up4 + (size_t)it * (SK_KC / 4));
         return v;
     };
-    auto put = [&](float4 v, int buf) {
+    auto put = [&](xin in, int buf) {
+        float4 v = in.g;
+        if constexpr (ACT >= 0)
+            v = make_float4(m40k_glu_one(ACT, v.x, in.u.x), m40k_glu_one(ACT, v.y, in.u.y),
+                            m40k_glu_one(ACT, v.z, in.u.z), m40k_glu_one(ACT, v.w, in.u.w));
         const __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
         uint2 u;
         u.x = *reinterpret_cast<const uint32_t *>(&lo);
         u.y = *reinterpret_cast<const uint32_t *>(&hi);
         *reinterpret_cast<uint2 *>(&xs[buf][xr][4 * xc]) = u;
     };
-    float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
+    xin xv = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
     if (xon) {
         put(ldx(it0), 0);
         if (it0 + 1 < it1)

@@ -60,6 +60,41 @@ __device__ __forceinline__ void ar_emit(int i, float o, int r, float *out, int64
         o16[(size_t)r * dim + i] = m40k_f2h(o);
 }
 
+/* Elements i0 + j, j = threadIdx.x + k*blockDim.x < n, k < AR_REG, of a row: x += d
+ * written back, the sums and their weights held in xv / wv for the second pass; returns
+ * the thread's sum of squares over them. */
+__device__ __forceinline__ float ar_add_hold(float *xr, const float *dr, const float *w, int i0, int n,
+                                             float (&xv)[AR_REG], float (&wv)[AR_REG])
+{
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < AR_REG; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        xv[k] = wv[k] = 0.0f;
+        if (j < n) {
+            const float v = xr[i0 + j] + dr[i0 + j];
+            xr[i0 + j] = v;
+            ss += v * v;
+            xv[k] = v;
+            wv[k] = w[i0 + j];
+        }
+    }
+    return ss;
+}
+
+/* The outputs of the elements ar_add_hold held, scaled (row r). */
+__device__ __forceinline__ void ar_emit_held(const float (&xv)[AR_REG], const float (&wv)[AR_REG], float scale,
+                                             int i0, int n, int r, float *out, int64_t out_stride, int dim,
+                                             gq_blk *xq, uint16_t *o16)
+{
+#pragma unroll
+    for (int k = 0; k < AR_REG; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < n)
+            ar_emit(i0 + j, xv[k] * scale * wv[k], r, out, out_stride, dim, xq, o16);
+    }
+}
+
 __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, const float *d, int64_t d_stride,
                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
                                    gq_blk *__restrict__ xq, uint16_t *__restrict__ o16)
@@ -74,31 +109,15 @@ __global__ void add_rmsnorm_kernel(float *__restrict__ x, int64_t x_stride, cons
     __shared__ float partial[32];
     float *xr = x + blockIdx.x * x_stride;
     const float *dr = d + blockIdx.x * d_stride;
-    float ss = 0.0f, xv[AR_REG], wv[AR_REG];
-#pragma unroll
-    for (int k = 0; k < AR_REG; k++) {
-        const int i = threadIdx.x + k * blockDim.x;
-        xv[k] = wv[k] = 0.0f;
-        if (i < dim) {
-            const float v = xr[i] + dr[i];
-            xr[i] = v;
-            ss += v * v;
-            xv[k] = v;
-            wv[k] = w[i];
-        }
-    }
+    float xv[AR_REG], wv[AR_REG];
+    float ss = ar_add_hold(xr, dr, w, 0, dim, xv, wv);
     for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x) {
         const float v = xr[i] + dr[i];
         xr[i] = v;
         ss += v * v;
     }
     const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
-#pragma unroll
-    for (int k = 0; k < AR_REG; k++) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < dim)
-            ar_emit(i, xv[k] * scale * wv[k], blockIdx.x, out, out_stride, dim, xq, o16);
-    }
+    ar_emit_held(xv, wv, scale, 0, dim, blockIdx.x, out, out_stride, dim, xq, o16);
     for (int i = threadIdx.x + AR_REG * blockDim.x; i < dim; i += blockDim.x)
         ar_emit(i, xr[i] * scale * w[i], blockIdx.x, out, out_stride, dim, xq, o16);
 }
@@ -136,20 +155,8 @@ __global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_cl_kernel(float *__
     const int row = blockIdx.y, slice = dim / AR_CL, i0 = (int)cluster.block_rank() * slice;
     float *xr = x + row * x_stride;
     const float *dr = d + row * d_stride;
-    float ss = 0.0f, xv[AR_REG], wv[AR_REG];
-#pragma unroll
-    for (int k = 0; k < AR_REG; k++) {
-        const int j = threadIdx.x + k * blockDim.x;
-        xv[k] = wv[k] = 0.0f;
-        if (j < slice) {
-            const float v = xr[i0 + j] + dr[i0 + j];
-            xr[i0 + j] = v;
-            ss += v * v;
-            xv[k] = v;
-            wv[k] = w[i0 + j];
-        }
-    }
-    const float bs = m40k_block_sum(ss, partial);
+    float xv[AR_REG], wv[AR_REG];
+    const float bs = m40k_block_sum(ar_add_hold(xr, dr, w, i0, slice, xv, wv), partial);
     if (threadIdx.x == 0)
         block_ss = bs;
     cluster.sync(); /* every block's block_ss written */
@@ -161,12 +168,7 @@ __global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_cl_kernel(float *__
      * arrived (the wait below, before this block exits) */
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
     const float scale = rsqrtf(total / dim + eps);
-#pragma unroll
-    for (int k = 0; k < AR_REG; k++) {
-        const int j = threadIdx.x + k * blockDim.x;
-        if (j < slice)
-            ar_emit(i0 + j, xv[k] * scale * wv[k], row, out, out_stride, dim, xq, o16);
-    }
+    ar_emit_held(xv, wv, scale, i0, slice, row, out, out_stride, dim, xq, o16);
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }
@@ -183,9 +185,8 @@ static int add_rmsnorm_launch(float *x, int64_t x_stride, const float *d, int64_
     if (rows <= AR_CL_MAX_ROWS && dim % (AR_CL * 32) == 0 && dim / AR_CL <= AR_CL_THREADS * AR_REG &&
         m40k_clusters_enabled()) {
         const int threads = dim / AR_CL < AR_CL_THREADS ? dim / AR_CL : AR_CL_THREADS;
-        const int e = m40k_launch_cluster_pdl(add_rmsnorm_cl_kernel, dim3(AR_CL, (unsigned)rows), dim3(threads),
-                                              AR_CL, stream, x, x_stride, d, d_stride, w, out, out_stride, dim, eps,
-                                              xq, o16);
+        const int e = m40k_launch_ex(add_rmsnorm_cl_kernel, dim3(AR_CL, (unsigned)rows), dim3(threads), 0, AR_CL,
+                                     stream, x, x_stride, d, d_stride, w, out, out_stride, dim, eps, xq, o16);
         return e ? e : m40k_launch_status();
     }
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;

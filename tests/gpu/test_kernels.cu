@@ -1198,6 +1198,20 @@ static void bench_skinny(void)
                 printf("bench f16 %-6s N %5d K %5d n %2d%s: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n", vn[v], sh.N,
                        sh.K, n, v == 0 ? (S > 1 ? " (split)" : "        ") : "        ", us, gbs, 100.0 * gbs / peak);
             }
+        if (sh.K >= 2 * sh.N) /* the down projection: also with its SwiGLU formed from gate and up rows */
+            for (int n : {1, 2}) {
+                const int S = m40k_gemm_skinny_pick_splits(sh.N, sh.K, n, sms, wsf, m40k_gemm_skinny_counter_ints(sh.N));
+                float *dgu = dup(rand_vec((size_t)n * 2 * sh.K, -4, 4));
+                int turn = 0;
+                auto run = [&]() {
+                    CK(m40k_gemm_skinny_glu(M40K_GLU_SILU, dw[turn++ % copies], sh.N, sh.K, dgu, dgu + sh.K, 2 * sh.K,
+                                            n, dy, sh.N, S, dws, dcnt, 0));
+                };
+                const double us = time_us(run, 50), gbs = bytes / (us * 1e3);
+                printf("bench f16 skinny_glu N %5d K %5d n %2d: %8.1f us  %7.1f GB/s  %5.1f%% of roofline\n", sh.N,
+                       sh.K, n, us, gbs, 100.0 * gbs / peak);
+                cudaFree(dgu);
+            }
         for (auto d : dw)
             cudaFree(d);
         cudaFree(dx), cudaFree(dx16), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
