@@ -173,6 +173,24 @@ __global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_cl_kernel(float *__
 #endif
 }
 
+/* Whether the cluster kernel runs here: clusters enabled on this device and the kernel's
+ * code for it built for sm_90 or later (a build for older targets only runs on a Hopper
+ * GPU too, where the kernel's body would be empty). */
+static bool ar_cluster_ok(void)
+{
+    if (!m40k_clusters_enabled())
+        return false;
+    static signed char by_dev[64]; /* 0 unknown, 1 yes, -1 no */
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return false;
+    if (by_dev[dev] == 0) {
+        cudaFuncAttributes a;
+        by_dev[dev] = cudaFuncGetAttributes(&a, add_rmsnorm_cl_kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : -1;
+    }
+    return by_dev[dev] > 0;
+}
+
 /* xq: also the int8 quantization of out (dim a multiple of 32); o16: also its F16 copy */
 static int add_rmsnorm_launch(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
                               int64_t out_stride, int rows, int dim, float eps, gq_blk *xq, uint16_t *o16,
@@ -183,7 +201,7 @@ static int add_rmsnorm_launch(float *x, int64_t x_stride, const float *d, int64_
     if (dim <= 0 || (xq && dim % 32))
         return M40K_INVALID;
     if (rows <= AR_CL_MAX_ROWS && dim % (AR_CL * 32) == 0 && dim / AR_CL <= AR_CL_THREADS * AR_REG &&
-        m40k_clusters_enabled()) {
+        ar_cluster_ok()) {
         const int threads = dim / AR_CL < AR_CL_THREADS ? dim / AR_CL : AR_CL_THREADS;
         const int e = m40k_launch_ex(add_rmsnorm_cl_kernel, dim3(AR_CL, (unsigned)rows), dim3(threads), 0, AR_CL,
                                      stream, x, x_stride, d, d_stride, w, out, out_stride, dim, eps, xq, o16);
