@@ -174,8 +174,9 @@ __global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_cl_kernel(float *__
 }
 
 /* Whether the cluster kernel runs here: clusters enabled on this device and the kernel's
- * code for it built for sm_90 or later (a build for older targets only runs on a Hopper
- * GPU too, where the kernel's body would be empty). */
+ * code for it compiled from compute_90 or later (ptxVersion: a build for older targets
+ * also runs on a Hopper GPU, as its own machine code or JIT-compiled from older PTX, and
+ * there the kernel's body is empty). */
 static bool ar_cluster_ok(void)
 {
     if (!m40k_clusters_enabled())
@@ -186,7 +187,9 @@ static bool ar_cluster_ok(void)
         return false;
     if (by_dev[dev] == 0) {
         cudaFuncAttributes a;
-        by_dev[dev] = cudaFuncGetAttributes(&a, add_rmsnorm_cl_kernel) == cudaSuccess && a.binaryVersion >= 90 ? 1 : -1;
+        const bool ok = cudaFuncGetAttributes(&a, add_rmsnorm_cl_kernel) == cudaSuccess && a.ptxVersion >= 90 &&
+                        a.binaryVersion >= 90;
+        by_dev[dev] = ok ? 1 : -1;
     }
     return by_dev[dev] > 0;
 }
