@@ -373,6 +373,12 @@ const m40_tokenizer *m40_model_tokenizer(const m40_model *m) { return m->tok; }
 const m40_gguf *m40_model_gguf(const m40_model *m) { return m->gguf; }
 int m40_model_n_threads(const m40_model *m) { return m->n_threads; }
 int m40_model_device(const m40_model *m) { return m->gpu ? m->device : -1; }
+void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launches)
+{
+    *captures = *launches = 0;
+    if (m->gpu)
+        m40_gpu_graph_stats(m->gpu, captures, launches);
+}
 
 /* --------------------------------------------------------------- KV cache ---- */
 

@@ -48,6 +48,8 @@ typedef struct {
 int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen);
 /* -1: the CPU, else the CUDA device index the model lives on. */
 int m40_model_device(const m40_model *m);
+/* GPU models: decode-step CUDA graphs captured and launched so far (0 and 0 on the CPU). */
+void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launches);
 void m40_model_free(m40_model *m);
 const m40_model_params *m40_model_get_params(const m40_model *m);
 const m40_tokenizer *m40_model_tokenizer(const m40_model *m);

@@ -32,6 +32,11 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     return -1;
 }
 void m40_gpu_free(m40_gpu *g) { (void)g; }
+void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
+{
+    (void)g;
+    *captures = *launches = 0;
+}
 m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx)
 {
     (void)g, (void)n_slots, (void)ctx;
@@ -305,6 +310,7 @@ void m40_gpu_free(m40_gpu *g)
     cudaSetDevice(g->device);
     if (g->stream)
         cudaStreamSynchronize(g->stream);
+    m40_gpu_graphs_free(g);
     if (g->layers) {
         for (int32_t l = 0; l < g->p.n_layers; l++) {
             glayer *L = &g->layers[l];
@@ -390,6 +396,13 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         goto fail;
     }
     g->sm_count = prop.multiProcessorCount;
+    {
+        /* CUDA graphs for decode steps of up to this many sequences (0: off) */
+        const char *cg = getenv("M40_CUDA_GRAPHS");
+        g->graph_max = cg && *cg ? atoi(cg) : 64;
+        if (g->graph_max < 0)
+            g->graph_max = 0;
+    }
     {
         const char *sk = getenv("M40_SKINNY");
         g->skinny = prop.major >= 8 && !(sk && !strcmp(sk, "0"));

@@ -112,6 +112,7 @@ void m40_gpu_kv_free(m40_gpu_kv *kv)
         return;
     cudaSetDevice(kv->g->device);
     cudaStreamSynchronize(kv->g->stream);
+    m40_gpu_graphs_free(kv->g); /* they read this pool */
     if (kv->seqs)
         for (int32_t i = 0; i < kv->n_slots; i++)
             m40_kv_seq_free(kv->seqs[i]);
@@ -192,9 +193,30 @@ static int grow_dev(void **p, size_t bytes)
     return cudaMalloc(p, bytes + 256) == cudaSuccess ? 0 : -1;
 }
 
+/* Drops every decode-step graph (they bake in the scratch pointers; called before any
+ * of those is reallocated). */
+static void graphs_drop(m40_gpu *g)
+{
+    for (int i = 0; i < M40_GRAPH_SLOTS; i++) {
+        if (g->graphs[i].exec)
+            cudaGraphExecDestroy(g->graphs[i].exec);
+        memset(&g->graphs[i], 0, sizeof g->graphs[i]);
+    }
+}
+
+void m40_gpu_graphs_free(m40_gpu *g) { graphs_drop(g); }
+
+void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
+{
+    *captures = g->graph_captures;
+    *launches = g->graph_launches;
+}
+
 static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
 {
     const m40_model_params *p = &g->p;
+    if (n > g->cap || (n_out > g->cap_out) || (g->skinny && !g->gemm_f32 && !g->sk_cnt))
+        graphs_drop(g);
     if (n > g->cap) {
         int32_t c = n < 64 ? 64 : n;
         size_t N = (size_t)c, in_max = (size_t)p->ffn_dim;
@@ -259,6 +281,7 @@ static int ensure_ints(m40_gpu *g, size_t n)
 {
     if (n <= g->ints_cap)
         return 0;
+    graphs_drop(g);
     n = n < 4096 ? 4096 : n * 2;
     cudaFreeHost(g->ints_h);
     g->ints_h = NULL;
@@ -428,6 +451,198 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
     return 0;
 }
 
+/* What a step's device work depends on, besides the model: sizes, the attention
+ * choice and the device tables (m40_gpu_forward builds it). */
+typedef struct {
+    int32_t n, n_dec, n_grp, n_out;
+    int tuned, splits, splits_local;
+    const int32_t *d_tok, *d_pos, *d_rs, *d_qi, *d_ip, *d_lpl, *d_out, *d_idx;
+} step_plan;
+
+/* Enqueues a step's device work, embedding to logits (in g->logits_d), on g->stream:
+ * kernel launches and cuBLAS calls only, nothing that waits on the host, so that a
+ * decode step can be captured into a CUDA graph as it is. */
+static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, size_t errlen)
+{
+    const m40_model_params *p = &g->p;
+    const int32_t n = sp->n, n_dec = sp->n_dec, n_grp = sp->n_grp, n_out = sp->n_out;
+    const int tuned = sp->tuned, splits = sp->splits, splits_local = sp->splits_local;
+    const int32_t *d_tok = sp->d_tok, *d_pos = sp->d_pos, *d_rs = sp->d_rs, *d_qi = sp->d_qi, *d_ip = sp->d_ip,
+                  *d_lpl = sp->d_lpl, *d_out = sp->d_out, *d_idx = sp->d_idx;
+    const int hd = p->head_dim;
+    const int window = g->gemma3 ? g->g3.window : 0;
+    const float scale = g->gemma3 ? g->g3.attn_scale : 1.0f / sqrtf((float)hd);
+    const int64_t dim = p->dim, qkvd = g->qkv_dim, ffn = p->ffn_dim;
+
+    CK(m40k_embed(g->tok_embd.data, g->tok_embd.type, g->tok_embd.rows, (int)dim, d_tok, n, g->x, M40K_TYPE_F32, dim,
+                  g->stream));
+    if (g->gemma3)
+        CK(m40k_scale(g->x, (int64_t)n * dim, g->g3.embd_scale, g->stream));
+    for (int32_t l = 0; l < p->n_layers; l++) {
+        const glayer *L = &g->layers[l];
+        uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
+        /* gemma3: local layers have their own RoPE base and a window; global ones the
+         * file's base, optionally linearly scaled */
+        const int win = g->gemma3 && L->local ? window : 0;
+        const float base = !g->gemma3 ? p->rope_base : L->local ? g->g3.local_base : g->g3.global_base;
+        const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
+        /* the previous layer's FFN residual is still in xb: added here, fused with this norm
+         * (and with the int8 quantization of its output when the GEMV takes that) */
+        const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
+        if (l == 0)
+            CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
+        else if (xq_qkv)
+            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
+                                   g->stream));
+        else if (x16_qkv)
+            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
+                                    g->stream));
+        else
+            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
+        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, l > 0 && x16_qkv, err, errlen))
+            return -1;
+        float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
+        if (g->gemma3) {
+            CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
+            CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
+        }
+        /* Decode rows (the first n_dec, one per sequence): the decode attention kernel
+         * rotates their Q and K (RoPE) and appends their K and V to the cache itself. The
+         * other rows: RoPE on Q in place and on K on its way into the cache, one launch
+         * (k in qkv stays unrotated: the attention kernels read K from the cache only). */
+        const int32_t r0 = tuned ? n_dec : 0;
+        if (tuned && n_dec > 0)
+            CK(m40k_attn_decode_rope(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
+                                     p->n_heads, p->n_kv_heads, hd, scale, win, d_pos, p->rope_dim, base, ff,
+                                     p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, g->stream));
+        if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
+            CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
+                                   v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
+                                   d_lpl + r0, p->n_kv_heads, hd, d_pos + r0, p->rope_dim, base, ff, p->rope_neox,
+                                   g->stream));
+        if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
+            CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
+                                             vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
+                                             scale, win, g->stream));
+        if (!tuned)
+            CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
+                                        p->n_kv_heads, hd, scale, win, g->stream));
+        if (matmul(g, &L->wo, g->att, n, g->xb, 0, 0, err, errlen))
+            return -1;
+        if (g->gemma3)
+            CK(m40k_rmsnorm(g->xb, dim, L->post_attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+                            g->stream));
+        const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
+        const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
+        if (xq_gu)
+            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
+                                   g->stream));
+        else if (x16_gu)
+            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
+                                    g->stream));
+        else
+            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
+        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, err, errlen))
+            return -1;
+        const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
+        /* F16 down projection on the tensor-core GEMV: it forms act(gate) * up itself */
+        const gmat *dw = &L->down.part[0];
+        if (L->down.n_parts == 1 && !L->down.bias && skinny_reads(g, dw, n)) {
+            const int S = m40k_gemm_skinny_pick_splits((int)dw->rows, (int)dw->cols, n, g->sm_count, g->sk_ws_floats,
+                                                       g->sk_cnt_ints);
+            CK(m40k_gemm_skinny_glu(act, (const uint16_t *)dw->data, (int)dw->rows, (int)dw->cols, g->hb, g->hb + ffn,
+                                    2 * ffn, n, g->xb, dim, S, g->sk_ws, g->sk_cnt, g->stream));
+        } else {
+            if (xq_dn)
+                CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
+            else if (x16_dn)
+                CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
+            else
+                CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
+            if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, x16_dn, err, errlen))
+                return -1;
+        }
+        if (g->gemma3)
+            CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+                            g->stream));
+    }
+    if (p->n_layers > 0) /* the last layer's FFN residual */
+        CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
+    if (n_out > 0) {
+        CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
+        CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
+                        g->stream));
+        int xq_ready = 0, x16_ready = 0;
+        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready, err, errlen))
+            return -1;
+        if (g->gemma3 && g->g3.logit_softcap > 0)
+            CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
+    }
+    return 0;
+}
+
+/* Runs a step's device work (enqueue_step). A pure decode step of at most g->graph_max
+ * sequences goes through a CUDA graph of its shape: the first step of a shape runs as
+ * plain launches (kernels load and lazy setup happens outside any capture), the second
+ * is captured and instantiated, and from then on each step of that shape is one graph
+ * launch (the GPU takes the whole step's ~300 kernels, their PDL edges included, as one
+ * unit of work). Per-step data reaches the kernels through the device tables only, and
+ * the split counts are taken from a bucketed length (m40_gpu_forward), so the same
+ * graph serves every step of the shape. A failed capture is logged once and that shape
+ * keeps plain launches. */
+static int run_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, size_t errlen)
+{
+    if (g->graph_max <= 0 || sp->n > g->graph_max || !sp->tuned || sp->n_dec != sp->n || sp->n_grp != sp->n)
+        return enqueue_step(g, kv, sp, err, errlen);
+    gstep_graph *e = NULL, *lru = &g->graphs[0];
+    for (int i = 0; i < M40_GRAPH_SLOTS && !e; i++) {
+        gstep_graph *c = &g->graphs[i];
+        if (c->seen && c->n == sp->n && c->n_out == sp->n_out && c->splits == sp->splits &&
+            c->splits_local == sp->splits_local && c->kv_k == (const void *)kv->k && c->kv_v == (const void *)kv->v && c->kv_layer == kv->layer_elems)
+            e = c;
+        else if (c->used < lru->used)
+            lru = c;
+    }
+    g->graph_tick++;
+    if (!e) { /* first sight: plain launches, remembered */
+        if (lru->exec)
+            cudaGraphExecDestroy(lru->exec);
+        *lru = (gstep_graph){.n = sp->n, .n_out = sp->n_out, .splits = sp->splits, .splits_local = sp->splits_local,
+                             .kv_k = kv->k, .kv_v = kv->v, .kv_layer = kv->layer_elems, .seen = 1, .used = g->graph_tick};
+        return enqueue_step(g, kv, sp, err, errlen);
+    }
+    e->used = g->graph_tick;
+    if (!e->exec && !e->failed) {
+        char cerr[256] = "";
+        cudaGraph_t graph = NULL;
+        cudaError_t ce = cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal);
+        int rc = ce == cudaSuccess ? enqueue_step(g, kv, sp, cerr, sizeof cerr) : -1;
+        if (ce == cudaSuccess) {
+            cudaError_t ee = cudaStreamEndCapture(g->stream, &graph);
+            if (ee != cudaSuccess)
+                ce = ee;
+        }
+        if (rc == 0 && ce == cudaSuccess && graph)
+            ce = cudaGraphInstantiateWithFlags(&e->exec, graph, 0);
+        if (graph)
+            cudaGraphDestroy(graph);
+        if (rc != 0 || ce != cudaSuccess || !e->exec) {
+            (void)cudaGetLastError(); /* the capture's error: nothing ran, the plain launches follow */
+            e->exec = NULL;
+            e->failed = 1;
+            fprintf(stderr, "m40: gpu %d: no CUDA graph for decode steps of %d sequences (%s); they run without one\n",
+                    g->device, (int)sp->n, rc != 0 ? cerr : cudaGetErrorString(ce));
+        } else {
+            g->graph_captures++;
+        }
+    }
+    if (!e->exec)
+        return enqueue_step(g, kv, sp, err, errlen);
+    CK(cudaGraphLaunch(e->exec, g->stream));
+    g->graph_launches++;
+    return 0;
+}
+
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen)
 {
     const m40_model_params *p = &g->p;
@@ -555,13 +770,19 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
                   *d_lpl = D + o_lpl, *d_out = D + o_out, *d_idx = D + o_idx;
     CK(cudaMemcpyAsync(D, H, n_ints * 4, cudaMemcpyHostToDevice, g->stream));
 
-    /* Attention kernel choice: decode kernel for the first n_dec groups, prefill for the rest. */
+    /* Attention kernel choice: decode kernel for the first n_dec groups, prefill for the rest.
+     * Split counts follow the longest decoding sequence rounded up to a power of two (at
+     * least 32): a decode step's graph (run_step) is then reused across many lengths. */
     int G = p->n_heads / p->n_kv_heads;
     int hd = p->head_dim;
     int tuned = (hd == 64 || hd == 128 || hd == 256) && G >= 1 && G <= 8;
     int splits = 1, splits_local = 1;
     const int window = g->gemma3 ? g->g3.window : 0;
     if (tuned && n_dec > 0) {
+        int64_t bucket = 32;
+        while (bucket < max_len)
+            bucket *= 2;
+        max_len = bucket < INT32_MAX ? (int32_t)bucket : INT32_MAX;
         splits = m40k_decode_pick_splits(n_dec, p->n_kv_heads, max_len, g->sm_count);
         if (splits < 1)
             splits = 1;
@@ -573,6 +794,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             splits_local = 1;
         size_t need_ws = m40k_decode_workspace_floats(n_dec, p->n_heads, hd, splits > splits_local ? splits : splits_local);
         if (need_ws > g->ws_cap) {
+            graphs_drop(g);
             if (grow_dev((void **)&g->ws, need_ws * 4)) {
                 g->ws_cap = 0;
                 m40_set_err(err, errlen, "gpu %d: out of memory for the attention workspace", g->device);
@@ -584,6 +806,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
          * here only when (re)allocated, on the stream, before the first call uses them */
         size_t need_cnt = splits > 1 || splits_local > 1 ? m40k_decode_counter_ints(n_dec, p->n_kv_heads) : 0;
         if (need_cnt > g->att_cnt_cap) {
+            graphs_drop(g);
             if (grow_dev((void **)&g->att_cnt, need_cnt * sizeof *g->att_cnt) ||
                 cudaMemsetAsync(g->att_cnt, 0, need_cnt * sizeof *g->att_cnt, g->stream) != cudaSuccess) {
                 g->att_cnt_cap = 0;
@@ -593,112 +816,11 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             g->att_cnt_cap = need_cnt;
         }
     }
-    const float scale = g->gemma3 ? g->g3.attn_scale : 1.0f / sqrtf((float)hd);
-    const int64_t dim = p->dim, qkvd = g->qkv_dim, ffn = p->ffn_dim;
-
-    CK(m40k_embed(g->tok_embd.data, g->tok_embd.type, g->tok_embd.rows, (int)dim, d_tok, n, g->x, M40K_TYPE_F32, dim,
-                  g->stream));
-    if (g->gemma3)
-        CK(m40k_scale(g->x, (int64_t)n * dim, g->g3.embd_scale, g->stream));
-    for (int32_t l = 0; l < p->n_layers; l++) {
-        const glayer *L = &g->layers[l];
-        uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
-        /* gemma3: local layers have their own RoPE base and a window; global ones the
-         * file's base, optionally linearly scaled */
-        const int win = g->gemma3 && L->local ? window : 0;
-        const float base = !g->gemma3 ? p->rope_base : L->local ? g->g3.local_base : g->g3.global_base;
-        const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
-        /* the previous layer's FFN residual is still in xb: added here, fused with this norm
-         * (and with the int8 quantization of its output when the GEMV takes that) */
-        const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
-        if (l == 0)
-            CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
-        else if (xq_qkv)
-            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
-                                   g->stream));
-        else if (x16_qkv)
-            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
-                                    g->stream));
-        else
-            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
-        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, l > 0 && x16_qkv, err, errlen))
-            return -1;
-        float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
-        if (g->gemma3) {
-            CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
-            CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
-        }
-        /* Decode rows (the first n_dec, one per sequence): the decode attention kernel
-         * rotates their Q and K (RoPE) and appends their K and V to the cache itself. The
-         * other rows: RoPE on Q in place and on K on its way into the cache, one launch
-         * (k in qkv stays unrotated: the attention kernels read K from the cache only). */
-        const int32_t r0 = tuned ? n_dec : 0;
-        if (tuned && n_dec > 0)
-            CK(m40k_attn_decode_rope(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
-                                     p->n_heads, p->n_kv_heads, hd, scale, win, d_pos, p->rope_dim, base, ff,
-                                     p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, g->stream));
-        if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
-            CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
-                                   v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
-                                   d_lpl + r0, p->n_kv_heads, hd, d_pos + r0, p->rope_dim, base, ff, p->rope_neox,
-                                   g->stream));
-        if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
-            CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
-                                             vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
-                                             scale, win, g->stream));
-        if (!tuned)
-            CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
-                                        p->n_kv_heads, hd, scale, win, g->stream));
-        if (matmul(g, &L->wo, g->att, n, g->xb, 0, 0, err, errlen))
-            return -1;
-        if (g->gemma3)
-            CK(m40k_rmsnorm(g->xb, dim, L->post_attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
-                            g->stream));
-        const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
-        const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
-        if (xq_gu)
-            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
-                                   g->stream));
-        else if (x16_gu)
-            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
-                                    g->stream));
-        else
-            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
-        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, err, errlen))
-            return -1;
-        const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
-        /* F16 down projection on the tensor-core GEMV: it forms act(gate) * up itself */
-        const gmat *dw = &L->down.part[0];
-        if (L->down.n_parts == 1 && !L->down.bias && skinny_reads(g, dw, n)) {
-            const int S = m40k_gemm_skinny_pick_splits((int)dw->rows, (int)dw->cols, n, g->sm_count, g->sk_ws_floats,
-                                                       g->sk_cnt_ints);
-            CK(m40k_gemm_skinny_glu(act, (const uint16_t *)dw->data, (int)dw->rows, (int)dw->cols, g->hb, g->hb + ffn,
-                                    2 * ffn, n, g->xb, dim, S, g->sk_ws, g->sk_cnt, g->stream));
-        } else {
-            if (xq_dn)
-                CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
-            else if (x16_dn)
-                CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
-            else
-                CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
-            if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, x16_dn, err, errlen))
-                return -1;
-        }
-        if (g->gemma3)
-            CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
-                            g->stream));
-    }
-    if (p->n_layers > 0) /* the last layer's FFN residual */
-        CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
+    const step_plan sp = {n, n_dec, n_grp, n_out, tuned, splits, splits_local,
+                          d_tok, d_pos, d_rs, d_qi, d_ip, d_lpl, d_out, d_idx};
+    if (run_step(g, kv, &sp, err, errlen))
+        return -1;
     if (n_out > 0) {
-        CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
-        CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
-                        g->stream));
-        int xq_ready = 0, x16_ready = 0;
-        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready, err, errlen))
-            return -1;
-        if (g->gemma3 && g->g3.logit_softcap > 0)
-            CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
         if (b->argmax) { /* greedy on the device: n_out ids come back instead of the rows */
             CK(m40k_sample_greedy(g->logits_d, p->n_vocab, n_out, p->n_vocab, g->pick_d,
                                   (float *)(g->pick_d + g->cap_out), 0, NULL, NULL, g->stream));

@@ -36,6 +36,20 @@ typedef struct {
     float *bias;         /* [rows] or NULL */
 } gproj;
 
+/* A decode step's CUDA graph (model_cuda_fwd.c, run_step): the work of one shape of a
+ * pure decode step, keyed by what the kernels' arguments depend on. */
+typedef struct {
+    int32_t n, n_out, splits, splits_local;
+    const void *kv_k, *kv_v; /* the KV pool it reads (m40_gpu_kv.k, .v) and its layer stride */
+    size_t kv_layer;
+    int seen;            /* ran once without a graph (lazy initializations done) */
+    int failed;          /* capture failed: this shape runs without a graph */
+    cudaGraphExec_t exec;
+    uint64_t used;       /* LRU tick */
+} gstep_graph;
+
+#define M40_GRAPH_SLOTS 64
+
 typedef struct {
     float *attn_norm, *ffn_norm;
     gproj qkv, wo, gate_up, down;
@@ -86,11 +100,20 @@ struct m40_gpu {
     size_t ints_cap;
     float *logits_h;
     int32_t *pick_d; /* greedy picks: cap_out ids, then cap_out logprobs */
+    /* CUDA graphs of decode steps of up to graph_max sequences (M40_CUDA_GRAPHS; 0: off).
+     * Every graph bakes in the scratch pointers above: any regrow drops them all. */
+    int graph_max;
+    gstep_graph graphs[M40_GRAPH_SLOTS];
+    uint64_t graph_tick;
+    int64_t graph_captures, graph_launches;
     /* Host-side grouping scratch. */
     int32_t *perm, *grp_slot, *grp_first, *grp_n, *out_rows;
     m40_kv_seq **grp_seq;
     int32_t host_cap;
 };
+
+/* Destroys every decode-step graph (model_cuda_fwd.c). */
+void m40_gpu_graphs_free(m40_gpu *g);
 
 struct m40_gpu_kv {
     m40_gpu *g;

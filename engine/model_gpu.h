@@ -70,6 +70,8 @@ int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv);
 int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n);
 void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens);
 void m40_gpu_kv_prefix_forget(m40_gpu_kv *kv);
+/* Decode-step CUDA graphs so far: captured (instantiated) and launched. */
+void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches);
 /* The batch was validated by the caller (tokens, slots, positions in range). 0, -1
  * with err, or -2 (M40_FORWARD_NO_BLOCKS) when the pool lacks blocks: nothing changed. */
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);

@@ -297,6 +297,104 @@ static void test_batched(const char *path)
     m40_model_free(m);
 }
 
+/* Decode-step CUDA graphs (M40_CUDA_GRAPHS): the same steps with graphs off and on give
+ * the same logits, and with graphs on the steps after the first of a shape (batch size,
+ * split counts) are graph launches. 3 sequences of 23, 5 and 40 tokens decode 80 steps,
+ * all three together except every fifth step (one of them alone): shapes of 1 and 3
+ * sequences, their split counts changing as the lengths cross 32, 64 and 128; then the
+ * pool is replaced (graphs read its pointers) and decoding goes on in a new one. */
+static void test_graphs(const char *path)
+{
+    char err[512];
+    setenv("M40_CUDA_GRAPHS", "0", 1);
+    m40_model *plain = load_on_gpu(path);
+    unsetenv("M40_CUDA_GRAPHS");
+    m40_model *gm = plain ? load_on_gpu(path) : NULL;
+    if (!plain || !gm) {
+        m40_model_free(plain);
+        return;
+    }
+    enum { GS = 3, GSTEPS = 80 };
+    const int32_t V = m40_model_get_params(plain)->n_vocab;
+    const int32_t lens[GS] = {23, 5, 40};
+    float *la = malloc((size_t)GS * V * sizeof *la), *lb = malloc((size_t)GS * V * sizeof *lb);
+    m40_kv *ka = m40_kv_new(plain, GS, 256), *kb = m40_kv_new(gm, GS, 256);
+    int32_t len[GS], next[GS];
+    double worst = 0;
+    int rows = 0, same = 0, ok = la && lb && ka && kb;
+    uint64_t x = 777;
+    for (int s = 0; s < GS && ok; s++) {
+        int32_t t[64], p[64], sl[64];
+        for (int i = 0; i < lens[s]; i++) {
+            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+            t[i] = (int32_t)((x >> 33) % (uint64_t)V), p[i] = i, sl[i] = s;
+        }
+        m40_batch b = {.n = lens[s], .tokens = t, .pos = p, .slot = sl};
+        ok = m40_model_forward(plain, ka, &b, la, err, sizeof err) == 0 &&
+             m40_model_forward(gm, kb, &b, lb, err, sizeof err) == 0;
+        CHECK(ok, "prefill: %s", err);
+        len[s] = lens[s];
+        next[s] = 0;
+        for (int32_t i = 1; i < V; i++)
+            if (la[i] > la[next[s]])
+                next[s] = i;
+    }
+    for (int t = 0; t < GSTEPS + 12 && ok; t++) {
+        if (t == GSTEPS) { /* a new pool for the graph model; every slot restarts at position 0 in both */
+            m40_kv_free(kb);
+            kb = m40_kv_new(gm, GS, 256);
+            ok = kb != NULL;
+            for (int s = 0; s < GS && ok; s++) {
+                int32_t tk = next[s], p0 = 0, sl = s;
+                m40_batch b = {.n = 1, .tokens = &tk, .pos = &p0, .slot = &sl};
+                ok = m40_model_forward(plain, ka, &b, la, err, sizeof err) == 0 &&
+                     m40_model_forward(gm, kb, &b, lb, err, sizeof err) == 0;
+                len[s] = 1;
+            }
+            CHECK(ok, "new pool: %s", err);
+            continue;
+        }
+        int32_t tk[GS], ps[GS], sl[GS], n = 0;
+        for (int s = 0; s < GS; s++)
+            if (t % 5 != 4 || s == t % 3)
+                tk[n] = next[s], ps[n] = len[s], sl[n] = s, n++;
+        uint8_t want[GS] = {1, 1, 1};
+        m40_batch b = {.n = n, .tokens = tk, .pos = ps, .slot = sl, .want_logits = want};
+        ok = m40_model_forward(plain, ka, &b, la, err, sizeof err) == 0 &&
+             m40_model_forward(gm, kb, &b, lb, err, sizeof err) == 0;
+        CHECK(ok, "decode step %d (%d sequences): %s", t, (int)n, err);
+        for (int j = 0; j < n && ok; j++) {
+            const float *a = la + (size_t)j * V, *c = lb + (size_t)j * V;
+            double d = max_logprob_diff(a, c, V);
+            worst = d > worst ? d : worst;
+            same += memcmp(a, c, (size_t)V * sizeof *a) == 0;
+            rows++;
+            int32_t best = 0;
+            for (int32_t i = 1; i < V; i++)
+                if (a[i] > a[best])
+                    best = i;
+            next[sl[j]] = best;
+            len[sl[j]]++;
+        }
+    }
+    int64_t cap = 0, launched = 0, cap0 = 0, launched0 = 0;
+    m40_model_graph_stats(gm, &cap, &launched);
+    m40_model_graph_stats(plain, &cap0, &launched0);
+    printf("cuda graphs %-40s %d decode rows, %d bit-identical, max |dlogprob| %.3g; %lld graphs, %lld launches\n",
+           strrchr(path, '/') + 1, rows, same, worst, (long long)cap, (long long)launched);
+    CHECK(rows >= 3 * (GSTEPS * 4 / 5), "only %d decode rows compared", rows);
+    CHECK(worst <= 1e-4, "%s: graph steps differ from plain launches by %g", path, worst);
+    CHECK(cap0 == 0 && launched0 == 0, "M40_CUDA_GRAPHS=0 still captured %lld graphs", (long long)cap0);
+    CHECK(cap >= 2 && launched >= GSTEPS / 2, "graphs: %lld captured, %lld launched of %d steps", (long long)cap,
+          (long long)launched, GSTEPS);
+    m40_kv_free(ka);
+    m40_kv_free(kb);
+    free(la);
+    free(lb);
+    m40_model_free(plain);
+    m40_model_free(gm);
+}
+
 /* ---------- 5. Gemma 3 ---------- */
 
 enum { G3_DIM = 64, G3_HEADS = 4, G3_KV = 1, G3_FFN = 96, G3_LAYERS = 4, G3_WINDOW = 40, G3_SEQ = 150,
@@ -946,6 +1044,10 @@ int main(void)
         test_batched(path);
         test_argmax(path);
     }
+    snprintf(path, sizeof path, "%s/models/tiny-llama-q8_0.gguf", shared_copy);
+    test_graphs(path);
+    snprintf(path, sizeof path, "%s/models/tiny-llama-q4km.gguf", shared_copy);
+    test_graphs(path);
     snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
     test_engine(path);
     snprintf(path, sizeof path, "%s/models/tiny-llama-q8_0.gguf", shared_copy);
