@@ -30,11 +30,13 @@ typedef struct {
     long threads, prompt_len, gen, reps, batch, chunk, device;
     unsigned long long seed;
     double bandwidth_gbs;
+    int gpu_time;
 } bench_opts;
 
 typedef struct {
     double prefill_s; /* all batch slots together */
     double decode_s;
+    double decode_dev_s; /* --gpu-time: device time of the decode calls (events), else 0 */
 } bench_run;
 
 static void bench_usage(FILE *f)
@@ -49,7 +51,9 @@ static void bench_usage(FILE *f)
             "  --batch B         sequences decoded together, one forward call of B tokens per step (default 1)\n"
             "  --reps N          repetitions; each is printed, then the median (default 3)\n"
             "  --bandwidth GB/s  memory bandwidth of the roofline (default %.0f: H100 80GB HBM3 copy)\n"
-            "  --seed S          seed of the random prompt token ids (default 1)\n",
+            "  --seed S          seed of the random prompt token ids (default 1)\n"
+            "  --gpu-time        also time each decode step's device work with CUDA events and print\n"
+            "                    it beside the wall time (the difference: host work and launch gaps)\n",
             BENCH_DEFAULT_BANDWIDTH_GBS);
 }
 
@@ -170,6 +174,10 @@ static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *r
     /* Decode: every step feeds each slot its previous greedy token. */
     for (int32_t s = 0; s < B; s++)
         want[s] = 1;
+    double dev0 = 0;
+    int64_t nd0 = 0;
+    if (o->gpu_time)
+        m40_model_step_time(m, &dev0, &nd0);
     t0 = now_s();
     for (long step = 0; step < o->gen; step++) {
         for (int32_t s = 0; s < B; s++) {
@@ -184,6 +192,13 @@ static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *r
             goto out;
     }
     r->decode_s = now_s() - t0;
+    r->decode_dev_s = 0;
+    if (o->gpu_time) {
+        double dev1 = 0;
+        int64_t nd1 = 0;
+        m40_model_step_time(m, &dev1, &nd1);
+        r->decode_dev_s = dev1 - dev0;
+    }
     rc = 0;
 out:
     free(tok);
@@ -204,6 +219,10 @@ static int parse_args(int argc, char **argv, bench_opts *o)
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             bench_usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--gpu-time")) {
+            o->gpu_time = 1;
+            continue;
         }
         if (!(a[0] == '-' && a[1] == '-')) {
             if (o->model_path) {
@@ -305,6 +324,11 @@ int m40_cmd_bench(int argc, char **argv)
         return 2;
     }
     int on_gpu = m40_model_device(m) >= 0;
+    if (o.gpu_time && (!on_gpu || m40_model_step_timing(m, 1))) {
+        fprintf(stderr, "m40 bench: --gpu-time needs a model on a CUDA device (--device N)\n");
+        m40_model_free(m);
+        return 2;
+    }
     double kv_bytes = (double)o.batch * p->n_layers * (double)ctx * 2.0 * p->n_kv_heads * p->head_dim * (on_gpu ? 2.0 : 4.0);
     m40_kv *kv = m40_kv_new(m, (int32_t)o.batch, (int32_t)ctx);
     if (!kv) {
@@ -355,6 +379,11 @@ int m40_cmd_bench(int argc, char **argv)
                "%.2f tok/s (%.2f steps/s)\n",
                r + 1, o.prompt_len * o.batch, run.prefill_s, prefill_tps[r], o.gen, o.batch, run.decode_s,
                decode_tps[r], step_ps[r]);
+        if (o.gpu_time)
+            printf("          decode step: %.3f ms wall, %.3f ms device work (table upload to the last copy back), "
+                   "%.3f ms outside it\n",
+                   1e3 * run.decode_s / (double)o.gen, 1e3 * run.decode_dev_s / (double)o.gen,
+                   1e3 * (run.decode_s - run.decode_dev_s) / (double)o.gen);
         fflush(stdout);
     }
 

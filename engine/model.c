@@ -380,6 +380,16 @@ void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launc
         m40_gpu_graph_stats(m->gpu, captures, launches);
 }
 
+int m40_model_step_timing(m40_model *m, int on) { return m->gpu ? m40_gpu_step_timing(m->gpu, on) : -1; }
+void m40_model_step_time(const m40_model *m, double *seconds, int64_t *steps)
+{
+    double ms = 0;
+    *steps = 0;
+    if (m->gpu)
+        m40_gpu_step_time(m->gpu, &ms, steps);
+    *seconds = ms / 1e3;
+}
+
 /* --------------------------------------------------------------- KV cache ---- */
 
 m40_kv *m40_kv_new(const m40_model *m, int32_t n_slots, int32_t ctx)

@@ -50,6 +50,11 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
 int m40_model_device(const m40_model *m);
 /* GPU models: decode-step CUDA graphs captured and launched so far (0 and 0 on the CPU). */
 void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launches);
+/* GPU models: time each forward call's device work with CUDA events (on / off; -1 on the
+ * CPU or when the events can not be made), and the sum so far in seconds over the calls
+ * timed (0 and 0 on the CPU). For profiling: host time per step = wall - device time. */
+int m40_model_step_timing(m40_model *m, int on);
+void m40_model_step_time(const m40_model *m, double *seconds, int64_t *steps);
 void m40_model_free(m40_model *m);
 const m40_model_params *m40_model_get_params(const m40_model *m);
 const m40_tokenizer *m40_model_tokenizer(const m40_model *m);

@@ -37,6 +37,16 @@ void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
     (void)g;
     *captures = *launches = 0;
 }
+int m40_gpu_step_timing(m40_gpu *g, int on)
+{
+    (void)g, (void)on;
+    return -1;
+}
+void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps)
+{
+    (void)g;
+    *ms = 0, *steps = 0;
+}
 m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx)
 {
     (void)g, (void)n_slots, (void)ctx;
@@ -311,6 +321,9 @@ void m40_gpu_free(m40_gpu *g)
     if (g->stream)
         cudaStreamSynchronize(g->stream);
     m40_gpu_graphs_free(g);
+    for (int i = 0; i < 2; i++)
+        if (g->step_ev[i])
+            cudaEventDestroy(g->step_ev[i]);
     if (g->layers) {
         for (int32_t l = 0; l < g->p.n_layers; l++) {
             glayer *L = &g->layers[l];

@@ -212,6 +212,30 @@ void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
     *launches = g->graph_launches;
 }
 
+int m40_gpu_step_timing(m40_gpu *g, int on)
+{
+    cudaSetDevice(g->device);
+    if (on && !g->step_ev[0]) {
+        if (cudaEventCreate(&g->step_ev[0]) != cudaSuccess) {
+            g->step_ev[0] = NULL;
+            return -1;
+        }
+        if (cudaEventCreate(&g->step_ev[1]) != cudaSuccess) {
+            cudaEventDestroy(g->step_ev[0]);
+            g->step_ev[0] = g->step_ev[1] = NULL;
+            return -1;
+        }
+    }
+    g->time_steps = on != 0;
+    return 0;
+}
+
+void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps)
+{
+    *ms = g->step_gpu_ms;
+    *steps = g->steps_timed;
+}
+
 static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
 {
     const m40_model_params *p = &g->p;
@@ -768,6 +792,8 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     int32_t *D = g->ints_d;
     const int32_t *d_tok = D + o_tok, *d_pos = D + o_pos, *d_rs = D + o_rs, *d_qi = D + o_qi, *d_ip = D + o_ip,
                   *d_lpl = D + o_lpl, *d_out = D + o_out, *d_idx = D + o_idx;
+    if (g->time_steps)
+        CK(cudaEventRecord(g->step_ev[0], g->stream));
     CK(cudaMemcpyAsync(D, H, n_ints * 4, cudaMemcpyHostToDevice, g->stream));
 
     /* Attention kernel choice: decode kernel for the first n_dec groups, prefill for the rest.
@@ -830,7 +856,16 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
                                g->stream));
         }
     }
+    if (g->time_steps)
+        CK(cudaEventRecord(g->step_ev[1], g->stream));
     CK(cudaStreamSynchronize(g->stream));
+    if (g->time_steps) {
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, g->step_ev[0], g->step_ev[1]) == cudaSuccess) {
+            g->step_gpu_ms += ms;
+            g->steps_timed++;
+        }
+    }
     if (n_out > 0)
         memcpy(b->argmax ? (void *)b->argmax : (void *)logits, g->logits_h,
                b->argmax ? (size_t)n_out * 4 : (size_t)n_out * p->n_vocab * 4);

@@ -106,6 +106,11 @@ struct m40_gpu {
     gstep_graph graphs[M40_GRAPH_SLOTS];
     uint64_t graph_tick;
     int64_t graph_captures, graph_launches;
+    /* m40_gpu_step_timing: events around each forward call's device work */
+    int time_steps;
+    cudaEvent_t step_ev[2];
+    double step_gpu_ms;
+    int64_t steps_timed;
     /* Host-side grouping scratch. */
     int32_t *perm, *grp_slot, *grp_first, *grp_n, *out_rows;
     m40_kv_seq **grp_seq;

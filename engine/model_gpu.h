@@ -72,6 +72,11 @@ void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *qu
 void m40_gpu_kv_prefix_forget(m40_gpu_kv *kv);
 /* Decode-step CUDA graphs so far: captured (instantiated) and launched. */
 void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches);
+/* Device time of forward calls: with timing on, each call's device work (table upload
+ * to the last copy back) is timed with two CUDA events; step_time returns the sum in
+ * milliseconds and the number of calls timed. 0, or -1 when the events can not be made. */
+int m40_gpu_step_timing(m40_gpu *g, int on);
+void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps);
 /* The batch was validated by the caller (tokens, slots, positions in range). 0, -1
  * with err, or -2 (M40_FORWARD_NO_BLOCKS) when the pool lacks blocks: nothing changed. */
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);

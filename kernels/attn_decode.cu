@@ -27,19 +27,30 @@
  * any block schedule is safe; a PDL-launched GEMV that follows waits (griddepcontrol.wait)
  * for the whole grid, merging blocks included, before it reads `out`. The splits divide the
  * positions evenly (any token boundary). window > 0 (sliding-window layers, Gemma 3):
- * only the last `window` positions are read, and the splits divide that range. */
+ * only the last `window` positions are read, and the splits divide that range.
+ *
+ * Few (sequence, KV head) pairs (batch 1-2) on sm_90: the splits of a pair run as one
+ * thread block cluster instead (CL below: up to 16 blocks, 64-position tiles, the step's
+ * own token in the last split's last tile) and merge through distributed shared memory:
+ * no workspace, fence, counter or reload through L2. H100, Mistral-7B shape, 640
+ * positions, batch-1 decode: F16 174.6 -> 178.6, Q8_0 281.1 -> 290.1, Q4_K_M 355.4 ->
+ * 374.0 tok/s (BENCHMARKS.md, eighth session). */
 #include "cuda_common.h"
 #include "rope_dev.h"
 
+#include <cooperative_groups.h>
 #include <math.h>
+namespace cg = cooperative_groups;
 
 #define DEC_THREADS 128
 #define DEC_TT 4 /* tokens per team per tile */
+#define DEC_TT_CL 8 /* in a cluster split (few blocks a launch: 2 an SM are enough) */
 /* blocks per SM the registers must allow for groups of up to 4 heads (128 a thread;
  * 8 heads: 2): the RoPE variant (6c) took 135 with no bound, 3 blocks an SM, and ran
  * 1.5x the plain kernel on grids of 4 blocks an SM (H100, 64 sequences x 4,096
  * positions: 598 against 394 us) */
 #define DEC_MIN_BLOCKS 4
+#define DEC_PF_TILES 4 /* tiles a cluster split prefetches into L1 before its wait */
 
 /* VW consecutive floats (VW 1, 2 or 4; p aligned to VW floats) read through L2 only
  * (ld.global.cg): rows other SMs stored are never served from this SM's L1. */
@@ -97,16 +108,34 @@ __device__ __forceinline__ void dec_rope8(const float *x, int d0, const dec_rope
         o[i] = r[i];
 }
 
-template <int D, int GMAX, bool ROPE>
-__global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void attn_decode_kernel(
+/* The splits of one (sequence, KV head) as a thread block cluster (sm_90), CL: grid
+ * (n_splits, n_kv_heads, n_seqs) in clusters of n_splits blocks along x. Each block keeps
+ * its split's unnormalized output, max and sum in its own shared memory; after one
+ * cluster barrier, block r merges the r-th slice of the G*D outputs from every block's
+ * shared memory (distributed shared memory, rank order: the same sums every run) and
+ * writes them. No workspace, fence, counter or L2 round trip: at batch 1 that chain
+ * (store, fence, atomic, reload of every split) was most of the kernel's time. */
+#define DEC_CL_MAX 16 /* non-portable cluster size (H100: up to 16) */
+/* at most this many (sequence, KV head) pairs: with more, the grid fills the GPU anyway
+ * and clusters were slower (H100, 16 sequences x 8 KV heads, 576 positions, 4 splits:
+ * 22.2 -> 28.0 us) */
+#define DEC_CL_GROUPS 16
+/* at most this many splits asked for (the engine's pick: one per 32 positions of the
+ * longest sequence, rounded up to a power of two): 32 run as 16 blocks of up to 64
+ * positions, one tile each; longer ranges keep the workspace merge and its up to 64 blocks */
+#define DEC_CL_SPLITS 32
+
+template <int D, int GMAX, bool ROPE, bool CL>
+__global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void attn_decode_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride, uint16_t *kc,
     uint16_t *vc, const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices,
     const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads, float scale, int n_splits,
     float *__restrict__ ws, int *__restrict__ counters, int window, dec_rope rp)
 {
     __shared__ float2 cs[ROPE ? D / 2 : 1]; /* (cos, sin) of the new token's rotation pairs */
-    constexpr int TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * DEC_TT;
-    const int kvh = blockIdx.x, s = blockIdx.y, split = blockIdx.z;
+    constexpr int TT = CL ? DEC_TT_CL : DEC_TT, TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * TT;
+    const int kvh = CL ? blockIdx.y : blockIdx.x, s = CL ? blockIdx.z : blockIdx.y,
+              split = CL ? blockIdx.x : blockIdx.z;
     const int tid = threadIdx.x, tm = tid / TPR, c = tid % TPR;
     m40k_grid_launch_dependents(); /* a PDL-launched kernel may follow */
 
@@ -137,16 +166,19 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
          * tail and the block waits only for q. */
         if ((int)threadIdx.x < rp.rot_dim / 2) {
             float sn, cv;
-            m40k_rope_sincos(rp.pos[blockIdx.y], threadIdx.x, rp.rot_dim, rp.log2_base, rp.ff, &sn, &cv);
+            m40k_rope_sincos(rp.pos[s], threadIdx.x, rp.rot_dim, rp.log2_base, rp.ff, &sn, &cv);
             cs[threadIdx.x] = make_float2(cv, sn);
         }
+        /* (a cluster split is longer: its first DEC_PF_TILES tiles) */
+        for (int t0 = tok0; t0 < tc && t0 < tok0 + (CL ? DEC_PF_TILES : 1) * TILE; t0 += TILE) {
 #pragma unroll
-        for (int u = 0; u < DEC_TT; u++) {
-            const int t = tok0 + tm + NT * u;
-            if (t < tc) {
-                const size_t at = row_at(t);
-                asm volatile("prefetch.global.L1 [%0];" ::"l"(kc + at));
-                asm volatile("prefetch.global.L1 [%0];" ::"l"(vc + at));
+            for (int u = 0; u < TT; u++) {
+                const int t = t0 + tm + NT * u;
+                if (t < tc) {
+                    const size_t at = row_at(t);
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(kc + at));
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(vc + at));
+                }
             }
         }
         m40k_grid_wait();
@@ -166,6 +198,10 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
     __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
     const int G = n_heads / n_kv_heads;
 
+    if (ROPE && has_new && tm == 0) { /* the new token's rows (below): in flight with q's */
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(rp.k + s * rp.k_stride + (int64_t)kvh * D + 8 * c));
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(rp.v + s * rp.v_stride + (int64_t)kvh * D + 8 * c));
+    }
     if (ROPE)
         __syncthreads(); /* cs */
     float qr[GMAX][8], acc[GMAX][8];
@@ -212,9 +248,9 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
 
     /* One tile: the rows kr / vr of positions t0 + tm + NT*u (those >= tend are not
      * part of it): scores, the online-softmax update, p * V into acc. */
-    auto tile = [&](int t0, int tend, const uint4 (&kr)[DEC_TT], const uint4 (&vr)[DEC_TT]) {
+    auto tile = [&](int t0, int tend, const uint4 (&kr)[TT], const uint4 (&vr)[TT]) {
 #pragma unroll
-        for (int u = 0; u < DEC_TT; u++) {
+        for (int u = 0; u < TT; u++) {
             float kf[8];
             m40k_unpack_h8(kr[u], kf);
             const bool valid = t0 + tm + NT * u < tend;
@@ -255,9 +291,9 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
             }
         }
         __syncthreads();
-        float vf[DEC_TT][8];
+        float vf[TT][8];
 #pragma unroll
-        for (int u = 0; u < DEC_TT; u++)
+        for (int u = 0; u < TT; u++)
             m40k_unpack_h8(vr[u], vf[u]);
 #pragma unroll
         for (int g = 0; g < GMAX; g++) {
@@ -267,7 +303,7 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
                 for (int i = 0; i < 8; i++)
                     acc[g][i] *= a;
 #pragma unroll
-                for (int u = 0; u < DEC_TT; u++) {
+                for (int u = 0; u < TT; u++) {
                     const float p = S[g][tm + NT * u];
 #pragma unroll
                     for (int i = 0; i < 8; i++)
@@ -278,27 +314,36 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
         __syncthreads();
     };
 
-    for (int t0 = tok0; t0 < tc; t0 += TILE) {
-        uint4 kr[DEC_TT], vr[DEC_TT];
+    /* A cluster split takes the new token in its last tile, from nks / nvs (so the last
+     * split, on the launch's critical path, runs no tile more than the others). */
+    constexpr bool FOLD = CL && ROPE;
+    const int tl = FOLD ? tok1 : tc; /* positions the loop covers */
+    if (FOLD && has_new)
+        __syncthreads(); /* nks, nvs */
+    for (int t0 = tok0; t0 < tl; t0 += TILE) {
+        uint4 kr[TT], vr[TT];
 #pragma unroll
-        for (int u = 0; u < DEC_TT; u++) {
+        for (int u = 0; u < TT; u++) {
             const int t = t0 + tm + NT * u;
             if (t < tc) {
                 const size_t at = row_at(t);
                 kr[u] = __ldg(reinterpret_cast<const uint4 *>(kc + at));
                 vr[u] = __ldg(reinterpret_cast<const uint4 *>(vc + at));
+            } else if (FOLD && t < tl) { /* t == len - 1: the new token */
+                kr[u] = nks[c];
+                vr[u] = nvs[c];
             } else {
                 kr[u] = make_uint4(0, 0, 0, 0);
                 vr[u] = make_uint4(0, 0, 0, 0);
             }
         }
-        tile(t0, tc, kr, vr);
+        tile(t0, tl, kr, vr);
     }
-    if (has_new) { /* the new token as a tile of its own (team 0's first row) */
+    if (!FOLD && has_new) { /* the new token as a tile of its own (team 0's first row) */
         __syncthreads(); /* nks, nvs (the loop may have run no tile) */
-        uint4 kr[DEC_TT], vr[DEC_TT];
+        uint4 kr[TT], vr[TT];
 #pragma unroll
-        for (int u = 0; u < DEC_TT; u++)
+        for (int u = 0; u < TT; u++)
             kr[u] = u == 0 ? nks[c] : make_uint4(0, 0, 0, 0), vr[u] = u == 0 ? nvs[c] : make_uint4(0, 0, 0, 0);
         tile(len - 1, len, kr, vr);
     }
@@ -320,6 +365,8 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
         if (n_splits == 1) {
             const float l = l_s[g];
             out[s * out_stride + (int64_t)h * D + d] = l > 0.0f ? o / l : 0.0f;
+        } else if (CL) {
+            P[0][j] = o; /* row 0's word j: read above by this thread only */
         } else {
             const size_t r = ((size_t)s * n_heads + h) * n_splits + split;
             ws[r * D + d] = o;
@@ -332,6 +379,55 @@ __global__ __launch_bounds__(DEC_THREADS, GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void a
     }
     if (n_splits == 1)
         return;
+    if constexpr (CL) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        cg::cluster_group cluster = cg::this_cluster();
+        cluster.sync(); /* every split's P[0], m_s, l_s written */
+        const int per = (G * D + n_splits - 1) / n_splits, j0 = split * per, j1 = min(G * D, j0 + per);
+        /* output j of the block's G*D: the splits' rows rescaled to their common max */
+        auto merged = [&](int j) {
+            const int g = j / D;
+            float m[DEC_CL_MAX], l[DEC_CL_MAX], o[DEC_CL_MAX];
+#pragma unroll
+            for (int r = 0; r < DEC_CL_MAX; r++)
+                if (r < n_splits) {
+                    m[r] = *cluster.map_shared_rank(&m_s[g], r);
+                    l[r] = *cluster.map_shared_rank(&l_s[g], r);
+                    o[r] = *cluster.map_shared_rank(&P[0][j], r);
+                }
+            float M = -INFINITY;
+#pragma unroll
+            for (int r = 0; r < DEC_CL_MAX; r++)
+                if (r < n_splits)
+                    M = fmaxf(M, m[r]);
+            float den = 0.0f, num = 0.0f;
+#pragma unroll
+            for (int r = 0; r < DEC_CL_MAX; r++)
+                if (r < n_splits && m[r] != -INFINITY) { /* an empty split: max -inf, skipped */
+                    const float e = __expf(m[r] - M);
+                    den += e * l[r];
+                    num += e * o[r];
+                }
+            return den > 0.0f ? num / den : 0.0f;
+        };
+        float *ob = out + s * out_stride + (int64_t)kvh * G * D;
+        if (j1 - j0 <= DEC_THREADS) { /* one output a thread at most (the usual case) */
+            const int j = j0 + tid;
+            const float v = j < j1 ? merged(j) : 0.0f;
+            /* done with the others' shared memory (they may exit once all have arrived) */
+            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+            if (j < j1)
+                ob[j] = v;
+        } else {
+            for (int j = j0 + tid; j < j1; j += DEC_THREADS)
+                ob[j] = merged(j);
+            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+        }
+        /* no block leaves while another still reads its shared memory */
+        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+        return;
+    }
 
     /* Count this split in; the last of the (sequence, KV head) to arrive merges. Release:
      * every thread fences its own stores above; after the barrier thread 0 fences again
@@ -452,18 +548,83 @@ extern "C" int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_l
     return splits < 1 ? 1 : splits;
 }
 
+/* Cluster size for a launch of n_splits splits: 0 (the workspace merge) unless clusters
+ * run here and the kernel instance was compiled for sm_90 (ptxVersion, see norm.cu's
+ * ar_cluster_ok), n_splits is 2..DEC_CL_SPLITS (longer ranges keep more blocks: up to
+ * 64 splits), and the device takes clusters of that size (the non-portable size
+ * attribute is set on first use). */
+template <int D, int GMAX, bool ROPE> static int dec_cluster_size(int n_splits, int n_seqs, int n_kv_heads)
+{
+    const int cmax = DEC_CL_MAX;
+    if (n_splits < 2 || n_splits > DEC_CL_SPLITS || (int64_t)n_seqs * n_kv_heads > DEC_CL_GROUPS ||
+        !m40k_clusters_enabled())
+        return 0;
+    void (*kernel)(float *, int64_t, const float *, int64_t, uint16_t *, uint16_t *, const int32_t *,
+                   const int32_t *, const int32_t *, int, int, float, int, float *, int *, int, dec_rope) =
+        attn_decode_kernel<D, GMAX, ROPE, true>;
+    static signed char by_dev[64]; /* per kernel instance: 0 unknown, -1 no, else the largest size */
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return 0;
+    if (by_dev[dev] == 0) {
+        cudaFuncAttributes a;
+        int best = -1;
+        if (cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.ptxVersion >= 90 && a.binaryVersion >= 90) {
+            if (cmax > 8)
+                (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+            for (int c = cmax; c >= 2 && best < 0; c = c > 8 ? 8 : c / 2) { /* one cluster must fit */
+                cudaLaunchAttribute at;
+                at.id = cudaLaunchAttributeClusterDimension;
+                at.val.clusterDim.x = (unsigned)c, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3((unsigned)c);
+                cfg.blockDim = dim3(DEC_THREADS);
+                cfg.attrs = &at;
+                cfg.numAttrs = 1;
+                int n = 0;
+                if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0)
+                    best = c;
+            }
+        }
+        (void)cudaGetLastError();
+        by_dev[dev] = (signed char)best;
+    }
+    if (by_dev[dev] < 2)
+        return 0;
+    return n_splits < by_dev[dev] ? n_splits : by_dev[dev];
+}
+
 template <int D, int GMAX>
 static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uint16_t *kc, uint16_t *vc,
                          const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
                          int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window,
                          const dec_rope *rp, cudaStream_t st)
 {
+    if (rp) {
+        const int C = dec_cluster_size<D, GMAX, true>(n_splits, n_seqs, n_kv_heads);
+        if (C > 0) {
+            const int e = m40k_launch_ex(attn_decode_kernel<D, GMAX, true, true>,
+                                         dim3((unsigned)C, (unsigned)n_kv_heads, (unsigned)n_seqs), dim3(DEC_THREADS),
+                                         0, (unsigned)C, st, out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
+                                         n_kv_heads, scale, C, ws, cnt, window, *rp);
+            return e ? e : m40k_launch_status();
+        }
+    } else {
+        const int C = dec_cluster_size<D, GMAX, false>(n_splits, n_seqs, n_kv_heads);
+        if (C > 0) {
+            const int e = m40k_launch_ex(attn_decode_kernel<D, GMAX, false, true>,
+                                         dim3((unsigned)C, (unsigned)n_kv_heads, (unsigned)n_seqs), dim3(DEC_THREADS),
+                                         0, (unsigned)C, st, out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
+                                         n_kv_heads, scale, C, ws, cnt, window, dec_rope{});
+            return e ? e : m40k_launch_status();
+        }
+    }
     dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
     if (rp)
-        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, true>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
+        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, true, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
                         indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, *rp);
     else
-        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
+        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, false, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
                         indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, dec_rope{});
     return m40k_launch_status();
 }

@@ -24,6 +24,9 @@ assert kv["batch"] == "3" and kv["device"] == "cpu", kv
 assert int(kv["weight_bytes"]) > 0, kv
 PY
     done
+    "$M40" bench "$model" --gpu-time --gen 2 --reps 1 >/dev/null 2>"$tmp/e"; rc=$?
+    check "bench --gpu-time on the CPU is refused with exit 2" [ "$rc" -eq 2 ]
+    check "bench --gpu-time on the CPU says it needs a CUDA device" grep -q "needs a model on a CUDA device" "$tmp/e"
 else
     skip "$model absent"
 fi

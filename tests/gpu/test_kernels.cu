@@ -402,7 +402,9 @@ static void test_attention(void)
             const size_t n_cnt = m40k_decode_counter_ints(p.n_seqs, nkv);
             int *dcnt = dup(std::vector<int>(n_cnt, 0));
             CK(cudaMalloc(&dout, c.size() * 4));
-            for (int splits : {1, 3, 8, 64}) {
+            /* on sm_90, 2..32 splits merge in a thread block cluster (up to 16 blocks: 32
+             * splits run as 16), 64 through the workspace and counters */
+            for (int splits : {1, 3, 8, 16, 32, 64}) {
                 CK(cudaMalloc(&dws, std::max<size_t>(1, m40k_decode_workspace_floats(p.n_seqs, nh, hd, splits)) * 4));
                 for (int rep = 0; rep < 2; rep++) { /* twice in a row: the counters were reset */
                     CK(cudaMemset(dout, 0, c.size() * 4));
@@ -450,7 +452,7 @@ static void test_attention(void)
  * m40_ref_attn_decode_window within the attention test's tolerance; (c) q, k and v left
  * as they were; (d) the split counters back at zero. Head sizes 64/128/256, groups of
  * 1, 4, 8 (7 at 64), RoPE over the whole head, over 32 dims and none, normal and neox
- * pairs (neox with frequency factors), 1, 8 and 64 splits (most empty for the short
+ * pairs (neox with frequency factors), 1, 8, 16 and 64 splits (most empty for the short
  * sequences), with and without a 20-token window; lengths 1..1000 across page ends,
  * positions the cache's for even sequences and large random ones for odd. */
 static void test_attn_decode_rope(void)
@@ -487,7 +489,7 @@ static void test_attn_decode_rope(void)
             for (int rot : {hd, 32, 0})
                 for (int neox : {0, 1})
                     for (int window : {0, 20})
-                        for (int splits : {1, 8, 64}) {
+                        for (int splits : {1, 8, 16, 64}) {
                             const float *ffp = neox ? df : nullptr;
                             uint16_t *dkc = dup(kc0), *dvc = dup(vc0), *dkc2 = dup(kc0), *dvc2 = dup(vc0);
                             float *dq2 = dup(qkv); /* the two-kernel path rotates q in place */
