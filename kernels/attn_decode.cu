@@ -125,6 +125,30 @@ __device__ __forceinline__ void dec_rope8(const float *x, int d0, const dec_rope
  * positions, one tile each; longer ranges keep the workspace merge and its up to 64 blocks */
 #define DEC_CL_SPLITS 32
 
+/* dec_rope8 from values in registers: x8 the 8 elements d0.. of the row, p8 (neox only)
+ * the 8 elements their pairs sit at (d0 + rot_dim/2 or d0 - rot_dim/2); the same
+ * operations, so the same bits. Needs rot_dim % 16 == 0 under neox (a group of 8 then
+ * lies in one half). */
+__device__ __forceinline__ void dec_rope8_reg(const float (&x8)[8], const float (&p8)[8], int d0, const dec_rope &rp,
+                                              const float2 *cs, float o[8])
+{
+    const int half = rp.rot_dim / 2;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int d = d0 + i;
+        if (d >= rp.rot_dim) {
+            o[i] = x8[i];
+            continue;
+        }
+        const bool first = rp.neox ? d < half : (i & 1) == 0;
+        const int k = rp.neox ? (first ? d : d - half) : d >> 1;
+        const float xo = rp.neox ? p8[i] : x8[i ^ 1];
+        float y0, y1;
+        m40k_rope_rotate(first ? x8[i] : xo, first ? xo : x8[i], cs[k].x, cs[k].y, &y0, &y1);
+        o[i] = first ? y0 : y1;
+    }
+}
+
 template <int D, int GMAX, bool ROPE, bool CL>
 __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void attn_decode_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride, uint16_t *kc,
@@ -205,12 +229,36 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
     if (ROPE)
         __syncthreads(); /* cs */
     float qr[GMAX][8], acc[GMAX][8];
+    /* RoPE of q from registers: every head's 8 elements (and under neox their pairs')
+     * loaded in one round, then rotated (dec_rope8 reads the pairs from memory after its
+     * own loads: a second round trip on the way to the first tile) */
+    const bool q_reg = ROPE && (!rp.neox || rp.rot_dim % 16 == 0);
+    float qx[ROPE ? GMAX : 1][8], qp[ROPE ? GMAX : 1][8];
+    if (ROPE && q_reg) {
+        const int d0 = 8 * c, half = rp.rot_dim / 2, pd = d0 < half ? d0 + half : d0 - half;
+#pragma unroll
+        for (int g = 0; g < GMAX; g++) {
+            const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D;
+            const float4 a = *reinterpret_cast<const float4 *>(qh + d0), b = *reinterpret_cast<const float4 *>(qh + d0 + 4);
+            qx[g][0] = a.x, qx[g][1] = a.y, qx[g][2] = a.z, qx[g][3] = a.w;
+            qx[g][4] = b.x, qx[g][5] = b.y, qx[g][6] = b.z, qx[g][7] = b.w;
+            if (rp.neox && d0 < rp.rot_dim) {
+                const float4 e = *reinterpret_cast<const float4 *>(qh + pd),
+                             f = *reinterpret_cast<const float4 *>(qh + pd + 4);
+                qp[g][0] = e.x, qp[g][1] = e.y, qp[g][2] = e.z, qp[g][3] = e.w;
+                qp[g][4] = f.x, qp[g][5] = f.y, qp[g][6] = f.z, qp[g][7] = f.w;
+            }
+        }
+    }
 #pragma unroll
     for (int g = 0; g < GMAX; g++) {
         const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D;
         float qv[8];
         if constexpr (ROPE) {
-            dec_rope8(qh, 8 * c, rp, cs, qv);
+            if (q_reg)
+                dec_rope8_reg(qx[g], qp[g], 8 * c, rp, cs, qv);
+            else
+                dec_rope8(qh, 8 * c, rp, cs, qv);
         } else {
             const float4 a = *reinterpret_cast<const float4 *>(qh + 8 * c),
                          b = *reinterpret_cast<const float4 *>(qh + 8 * c + 4);
