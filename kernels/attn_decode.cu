@@ -239,7 +239,8 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
 #pragma unroll
         for (int g = 0; g < GMAX; g++) {
             const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D;
-            const float4 a = *reinterpret_cast<const float4 *>(qh + d0), b = *reinterpret_cast<const float4 *>(qh + d0 + 4);
+            const float4 a = *reinterpret_cast<const float4 *>(qh + d0),
+                         b = *reinterpret_cast<const float4 *>(qh + d0 + 4);
             qx[g][0] = a.x, qx[g][1] = a.y, qx[g][2] = a.z, qx[g][3] = a.w;
             qx[g][4] = b.x, qx[g][5] = b.y, qx[g][6] = b.z, qx[g][7] = b.w;
             if (rp.neox && d0 < rp.rot_dim) {
@@ -669,11 +670,11 @@ static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uin
     }
     dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
     if (rp)
-        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, true, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
-                        indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, *rp);
+        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, true, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc,
+                        indptr, indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, *rp);
     else
-        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, false, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc, indptr,
-                        indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, dec_rope{});
+        M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, false, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc,
+                        indptr, indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, dec_rope{});
     return m40k_launch_status();
 }
 
