@@ -78,20 +78,26 @@ struct dec_rope {
     int rot_dim, neox;
 };
 
-/* RoPE of element d (< rot_dim) of a head row x whose own value is xd: the pair (a, b)
- * it belongs to as rope_kernel pairs them, rotated with cs[i] = (cos, sin) of the pair,
- * and the half of the result that is d's; the same operations kv_append_rope_kernel
+/* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
+ * (the pair (a, b) as rope_kernel pairs them), rotated with cs[i] = (cos, sin) of the
+ * pair, and the half of the result that is d's; the same operations kv_append_rope_kernel
  * applies to K and to Q, so the same bits. */
+__device__ __forceinline__ float dec_rope_pair(float xd, float xo, int d, int rot_dim, int neox, const float2 *cs)
+{
+    const int half = rot_dim / 2;
+    const bool first = neox ? d < half : (d & 1) == 0;
+    const int i = neox ? (first ? d : d - half) : d >> 1;
+    float y0, y1;
+    m40k_rope_rotate(first ? xd : xo, first ? xo : xd, cs[i].x, cs[i].y, &y0, &y1);
+    return first ? y0 : y1;
+}
+/* The same, the pair's other value read from the head row x. */
 __device__ __forceinline__ float dec_rope_elem(const float *x, float xd, int d, int rot_dim, int neox,
                                                const float2 *cs)
 {
     const int half = rot_dim / 2;
     const bool first = neox ? d < half : (d & 1) == 0;
-    const int i = neox ? (first ? d : d - half) : d >> 1;
-    const float xo = x[neox ? (first ? d + half : d - half) : (d ^ 1)];
-    float y0, y1;
-    m40k_rope_rotate(first ? xd : xo, first ? xo : xd, cs[i].x, cs[i].y, &y0, &y1);
-    return first ? y0 : y1;
+    return dec_rope_pair(xd, x[neox ? (first ? d + half : d - half) : (d ^ 1)], d, rot_dim, neox, cs);
 }
 
 /* 8 consecutive elements d0.. of head row x (16-byte aligned), rotated where d < rot_dim */
@@ -132,21 +138,10 @@ __device__ __forceinline__ void dec_rope8(const float *x, int d0, const dec_rope
 __device__ __forceinline__ void dec_rope8_reg(const float (&x8)[8], const float (&p8)[8], int d0, const dec_rope &rp,
                                               const float2 *cs, float o[8])
 {
-    const int half = rp.rot_dim / 2;
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const int d = d0 + i;
-        if (d >= rp.rot_dim) {
-            o[i] = x8[i];
-            continue;
-        }
-        const bool first = rp.neox ? d < half : (i & 1) == 0;
-        const int k = rp.neox ? (first ? d : d - half) : d >> 1;
-        const float xo = rp.neox ? p8[i] : x8[i ^ 1];
-        float y0, y1;
-        m40k_rope_rotate(first ? x8[i] : xo, first ? xo : x8[i], cs[k].x, cs[k].y, &y0, &y1);
-        o[i] = first ? y0 : y1;
-    }
+    for (int i = 0; i < 8; i++) /* d0 is a multiple of 8: i ^ 1 is d's pair without neox */
+        o[i] = d0 + i < rp.rot_dim ? dec_rope_pair(x8[i], rp.neox ? p8[i] : x8[i ^ 1], d0 + i, rp.rot_dim, rp.neox, cs)
+                                   : x8[i];
 }
 
 template <int D, int GMAX, bool ROPE, bool CL>
@@ -222,10 +217,6 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
     __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
     const int G = n_heads / n_kv_heads;
 
-    if (ROPE && has_new && tm == 0) { /* the new token's rows (below): in flight with q's */
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(rp.k + s * rp.k_stride + (int64_t)kvh * D + 8 * c));
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(rp.v + s * rp.v_stride + (int64_t)kvh * D + 8 * c));
-    }
     if (ROPE)
         __syncthreads(); /* cs */
     float qr[GMAX][8], acc[GMAX][8];
@@ -460,20 +451,9 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
             return den > 0.0f ? num / den : 0.0f;
         };
         float *ob = out + s * out_stride + (int64_t)kvh * G * D;
-        if (j1 - j0 <= DEC_THREADS) { /* one output a thread at most (the usual case) */
-            const int j = j0 + tid;
-            const float v = j < j1 ? merged(j) : 0.0f;
-            /* done with the others' shared memory (they may exit once all have arrived) */
-            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-            if (j < j1)
-                ob[j] = v;
-        } else {
-            for (int j = j0 + tid; j < j1; j += DEC_THREADS)
-                ob[j] = merged(j);
-            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-        }
-        /* no block leaves while another still reads its shared memory */
-        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+        for (int j = j0 + tid; j < j1; j += DEC_THREADS)
+            ob[j] = merged(j);
+        cluster.sync(); /* no block leaves while another still reads its shared memory */
 #endif
         return;
     }
@@ -598,13 +578,11 @@ extern "C" int m40k_decode_pick_splits(int n_seqs, int n_kv_heads, int max_seq_l
 }
 
 /* Cluster size for a launch of n_splits splits: 0 (the workspace merge) unless clusters
- * run here and the kernel instance was compiled for sm_90 (ptxVersion, see norm.cu's
- * ar_cluster_ok), n_splits is 2..DEC_CL_SPLITS (longer ranges keep more blocks: up to
- * 64 splits), and the device takes clusters of that size (the non-portable size
- * attribute is set on first use). */
+ * run here, n_splits is 2..DEC_CL_SPLITS (longer ranges keep more blocks: up to 64
+ * splits) and the kernel instance takes clusters here (m40k_cluster_size_fit, asked once
+ * per instance and device): min(n_splits, the largest size that fits, up to 16). */
 template <int D, int GMAX, bool ROPE> static int dec_cluster_size(int n_splits, int n_seqs, int n_kv_heads)
 {
-    const int cmax = DEC_CL_MAX;
     if (n_splits < 2 || n_splits > DEC_CL_SPLITS || (int64_t)n_seqs * n_kv_heads > DEC_CL_GROUPS ||
         !m40k_clusters_enabled())
         return 0;
@@ -616,27 +594,8 @@ template <int D, int GMAX, bool ROPE> static int dec_cluster_size(int n_splits, 
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
         return 0;
     if (by_dev[dev] == 0) {
-        cudaFuncAttributes a;
-        int best = -1;
-        if (cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.ptxVersion >= 90 && a.binaryVersion >= 90) {
-            if (cmax > 8)
-                (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-            for (int c = cmax; c >= 2 && best < 0; c = c > 8 ? 8 : c / 2) { /* one cluster must fit */
-                cudaLaunchAttribute at;
-                at.id = cudaLaunchAttributeClusterDimension;
-                at.val.clusterDim.x = (unsigned)c, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
-                cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = dim3((unsigned)c);
-                cfg.blockDim = dim3(DEC_THREADS);
-                cfg.attrs = &at;
-                cfg.numAttrs = 1;
-                int n = 0;
-                if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0)
-                    best = c;
-            }
-        }
-        (void)cudaGetLastError();
-        by_dev[dev] = (signed char)best;
+        const int best = m40k_cluster_size_fit(kernel, DEC_CL_MAX, 2, DEC_THREADS);
+        by_dev[dev] = best > 0 ? (signed char)best : -1;
     }
     if (by_dev[dev] < 2)
         return 0;

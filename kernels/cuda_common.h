@@ -141,6 +141,39 @@ static inline int m40k_launch_ex(void (*kernel)(KArgs...), dim3 grid, dim3 block
     cfg.numAttrs = na;
     return (int)cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
 }
+/* Which cluster size of kernel's blocks (`threads` each, static shared memory only) the
+ * current device takes: size, else 8, 4, 2 down to min_size, the first of which one
+ * cluster fits (cudaOccupancyMaxActiveClusters); sizes over 8 (non-portable) are allowed
+ * on the kernel first. 0 when none does, or when the kernel's code here was not compiled
+ * from compute_90 or later (ptxVersion: a build for older targets also runs on a Hopper
+ * GPU, as its own machine code or JIT-compiled from older PTX, and there a cluster
+ * kernel's body is empty). cudaFunc* calls: callers ask once per kernel and device. */
+template <typename... KArgs>
+static inline int m40k_cluster_size_fit(void (*kernel)(KArgs...), int size, int min_size, unsigned threads)
+{
+    cudaFuncAttributes a;
+    int best = 0;
+    if (cudaFuncGetAttributes(&a, kernel) == cudaSuccess && a.ptxVersion >= 90 && a.binaryVersion >= 90) {
+        if (size > 8)
+            (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        for (int c = size; c >= min_size && c >= 2 && !best; c = c > 8 ? 8 : c / 2) {
+            cudaLaunchAttribute at;
+            at.id = cudaLaunchAttributeClusterDimension;
+            at.val.clusterDim.x = (unsigned)c, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3((unsigned)c);
+            cfg.blockDim = dim3(threads);
+            cfg.attrs = &at;
+            cfg.numAttrs = 1;
+            int n = 0;
+            if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess && n > 0)
+                best = c;
+        }
+    }
+    (void)cudaGetLastError();
+    return best;
+}
+
 template <typename... KArgs, typename... Args>
 static inline int m40k_launch_pdl_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
                                        Args... args)

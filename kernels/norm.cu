@@ -175,10 +175,8 @@ __global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_cl_kernel(float *__
 #endif
 }
 
-/* Whether the cluster kernel runs here: clusters enabled on this device and the kernel's
- * code for it compiled from compute_90 or later (ptxVersion: a build for older targets
- * also runs on a Hopper GPU, as its own machine code or JIT-compiled from older PTX, and
- * there the kernel's body is empty). */
+/* Whether the cluster kernel runs here: clusters enabled on this device, the kernel's
+ * code compiled for them and one cluster of AR_CL blocks fitting (m40k_cluster_size_fit). */
 static bool ar_cluster_ok(void)
 {
     if (!m40k_clusters_enabled())
@@ -187,27 +185,8 @@ static bool ar_cluster_ok(void)
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
         return false;
-    if (by_dev[dev] == 0) {
-        cudaFuncAttributes a;
-        bool ok = cudaFuncGetAttributes(&a, add_rmsnorm_cl_kernel) == cudaSuccess && a.ptxVersion >= 90 &&
-                  a.binaryVersion >= 90;
-        if (ok && AR_CL > 8) { /* a non-portable size: allowed explicitly, and one cluster must fit */
-            ok = cudaFuncSetAttribute(add_rmsnorm_cl_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-                 cudaSuccess;
-            cudaLaunchAttribute at;
-            at.id = cudaLaunchAttributeClusterDimension;
-            at.val.clusterDim.x = AR_CL, at.val.clusterDim.y = 1, at.val.clusterDim.z = 1;
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(AR_CL);
-            cfg.blockDim = dim3(AR_CL_THREADS);
-            cfg.attrs = &at;
-            cfg.numAttrs = 1;
-            int n = 0;
-            ok = ok && cudaOccupancyMaxActiveClusters(&n, add_rmsnorm_cl_kernel, &cfg) == cudaSuccess && n > 0;
-            (void)cudaGetLastError();
-        }
-        by_dev[dev] = ok ? 1 : -1;
-    }
+    if (by_dev[dev] == 0) /* AR_CL exactly (the slices are AR_CL wide) */
+        by_dev[dev] = m40k_cluster_size_fit(add_rmsnorm_cl_kernel, AR_CL, AR_CL, AR_CL_THREADS) == AR_CL ? 1 : -1;
     return by_dev[dev] > 0;
 }
 
