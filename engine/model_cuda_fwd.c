@@ -590,13 +590,26 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
     }
-    if (p->n_layers > 0) /* the last layer's FFN residual */
+    /* Every row wants logits, one row a sequence (decode steps): the rows are in order
+     * (d_out is 0..n-1), so the last residual add, the gather and the final norm are one
+     * add+RMSNorm into xg (quantized on the way for an int8-activation head). */
+    const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
+    int xq_ready = 0, x16_ready = 0;
+    if (p->n_layers > 0 && !out_all) /* the last layer's FFN residual */
         CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
+    if (out_all && n <= 8 && gemv_q8_reads(&g->output)) {
+        CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, g->output_norm, g->xg, dim, n, (int)dim, p->norm_eps, g->xq,
+                               g->stream));
+        xq_ready = 1;
+    } else if (out_all) {
+        CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, g->output_norm, g->xg, dim, n, (int)dim, p->norm_eps, g->stream));
+    }
     if (n_out > 0) {
-        CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
-        CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
-                        g->stream));
-        int xq_ready = 0, x16_ready = 0;
+        if (!out_all) {
+            CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
+            CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
+                            g->stream));
+        }
         if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready, err, errlen))
             return -1;
         if (g->gemma3 && g->g3.logit_softcap > 0)
