@@ -217,74 +217,83 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
     __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
     const int G = n_heads / n_kv_heads;
 
-    if (ROPE)
+    /* With RoPE, the group's q (rotated and scaled) and the step's own K and V rows are
+     * formed once, 8 elements a thread, spread over the block: q into qsm, K and V
+     * (rotated, rounded to F16 as the cache holds them) into the cache and nks / nvs,
+     * by the last split only. Then every team reads its dims of q from qsm. (Each thread
+     * rotating its own 8 dims of every head repeated that work in every team, and its
+     * unrolled code for all the heads was most of the kernel's instructions.) RoPE of a
+     * row from registers (its 8 elements and, under neox, their pairs' loaded in one
+     * round) where rot_dim allows; else dec_rope8 reads the pairs from memory. */
+    __shared__ __align__(16) float qsm[ROPE ? GMAX * D : 4];
+    __shared__ uint4 nks[ROPE ? TPR : 1], nvs[ROPE ? TPR : 1];
+    if constexpr (ROPE) {
         __syncthreads(); /* cs */
-    float qr[GMAX][8], acc[GMAX][8];
-    /* RoPE of q from registers: every head's 8 elements (and under neox their pairs')
-     * loaded in one round, then rotated (dec_rope8 reads the pairs from memory after its
-     * own loads: a second round trip on the way to the first tile) */
-    const bool q_reg = ROPE && (!rp.neox || rp.rot_dim % 16 == 0);
-    float qx[ROPE ? GMAX : 1][8], qp[ROPE ? GMAX : 1][8];
-    if (ROPE && q_reg) {
-        const int d0 = 8 * c, half = rp.rot_dim / 2, pd = d0 < half ? d0 + half : d0 - half;
+        const bool reg = !rp.neox || rp.rot_dim % 16 == 0;
+        const int nq = G * TPR; /* q units of 8 elements; then TPR of K and TPR of V */
+        for (int u = tid; u < nq + (has_new ? 2 * TPR : 0); u += DEC_THREADS) {
+            const bool isq = u < nq, isk = !isq && u < nq + TPR;
+            const int cu = isq ? u % TPR : (u - nq) % TPR, d0 = 8 * cu;
+            const float *row = isq ? q + s * q_stride + (int64_t)(kvh * G + u / TPR) * D
+                               : isk ? rp.k + s * rp.k_stride + (int64_t)kvh * D
+                                     : rp.v + s * rp.v_stride + (int64_t)kvh * D;
+            float x8[8], p8[8], o[8];
+            const float4 a = *reinterpret_cast<const float4 *>(row + d0),
+                         b = *reinterpret_cast<const float4 *>(row + d0 + 4);
+            x8[0] = a.x, x8[1] = a.y, x8[2] = a.z, x8[3] = a.w, x8[4] = b.x, x8[5] = b.y, x8[6] = b.z, x8[7] = b.w;
+            if (!isq && !isk) {
 #pragma unroll
-        for (int g = 0; g < GMAX; g++) {
-            const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D;
-            const float4 a = *reinterpret_cast<const float4 *>(qh + d0),
-                         b = *reinterpret_cast<const float4 *>(qh + d0 + 4);
-            qx[g][0] = a.x, qx[g][1] = a.y, qx[g][2] = a.z, qx[g][3] = a.w;
-            qx[g][4] = b.x, qx[g][5] = b.y, qx[g][6] = b.z, qx[g][7] = b.w;
-            if (rp.neox && d0 < rp.rot_dim) {
-                const float4 e = *reinterpret_cast<const float4 *>(qh + pd),
-                             f = *reinterpret_cast<const float4 *>(qh + pd + 4);
-                qp[g][0] = e.x, qp[g][1] = e.y, qp[g][2] = e.z, qp[g][3] = e.w;
-                qp[g][4] = f.x, qp[g][5] = f.y, qp[g][6] = f.z, qp[g][7] = f.w;
+                for (int i = 0; i < 8; i++)
+                    o[i] = x8[i];
+            } else if (reg) {
+                if (rp.neox && d0 < rp.rot_dim) {
+                    const int half = rp.rot_dim / 2, pd = d0 < half ? d0 + half : d0 - half;
+                    const float4 e = *reinterpret_cast<const float4 *>(row + pd),
+                                 f = *reinterpret_cast<const float4 *>(row + pd + 4);
+                    p8[0] = e.x, p8[1] = e.y, p8[2] = e.z, p8[3] = e.w, p8[4] = f.x, p8[5] = f.y, p8[6] = f.z,
+                    p8[7] = f.w;
+                }
+                dec_rope8_reg(x8, p8, d0, rp, cs, o);
+            } else {
+                dec_rope8(row, d0, rp, cs, o);
+            }
+            if (isq) {
+                float4 *qd = reinterpret_cast<float4 *>(qsm + (u / TPR) * D + d0);
+                qd[0] = make_float4(o[0] * scale, o[1] * scale, o[2] * scale, o[3] * scale);
+                qd[1] = make_float4(o[4] * scale, o[5] * scale, o[6] * scale, o[7] * scale);
+            } else {
+                const uint4 h = m40k_pack_h8(o);
+                const int t = len - 1;
+                const size_t at =
+                    (((size_t)indices[page0 + t / M40K_PAGE] * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + d0;
+                *reinterpret_cast<uint4 *>((isk ? kc : vc) + at) = h;
+                (isk ? nks : nvs)[cu] = h;
             }
         }
     }
-#pragma unroll
-    for (int g = 0; g < GMAX; g++) {
-        const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D;
-        float qv[8];
-        if constexpr (ROPE) {
-            if (q_reg)
-                dec_rope8_reg(qx[g], qp[g], 8 * c, rp, cs, qv);
-            else
-                dec_rope8(qh, 8 * c, rp, cs, qv);
-        } else {
-            const float4 a = *reinterpret_cast<const float4 *>(qh + 8 * c),
-                         b = *reinterpret_cast<const float4 *>(qh + 8 * c + 4);
-            qv[0] = a.x, qv[1] = a.y, qv[2] = a.z, qv[3] = a.w, qv[4] = b.x, qv[5] = b.y, qv[6] = b.z, qv[7] = b.w;
-        }
-        const float sc = g < G ? scale : 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            qr[g][i] = qv[i] * sc, acc[g][i] = 0.0f;
-    }
+    float qr[GMAX][8], acc[GMAX][8];
     if (tid < GMAX)
         m_s[tid] = -INFINITY, l_s[tid] = 0.0f;
-    __syncthreads();
-
-    /* The new token (position len - 1, in the last non-empty split only): its K rotated
-     * and its V, from the rows, rounded to F16 as the cache holds them; team 0 stores
-     * them there and in shared memory, and the block attends to them as a tile of its own
-     * after the cached positions: the loop over those stays the plain kernel's, and no
-     * register is held across it for the token (see DEC_MIN_BLOCKS). */
-    __shared__ uint4 nks[ROPE ? TPR : 1], nvs[ROPE ? TPR : 1];
-    if (has_new && tm == 0) {
-        float kf[8], vf[8];
-        dec_rope8(rp.k + s * rp.k_stride + (int64_t)kvh * D, 8 * c, rp, cs, kf);
-        const float4 a = *reinterpret_cast<const float4 *>(rp.v + s * rp.v_stride + (int64_t)kvh * D + 8 * c),
-                     b = *reinterpret_cast<const float4 *>(rp.v + s * rp.v_stride + (int64_t)kvh * D + 8 * c + 4);
-        vf[0] = a.x, vf[1] = a.y, vf[2] = a.z, vf[3] = a.w, vf[4] = b.x, vf[5] = b.y, vf[6] = b.z, vf[7] = b.w;
-        const uint4 nk = m40k_pack_h8(kf), nv = m40k_pack_h8(vf);
-        const int t = len - 1;
-        const size_t at =
-            (((size_t)indices[page0 + t / M40K_PAGE] * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + 8 * c;
-        *reinterpret_cast<uint4 *>(kc + at) = nk;
-        *reinterpret_cast<uint4 *>(vc + at) = nv;
-        nks[c] = nk, nvs[c] = nv;
+    if (ROPE)
+        __syncthreads(); /* qsm, nks, nvs */
+#pragma unroll
+    for (int g = 0; g < GMAX; g++) {
+        float qv[8];
+        if constexpr (ROPE) {
+            const float *qh = qsm + min(g, G - 1) * D + 8 * c;
+            const float4 a = *reinterpret_cast<const float4 *>(qh), b = *reinterpret_cast<const float4 *>(qh + 4);
+            qv[0] = a.x, qv[1] = a.y, qv[2] = a.z, qv[3] = a.w, qv[4] = b.x, qv[5] = b.y, qv[6] = b.z, qv[7] = b.w;
+        } else {
+            const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D + 8 * c;
+            const float4 a = *reinterpret_cast<const float4 *>(qh), b = *reinterpret_cast<const float4 *>(qh + 4);
+            qv[0] = a.x * scale, qv[1] = a.y * scale, qv[2] = a.z * scale, qv[3] = a.w * scale;
+            qv[4] = b.x * scale, qv[5] = b.y * scale, qv[6] = b.z * scale, qv[7] = b.w * scale;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            qr[g][i] = g < G ? qv[i] : 0.0f, acc[g][i] = 0.0f;
     }
+    __syncthreads(); /* m_s, l_s */
 
     /* One tile: the rows kr / vr of positions t0 + tm + NT*u (those >= tend are not
      * part of it): scores, the online-softmax update, p * V into acc. */
@@ -358,8 +367,6 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
      * split, on the launch's critical path, runs no tile more than the others). */
     constexpr bool FOLD = CL && ROPE;
     const int tl = FOLD ? tok1 : tc; /* positions the loop covers */
-    if (FOLD && has_new)
-        __syncthreads(); /* nks, nvs */
     for (int t0 = tok0; t0 < tl; t0 += TILE) {
         uint4 kr[TT], vr[TT];
 #pragma unroll
@@ -380,7 +387,6 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
         tile(t0, tl, kr, vr);
     }
     if (!FOLD && has_new) { /* the new token as a tile of its own (team 0's first row) */
-        __syncthreads(); /* nks, nvs (the loop may have run no tile) */
         uint4 kr[TT], vr[TT];
 #pragma unroll
         for (int u = 0; u < TT; u++)
