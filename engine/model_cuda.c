@@ -348,7 +348,7 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->rope_ff_global);
     cudaFree(g->deq);
     cudaFree(g->iota);
-    void *bufs[] = {g->x, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
+    void *bufs[] = {g->x, g->x2, g->xd, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
                     g->logits_d, g->x16, g->xq, g->ws, g->att_cnt, g->ints_d, g->pick_d, g->sk_ws, g->sk_cnt};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);

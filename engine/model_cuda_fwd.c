@@ -249,6 +249,7 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
         if ((size_t)g->q_dim > in_max)
             in_max = (size_t)g->q_dim;
         if (grow_dev((void **)&g->x, N * p->dim * 4) || grow_dev((void **)&g->xb, N * p->dim * 4) ||
+            grow_dev((void **)&g->x2, N * p->dim * 4) || grow_dev((void **)&g->xd, N * p->dim * 4) ||
             grow_dev((void **)&g->qkv, N * g->qkv_dim * 4) || grow_dev((void **)&g->att, N * g->q_dim * 4) ||
             grow_dev((void **)&g->hb, N * 2 * p->ffn_dim * 4) || grow_dev((void **)&g->hb2, N * p->ffn_dim * 4) ||
             grow_dev((void **)&g->x16, N * in_max * 2) ||
@@ -483,6 +484,20 @@ typedef struct {
     const int32_t *d_tok, *d_pos, *d_rs, *d_qi, *d_ip, *d_lpl, *d_out, *d_idx;
 } step_plan;
 
+/* The residual add fused with an RMSNorm: *xo = *xc + xd, out = rmsnorm(*xo) * w (and
+ * its int8 quantization into g->xq, or its F16 copy into g->x16, for the product that
+ * reads it), then the two residual buffers swap. */
+static int add_norm(m40_gpu *g, float **xc, float **xo, const float *w, float *out, int32_t n, int xq, int x16)
+{
+    const int64_t dim = g->p.dim;
+    const int e = m40k_add_rmsnorm_to(*xc, dim, g->xd, dim, *xo, w, out, dim, n, (int)dim, g->p.norm_eps,
+                                      xq ? g->xq : NULL, x16 ? g->x16 : NULL, g->stream);
+    float *t = *xc;
+    *xc = *xo;
+    *xo = t;
+    return e;
+}
+
 /* Enqueues a step's device work, embedding to logits (in g->logits_d), on g->stream:
  * kernel launches and cuBLAS calls only, nothing that waits on the host, so that a
  * decode step can be captured into a CUDA graph as it is. */
@@ -502,6 +517,9 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                   g->stream));
     if (g->gemma3)
         CK(m40k_scale(g->x, (int64_t)n * dim, g->g3.embd_scale, g->stream));
+    /* The residual stream: xc, the other buffer xo (add_norm writes xc + xd there and
+     * swaps them); the layers' outputs go to xd, the normalized inputs to xb. */
+    float *xc = g->x, *xo = g->x2;
     for (int32_t l = 0; l < p->n_layers; l++) {
         const glayer *L = &g->layers[l];
         uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
@@ -510,19 +528,13 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         const int win = g->gemma3 && L->local ? window : 0;
         const float base = !g->gemma3 ? p->rope_base : L->local ? g->g3.local_base : g->g3.global_base;
         const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
-        /* the previous layer's FFN residual is still in xb: added here, fused with this norm
+        /* the previous layer's FFN residual is still in xd: added here, fused with this norm
          * (and with the int8 quantization of its output when the GEMV takes that) */
         const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
         if (l == 0)
-            CK(m40k_rmsnorm(g->x, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
-        else if (xq_qkv)
-            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
-                                   g->stream));
-        else if (x16_qkv)
-            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
-                                    g->stream));
+            CK(m40k_rmsnorm(xc, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
         else
-            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->attn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
+            CK(add_norm(g, &xc, &xo, L->attn_norm, g->xb, n, xq_qkv, x16_qkv));
         if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, l > 0 && x16_qkv, err, errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
@@ -551,21 +563,14 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         if (!tuned)
             CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
                                         p->n_kv_heads, hd, scale, win, g->stream));
-        if (matmul(g, &L->wo, g->att, n, g->xb, 0, 0, err, errlen))
+        if (matmul(g, &L->wo, g->att, n, g->xd, 0, 0, err, errlen))
             return -1;
         if (g->gemma3)
-            CK(m40k_rmsnorm(g->xb, dim, L->post_attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+            CK(m40k_rmsnorm(g->xd, dim, L->post_attn_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
         const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
-        if (xq_gu)
-            CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->xq,
-                                   g->stream));
-        else if (x16_gu)
-            CK(m40k_add_rmsnorm_f16(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->x16,
-                                    g->stream));
-        else
-            CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, L->ffn_norm, g->xb, dim, n, (int)dim, p->norm_eps, g->stream));
+        CK(add_norm(g, &xc, &xo, L->ffn_norm, g->xb, n, xq_gu, x16_gu));
         if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, err, errlen))
             return -1;
         const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
@@ -575,7 +580,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             const int S = m40k_gemm_skinny_pick_splits((int)dw->rows, (int)dw->cols, n, g->sm_count, g->sk_ws_floats,
                                                        g->sk_cnt_ints);
             CK(m40k_gemm_skinny_glu(act, (const uint16_t *)dw->data, (int)dw->rows, (int)dw->cols, g->hb, g->hb + ffn,
-                                    2 * ffn, n, g->xb, dim, S, g->sk_ws, g->sk_cnt, g->stream));
+                                    2 * ffn, n, g->xd, dim, S, g->sk_ws, g->sk_cnt, g->stream));
         } else {
             if (xq_dn)
                 CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
@@ -583,11 +588,11 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                 CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
             else
                 CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
-            if (matmul(g, &L->down, g->hb2, n, g->xb, xq_dn, x16_dn, err, errlen))
+            if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, err, errlen))
                 return -1;
         }
         if (g->gemma3)
-            CK(m40k_rmsnorm(g->xb, dim, L->post_ffw_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+            CK(m40k_rmsnorm(g->xd, dim, L->post_ffw_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
     }
     /* Every row wants logits, one row a sequence (decode steps): the rows are in order
@@ -596,17 +601,14 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
     int xq_ready = 0, x16_ready = 0;
     if (p->n_layers > 0 && !out_all) /* the last layer's FFN residual */
-        CK(m40k_add(g->x, g->x, g->xb, (int64_t)n * dim, g->stream));
-    if (out_all && n <= 8 && gemv_q8_reads(&g->output)) {
-        CK(m40k_add_rmsnorm_q8(g->x, dim, g->xb, dim, g->output_norm, g->xg, dim, n, (int)dim, p->norm_eps, g->xq,
-                               g->stream));
-        xq_ready = 1;
-    } else if (out_all) {
-        CK(m40k_add_rmsnorm(g->x, dim, g->xb, dim, g->output_norm, g->xg, dim, n, (int)dim, p->norm_eps, g->stream));
+        CK(m40k_add(xc, xc, g->xd, (int64_t)n * dim, g->stream));
+    if (out_all) {
+        xq_ready = n <= 8 && gemv_q8_reads(&g->output);
+        CK(add_norm(g, &xc, &xo, g->output_norm, g->xg, n, xq_ready, 0));
     }
     if (n_out > 0) {
         if (!out_all) {
-            CK(m40k_gather_rows(g->xg, dim, g->x, dim, d_out, n_out, (int)dim, g->stream));
+            CK(m40k_gather_rows(g->xg, dim, xc, dim, d_out, n_out, (int)dim, g->stream));
             CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
                             g->stream));
         }

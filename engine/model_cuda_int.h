@@ -90,6 +90,10 @@ struct m40_gpu {
     /* Per-forward scratch, grown on demand to cap tokens / cap_out logit rows. */
     int32_t cap, cap_out;
     float *x, *xb, *qkv, *att, *hb, *hb2, *xg, *logits_d;
+    /* x2: the residual stream's other buffer (each add+RMSNorm writes x + d to the one it
+     * did not read: m40k_add_rmsnorm_to out of place); xd: the layers' attention and FFN
+     * outputs (the d of the next add+RMSNorm, whose normalized output goes to xb) */
+    float *x2, *xd;
     uint16_t *x16;
     void *xq;            /* m40k_quantize_q8 of the current GEMV input, batch <= 8 */
     float *ws;

@@ -70,6 +70,15 @@ int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, int64_t d_st
  * m40k_f32_to_f16 of out would write, bit for bit): out16[r*dim + i], rows contiguous. */
 int m40k_add_rmsnorm_f16(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
                          int64_t out_stride, int rows, int dim, float eps, uint16_t *out16, m40k_stream stream);
+/* 2e. Out of place: x_out[r] = x[r] + d[r] (row stride x_stride, as x), out[r] =
+ * rmsnorm(x_out[r]) * w, and where given xq (2c: dim a multiple of 32) and out16 (2d).
+ * x_out may be x (then as 2b-2d). With x_out and out both apart from x and d, rows of a
+ * width that is a multiple of 512 up to 8,192, at 16-byte strides, need no exchange
+ * between the blocks of a row (each sums the whole row itself): the decode steps'
+ * residual stream alternates between two buffers for it. */
+int m40k_add_rmsnorm_to(const float *x, int64_t x_stride, const float *d, int64_t d_stride, float *x_out,
+                        const float *w, float *out, int64_t out_stride, int rows, int dim, float eps, void *xq,
+                        uint16_t *out16, m40k_stream stream);
 
 /* 3. RoPE in place on q (and k unless NULL): token t's head h starts at
  * q + t*q_stride + h*head_dim. The first rot_dim (even, <= head_dim) dims rotate by

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <string>
 #include <vector>
 #include <algorithm>
 
@@ -327,6 +328,78 @@ static void test_fused_f16(void)
                                                                          1, 8, 1e-5f, nullptr, 0) != 0);
     check("glu_f16 without out16 refused",
           m40k_glu_f16(M40K_GLU_SILU, nullptr, nullptr, 64, nullptr, 32, 1, 32, nullptr, 0) != 0);
+}
+
+/* 2e. m40k_add_rmsnorm_to, the residual stream out of place (how decode steps call it):
+ * x left as it was, x_out exactly x + d, out as the twin's, and where asked the int8
+ * workspace (byte for byte the twin quantizer's of the GPU's out) and the F16 copy (bit
+ * for bit its rounding). Widths that are multiples of 512 up to 8,192 at up to 16 rows
+ * of 16-byte strides take the kernel whose blocks each sum the whole row; 17 rows, other
+ * widths and strides the others; the same call in place (x_out = x, out = d) as well. */
+static void test_add_rmsnorm_to(void)
+{
+    for (int dim : {64, 512, 4096, 4096 + 64, 4096 + 64 + 1, 16384})
+        for (int rows : {1, 3, 16, 17})
+            for (int mode : {0, 1, 2, 3}) { /* 0 plain, 1 int8, 2 F16 copy, 3 in place (int8 where it can) */
+                const bool q8 = (mode == 1 || mode == 3) && dim % 32 == 0, f16 = mode == 2;
+                /* odd row counts: 16-byte rows (what the one-round kernel needs), even: not */
+                const int64_t xs = rows & 1 ? dim + 4 : dim + 5, ds = rows & 1 ? dim + 8 : dim + 3,
+                              os = mode == 3 ? ds : dim + 2;
+                std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
+                                   w = rand_vec(dim, 0.5f, 1.5f);
+                float *dx = dup(x), *dd = dup(d), *dw = dup(w), *dxo = dx, *dout = dd;
+                if (mode != 3) {
+                    CK(cudaMalloc(&dxo, rows * xs * 4));
+                    CK(cudaMalloc(&dout, rows * os * 4));
+                }
+                void *dq = nullptr;
+                uint16_t *dh = nullptr;
+                const size_t wsb = q8 ? m40k_gemv_q8_ws_bytes(dim, rows) : 0;
+                if (q8)
+                    CK(cudaMalloc(&dq, wsb));
+                if (f16)
+                    CK(cudaMalloc(&dh, (size_t)rows * dim * 2));
+                CK(m40k_add_rmsnorm_to(dx, xs, dd, ds, dxo, dw, dout, os, rows, dim, 1e-5f, dq, dh, 0));
+                std::vector<float> xr = x, c(rows * os, 0.0f);
+                m40_ref_add_rmsnorm(xr.data(), xs, d.data(), ds, w.data(), c.data(), os, rows, dim, 1e-5f);
+                char what[112];
+                snprintf(what, sizeof what, "add_rmsnorm_to rows %d dim %d mode %d", rows, dim, mode);
+                std::vector<float> gxo = back(dxo, x.size()), go = back(dout, rows * os);
+                bool exact = true, kept = true;
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < dim; i++)
+                        exact = exact && gxo[(size_t)r * xs + i] == xr[(size_t)r * xs + i];
+                if (mode != 3) {
+                    std::vector<float> gx = back(dx, x.size());
+                    kept = gx == x;
+                }
+                check((std::string(what) + ": x_out = x + d exactly").c_str(), exact);
+                check((std::string(what) + ": x as it was").c_str(), kept);
+                std::vector<float> go_rows, c_rows;
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < dim; i++)
+                        go_rows.push_back(go[(size_t)r * os + i]), c_rows.push_back(c[(size_t)r * os + i]);
+                compare(what, go_rows.data(), c_rows.data(), go_rows.size(), 1e-5f, 1e-5f);
+                if (q8) {
+                    std::vector<uint8_t> ws(wsb);
+                    m40_ref_quantize_q8(go.data(), os, dim, rows, ws.data());
+                    check((std::string(what) + ": workspace").c_str(), back((uint8_t *)dq, wsb) == ws);
+                }
+                if (f16) {
+                    std::vector<uint16_t> h = back(dh, (size_t)rows * dim);
+                    bool same = true;
+                    for (int r = 0; r < rows; r++)
+                        for (int i = 0; i < dim; i++)
+                            same = same && h[(size_t)r * dim + i] == m40_fp32_to_fp16(go[(size_t)r * os + i]);
+                    check((std::string(what) + ": F16 copy").c_str(), same);
+                }
+                cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dq), cudaFree(dh);
+                if (mode != 3)
+                    cudaFree(dxo), cudaFree(dout);
+            }
+    check("add_rmsnorm_to int8 of dim 7 refused",
+          m40k_add_rmsnorm_to(nullptr, 8, nullptr, 8, nullptr, nullptr, nullptr, 8, 1, 7, 1e-5f, (void *)16, nullptr,
+                              0) != 0);
 }
 
 /* ---------------------------------------------------------------- paged cache fixture */
@@ -1306,7 +1379,7 @@ int main(int argc, char **argv)
     struct { const char *name; void (*fn)(void); } tests[] = {
         {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
-        {"fused_f16", test_fused_f16},         {"attention", test_attention},
+        {"fused_f16", test_fused_f16}, {"add_rmsnorm_to", test_add_rmsnorm_to}, {"attention", test_attention},
         {"kv_rope", test_kv_append_rope}, {"attn_rope", test_attn_decode_rope},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"skinny", test_gemm_skinny},
         {"skinny_glu", test_gemm_skinny_glu},
