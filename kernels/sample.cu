@@ -14,21 +14,9 @@ __device__ __forceinline__ bool s_before(float va, int ia, float vb, int ib)
     return va > vb || (va == vb && ia < ib);
 }
 
-/* block-wide best (value, id) among entries strictly after (pv, pi) */
-__device__ void s_best_after(const float *l, int n, float pv, int pi, bool bounded, float *sv, int *si, float &bv,
-                             int &bi)
+/* the block's best of every thread's (bv, bi), to every thread */
+__device__ void s_reduce_best(float *sv, int *si, float &bv, int &bi)
 {
-    bv = -INFINITY;
-    bi = -1;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = l[i];
-        if (v != v)
-            continue;
-        if (bounded && !s_before(pv, pi, v, i))
-            continue;
-        if (bi < 0 || s_before(v, i, bv, bi))
-            bv = v, bi = i;
-    }
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
         const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
@@ -46,7 +34,35 @@ __device__ void s_best_after(const float *l, int n, float pv, int pi, bool bound
             bv = sv[j], bi = si[j];
 }
 
-__global__ __launch_bounds__(SAMPLE_THREADS) void sample_greedy_kernel(const float *__restrict__ logits, int64_t stride,
+/* block-wide best (value, id) among entries strictly after (pv, pi) */
+__device__ void s_best_after(const float *l, int n, float pv, int pi, bool bounded, float *sv, int *si, float &bv,
+                             int &bi)
+{
+    bv = -INFINITY;
+    bi = -1;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = l[i];
+        if (v != v)
+            continue;
+        if (bounded && !s_before(pv, pi, v, i))
+            continue;
+        if (bi < 0 || s_before(v, i, bv, bi))
+            bv = v, bi = i;
+    }
+    s_reduce_best(sv, si, bv, bi);
+}
+
+/* Rows of up to SAMPLE_REG * SAMPLE_GREEDY_THREADS entries (32,768: Llama 2's and
+ * Mistral's 32,000 and 32,768) are read once, in one round of loads into registers
+ * (constant offsets from one address: 32 values fit the 64 registers a thread has at
+ * 1024 threads): each thread finds its best entry and the sum of exp over its entries
+ * relative to its own max, and the block combines those (sums rescaled to the row's
+ * max). At the end of a decode step this kernel is on the step's path, and the loops'
+ * rounds of dependent loads were most of its time. Longer rows take the loops. */
+#define SAMPLE_REG 32
+#define SAMPLE_GREEDY_THREADS SAMPLE_THREADS
+
+__global__ __launch_bounds__(SAMPLE_GREEDY_THREADS) void sample_greedy_kernel(const float *__restrict__ logits, int64_t stride,
                                                                        int n_vocab, int32_t *token, float *logprob,
                                                                        int top_k, int32_t *top_tokens,
                                                                        float *top_logprobs)
@@ -54,15 +70,47 @@ __global__ __launch_bounds__(SAMPLE_THREADS) void sample_greedy_kernel(const flo
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ float red[32];
+    m40k_pdl_begin(); /* PDL-launched after the head's product */
+    M40K_LAUNDER(logits);
     const float *l = logits + blockIdx.x * stride;
     float bv;
     int bi;
-    s_best_after(l, n_vocab, 0.0f, 0, false, sv, si, bv, bi);
-    const float mx = bi >= 0 ? bv : 0.0f;
     float sum = 0.0f;
-    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x)
-        if (l[i] == l[i])
-            sum += __expf(l[i] - mx);
+    if (n_vocab <= SAMPLE_REG * SAMPLE_GREEDY_THREADS) {
+        /* entry threadIdx.x + k*SAMPLE_GREEDY_THREADS (constant offsets from one address);
+         * NaN past the row (skipped as NaN logits are) */
+        float r[SAMPLE_REG];
+        const float *lt = l + threadIdx.x;
+        const int nt = n_vocab - (int)threadIdx.x; /* entries of this thread: k*SAMPLE_GREEDY_THREADS < nt */
+#pragma unroll
+        for (int k = 0; k < SAMPLE_REG; k++)
+            r[k] = k * SAMPLE_GREEDY_THREADS < nt ? lt[k * SAMPLE_GREEDY_THREADS] : NAN;
+        bv = -INFINITY;
+        bi = -1;
+#pragma unroll
+        for (int k = 0; k < SAMPLE_REG; k++) {
+            const int i = threadIdx.x + k * SAMPLE_GREEDY_THREADS;
+            if (r[k] == r[k] && (bi < 0 || s_before(r[k], i, bv, bi)))
+                bv = r[k], bi = i;
+        }
+        const float mt = bi >= 0 ? bv : 0.0f; /* the thread's own max */
+        float st = 0.0f;
+#pragma unroll
+        for (int k = 0; k < SAMPLE_REG; k++)
+            if (r[k] == r[k])
+                st += __expf(r[k] - mt);
+        const bool some = bi >= 0;
+        s_reduce_best(sv, si, bv, bi);
+        if (some)
+            sum = st * __expf(mt - (bi >= 0 ? bv : 0.0f));
+    } else {
+        s_best_after(l, n_vocab, 0.0f, 0, false, sv, si, bv, bi);
+        const float mx = bi >= 0 ? bv : 0.0f;
+        for (int i = threadIdx.x; i < n_vocab; i += blockDim.x)
+            if (l[i] == l[i])
+                sum += __expf(l[i] - mx);
+    }
+    const float mx = bi >= 0 ? bv : 0.0f;
     sum = m40k_warp_sum(sum);
     if ((threadIdx.x & 31) == 0)
         red[threadIdx.x >> 5] = sum;
@@ -97,8 +145,8 @@ extern "C" int m40k_sample_greedy(const float *logits, int64_t stride, int rows,
         return 0;
     if (n_vocab <= 0 || top_k < 0 || top_k > 32 || (top_k > 0 && (!top_tokens || !top_logprobs)))
         return M40K_INVALID;
-    sample_greedy_kernel<<<rows, SAMPLE_THREADS, 0, stream>>>(logits, stride, n_vocab, token, logprob, top_k,
-                                                              top_tokens, top_logprobs);
+    M40K_LAUNCH_PDL(sample_greedy_kernel, rows, SAMPLE_GREEDY_THREADS, 0, stream, logits, stride, n_vocab, token, logprob,
+                    top_k, top_tokens, top_logprobs);
     return m40k_launch_status();
 }
 

@@ -1085,7 +1085,7 @@ static void test_gemv_q8(void)
 /* ---------------------------------------------------------------- 9. sampling */
 static void test_sample(void)
 {
-    for (int vocab : {1, 17, 32000 + 17, 151936}) {
+    for (int vocab : {1, 17, 32000 + 17, 32768, 32769, 151936}) { /* one round of loads up to 32,768 */
         const int rows = 3, top_k = std::min(5, vocab);
         const int64_t st = vocab + 3;
         std::vector<float> l = rand_vec(rows * st, -10, 10);
