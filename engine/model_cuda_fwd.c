@@ -440,7 +440,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
 }
 
 /* Whether the product pr over n rows starts with the int8-activation GEMV: then the
- * kernel that writes its input can quantize it on the way (m40k_add_rmsnorm_q8,
+ * kernel that writes its input can quantize it on the way (m40k_add_rmsnorm_to's xq,
  * m40k_glu_q8) and matmul is told so (xq_ready). */
 static int wants_xq(const gproj *pr, int32_t n)
 {
@@ -449,7 +449,7 @@ static int wants_xq(const gproj *pr, int32_t n)
 
 /* Whether the product pr over n rows multiplies an F16 copy of x on the tensor cores
  * (g->x16): then the kernel that writes its input writes that copy on the way
- * (m40k_add_rmsnorm_f16, m40k_glu_f16) and matmul is told so (x16_ready). */
+ * (m40k_add_rmsnorm_to's out16, m40k_glu_f16) and matmul is told so (x16_ready). */
 static int wants_x16(const m40_gpu *g, const gproj *pr, int32_t n)
 {
     if (n <= 8 || g->gemm_f32 || pr->n_parts == 0)

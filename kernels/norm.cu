@@ -3,8 +3,6 @@
 #include "cuda_common.h"
 #include "q8_dev.h"
 
-#include <cooperative_groups.h>
-namespace cg = cooperative_groups;
 
 __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, const float *__restrict__ w,
                                void *__restrict__ out, int out_f16, int64_t out_stride, int dim, float eps)
@@ -124,88 +122,26 @@ __global__ void add_rmsnorm_kernel(const float *x, float *x_out, int64_t x_strid
         ar_emit(i, xo[i] * scale * w[i], blockIdx.x, out, out_stride, dim, xq, o16);
 }
 
-/* The same for one row split over a thread block cluster of AR_CL blocks (sm_90): block
- * r of the cluster takes the slice [r*dim/AR_CL, (r+1)*dim/AR_CL) in registers (up to
- * AR_REG elements a thread), sums its squares, and the blocks exchange their sums
- * through distributed shared memory; each adds all AR_CL of them in rank order (so the
- * same scale in every block, and the same from run to run) and writes its slice. At one
- * row the single-block kernel is bound by one SM's issue rate (the quantization's warp
- * reductions for all 4,096 elements): here sixteen SMs share it (a non-portable cluster
- * size, checked at first use; at 4,096 one element a thread, one quantization block a
- * warp: H100 batch-1 decode against 8 blocks, Q4_K_M 375.3 -> 379.4, Q8_0 290.2 ->
- * 293.5 tok/s). The slice is a whole number of 32-element blocks and blockDim.x a
- * multiple of 32, so a warp still holds whole quantization blocks. */
-#define AR_CL 16
-#define AR_CL_THREADS 256
-#define AR_CL_MAX_ROWS 16 /* more rows fill the GPU with the single-block kernel */
-__global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_cl_kernel(const float *x, float *x_out, int64_t x_stride,
-                                                                       const float *d, int64_t d_stride,
-                                                                       const float *__restrict__ w, float *out,
-                                                                       int64_t out_stride, int dim, float eps,
-                                                                       gq_blk *__restrict__ xq,
-                                                                       uint16_t *__restrict__ o16)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
-    M40K_LAUNDER(x);
-    M40K_LAUNDER(x_out);
-    M40K_LAUNDER(d);
-    M40K_LAUNDER(w);
-    M40K_LAUNDER(out);
-    M40K_LAUNDER(xq);
-    M40K_LAUNDER(o16);
-    __shared__ float partial[32];
-    __shared__ float block_ss; /* read by every block of the cluster */
-    cg::cluster_group cluster = cg::this_cluster();
-    const int row = blockIdx.y, slice = dim / AR_CL, i0 = (int)cluster.block_rank() * slice;
-    const float *xr = x + row * x_stride;
-    const float *dr = d + row * d_stride;
-    float xv[AR_REG], wv[AR_REG];
-    const float bs = m40k_block_sum(ar_add_hold(xr, x_out + row * x_stride, dr, w, i0, slice, xv, wv), partial);
-    if (threadIdx.x == 0)
-        block_ss = bs;
-    cluster.sync(); /* every block's block_ss written */
-    float total = 0.0f;
-#pragma unroll
-    for (int r = 0; r < AR_CL; r++)
-        total += *cluster.map_shared_rank(&block_ss, r);
-    /* this block is done with the others' shared memory; they may exit once all have
-     * arrived (the wait below, before this block exits) */
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-    const float scale = rsqrtf(total / dim + eps);
-    ar_emit_held(xv, wv, scale, i0, slice, row, out, out_stride, dim, xq, o16);
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-/* Whether the cluster kernel runs here: clusters enabled on this device, the kernel's
- * code compiled for them and one cluster of AR_CL blocks fitting (m40k_cluster_size_fit). */
-static bool ar_cluster_ok(void)
-{
-    if (!m40k_clusters_enabled())
-        return false;
-    static signed char by_dev[64]; /* 0 unknown, 1 yes, -1 no */
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-        return false;
-    if (by_dev[dev] == 0) /* AR_CL exactly (the slices are AR_CL wide) */
-        by_dev[dev] = m40k_cluster_size_fit(add_rmsnorm_cl_kernel, AR_CL, AR_CL, AR_CL_THREADS) == AR_CL ? 1 : -1;
-    return by_dev[dev] > 0;
-}
-
-/* The same for out of place calls (x_out and out apart from x and d; rows of 16-byte
- * strides up to 4*AR_REG*256 wide): AR_CL blocks a row, each summing the squares of the
- * WHOLE row itself, loaded in one round of 16-byte loads (every block the same sum, in
- * the same order: the same scale in all of them), and writing its own slice. No cluster
- * barrier, no exchange between blocks and no cluster launch; the price is 16 reads of
- * the row from L2 (32 KB at 4,096). H100, Mistral-7B batch-1 decode against the cluster
- * kernel, one call: Q4_K_M 393.5/394.4 -> 403.4/404.4 tok/s, Q8_0 302.4/302.0 ->
- * 307.7/308.4, F16 181.8/181.8 -> 186.2/186.1. With the row read as 16 scalar loads a
- * thread, unrolled by 4 (four dependent rounds), it was 5% SLOWER than the cluster
- * kernel: on the decode chain every dependent round trip of a small kernel counts. In
- * place, a block's writes of x (or of out = d) could reach another block before that one
- * read them: there the cluster kernel serves. */
-__global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_rep_kernel(const float *x, float *x_out, int64_t x_stride,
+#define AR_BLOCKS 16   /* blocks a row of the one-round kernel below */
+#define AR_THREADS 256 /* its threads a block, at most */
+#define AR_MAX_ROWS 16 /* more rows fill the GPU with the single-block kernel */
+/* Rows of up to AR_MAX_ROWS, out of place (x_out and out apart from x and d), of a width
+ * that is a multiple of 32*AR_BLOCKS and up to 4*AR_REG*AR_THREADS, at 16-byte strides:
+ * AR_BLOCKS blocks a row. At one row the single-block kernel is bound by one SM's issue
+ * rate (the quantization's warp reductions for all 4,096 elements); here each block reads
+ * the WHOLE row in one round of 16-byte loads, sums its squares itself (every block the
+ * same sum, in the same order: the same scale in all of them) and writes its slice, one
+ * element a thread at 4,096 (a warp holds whole 32-element quantization blocks). The
+ * blocks exchange nothing; the price is AR_BLOCKS reads of the row from L2 (32 KB at
+ * 4,096). H100, Mistral-7B batch-1 decode, against the previous version (a cluster of 16
+ * blocks exchanging their partial sums through distributed shared memory), one call:
+ * Q4_K_M 393.5/394.4 -> 403.4/404.4 tok/s, Q8_0 302.4/302.0 -> 307.7/308.4, F16
+ * 181.8/181.8 -> 186.2/186.1; 8 blocks a row measured 2% slower, 32 the same as 16. With
+ * the row read as 16 scalar loads a thread, unrolled by 4 (four dependent rounds), it was
+ * 5% SLOWER than the cluster: on the decode chain every dependent round trip of a small
+ * kernel counts. In place, one block's writes of x (or of out = d) could reach another
+ * block before that one read them: in-place calls take the single-block kernel. */
+__global__ __launch_bounds__(AR_THREADS) void add_rmsnorm_rep_kernel(const float *x, float *x_out, int64_t x_stride,
                                                                         const float *d, int64_t d_stride,
                                                                         const float *__restrict__ w, float *out,
                                                                         int64_t out_stride, int dim, float eps,
@@ -213,7 +149,7 @@ __global__ __launch_bounds__(AR_CL_THREADS) void add_rmsnorm_rep_kernel(const fl
                                                                         uint16_t *__restrict__ o16)
 {
     m40k_grid_launch_dependents(); /* a PDL-launched kernel may follow */
-    const int row = blockIdx.y, slice = dim / AR_CL, i0 = (int)blockIdx.x * slice;
+    const int row = blockIdx.y, slice = dim / AR_BLOCKS, i0 = (int)blockIdx.x * slice;
     float wv[AR_REG]; /* the slice's weights: no kernel of the step writes them, so before the wait */
 #pragma unroll
     for (int k = 0; k < AR_REG; k++) {
@@ -278,20 +214,14 @@ static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, co
         return 0;
     if (dim <= 0 || (xq && dim % 32))
         return M40K_INVALID;
-    const bool slices = rows <= AR_CL_MAX_ROWS && dim % (AR_CL * 32) == 0 && dim / AR_CL <= AR_CL_THREADS * AR_REG;
-    const int threads = dim / AR_CL < AR_CL_THREADS ? dim / AR_CL : AR_CL_THREADS;
-    if (slices && x_out != x && dim <= 4 * AR_REG * threads && x_stride % 4 == 0 && d_stride % 4 == 0 &&
-        ((uintptr_t)x & 15) == 0 && ((uintptr_t)d & 15) == 0 && !ar_overlap(x_out, x_stride, x, x_stride, rows, dim) &&
-        !ar_overlap(x_out, x_stride, d, d_stride, rows, dim) && !ar_overlap(out, out_stride, x, x_stride, rows, dim) &&
-        !ar_overlap(out, out_stride, d, d_stride, rows, dim)) {
-        M40K_LAUNCH_PDL(add_rmsnorm_rep_kernel, dim3(AR_CL, (unsigned)rows), threads, 0, stream, x, x_out, x_stride,
-                        d, d_stride, w, out, out_stride, dim, eps, xq, o16);
+    const int threads = dim / AR_BLOCKS < AR_THREADS ? dim / AR_BLOCKS : AR_THREADS;
+    if (rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads && x_out != x &&
+        x_stride % 4 == 0 && d_stride % 4 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)d & 15) == 0 &&
+        !ar_overlap(x_out, x_stride, x, x_stride, rows, dim) && !ar_overlap(x_out, x_stride, d, d_stride, rows, dim) &&
+        !ar_overlap(out, out_stride, x, x_stride, rows, dim) && !ar_overlap(out, out_stride, d, d_stride, rows, dim)) {
+        M40K_LAUNCH_PDL(add_rmsnorm_rep_kernel, dim3(AR_BLOCKS, (unsigned)rows), threads, 0, stream, x, x_out,
+                        x_stride, d, d_stride, w, out, out_stride, dim, eps, xq, o16);
         return m40k_launch_status();
-    }
-    if (slices && ar_cluster_ok()) {
-        const int e = m40k_launch_ex(add_rmsnorm_cl_kernel, dim3(AR_CL, (unsigned)rows), dim3(threads), 0, AR_CL,
-                                     stream, x, x_out, x_stride, d, d_stride, w, out, out_stride, dim, eps, xq, o16);
-        return e ? e : m40k_launch_status();
     }
     int nt = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
     M40K_LAUNCH_PDL(add_rmsnorm_kernel, rows, nt, 0, stream, x, x_out, x_stride, d, d_stride, w, out, out_stride, dim,
