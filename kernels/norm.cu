@@ -40,8 +40,8 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
 }
 
 /* Residual add fused with the next RMSNorm (one block per row):
- *   x[r] += d[r];  out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w
- * The first pass writes the sum back to x, keeps its sum of squares and holds the
+ *   x_out[r] = x[r] + d[r];  out[r] = x_out[r] / sqrt(mean(x_out[r]^2) + eps) * w
+ * (x_out may be x). The first pass writes the sum to x_out, keeps its sum of squares and holds the
  * thread's first AR_REG sums and weights in registers (rows up to AR_REG * blockDim.x,
  * 8192 wide at 1024 threads), so that the second pass after the block reduction has no
  * dependent global loads; longer rows re-read the rest. out may be d. */
