@@ -7,8 +7,8 @@
  * Each warp streams its 16 rows straight from global memory into mma.sync A fragments
  * (m16n8k16, F16 in, F32 accumulate), 16-byte loads into two register buffers used in
  * turn (while one 128-wide K step is multiplied the next is in flight, and the buffer
- * just used is refilled two steps ahead); no shared-memory staging of the weights. The 16-element K of one product is permuted in
- * memory: lane (g = lane/4, q = lane%4) loads W[row g (+8)][32j + 8q .. 32j + 8q + 7]
+ * just used is refilled two steps ahead); no shared-memory staging of the weights. The
+ * 16-element K of one product is permuted in memory: lane (g = lane/4, q = lane%4) loads W[row g (+8)][32j + 8q .. 32j + 8q + 7]
  * and uses halves 0..3 for one product and 4..7 for the next; the B fragment (x) is read
  * with the same permutation (one 16-byte shared load per 32-wide K chunk), so the sum
  * over K is the same sum in another order. x (F32) is rounded to F16 on its way into

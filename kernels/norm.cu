@@ -41,10 +41,10 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
 
 /* Residual add fused with the next RMSNorm (one block per row):
  *   x_out[r] = x[r] + d[r];  out[r] = x_out[r] / sqrt(mean(x_out[r]^2) + eps) * w
- * (x_out may be x). The first pass writes the sum to x_out, keeps its sum of squares and holds the
- * thread's first AR_REG sums and weights in registers (rows up to AR_REG * blockDim.x,
- * 8192 wide at 1024 threads), so that the second pass after the block reduction has no
- * dependent global loads; longer rows re-read the rest. out may be d. */
+ * (x_out may be x). The first pass writes the sum to x_out, keeps its sum of squares and
+ * holds the thread's first AR_REG sums and weights in registers (rows up to AR_REG *
+ * blockDim.x, 8192 wide at 1024 threads), so that the second pass after the block
+ * reduction has no dependent global loads; longer rows re-read the rest. out may be d. */
 #define AR_REG 8
 /* Element i of row r: its output o, and the int8 / F16 copies where asked (with xq:
  * dim % 32 == 0 and blockDim.x % 32 == 0, so a warp holds one whole block). */
@@ -215,8 +215,8 @@ static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, co
     if (dim <= 0 || (xq && dim % 32))
         return M40K_INVALID;
     const int threads = dim / AR_BLOCKS < AR_THREADS ? dim / AR_BLOCKS : AR_THREADS;
-    if (rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads && x_out != x &&
-        x_stride % 4 == 0 && d_stride % 4 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)d & 15) == 0 &&
+    if (rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads && x_stride % 4 == 0 &&
+        d_stride % 4 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)d & 15) == 0 &&
         !ar_overlap(x_out, x_stride, x, x_stride, rows, dim) && !ar_overlap(x_out, x_stride, d, d_stride, rows, dim) &&
         !ar_overlap(out, out_stride, x, x_stride, rows, dim) && !ar_overlap(out, out_stride, d, d_stride, rows, dim)) {
         M40K_LAUNCH_PDL(add_rmsnorm_rep_kernel, dim3(AR_BLOCKS, (unsigned)rows), threads, 0, stream, x, x_out,

@@ -52,17 +52,16 @@ __device__ void s_best_after(const float *l, int n, float pv, int pi, bool bound
     s_reduce_best(sv, si, bv, bi);
 }
 
-/* Rows of up to SAMPLE_REG * SAMPLE_GREEDY_THREADS entries (32,768: Llama 2's and
- * Mistral's 32,000 and 32,768) are read once, in one round of loads into registers
+/* Rows of up to SAMPLE_REG * SAMPLE_THREADS entries (32,768: Llama 2's and Mistral's
+ * 32,000 and 32,768) are read once, in one round of loads into registers
  * (constant offsets from one address: 32 values fit the 64 registers a thread has at
  * 1024 threads): each thread finds its best entry and the sum of exp over its entries
  * relative to its own max, and the block combines those (sums rescaled to the row's
  * max). At the end of a decode step this kernel is on the step's path, and the loops'
  * rounds of dependent loads were most of its time. Longer rows take the loops. */
 #define SAMPLE_REG 32
-#define SAMPLE_GREEDY_THREADS SAMPLE_THREADS
 
-__global__ __launch_bounds__(SAMPLE_GREEDY_THREADS) void sample_greedy_kernel(const float *__restrict__ logits, int64_t stride,
+__global__ __launch_bounds__(SAMPLE_THREADS) void sample_greedy_kernel(const float *__restrict__ logits, int64_t stride,
                                                                        int n_vocab, int32_t *token, float *logprob,
                                                                        int top_k, int32_t *top_tokens,
                                                                        float *top_logprobs)
@@ -76,20 +75,20 @@ __global__ __launch_bounds__(SAMPLE_GREEDY_THREADS) void sample_greedy_kernel(co
     float bv;
     int bi;
     float sum = 0.0f;
-    if (n_vocab <= SAMPLE_REG * SAMPLE_GREEDY_THREADS) {
-        /* entry threadIdx.x + k*SAMPLE_GREEDY_THREADS (constant offsets from one address);
+    if (n_vocab <= SAMPLE_REG * SAMPLE_THREADS) {
+        /* entry threadIdx.x + k*SAMPLE_THREADS (constant offsets from one address);
          * NaN past the row (skipped as NaN logits are) */
         float r[SAMPLE_REG];
         const float *lt = l + threadIdx.x;
-        const int nt = n_vocab - (int)threadIdx.x; /* entries of this thread: k*SAMPLE_GREEDY_THREADS < nt */
+        const int nt = n_vocab - (int)threadIdx.x; /* entries of this thread: k*SAMPLE_THREADS < nt */
 #pragma unroll
         for (int k = 0; k < SAMPLE_REG; k++)
-            r[k] = k * SAMPLE_GREEDY_THREADS < nt ? lt[k * SAMPLE_GREEDY_THREADS] : NAN;
+            r[k] = k * SAMPLE_THREADS < nt ? lt[k * SAMPLE_THREADS] : NAN;
         bv = -INFINITY;
         bi = -1;
 #pragma unroll
         for (int k = 0; k < SAMPLE_REG; k++) {
-            const int i = threadIdx.x + k * SAMPLE_GREEDY_THREADS;
+            const int i = threadIdx.x + k * SAMPLE_THREADS;
             if (r[k] == r[k] && (bi < 0 || s_before(r[k], i, bv, bi)))
                 bv = r[k], bi = i;
         }
@@ -145,7 +144,7 @@ extern "C" int m40k_sample_greedy(const float *logits, int64_t stride, int rows,
         return 0;
     if (n_vocab <= 0 || top_k < 0 || top_k > 32 || (top_k > 0 && (!top_tokens || !top_logprobs)))
         return M40K_INVALID;
-    M40K_LAUNCH_PDL(sample_greedy_kernel, rows, SAMPLE_GREEDY_THREADS, 0, stream, logits, stride, n_vocab, token, logprob,
+    M40K_LAUNCH_PDL(sample_greedy_kernel, rows, SAMPLE_THREADS, 0, stream, logits, stride, n_vocab, token, logprob,
                     top_k, top_tokens, top_logprobs);
     return m40k_launch_status();
 }
