@@ -218,48 +218,43 @@ static int dev_alloc(m40_gpu *g, void **p, size_t n, char *err, size_t errlen, c
     return 0;
 }
 
-/* Matrices written side by side into one product; fused into one device matrix when
- * their device types match and each part starts 16-byte aligned. */
+/* Matrices written side by side into one product. Each run of consecutive matrices
+ * whose device types and widths match (and whose parts start 16-byte aligned) becomes
+ * one device matrix, one part of the product: Q4_K_M's [q, k, v] with v in Q6_K is two
+ * GEMVs ([q; k] and v), not three. */
 static int upload_proj(uploader *u, const m40_matrix *const *ms, int n, const float *const *biases, gproj *out,
                        char *err, size_t errlen)
 {
     m40_gpu *g = u->g;
     memset(out, 0, sizeof *out);
-    int fuse = 1;
-    gmat first;
-    gmat_describe(ms[0], NULL, &first);
-    size_t off = 0;
-    for (int i = 0; i < n; i++) {
-        gmat d;
-        gmat_describe(ms[i], NULL, &d);
-        if (d.type != first.type || d.cols != first.cols || off % 16)
-            fuse = 0;
-        off += dev_bytes(ms[i]);
-        out->rows += ms[i]->rows;
-    }
-    if (fuse) {
+    for (int i = 0; i < n;) {
+        gmat first;
+        gmat_describe(ms[i], NULL, &first);
+        size_t off = dev_bytes(ms[i]);
+        int64_t rows = ms[i]->rows;
+        int j = i + 1;
+        for (; j < n; j++) {
+            gmat d;
+            gmat_describe(ms[j], NULL, &d);
+            if (d.type != first.type || d.cols != first.cols || off % 16)
+                break;
+            off += dev_bytes(ms[j]);
+            rows += ms[j]->rows;
+        }
         void *buf;
         if (dev_alloc(g, &buf, off, err, errlen, "weights"))
             return -1;
+        gmat_describe(ms[i], buf, &out->part[out->n_parts]);
+        out->part[out->n_parts].rows = rows;
+        out->n_parts++;
+        out->rows += rows;
         size_t o = 0;
-        for (int i = 0; i < n; i++) {
-            if (upload_matrix(u, ms[i], (uint8_t *)buf + o))
+        for (int k = i; k < j; k++) {
+            if (upload_matrix(u, ms[k], (uint8_t *)buf + o))
                 goto cuda_fail;
-            o += dev_bytes(ms[i]);
+            o += dev_bytes(ms[k]);
         }
-        gmat_describe(ms[0], buf, &out->part[0]);
-        out->part[0].rows = out->rows;
-        out->n_parts = 1;
-    } else {
-        for (int i = 0; i < n; i++) {
-            void *buf;
-            if (dev_alloc(g, &buf, dev_bytes(ms[i]), err, errlen, "weights"))
-                return -1;
-            gmat_describe(ms[i], buf, &out->part[i]);
-            out->n_parts = i + 1;
-            if (upload_matrix(u, ms[i], buf))
-                goto cuda_fail;
-        }
+        i = j;
     }
     int any_bias = 0;
     for (int i = 0; i < n; i++)

@@ -466,7 +466,23 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
                   char *err, size_t errlen)
 {
     int64_t off = 0;
-    for (int i = 0; i < pr->n_parts; i++) {
+    /* Two int8-activation parts at batch 1 (Q4_K_M's [q; k] in Q4_K and v in Q6_K): one
+     * launch where the kernel has an instance for the pair (m40k_gemv_q8_pair) */
+    const gmat *p0 = &pr->part[0], *p1 = &pr->part[1];
+    if (pr->n_parts == 2 && n == 1 && gemv_q8_reads(p0) && gemv_q8_reads(p1) && p0->cols == p1->cols) {
+        const int cols = (int)p0->cols;
+        if (!xq_ready) {
+            CK(m40k_quantize_q8(x, cols, cols, n, g->xq, g->stream));
+            xq_ready = 1;
+        }
+        const int e = m40k_gemv_q8_pair(p0->data, p0->type, (int)p0->rows, p1->data, p1->type, (int)p1->rows, cols,
+                                        g->xq, n, y, pr->rows, g->stream);
+        if (e != (int)cudaErrorInvalidValue) { /* refused: not a pair the kernel has */
+            CK(e);
+            off = pr->rows; /* both written */
+        }
+    }
+    for (int i = 0; i < pr->n_parts && off < pr->rows; i++) {
         if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, &x16_ready, err, errlen))
             return -1;
         off += pr->part[i].rows;

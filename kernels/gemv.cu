@@ -380,7 +380,7 @@ __global__ __launch_bounds__(GF_WARPS * 32, MINB) void gemv_fast_kernel(const ui
         }
         __syncwarp();
     }
-    m40k_gemv_block_store<GF_WARPS, R, B>(acc, red, S, N, y, y_stride);
+    m40k_gemv_block_store<GF_WARPS, R, B>(acc, red, S, N, y, y_stride, blockIdx.x);
 }
 
 template <int T, int B>

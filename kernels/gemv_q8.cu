@@ -353,18 +353,30 @@ __host__ __device__ constexpr bool gq_rolled(int T, int B)
     return (T == M40K_TYPE_Q6_K && B >= 2) || (T == M40K_TYPE_Q4_K && B >= 3);
 }
 
-template <int T, int B, int MINB>
-__global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
-    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const gq_blk *__restrict__ xs,
-    float *__restrict__ y, int64_t y_stride)
+/* Rows of each lane's first unit loaded before the PDL wait: all of them, but Q8_0's
+ * first row only. Those loads go out while the kernels before the GEMV (norm,
+ * attention, quantization) still run, and compete with their own loads; for Q8_0, whose
+ * grids are the largest (16 warps an SM resident), one row early measured faster than
+ * two (mistral-7b on an H100: 308.4 -> 312.7 tokens/s; none early: 299.8), for Q4_K_M
+ * two (388.0 / 390.2 against 369.8 / 372.7 with one, 354.1 with none). */
+#ifndef GQ_EARLY_Q8_0
+#define GQ_EARLY_Q8_0 1
+#endif
+__host__ __device__ constexpr int gq_early(int T) { return T == M40K_TYPE_Q8_0 ? GQ_EARLY_Q8_0 : GQ_R; }
+
+/* One block's share of y = W . x: block blk of the product's grid (blockIdx.x, or its
+ * index within its own product in a launch of two, gemv_q8_pair_kernel). */
+template <int T, int B>
+__device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S,
+                                         const gq_blk *__restrict__ xs, float *__restrict__ y, int64_t y_stride,
+                                         int blk)
 {
-    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     typedef gq<T> Q;
-    constexpr int R = GQ_R;
+    constexpr int R = GQ_R, E = gq_early(T);
     __shared__ float red[GQ_WARPS][R][B];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = GQ_WARPS / S, g = warp / S, ks = warp % S;
-    const int row0 = (blockIdx.x * groups + g) * R;
+    const int row0 = (blk * groups + g) * R;
     const uint8_t *rowp[R];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -406,16 +418,20 @@ __global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
             }
         }
     };
-    /* The first unit's weights are loaded before waiting for the previous kernel (PDL
-     * launch: they do not depend on it); the rest as they come. (Loading each next
-     * unit at the end of the previous iteration instead measured 8% slower for Q4_K_M.) */
+    /* The first unit's weights (of its first E rows, gq_early) are loaded before waiting
+     * for the previous kernel (PDL launch: they do not depend on it); the rest as they
+     * come. (Loading each next unit at the end of the previous iteration instead
+     * measured 8% slower for Q4_K_M.) */
     int u = ks * 32 + lane;
     if (u < nu) {
         typename Q::W w0[R];
 #pragma unroll
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < E; r++)
             Q::load_w(rowp[r], u, w0[r]);
         xs = m40k_grid_wait_for(xs);
+#pragma unroll
+        for (int r = E; r < R; r++)
+            Q::load_w(rowp[r], u, w0[r]);
         body(w0, u);
         for (u += 32 * S; u < nu; u += 32 * S) {
             typename Q::W wr[R];
@@ -427,7 +443,62 @@ __global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
     } else {
         xs = m40k_grid_wait_for(xs);
     }
-    m40k_gemv_block_store<GQ_WARPS, R, B>(acc, red, S, N, y, y_stride);
+    m40k_gemv_block_store<GQ_WARPS, R, B>(acc, red, S, N, y, y_stride, blk);
+}
+
+template <int T, int B, int MINB>
+__global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
+    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const gq_blk *__restrict__ xs,
+    float *__restrict__ y, int64_t y_stride)
+{
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    gq_block<T, B>(w, row_bytes, N, K, S, xs, y, y_stride, blockIdx.x);
+}
+
+/* One product of a launch of two (m40k_gemv_q8_pair): its weights, rows, split and the
+ * number of blocks of the grid it takes. */
+struct gq_part {
+    const uint8_t *w;
+    size_t row_bytes;
+    int N, S, blocks;
+    float *y;
+};
+
+/* Two products of the same x in one grid: blocks [0, p0.blocks) compute p0 (type T0),
+ * the rest p1 (type T1). One launch and one kernel boundary on the decode chain fewer
+ * than two GEMVs (Q4_K_M's attention input: [q; k] in Q4_K, v in Q6_K in a third of the
+ * layers). */
+template <int T0, int T1, int B>
+__global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_kernel(gq_part p0, gq_part p1, int K,
+                                                                                    const gq_blk *__restrict__ xs,
+                                                                                    int64_t y_stride)
+{
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    if ((int)blockIdx.x < p0.blocks)
+        gq_block<T0, B>(p0.w, p0.row_bytes, p0.N, K, p0.S, xs, p0.y, y_stride, blockIdx.x);
+    else
+        gq_block<T1, B>(p1.w, p1.row_bytes, p1.N, K, p1.S, xs, p1.y, y_stride, blockIdx.x - p0.blocks);
+}
+
+/* The split S (warps a row) of a product: m40k_gemv_pick_split, but for Q8_0 at batch 1,
+ * measured on the model (mistral-7b, H100, tokens/s, against the pick: 4 at K 4096, 2 at
+ * 14336): S 2 where K <= 4096 (half the blocks, two iterations a warp) and the grid still
+ * fills the GPU, 310.7 -> 320.1; also S 4 at K > 4096 (two rows a block, two waves of
+ * blocks), 319.4 -> 321.6; S 1 at K 4096 306.8, at 14336 308.9. Q4_K_M took none of
+ * these (S 1 at K 4096: 402 -> 388; S 2 or 4 at 14336, with or without the 64-register
+ * instance: 387-400). */
+template <int T, int B>
+static int gq_split(int N, int K)
+{
+    int S = m40k_gemv_pick_split(K / gq<T>::UE, 32, N, GQ_WARPS, GQ_R);
+    if constexpr (T == M40K_TYPE_Q8_0 && B == 1) {
+        const int blocks2 = (N + GQ_WARPS / 2 * GQ_R - 1) / (GQ_WARPS / 2 * GQ_R);
+        if (K > 4096)
+            S = 4;
+        else if (S > 2 && blocks2 * GQ_WARPS >= 2112) /* ~2112 warps resident on an H100 */
+            S = 2;
+    }
+    return S;
 }
 
 template <int T, int B>
@@ -436,7 +507,7 @@ static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
     /* each row's units split over S warps (32 units a warp and iteration, one a lane) */
-    const int nu = K / gq<T>::UE, S = m40k_gemv_pick_split(nu, 32, N, GQ_WARPS, GQ_R);
+    const int nu = K / gq<T>::UE, S = gq_split<T, B>(N, K);
     const int rows_per_block = GQ_WARPS / S * GQ_R;
     const dim3 grid((unsigned)((N + rows_per_block - 1) / rows_per_block)), block(GQ_WARPS * 32);
     if constexpr (T == M40K_TYPE_Q4_K && B == 1)
@@ -461,6 +532,31 @@ static int gq_launch(const uint8_t *w, int N, int K, const gq_blk *xs, float *y,
     case 8: return gq_launch_b<T, 8>(w, N, K, xs, y, ys, st);
     default: return M40K_INVALID;
     }
+}
+
+/* The grid of one product (as gq_launch_b picks it) */
+template <int T>
+static gq_part gq_part_of(const uint8_t *w, int N, int K, float *y)
+{
+    typedef m40k_tinfo<T> ti;
+    gq_part p;
+    p.w = w;
+    p.row_bytes = (size_t)K / ti::BE * ti::BB;
+    p.N = N;
+    p.S = gq_split<T, 1>(N, K);
+    const int rows_per_block = GQ_WARPS / p.S * GQ_R;
+    p.blocks = (N + rows_per_block - 1) / rows_per_block;
+    p.y = y;
+    return p;
+}
+
+template <int T0, int T1>
+static int gq_launch_pair(const uint8_t *w0, int N0, const uint8_t *w1, int N1, int K, const gq_blk *xs, float *y,
+                          int64_t ys, cudaStream_t st)
+{
+    const gq_part p0 = gq_part_of<T0>(w0, N0, K, y), p1 = gq_part_of<T1>(w1, N1, K, y + N0);
+    return m40k_launch_pdl(gemv_q8_pair_kernel<T0, T1, 1>, dim3((unsigned)(p0.blocks + p1.blocks)),
+                           dim3(GQ_WARPS * 32), st, p0, p1, K, xs, ys);
 }
 
 extern "C" size_t m40k_gemv_q8_ws_bytes(int K, int batch)
@@ -497,4 +593,16 @@ extern "C" int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void 
     case M40K_TYPE_Q6_K: return gq_launch<M40K_TYPE_Q6_K>(wb, N, K, xs, y, y_stride, batch, stream);
     default: return M40K_INVALID;
     }
+}
+
+extern "C" int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K,
+                                 const void *ws, int batch, float *y, int64_t y_stride, m40k_stream stream)
+{
+    if (batch != 1 || type0 != M40K_TYPE_Q4_K || type1 != M40K_TYPE_Q6_K)
+        return M40K_INVALID;
+    if (N0 <= 0 || N1 <= 0 || K <= 0 || K % 256 || ((uintptr_t)w0 & 15) || ((uintptr_t)w1 & 15) ||
+        ((uintptr_t)ws & 15))
+        return M40K_INVALID;
+    return gq_launch_pair<M40K_TYPE_Q4_K, M40K_TYPE_Q6_K>((const uint8_t *)w0, N0, (const uint8_t *)w1, N1, K,
+                                                          (const gq_blk *)ws, y, y_stride, stream);
 }

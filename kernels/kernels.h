@@ -275,6 +275,12 @@ size_t m40k_gemv_q8_ws_bytes(int K, int batch);
 int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws, m40k_stream stream);
 int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride,
                  m40k_stream stream);
+/* Two products of the same x (ws) in one launch, as two m40k_gemv_q8 calls would write
+ * them: y[n] = W0[n] . x for n < N0, y[N0 + n] = W1[n] . x for n < N1 (both K wide).
+ * Batch 1 and W0 in Q4_K, W1 in Q6_K only (Q4_K_M's [q; k] and v); M40K_INVALID for
+ * anything else, and the caller launches the two apart. */
+int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K, const void *ws,
+                      int batch, float *y, int64_t y_stride, m40k_stream stream);
 
 /* 8c. F16 GEMV on the tensor cores (kernels/gemm_skinny.cu), for decode steps of 1..8
  * token rows where a row-per-warp GEMV leaves bandwidth unused (long K, several rows):

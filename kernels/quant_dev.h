@@ -131,10 +131,11 @@ static inline int m40k_gemv_pick_split(int units, int per_iter, int N, int W, in
 
 /* The block's end: each warp's sums over its lanes into red (shared), then the S partial
  * sums of a row added in warp order and stored as y[b*y_stride + row] (rows >= N: not
- * written). Every thread of the block calls it (one barrier). */
+ * written); blk: the block's index in its product (blockIdx.x but in a launch of two
+ * products). Every thread of the block calls it (one barrier). */
 template <int W, int R, int B>
 __device__ __forceinline__ void m40k_gemv_block_store(const float (&acc)[R][B], float (&red)[W][R][B], int S, int N,
-                                                      float *__restrict__ y, int64_t y_stride)
+                                                      float *__restrict__ y, int64_t y_stride, int blk)
 {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, groups = W / S;
 #pragma unroll
@@ -151,7 +152,7 @@ __device__ __forceinline__ void m40k_gemv_block_store(const float (&acc)[R][B], 
         float v = 0.0f;
         for (int k = 0; k < S; k++)
             v += red[gg * S + k][r][b];
-        const int n = (blockIdx.x * groups + gg) * R + r;
+        const int n = (blk * groups + gg) * R + r;
         if (n < N)
             y[b * y_stride + n] = v;
     }

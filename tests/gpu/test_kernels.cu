@@ -1082,6 +1082,74 @@ static void test_gemv_q8(void)
     }
 }
 
+/* 8b'. Two products in one launch (m40k_gemv_q8_pair: Q4_K then Q6_K, batch 1) against
+ * the twin of each product, with the tolerance of test_gemv_q8's twin check; the pair
+ * kernel's rows must land at y[0, N0) and y[N0, N0 + N1) and nowhere else. Other type
+ * pairs and batches are refused. */
+static void test_gemv_q8_pair(void)
+{
+    const int shapes[][3] = {{1, 1, 256}, {33, 7, 768}, {7, 33, 256}, {5120, 1024, 4096}, {4097, 31, 4096}};
+    for (const auto &sh : shapes) {
+        const int N0 = sh[0], N1 = sh[1], K = sh[2];
+        const int t0 = M40K_TYPE_Q4_K, t1 = M40K_TYPE_Q6_K;
+        std::vector<uint8_t> w0 = quant_matrix(t0, N0, K), w1 = quant_matrix(t1, N1, K);
+        std::vector<float> x = q8_x(1, K, K);
+        const size_t wsb = m40k_gemv_q8_ws_bytes(K, 1);
+        std::vector<uint8_t> ws(wsb);
+        m40_ref_quantize_q8(x.data(), K, K, 1, ws.data());
+        const int ny = N0 + N1 + 5; /* 5 guard entries past the products */
+        std::vector<float> c(ny, -7.0f);
+        m40_ref_gemv_q8(w0.data(), t0, N0, K, ws.data(), 1, c.data(), ny);
+        m40_ref_gemv_q8(w1.data(), t1, N1, K, ws.data(), 1, c.data() + N0, ny);
+        std::vector<double> tt(ny, 0.0);
+        for (int n = 0; n < N0 + N1; n++) {
+            const bool first = n < N0;
+            const std::vector<uint8_t> &w = first ? w0 : w1;
+            const int type = first ? t0 : t1, row = first ? n : n - N0;
+            std::vector<float> deq(K);
+            m40_dequantize_row((uint32_t)type, w.data() + (size_t)row * row_bytes(type, K), deq.data(), K);
+            double m = 0;
+            for (int k = 0; k < K; k++)
+                m += fabs(deq[k]) * (fabs(x[k]) + 1.0);
+            tt[n] = 1e-5 * m;
+        }
+        uint8_t *dw0 = dup(w0), *dw1 = dup(w1);
+        float *dx = dup(x), *dy;
+        void *dws;
+        CK(cudaMalloc(&dws, wsb));
+        CK(cudaMalloc(&dy, ny * 4));
+        std::vector<float> fill(ny, -7.0f);
+        CK(cudaMemcpy(dy, fill.data(), ny * 4, cudaMemcpyHostToDevice));
+        CK(m40k_quantize_q8(dx, K, K, 1, dws, 0));
+        CK(m40k_gemv_q8_pair(dw0, t0, N0, dw1, t1, N1, K, dws, 1, dy, ny, 0));
+        std::vector<float> g = back(dy, ny);
+        char what[112];
+        snprintf(what, sizeof what, "gemv_q8_pair Q4_K %d + Q6_K %d, K %d vs twins", N0, N1, K);
+        compare_bound(what, g.data(), c.data(), tt.data(), (size_t)(N0 + N1));
+        snprintf(what, sizeof what, "gemv_q8_pair %d + %d, K %d: nothing written past the products", N0, N1, K);
+        check(what, g[N0 + N1] == -7.0f && g[ny - 1] == -7.0f);
+        cudaFree(dw0), cudaFree(dw1), cudaFree(dx), cudaFree(dy), cudaFree(dws);
+    }
+    uint8_t *dw;
+    void *dws;
+    float *dy;
+    CK(cudaMalloc(&dw, 1 << 16));
+    CK(cudaMalloc(&dws, 4096));
+    CK(cudaMalloc(&dy, 256));
+    const int bad = (int)cudaErrorInvalidValue;
+    check("gemv_q8_pair Q6_K + Q4_K refused",
+          m40k_gemv_q8_pair(dw, M40K_TYPE_Q6_K, 1, dw, M40K_TYPE_Q4_K, 1, 256, dws, 1, dy, 2, 0) == bad);
+    check("gemv_q8_pair Q8_0 + Q8_0 refused",
+          m40k_gemv_q8_pair(dw, M40K_TYPE_Q8_0, 1, dw, M40K_TYPE_Q8_0, 1, 256, dws, 1, dy, 2, 0) == bad);
+    check("gemv_q8_pair batch 2 refused",
+          m40k_gemv_q8_pair(dw, M40K_TYPE_Q4_K, 1, dw, M40K_TYPE_Q6_K, 1, 256, dws, 2, dy, 2, 0) == bad);
+    check("gemv_q8_pair K 255 refused",
+          m40k_gemv_q8_pair(dw, M40K_TYPE_Q4_K, 1, dw, M40K_TYPE_Q6_K, 1, 255, dws, 1, dy, 2, 0) == bad);
+    check("gemv_q8_pair W1+2 refused",
+          m40k_gemv_q8_pair(dw, M40K_TYPE_Q4_K, 1, dw + 2, M40K_TYPE_Q6_K, 1, 256, dws, 1, dy, 2, 0) == bad);
+    cudaFree(dw), cudaFree(dws), cudaFree(dy);
+}
+
 /* ---------------------------------------------------------------- 9. sampling */
 static void test_sample(void)
 {
@@ -1381,7 +1449,8 @@ int main(int argc, char **argv)
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
         {"fused_f16", test_fused_f16}, {"add_rmsnorm_to", test_add_rmsnorm_to}, {"attention", test_attention},
         {"kv_rope", test_kv_append_rope}, {"attn_rope", test_attn_decode_rope},
-        {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"skinny", test_gemm_skinny},
+        {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"gemv_q8_pair", test_gemv_q8_pair},
+        {"skinny", test_gemm_skinny},
         {"skinny_glu", test_gemm_skinny_glu},
         {"sample", test_sample},
     };
