@@ -477,7 +477,8 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
         }
         const int e = m40k_gemv_q8_pair(p0->data, p0->type, (int)p0->rows, p1->data, p1->type, (int)p1->rows, cols,
                                         g->xq, n, y, pr->rows, g->stream);
-        if (e != (int)cudaErrorInvalidValue) { /* refused: not a pair the kernel has */
+        /* cudaErrorInvalidValue: not a pair the kernel has; the loop below launches them apart */
+        if (e != (int)cudaErrorInvalidValue) {
             CK(e);
             off = pr->rows; /* both written */
         }

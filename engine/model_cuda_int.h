@@ -28,7 +28,8 @@ typedef struct {
     size_t row_bytes;
 } gmat;
 
-/* One product target: either one fused matrix, or up to 3 parts written side by side. */
+/* One product target: up to 3 parts written side by side, each a run of consecutive
+ * matrices of one device type fused into one device matrix (upload_proj). */
 typedef struct {
     gmat part[3];
     int n_parts;

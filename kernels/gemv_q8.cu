@@ -353,16 +353,13 @@ __host__ __device__ constexpr bool gq_rolled(int T, int B)
     return (T == M40K_TYPE_Q6_K && B >= 2) || (T == M40K_TYPE_Q4_K && B >= 3);
 }
 
-/* Rows of each lane's first unit loaded before the PDL wait: all of them, but Q8_0's
- * first row only. Those loads go out while the kernels before the GEMV (norm,
- * attention, quantization) still run, and compete with their own loads; for Q8_0, whose
- * grids are the largest (16 warps an SM resident), one row early measured faster than
- * two (mistral-7b on an H100: 308.4 -> 312.7 tokens/s; none early: 299.8), for Q4_K_M
- * two (388.0 / 390.2 against 369.8 / 372.7 with one, 354.1 with none). */
-#ifndef GQ_EARLY_Q8_0
-#define GQ_EARLY_Q8_0 1
-#endif
-__host__ __device__ constexpr int gq_early(int T) { return T == M40K_TYPE_Q8_0 ? GQ_EARLY_Q8_0 : GQ_R; }
+/* Rows of each lane's first unit loaded before the PDL wait: both, but Q8_0's first row
+ * only. Those loads go out while the kernels before the GEMV (norm, attention,
+ * quantization) still run and compete with their loads. Measured per type (mistral-7b,
+ * batch 1, H100, tokens/s, with the splits of gq_split): Q8_0 one row 322.1 / 321.1, two
+ * 320.1 / 318.3, none 311.0; Q4_K one row 395.3 against 408.7 for two, Q6_K one row
+ * 406.5 (BENCHMARKS.md, tenth session). */
+__host__ __device__ constexpr int gq_early(int T) { return T == M40K_TYPE_Q8_0 ? 1 : GQ_R; }
 
 /* One block's share of y = W . x: block blk of the product's grid (blockIdx.x, or its
  * index within its own product in a launch of two, gemv_q8_pair_kernel). */
