@@ -42,8 +42,9 @@
  * lane; batch 8 ~7.6, 22, 14.6, 16 (Q4_K and Q6_K with the batch loop rolled,
  * gq_rolled). An H100 issues ~11 per byte at 3 TB/s, so batch 1 is memory-bound and
  * batch 8 issue-bound.
- * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), no spills, >= 16 warps per SM (Q4_K at
- * batch 1 and short rows: 64 registers, 32 warps, GQ_MIN_BLOCKS_WIDE).
+ * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), no spills, >= 16 warps per SM. (Q4_K at
+ * batch 1 had a 64-register instance of 8 blocks an SM for rows of K <= 4096: 32 warps,
+ * twice the bytes in flight; four rows a warp, gq_rows1, replaced it.)
  *
  * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in engine/cpu_ref.c) writes the
  * same workspace bytes and forms the same integer dots and the same per-group F32
@@ -62,15 +63,6 @@
 #else
 #define GQ_MIN_BLOCKS 4
 #endif
-/* Q4_K at batch 1 has a second instance bounded to 8 blocks an SM (64 registers, no
- * spills; 98 under the bound of 4): 32 warps an SM, twice the bytes in flight, which
- * pays where each lane has at most two units of a row (K <= 4096 at the usual splits)
- * and costs where the loop is long. H100, test_kernels --bench gemvq8, weights rotated,
- * 4 -> 8 blocks: 28672 x 4096 27.3 -> 24.6 us, 4096 x 4096 7.03 -> 5.96 us, 6144 x 4096
- * 8.46 -> 8.53 us, 4096 x 14336 14.5 -> 19.1 us. Q6_K squeezed the same way measured
- * slower at most shapes (a spill, more instructions); Q8_0 and Q4_0 use 64 registers or
- * fewer anyway. */
-#define GQ_MIN_BLOCKS_WIDE 8
 
 __device__ __forceinline__ float gq_f(int acc) { return __int_as_float(acc) - 12582912.0f; }
 
@@ -359,17 +351,25 @@ __host__ __device__ constexpr bool gq_rolled(int T, int B)
  * batch 1, H100, tokens/s, with the splits of gq_split): Q8_0 one row 322.1 / 321.1, two
  * 320.1 / 318.3, none 311.0; Q4_K one row 395.3 against 408.7 for two, Q6_K one row
  * 406.5 (BENCHMARKS.md, tenth session). */
-__host__ __device__ constexpr int gq_early(int T) { return T == M40K_TYPE_Q8_0 ? 1 : GQ_R; }
+__host__ __device__ constexpr int gq_early(int T, int R) { return T == M40K_TYPE_Q8_0 ? 1 : R; }
+
+/* Rows a warp takes (R) at batch 1: Q4_K 4, so that each lane has four units in flight
+ * and a product half the blocks (126 registers, no spills); 2 for the other types and at
+ * batch 2-8. Q4_K_M on an H100 (mistral-7b, tokens/s, one call): 407.6 with R 2 (and,
+ * for rows of K <= 4096, the 64-register instance of 8 blocks an SM this replaced), 418.4
+ * with R 4, 408.9 with R 4 on the long rows only; R 4 with two rows early 415.3. Q8_0
+ * with R 4 measured slower (315.0 / 312.9 against 322.5 / 322.1), Q6_K spills at 4. */
+__host__ __device__ constexpr int gq_rows1(int T) { return T == M40K_TYPE_Q4_K ? 4 : GQ_R; }
 
 /* One block's share of y = W . x: block blk of the product's grid (blockIdx.x, or its
  * index within its own product in a launch of two, gemv_q8_pair_kernel). */
-template <int T, int B>
+template <int T, int B, int R>
 __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S,
                                          const gq_blk *__restrict__ xs, float *__restrict__ y, int64_t y_stride,
                                          int blk)
 {
     typedef gq<T> Q;
-    constexpr int R = GQ_R, E = gq_early(T);
+    constexpr int E = gq_early(T, R);
     __shared__ float red[GQ_WARPS][R][B];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int groups = GQ_WARPS / S, g = warp / S, ks = warp % S;
@@ -443,13 +443,13 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
     m40k_gemv_block_store<GQ_WARPS, R, B>(acc, red, S, N, y, y_stride, blk);
 }
 
-template <int T, int B, int MINB>
+template <int T, int B, int MINB, int R>
 __global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
     const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const gq_blk *__restrict__ xs,
     float *__restrict__ y, int64_t y_stride)
 {
     m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
-    gq_block<T, B>(w, row_bytes, N, K, S, xs, y, y_stride, blockIdx.x);
+    gq_block<T, B, R>(w, row_bytes, N, K, S, xs, y, y_stride, blockIdx.x);
 }
 
 /* One product of a launch of two (m40k_gemv_q8_pair): its weights, rows, split and the
@@ -472,9 +472,9 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
 {
     m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     if ((int)blockIdx.x < p0.blocks)
-        gq_block<T0, B>(p0.w, p0.row_bytes, p0.N, K, p0.S, xs, p0.y, y_stride, blockIdx.x);
+        gq_block<T0, B, gq_rows1(T0)>(p0.w, p0.row_bytes, p0.N, K, p0.S, xs, p0.y, y_stride, blockIdx.x);
     else
-        gq_block<T1, B>(p1.w, p1.row_bytes, p1.N, K, p1.S, xs, p1.y, y_stride, blockIdx.x - p0.blocks);
+        gq_block<T1, B, gq_rows1(T1)>(p1.w, p1.row_bytes, p1.N, K, p1.S, xs, p1.y, y_stride, blockIdx.x - p0.blocks);
 }
 
 /* The split S (warps a row) of a product: m40k_gemv_pick_split, but for Q8_0 at batch 1,
@@ -485,9 +485,9 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
  * these (S 1 at K 4096: 402 -> 388; S 2 or 4 at 14336, with or without the 64-register
  * instance: 387-400). */
 template <int T, int B>
-static int gq_split(int N, int K)
+static int gq_split(int N, int K, int R)
 {
-    int S = m40k_gemv_pick_split(K / gq<T>::UE, 32, N, GQ_WARPS, GQ_R);
+    int S = m40k_gemv_pick_split(K / gq<T>::UE, 32, N, GQ_WARPS, R);
     if constexpr (T == M40K_TYPE_Q8_0 && B == 1) {
         const int blocks2 = (N + GQ_WARPS / 2 * GQ_R - 1) / (GQ_WARPS / 2 * GQ_R);
         if (K > 4096)
@@ -503,15 +503,12 @@ static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *
 {
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
-    /* each row's units split over S warps (32 units a warp and iteration, one a lane) */
-    const int nu = K / gq<T>::UE, S = gq_split<T, B>(N, K);
-    const int rows_per_block = GQ_WARPS / S * GQ_R;
+    /* each row's units split over S warps (32 units a warp and iteration, one a lane), R
+     * rows a warp */
+    constexpr int R = B == 1 ? gq_rows1(T) : GQ_R;
+    const int S = gq_split<T, B>(N, K, R), rows_per_block = GQ_WARPS / S * R;
     const dim3 grid((unsigned)((N + rows_per_block - 1) / rows_per_block)), block(GQ_WARPS * 32);
-    if constexpr (T == M40K_TYPE_Q4_K && B == 1)
-        if (nu <= 2 * 32 * S)
-            return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS_WIDE>, grid, block, st, w, row_bytes, N, K, S, xs,
-                                   y, ys);
-    return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS>, grid, block, st, w, row_bytes, N, K, S, xs, y, ys);
+    return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS, R>, grid, block, st, w, row_bytes, N, K, S, xs, y, ys);
 }
 
 template <int T>
@@ -540,8 +537,8 @@ static gq_part gq_part_of(const uint8_t *w, int N, int K, float *y)
     p.w = w;
     p.row_bytes = (size_t)K / ti::BE * ti::BB;
     p.N = N;
-    p.S = gq_split<T, 1>(N, K);
-    const int rows_per_block = GQ_WARPS / p.S * GQ_R;
+    p.S = gq_split<T, 1>(N, K, gq_rows1(T));
+    const int rows_per_block = GQ_WARPS / p.S * gq_rows1(T);
     p.blocks = (N + rows_per_block - 1) / rows_per_block;
     p.y = y;
     return p;
