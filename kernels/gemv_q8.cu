@@ -18,11 +18,12 @@
  * Work split. A lane's unit of work is one run of weights that shares its scales and
  * lines up with whole activation blocks: a Q8_0/Q4_0 block (32 elements), a Q4_K pair
  * of sub-blocks (64: the low and high nibbles of 32 qs bytes), a quarter of a Q6_K
- * superblock (64: four 16-element scale groups, 48 quant bytes). A warp takes
- * GQ_R rows at once and its lanes take consecutive units, so each lane has GQ_R units
- * (one per row) in flight, ~18..52 bytes each; x is loaded once per unit and batch row,
- * a weight scale group at a time (gq_row), and used for all GQ_R rows. S warps of a block (1, 2 or 4, picked on the host from
- * the shape) split a row's units round robin and meet in shared memory at the end.
+ * superblock (64: four 16-element scale groups, 48 quant bytes). A warp takes R rows
+ * at once (GQ_R = 2; Q4_K at batch 1: 4, gq_rows1) and its lanes take consecutive units,
+ * so each lane has R units (one per row) in flight, ~18..52 bytes each; x is loaded once
+ * per unit and batch row, a weight scale group at a time (gq_row), and used for all R
+ * rows. S warps of a block (1, 2 or 4, picked on the host from the shape, gq_split)
+ * split a row's units round robin and meet in shared memory at the end.
  *
  * Loads. Every weight load is a 16-byte streaming load (__ldcs) of an aligned chunk.
  * Q4_K superblocks (144 = 9 x 16 bytes) stay 16-byte aligned. Q8_0 (34 bytes), Q4_0
@@ -481,9 +482,9 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
  * measured on the model (mistral-7b, H100, tokens/s, against the pick: 4 at K 4096, 2 at
  * 14336): S 2 where K <= 4096 (half the blocks, two iterations a warp) and the grid still
  * fills the GPU, 310.7 -> 320.1; also S 4 at K > 4096 (two rows a block, two waves of
- * blocks), 319.4 -> 321.6; S 1 at K 4096 306.8, at 14336 308.9. Q4_K_M took none of
- * these (S 1 at K 4096: 402 -> 388; S 2 or 4 at 14336, with or without the 64-register
- * instance: 387-400). */
+ * blocks), 319.4 -> 321.6; S 1 at K 4096 306.8, at 14336 308.9. With two rows a warp
+ * (before gq_rows1's four), Q4_K_M took none of these (S 1 at K 4096: 402 -> 388; S 2
+ * or 4 at 14336, with or without the 64-register instance: 387-400). */
 template <int T, int B>
 static int gq_split(int N, int K, int R)
 {
