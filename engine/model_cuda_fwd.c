@@ -380,6 +380,16 @@ static int sgemm_rows(const m40_gpu *g, const float *w, int rows, int cols, cons
  * *xq_ready: whether g->xq already holds x quantized (m40k_quantize_q8); set once it
  * does, so the products of one x share one quantization. *x16_ready likewise for the
  * F16 copy of x in g->x16 (tensor-core paths). */
+/* x (n rows of cols) quantized into g->xq for m40k_gemv_q8, unless *xq_ready says it is
+ * there already; then it is. */
+static int quantize_once(m40_gpu *g, const float *x, int cols, int32_t n, int *xq_ready)
+{
+    if (*xq_ready)
+        return 0;
+    *xq_ready = 1;
+    return m40k_quantize_q8(x, cols, cols, n, g->xq, g->stream);
+}
+
 static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
                       int *x16_ready, char *err, size_t errlen)
 {
@@ -394,10 +404,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
         return 0;
     }
     if (n <= 8 && gemv_q8_reads(w)) {
-        if (!*xq_ready) {
-            CK(m40k_quantize_q8(x, cols, cols, n, g->xq, g->stream));
-            *xq_ready = 1;
-        }
+        CK(quantize_once(g, x, cols, n, xq_ready));
         CK(m40k_gemv_q8(w->data, w->type, rows, cols, g->xq, n, y, ldy, g->stream));
         return 0;
     }
@@ -471,10 +478,7 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
     const gmat *p0 = &pr->part[0], *p1 = &pr->part[1];
     if (pr->n_parts == 2 && n == 1 && gemv_q8_reads(p0) && gemv_q8_reads(p1) && p0->cols == p1->cols) {
         const int cols = (int)p0->cols;
-        if (!xq_ready) {
-            CK(m40k_quantize_q8(x, cols, cols, n, g->xq, g->stream));
-            xq_ready = 1;
-        }
+        CK(quantize_once(g, x, cols, n, &xq_ready));
         const int e = m40k_gemv_q8_pair(p0->data, p0->type, (int)p0->rows, p1->data, p1->type, (int)p1->rows, cols,
                                         g->xq, n, y, pr->rows, g->stream);
         /* cudaErrorInvalidValue: not a pair the kernel has; the loop below launches them apart */

@@ -19,7 +19,7 @@
  * lines up with whole activation blocks: a Q8_0/Q4_0 block (32 elements), a Q4_K pair
  * of sub-blocks (64: the low and high nibbles of 32 qs bytes), a quarter of a Q6_K
  * superblock (64: four 16-element scale groups, 48 quant bytes). A warp takes R rows
- * at once (GQ_R = 2; Q4_K at batch 1: 4, gq_rows1) and its lanes take consecutive units,
+ * at once (GQ_R = 2; Q4_K at batch 1: 4, gq_rows) and its lanes take consecutive units,
  * so each lane has R units (one per row) in flight, ~18..52 bytes each; x is loaded once
  * per unit and batch row, a weight scale group at a time (gq_row), and used for all R
  * rows. S warps of a block (1, 2 or 4, picked on the host from the shape, gq_split)
@@ -45,7 +45,7 @@
  * batch 8 issue-bound.
  * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), no spills, >= 16 warps per SM. (Q4_K at
  * batch 1 had a 64-register instance of 8 blocks an SM for rows of K <= 4096: 32 warps,
- * twice the bytes in flight; four rows a warp, gq_rows1, replaced it.)
+ * twice the bytes in flight; four rows a warp, gq_rows, replaced it.)
  *
  * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in engine/cpu_ref.c) writes the
  * same workspace bytes and forms the same integer dots and the same per-group F32
@@ -354,13 +354,13 @@ __host__ __device__ constexpr bool gq_rolled(int T, int B)
  * 406.5 (BENCHMARKS.md, tenth session). */
 __host__ __device__ constexpr int gq_early(int T, int R) { return T == M40K_TYPE_Q8_0 ? 1 : R; }
 
-/* Rows a warp takes (R) at batch 1: Q4_K 4, so that each lane has four units in flight
+/* Rows a warp takes (R): 4 for Q4_K at batch 1, so that each lane has four units in flight
  * and a product half the blocks (126 registers, no spills); 2 for the other types and at
  * batch 2-8. Q4_K_M on an H100 (mistral-7b, tokens/s, one call): 407.6 with R 2 (and,
  * for rows of K <= 4096, the 64-register instance of 8 blocks an SM this replaced), 418.4
  * with R 4, 408.9 with R 4 on the long rows only; R 4 with two rows early 415.3. Q8_0
  * with R 4 measured slower (315.0 / 312.9 against 322.5 / 322.1), Q6_K spills at 4. */
-__host__ __device__ constexpr int gq_rows1(int T) { return T == M40K_TYPE_Q4_K ? 4 : GQ_R; }
+__host__ __device__ constexpr int gq_rows(int T, int B) { return T == M40K_TYPE_Q4_K && B == 1 ? 4 : GQ_R; }
 
 /* One block's share of y = W . x: block blk of the product's grid (blockIdx.x, or its
  * index within its own product in a launch of two, gemv_q8_pair_kernel). */
@@ -473,9 +473,9 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
 {
     m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
     if ((int)blockIdx.x < p0.blocks)
-        gq_block<T0, B, gq_rows1(T0)>(p0.w, p0.row_bytes, p0.N, K, p0.S, xs, p0.y, y_stride, blockIdx.x);
+        gq_block<T0, B, gq_rows(T0, B)>(p0.w, p0.row_bytes, p0.N, K, p0.S, xs, p0.y, y_stride, blockIdx.x);
     else
-        gq_block<T1, B, gq_rows1(T1)>(p1.w, p1.row_bytes, p1.N, K, p1.S, xs, p1.y, y_stride, blockIdx.x - p0.blocks);
+        gq_block<T1, B, gq_rows(T1, B)>(p1.w, p1.row_bytes, p1.N, K, p1.S, xs, p1.y, y_stride, blockIdx.x - p0.blocks);
 }
 
 /* The split S (warps a row) of a product: m40k_gemv_pick_split, but for Q8_0 at batch 1,
@@ -483,20 +483,20 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
  * 14336): S 2 where K <= 4096 (half the blocks, two iterations a warp) and the grid still
  * fills the GPU, 310.7 -> 320.1; also S 4 at K > 4096 (two rows a block, two waves of
  * blocks), 319.4 -> 321.6; S 1 at K 4096 306.8, at 14336 308.9. With two rows a warp
- * (before gq_rows1's four), Q4_K_M took none of these (S 1 at K 4096: 402 -> 388; S 2
+ * (before gq_rows's four), Q4_K_M took none of these (S 1 at K 4096: 402 -> 388; S 2
  * or 4 at 14336, with or without the 64-register instance: 387-400). */
 template <int T, int B>
 static int gq_split(int N, int K, int R)
 {
     int S = m40k_gemv_pick_split(K / gq<T>::UE, 32, N, GQ_WARPS, R);
     if constexpr (T == M40K_TYPE_Q8_0 && B == 1) {
-        const int blocks2 = (N + GQ_WARPS / 2 * GQ_R - 1) / (GQ_WARPS / 2 * GQ_R);
+        const int blocks2 = (N + GQ_WARPS / 2 * R - 1) / (GQ_WARPS / 2 * R);
         if (K > 4096)
             S = 4;
         else if (S > 2 && blocks2 * GQ_WARPS >= 2112) /* ~2112 warps resident on an H100 */
             S = 2;
     }
-    /* Q4_K at batch 1 (four rows a warp, gq_rows1), rows longer than 4096 (ffn_down): two
+    /* Q4_K at batch 1 (four rows a warp, gq_rows), rows longer than 4096 (ffn_down): two
      * warps a row (eight rows a block: one wave of 512 blocks at 4096 rows) instead of the
      * pick's four (two waves): 420.2 -> 422.6 tok/s (three rounds in one call; in another
      * 417.8 -> 423.5, one warp 420.7) */
@@ -506,17 +506,31 @@ static int gq_split(int N, int K, int R)
     return S;
 }
 
+/* The grid of one product: its split S (gq_split) over warps of gq_rows(T, B) rows, and the
+ * blocks that takes (each row's units split over S warps: 32 units a warp and iteration,
+ * one a lane) */
+template <int T, int B>
+static gq_part gq_part_of(const uint8_t *w, int N, int K, float *y)
+{
+    typedef m40k_tinfo<T> ti;
+    constexpr int R = gq_rows(T, B);
+    gq_part p;
+    p.w = w;
+    p.row_bytes = (size_t)K / ti::BE * ti::BB;
+    p.N = N;
+    p.S = gq_split<T, B>(N, K, R);
+    const int rows_per_block = GQ_WARPS / p.S * R;
+    p.blocks = (N + rows_per_block - 1) / rows_per_block;
+    p.y = y;
+    return p;
+}
+
 template <int T, int B>
 static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, cudaStream_t st)
 {
-    typedef m40k_tinfo<T> ti;
-    const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
-    /* each row's units split over S warps (32 units a warp and iteration, one a lane), R
-     * rows a warp */
-    constexpr int R = B == 1 ? gq_rows1(T) : GQ_R;
-    const int S = gq_split<T, B>(N, K, R), rows_per_block = GQ_WARPS / S * R;
-    const dim3 grid((unsigned)((N + rows_per_block - 1) / rows_per_block)), block(GQ_WARPS * 32);
-    return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS, R>, grid, block, st, w, row_bytes, N, K, S, xs, y, ys);
+    const gq_part p = gq_part_of<T, B>(w, N, K, y);
+    return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS, gq_rows(T, B)>, dim3((unsigned)p.blocks),
+                           dim3(GQ_WARPS * 32), st, w, p.row_bytes, N, K, p.S, xs, y, ys);
 }
 
 template <int T>
@@ -536,27 +550,11 @@ static int gq_launch(const uint8_t *w, int N, int K, const gq_blk *xs, float *y,
     }
 }
 
-/* The grid of one product (as gq_launch_b picks it) */
-template <int T>
-static gq_part gq_part_of(const uint8_t *w, int N, int K, float *y)
-{
-    typedef m40k_tinfo<T> ti;
-    gq_part p;
-    p.w = w;
-    p.row_bytes = (size_t)K / ti::BE * ti::BB;
-    p.N = N;
-    p.S = gq_split<T, 1>(N, K, gq_rows1(T));
-    const int rows_per_block = GQ_WARPS / p.S * gq_rows1(T);
-    p.blocks = (N + rows_per_block - 1) / rows_per_block;
-    p.y = y;
-    return p;
-}
-
 template <int T0, int T1>
 static int gq_launch_pair(const uint8_t *w0, int N0, const uint8_t *w1, int N1, int K, const gq_blk *xs, float *y,
                           int64_t ys, cudaStream_t st)
 {
-    const gq_part p0 = gq_part_of<T0>(w0, N0, K, y), p1 = gq_part_of<T1>(w1, N1, K, y + N0);
+    const gq_part p0 = gq_part_of<T0, 1>(w0, N0, K, y), p1 = gq_part_of<T1, 1>(w1, N1, K, y + N0);
     return m40k_launch_pdl(gemv_q8_pair_kernel<T0, T1, 1>, dim3((unsigned)(p0.blocks + p1.blocks)),
                            dim3(GQ_WARPS * 32), st, p0, p1, K, xs, ys);
 }
