@@ -427,6 +427,39 @@ void m40_ref_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, in
         }
 }
 
+void m40_ref_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x, float *x_out,
+                              const float *norm_w, void *xq_out, float *ss_out)
+{
+    float *y = malloc((size_t)N * sizeof *y), *v = malloc((size_t)N * sizeof *v);
+    if (!y || !v) {
+        free(y);
+        free(v);
+        return;
+    }
+    m40_ref_gemv_q8(w, w_type, N, K, ws, 1, y, N);
+    for (int n = 0; n < N; n++) {
+        x_out[n] = x[n] + y[n];
+        v[n] = x_out[n] * norm_w[n];
+    }
+    m40_ref_quantize_q8(v, N, N, 1, xq_out);
+    for (int j = 0; j < N / 32; j++) {
+        double s = 0;
+        for (int i = 0; i < 32; i++)
+            s += (double)x_out[32 * j + i] * x_out[32 * j + i];
+        ss_out[j] = (float)s;
+    }
+    free(y);
+    free(v);
+}
+
+float m40_ref_norm_factor(const float *ss, int K, float eps)
+{
+    double s = 0;
+    for (int j = 0; j < K / 32; j++)
+        s += ss[j];
+    return (float)(1.0 / sqrt(s / K + eps));
+}
+
 void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token,
                            float *logprob, int top_k, int32_t *top_tokens, float *top_logprobs)
 {

@@ -183,20 +183,56 @@ static int upload_converted(uploader *u, void *dst, const m40_matrix *m)
     return u->status == cudaSuccess ? 0 : -1;
 }
 
-static int upload_matrix(uploader *u, const m40_matrix *m, void *dst)
+/* A matrix the device keeps in a regrouped layout (kernels.h 0.: Q8_0 and Q6_K rows whose
+ * width takes whole groups, unless M40_G8=0): its rows are rewritten on the way, in the
+ * staging buffers. Same bytes per row, so sizes and offsets do not change. */
+static int upload_regrouped(uploader *u, void *dst, const m40_matrix *m)
 {
-    if (gpu_type_native(m->type))
-        return upload_bytes(u, dst, m->data, m->row_bytes * (size_t)m->rows);
-    return upload_converted(u, dst, m);
+    size_t per = STAGE_BYTES / m->row_bytes;
+    if (per == 0)
+        per = 1;
+    for (int64_t r0 = 0; r0 < m->rows && u->status == cudaSuccess; r0 += (int64_t)per) {
+        int64_t r1 = r0 + (int64_t)per < m->rows ? r0 + (int64_t)per : m->rows;
+        int b = u->cur;
+        u->cur ^= 1;
+        if ((u->status = cudaEventSynchronize(u->ev[b])) != cudaSuccess)
+            break;
+        size_t nb = (size_t)(r1 - r0) * m->row_bytes;
+        if (m40k_repack_g8((int)m->type, m->data + (size_t)r0 * m->row_bytes, u->stage[b], r1 - r0, m->cols)) {
+            u->status = cudaErrorInvalidValue;
+            break;
+        }
+        if ((u->status = cudaMemcpyAsync((uint8_t *)dst + (size_t)r0 * m->row_bytes, u->stage[b], nb,
+                                         cudaMemcpyHostToDevice, u->g->stream)) != cudaSuccess ||
+            (u->status = cudaEventRecord(u->ev[b], u->g->stream)) != cudaSuccess)
+            break;
+        progress(u, nb);
+    }
+    return u->status == cudaSuccess ? 0 : -1;
 }
 
-static void gmat_describe(const m40_matrix *m, void *data, gmat *out)
+/* The device type of a native matrix: its GGUF type, or the regrouped layout of it. */
+static int dev_type(const m40_gpu *g, const m40_matrix *m)
+{
+    return g->g8 ? m40k_g8_type((int)m->type, m->cols) : (int)m->type;
+}
+
+static int upload_matrix(uploader *u, const m40_matrix *m, void *dst)
+{
+    if (!gpu_type_native(m->type))
+        return upload_converted(u, dst, m);
+    if (m->row_bytes <= STAGE_BYTES && dev_type(u->g, m) != (int)m->type)
+        return upload_regrouped(u, dst, m);
+    return upload_bytes(u, dst, m->data, m->row_bytes * (size_t)m->rows);
+}
+
+static void gmat_describe(const m40_gpu *g, const m40_matrix *m, void *data, gmat *out)
 {
     out->data = data;
     out->rows = m->rows;
     out->cols = m->cols;
     if (gpu_type_native(m->type)) {
-        out->type = (int)m->type;
+        out->type = m->row_bytes <= STAGE_BYTES ? dev_type(g, m) : (int)m->type;
         out->row_bytes = m->row_bytes;
     } else {
         out->type = M40K_TYPE_F16;
@@ -229,13 +265,13 @@ static int upload_proj(uploader *u, const m40_matrix *const *ms, int n, const fl
     memset(out, 0, sizeof *out);
     for (int i = 0; i < n;) {
         gmat first;
-        gmat_describe(ms[i], NULL, &first);
+        gmat_describe(g, ms[i], NULL, &first);
         size_t off = dev_bytes(ms[i]);
         int64_t rows = ms[i]->rows;
         int j = i + 1;
         for (; j < n; j++) {
             gmat d;
-            gmat_describe(ms[j], NULL, &d);
+            gmat_describe(g, ms[j], NULL, &d);
             if (d.type != first.type || d.cols != first.cols || off % 16)
                 break;
             off += dev_bytes(ms[j]);
@@ -244,7 +280,7 @@ static int upload_proj(uploader *u, const m40_matrix *const *ms, int n, const fl
         void *buf;
         if (dev_alloc(g, &buf, off, err, errlen, "weights"))
             return -1;
-        gmat_describe(ms[i], buf, &out->part[out->n_parts]);
+        gmat_describe(g, ms[i], buf, &out->part[out->n_parts]);
         out->part[out->n_parts].rows = rows;
         out->n_parts++;
         out->rows += rows;
@@ -344,7 +380,8 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->deq);
     cudaFree(g->iota);
     void *bufs[] = {g->x, g->x2, g->xd, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
-                    g->logits_d, g->x16, g->xq, g->ws, g->att_cnt, g->ints_d, g->pick_d, g->sk_ws, g->sk_cnt};
+                    g->logits_d, g->x16, g->xq, g->xq2, g->nss, g->ws, g->att_cnt, g->ints_d, g->pick_d,
+                    g->sk_ws, g->sk_cnt};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);
@@ -412,6 +449,17 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
             g->graph_max = 0;
     }
     {
+        /* batch-1 decode: the add + RMSNorm of each layer folded into the int8 GEMVs around
+         * it (kernels.h 8d); "0": the add+RMSNorm kernels */
+        const char *fn = getenv("M40_FUSE_NORM");
+        g->fuse_norm = !(fn && !strcmp(fn, "0"));
+    }
+    {
+        /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); "0": as in the file */
+        const char *g8 = getenv("M40_G8");
+        g->g8 = !(g8 && !strcmp(g8, "0"));
+    }
+    {
         const char *sk = getenv("M40_SKINNY");
         g->skinny = prop.major >= 8 && !(sk && !strcmp(sk, "0"));
     }
@@ -472,7 +520,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     void *buf;
     if (dev_alloc(g, &buf, dev_bytes(src->tok_embd), err, errlen, "token_embd"))
         goto fail_upload;
-    gmat_describe(src->tok_embd, buf, &g->tok_embd);
+    gmat_describe(g, src->tok_embd, buf, &g->tok_embd);
     if (upload_matrix(&u, src->tok_embd, buf))
         goto fail_cuda;
     if (src->output->data == src->tok_embd->data) {
@@ -481,7 +529,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     } else {
         if (dev_alloc(g, &buf, dev_bytes(src->output), err, errlen, "output"))
             goto fail_upload;
-        gmat_describe(src->output, buf, &g->output);
+        gmat_describe(g, src->output, buf, &g->output);
         if (upload_matrix(&u, src->output, buf))
             goto fail_cuda;
     }

@@ -24,15 +24,23 @@
  *     projection on the tensor-core GEMV (1..8 rows) forms SwiGLU of its input itself
  *     (m40k_gemm_skinny_glu): one launch less there too;
  *   - only the rows that want logits go through the final norm and the head; their
- *     logits come back to the host in the caller's row order.
+ *     logits come back to the host in the caller's row order;
+ *   - a decode step of one sequence whose products all take the int8 GEMV (not gemma3)
+ *     runs without add+RMSNorm kernels after layer 0: the attention output and down
+ *     projections add their product into the residual themselves and write the next
+ *     product's int8 input (the records of x * norm weight, unscaled) and x's sums of
+ *     squares; the next GEMV scales its product by the norm factor (kernels.h 8d,
+ *     fold_norm_ok; M40_FUSE_NORM=0 turns it off). The last down projection does the
+ *     final norm for the head the same way.
  *
  * Matmuls (y = W x over n token rows):
  *   - F32 weights (the tiny test models): cublasSgemm;
  *   - n <= 8 and a type the GEMV kernels read: a GEMV, which streams each weight once
- *     for the whole decode batch: Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned) the dp4a
- *     GEMV on x quantized once per input to two int8 levels (m40k_quantize_q8,
- *     m40k_gemv_q8: per element within max|x of its block|/254^2); F16, Q4_1, Q5_0,
- *     Q5_1 the float-activation m40k_gemv;
+ *     for the whole decode batch: Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned; Q8_0 and
+ *     Q6_K in their regrouped device layouts where the row width allows, kernels.h 0.,
+ *     M40_G8) the dp4a GEMV on x quantized once per input to two int8 levels
+ *     (m40k_quantize_q8, m40k_gemv_q8: per element within max|x of its block|/254^2);
+ *     F16, Q4_1, Q5_0, Q5_1 the float-activation m40k_gemv;
  *   - otherwise the "tiled path": quantized weights are dequantized into an F16
  *     scratch matrix (the embedding-gather kernel over all rows), activations rounded
  *     to F16, and cublasGemmEx multiplies with F32 accumulation. A fused
@@ -253,7 +261,9 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             grow_dev((void **)&g->qkv, N * g->qkv_dim * 4) || grow_dev((void **)&g->att, N * g->q_dim * 4) ||
             grow_dev((void **)&g->hb, N * 2 * p->ffn_dim * 4) || grow_dev((void **)&g->hb2, N * p->ffn_dim * 4) ||
             grow_dev((void **)&g->x16, N * in_max * 2) ||
-            grow_dev(&g->xq, m40k_gemv_q8_ws_bytes((int)in_max, 8)))
+            grow_dev(&g->xq, m40k_gemv_q8_ws_bytes((int)in_max, 8)) ||
+            grow_dev(&g->xq2, m40k_gemv_q8_ws_bytes((int)p->dim, 1)) ||
+            grow_dev((void **)&g->nss, ((size_t)p->dim / 32 + 1) * 4))
             return -1;
         free(g->perm);
         free(g->grp_slot);
@@ -345,6 +355,8 @@ static int gemv_reads(int type, int64_t K)
 static int gemv_q8_reads(const gmat *w)
 {
     const int t = w->type;
+    if (t == M40K_TYPE_Q8_0_G8 || t == M40K_TYPE_Q6_K_G8) /* regrouped: rows of whole groups */
+        return ((uintptr_t)w->data & 15) == 0;
     return (t == M40K_TYPE_Q8_0 || t == M40K_TYPE_Q4_0 || t == M40K_TYPE_Q4_K || t == M40K_TYPE_Q6_K) &&
            gemv_reads(t, w->cols) && ((uintptr_t)w->data & 15) == 0;
 }
@@ -390,11 +402,23 @@ static int quantize_once(m40_gpu *g, const float *x, int cols, int32_t n, int *x
     return m40k_quantize_q8(x, cols, cols, n, g->xq, g->stream);
 }
 
+/* The input of a product whose RMSNorm the GEMV before it folded in (kernels.h 8d): the
+ * records of x * norm_w (unscaled) and the sums of squares of x per 32 elements. */
+typedef struct {
+    const void *xq;
+    const float *ss;
+    float eps;
+} gnorm_in;
+
 static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
-                      int *x16_ready, char *err, size_t errlen)
+                      int *x16_ready, const gnorm_in *nrm, char *err, size_t errlen)
 {
     const float one = 1.0f, zero = 0.0f;
     int rows = (int)w->rows, cols = (int)w->cols;
+    if (nrm) { /* fold_norm_ok: batch 1, every part int8-readable */
+        CK(m40k_gemv_q8_normed(w->data, w->type, rows, cols, nrm->xq, nrm->ss, nrm->eps, y, ldy, g->stream));
+        return 0;
+    }
     if (w->type == M40K_TYPE_F32)
         return sgemm_rows(g, (const float *)w->data, rows, cols, x, n, y, ldy, err, errlen);
     if (skinny_reads(g, w, n)) {
@@ -467,10 +491,39 @@ static int wants_x16(const m40_gpu *g, const gproj *pr, int32_t n)
     return 1;
 }
 
+/* Whether the add + RMSNorm between producer pr (its output added into the residual) and
+ * consumer cn can be folded into their GEMVs (kernels.h 8d): batch 1, pr one int8-readable
+ * part of dim rows without bias, every part of cn int8-readable (the pair of
+ * m40k_gemv_q8_pair_normed or single GEMVs), not gemma3 (norms of its own around the
+ * products), and not turned off (M40_FUSE_NORM=0). */
+static int fold_norm_ok(const m40_gpu *g, const gproj *pr, const gmat *cn, int cn_parts, int32_t n)
+{
+    if (!g->fuse_norm || g->gemma3 || n != 1 || pr->n_parts != 1 || pr->bias || pr->rows != g->p.dim ||
+        g->p.dim % 32 || !gemv_q8_reads(&pr->part[0]) || cn_parts == 0)
+        return 0;
+    for (int i = 0; i < cn_parts; i++)
+        if (!gemv_q8_reads(&cn[i]) || cn[i].cols != g->p.dim)
+            return 0;
+    return 1;
+}
+
+/* The producer of kernels.h 8d: *xo = *xc + W . (g->xq), the records of *xo * norm_w into
+ * g->xq2 and its sums of squares into g->nss; then the residual buffers swap (as add_norm). */
+static int gemv_add_norm(m40_gpu *g, const gproj *pr, float **xc, float **xo, const float *norm_w)
+{
+    const gmat *w = &pr->part[0];
+    const int e = m40k_gemv_q8_add_norm(w->data, w->type, (int)w->rows, (int)w->cols, g->xq, *xc, *xo, norm_w,
+                                        g->xq2, g->nss, g->stream);
+    float *t = *xc;
+    *xc = *xo;
+    *xo = t;
+    return e;
+}
+
 /* xq_ready: g->xq already holds x quantized (m40k_quantize_q8 layout); x16_ready: g->x16
  * already holds x in F16. */
 static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *y, int xq_ready, int x16_ready,
-                  char *err, size_t errlen)
+                  const gnorm_in *nrm, char *err, size_t errlen)
 {
     int64_t off = 0;
     /* Two int8-activation parts at batch 1 (Q4_K_M's [q; k] in Q4_K and v in Q6_K): one
@@ -478,9 +531,15 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
     const gmat *p0 = &pr->part[0], *p1 = &pr->part[1];
     if (pr->n_parts == 2 && n == 1 && gemv_q8_reads(p0) && gemv_q8_reads(p1) && p0->cols == p1->cols) {
         const int cols = (int)p0->cols;
-        CK(quantize_once(g, x, cols, n, &xq_ready));
-        const int e = m40k_gemv_q8_pair(p0->data, p0->type, (int)p0->rows, p1->data, p1->type, (int)p1->rows, cols,
-                                        g->xq, n, y, pr->rows, g->stream);
+        int e;
+        if (nrm) {
+            e = m40k_gemv_q8_pair_normed(p0->data, p0->type, (int)p0->rows, p1->data, p1->type, (int)p1->rows, cols,
+                                         nrm->xq, nrm->ss, nrm->eps, y, pr->rows, g->stream);
+        } else {
+            CK(quantize_once(g, x, cols, n, &xq_ready));
+            e = m40k_gemv_q8_pair(p0->data, p0->type, (int)p0->rows, p1->data, p1->type, (int)p1->rows, cols, g->xq,
+                                  n, y, pr->rows, g->stream);
+        }
         /* cudaErrorInvalidValue: not a pair the kernel has; the loop below launches them apart */
         if (e != (int)cudaErrorInvalidValue) {
             CK(e);
@@ -488,7 +547,7 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
         }
     }
     for (int i = 0; i < pr->n_parts && off < pr->rows; i++) {
-        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, &x16_ready, err, errlen))
+        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, &x16_ready, nrm, err, errlen))
             return -1;
         off += pr->part[i].rows;
     }
@@ -541,6 +600,12 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     /* The residual stream: xc, the other buffer xo (add_norm writes xc + xd there and
      * swaps them); the layers' outputs go to xd, the normalized inputs to xb. */
     float *xc = g->x, *xo = g->x2;
+    /* folded: the last GEMV added its output into the residual and wrote the next
+     * product's normalized input (g->xq2, g->nss: nin) itself (kernels.h 8d) */
+    int folded = 0;
+    const gnorm_in nin = {g->xq2, g->nss, p->norm_eps};
+    /* Every row wants logits, one row a sequence (decode steps): see the end */
+    const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
     for (int32_t l = 0; l < p->n_layers; l++) {
         const glayer *L = &g->layers[l];
         uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
@@ -554,9 +619,10 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
         if (l == 0)
             CK(m40k_rmsnorm(xc, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
-        else
+        else if (!folded) /* else the previous layer's down projection did it (kernels.h 8d) */
             CK(add_norm(g, &xc, &xo, L->attn_norm, g->xb, n, xq_qkv, x16_qkv));
-        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, l > 0 && x16_qkv, err, errlen))
+        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, l > 0 && x16_qkv, folded ? &nin : NULL, err,
+                   errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
         if (g->gemma3) {
@@ -584,19 +650,26 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         if (!tuned)
             CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
                                         p->n_kv_heads, hd, scale, win, g->stream));
-        if (matmul(g, &L->wo, g->att, n, g->xd, 0, 0, err, errlen))
-            return -1;
-        if (g->gemma3)
-            CK(m40k_rmsnorm(g->xd, dim, L->post_attn_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
-                            g->stream));
         const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
-        CK(add_norm(g, &xc, &xo, L->ffn_norm, g->xb, n, xq_gu, x16_gu));
-        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, err, errlen))
+        folded = fold_norm_ok(g, &L->wo, L->gate_up.part, L->gate_up.n_parts, n);
+        if (folded) { /* the attention output projection adds into the residual and normalizes */
+            CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
+            CK(gemv_add_norm(g, &L->wo, &xc, &xo, L->ffn_norm));
+        } else {
+            if (matmul(g, &L->wo, g->att, n, g->xd, 0, 0, NULL, err, errlen))
+                return -1;
+            if (g->gemma3)
+                CK(m40k_rmsnorm(g->xd, dim, L->post_attn_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
+                                g->stream));
+            CK(add_norm(g, &xc, &xo, L->ffn_norm, g->xb, n, xq_gu, x16_gu));
+        }
+        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, folded ? &nin : NULL, err, errlen))
             return -1;
         const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
         /* F16 down projection on the tensor-core GEMV: it forms act(gate) * up itself */
         const gmat *dw = &L->down.part[0];
+        folded = 0;
         if (L->down.n_parts == 1 && !L->down.bias && skinny_reads(g, dw, n)) {
             const int S = m40k_gemm_skinny_pick_splits((int)dw->rows, (int)dw->cols, n, g->sm_count, g->sk_ws_floats,
                                                        g->sk_cnt_ints);
@@ -609,7 +682,15 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                 CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
             else
                 CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
-            if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, err, errlen))
+            /* the next layer's attention norm (the last layer: the final norm, when the
+             * step's one row wants logits) folded into this projection (kernels.h 8d) */
+            const int last = l + 1 == p->n_layers;
+            folded = xq_dn && (last ? out_all && fold_norm_ok(g, &L->down, &g->output, 1, n)
+                                    : fold_norm_ok(g, &L->down, g->layers[l + 1].qkv.part,
+                                                   g->layers[l + 1].qkv.n_parts, n));
+            if (folded)
+                CK(gemv_add_norm(g, &L->down, &xc, &xo, last ? g->output_norm : g->layers[l + 1].attn_norm));
+            else if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, NULL, err, errlen))
                 return -1;
         }
         if (g->gemma3)
@@ -619,11 +700,11 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     /* Every row wants logits, one row a sequence (decode steps): the rows are in order
      * (d_out is 0..n-1), so the last residual add, the gather and the final norm are one
      * add+RMSNorm into xg (quantized on the way for an int8-activation head). */
-    const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
     int xq_ready = 0, x16_ready = 0;
     if (p->n_layers > 0 && !out_all) /* the last layer's FFN residual */
         CK(m40k_add(xc, xc, g->xd, (int64_t)n * dim, g->stream));
-    if (out_all) {
+    /* out_all && folded: the last down projection did the final add + norm (kernels.h 8d) */
+    if (out_all && !folded) {
         xq_ready = n <= 8 && gemv_q8_reads(&g->output);
         CK(add_norm(g, &xc, &xo, g->output_norm, g->xg, n, xq_ready, 0));
     }
@@ -633,7 +714,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
                             g->stream));
         }
-        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready, err, errlen))
+        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready,
+                       out_all && folded ? &nin : NULL, err, errlen))
             return -1;
         if (g->gemma3 && g->g3.logit_softcap > 0)
             CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));

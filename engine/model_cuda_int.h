@@ -63,6 +63,7 @@ struct m40_gpu {
     cudaStream_t stream;
     cublasHandle_t blas;
     int sm_count;
+    int g8;              /* regrouped device layouts for Q8_0 / Q6_K (M40_G8, kernels.h 0.) */
     m40_model_params p;
     int32_t q_dim, kv_dim, qkv_dim;
     gmat tok_embd, output;
@@ -97,6 +98,12 @@ struct m40_gpu {
     float *x2, *xd;
     uint16_t *x16;
     void *xq;            /* m40k_quantize_q8 of the current GEMV input, batch <= 8 */
+    /* The RMSNorm folded into the GEMVs around it (kernels.h 8d, batch 1; M40_FUSE_NORM):
+     * the producer's records of the normalized input (apart from xq, which it reads) and
+     * its sums of squares per 32 elements */
+    int fuse_norm;
+    void *xq2;
+    float *nss;
     float *ws;
     size_t ws_cap;
     int *att_cnt;        /* decode attention's split counters: zeroed when allocated, zero between calls */

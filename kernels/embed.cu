@@ -65,6 +65,10 @@ extern "C" int m40k_embed(const void *table, int table_type, int64_t n_rows, int
     case M40K_TYPE_Q5_1: return embed_launch<M40K_TYPE_Q5_1>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q4_K: return embed_launch<M40K_TYPE_Q4_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q6_K: return embed_launch<M40K_TYPE_Q6_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
+    case M40K_TYPE_Q8_0_G8:
+        return embed_launch<M40K_TYPE_Q8_0_G8>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
+    case M40K_TYPE_Q6_K_G8:
+        return embed_launch<M40K_TYPE_Q6_K_G8>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     default: return M40K_INVALID;
     }
 }

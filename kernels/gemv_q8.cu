@@ -25,12 +25,30 @@
  * rows. S warps of a block (1, 2 or 4, picked on the host from the shape, gq_split)
  * split a row's units round robin and meet in shared memory at the end.
  *
- * Loads. Every weight load is a 16-byte streaming load (__ldcs) of an aligned chunk.
+ * Loads. Every weight load is a streaming load (__ldcs) of an aligned chunk.
  * Q4_K superblocks (144 = 9 x 16 bytes) stay 16-byte aligned. Q8_0 (34 bytes), Q4_0
  * (18) and Q6_K (210) blocks start at any even offset: the 2 or 3 aligned chunks that
  * hold a piece are loaded whole and the piece's words are assembled in registers
  * (gq_window: a word shift by two levels of selects, then a funnel shift by 0 or 16
- * bits), no shared-memory staging, no byte loads.
+ * bits), no shared-memory staging, no byte loads. The engine uploads Q8_0 and Q6_K in
+ * the regrouped layouts of kernels.h 0. where rows take whole groups (Q8_0_G8, Q6_K_G8:
+ * 8 blocks with their scales gathered, every piece aligned, so one load a piece and no
+ * assembly; Q6_K's unit then holds 15 words in flight instead of ~34). H100, mistral-7b
+ * batch 1 (eleventh session): Q4_K_M 417.9 / 418.5 -> 425.5 / 426.1 tok/s with Q6_K_G8;
+ * Q8_0_G8 alone 322.5 / 321.2 -> 320.3 / 319.4, but with the folded norm below 321.4 /
+ * 319.5 -> 333.3 / 331.0.
+ *
+ * The folded RMSNorm (kernels.h 8d, batch 1). The producer (gemv_q8_norm_kernel) runs
+ * blocks of 16 or 32 warps that hold one 32-row group each, the same warps a row and rows
+ * a warp as the plain kernel: its epilogue adds the residual, quantizes the group's
+ * x * norm weight with one warp and writes the group's sum of squares, with no exchange
+ * between blocks. The consumer (the NIN instances) multiplies those records and scales
+ * its rows by rsqrt(sum / K + eps), every block summing the same partial sums in the same
+ * order. Two add+RMSNorm kernels a layer fewer: Q8_0 322.0 / 322.7 -> 328.9 / 329.1,
+ * Q4_K_M 427.6 / 431.9 -> 442.9 / 443.3 tok/s. (The gated activation folded into the
+ * gate/up GEMV the same way needs the two halves of a record from several blocks: with a
+ * counter per record and the last block to arrive forming it, Q4_K_M fell to 386 / 391 and
+ * Q8_0 to 320; not kept.)
  *
  * Dot products. __dp4a starts from the integer 0x4B400000 (the bits of the float
  * 1.5*2^23), so the accumulated bits ARE the float 1.5*2^23 + dot while
@@ -50,6 +68,8 @@
  * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in engine/cpu_ref.c) writes the
  * same workspace bytes and forms the same integer dots and the same per-group F32
  * terms; only the order of the F32 additions differs. */
+#include <string.h>
+
 #include "quant_dev.h"
 #include "q8_dev.h"
 
@@ -284,6 +304,24 @@ template <> struct gq<M40K_TYPE_Q6_K> {
         float2 d;
     };
     static __device__ __forceinline__ uint32_t bias32(uint32_t v) { return (v + 0x60606060u) ^ 0x80808080u; }
+    /* unit (n, h) from its ql words A (low nibbles: k 0, high: k 2), Bq (k 1, 3), qh words
+     * H, scale words s0 = scales[8n .. 8n+4), s1 = scales[8n+4 .. 8n+8) and d */
+    static __device__ __forceinline__ void decode(const uint32_t (&A)[4], const uint32_t (&Bq)[4],
+                                                  const uint32_t (&H)[4], uint32_t s0, uint32_t s1, int h, float d,
+                                                  W &w)
+    {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.q[0][i] = bias32((A[i] & 0x0F0F0F0Fu) | ((H[i] << 4) & 0x30303030u));
+            w.q[1][i] = bias32((Bq[i] & 0x0F0F0F0Fu) | ((H[i] << 2) & 0x30303030u));
+            w.q[2][i] = bias32(((A[i] >> 4) & 0x0F0F0F0Fu) | (H[i] & 0x30303030u));
+            w.q[3][i] = bias32(((Bq[i] >> 4) & 0x0F0F0F0Fu) | ((H[i] >> 2) & 0x30303030u));
+        }
+        /* group 8n + 2k + h: byte 2(k&1) + h of scale word 2n + (k >> 1) */
+        s0 >>= 8 * h, s1 >>= 8 * h;
+        w.a[0] = d * gq_i2f((int)(s0 << 24) >> 24), w.a[1] = d * gq_i2f((int)(s0 << 8) >> 24);
+        w.a[2] = d * gq_i2f((int)(s1 << 24) >> 24), w.a[3] = d * gq_i2f((int)(s1 << 8) >> 24);
+    }
     static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
     {
         const uint8_t *sb = row + 210 * (u >> 2);
@@ -293,18 +331,7 @@ template <> struct gq<M40K_TYPE_Q6_K> {
         gq_window<16, 4>(sb + 64 * n + 32 + 16 * h, Bq);
         gq_window<16, 4>(sb + 128 + 32 * n + 16 * h, H);
         gq_window<18, 5>(sb + 192, t); /* scales[16] | d */
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            w.q[0][i] = bias32((A[i] & 0x0F0F0F0Fu) | ((H[i] << 4) & 0x30303030u));
-            w.q[1][i] = bias32((Bq[i] & 0x0F0F0F0Fu) | ((H[i] << 2) & 0x30303030u));
-            w.q[2][i] = bias32(((A[i] >> 4) & 0x0F0F0F0Fu) | (H[i] & 0x30303030u));
-            w.q[3][i] = bias32(((Bq[i] >> 4) & 0x0F0F0F0Fu) | ((H[i] >> 2) & 0x30303030u));
-        }
-        /* group 8n + 2k + h: byte 2(k&1) + h of scale word 2n + (k >> 1) */
-        const uint32_t s0 = (n ? t[2] : t[0]) >> (8 * h), s1 = (n ? t[3] : t[1]) >> (8 * h);
-        const float d = m40k_h2f((uint16_t)(t[4] & 0xFFFF));
-        w.a[0] = d * gq_i2f((int)(s0 << 24) >> 24), w.a[1] = d * gq_i2f((int)(s0 << 8) >> 24);
-        w.a[2] = d * gq_i2f((int)(s1 << 24) >> 24), w.a[3] = d * gq_i2f((int)(s1 << 8) >> 24);
+        decode(A, Bq, H, n ? t[2] : t[0], n ? t[3] : t[1], h, m40k_h2f((uint16_t)(t[4] & 0xFFFF)), w);
     }
     static __device__ __forceinline__ void load_x(const gq_blk *p, int u, int k, X &x)
     {
@@ -319,6 +346,48 @@ template <> struct gq<M40K_TYPE_Q6_K> {
         return fmaf(w.a[k], gq_two(x.d.x, x.d.y, s, t), acc);
     }
 };
+
+/* Q8_0_G8 (kernels.h 0.), unit = block u, j = u & 7 of group u >> 3 (d[8] f16 |
+ * qs[8][32], 272 bytes): its 32 quants in two aligned 16-byte loads, its d from the
+ * aligned word it shares with block j ^ 1; the rest as Q8_0. */
+template <> struct gq<M40K_TYPE_Q8_0_G8> : gq<M40K_TYPE_Q8_0> {
+    static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
+    {
+        const uint8_t *g = row + 272 * (u >> 3);
+        const int j = u & 7;
+        const uint4 *qs = reinterpret_cast<const uint4 *>(g + 16 + 32 * j);
+        const uint4 a = __ldcs(qs), b = __ldcs(qs + 1);
+        const uint32_t dw = __ldcs(reinterpret_cast<const unsigned int *>(g) + (j >> 1));
+        w.d = m40k_h2f((uint16_t)(j & 1 ? dw >> 16 : dw & 0xFFFF));
+        w.q[0] = a.x, w.q[1] = a.y, w.q[2] = a.z, w.q[3] = a.w;
+        w.q[4] = b.x, w.q[5] = b.y, w.q[6] = b.z, w.q[7] = b.w;
+    }
+};
+
+/* Q6_K_G8 (kernels.h 0.), unit u of superblock i = u >> 2 as Q6_K; the superblock's
+ * ql | qh | scales (208 bytes) at 208 * (i & 7) of group i >> 3 (1680 bytes), its d at
+ * 1664 + 2 * (i & 7): three aligned 16-byte loads of quants, one of 8 scale bytes, one
+ * word holding d. */
+template <> struct gq<M40K_TYPE_Q6_K_G8> : gq<M40K_TYPE_Q6_K> {
+    static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
+    {
+        const int i = u >> 2, n = (u >> 1) & 1, h = u & 1, j = i & 7;
+        const uint8_t *g = row + 1680 * (i >> 3), *sb = g + 208 * j;
+        const uint4 a = __ldcs(reinterpret_cast<const uint4 *>(sb + 64 * n + 16 * h));
+        const uint4 b = __ldcs(reinterpret_cast<const uint4 *>(sb + 64 * n + 32 + 16 * h));
+        const uint4 c = __ldcs(reinterpret_cast<const uint4 *>(sb + 128 + 32 * n + 16 * h));
+        const uint2 sc = __ldcs(reinterpret_cast<const uint2 *>(sb + 192 + 8 * n));
+        const uint32_t dw = __ldcs(reinterpret_cast<const unsigned int *>(g + 1664) + (j >> 1));
+        const uint32_t A[4] = {a.x, a.y, a.z, a.w}, Bq[4] = {b.x, b.y, b.z, b.w}, H[4] = {c.x, c.y, c.z, c.w};
+        decode(A, Bq, H, sc.x, sc.y, h, m40k_h2f((uint16_t)(j & 1 ? dw >> 16 : dw & 0xFFFF)), w);
+    }
+};
+
+/* The GGUF type whose blocks (and so whose arithmetic) a regrouped layout has. */
+__host__ __device__ constexpr int gq_base(int T)
+{
+    return T == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : T == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : T;
+}
 
 /* ------------------------------------------------------------------ kernel */
 /* acc[r] += unit u of row r of W (wr) . batch row xb of x, r < R, group by group. */
@@ -343,7 +412,7 @@ __device__ __forceinline__ void gq_row(const typename gq<T>::W (&wr)[R], const g
  * whose nibble unpacking ptxas then redoes per batch row). */
 __host__ __device__ constexpr bool gq_rolled(int T, int B)
 {
-    return (T == M40K_TYPE_Q6_K && B >= 2) || (T == M40K_TYPE_Q4_K && B >= 3);
+    return (gq_base(T) == M40K_TYPE_Q6_K && B >= 2) || (T == M40K_TYPE_Q4_K && B >= 3);
 }
 
 /* Rows of each lane's first unit loaded before the PDL wait: both, but Q8_0's first row
@@ -352,34 +421,76 @@ __host__ __device__ constexpr bool gq_rolled(int T, int B)
  * batch 1, H100, tokens/s, with the splits of gq_split): Q8_0 one row 322.1 / 321.1, two
  * 320.1 / 318.3, none 311.0; Q4_K one row 395.3 against 408.7 for two, Q6_K one row
  * 406.5 (BENCHMARKS.md, tenth session). */
-__host__ __device__ constexpr int gq_early(int T, int R) { return T == M40K_TYPE_Q8_0 ? 1 : R; }
+__host__ __device__ constexpr int gq_early(int T, int R) { return gq_base(T) == M40K_TYPE_Q8_0 ? 1 : R; }
 
 /* Rows a warp takes (R): 4 for Q4_K at batch 1, so that each lane has four units in flight
  * and a product half the blocks (126 registers, no spills); 2 for the other types and at
  * batch 2-8. Q4_K_M on an H100 (mistral-7b, tokens/s, one call): 407.6 with R 2 (and,
  * for rows of K <= 4096, the 64-register instance of 8 blocks an SM this replaced), 418.4
  * with R 4, 408.9 with R 4 on the long rows only; R 4 with two rows early 415.3. Q8_0
- * with R 4 measured slower (315.0 / 312.9 against 322.5 / 322.1), Q6_K spills at 4. */
+ * with R 4 measured slower (315.0 / 312.9 against 322.5 / 322.1), Q6_K spills at 4;
+ * Q6_K_G8 fits four in 128 registers but measured slower (419.6 / 418.5 against 425.5 /
+ * 426.1, eleventh session). */
 __host__ __device__ constexpr int gq_rows(int T, int B) { return T == M40K_TYPE_Q4_K && B == 1 ? 4 : GQ_R; }
 
+/* The RMSNorm of a decode layer folded into the int8 GEMVs around it (kernels.h 8d), at
+ * batch 1. gq_nin, the consumer's side: x's records are of v = x_res * w_norm unscaled
+ * and ss holds the sums of squares of x_res per 32-element group; the product is scaled
+ * by rsqrt(sum(ss) / K + eps) at the end (the GEMV is linear in x). Every block sums ss
+ * in the same order, so all of them apply the same factor. ss == NULL: no factor. */
+struct gq_nin {
+    const float *ss;
+    float eps;
+};
+
+/* gq_nout, the producer's side: instead of y, the block (which holds whole 32-row groups)
+ * writes x_out = x + W.x for its rows, the records of x_out * w_norm into xq and the sum
+ * of squares of x_out per group into ss. x == NULL: a plain product into y. */
+struct gq_nout {
+    const float *x, *w_norm;
+    float *x_out, *ss;
+    gq_blk *xq;
+};
+
+/* The block's sum of v over all its threads, in a fixed order (the same in every block of
+ * the same width). red: W floats of shared memory; one barrier. */
+template <int W> __device__ __forceinline__ float gq_block_sum(float v, float *red)
+{
+    v = m40k_warp_sum(v);
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.0f;
+#pragma unroll
+    for (int k = 0; k < W; k++)
+        t += red[k];
+    return t;
+}
+
 /* One block's share of y = W . x: block blk of the product's grid (blockIdx.x, or its
- * index within its own product in a launch of two, gemv_q8_pair_kernel). */
-template <int T, int B, int R>
+ * index within its own product in a launch of two, gemv_q8_pair_kernel), W warps. */
+template <int T, int B, int R, int W = GQ_WARPS>
 __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S,
                                          const gq_blk *__restrict__ xs, float *__restrict__ y, int64_t y_stride,
-                                         int blk)
+                                         int blk, gq_nin nin = gq_nin{}, gq_nout nout = gq_nout{})
 {
     typedef gq<T> Q;
     constexpr int E = gq_early(T, R);
-    __shared__ float red[GQ_WARPS][R][B];
+    __shared__ float red[W][R][B];
+    __shared__ float nred[W];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int groups = GQ_WARPS / S, g = warp / S, ks = warp % S;
+    const int groups = W / S, g = warp / S, ks = warp % S;
     const int row0 = (blk * groups + g) * R;
     const uint8_t *rowp[R];
 #pragma unroll
     for (int r = 0; r < R; r++)
         rowp[r] = w + (size_t)(unsigned)min(row0 + r, N - 1) * row_bytes; /* rows past N: computed, not written */
     const int nu = K / Q::UE;
+    /* producer: lane l of warp 0 owns the block's row blk*32 + l (its norm weight is no
+     * kernel's output: loaded before the wait) */
+    float wn = 0.0f, xres = 0.0f, ssv = 0.0f;
+    if (B == 1 && nout.x && warp == 0)
+        wn = nout.w_norm[blk * 32 + lane];
 
     float acc[R][B];
 #pragma unroll
@@ -416,6 +527,15 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
             }
         }
     };
+    /* After the wait, before the main loop (so that they travel with its first x loads):
+     * the consumer's partial sums of squares, the producer's residual row. */
+    auto after_wait = [&]() {
+        if (B == 1 && nin.ss)
+            for (int i = threadIdx.x; i < K / 32; i += W * 32)
+                ssv += __ldca(nin.ss + i);
+        if (B == 1 && nout.x && warp == 0)
+            xres = __ldca(nout.x + blk * 32 + lane);
+    };
     /* The first unit's weights (of its first E rows, gq_early) are loaded before waiting
      * for the previous kernel (PDL launch: they do not depend on it); the rest as they
      * come. (Loading each next unit at the end of the previous iteration instead
@@ -427,6 +547,7 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
         for (int r = 0; r < E; r++)
             Q::load_w(rowp[r], u, w0[r]);
         xs = m40k_grid_wait_for(xs);
+        after_wait();
 #pragma unroll
         for (int r = E; r < R; r++)
             Q::load_w(rowp[r], u, w0[r]);
@@ -440,17 +561,63 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
         }
     } else {
         xs = m40k_grid_wait_for(xs);
+        after_wait();
     }
-    m40k_gemv_block_store<GQ_WARPS, R, B>(acc, red, S, N, y, y_stride, blk);
+    if (B == 1 && nin.ss) {
+        const float f = rsqrtf(gq_block_sum<W>(ssv, nred) / (float)K + nin.eps);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[r][0] *= f;
+    }
+    if (B == 1 && nout.x) {
+        /* the block's 32 rows: warp sums into red, then lane l of warp 0 adds row l's S
+         * partial sums in warp order (as m40k_gemv_block_store), its residual, and
+         * quantizes the group */
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float v = m40k_warp_sum(acc[r][0]);
+            if (lane == 0)
+                red[warp][r][0] = v;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const int gg = lane / R, r = lane % R;
+            float v = 0.0f;
+            for (int k = 0; k < S; k++)
+                v += red[gg * S + k][r][0];
+            const float xn = xres + v;
+            nout.x_out[blk * 32 + lane] = xn;
+            const float sq = m40k_warp_sum(xn * xn);
+            if (lane == 0)
+                nout.ss[blk] = sq;
+            gq_quantize_block(xn * wn, lane, nout.xq + blk);
+        }
+        return;
+    }
+    m40k_gemv_block_store<W, R, B>(acc, red, S, N, y, y_stride, blk);
 }
 
-template <int T, int B, int MINB, int R>
+/* NIN: the instance that applies the norm factor of gq_nin (batch 1; apart, so that the
+ * plain instances keep their registers) */
+template <int T, int B, int MINB, int R, bool NIN>
 __global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
     const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const gq_blk *__restrict__ xs,
-    float *__restrict__ y, int64_t y_stride)
+    float *__restrict__ y, int64_t y_stride, gq_nin nin)
 {
     m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
-    gq_block<T, B, R>(w, row_bytes, N, K, S, xs, y, y_stride, blockIdx.x);
+    gq_block<T, B, R>(w, row_bytes, N, K, S, xs, y, y_stride, blockIdx.x, NIN ? nin : gq_nin{});
+}
+
+/* The producer of 8d (batch 1): blocks of W warps of R rows, S = W * R / 32 warps a row,
+ * so that a block holds one 32-row group (grid N / 32). */
+template <int T, int W>
+__global__ __launch_bounds__(W * 32, 1) void gemv_q8_norm_kernel(const uint8_t *__restrict__ w, size_t row_bytes,
+                                                                 int N, int K, const gq_blk *__restrict__ xs,
+                                                                 gq_nout nout)
+{
+    m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    constexpr int R = gq_rows(T, 1);
+    gq_block<T, 1, R, W>(w, row_bytes, N, K, W * R / 32, xs, nullptr, 0, blockIdx.x, gq_nin{}, nout);
 }
 
 /* One product of a launch of two (m40k_gemv_q8_pair): its weights, rows, split and the
@@ -466,16 +633,18 @@ struct gq_part {
  * the rest p1 (type T1). One launch and one kernel boundary on the decode chain fewer
  * than two GEMVs (Q4_K_M's attention input: [q; k] in Q4_K, v in Q6_K in a third of the
  * layers). */
-template <int T0, int T1, int B>
+template <int T0, int T1, int B, bool NIN>
 __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_kernel(gq_part p0, gq_part p1, int K,
                                                                                     const gq_blk *__restrict__ xs,
-                                                                                    int64_t y_stride)
+                                                                                    int64_t y_stride, gq_nin nin)
 {
     m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
+    const gq_nin n = NIN ? nin : gq_nin{};
     if ((int)blockIdx.x < p0.blocks)
-        gq_block<T0, B, gq_rows(T0, B)>(p0.w, p0.row_bytes, p0.N, K, p0.S, xs, p0.y, y_stride, blockIdx.x);
+        gq_block<T0, B, gq_rows(T0, B)>(p0.w, p0.row_bytes, p0.N, K, p0.S, xs, p0.y, y_stride, blockIdx.x, n);
     else
-        gq_block<T1, B, gq_rows(T1, B)>(p1.w, p1.row_bytes, p1.N, K, p1.S, xs, p1.y, y_stride, blockIdx.x - p0.blocks);
+        gq_block<T1, B, gq_rows(T1, B)>(p1.w, p1.row_bytes, p1.N, K, p1.S, xs, p1.y, y_stride, blockIdx.x - p0.blocks,
+                                        n);
 }
 
 /* The split S (warps a row) of a product: m40k_gemv_pick_split, but for Q8_0 at batch 1,
@@ -489,7 +658,7 @@ template <int T, int B>
 static int gq_split(int N, int K, int R)
 {
     int S = m40k_gemv_pick_split(K / gq<T>::UE, 32, N, GQ_WARPS, R);
-    if constexpr (T == M40K_TYPE_Q8_0 && B == 1) {
+    if constexpr (gq_base(T) == M40K_TYPE_Q8_0 && B == 1) {
         const int blocks2 = (N + GQ_WARPS / 2 * R - 1) / (GQ_WARPS / 2 * R);
         if (K > 4096)
             S = 4;
@@ -526,37 +695,64 @@ static gq_part gq_part_of(const uint8_t *w, int N, int K, float *y)
 }
 
 template <int T, int B>
-static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, cudaStream_t st)
+static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, gq_nin nin,
+                       cudaStream_t st)
 {
     const gq_part p = gq_part_of<T, B>(w, N, K, y);
-    return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS, gq_rows(T, B)>, dim3((unsigned)p.blocks),
-                           dim3(GQ_WARPS * 32), st, w, p.row_bytes, N, K, p.S, xs, y, ys);
+    const dim3 grid((unsigned)p.blocks), block(GQ_WARPS * 32);
+    /* the normed instances of Q8_0 held to 64 registers, as the plain one (8 blocks an SM) */
+    constexpr int MN = gq_base(T) == M40K_TYPE_Q8_0 ? 8 : GQ_MIN_BLOCKS;
+    if (B == 1 && nin.ss)
+        return m40k_launch_pdl(gemv_q8_kernel<T, B, MN, gq_rows(T, B), B == 1>, grid, block, st, w, p.row_bytes, N,
+                               K, p.S, xs, y, ys, nin);
+    return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS, gq_rows(T, B), false>, grid, block, st, w, p.row_bytes,
+                           N, K, p.S, xs, y, ys, nin);
 }
 
 template <int T>
-static int gq_launch(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, int batch,
+static int gq_launch(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, int batch, gq_nin nin,
                      cudaStream_t st)
 {
     switch (batch) {
-    case 1: return gq_launch_b<T, 1>(w, N, K, xs, y, ys, st);
-    case 2: return gq_launch_b<T, 2>(w, N, K, xs, y, ys, st);
-    case 3: return gq_launch_b<T, 3>(w, N, K, xs, y, ys, st);
-    case 4: return gq_launch_b<T, 4>(w, N, K, xs, y, ys, st);
-    case 5: return gq_launch_b<T, 5>(w, N, K, xs, y, ys, st);
-    case 6: return gq_launch_b<T, 6>(w, N, K, xs, y, ys, st);
-    case 7: return gq_launch_b<T, 7>(w, N, K, xs, y, ys, st);
-    case 8: return gq_launch_b<T, 8>(w, N, K, xs, y, ys, st);
+    case 1: return gq_launch_b<T, 1>(w, N, K, xs, y, ys, nin, st);
+    case 2: return gq_launch_b<T, 2>(w, N, K, xs, y, ys, nin, st);
+    case 3: return gq_launch_b<T, 3>(w, N, K, xs, y, ys, nin, st);
+    case 4: return gq_launch_b<T, 4>(w, N, K, xs, y, ys, nin, st);
+    case 5: return gq_launch_b<T, 5>(w, N, K, xs, y, ys, nin, st);
+    case 6: return gq_launch_b<T, 6>(w, N, K, xs, y, ys, nin, st);
+    case 7: return gq_launch_b<T, 7>(w, N, K, xs, y, ys, nin, st);
+    case 8: return gq_launch_b<T, 8>(w, N, K, xs, y, ys, nin, st);
     default: return M40K_INVALID;
     }
 }
 
 template <int T0, int T1>
 static int gq_launch_pair(const uint8_t *w0, int N0, const uint8_t *w1, int N1, int K, const gq_blk *xs, float *y,
-                          int64_t ys, cudaStream_t st)
+                          int64_t ys, gq_nin nin, cudaStream_t st)
 {
     const gq_part p0 = gq_part_of<T0, 1>(w0, N0, K, y), p1 = gq_part_of<T1, 1>(w1, N1, K, y + N0);
-    return m40k_launch_pdl(gemv_q8_pair_kernel<T0, T1, 1>, dim3((unsigned)(p0.blocks + p1.blocks)),
-                           dim3(GQ_WARPS * 32), st, p0, p1, K, xs, ys);
+    if (nin.ss)
+        return m40k_launch_pdl(gemv_q8_pair_kernel<T0, T1, 1, true>, dim3((unsigned)(p0.blocks + p1.blocks)),
+                               dim3(GQ_WARPS * 32), st, p0, p1, K, xs, ys, nin);
+    return m40k_launch_pdl(gemv_q8_pair_kernel<T0, T1, 1, false>, dim3((unsigned)(p0.blocks + p1.blocks)),
+                           dim3(GQ_WARPS * 32), st, p0, p1, K, xs, ys, nin);
+}
+
+/* Warps a block of the 8d producer: 32 rows a block at R rows a warp, S = W * R / 32 warps
+ * a row; 32 warps (two a row at two rows a warp) where the instance fits 64 registers
+ * (Q8_0, Q4_0 at batch 1), else 16 (Q4_K: two warps a row of four rows; Q6_K: one). */
+__host__ __device__ constexpr int gq_norm_warps(int T)
+{
+    return gq_base(T) == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ? 32 : 16;
+}
+
+template <int T>
+static int gq_launch_norm(const uint8_t *w, int N, int K, const gq_blk *xs, gq_nout nout, cudaStream_t st)
+{
+    constexpr int W = gq_norm_warps(T);
+    const size_t row_bytes = (size_t)K / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+    return m40k_launch_pdl(gemv_q8_norm_kernel<T, W>, dim3((unsigned)(N / 32)), dim3(W * 32), st, w, row_bytes, N,
+                           K, xs, nout);
 }
 
 extern "C" size_t m40k_gemv_q8_ws_bytes(int K, int batch)
@@ -575,34 +771,138 @@ extern "C" int m40k_quantize_q8(const float *x, int64_t x_stride, int K, int bat
     return m40k_launch_status();
 }
 
-extern "C" int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y,
-                            int64_t y_stride, m40k_stream stream)
+/* Whether m40k_gemv_q8 takes w_type at width K (K > 0): the block of its layout divides K. */
+static bool gq_takes(int w_type, int K)
+{
+    switch (w_type) {
+    case M40K_TYPE_Q8_0:
+    case M40K_TYPE_Q4_0: return K % 32 == 0;
+    case M40K_TYPE_Q4_K:
+    case M40K_TYPE_Q6_K:
+    case M40K_TYPE_Q8_0_G8: return K % 256 == 0;
+    case M40K_TYPE_Q6_K_G8: return K % 2048 == 0;
+    default: return false;
+    }
+}
+
+static int gq_dispatch(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride,
+                       gq_nin nin, cudaStream_t stream)
 {
     if (N <= 0 || batch <= 0)
         return 0;
-    if (K <= 0 || batch > 8 || ((uintptr_t)w & 15) || ((uintptr_t)ws & 15))
+    if (K <= 0 || batch > 8 || ((uintptr_t)w & 15) || ((uintptr_t)ws & 15) || !gq_takes(w_type, K))
         return M40K_INVALID;
     const uint8_t *wb = (const uint8_t *)w;
-    if (K % (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q6_K ? 256 : 32))
-        return M40K_INVALID;
     const gq_blk *xs = (const gq_blk *)ws;
     switch (w_type) {
-    case M40K_TYPE_Q8_0: return gq_launch<M40K_TYPE_Q8_0>(wb, N, K, xs, y, y_stride, batch, stream);
-    case M40K_TYPE_Q4_0: return gq_launch<M40K_TYPE_Q4_0>(wb, N, K, xs, y, y_stride, batch, stream);
-    case M40K_TYPE_Q4_K: return gq_launch<M40K_TYPE_Q4_K>(wb, N, K, xs, y, y_stride, batch, stream);
-    case M40K_TYPE_Q6_K: return gq_launch<M40K_TYPE_Q6_K>(wb, N, K, xs, y, y_stride, batch, stream);
+    case M40K_TYPE_Q8_0: return gq_launch<M40K_TYPE_Q8_0>(wb, N, K, xs, y, y_stride, batch, nin, stream);
+    case M40K_TYPE_Q4_0: return gq_launch<M40K_TYPE_Q4_0>(wb, N, K, xs, y, y_stride, batch, nin, stream);
+    case M40K_TYPE_Q4_K: return gq_launch<M40K_TYPE_Q4_K>(wb, N, K, xs, y, y_stride, batch, nin, stream);
+    case M40K_TYPE_Q6_K: return gq_launch<M40K_TYPE_Q6_K>(wb, N, K, xs, y, y_stride, batch, nin, stream);
+    case M40K_TYPE_Q8_0_G8: return gq_launch<M40K_TYPE_Q8_0_G8>(wb, N, K, xs, y, y_stride, batch, nin, stream);
+    case M40K_TYPE_Q6_K_G8: return gq_launch<M40K_TYPE_Q6_K_G8>(wb, N, K, xs, y, y_stride, batch, nin, stream);
     default: return M40K_INVALID;
     }
+}
+
+extern "C" int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y,
+                            int64_t y_stride, m40k_stream stream)
+{
+    return gq_dispatch(w, w_type, N, K, ws, batch, y, y_stride, gq_nin{}, stream);
+}
+
+extern "C" int m40k_gemv_q8_normed(const void *w, int w_type, int N, int K, const void *ws, const float *ss,
+                                   float eps, float *y, int64_t y_stride, m40k_stream stream)
+{
+    if (!ss)
+        return M40K_INVALID;
+    return gq_dispatch(w, w_type, N, K, ws, 1, y, y_stride, gq_nin{ss, eps}, stream);
+}
+
+static int gq_pair(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K, const void *ws,
+                   int batch, float *y, int64_t y_stride, gq_nin nin, cudaStream_t stream)
+{
+    if (batch != 1 || type0 != M40K_TYPE_Q4_K || (type1 != M40K_TYPE_Q6_K && type1 != M40K_TYPE_Q6_K_G8))
+        return M40K_INVALID;
+    if (N0 <= 0 || N1 <= 0 || K <= 0 || !gq_takes(type0, K) || !gq_takes(type1, K) || ((uintptr_t)w0 & 15) ||
+        ((uintptr_t)w1 & 15) || ((uintptr_t)ws & 15))
+        return M40K_INVALID;
+    if (type1 == M40K_TYPE_Q6_K_G8)
+        return gq_launch_pair<M40K_TYPE_Q4_K, M40K_TYPE_Q6_K_G8>((const uint8_t *)w0, N0, (const uint8_t *)w1, N1, K,
+                                                                 (const gq_blk *)ws, y, y_stride, nin, stream);
+    return gq_launch_pair<M40K_TYPE_Q4_K, M40K_TYPE_Q6_K>((const uint8_t *)w0, N0, (const uint8_t *)w1, N1, K,
+                                                          (const gq_blk *)ws, y, y_stride, nin, stream);
 }
 
 extern "C" int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K,
                                  const void *ws, int batch, float *y, int64_t y_stride, m40k_stream stream)
 {
-    if (batch != 1 || type0 != M40K_TYPE_Q4_K || type1 != M40K_TYPE_Q6_K)
+    return gq_pair(w0, type0, N0, w1, type1, N1, K, ws, batch, y, y_stride, gq_nin{}, stream);
+}
+
+extern "C" int m40k_gemv_q8_pair_normed(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K,
+                                        const void *ws, const float *ss, float eps, float *y, int64_t y_stride,
+                                        m40k_stream stream)
+{
+    if (!ss)
         return M40K_INVALID;
-    if (N0 <= 0 || N1 <= 0 || K <= 0 || K % 256 || ((uintptr_t)w0 & 15) || ((uintptr_t)w1 & 15) ||
-        ((uintptr_t)ws & 15))
+    return gq_pair(w0, type0, N0, w1, type1, N1, K, ws, 1, y, y_stride, gq_nin{ss, eps}, stream);
+}
+
+extern "C" int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x,
+                                     float *x_out, const float *norm_w, void *xq_out, float *ss_out,
+                                     m40k_stream stream)
+{
+    if (N <= 0)
+        return 0;
+    if (N % 32 || K <= 0 || !gq_takes(w_type, K) || !x || !x_out || !norm_w || !xq_out || !ss_out ||
+        ((uintptr_t)w & 15) || ((uintptr_t)ws & 15) || ((uintptr_t)xq_out & 15) || xq_out == ws)
         return M40K_INVALID;
-    return gq_launch_pair<M40K_TYPE_Q4_K, M40K_TYPE_Q6_K>((const uint8_t *)w0, N0, (const uint8_t *)w1, N1, K,
-                                                          (const gq_blk *)ws, y, y_stride, stream);
+    const uint8_t *wb = (const uint8_t *)w;
+    const gq_blk *xs = (const gq_blk *)ws;
+    const gq_nout nout{x, norm_w, x_out, ss_out, (gq_blk *)xq_out};
+    switch (w_type) {
+    case M40K_TYPE_Q8_0: return gq_launch_norm<M40K_TYPE_Q8_0>(wb, N, K, xs, nout, stream);
+    case M40K_TYPE_Q4_0: return gq_launch_norm<M40K_TYPE_Q4_0>(wb, N, K, xs, nout, stream);
+    case M40K_TYPE_Q4_K: return gq_launch_norm<M40K_TYPE_Q4_K>(wb, N, K, xs, nout, stream);
+    case M40K_TYPE_Q6_K: return gq_launch_norm<M40K_TYPE_Q6_K>(wb, N, K, xs, nout, stream);
+    case M40K_TYPE_Q8_0_G8: return gq_launch_norm<M40K_TYPE_Q8_0_G8>(wb, N, K, xs, nout, stream);
+    case M40K_TYPE_Q6_K_G8: return gq_launch_norm<M40K_TYPE_Q6_K_G8>(wb, N, K, xs, nout, stream);
+    default: return M40K_INVALID;
+    }
+}
+
+/* ------------------------------------------------------------------ regrouping (host) */
+extern "C" int m40k_g8_type(int t, int64_t K)
+{
+    if (t == M40K_TYPE_Q8_0 && K > 0 && K % 256 == 0)
+        return M40K_TYPE_Q8_0_G8;
+    if (t == M40K_TYPE_Q6_K && K > 0 && K % 2048 == 0)
+        return M40K_TYPE_Q6_K_G8;
+    return t;
+}
+
+extern "C" int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, int64_t K)
+{
+    const int g8 = m40k_g8_type(t, K);
+    if (g8 == t || rows < 0)
+        return M40K_INVALID;
+    /* a group: 8 blocks of bb bytes, each a head of hb bytes (d) and a body; the group
+     * puts the 8 heads first (Q8_0: d at 0, head first) or last (Q6_K: d at 208, last) */
+    const bool q8 = t == M40K_TYPE_Q8_0;
+    const size_t bb = q8 ? 34 : 210, hb = 2, gb = 8 * bb, groups = (size_t)rows * (size_t)(K / (q8 ? 256 : 2048));
+    const uint8_t *s = (const uint8_t *)src;
+    uint8_t *d = (uint8_t *)dst;
+    for (size_t gi = 0; gi < groups; gi++, s += gb, d += gb)
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *b = s + j * bb;
+            if (q8) {
+                memcpy(d + hb * j, b, hb);                        /* d */
+                memcpy(d + 8 * hb + (bb - hb) * j, b + hb, bb - hb); /* qs */
+            } else {
+                memcpy(d + (bb - hb) * j, b, bb - hb);                 /* ql | qh | scales */
+                memcpy(d + 8 * (bb - hb) + hb * j, b + bb - hb, hb); /* d */
+            }
+        }
+    return 0;
 }

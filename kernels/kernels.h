@@ -43,12 +43,31 @@ enum {
     M40K_TYPE_Q5_1 = 7,
     M40K_TYPE_Q8_0 = 8,
     M40K_TYPE_Q4_K = 12,
-    M40K_TYPE_Q6_K = 14
+    M40K_TYPE_Q6_K = 14,
+    /* Device-only layouts (never in a GGUF file): the same blocks regrouped by 8 so that
+     * every piece the int8 GEMV reads starts 16-byte aligned (m40k_repack_g8). */
+    M40K_TYPE_Q8_0_G8 = 1008,
+    M40K_TYPE_Q6_K_G8 = 1014
 };
 
+/* 0. Regrouped layouts. GGUF's Q8_0 (34-byte) and Q6_K (210-byte) blocks start at any
+ * even offset, so a GEMV lane assembles each piece from two or three 16-byte chunks.
+ * Regrouped, 8 consecutive blocks of a row become one group of the same bytes:
+ *   Q8_0_G8 (272 B / 256 elements): d[8] f16 | qs[8][32] int8
+ *   Q6_K_G8 (1680 B / 2048 elements): {ql[128] | qh[64] | scales[16]}[8] | d[8] f16
+ * (both 16-byte multiples: every row, quant run and scale run of a group aligned).
+ * Rows keep their byte length; a row's K must be a multiple of 256 (Q8_0) or 2048 (Q6_K).
+ * m40k_g8_type: the regrouped type of GGUF type t for rows of K elements, or t itself
+ * when it has none or K does not fit. m40k_repack_g8: rows of K elements of GGUF type t
+ * (src, packed) rewritten in m40k_g8_type(t, K)'s layout into dst (no overlap); returns
+ * M40K_INVALID when there is no such layout. Host functions, no device work. */
+int m40k_g8_type(int t, int64_t K);
+int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, int64_t K);
+
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
- * F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q6_K (dim a multiple of the block size: 32, or 256 for the
- * K-quants); rows are dim elements packed (row bytes = dim/block*block_bytes). out_type
+ * F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K or a regrouped layout (0.) (dim a
+ * multiple of the block size: 32, or 256 for the K-quants and Q8_0_G8, 2048 for
+ * Q6_K_G8); rows are dim elements packed (row bytes = dim/block*block_bytes). out_type
  * F32 or F16, row stride out_stride elements. Ids outside [0, n_rows) give zero rows. */
 int m40k_embed(const void *table, int table_type, int64_t n_rows, int dim, const int32_t *ids, int n_ids,
                void *out, int out_type, int64_t out_stride, m40k_stream stream);
@@ -246,7 +265,8 @@ int m40k_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x
               int batch, m40k_stream stream);
 
 /* 8b. GEMV with int8 activations (kernels/gemv_q8.cu): the decode path for Q8_0, Q4_0,
- * Q4_K and Q6_K weights, integer dot products (dp4a) at memory bandwidth. Two steps:
+ * Q4_K and Q6_K weights and the regrouped Q8_0_G8 and Q6_K_G8 (0.), integer dot
+ * products (dp4a) at memory bandwidth. Two steps:
  *   m40k_quantize_q8: x[b*x_stride + k] (b < batch 1..8, k < K, K a multiple of 32) into
  *     the workspace ws (16-byte aligned, m40k_gemv_q8_ws_bytes(K, batch) bytes): per
  *     block of 32 (batch row b, block j) an 80-byte record at 80*(b*K/32 + j):
@@ -259,7 +279,8 @@ int m40k_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x
  *     scale * (d1 * sum(w_int * q1) + d2 * sum(w_int * q2)) minus the offset terms
  *     (Q4_0: 8*d_w*s; Q4_K: dmin*m*s), all in F32 (the exact definition:
  *     m40_ref_gemv_q8 in engine/cpu_ref.c), for the ws written by m40k_quantize_q8 with
- *     the same K, batch. K a multiple of 32 (256 for the K-quants), W 16-byte aligned
+ *     the same K, batch. K a multiple of 32 (256 for the K-quants and Q8_0_G8, 2048 for
+ *     Q6_K_G8), W 16-byte aligned
  *     (rows packed as for m40k_gemv; other alignments: use m40k_gemv). Never reads past
  *     the 16-byte-aligned chunk that holds W's last byte.
  * One quantization serves every matrix applied to the same x.
@@ -277,10 +298,33 @@ int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int ba
                  m40k_stream stream);
 /* Two products of the same x (ws) in one launch, as two m40k_gemv_q8 calls would write
  * them: y[n] = W0[n] . x for n < N0, y[N0 + n] = W1[n] . x for n < N1 (both K wide).
- * Batch 1 and W0 in Q4_K, W1 in Q6_K only (Q4_K_M's [q; k] and v); M40K_INVALID for
+ * Batch 1 and W0 in Q4_K, W1 in Q6_K or Q6_K_G8 only (Q4_K_M's [q; k] and v); M40K_INVALID for
  * anything else, and the caller launches the two apart. */
 int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K, const void *ws,
                       int batch, float *y, int64_t y_stride, m40k_stream stream);
+
+/* 8d. The residual add + RMSNorm between two int8 GEMVs of a decode layer, folded into
+ * both (batch 1). The producer, m40k_gemv_q8_add_norm, multiplies W (N x K, N a multiple
+ * of 32) by ws as m40k_gemv_q8 and, instead of y, writes per row n
+ *     x_out[n] = x[n] + (W . x)[n]
+ * and per group j of 32 rows the int8 records of x_out[32j .. 32j+32) * norm_w[..] (as
+ * m40k_quantize_q8 writes them) into xq_out, and the group's sum of squares of x_out
+ * into ss_out[j] (N/32 floats). A block holds whole groups: no exchange between blocks.
+ * x_out may be x (each element read and written by one thread); xq_out must not be ws.
+ * The consumer, m40k_gemv_q8_normed (and the pair, m40k_gemv_q8_pair_normed), multiplies
+ * those records and scales the product by rsqrt(sum(ss[0 .. K/32)) / K + eps): with
+ * x_out's RMSNorm r = x_out * rsqrt(mean(x_out^2) + eps) * norm_w it is W' . r, the
+ * quantization taken before the scale instead of after it (the same relative error).
+ * Every block of the consumer sums ss in one fixed order: one factor for all rows.
+ * Twins: m40_ref_gemv_q8_add_norm and m40_ref_norm_factor (engine/cpu_ref.h). Types and
+ * K as m40k_gemv_q8. */
+int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x, float *x_out,
+                          const float *norm_w, void *xq_out, float *ss_out, m40k_stream stream);
+int m40k_gemv_q8_normed(const void *w, int w_type, int N, int K, const void *ws, const float *ss, float eps,
+                        float *y, int64_t y_stride, m40k_stream stream);
+int m40k_gemv_q8_pair_normed(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K,
+                             const void *ws, const float *ss, float eps, float *y, int64_t y_stride,
+                             m40k_stream stream);
 
 /* 8c. F16 GEMV on the tensor cores (kernels/gemm_skinny.cu), for decode steps of 1..8
  * token rows where a row-per-warp GEMV leaves bandwidth unused (long K, several rows):

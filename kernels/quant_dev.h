@@ -8,6 +8,7 @@
  *   Q5_1 (24 B / 32):  d f16 | m f16 | qh[4] | qs[16]  (w = d*q + m)
  *   Q4_K (144 B / 256): d f16 | dmin f16 | scales[12] | qs[128]
  *   Q6_K (210 B / 256): ql[128] | qh[64] | scales[16] int8 | d f16
+ * and the regrouped device layouts of kernels.h (0.): Q8_0_G8, Q6_K_G8.
  * A group of 8 (first element e0, a multiple of 8) always lies in one scale sub-block,
  * so it comes back as small integers q[8] with one scale and one offset:
  * w[i] = scale * q[i] - offset. Sums of q*x are then scaled once per group. */
@@ -26,6 +27,8 @@ template <> struct m40k_tinfo<M40K_TYPE_Q5_0> { enum { BE = 32, BB = 22 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q5_1> { enum { BE = 32, BB = 24 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q4_K> { enum { BE = 256, BB = 144 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K> { enum { BE = 256, BB = 210 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q8_0_G8> { enum { BE = 256, BB = 272 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q6_K_G8> { enum { BE = 2048, BB = 1680 }; };
 
 __device__ __forceinline__ float m40k_ldh(const uint8_t *p) { return m40k_h2f((uint16_t)(p[0] | (p[1] << 8))); }
 
@@ -94,8 +97,26 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
             q[i] = m40k_u8f((qs[i] >> sh) & 15u);
         scale = m40k_ldh(b) * (float)scv;
         offset = m40k_ldh(b + 2) * (float)mnv;
-    } else if (T == M40K_TYPE_Q6_K) {
-        const uint8_t *b = p + 210 * (e0 >> 8);
+    } else if (T == M40K_TYPE_Q8_0_G8) {
+        const uint8_t *g = p + 272 * (e0 >> 8);
+        const int j = (e0 >> 5) & 7, l = e0 & 31;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f(g[16 + 32 * j + l + i] ^ 0x80u); /* int8 + 128 */
+        scale = m40k_ldh(g + 2 * j);
+        offset = 128.0f * scale;
+    } else if (T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_G8) {
+        /* b: the superblock's ql | qh | scales; dp: its d */
+        const uint8_t *b, *dp;
+        if (T == M40K_TYPE_Q6_K) {
+            b = p + 210 * (e0 >> 8);
+            dp = b + 208;
+        } else {
+            const uint8_t *g = p + 1680 * (e0 >> 11);
+            const int j = (e0 >> 8) & 7;
+            b = g + 208 * j;
+            dp = g + 1664 + 2 * j;
+        }
         const int e = e0 & 255, n = e >> 7, r = e & 127, k = r >> 5, l = r & 31;
         const uint8_t *ql = b + 64 * n + l + 32 * (k & 1);
         const uint8_t *qh = b + 128 + 32 * n + l;
@@ -103,7 +124,7 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
 #pragma unroll
         for (int i = 0; i < 8; i++)
             q[i] = m40k_u8f(((ql[i] >> shl) & 15u) | (((qh[i] >> shh) & 3u) << 4));
-        scale = m40k_ldh(b + 208) * (float)(int8_t)b[192 + (e >> 4)];
+        scale = m40k_ldh(dp) * (float)(int8_t)b[192 + (e >> 4)];
         offset = 32.0f * scale;
     }
 }

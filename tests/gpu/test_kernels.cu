@@ -8,6 +8,7 @@
  *                         decode attention. `--bench skinny attn`: only those (names:
  *                         gemv, gemvq8, skinny, attn).
  *   test_kernels --bench-only [names]   the same benchmarks without the comparisons.
+ *   M40_TEST_ONLY=gemv_q8,embed_g8 test_kernels   only the tests named (comma-separated).
  * Without a GPU: prints why, "0 passed, 0 failed, 1 skipped", exit 0. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -93,6 +94,31 @@ static void test_embed(void)
             cudaFree(dt), cudaFree(di), cudaFree(dout);
         }
     }
+}
+
+/* The regrouped layouts (kernels.h 0.) gather the same rows as their GGUF types. */
+static void test_embed_g8(void)
+{
+    for (int type : {M40K_TYPE_Q8_0, M40K_TYPE_Q6_K})
+        for (int dim : {2048, 4096 + 2048}) {
+            const int n_rows = 9, g8 = m40k_g8_type(type, dim);
+            std::vector<uint8_t> tab = quant_matrix(type, n_rows, dim), tab8(tab.size());
+            CK(m40k_repack_g8(type, tab.data(), tab8.data(), n_rows, dim));
+            std::vector<int32_t> ids = {0, 8, 3, -1, 9, 5};
+            const size_t n = ids.size() * dim;
+            std::vector<float> c(n, 0.0f);
+            m40_ref_embed(tab.data(), type, n_rows, dim, ids.data(), (int)ids.size(), c.data(), M40K_TYPE_F32, dim);
+            uint8_t *dt = dup(tab8);
+            int32_t *di = dup(ids);
+            float *dout;
+            CK(cudaMalloc(&dout, n * 4));
+            CK(m40k_embed(dt, g8, n_rows, dim, di, (int)ids.size(), dout, M40K_TYPE_F32, dim, 0));
+            std::vector<float> g = back(dout, n);
+            char what[96];
+            snprintf(what, sizeof what, "embed %s_G8 dim %d -> f32", m40_type_name(type), dim);
+            compare(what, g.data(), c.data(), n, 1e-6f, 1e-6f);
+            cudaFree(dt), cudaFree(di), cudaFree(dout);
+        }
 }
 
 /* ---------------------------------------------------------------- 2. rmsnorm */
@@ -1005,7 +1031,13 @@ static void test_gemv_q8(void)
                 for (int n = 0; n < N; n++)
                     m40_dequantize_row((uint32_t)type, w.data() + n * row_bytes(type, K), deq.data() + (size_t)n * K,
                                        K);
-                uint8_t *dw = dup(w);
+                uint8_t *dw = dup(w), *dw8 = nullptr;
+                const int g8 = m40k_g8_type(type, K);
+                if (g8 != type) {
+                    std::vector<uint8_t> w8(w.size());
+                    CK(m40k_repack_g8(type, w.data(), w8.data(), N, K));
+                    dw8 = dup(w8);
+                }
                 for (int batch = 1; batch <= 8; batch++) {
                     if ((double)N * K * batch > 5e6 && batch != 1 && batch != 8)
                         continue;
@@ -1064,9 +1096,21 @@ static void test_gemv_q8(void)
                     snprintf(what, sizeof what, "gemv_q8 %s N %d K %d batch %d vs exact", m40_type_name(type), N, K,
                              batch);
                     compare_bound(what, g.data(), e.data(), te.data(), c.size());
+                    /* the same weights regrouped (kernels.h 0.), where K allows: the same
+                     * products within the same bound of the twin */
+                    if (dw8) {
+                        CK(cudaMemset(dy, 0, c.size() * 4));
+                        CK(m40k_gemv_q8(dw8, g8, N, K, dws, batch, dy, ys, 0));
+                        std::vector<float> g2 = back(dy, c.size());
+                        snprintf(what, sizeof what, "gemv_q8 %s_G8 N %d K %d batch %d vs twin", m40_type_name(type),
+                                 N, K, batch);
+                        compare_bound(what, g2.data(), c.data(), tt.data(), c.size());
+                    }
                     cudaFree(dx), cudaFree(dy), cudaFree(dws);
                 }
                 cudaFree(dw);
+                if (dw8)
+                    cudaFree(dw8);
             }
         /* W not 16-byte aligned: refused (the caller takes m40k_gemv) */
         uint8_t *dw;
@@ -1080,6 +1124,27 @@ static void test_gemv_q8(void)
         check(what, m40k_gemv_q8(dw + 2, type, 1, 256, dws, 1, dy, 1, 0) == (int)cudaErrorInvalidValue);
         cudaFree(dw), cudaFree(dws), cudaFree(dy);
     }
+    /* regrouped layouts: only where whole groups fit a row */
+    const int bad = (int)cudaErrorInvalidValue;
+    check("g8 types: Q8_0 K 256 -> Q8_0_G8, K 96 none; Q6_K K 2048 -> Q6_K_G8, K 768 none; Q4_K none",
+          m40k_g8_type(M40K_TYPE_Q8_0, 256) == M40K_TYPE_Q8_0_G8 &&
+              m40k_g8_type(M40K_TYPE_Q8_0, 96) == M40K_TYPE_Q8_0 &&
+              m40k_g8_type(M40K_TYPE_Q6_K, 2048) == M40K_TYPE_Q6_K_G8 &&
+              m40k_g8_type(M40K_TYPE_Q6_K, 768) == M40K_TYPE_Q6_K &&
+              m40k_g8_type(M40K_TYPE_Q4_K, 4096) == M40K_TYPE_Q4_K);
+    uint8_t hb[64];
+    check("repack_g8 refuses a type or K without a layout",
+          m40k_repack_g8(M40K_TYPE_Q4_K, hb, hb + 32, 1, 256) == bad &&
+              m40k_repack_g8(M40K_TYPE_Q6_K, hb, hb + 32, 1, 256) == bad);
+    uint8_t *dw;
+    void *dws;
+    float *dy;
+    CK(cudaMalloc(&dw, 1 << 16));
+    CK(cudaMalloc(&dws, 1 << 16));
+    CK(cudaMalloc(&dy, 64));
+    check("gemv_q8 Q6_K_G8 K 1024 refused", m40k_gemv_q8(dw, M40K_TYPE_Q6_K_G8, 1, 1024, dws, 1, dy, 1, 0) == bad);
+    check("gemv_q8 Q8_0_G8 K 96 refused", m40k_gemv_q8(dw, M40K_TYPE_Q8_0_G8, 1, 96, dws, 1, dy, 1, 0) == bad);
+    cudaFree(dw), cudaFree(dws), cudaFree(dy);
 }
 
 /* 8b'. Two products in one launch (m40k_gemv_q8_pair: Q4_K then Q6_K, batch 1) against
@@ -1088,47 +1153,56 @@ static void test_gemv_q8(void)
  * pairs and batches are refused. */
 static void test_gemv_q8_pair(void)
 {
-    const int shapes[][3] = {{1, 1, 256}, {33, 7, 768}, {7, 33, 256}, {5120, 1024, 4096}, {4097, 31, 4096}};
+    const int shapes[][3] = {{1, 1, 256},         {33, 7, 768},       {7, 33, 256},
+                             {5120, 1024, 4096}, {4097, 31, 4096}, {9, 5, 2048}};
     for (const auto &sh : shapes) {
-        const int N0 = sh[0], N1 = sh[1], K = sh[2];
-        const int t0 = M40K_TYPE_Q4_K, t1 = M40K_TYPE_Q6_K;
-        std::vector<uint8_t> w0 = quant_matrix(t0, N0, K), w1 = quant_matrix(t1, N1, K);
-        std::vector<float> x = q8_x(1, K, K);
-        const size_t wsb = m40k_gemv_q8_ws_bytes(K, 1);
-        std::vector<uint8_t> ws(wsb);
-        m40_ref_quantize_q8(x.data(), K, K, 1, ws.data());
-        const int ny = N0 + N1 + 5; /* 5 guard entries past the products */
-        std::vector<float> c(ny, -7.0f);
-        m40_ref_gemv_q8(w0.data(), t0, N0, K, ws.data(), 1, c.data(), ny);
-        m40_ref_gemv_q8(w1.data(), t1, N1, K, ws.data(), 1, c.data() + N0, ny);
-        std::vector<double> tt(ny, 0.0);
-        for (int n = 0; n < N0 + N1; n++) {
-            const bool first = n < N0;
-            const std::vector<uint8_t> &w = first ? w0 : w1;
-            const int type = first ? t0 : t1, row = first ? n : n - N0;
-            std::vector<float> deq(K);
-            m40_dequantize_row((uint32_t)type, w.data() + (size_t)row * row_bytes(type, K), deq.data(), K);
-            double m = 0;
-            for (int k = 0; k < K; k++)
-                m += fabs(deq[k]) * (fabs(x[k]) + 1.0);
-            tt[n] = 1e-5 * m;
+        for (int regroup = 0; regroup < 2; regroup++) { /* Q6_K as in the file, then regrouped */
+            const int N0 = sh[0], N1 = sh[1], K = sh[2];
+            const int t0 = M40K_TYPE_Q4_K, t1 = M40K_TYPE_Q6_K, t1d = regroup ? m40k_g8_type(t1, K) : t1;
+            if (regroup && t1d == t1)
+                continue;
+            std::vector<uint8_t> w0 = quant_matrix(t0, N0, K), w1 = quant_matrix(t1, N1, K);
+            std::vector<float> x = q8_x(1, K, K);
+            const size_t wsb = m40k_gemv_q8_ws_bytes(K, 1);
+            std::vector<uint8_t> ws(wsb);
+            m40_ref_quantize_q8(x.data(), K, K, 1, ws.data());
+            const int ny = N0 + N1 + 5; /* 5 guard entries past the products */
+            std::vector<float> c(ny, -7.0f);
+            m40_ref_gemv_q8(w0.data(), t0, N0, K, ws.data(), 1, c.data(), ny);
+            m40_ref_gemv_q8(w1.data(), t1, N1, K, ws.data(), 1, c.data() + N0, ny);
+            std::vector<double> tt(ny, 0.0);
+            for (int n = 0; n < N0 + N1; n++) {
+                const bool first = n < N0;
+                const std::vector<uint8_t> &w = first ? w0 : w1;
+                const int type = first ? t0 : t1, row = first ? n : n - N0;
+                std::vector<float> deq(K);
+                m40_dequantize_row((uint32_t)type, w.data() + (size_t)row * row_bytes(type, K), deq.data(), K);
+                double m = 0;
+                for (int k = 0; k < K; k++)
+                    m += fabs(deq[k]) * (fabs(x[k]) + 1.0);
+                tt[n] = 1e-5 * m;
+            }
+            std::vector<uint8_t> w1d = w1;
+            if (regroup)
+                CK(m40k_repack_g8(t1, w1.data(), w1d.data(), N1, K));
+            uint8_t *dw0 = dup(w0), *dw1 = dup(w1d);
+            float *dx = dup(x), *dy;
+            void *dws;
+            CK(cudaMalloc(&dws, wsb));
+            CK(cudaMalloc(&dy, ny * 4));
+            std::vector<float> fill(ny, -7.0f);
+            CK(cudaMemcpy(dy, fill.data(), ny * 4, cudaMemcpyHostToDevice));
+            CK(m40k_quantize_q8(dx, K, K, 1, dws, 0));
+            CK(m40k_gemv_q8_pair(dw0, t0, N0, dw1, t1d, N1, K, dws, 1, dy, ny, 0));
+            std::vector<float> g = back(dy, ny);
+            char what[112];
+            snprintf(what, sizeof what, "gemv_q8_pair Q4_K %d + Q6_K%s %d, K %d vs twins", N0, regroup ? "_G8" : "",
+                     N1, K);
+            compare_bound(what, g.data(), c.data(), tt.data(), (size_t)(N0 + N1));
+            snprintf(what, sizeof what, "gemv_q8_pair %d + %d, K %d: nothing written past the products", N0, N1, K);
+            check(what, g[N0 + N1] == -7.0f && g[ny - 1] == -7.0f);
+            cudaFree(dw0), cudaFree(dw1), cudaFree(dx), cudaFree(dy), cudaFree(dws);
         }
-        uint8_t *dw0 = dup(w0), *dw1 = dup(w1);
-        float *dx = dup(x), *dy;
-        void *dws;
-        CK(cudaMalloc(&dws, wsb));
-        CK(cudaMalloc(&dy, ny * 4));
-        std::vector<float> fill(ny, -7.0f);
-        CK(cudaMemcpy(dy, fill.data(), ny * 4, cudaMemcpyHostToDevice));
-        CK(m40k_quantize_q8(dx, K, K, 1, dws, 0));
-        CK(m40k_gemv_q8_pair(dw0, t0, N0, dw1, t1, N1, K, dws, 1, dy, ny, 0));
-        std::vector<float> g = back(dy, ny);
-        char what[112];
-        snprintf(what, sizeof what, "gemv_q8_pair Q4_K %d + Q6_K %d, K %d vs twins", N0, N1, K);
-        compare_bound(what, g.data(), c.data(), tt.data(), (size_t)(N0 + N1));
-        snprintf(what, sizeof what, "gemv_q8_pair %d + %d, K %d: nothing written past the products", N0, N1, K);
-        check(what, g[N0 + N1] == -7.0f && g[ny - 1] == -7.0f);
-        cudaFree(dw0), cudaFree(dw1), cudaFree(dx), cudaFree(dy), cudaFree(dws);
     }
     uint8_t *dw;
     void *dws;
@@ -1143,11 +1217,155 @@ static void test_gemv_q8_pair(void)
           m40k_gemv_q8_pair(dw, M40K_TYPE_Q8_0, 1, dw, M40K_TYPE_Q8_0, 1, 256, dws, 1, dy, 2, 0) == bad);
     check("gemv_q8_pair batch 2 refused",
           m40k_gemv_q8_pair(dw, M40K_TYPE_Q4_K, 1, dw, M40K_TYPE_Q6_K, 1, 256, dws, 2, dy, 2, 0) == bad);
+    check("gemv_q8_pair Q4_K + Q6_K_G8 K 1024 refused",
+          m40k_gemv_q8_pair(dw, M40K_TYPE_Q4_K, 1, dw, M40K_TYPE_Q6_K_G8, 1, 1024, dws, 1, dy, 2, 0) == bad);
     check("gemv_q8_pair K 255 refused",
           m40k_gemv_q8_pair(dw, M40K_TYPE_Q4_K, 1, dw, M40K_TYPE_Q6_K, 1, 255, dws, 1, dy, 2, 0) == bad);
     check("gemv_q8_pair W1+2 refused",
           m40k_gemv_q8_pair(dw, M40K_TYPE_Q4_K, 1, dw + 2, M40K_TYPE_Q6_K, 1, 256, dws, 1, dy, 2, 0) == bad);
     cudaFree(dw), cudaFree(dws), cudaFree(dy);
+}
+
+/* 8d. The RMSNorm folded into the int8 GEMVs (batch 1). Producer: x_out against the twin
+ * within the GEMV's twin bound; its records byte for byte what the twin quantizer makes of
+ * the GPU's own x_out * norm_w; its sums of squares against those of the GPU's x_out.
+ * Consumer (single and pair): the twin's product times the twin's factor. GGUF types and
+ * their regrouped layouts; in place (x_out == x) as well. */
+static void test_gemv_q8_norm(void)
+{
+    const int shapes[][2] = {{32, 256}, {96, 2048}, {4096, 4096}, {4096, 14336}, {1024, 4096}};
+    for (int type : q8_types)
+        for (const auto &sh : shapes)
+            for (int regroup = 0; regroup < 2; regroup++) {
+                const int N = sh[0], K = sh[1];
+                const int dtype = regroup ? m40k_g8_type(type, K) : type;
+                if ((regroup && dtype == type) || K % (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K ? 256 : 32))
+                    continue;
+                std::vector<uint8_t> w = quant_matrix(type, N, K), wd = w;
+                if (regroup)
+                    CK(m40k_repack_g8(type, w.data(), wd.data(), N, K));
+                std::vector<float> xin = q8_x(1, K, K), xres = rand_vec(N, -4, 4), wn = rand_vec(N, 0.5f, 1.5f);
+                const size_t wsb = m40k_gemv_q8_ws_bytes(K, 1), wsn = m40k_gemv_q8_ws_bytes(N, 1);
+                std::vector<uint8_t> ws(wsb);
+                m40_ref_quantize_q8(xin.data(), K, K, 1, ws.data());
+                std::vector<float> c(N), css(N / 32);
+                std::vector<uint8_t> cq(wsn);
+                m40_ref_gemv_q8_add_norm(w.data(), type, N, K, ws.data(), xres.data(), c.data(), wn.data(), cq.data(),
+                                         css.data());
+                /* the twin bound of test_gemv_q8, simplified: 1e-5 sum |w| (|x| + 1) */
+                std::vector<double> tt(N);
+                for (int n = 0; n < N; n++) {
+                    std::vector<float> deq(K);
+                    m40_dequantize_row((uint32_t)type, w.data() + (size_t)n * row_bytes(type, K), deq.data(), K);
+                    double m = fabs(xres[n]);
+                    for (int k = 0; k < K; k++)
+                        m += fabs(deq[k]) * (fabs(xin[k]) + 1.0);
+                    tt[n] = 1e-5 * m;
+                }
+                uint8_t *dw = dup(wd);
+                float *dxr = dup(xres), *dwn = dup(wn), *dxo, *dss, *dxi = dup(xin), *dy;
+                void *dws, *dq;
+                CK(cudaMalloc(&dws, wsb));
+                CK(cudaMalloc(&dq, wsn));
+                CK(cudaMalloc(&dxo, N * 4));
+                CK(cudaMalloc(&dss, N / 32 * 4));
+                CK(m40k_quantize_q8(dxi, K, K, 1, dws, 0));
+                char what[128], tn[16];
+                snprintf(tn, sizeof tn, "%s%s", m40_type_name(type), regroup ? "_G8" : "");
+                for (int inplace = 0; inplace < 2; inplace++) {
+                    float *out = inplace ? dxr : dxo;
+                    CK(m40k_gemv_q8_add_norm(dw, dtype, N, K, dws, dxr, out, dwn, dq, dss, 0));
+                    std::vector<float> g = back(out, N), gss = back(dss, N / 32);
+                    std::vector<uint8_t> gq = back((uint8_t *)dq, wsn), rq(wsn);
+                    if (inplace)
+                        CK(cudaMemcpy(dxr, xres.data(), N * 4, cudaMemcpyHostToDevice));
+                    snprintf(what, sizeof what, "gemv_q8_add_norm %s N %d K %d%s: x_out vs twin", tn, N, K,
+                             inplace ? " in place" : "");
+                    compare_bound(what, g.data(), c.data(), tt.data(), N);
+                    std::vector<float> v(N);
+                    for (int n = 0; n < N; n++)
+                        v[n] = g[n] * wn[n];
+                    m40_ref_quantize_q8(v.data(), N, N, 1, rq.data());
+                    snprintf(what, sizeof what, "gemv_q8_add_norm %s N %d K %d%s: records of x_out*w", tn, N, K,
+                             inplace ? " in place" : "");
+                    check(what, gq == rq);
+                    bool ok = true;
+                    for (int j = 0; j < N / 32; j++) {
+                        double s = 0;
+                        for (int i = 0; i < 32; i++)
+                            s += (double)g[32 * j + i] * g[32 * j + i];
+                        ok &= fabs(gss[j] - s) <= 1e-5 * s + 1e-30;
+                    }
+                    snprintf(what, sizeof what, "gemv_q8_add_norm %s N %d K %d%s: sums of squares", tn, N, K,
+                             inplace ? " in place" : "");
+                    check(what, ok);
+                }
+                /* consumer: the records of xin and sums of squares of a vector of K */
+                std::vector<float> sq(K / 32);
+                for (auto &v : sq)
+                    v = 0.5f + 31.0f * (float)(rnd32() % 1000) / 1000.0f;
+                const float eps = 1e-5f, f = m40_ref_norm_factor(sq.data(), K, eps);
+                float *dsq = dup(sq);
+                const int ny = N + 3;
+                CK(cudaMalloc(&dy, ny * 4));
+                std::vector<float> cy(N), fill(ny, -7.0f);
+                m40_ref_gemv_q8(w.data(), type, N, K, ws.data(), 1, cy.data(), N);
+                std::vector<double> ft(N);
+                for (int n = 0; n < N; n++)
+                    cy[n] *= f, ft[n] = f * tt[n] + 1e-6 * fabs(cy[n]);
+                CK(cudaMemcpy(dy, fill.data(), ny * 4, cudaMemcpyHostToDevice));
+                CK(m40k_gemv_q8_normed(dw, dtype, N, K, dws, dsq, eps, dy, N, 0));
+                std::vector<float> gy = back(dy, ny);
+                snprintf(what, sizeof what, "gemv_q8_normed %s N %d K %d vs twin x factor", tn, N, K);
+                compare_bound(what, gy.data(), cy.data(), ft.data(), N);
+                check("gemv_q8_normed: nothing past y", gy[N] == -7.0f);
+                if (type == M40K_TYPE_Q6_K && N >= 64) { /* pair: Q4_K [N/2 rows] + this */
+                    const int N0 = N / 2;
+                    std::vector<uint8_t> w0 = quant_matrix(M40K_TYPE_Q4_K, N0, K);
+                    std::vector<float> c0(N0 + N);
+                    m40_ref_gemv_q8(w0.data(), M40K_TYPE_Q4_K, N0, K, ws.data(), 1, c0.data(), N0 + N);
+                    std::vector<double> t0(N0 + N);
+                    for (int n = 0; n < N0; n++) {
+                        std::vector<float> deq(K);
+                        m40_dequantize_row(M40K_TYPE_Q4_K, w0.data() + (size_t)n * row_bytes(M40K_TYPE_Q4_K, K),
+                                           deq.data(), K);
+                        double m = 0;
+                        for (int k = 0; k < K; k++)
+                            m += fabs(deq[k]) * (fabs(xin[k]) + 1.0);
+                        c0[n] *= f;
+                        t0[n] = f * 1e-5 * m + 1e-6 * fabs(c0[n]);
+                    }
+                    for (int n = 0; n < N; n++)
+                        c0[N0 + n] = cy[n], t0[N0 + n] = ft[n];
+                    uint8_t *dw0 = dup(w0);
+                    float *dy2;
+                    CK(cudaMalloc(&dy2, (N0 + N) * 4));
+                    CK(m40k_gemv_q8_pair_normed(dw0, M40K_TYPE_Q4_K, N0, dw, dtype, N, K, dws, dsq, eps, dy2, N0 + N,
+                                                0));
+                    std::vector<float> g2 = back(dy2, N0 + N);
+                    snprintf(what, sizeof what, "gemv_q8_pair_normed Q4_K %d + %s %d K %d vs twins x factor", N0, tn, N,
+                             K);
+                    compare_bound(what, g2.data(), c0.data(), t0.data(), N0 + N);
+                    cudaFree(dw0), cudaFree(dy2);
+                }
+                cudaFree(dw), cudaFree(dxr), cudaFree(dwn), cudaFree(dxo), cudaFree(dss), cudaFree(dxi);
+                cudaFree(dws), cudaFree(dq), cudaFree(dsq), cudaFree(dy);
+            }
+    /* refusals */
+    uint8_t *dw;
+    float *df;
+    CK(cudaMalloc(&dw, 1 << 16));
+    CK(cudaMalloc(&df, 1 << 16));
+    const int bad = (int)cudaErrorInvalidValue;
+    check("gemv_q8_add_norm N 33 refused",
+          m40k_gemv_q8_add_norm(dw, M40K_TYPE_Q8_0, 33, 256, dw, df, df, df, dw + 4096, df, 0) == bad);
+    check("gemv_q8_add_norm xq_out == ws refused",
+          m40k_gemv_q8_add_norm(dw, M40K_TYPE_Q8_0, 32, 256, dw + 4096, df, df, df, dw + 4096, df, 0) == bad);
+    check("gemv_q8_normed without ss refused",
+          m40k_gemv_q8_normed(dw, M40K_TYPE_Q8_0, 32, 256, dw + 4096, nullptr, 1e-5f, df, 32, 0) == bad);
+    check("gemv_q8_add_norm F16 refused",
+          m40k_gemv_q8_add_norm(dw, M40K_TYPE_F16, 32, 256, dw + 4096, df, df, df, dw + 8192, df, 0) == bad);
+    cudaFree(dw), cudaFree(df);
 }
 
 /* ---------------------------------------------------------------- 9. sampling */
@@ -1250,9 +1468,13 @@ static void bench_gemv(void)
 static void bench_gemv_q8_shapes(void)
 {
     const double peak = 3020.0;
-    struct { int N, K; } shapes[] = {{6144, 4096}, {4096, 4096}, {1024, 4096}, {28672, 4096}, {4096, 14336}};
-    for (int type : {M40K_TYPE_Q8_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K})
+    struct { int N, K; } shapes[] = {{6144, 4096},  {4096, 4096},  {1024, 4096},
+                                     {28672, 4096}, {4096, 14336}, {32000, 4096}};
+    /* each GGUF type, then (-) its regrouped layout (kernels.h 0.) of the same bytes */
+    const int tvs[] = {M40K_TYPE_Q8_0, -M40K_TYPE_Q8_0, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, -M40K_TYPE_Q6_K};
+    for (int tv : tvs)
         for (auto sh : shapes) {
+            const int type = tv < 0 ? -tv : tv, ktype = tv < 0 ? m40k_g8_type(type, sh.K) : type;
             const size_t bytes = row_bytes(type, sh.K) * sh.N;
             std::vector<uint8_t> w(bytes);
             for (auto &b : w)
@@ -1260,6 +1482,11 @@ static void bench_gemv_q8_shapes(void)
             if (type != M40K_TYPE_Q4_K)
                 for (size_t i = 1; i < bytes; i += 2)
                     w[i] &= 0x3B;
+            if (ktype != type) {
+                std::vector<uint8_t> w8(bytes);
+                CK(m40k_repack_g8(type, w.data(), w8.data(), sh.N, sh.K));
+                w.swap(w8);
+            }
             const int copies = (int)(120000000 / bytes) + 1;
             std::vector<uint8_t *> dw(copies);
             for (auto &d : dw) {
@@ -1273,10 +1500,10 @@ static void bench_gemv_q8_shapes(void)
             for (int batch : {1, 2}) {
                 CK(m40k_quantize_q8(dx, sh.K, sh.K, batch, dws, 0));
                 int turn = 0;
-                auto run = [&]() { CK(m40k_gemv_q8(dw[turn++ % copies], type, sh.N, sh.K, dws, batch, dy, sh.N, 0)); };
+                auto run = [&]() { CK(m40k_gemv_q8(dw[turn++ % copies], ktype, sh.N, sh.K, dws, batch, dy, sh.N, 0)); };
                 const double us = time_us(run, 100), gbs = bytes / (us * 1e3);
-                printf("bench gemvq8 %-5s N %5d K %5d batch %d: %8.2f us  %7.1f GB/s  %5.1f%% of roofline\n",
-                       m40_type_name(type), sh.N, sh.K, batch, us, gbs, 100.0 * gbs / peak);
+                printf("bench gemvq8 %-4s%-3s N %5d K %5d batch %d: %8.2f us  %7.1f GB/s  %5.1f%% of roofline\n",
+                       m40_type_name(type), ktype != type ? "_G8" : "", sh.N, sh.K, batch, us, gbs, 100.0 * gbs / peak);
             }
             for (auto d : dw)
                 cudaFree(d);
@@ -1445,18 +1672,33 @@ int main(int argc, char **argv)
     const bool bench_only = argc > 1 && strcmp(argv[1], "--bench-only") == 0;
     const bool bench = bench_only || (argc > 1 && strcmp(argv[1], "--bench") == 0);
     struct { const char *name; void (*fn)(void); } tests[] = {
-        {"embed", test_embed},         {"rmsnorm", test_rmsnorm}, {"add_rmsnorm", test_add_rmsnorm},
+        {"embed", test_embed},         {"embed_g8", test_embed_g8}, {"rmsnorm", test_rmsnorm},
+        {"add_rmsnorm", test_add_rmsnorm},
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
         {"fused_f16", test_fused_f16}, {"add_rmsnorm_to", test_add_rmsnorm_to}, {"attention", test_attention},
         {"kv_rope", test_kv_append_rope}, {"attn_rope", test_attn_decode_rope},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"gemv_q8_pair", test_gemv_q8_pair},
+        {"gemv_q8_norm", test_gemv_q8_norm},
         {"skinny", test_gemm_skinny},
         {"skinny_glu", test_gemm_skinny_glu},
         {"sample", test_sample},
     };
+    /* M40_TEST_ONLY=name,name: only those tests (for a quick check of one kernel) */
+    const char *only = getenv("M40_TEST_ONLY");
     for (auto &t : tests) {
         if (bench_only)
             break;
+        if (only && *only) {
+            bool listed = false;
+            for (const char *p = only; *p;) {
+                const size_t len = strcspn(p, ",");
+                if (len == strlen(t.name) && strncmp(p, t.name, len) == 0)
+                    listed = true;
+                p += len + (p[len] == ',');
+            }
+            if (!listed)
+                continue;
+        }
         int f0 = n_fail, p0 = n_pass;
         t.fn();
         printf("%-10s %d passed, %d failed\n", t.name, n_pass - p0, n_fail - f0);
