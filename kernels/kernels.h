@@ -305,8 +305,9 @@ int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int typ
 
 /* 8d. The residual add + RMSNorm between two int8 GEMVs of a decode layer, folded into
  * both (batch 1). The producer, m40k_gemv_q8_add_norm, multiplies W (N x K, N a multiple
- * of 32) by ws as m40k_gemv_q8 and, instead of y, writes per row n
- *     x_out[n] = x[n] + (W . x)[n]
+ * of 32) by the activations in ws as m40k_gemv_q8 and, instead of y, writes per row n
+ * the residual x plus the product,
+ *     x_out[n] = x[n] + (W . ws)[n],
  * and per group j of 32 rows the int8 records of x_out[32j .. 32j+32) * norm_w[..] (as
  * m40k_quantize_q8 writes them) into xq_out, and the group's sum of squares of x_out
  * into ss_out[j] (N/32 floats). A block holds whole groups: no exchange between blocks.
