@@ -211,17 +211,18 @@ static int upload_regrouped(uploader *u, void *dst, const m40_matrix *m)
     return u->status == cudaSuccess ? 0 : -1;
 }
 
-/* The device type of a native matrix: its GGUF type, or the regrouped layout of it. */
+/* The device type of a native matrix: its GGUF type, or the regrouped layout of it (rows
+ * that fit a staging buffer, where upload_regrouped rewrites them). */
 static int dev_type(const m40_gpu *g, const m40_matrix *m)
 {
-    return g->g8 ? m40k_g8_type((int)m->type, m->cols) : (int)m->type;
+    return g->g8 && m->row_bytes <= STAGE_BYTES ? m40k_g8_type((int)m->type, m->cols) : (int)m->type;
 }
 
 static int upload_matrix(uploader *u, const m40_matrix *m, void *dst)
 {
     if (!gpu_type_native(m->type))
         return upload_converted(u, dst, m);
-    if (m->row_bytes <= STAGE_BYTES && dev_type(u->g, m) != (int)m->type)
+    if (dev_type(u->g, m) != (int)m->type)
         return upload_regrouped(u, dst, m);
     return upload_bytes(u, dst, m->data, m->row_bytes * (size_t)m->rows);
 }
@@ -232,7 +233,7 @@ static void gmat_describe(const m40_gpu *g, const m40_matrix *m, void *data, gma
     out->rows = m->rows;
     out->cols = m->cols;
     if (gpu_type_native(m->type)) {
-        out->type = m->row_bytes <= STAGE_BYTES ? dev_type(g, m) : (int)m->type;
+        out->type = dev_type(g, m);
         out->row_bytes = m->row_bytes;
     } else {
         out->type = M40K_TYPE_F16;

@@ -491,6 +491,14 @@ static int wants_x16(const m40_gpu *g, const gproj *pr, int32_t n)
     return 1;
 }
 
+/* The residual stream's two buffers trade places: the one just written becomes current. */
+static void swap_residual(float **xc, float **xo)
+{
+    float *t = *xc;
+    *xc = *xo;
+    *xo = t;
+}
+
 /* Whether the add + RMSNorm between producer pr (its output added into the residual) and
  * consumer cn can be folded into their GEMVs (kernels.h 8d): batch 1, pr one int8-readable
  * part of dim rows without bias, every part of cn int8-readable (the pair of
@@ -514,9 +522,7 @@ static int gemv_add_norm(m40_gpu *g, const gproj *pr, float **xc, float **xo, co
     const gmat *w = &pr->part[0];
     const int e = m40k_gemv_q8_add_norm(w->data, w->type, (int)w->rows, (int)w->cols, g->xq, *xc, *xo, norm_w,
                                         g->xq2, g->nss, g->stream);
-    float *t = *xc;
-    *xc = *xo;
-    *xo = t;
+    swap_residual(xc, xo);
     return e;
 }
 
@@ -572,9 +578,7 @@ static int add_norm(m40_gpu *g, float **xc, float **xo, const float *w, float *o
     const int64_t dim = g->p.dim;
     const int e = m40k_add_rmsnorm_to(*xc, dim, g->xd, dim, *xo, w, out, dim, n, (int)dim, g->p.norm_eps,
                                       xq ? g->xq : NULL, x16 ? g->x16 : NULL, g->stream);
-    float *t = *xc;
-    *xc = *xo;
-    *xo = t;
+    swap_residual(xc, xo);
     return e;
 }
 
