@@ -18,7 +18,9 @@
  *     matmul -> residual add + RMSNorm -> fused gate/up matmul -> SwiGLU -> down matmul;
  *     everything stays on the device. Attention: the sequences with one new token come
  *     first in the step and take the decode kernel (split-K), which also does their
- *     RoPE and KV append (m40k_attn_decode_rope: one launch, not two); the prompt
+ *     RoPE and KV append (m40k_attn_decode_rope: one launch, not two) and, in its
+ *     cluster merge, the int8 records of its output for an int8 output projection
+ *     (m40k_attn_decode_rope_q8: no quantization launch between them); the prompt
  *     chunks take RoPE + append (m40k_kv_append_rope) and the prefill kernel; other
  *     head sizes all three separately, with a plain attention kernel. An F16 down
  *     projection on the tensor-core GEMV (1..8 rows) forms SwiGLU of its input itself
@@ -638,10 +640,16 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
          * other rows: RoPE on Q in place and on K on its way into the cache, one launch
          * (k in qkv stays unrotated: the attention kernels read K from the cache only). */
         const int32_t r0 = tuned ? n_dec : 0;
+        /* A step of decode rows only whose attention output projection takes int8 x: the
+         * attention's cluster merge writes those records too, where it can (xq_wo; no
+         * quantization launch between the two) */
+        const int xq_wo = tuned && n_dec == n && wants_xq(&L->wo, n) &&
+                          m40k_attn_decode_q8_ok(n_dec, p->n_heads, p->n_kv_heads, hd, win ? splits_local : splits);
         if (tuned && n_dec > 0)
-            CK(m40k_attn_decode_rope(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
-                                     p->n_heads, p->n_kv_heads, hd, scale, win, d_pos, p->rope_dim, base, ff,
-                                     p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, g->stream));
+            CK(m40k_attn_decode_rope_q8(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
+                                        p->n_heads, p->n_kv_heads, hd, scale, win, d_pos, p->rope_dim, base, ff,
+                                        p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt,
+                                        xq_wo ? g->xq : NULL, g->stream));
         if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
             CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
                                    v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
@@ -658,10 +666,11 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
         folded = fold_norm_ok(g, &L->wo, L->gate_up.part, L->gate_up.n_parts, n);
         if (folded) { /* the attention output projection adds into the residual and normalizes */
-            CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
+            if (!xq_wo)
+                CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
             CK(gemv_add_norm(g, &L->wo, &xc, &xo, L->ffn_norm));
         } else {
-            if (matmul(g, &L->wo, g->att, n, g->xd, 0, 0, NULL, err, errlen))
+            if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, 0, NULL, err, errlen))
                 return -1;
             if (g->gemma3)
                 CK(m40k_rmsnorm(g->xd, dim, L->post_attn_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,

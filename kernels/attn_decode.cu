@@ -36,6 +36,7 @@
  * positions, batch-1 decode: F16 174.6 -> 178.6, Q8_0 281.1 -> 290.1, Q4_K_M 355.4 ->
  * 374.0 tok/s (BENCHMARKS.md, eighth session). */
 #include "cuda_common.h"
+#include "q8_dev.h"
 #include "rope_dev.h"
 
 #include <cooperative_groups.h>
@@ -76,6 +77,8 @@ struct dec_rope {
     const float *ff;
     double log2_base;
     int rot_dim, neox;
+    gq_blk *xq; /* or NULL: the cluster merge also writes out as int8 records (kernels.h 6c) */
+    int xq_row; /* records a sequence row of xq */
 };
 
 /* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
@@ -457,8 +460,17 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
             return den > 0.0f ? num / den : 0.0f;
         };
         float *ob = out + s * out_stride + (int64_t)kvh * G * D;
-        for (int j = j0 + tid; j < j1; j += DEC_THREADS)
-            ob[j] = merged(j);
+        for (int j = j0 + tid; j < j1; j += DEC_THREADS) {
+            const float v = merged(j);
+            ob[j] = v;
+            /* the next GEMV's int8 records of the slice, a warp a record, as m40k_quantize_q8
+             * forms them from out (the same bytes): the slice is whole 32-element blocks
+             * (m40k_attn_decode_q8_ok), so the loop keeps warps whole */
+            if constexpr (ROPE)
+                if (rp.xq)
+                    gq_quantize_block(v, tid & 31,
+                                      rp.xq + (size_t)s * rp.xq_row + ((size_t)kvh * G * D + j - (tid & 31)) / 32);
+        }
         cluster.sync(); /* no block leaves while another still reads its shared memory */
 #endif
         return;
@@ -705,6 +717,35 @@ extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, 
                                    stream);
 }
 
+/* The cluster size the RoPE variant runs a launch with (0: the workspace merge), as
+ * decode_launch picks it. */
+static int rope_cluster_size(int head_dim, int G, int n_splits, int n_seqs, int n_kv_heads)
+{
+#define DEC_RCS(D)                                                                                                     \
+    return G == 1   ? dec_cluster_size<D, 1, true>(n_splits, n_seqs, n_kv_heads)                                     \
+           : G == 2 ? dec_cluster_size<D, 2, true>(n_splits, n_seqs, n_kv_heads)                                     \
+           : G <= 4 ? dec_cluster_size<D, 4, true>(n_splits, n_seqs, n_kv_heads)                                     \
+                    : dec_cluster_size<D, 8, true>(n_splits, n_seqs, n_kv_heads)
+    switch (head_dim) {
+    case 64: DEC_RCS(64);
+    case 128: DEC_RCS(128);
+    case 256: DEC_RCS(256);
+    default: return 0;
+    }
+#undef DEC_RCS
+}
+
+extern "C" int m40k_attn_decode_q8_ok(int n_seqs, int n_heads, int n_kv_heads, int head_dim, int n_splits)
+{
+    if (n_seqs < 1 || n_seqs > 8 || n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8)
+        return 0;
+    const int G = n_heads / n_kv_heads, C = rope_cluster_size(head_dim, G, n_splits, n_seqs, n_kv_heads);
+    if (C < 2)
+        return 0;
+    /* a cluster block's slice of the G*D outputs: whole 32-element blocks, one round of its threads */
+    return (G * head_dim) % C == 0 && (G * head_dim / C) % 32 == 0 && G * head_dim / C <= DEC_THREADS;
+}
+
 extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
                                      int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache,
                                      uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
@@ -713,14 +754,39 @@ extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float
                                      const float *freq_factors, int neox, int n_splits, float *workspace,
                                      int *counters, m40k_stream stream)
 {
+    return m40k_attn_decode_rope_q8(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
+                                    indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window, pos,
+                                    rot_dim, base, freq_factors, neox, n_splits, workspace, counters, nullptr, stream);
+}
+
+extern "C" int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                        const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                                        uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
+                                        const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
+                                        int n_kv_heads, int head_dim, float scale, int window, const int32_t *pos,
+                                        int rot_dim, float base, const float *freq_factors, int neox, int n_splits,
+                                        float *workspace, int *counters, void *out_q8, m40k_stream stream)
+{
     if (n_seqs <= 0)
         return 0;
     /* m40k_kv_append_rope's refusals, and the 16-byte rows the kernel reads */
     if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || (rot_dim > 0 && (!(base > 0.0f) || !pos)) || !k || !v ||
         ((uintptr_t)k & 15) || ((uintptr_t)v & 15) || k_stride % 4 || v_stride % 4)
         return M40K_INVALID;
-    const dec_rope rp = {k, v, k_stride, v_stride, pos, freq_factors, rot_dim > 0 ? log2((double)base) : 0.0, rot_dim,
-                         neox};
+    if (out_q8 &&
+        (((uintptr_t)out_q8 & 15) || !m40k_attn_decode_q8_ok(n_seqs, n_heads, n_kv_heads, head_dim, n_splits)))
+        return M40K_INVALID;
+    const dec_rope rp = {k,
+                         v,
+                         k_stride,
+                         v_stride,
+                         pos,
+                         freq_factors,
+                         rot_dim > 0 ? log2((double)base) : 0.0,
+                         rot_dim,
+                         neox,
+                         (gq_blk *)out_q8,
+                         n_heads * head_dim / 32};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
                       n_kv_heads, head_dim, scale, window, n_splits, workspace, counters, &rp, stream);
 }

@@ -198,6 +198,19 @@ int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_
                           int n_heads, int n_kv_heads, int head_dim, float scale, int window, const int32_t *pos,
                           int rot_dim, float base, const float *freq_factors, int neox, int n_splits, float *workspace,
                           int *counters, m40k_stream stream);
+/* The same, also writing out as the int8 records of m40k_quantize_q8(out, out_stride,
+ * n_heads * head_dim, n_seqs, out_q8), byte for byte (out_q8 16-byte aligned), for the
+ * int8 GEMV that reads them next: no quantization launch between the two. Only where
+ * m40k_attn_decode_q8_ok(n_seqs, n_heads, n_kv_heads, head_dim, n_splits) is 1 (the
+ * cluster merge of sm_90 at 1..2 sequences, every block's slice of a KV head's outputs
+ * whole 32-element blocks); refused elsewhere. out_q8 NULL: m40k_attn_decode_rope. */
+int m40k_attn_decode_q8_ok(int n_seqs, int n_heads, int n_kv_heads, int head_dim, int n_splits);
+int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
+                             int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
+                             const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
+                             int n_heads, int n_kv_heads, int head_dim, float scale, int window, const int32_t *pos,
+                             int rot_dim, float base, const float *freq_factors, int neox, int n_splits,
+                             float *workspace, int *counters, void *out_q8, m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they

@@ -549,7 +549,9 @@ static void test_attention(void)
  * (one new token a sequence) then m40k_attn_decode_window on the rotated q: the same bits
  * in both caches, out within 1e-5 (the same terms, the new token's in a tile of its own); (b) the CPU twins m40_ref_rope + m40_ref_kv_append +
  * m40_ref_attn_decode_window within the attention test's tolerance; (c) q, k and v left
- * as they were; (d) the split counters back at zero. Head sizes 64/128/256, groups of
+ * as they were; (d) the split counters back at zero; (e) where the cluster merge can
+ * (m40k_attn_decode_q8_ok), m40k_attn_decode_rope_q8 gives the same out and int8 records
+ * byte for byte m40k_quantize_q8's of it. Head sizes 64/128/256, groups of
  * 1, 4, 8 (7 at 64), RoPE over the whole head, over 32 dims and none, normal and neox
  * pairs (neox with frequency factors), 1, 8, 16 and 64 splits (most empty for the short
  * sequences), with and without a 20-token window; lengths 1..1000 across page ends,
@@ -557,6 +559,7 @@ static void test_attention(void)
 static void test_attn_decode_rope(void)
 {
     const std::vector<int> lens = {1, 15, 16, 17, 100, 1000};
+    int n_q8 = 0; /* cases that also wrote int8 records (m40k_attn_decode_rope_q8) */
     for (int hd : {64, 128, 256})
         for (int G : {1, 4, 8, 7}) {
             if (G == 7 && hd != 64)
@@ -635,11 +638,47 @@ static void test_attn_decode_rope(void)
                             compare(w2, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
                             snprintf(w2, sizeof w2, "%s: v cache == cpu", what);
                             check(w2, gv == cv);
+                            if (m40k_attn_decode_q8_ok(ns, nh, nkv, hd, splits)) {
+                                /* (e) with the int8 records of out for the next GEMV: the same
+                                 * out, and records byte for byte m40k_quantize_q8's of it */
+                                uint16_t *dkc3 = dup(kc0), *dvc3 = dup(vc0);
+                                float *dout3;
+                                CK(cudaMalloc(&dout3, (size_t)ns * os * 4));
+                                const size_t xq_bytes = m40k_gemv_q8_ws_bytes(nh * hd, ns);
+                                uint8_t *dxq = dup(std::vector<uint8_t>(xq_bytes, 0xa5)),
+                                        *dxq2 = dup(std::vector<uint8_t>(xq_bytes, 0));
+                                CK(m40k_attn_decode_rope_q8(dout3, os, dqkv, rs, dqkv + nh * hd, rs,
+                                                            dqkv + (nh + nkv) * hd, rs, dkc3, dvc3, dip, dix, dlp, ns,
+                                                            nh, nkv, hd, scale, window, dp, rot, base, ffp, neox,
+                                                            splits, dws, dcnt, dxq, 0));
+                                CK(m40k_quantize_q8(dout3, os, nh * hd, ns, dxq2, 0));
+                                std::vector<float> g3 = back(dout3, (size_t)ns * os);
+                                for (int s = 0; s < ns; s++)
+                                    for (int64_t j = (int64_t)nh * hd; j < os; j++)
+                                        g3[(size_t)s * os + j] = 0.0f;
+                                snprintf(w2, sizeof w2, "%s: with int8 records, the same out", what);
+                                check(w2, memcmp(g3.data(), g.data(), g.size() * 4) == 0);
+                                snprintf(w2, sizeof w2, "%s: int8 records == quantize_q8 of out", what);
+                                check(w2, back(dxq, xq_bytes) == back(dxq2, xq_bytes));
+                                n_q8++;
+                                cudaFree(dkc3), cudaFree(dvc3), cudaFree(dout3), cudaFree(dxq), cudaFree(dxq2);
+                            }
                             cudaFree(dkc), cudaFree(dvc), cudaFree(dkc2), cudaFree(dvc2), cudaFree(dq2);
                         }
             cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(done), cudaFree(dp), cudaFree(dqkv), cudaFree(df),
                 cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
         }
+    int cc = 0, sms = 0;
+    CK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, 0));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    if (cc >= 9) { /* the cluster merge runs (sm_90) */
+        check("attn_decode_rope_q8: int8 records written in some cases", n_q8 > 0);
+        /* Mistral-7B's heads at batch 1, ~600 positions: the engine's split pick (bucket 1024) */
+        check("attn_decode_q8_ok: 1 sequence, 32/8 heads of 128, the engine's splits",
+              m40k_attn_decode_q8_ok(1, 32, 8, 128, m40k_decode_pick_splits(1, 8, 1024, sms)) == 1);
+    }
+    check("attn_decode_q8_ok: not for 9 sequences", m40k_attn_decode_q8_ok(9, 32, 8, 128, 2) == 0);
+    check("attn_decode_q8_ok: not with one split", m40k_attn_decode_q8_ok(1, 32, 8, 128, 1) == 0);
     /* refused: odd or too long rot_dim, base 0, misaligned k (before any launch) */
     float *pf = (float *)16;
     uint16_t *ph = (uint16_t *)16;
@@ -653,6 +692,9 @@ static void test_attn_decode_rope(void)
     check("attn_decode_rope base 0 refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64, 0.0f,
                                 nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+    check("attn_decode_rope_q8 with one split refused (no cluster merge)",
+          m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64,
+                                   10000.0f, nullptr, 0, 1, nullptr, nullptr, (void *)ph, 0) != 0);
     check("attn_decode_rope misaligned k refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf + 1, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64,
                                 10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
