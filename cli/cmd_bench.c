@@ -6,7 +6,8 @@
  * step; with --batch B, B sequences in B slots advance together, one call of B tokens
  * per step; the greedy picks are made by the forward pass (m40_batch.argmax: on the GPU
  * only the token ids come back, as in the server's engine). Each measurement is
- * repeated --reps times; every run and the median are printed.
+ * repeated --reps times after --warmup untimed runs; every run and the median are
+ * printed.
  *
  * The roofline (see GUIDE.md, "Performance method"): a decode step reads every weight
  * once, so steps/s can not beat bandwidth / weight bytes. The weight bytes are the sum
@@ -27,7 +28,7 @@
 
 typedef struct {
     const char *model_path;
-    long threads, prompt_len, gen, reps, batch, chunk, device;
+    long threads, prompt_len, gen, reps, warmup, batch, chunk, device;
     unsigned long long seed;
     double bandwidth_gbs;
     int gpu_time;
@@ -50,6 +51,8 @@ static void bench_usage(FILE *f)
             "  --gen N           greedy decode steps per sequence (default 128)\n"
             "  --batch B         sequences decoded together, one forward call of B tokens per step (default 1)\n"
             "  --reps N          repetitions; each is printed, then the median (default 3)\n"
+            "  --warmup N        untimed repetitions first (default 1): kernel loading, handle creation and\n"
+            "                    the decode steps' CUDA graph capture stay out of the timed ones\n"
             "  --bandwidth GB/s  memory bandwidth of the roofline (default %.0f: H100 80GB HBM3 copy)\n"
             "  --seed S          seed of the random prompt token ids (default 1)\n"
             "  --gpu-time        also time each decode step's device work with CUDA events and print\n"
@@ -212,7 +215,7 @@ out:
 
 static int parse_args(int argc, char **argv, bench_opts *o)
 {
-    *o = (bench_opts){.threads = 0, .prompt_len = 512, .gen = 128, .reps = 3, .batch = 1, .chunk = 512,
+    *o = (bench_opts){.threads = 0, .prompt_len = 512, .gen = 128, .reps = 3, .warmup = 1, .batch = 1, .chunk = 512,
                       .seed = 1, .bandwidth_gbs = BENCH_DEFAULT_BANDWIDTH_GBS, .device = -1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -262,6 +265,8 @@ static int parse_args(int argc, char **argv, bench_opts *o)
             target = &o->batch, lo = 1, hi = 4096;
         } else if (!strcmp(a, "--reps")) {
             target = &o->reps, lo = 1, hi = 1000;
+        } else if (!strcmp(a, "--warmup")) {
+            target = &o->warmup, lo = 0, hi = 1000;
         } else if (!strcmp(a, "--seed")) {
             char *end;
             errno = 0;
@@ -350,9 +355,9 @@ int m40_cmd_bench(int argc, char **argv)
                (int)m40_kv_pool_blocks(kv));
     else
         printf("device:   cpu, %d threads\n", m40_model_n_threads(m));
-    printf("setup:    prompt %ld random tokens (chunks of %ld), decode %ld greedy steps, batch %ld, %ld reps; "
-           "KV cache %.2f GB (%s)\n",
-           o.prompt_len, o.chunk, o.gen, o.batch, o.reps, kv_bytes / 1e9, on_gpu ? "F16, paged" : "F32");
+    printf("setup:    prompt %ld random tokens (chunks of %ld), decode %ld greedy steps, batch %ld, %ld reps "
+           "after %ld warm-up; KV cache %.2f GB (%s)\n",
+           o.prompt_len, o.chunk, o.gen, o.batch, o.reps, o.warmup, kv_bytes / 1e9, on_gpu ? "F16, paged" : "F32");
     fflush(stdout);
 
     double *prefill_tps = calloc((size_t)o.reps, sizeof *prefill_tps);
@@ -366,6 +371,18 @@ int m40_cmd_bench(int argc, char **argv)
     uint64_t rng = o.seed * 0x9E3779B97F4A7C15ULL + 0x2545F4914F6CDD1DULL;
     if (!rng)
         rng = 1;
+    /* Warm-up (METHOD: the first use of each kernel loads it, cuBLAS sets up, the first
+     * decode steps of a shape run without and then capture its CUDA graph; the server
+     * does the same at start, M40_WARMUP): the same work, not timed. */
+    for (long r = 0; r < o.warmup; r++) {
+        bench_run run;
+        if (bench_once(m, kv, &o, &rng, &run, err, sizeof err)) {
+            fprintf(stderr, "m40 bench: warm-up %ld: %s\n", r + 1, err);
+            goto out;
+        }
+        printf("warm-up %ld: prefill %.3f s, decode %.3f s (not counted)\n", r + 1, run.prefill_s, run.decode_s);
+        fflush(stdout);
+    }
     for (long r = 0; r < o.reps; r++) {
         bench_run run;
         if (bench_once(m, kv, &o, &rng, &run, err, sizeof err)) {

@@ -24,6 +24,14 @@ assert kv["batch"] == "3" and kv["device"] == "cpu", kv
 assert int(kv["weight_bytes"]) > 0, kv
 PY
     done
+    check "bench: one warm-up run by default, before the timed ones" \
+        bash -c "grep -n '' '$tmp/out' | grep -E '^[0-9]+:(warm-up 1:|run 1:)' | cut -d: -f2 | tr '\n' ' ' | grep -q '^warm-up 1 run 1 '"
+    "$M40" bench "$model" --prompt-len 20 --gen 3 --reps 1 --warmup 0 >"$tmp/out" 2>"$tmp/err"; rc=$?
+    check "bench --warmup 0 exits 0" [ "$rc" -eq 0 ]
+    check "bench --warmup 0 runs no warm-up" [ "$(grep -c '^warm-up' "$tmp/out")" -eq 0 ]
+    "$M40" bench "$model" --prompt-len 20 --gen 3 --reps 1 --warmup 2 >"$tmp/out" 2>"$tmp/err"; rc=$?
+    check "bench --warmup 2 runs two warm-ups and one timed run" \
+        [ "$(grep -c '^warm-up [12]: ' "$tmp/out")" -eq 2 -a "$(grep -c '^run 1: ' "$tmp/out")" -eq 1 ]
     "$M40" bench "$model" --gpu-time --gen 2 --reps 1 >/dev/null 2>"$tmp/e"; rc=$?
     check "bench --gpu-time on the CPU is refused with exit 2" [ "$rc" -eq 2 ]
     check "bench --gpu-time on the CPU says it needs a CUDA device" grep -q "needs a model on a CUDA device" "$tmp/e"
@@ -33,6 +41,8 @@ fi
 
 "$M40" bench "$model" --batch 0 >/dev/null 2>"$tmp/e"; rc=$?
 check "bench --batch 0 is refused with exit 2" [ "$rc" -eq 2 ]
+"$M40" bench "$model" --warmup -1 >/dev/null 2>"$tmp/e"; rc=$?
+check "bench --warmup -1 is refused with exit 2" [ "$rc" -eq 2 ]
 "$M40" bench >/dev/null 2>"$tmp/e"; rc=$?
 check "bench without a model is exit 2" [ "$rc" -eq 2 ]
 "$M40" bench "$tmp/missing.gguf" >/dev/null 2>"$tmp/e"; rc=$?
