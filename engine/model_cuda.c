@@ -454,6 +454,9 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
          * it (kernels.h 8d); "0": the add+RMSNorm kernels */
         const char *fn = getenv("M40_FUSE_NORM");
         g->fuse_norm = !(fn && !strcmp(fn, "0"));
+        /* one greedy row: the pick folded into the head's int8 GEMV (kernels.h 9c); "0": the sampling kernel */
+        const char *fp = getenv("M40_FUSE_PICK");
+        g->fuse_pick = !(fp && !strcmp(fp, "0"));
     }
     {
         /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); "0": as in the file */

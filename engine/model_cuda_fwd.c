@@ -570,6 +570,7 @@ typedef struct {
     int32_t n, n_dec, n_grp, n_out;
     int tuned, splits, splits_local;
     const int32_t *d_tok, *d_pos, *d_rs, *d_qi, *d_ip, *d_lpl, *d_out, *d_idx;
+    uint64_t *d_key; /* the greedy pick folded into the head (kernels.h 9c), or NULL */
 } step_plan;
 
 /* The residual add fused with an RMSNorm: *xo = *xc + xd, out = rmsnorm(*xo) * w (and
@@ -727,8 +728,18 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
                             g->stream));
         }
-        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready,
-                       out_all && folded ? &nin : NULL, err, errlen))
+        const gmat *ho = &g->output;
+        if (sp->d_key) { /* the head's int8 GEMV also picks the greedy token (kernels.h 9c) */
+            if (out_all && folded)
+                CK(m40k_gemv_q8_argmax(ho->data, ho->type, (int)ho->rows, (int)ho->cols, nin.xq, nin.ss, nin.eps,
+                                       g->logits_d, sp->d_key, g->stream));
+            else {
+                CK(quantize_once(g, g->xg, (int)ho->cols, n_out, &xq_ready));
+                CK(m40k_gemv_q8_argmax(ho->data, ho->type, (int)ho->rows, (int)ho->cols, g->xq, NULL, 0.0f,
+                                       g->logits_d, sp->d_key, g->stream));
+            }
+        } else if (matmul_one(g, ho, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready,
+                              out_all && folded ? &nin : NULL, err, errlen))
             return -1;
         if (g->gemma3 && g->g3.logit_softcap > 0)
             CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
@@ -753,7 +764,7 @@ static int run_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, 
     for (int i = 0; i < M40_GRAPH_SLOTS && !e; i++) {
         gstep_graph *c = &g->graphs[i];
         if (c->seen && c->n == sp->n && c->n_out == sp->n_out && c->splits == sp->splits &&
-            c->splits_local == sp->splits_local && c->kv_k == (const void *)kv->k && c->kv_v == (const void *)kv->v && c->kv_layer == kv->layer_elems)
+            c->splits_local == sp->splits_local && c->pick == (sp->d_key != NULL) && c->kv_k == (const void *)kv->k && c->kv_v == (const void *)kv->v && c->kv_layer == kv->layer_elems)
             e = c;
         else if (c->used < lru->used)
             lru = c;
@@ -762,7 +773,7 @@ static int run_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, 
     if (!e) { /* first sight: plain launches, remembered */
         if (lru->exec)
             cudaGraphExecDestroy(lru->exec);
-        *lru = (gstep_graph){.n = sp->n, .n_out = sp->n_out, .splits = sp->splits, .splits_local = sp->splits_local,
+        *lru = (gstep_graph){.n = sp->n, .n_out = sp->n_out, .splits = sp->splits, .splits_local = sp->splits_local, .pick = sp->d_key != NULL,
                              .kv_k = kv->k, .kv_v = kv->v, .kv_layer = kv->layer_elems, .seen = 1, .used = g->graph_tick};
         return enqueue_step(g, kv, sp, err, errlen);
     }
@@ -888,8 +899,9 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         if (j < n_dec && m40_kv_seq_len(g->grp_seq[j]) > max_len)
             max_len = m40_kv_seq_len(g->grp_seq[j]);
     }
-    /* layout: tokens[n] pos[n] row_seq[n] q_indptr[n_grp+1] indptr[n_grp+1] lpl[n_grp] out_rows[n_out] indices[] */
-    size_t o_tok = 0, o_pos = (size_t)n, o_rs = 2 * (size_t)n, o_qi = 3 * (size_t)n, o_ip = o_qi + (size_t)n_grp + 1,
+    /* layout: key[2] tokens[n] pos[n] row_seq[n] q_indptr[n_grp+1] indptr[n_grp+1] lpl[n_grp] out_rows[n_out]
+     * indices[]; key: the greedy pick's 64-bit key (kernels.h 9c), zeroed by this copy every step */
+    size_t o_tok = 2, o_pos = o_tok + (size_t)n, o_rs = o_pos + (size_t)n, o_qi = o_rs + (size_t)n, o_ip = o_qi + (size_t)n_grp + 1,
            o_lpl = o_ip + (size_t)n_grp + 1, o_out = o_lpl + (size_t)n_grp, o_idx = o_out + (size_t)n_out;
     size_t n_ints = o_idx + (size_t)total_blocks;
     if (ensure_ints(g, n_ints)) {
@@ -898,6 +910,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     }
     int32_t *H = g->ints_h;
     /* The previous call's logits copy has completed (it synchronized), so H is free. */
+    H[0] = H[1] = 0;
     int32_t r = 0;
     H[o_qi] = 0;
     for (int32_t j = 0; j < n_grp; j++) {
@@ -973,12 +986,17 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             g->att_cnt_cap = need_cnt;
         }
     }
+    /* one greedy row whose head runs on the int8 GEMV: the pick is folded into it */
+    const int pick = b->argmax && n_out == 1 && g->fuse_pick && gemv_q8_reads(&g->output) &&
+                     !(g->gemma3 && g->g3.logit_softcap > 0);
     const step_plan sp = {n, n_dec, n_grp, n_out, tuned, splits, splits_local,
-                          d_tok, d_pos, d_rs, d_qi, d_ip, d_lpl, d_out, d_idx};
+                          d_tok, d_pos, d_rs, d_qi, d_ip, d_lpl, d_out, d_idx, pick ? (uint64_t *)D : NULL};
     if (run_step(g, kv, &sp, err, errlen))
         return -1;
     if (n_out > 0) {
-        if (b->argmax) { /* greedy on the device: n_out ids come back instead of the rows */
+        if (pick) {
+            CK(cudaMemcpyAsync(g->logits_h, D, 8, cudaMemcpyDeviceToHost, g->stream));
+        } else if (b->argmax) { /* greedy on the device: n_out ids come back instead of the rows */
             CK(m40k_sample_greedy(g->logits_d, p->n_vocab, n_out, p->n_vocab, g->pick_d,
                                   (float *)(g->pick_d + g->cap_out), 0, NULL, NULL, g->stream));
             CK(cudaMemcpyAsync(g->logits_h, g->pick_d, (size_t)n_out * 4, cudaMemcpyDeviceToHost, g->stream));
@@ -997,7 +1015,11 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
             g->steps_timed++;
         }
     }
-    if (n_out > 0)
+    if (pick) {
+        uint64_t key;
+        memcpy(&key, g->logits_h, sizeof key);
+        b->argmax[0] = m40k_argmax_key_id(key);
+    } else if (n_out > 0)
         memcpy(b->argmax ? (void *)b->argmax : (void *)logits, g->logits_h,
                b->argmax ? (size_t)n_out * 4 : (size_t)n_out * p->n_vocab * 4);
     /* Every position of the batch is computed: with the prefix cache, each block that is

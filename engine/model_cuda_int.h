@@ -41,6 +41,7 @@ typedef struct {
  * pure decode step, keyed by what the kernels' arguments depend on. */
 typedef struct {
     int32_t n, n_out, splits, splits_local;
+    int pick;            /* the greedy pick folded into the head (step_plan.d_key) */
     const void *kv_k, *kv_v; /* the KV pool it reads (m40_gpu_kv.k, .v) and its layer stride */
     size_t kv_layer;
     int seen;            /* ran once without a graph (lazy initializations done) */
@@ -102,6 +103,7 @@ struct m40_gpu {
      * the producer's records of the normalized input (apart from xq, which it reads) and
      * its sums of squares per 32 elements */
     int fuse_norm;
+    int fuse_pick;       /* greedy picks of one row folded into the head's int8 GEMV (kernels.h 9c; M40_FUSE_PICK) */
     void *xq2;
     float *nss;
     float *ws;

@@ -472,7 +472,8 @@ template <int W> __device__ __forceinline__ float gq_block_sum(float v, float *r
 template <int T, int B, int R, int W = GQ_WARPS>
 __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S,
                                          const gq_blk *__restrict__ xs, float *__restrict__ y, int64_t y_stride,
-                                         int blk, gq_nin nin = gq_nin{}, gq_nout nout = gq_nout{})
+                                         int blk, gq_nin nin = gq_nin{}, gq_nout nout = gq_nout{},
+                                         unsigned long long *amax = nullptr)
 {
     typedef gq<T> Q;
     constexpr int E = gq_early(T, R);
@@ -595,6 +596,27 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
         return;
     }
     m40k_gemv_block_store<W, R, B>(acc, red, S, N, y, y_stride, blk);
+    if (B == 1 && amax && warp == 0) {
+        /* 9c: the keys of the block's rows (their sums formed again as the store formed
+         * them: the same values), the largest offered to *amax; most blocks see a larger
+         * key there already and skip the atomic */
+        unsigned long long k = 0;
+        if (lane < groups * R) {
+            const int gg = lane / R, r = lane % R, n = (blk * groups + gg) * R + r;
+            float v = 0.0f;
+            for (int j = 0; j < S; j++)
+                v += red[gg * S + j][r][0];
+            if (n < N)
+                k = m40k_argmax_key(v, n);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const unsigned long long t = __shfl_xor_sync(0xffffffffu, k, o);
+            k = t > k ? t : k;
+        }
+        if (lane == 0 && k > *(volatile unsigned long long *)amax)
+            atomicMax(amax, k);
+    }
 }
 
 /* NIN: the instance that applies the norm factor of gq_nin (batch 1; apart, so that the
@@ -602,10 +624,11 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
 template <int T, int B, int MINB, int R, bool NIN>
 __global__ __launch_bounds__(GQ_WARPS * 32, MINB) void gemv_q8_kernel(
     const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, int S, const gq_blk *__restrict__ xs,
-    float *__restrict__ y, int64_t y_stride, gq_nin nin)
+    float *__restrict__ y, int64_t y_stride, gq_nin nin, unsigned long long *amax)
 {
     m40k_grid_launch_dependents(); /* a PDL-launched GEMV may follow */
-    gq_block<T, B, R>(w, row_bytes, N, K, S, xs, y, y_stride, blockIdx.x, NIN ? nin : gq_nin{});
+    gq_block<T, B, R>(w, row_bytes, N, K, S, xs, y, y_stride, blockIdx.x, NIN ? nin : gq_nin{}, gq_nout{},
+                      B == 1 ? amax : nullptr);
 }
 
 /* The producer of 8d (batch 1): blocks of W warps of R rows, S = W * R / 32 warps a row,
@@ -696,7 +719,7 @@ static gq_part gq_part_of(const uint8_t *w, int N, int K, float *y)
 
 template <int T, int B>
 static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, gq_nin nin,
-                       cudaStream_t st)
+                       unsigned long long *amax, cudaStream_t st)
 {
     const gq_part p = gq_part_of<T, B>(w, N, K, y);
     const dim3 grid((unsigned)p.blocks), block(GQ_WARPS * 32);
@@ -704,24 +727,24 @@ static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *
     constexpr int MN = gq_base(T) == M40K_TYPE_Q8_0 ? 8 : GQ_MIN_BLOCKS;
     if (B == 1 && nin.ss)
         return m40k_launch_pdl(gemv_q8_kernel<T, B, MN, gq_rows(T, B), B == 1>, grid, block, st, w, p.row_bytes, N,
-                               K, p.S, xs, y, ys, nin);
+                               K, p.S, xs, y, ys, nin, amax);
     return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS, gq_rows(T, B), false>, grid, block, st, w, p.row_bytes,
-                           N, K, p.S, xs, y, ys, nin);
+                           N, K, p.S, xs, y, ys, nin, amax);
 }
 
 template <int T>
 static int gq_launch(const uint8_t *w, int N, int K, const gq_blk *xs, float *y, int64_t ys, int batch, gq_nin nin,
-                     cudaStream_t st)
+                     unsigned long long *amax, cudaStream_t st)
 {
     switch (batch) {
-    case 1: return gq_launch_b<T, 1>(w, N, K, xs, y, ys, nin, st);
-    case 2: return gq_launch_b<T, 2>(w, N, K, xs, y, ys, nin, st);
-    case 3: return gq_launch_b<T, 3>(w, N, K, xs, y, ys, nin, st);
-    case 4: return gq_launch_b<T, 4>(w, N, K, xs, y, ys, nin, st);
-    case 5: return gq_launch_b<T, 5>(w, N, K, xs, y, ys, nin, st);
-    case 6: return gq_launch_b<T, 6>(w, N, K, xs, y, ys, nin, st);
-    case 7: return gq_launch_b<T, 7>(w, N, K, xs, y, ys, nin, st);
-    case 8: return gq_launch_b<T, 8>(w, N, K, xs, y, ys, nin, st);
+    case 1: return gq_launch_b<T, 1>(w, N, K, xs, y, ys, nin, amax, st);
+    case 2: return gq_launch_b<T, 2>(w, N, K, xs, y, ys, nin, nullptr, st);
+    case 3: return gq_launch_b<T, 3>(w, N, K, xs, y, ys, nin, nullptr, st);
+    case 4: return gq_launch_b<T, 4>(w, N, K, xs, y, ys, nin, nullptr, st);
+    case 5: return gq_launch_b<T, 5>(w, N, K, xs, y, ys, nin, nullptr, st);
+    case 6: return gq_launch_b<T, 6>(w, N, K, xs, y, ys, nin, nullptr, st);
+    case 7: return gq_launch_b<T, 7>(w, N, K, xs, y, ys, nin, nullptr, st);
+    case 8: return gq_launch_b<T, 8>(w, N, K, xs, y, ys, nin, nullptr, st);
     default: return M40K_INVALID;
     }
 }
@@ -786,7 +809,7 @@ static bool gq_takes(int w_type, int K)
 }
 
 static int gq_dispatch(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride,
-                       gq_nin nin, cudaStream_t stream)
+                       gq_nin nin, cudaStream_t stream, unsigned long long *amax = nullptr)
 {
     if (N <= 0 || batch <= 0)
         return 0;
@@ -795,12 +818,12 @@ static int gq_dispatch(const void *w, int w_type, int N, int K, const void *ws, 
     const uint8_t *wb = (const uint8_t *)w;
     const gq_blk *xs = (const gq_blk *)ws;
     switch (w_type) {
-    case M40K_TYPE_Q8_0: return gq_launch<M40K_TYPE_Q8_0>(wb, N, K, xs, y, y_stride, batch, nin, stream);
-    case M40K_TYPE_Q4_0: return gq_launch<M40K_TYPE_Q4_0>(wb, N, K, xs, y, y_stride, batch, nin, stream);
-    case M40K_TYPE_Q4_K: return gq_launch<M40K_TYPE_Q4_K>(wb, N, K, xs, y, y_stride, batch, nin, stream);
-    case M40K_TYPE_Q6_K: return gq_launch<M40K_TYPE_Q6_K>(wb, N, K, xs, y, y_stride, batch, nin, stream);
-    case M40K_TYPE_Q8_0_G8: return gq_launch<M40K_TYPE_Q8_0_G8>(wb, N, K, xs, y, y_stride, batch, nin, stream);
-    case M40K_TYPE_Q6_K_G8: return gq_launch<M40K_TYPE_Q6_K_G8>(wb, N, K, xs, y, y_stride, batch, nin, stream);
+    case M40K_TYPE_Q8_0: return gq_launch<M40K_TYPE_Q8_0>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
+    case M40K_TYPE_Q4_0: return gq_launch<M40K_TYPE_Q4_0>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
+    case M40K_TYPE_Q4_K: return gq_launch<M40K_TYPE_Q4_K>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
+    case M40K_TYPE_Q6_K: return gq_launch<M40K_TYPE_Q6_K>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
+    case M40K_TYPE_Q8_0_G8: return gq_launch<M40K_TYPE_Q8_0_G8>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
+    case M40K_TYPE_Q6_K_G8: return gq_launch<M40K_TYPE_Q6_K_G8>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
     default: return M40K_INVALID;
     }
 }
@@ -809,6 +832,17 @@ extern "C" int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void 
                             int64_t y_stride, m40k_stream stream)
 {
     return gq_dispatch(w, w_type, N, K, ws, batch, y, y_stride, gq_nin{}, stream);
+}
+
+extern "C" int m40k_gemv_q8_argmax(const void *w, int w_type, int N, int K, const void *ws, const float *ss,
+                                   float eps, float *y, uint64_t *key, m40k_stream stream)
+{
+    if (N <= 0)
+        return 0;
+    if (!key || ((uintptr_t)key & 7))
+        return M40K_INVALID;
+    return gq_dispatch(w, w_type, N, K, ws, 1, y, N, ss ? gq_nin{ss, eps} : gq_nin{}, stream,
+                       reinterpret_cast<unsigned long long *>(key));
 }
 
 extern "C" int m40k_gemv_q8_normed(const void *w, int w_type, int N, int K, const void *ws, const float *ss,

@@ -375,6 +375,38 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
 int m40k_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token, float *logprob,
                        int top_k, int32_t *top_tokens, float *top_logprobs, m40k_stream stream);
 
+/* 9c. The greedy pick folded into the head's int8 GEMV (batch 1, one row of logits):
+ * m40k_gemv_q8_argmax computes y = W . x as m40k_gemv_q8 (ss == NULL) or
+ * m40k_gemv_q8_normed (ss and eps as there), and also the argmax of y as
+ * m40k_sample_greedy picks it (largest value, ties: lowest id; NaN skipped; -0 as +0),
+ * folded into *key (8-byte aligned device memory that must hold 0 before the call) by
+ * atomicMax of m40k_argmax_key(y[i], i): each block offers the key of its best row, so no
+ * sampling kernel follows the head. m40k_argmax_key_id reads the id back from the key
+ * (-1: no entry that is not NaN). */
+#ifdef __CUDACC__
+#define M40K_HD __host__ __device__
+#else
+#define M40K_HD
+#endif
+static inline M40K_HD uint64_t m40k_argmax_key(float v, int32_t i)
+{
+    union {
+        float f;
+        uint32_t u;
+    } c;
+    if (v != v)
+        return 0; /* NaN: never picked */
+    c.f = v == 0.0f ? 0.0f : v; /* -0 as +0 */
+    const uint32_t o = (c.u & 0x80000000u) ? ~c.u : (c.u | 0x80000000u); /* ordered as the values */
+    return ((uint64_t)o << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)i);
+}
+static inline int32_t m40k_argmax_key_id(uint64_t key)
+{
+    return key ? (int32_t)(0xFFFFFFFFu - (uint32_t)key) : -1;
+}
+int m40k_gemv_q8_argmax(const void *w, int w_type, int N, int K, const void *ws, const float *ss, float eps, float *y,
+                        uint64_t *key, m40k_stream stream);
+
 /* 9b. Full sampling, batched: one block per sequence s over logits row s
  * (logits + s*stride, n_vocab <= 2^23 entries, modified in place: logit bias and
  * penalties are applied to it), with the CPU sampler's order (engine/sampler.c):

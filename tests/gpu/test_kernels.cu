@@ -1410,6 +1410,90 @@ static void test_gemv_q8_norm(void)
     cudaFree(dw), cudaFree(df);
 }
 
+/* 9c: the greedy pick folded into the head's int8 GEMV. Every int8 type (and the regrouped
+ * layouts), a head's shape and odd ones, plain and normed: y bit for bit the GEMV's own,
+ * and the key's id m40k_sample_greedy's pick of that y; then with the best row copied to a
+ * lower id (a tie): the lower id. The key starts at 0, as the engine's table upload
+ * leaves it. */
+static int tie_id;
+static void test_gemv_q8_argmax(void)
+{
+    const int shapes[][2] = {{32000, 4096}, {1001, 256}, {33, 2048}};
+    for (int type : q8_types)
+        for (const auto &sh : shapes)
+            for (int regroup = 0; regroup < 2; regroup++) {
+                const int N = sh[0], K = sh[1];
+                const int dtype = regroup ? m40k_g8_type(type, K) : type;
+                if ((regroup && dtype == type) || K % (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K ? 256 : 32))
+                    continue;
+                std::vector<uint8_t> w = quant_matrix(type, N, K);
+                const size_t rb = row_bytes(type, K);
+                std::vector<float> xin = q8_x(1, K, K), sq(K / 32);
+                for (auto &v : sq)
+                    v = 0.5f + 31.0f * (float)(rnd32() % 1000) / 1000.0f;
+                float *dxi = dup(xin), *dsq = dup(sq), *dy, *dy2;
+                void *dws;
+                uint64_t *dkey;
+                int32_t *dtok;
+                float *dlp;
+                CK(cudaMalloc(&dws, m40k_gemv_q8_ws_bytes(K, 1)));
+                CK(cudaMalloc(&dy, N * 4));
+                CK(cudaMalloc(&dy2, N * 4));
+                CK(cudaMalloc(&dkey, 8));
+                CK(cudaMalloc(&dtok, 4));
+                CK(cudaMalloc(&dlp, 4));
+                CK(m40k_quantize_q8(dxi, K, K, 1, dws, 0));
+                for (int tie = 0; tie < 2; tie++)
+                    for (int normed = 0; normed < 2; normed++) {
+                        std::vector<uint8_t> wd = w;
+                        if (regroup)
+                            CK(m40k_repack_g8(type, w.data(), wd.data(), N, K));
+                        uint8_t *dw = dup(wd);
+                        CK(cudaMemset(dkey, 0, 8));
+                        CK(m40k_gemv_q8_argmax(dw, dtype, N, K, dws, normed ? dsq : nullptr, 1e-5f, dy, dkey, 0));
+                        if (normed)
+                            CK(m40k_gemv_q8_normed(dw, dtype, N, K, dws, dsq, 1e-5f, dy2, N, 0));
+                        else
+                            CK(m40k_gemv_q8(dw, dtype, N, K, dws, 1, dy2, N, 0));
+                        CK(m40k_sample_greedy(dy, N, 1, N, dtok, dlp, 0, nullptr, nullptr, 0));
+                        const std::vector<uint64_t> key = back(dkey, 1);
+                        const std::vector<int32_t> tok = back(dtok, 1);
+                        char what[160];
+                        snprintf(what, sizeof what, "gemv_q8_argmax %s%s N %d K %d %s%s: y == the GEMV's",
+                                 m40_type_name(type), regroup ? "_G8" : "", N, K, normed ? "normed" : "plain",
+                                 tie ? ", tie" : "");
+                        check(what, back(dy, N) == back(dy2, N));
+                        snprintf(what, sizeof what, "gemv_q8_argmax %s%s N %d K %d %s%s: id %d == sample_greedy's %d",
+                                 m40_type_name(type), regroup ? "_G8" : "", N, K, normed ? "normed" : "plain",
+                                 tie ? ", tie" : "", m40k_argmax_key_id(key[0]), tok[0]);
+                        check(what, m40k_argmax_key_id(key[0]) == tok[0] && tok[0] >= 0);
+                        if (tie) {
+                            snprintf(what, sizeof what, "gemv_q8_argmax %s N %d: the tie goes to the lower id",
+                                     m40_type_name(type), N);
+                            check(what, tok[0] == tie_id);
+                        }
+                        cudaFree(dw);
+                        if (!tie && normed && tok[0] > 0) { /* the best row copied to a lower id */
+                            tie_id = tok[0] / 2;
+                            memcpy(w.data() + (size_t)tie_id * rb, w.data() + (size_t)tok[0] * rb, rb);
+                        } else if (!tie && normed) {
+                            tie_id = 0; /* row 0 is the best: copying it lower is not possible */
+                        }
+                    }
+                cudaFree(dxi), cudaFree(dsq), cudaFree(dy), cudaFree(dy2), cudaFree(dws), cudaFree(dkey);
+                cudaFree(dtok), cudaFree(dlp);
+            }
+    uint8_t *dw;
+    CK(cudaMalloc(&dw, 1 << 16));
+    check("gemv_q8_argmax without a key refused",
+          m40k_gemv_q8_argmax(dw, M40K_TYPE_Q8_0, 32, 256, dw + 4096, nullptr, 0.0f, (float *)(dw + 8192), nullptr,
+                              0) == (int)cudaErrorInvalidValue);
+    check("gemv_q8_argmax misaligned key refused",
+          m40k_gemv_q8_argmax(dw, M40K_TYPE_Q8_0, 32, 256, dw + 4096, nullptr, 0.0f, (float *)(dw + 8192),
+                              (uint64_t *)(dw + 12292), 0) == (int)cudaErrorInvalidValue);
+    cudaFree(dw);
+}
+
 /* ---------------------------------------------------------------- 9. sampling */
 static void test_sample(void)
 {
@@ -1721,6 +1805,7 @@ int main(int argc, char **argv)
         {"kv_rope", test_kv_append_rope}, {"attn_rope", test_attn_decode_rope},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"gemv_q8_pair", test_gemv_q8_pair},
         {"gemv_q8_norm", test_gemv_q8_norm},
+        {"gemv_q8_argmax", test_gemv_q8_argmax},
         {"skinny", test_gemm_skinny},
         {"skinny_glu", test_gemm_skinny_glu},
         {"sample", test_sample},
