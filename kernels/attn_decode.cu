@@ -34,7 +34,10 @@
  * own token in the last split's last tile) and merge through distributed shared memory:
  * no workspace, fence, counter or reload through L2. H100, Mistral-7B shape, 640
  * positions, batch-1 decode: F16 174.6 -> 178.6, Q8_0 281.1 -> 290.1, Q4_K_M 355.4 ->
- * 374.0 tok/s (BENCHMARKS.md, eighth session). */
+ * 374.0 tok/s (BENCHMARKS.md, eighth session). Where each block's slice of the merge is
+ * whole 32-element blocks (m40k_attn_decode_q8_ok), the merge also writes the int8
+ * records of the output for the GEMV after it, a warp a record, with m40k_quantize_q8's
+ * function: Q4_K_M 444 -> 448, Q8_0 333 -> 337 tok/s (twelfth session). */
 #include "cuda_common.h"
 #include "q8_dev.h"
 #include "rope_dev.h"
