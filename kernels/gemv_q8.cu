@@ -602,18 +602,20 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
         return;
     }
     m40k_gemv_block_store<W, R, B>(acc, red, S, N, y, y_stride, blk);
-    if (B == 1 && amax && warp == 0) {
+    if constexpr (B == 1 && W == GQ_WARPS) /* (the plain kernel's blocks: 9c is theirs only) */
+    if (amax && warp == 0) {
         /* 9c: the keys of the block's rows (their sums formed again as the store formed
          * them: the same values), the largest offered to *amax; most blocks see a larger
          * key there already and skip the atomic */
+        static_assert(W * R <= 32, "9c: a block's rows fit warp 0's lanes (W / S * R <= 32)");
         unsigned long long k = 0;
-        for (int t = lane; t < groups * R; t += 32) {
-            const int gg = t / R, r = t % R, n = (blk * groups + gg) * R + r;
+        if (lane < groups * R) {
+            const int gg = lane / R, r = lane % R, n = (blk * groups + gg) * R + r;
             float v = 0.0f;
             for (int j = 0; j < S; j++)
                 v += red[gg * S + j][r][0];
-            const unsigned long long kt = n < N ? m40k_argmax_key(v, n) : 0ull;
-            k = kt > k ? kt : k;
+            if (n < N)
+                k = m40k_argmax_key(v, n);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
