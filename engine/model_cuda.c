@@ -151,13 +151,14 @@ static int upload_bytes(uploader *u, void *dst, const uint8_t *src, size_t n)
     return u->status == cudaSuccess ? 0 : -1;
 }
 
-/* A non-native matrix: rows dequantized on the host and rounded to F16, staged. */
-static int upload_converted(uploader *u, void *dst, const m40_matrix *m)
+/* A matrix whose rows change on the way (upload_converted, upload_regrouped): chunks of
+ * whole rows, out_row bytes each on the device, formed by fill(m, r0, r1, stage, scratch)
+ * in a pinned staging buffer (nonzero: refused) while the other buffer crosses the bus. */
+typedef int (*row_fill)(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch);
+
+static int upload_rows(uploader *u, void *dst, const m40_matrix *m, size_t out_row, row_fill fill, void *scratch)
 {
-    float *row = malloc((size_t)m->cols * sizeof *row);
-    if (!row)
-        return -1;
-    size_t row16 = (size_t)m->cols * 2, per = STAGE_BYTES / row16;
+    size_t per = STAGE_BYTES / out_row;
     if (per == 0)
         per = 1;
     for (int64_t r0 = 0; r0 < m->rows && u->status == cudaSuccess; r0 += (int64_t)per) {
@@ -166,21 +167,49 @@ static int upload_converted(uploader *u, void *dst, const m40_matrix *m)
         u->cur ^= 1;
         if ((u->status = cudaEventSynchronize(u->ev[b])) != cudaSuccess)
             break;
-        uint16_t *o = (uint16_t *)(void *)u->stage[b];
-        for (int64_t r = r0; r < r1; r++) {
-            m40_dequantize_row(m->type, m->data + (size_t)r * m->row_bytes, row, m->cols);
-            for (int64_t c = 0; c < m->cols; c++)
-                *o++ = m40_fp32_to_fp16(row[c]);
+        if (fill(m, r0, r1, u->stage[b], scratch)) {
+            u->status = cudaErrorInvalidValue;
+            break;
         }
-        size_t nb = (size_t)(r1 - r0) * row16;
-        if ((u->status = cudaMemcpyAsync((uint8_t *)dst + (size_t)r0 * row16, u->stage[b], nb, cudaMemcpyHostToDevice,
-                                         u->g->stream)) != cudaSuccess ||
+        size_t nb = (size_t)(r1 - r0) * out_row;
+        if ((u->status = cudaMemcpyAsync((uint8_t *)dst + (size_t)r0 * out_row, u->stage[b], nb,
+                                         cudaMemcpyHostToDevice, u->g->stream)) != cudaSuccess ||
             (u->status = cudaEventRecord(u->ev[b], u->g->stream)) != cudaSuccess)
             break;
         progress(u, nb);
     }
-    free(row);
     return u->status == cudaSuccess ? 0 : -1;
+}
+
+/* rows r0..r1 dequantized (scratch: one row of floats) and rounded to F16 */
+static int fill_f16(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch)
+{
+    float *row = scratch;
+    uint16_t *o = (uint16_t *)(void *)stage;
+    for (int64_t r = r0; r < r1; r++) {
+        m40_dequantize_row(m->type, m->data + (size_t)r * m->row_bytes, row, m->cols);
+        for (int64_t c = 0; c < m->cols; c++)
+            *o++ = m40_fp32_to_fp16(row[c]);
+    }
+    return 0;
+}
+
+/* A non-native matrix: rows dequantized on the host and rounded to F16, staged. */
+static int upload_converted(uploader *u, void *dst, const m40_matrix *m)
+{
+    float *row = malloc((size_t)m->cols * sizeof *row);
+    if (!row)
+        return -1;
+    int rc = upload_rows(u, dst, m, (size_t)m->cols * 2, fill_f16, row);
+    free(row);
+    return rc;
+}
+
+/* rows r0..r1 in the regrouped layout (kernels.h 0.) */
+static int fill_g8(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch)
+{
+    (void)scratch;
+    return m40k_repack_g8((int)m->type, m->data + (size_t)r0 * m->row_bytes, stage, r1 - r0, m->cols);
 }
 
 /* A matrix the device keeps in a regrouped layout (kernels.h 0.: Q8_0 and Q6_K rows whose
@@ -188,27 +217,7 @@ static int upload_converted(uploader *u, void *dst, const m40_matrix *m)
  * staging buffers. Same bytes per row, so sizes and offsets do not change. */
 static int upload_regrouped(uploader *u, void *dst, const m40_matrix *m)
 {
-    size_t per = STAGE_BYTES / m->row_bytes;
-    if (per == 0)
-        per = 1;
-    for (int64_t r0 = 0; r0 < m->rows && u->status == cudaSuccess; r0 += (int64_t)per) {
-        int64_t r1 = r0 + (int64_t)per < m->rows ? r0 + (int64_t)per : m->rows;
-        int b = u->cur;
-        u->cur ^= 1;
-        if ((u->status = cudaEventSynchronize(u->ev[b])) != cudaSuccess)
-            break;
-        size_t nb = (size_t)(r1 - r0) * m->row_bytes;
-        if (m40k_repack_g8((int)m->type, m->data + (size_t)r0 * m->row_bytes, u->stage[b], r1 - r0, m->cols)) {
-            u->status = cudaErrorInvalidValue;
-            break;
-        }
-        if ((u->status = cudaMemcpyAsync((uint8_t *)dst + (size_t)r0 * m->row_bytes, u->stage[b], nb,
-                                         cudaMemcpyHostToDevice, u->g->stream)) != cudaSuccess ||
-            (u->status = cudaEventRecord(u->ev[b], u->g->stream)) != cudaSuccess)
-            break;
-        progress(u, nb);
-    }
-    return u->status == cudaSuccess ? 0 : -1;
+    return upload_rows(u, dst, m, m->row_bytes, fill_g8, NULL);
 }
 
 /* The device type of a native matrix: its GGUF type, or the regrouped layout of it (rows
