@@ -1268,6 +1268,26 @@ static void test_gemv_q8_pair(void)
     cudaFree(dw), cudaFree(dws), cudaFree(dy);
 }
 
+/* The device layout a test runs a GGUF type's matrix of width K in: the file's (regroup 0)
+ * or its regrouped one of kernels.h 0. (regroup 1); -1 where that layout does not exist
+ * or K does not take the type's blocks. */
+static int q8_test_layout(int type, int K, int regroup)
+{
+    if (K % (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K ? 256 : 32))
+        return -1;
+    const int dtype = regroup ? m40k_g8_type(type, K) : type;
+    return regroup && dtype == type ? -1 : dtype;
+}
+
+/* w (rows x K of GGUF type `type`) as the device keeps it in layout dtype */
+static std::vector<uint8_t> q8_in_layout(int type, int dtype, const std::vector<uint8_t> &w, int rows, int K)
+{
+    std::vector<uint8_t> wd = w;
+    if (dtype != type)
+        CK(m40k_repack_g8(type, w.data(), wd.data(), rows, K));
+    return wd;
+}
+
 /* 8d. The RMSNorm folded into the int8 GEMVs (batch 1). Producer: x_out against the twin
  * within the GEMV's twin bound; its records byte for byte what the twin quantizer makes of
  * the GPU's own x_out * norm_w; its sums of squares against those of the GPU's x_out.
@@ -1279,13 +1299,10 @@ static void test_gemv_q8_norm(void)
     for (int type : q8_types)
         for (const auto &sh : shapes)
             for (int regroup = 0; regroup < 2; regroup++) {
-                const int N = sh[0], K = sh[1];
-                const int dtype = regroup ? m40k_g8_type(type, K) : type;
-                if ((regroup && dtype == type) || K % (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K ? 256 : 32))
+                const int N = sh[0], K = sh[1], dtype = q8_test_layout(type, K, regroup);
+                if (dtype < 0)
                     continue;
-                std::vector<uint8_t> w = quant_matrix(type, N, K), wd = w;
-                if (regroup)
-                    CK(m40k_repack_g8(type, w.data(), wd.data(), N, K));
+                const std::vector<uint8_t> w = quant_matrix(type, N, K), wd = q8_in_layout(type, dtype, w, N, K);
                 std::vector<float> xin = q8_x(1, K, K), xres = rand_vec(N, -4, 4), wn = rand_vec(N, 0.5f, 1.5f);
                 const size_t wsb = m40k_gemv_q8_ws_bytes(K, 1), wsn = m40k_gemv_q8_ws_bytes(N, 1);
                 std::vector<uint8_t> ws(wsb);
@@ -1422,9 +1439,8 @@ static void test_gemv_q8_argmax(void)
     for (int type : q8_types)
         for (const auto &sh : shapes)
             for (int regroup = 0; regroup < 2; regroup++) {
-                const int N = sh[0], K = sh[1];
-                const int dtype = regroup ? m40k_g8_type(type, K) : type;
-                if ((regroup && dtype == type) || K % (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K ? 256 : 32))
+                const int N = sh[0], K = sh[1], dtype = q8_test_layout(type, K, regroup);
+                if (dtype < 0)
                     continue;
                 std::vector<uint8_t> w = quant_matrix(type, N, K);
                 const size_t rb = row_bytes(type, K);
@@ -1445,10 +1461,7 @@ static void test_gemv_q8_argmax(void)
                 CK(m40k_quantize_q8(dxi, K, K, 1, dws, 0));
                 for (int tie = 0; tie < 2; tie++)
                     for (int normed = 0; normed < 2; normed++) {
-                        std::vector<uint8_t> wd = w;
-                        if (regroup)
-                            CK(m40k_repack_g8(type, w.data(), wd.data(), N, K));
-                        uint8_t *dw = dup(wd);
+                        uint8_t *dw = dup(q8_in_layout(type, dtype, w, N, K));
                         CK(cudaMemset(dkey, 0, 8));
                         CK(m40k_gemv_q8_argmax(dw, dtype, N, K, dws, normed ? dsq : nullptr, 1e-5f, dy, dkey, 0));
                         if (normed)
