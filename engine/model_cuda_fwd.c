@@ -412,13 +412,16 @@ typedef struct {
     float eps;
 } gnorm_in;
 
+/* pick (or NULL): the greedy pick's key (kernels.h 9c) for a product of one row on the
+ * int8 GEMV (w int8-readable, n 1, ldy rows: m40_gpu_forward asks for it only then) */
 static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
-                      int *x16_ready, const gnorm_in *nrm, char *err, size_t errlen)
+                      int *x16_ready, const gnorm_in *nrm, uint64_t *pick, char *err, size_t errlen)
 {
     const float one = 1.0f, zero = 0.0f;
     int rows = (int)w->rows, cols = (int)w->cols;
     if (nrm) { /* fold_norm_ok: batch 1, every part int8-readable */
-        CK(m40k_gemv_q8_normed(w->data, w->type, rows, cols, nrm->xq, nrm->ss, nrm->eps, y, ldy, g->stream));
+        CK(pick ? m40k_gemv_q8_argmax(w->data, w->type, rows, cols, nrm->xq, nrm->ss, nrm->eps, y, pick, g->stream)
+                : m40k_gemv_q8_normed(w->data, w->type, rows, cols, nrm->xq, nrm->ss, nrm->eps, y, ldy, g->stream));
         return 0;
     }
     if (w->type == M40K_TYPE_F32)
@@ -431,7 +434,8 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
     }
     if (n <= 8 && gemv_q8_reads(w)) {
         CK(quantize_once(g, x, cols, n, xq_ready));
-        CK(m40k_gemv_q8(w->data, w->type, rows, cols, g->xq, n, y, ldy, g->stream));
+        CK(pick ? m40k_gemv_q8_argmax(w->data, w->type, rows, cols, g->xq, NULL, 0.0f, y, pick, g->stream)
+                : m40k_gemv_q8(w->data, w->type, rows, cols, g->xq, n, y, ldy, g->stream));
         return 0;
     }
     if (n <= 8 && gemv_reads(w->type, cols))
@@ -555,7 +559,7 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
         }
     }
     for (int i = 0; i < pr->n_parts && off < pr->rows; i++) {
-        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, &x16_ready, nrm, err, errlen))
+        if (matmul_one(g, &pr->part[i], x, n, y + off, pr->rows, &xq_ready, &x16_ready, nrm, NULL, err, errlen))
             return -1;
         off += pr->part[i].rows;
     }
@@ -728,18 +732,9 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
                             g->stream));
         }
-        const gmat *ho = &g->output;
-        if (sp->d_key) { /* the head's int8 GEMV also picks the greedy token (kernels.h 9c) */
-            if (out_all && folded)
-                CK(m40k_gemv_q8_argmax(ho->data, ho->type, (int)ho->rows, (int)ho->cols, nin.xq, nin.ss, nin.eps,
-                                       g->logits_d, sp->d_key, g->stream));
-            else {
-                CK(quantize_once(g, g->xg, (int)ho->cols, n_out, &xq_ready));
-                CK(m40k_gemv_q8_argmax(ho->data, ho->type, (int)ho->rows, (int)ho->cols, g->xq, NULL, 0.0f,
-                                       g->logits_d, sp->d_key, g->stream));
-            }
-        } else if (matmul_one(g, ho, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready,
-                              out_all && folded ? &nin : NULL, err, errlen))
+        /* sp->d_key: the head's int8 GEMV also picks the greedy token (kernels.h 9c) */
+        if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready,
+                       out_all && folded ? &nin : NULL, sp->d_key, err, errlen))
             return -1;
         if (g->gemma3 && g->g3.logit_softcap > 0)
             CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
