@@ -286,6 +286,28 @@ void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64
                                               x + b * x_stride, K);
 }
 
+void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
+                    int64_t ldy)
+{
+    const m40_type_info *ti = m40_type_get((uint32_t)w_type);
+    const size_t row_bytes = (size_t)K / ti->block_elems * ti->block_bytes;
+    float *wr = malloc((size_t)K * sizeof *wr);
+    if (!wr)
+        abort();
+    for (int r = 0; r < N; r++) {
+        m40_dequantize_row((uint32_t)w_type, (const uint8_t *)w + (size_t)r * row_bytes, wr, K);
+        for (int k = 0; k < K; k++)
+            wr[k] = m40_fp16_to_fp32(m40_fp32_to_fp16(wr[k]));
+        for (int t = 0; t < M; t++) {
+            double acc = 0.0;
+            for (int k = 0; k < K; k++)
+                acc += (double)wr[k] * (double)m40_fp16_to_fp32(x[(size_t)t * x_stride + k]);
+            y[(size_t)t * ldy + r] = (float)acc;
+        }
+    }
+    free(wr);
+}
+
 /* rint(v/d) as an int (0 when d == 0; the clamp only decides NaN), as the GPU's. */
 static int q8_round(float v, float d)
 {

@@ -391,7 +391,7 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->iota);
     void *bufs[] = {g->x, g->x2, g->xd, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
                     g->logits_d, g->x16, g->xq, g->xq2, g->nss, g->ws, g->att_cnt, g->ints_d, g->pick_d,
-                    g->sk_ws, g->sk_cnt};
+                    g->sk_ws, g->sk_cnt, g->mq_ws, g->mq_cnt};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);
@@ -475,6 +475,13 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     {
         const char *sk = getenv("M40_SKINNY");
         g->skinny = prop.major >= 8 && !(sk && !strcmp(sk, "0"));
+        /* the quantized GEMM's mma.sync F16 needs cc >= 8.0, as the skinny GEMV's */
+        const char *mq = getenv("M40_GEMM_Q");
+        g->gemm_q = prop.major >= 8 && !(mq && !strcmp(mq, "0"));
+        if (g->gemm_q && m40k_gemm_q_prepare() != 0) /* before any graph capture */
+            g->gemm_q = 0;
+        const char *mr = getenv("M40_GEMM_Q_ROWS");
+        g->gemm_q_rows = mr ? atoi(mr) : 0;
     }
     if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(g->blas, g->stream) != CUBLAS_STATUS_SUCCESS) {
         g->blas = NULL;
@@ -603,14 +610,16 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
                 gmat *m = &ps[i]->part[j];
                 if (m->rows > max_rows)
                     max_rows = m->rows;
-                if (m->type != M40K_TYPE_F32 && (m->type != M40K_TYPE_F16 || g->gemm_f32)) {
+                if (m->type != M40K_TYPE_F32 && (m->type != M40K_TYPE_F16 || g->gemm_f32) &&
+                    (!gemm_q_reads(g, m) || g->gemm_q_rows > 0)) {
                     any_tiled = 1;
                     if ((size_t)(m->rows * m->cols) > max_elems)
                         max_elems = (size_t)(m->rows * m->cols);
                 }
             }
     }
-    if (g->output.type != M40K_TYPE_F32 && (g->output.type != M40K_TYPE_F16 || g->gemm_f32)) {
+    if (g->output.type != M40K_TYPE_F32 && (g->output.type != M40K_TYPE_F16 || g->gemm_f32) &&
+        (!gemm_q_reads(g, &g->output) || g->gemm_q_rows > 0)) {
         any_tiled = 1;
         if ((size_t)(g->output.rows * g->output.cols) > max_elems)
             max_elems = (size_t)(g->output.rows * g->output.cols);

@@ -43,11 +43,15 @@
  *     M40_G8) the dp4a GEMV on x quantized once per input to two int8 levels
  *     (m40k_quantize_q8, m40k_gemv_q8: per element within max|x of its block|/254^2);
  *     F16, Q4_1, Q5_0, Q5_1 the float-activation m40k_gemv;
- *   - otherwise the "tiled path": quantized weights are dequantized into an F16
- *     scratch matrix (the embedding-gather kernel over all rows), activations rounded
- *     to F16, and cublasGemmEx multiplies with F32 accumulation. A fused
- *     dequantize-in-the-tile GEMM is future work. Models under 1B parameters take it
- *     in F32 instead (weights dequantized to F32, cublasSgemm): see gemm_f32.
+ *   - more rows, quantized weights (every type the GPU reads): the quantized
+ *     tensor-core GEMM (m40k_gemm_q, kernels.h 8e) on the F16 copy of x: each weight
+ *     tile dequantized in shared memory, read once per block of token rows, no F16 copy
+ *     of the matrix (gemm_q_reads; M40_GEMM_Q=0 turns it off);
+ *   - F16 weights over more rows: cublasGemmEx on x rounded to F16, F32 accumulation;
+ *   - otherwise (M40_GEMM_Q=0, or a shape it refuses) the "tiled path": the weights
+ *     dequantized into an F16 scratch matrix (the embedding-gather kernel over all rows),
+ *     then cublasGemmEx. Models under 1B parameters take it in F32 instead (weights
+ *     dequantized to F32, cublasSgemm): see gemm_f32.
  * Weight types the kernels do not read (BF16, other K-quants) are converted to F16 on
  * upload. Q/K/V and gate/up are concatenated on upload when their types match, so
  * each pair/triple is one product. */
@@ -246,6 +250,18 @@ void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps)
     *steps = g->steps_timed;
 }
 
+/* The most rows any product of the model has (the quantized GEMM's counters cover it). */
+static int mq_rows_max(const m40_gpu *g)
+{
+    const m40_model_params *p = &g->p;
+    int64_t rows = p->n_vocab;
+    const int64_t cand[] = {g->qkv_dim, 2 * (int64_t)p->ffn_dim, p->dim, g->q_dim};
+    for (int i = 0; i < 4; i++)
+        if (cand[i] > rows)
+            rows = cand[i];
+    return (int)rows;
+}
+
 static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
 {
     const m40_model_params *p = &g->p;
@@ -282,6 +298,22 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
         if (!g->perm || !g->grp_slot || !g->grp_first || !g->grp_n || !g->out_rows || !g->grp_seq)
             return -1;
         g->cap = c;
+    }
+    if (g->gemm_q && !g->gemm_f32 && m40k_gemm_q_counter_ints(mq_rows_max(g), g->cap) > g->mq_cnt_ints) {
+        /* split-K scratch of the quantized GEMM: counters for every output tile of the
+         * largest product at cap rows; 16 MB of partial sums (the picker takes fewer
+         * splits where a shape would need more) */
+        const size_t ints = m40k_gemm_q_counter_ints(mq_rows_max(g), g->cap);
+        g->mq_ws_floats = (size_t)1 << 22;
+        if ((!g->mq_ws && grow_dev((void **)&g->mq_ws, g->mq_ws_floats * 4)) ||
+            grow_dev((void **)&g->mq_cnt, ints * sizeof *g->mq_cnt) ||
+            cudaMemsetAsync(g->mq_cnt, 0, ints * sizeof *g->mq_cnt, g->stream) != cudaSuccess) {
+            cudaFree(g->mq_cnt);
+            g->mq_cnt = NULL;
+            g->mq_cnt_ints = 0;
+            return -1;
+        }
+        g->mq_cnt_ints = ints;
     }
     if (g->skinny && !g->gemm_f32 && !g->sk_cnt) {
         /* split-K scratch of the tensor-core GEMV: 4 MB covers every split the picker
@@ -444,6 +476,15 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
                    : (m40_set_err(err, errlen, "gpu %d: GEMV (type %d, %dx%d, batch %d) failed", g->device, w->type, rows,
                               cols, (int)n),
                       -1);
+    if (gemm_q_takes(g, w, n)) { /* n > 8: the quantized tensor-core GEMM on the F16 copy of x */
+        if (!*x16_ready) {
+            CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
+            *x16_ready = 1;
+        }
+        const int S = m40k_gemm_q_pick_splits(rows, cols, n, g->sm_count, g->mq_ws_floats, g->mq_cnt_ints);
+        CK(m40k_gemm_q(w->data, w->type, rows, cols, g->x16, cols, n, y, ldy, S, g->mq_ws, g->mq_cnt, g->stream));
+        return 0;
+    }
     if (g->gemm_f32) { /* the tiled path in F32: exact weights and activations */
         if ((size_t)rows * (size_t)cols > g->deq_cap) {
             m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);

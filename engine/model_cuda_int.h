@@ -89,6 +89,15 @@ struct m40_gpu {
     size_t sk_ws_floats;
     int *sk_cnt;
     size_t sk_cnt_ints;
+    /* Quantized tensor-core GEMM (m40k_gemm_q, gemm_q_reads) for products of more than 8
+     * rows: on unless M40_GEMM_Q=0 (then the tiled path); its split-K workspace and
+     * counters (zeroed once, zero between calls). */
+    int gemm_q;
+    int32_t gemm_q_rows; /* products of more rows take the tiled path (M40_GEMM_Q_ROWS; 0: none do) */
+    float *mq_ws;
+    size_t mq_ws_floats;
+    int *mq_cnt;
+    size_t mq_cnt_ints;
 
     /* Per-forward scratch, grown on demand to cap tokens / cap_out logit rows. */
     int32_t cap, cap_out;
@@ -130,6 +139,20 @@ struct m40_gpu {
     m40_kv_seq **grp_seq;
     int32_t host_cap;
 };
+
+/* Whether products of more than 8 rows with w take the quantized tensor-core GEMM
+ * (m40k_gemm_q) rather than the tiled path: a quantized type it reads, F16 activations
+ * (not gemm_f32), K a multiple of 8. F16 weights stay on cuBLAS, F32 on SGEMM. */
+static inline int gemm_q_reads(const m40_gpu *g, const gmat *w)
+{
+    return g->gemm_q && !g->gemm_f32 && w->type != M40K_TYPE_F16 && m40k_gemm_q_supported(w->type) &&
+           w->cols % 8 == 0;
+}
+/* The same for a product of n rows. */
+static inline int gemm_q_takes(const m40_gpu *g, const gmat *w, int32_t n)
+{
+    return gemm_q_reads(g, w) && (g->gemm_q_rows <= 0 || n <= g->gemm_q_rows);
+}
 
 /* Destroys every decode-step graph (model_cuda_fwd.c). */
 void m40_gpu_graphs_free(m40_gpu *g);

@@ -368,6 +368,38 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
                          int64_t in_stride, int n, float *y, int64_t ldy, int n_splits, float *workspace, int *counters,
                          m40k_stream stream);
 
+/* 8e. Quantized GEMM on the tensor cores (kernels/gemm_q.cu) for products of 9 and more
+ * token rows, decode batches and prefill chunks alike: y[t*ldy + r] = sum_k W[r][k] *
+ * x[t*x_stride + k], r < N, t < M. W: rows of K elements of w_type packed (F16, Q8_0, Q4_0,
+ * Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, Q8_0_G8, Q6_K_G8: m40k_gemm_q_supported), K a multiple of
+ * the type's block (and of 8); any alignment. x F16, 16-byte aligned, x_stride a multiple
+ * of 8. Each weight is dequantized in shared memory to the F16 value m40k_embed's F16
+ * output holds for it, then F16 x F16 products with F32 accumulation (twin:
+ * m40_ref_gemm_q). No per-call scratch copy of W: each block reads its weight tile's
+ * quantized bytes once.
+ * Where the rows allow (K a multiple of 256, W and its rows 16-byte aligned, a type whose
+ * 256-element chunks are 16-byte multiples: all but plain Q6_K and F16) the raw chunks
+ * come into shared memory by cp.async a chunk ahead and are dequantized from there;
+ * otherwise straight from global memory (byte loads, any alignment): the same values
+ * and the same order of sums either way.
+ * n_splits (1..ceil(K/256)) splits K over blocks; n_splits > 1 needs:
+ *   - workspace: m40k_gemm_q_ws_floats(N, M, n_splits) floats (scratch);
+ *   - counters: m40k_gemm_q_counter_ints(N, M) ints of device memory the caller ZEROES
+ *     ONCE; every completed call leaves them zero (as 6's counters; one array serves every
+ *     later call up to that size on one stream).
+ * The split sums are added in a fixed order: results do not depend on timing.
+ * m40k_gemm_q_pick_splits: a split count for the shape within the caller's workspace and
+ * counters (1 when they are too small). */
+int m40k_gemm_q_supported(int w_type);
+/* Raises the kernels' shared-memory limit on the current device (once; m40k_gemm_q does
+ * it too on first use): call it before capturing m40k_gemm_q into a CUDA graph. */
+int m40k_gemm_q_prepare(void);
+size_t m40k_gemm_q_ws_floats(int N, int M, int n_splits);
+size_t m40k_gemm_q_counter_ints(int N, int M);
+int m40k_gemm_q_pick_splits(int N, int K, int M, int sm_count, size_t ws_floats, size_t counter_ints);
+int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
+                int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream);
+
 /* 9. Sampling helpers: per row r of logits [rows][stride] (n_vocab entries), writes
  * argmax token (ties: lowest id) to token[r] and its log-softmax to logprob[r]; when
  * top_k > 0 also the top_k (<= 32) largest (token, logprob) pairs, descending, to

@@ -6,7 +6,7 @@
  *                         the tensor-core F16 GEMV against m40k_gemv and cuBLAS at 1..8 rows;
  *                         the int8-activation GEMV at a 7B decode step's shapes; and
  *                         decode attention. `--bench skinny attn`: only those (names:
- *                         gemv, gemvq8, skinny, attn).
+ *                         gemv, gemvq8, skinny, attn, gemmq).
  *   test_kernels --bench-only [names]   the same benchmarks without the comparisons.
  *   M40_TEST_ONLY=gemv_q8,embed_g8 test_kernels   only the tests named (comma-separated).
  * Without a GPU: prints why, "0 passed, 0 failed, 1 skipped", exit 0. */
@@ -947,6 +947,132 @@ static void test_gemm_skinny(void)
           m40k_gemm_skinny(pw, 4, 128, px, 128, 1, py, 4, 2, py, (int *)16, 0) != 0);
 }
 
+/* 8e. The quantized tensor-core GEMM (m40k_gemm_q) against its twin m40_ref_gemm_q (the
+ * weights dequantized and rounded to F16, x F16, double sums: only the order of the sum
+ * and, rarely, the last F16 bit of a weight differ). Every type it reads, the regrouped
+ * layouts through a repacked copy of the same matrix; N past the 128-row block; K with a
+ * partial last 64-wide step (32-element types) and of several steps; M in every tile
+ * height (16, 32, 64, 128) and past one tile; x rows strided; split counts 1, picked and
+ * the most. Also: y columns past N left alone, the same bits again, the counters back at
+ * zero, refusals. */
+static void test_gemm_q(void)
+{
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1, M40K_TYPE_Q5_0,
+                         M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8};
+    for (int type : types) {
+        const bool g8 = type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8;
+        const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : type;
+        const int be = m40_type_get((uint32_t)base)->block_elems;
+        std::vector<int> Ks;
+        if (type == M40K_TYPE_Q6_K_G8)
+            Ks = {2048, 4096};
+        else if (be == 256 || type == M40K_TYPE_Q8_0_G8)
+            Ks = {256, 256 * 5};
+        else
+            Ks = {32 * 37, 64 * 3, 768};
+        for (int K : Ks)
+            for (int N : {17, 259})
+                for (int M : {9, 16, 33, 64, 65, 130}) {
+                    const int64_t xs = K + 8, ldy = N + 3;
+                    std::vector<uint8_t> w = quant_matrix(base, N, K);
+                    std::vector<uint8_t> wd = w;
+                    if (g8)
+                        CK(m40k_repack_g8(base, w.data(), wd.data(), N, K));
+                    std::vector<float> xf = rand_vec((size_t)M * xs);
+                    std::vector<uint16_t> x(xf.size());
+                    for (size_t i = 0; i < xf.size(); i++)
+                        x[i] = m40_fp32_to_fp16(xf[i]);
+                    std::vector<float> c((size_t)M * ldy, 0.0f);
+                    m40_ref_gemm_q(w.data(), base, N, K, x.data(), xs, M, c.data(), ldy);
+                    std::vector<float> wr((size_t)K);
+                    double mag = 0; /* sum_k |w||x| <= sum_k |w| (|x| <= 1) */
+                    for (int r = 0; r < N; r++) {
+                        m40_dequantize_row((uint32_t)base, w.data() + (size_t)r * row_bytes(base, K), wr.data(), K);
+                        double m = 0;
+                        for (int k = 0; k < K; k++)
+                            m += fabs(wr[k]);
+                        mag = std::max(mag, m);
+                    }
+                    uint8_t *dw = dup(wd);
+                    uint16_t *dx = dup(x);
+                    float *dy, *dws;
+                    const int maxS = (K + 255) / 256;
+                    CK(cudaMalloc(&dy, c.size() * 4));
+                    CK(cudaMalloc(&dws, m40k_gemm_q_ws_floats(N, M, maxS) * 4 + 16));
+                    int *dcnt = dup(std::vector<int>(m40k_gemm_q_counter_ints(N, M), 0));
+                    const int pick = m40k_gemm_q_pick_splits(N, K, M, sms, m40k_gemm_q_ws_floats(N, M, maxS),
+                                                             m40k_gemm_q_counter_ints(N, M));
+                    check("gemm_q pick in 1..K/256", pick >= 1 && pick <= maxS);
+                    for (int S : {1, pick, maxS}) {
+                        std::vector<float> sentinel(c.size(), -7.0f);
+                        CK(cudaMemcpy(dy, sentinel.data(), c.size() * 4, cudaMemcpyHostToDevice));
+                        CK(m40k_gemm_q(dw, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
+                        std::vector<float> g = back(dy, c.size());
+                        bool gaps = true;
+                        for (int t = 0; t < M; t++)
+                            for (int64_t r = N; r < ldy; r++) {
+                                gaps = gaps && g[(size_t)t * ldy + r] == -7.0f;
+                                g[(size_t)t * ldy + r] = 0.0f; /* the twin's zeros there */
+                            }
+                        char what[128];
+                        snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d", m40_type_name(base),
+                                 g8 ? "_G8" : "", N, K, M, S);
+                        compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
+                        snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: ldy gap kept",
+                                 m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                        check(what, gaps);
+                        CK(m40k_gemm_q(dw, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
+                        std::vector<float> g2 = back(dy, c.size());
+                        bool same = true;
+                        for (int t = 0; t < M; t++)
+                            for (int r = 0; r < N; r++)
+                                same = same && memcmp(&g2[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
+                        snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: same bits again",
+                                 m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                        check(what, same);
+                        std::vector<int> cnt = back(dcnt, m40k_gemm_q_counter_ints(N, M));
+                        snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: counters zero",
+                                 m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                        check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                        if (S == pick && (N == 17 || M == 33)) {
+                            /* W 2 bytes off 16-byte alignment: the direct kernel (byte loads);
+                             * the same steps and sums as the staged one, so the same bits */
+                            uint8_t *dw2;
+                            CK(cudaMalloc(&dw2, wd.size() + 64));
+                            CK(cudaMemcpy(dw2 + 2, wd.data(), wd.size(), cudaMemcpyHostToDevice));
+                            CK(m40k_gemm_q(dw2 + 2, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
+                            std::vector<float> g3 = back(dy, c.size());
+                            bool same3 = true;
+                            for (int t = 0; t < M; t++)
+                                for (int r = 0; r < N; r++)
+                                    same3 = same3 && memcmp(&g3[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
+                            snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: W+2 same bits",
+                                     m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                            check(what, same3);
+                            cudaFree(dw2);
+                        }
+                    }
+                    cudaFree(dw), cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
+                }
+    }
+    /* refusals: K not a multiple of the type's block, x misaligned or strided oddly, a
+     * type it does not read, splits past K/64 without a workspace */
+    const void *pw = (const void *)16;
+    const uint16_t *px = (const uint16_t *)16;
+    float *py = (float *)16;
+    check("gemm_q refuses Q4_K K 288", m40k_gemm_q(pw, M40K_TYPE_Q4_K, 4, 288, px, 288, 9, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_q refuses x + 2", m40k_gemm_q(pw, M40K_TYPE_Q8_0, 4, 64, px + 1, 64, 9, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_q refuses x_stride 68", m40k_gemm_q(pw, M40K_TYPE_Q8_0, 4, 64, px, 68, 9, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_q refuses F32", m40k_gemm_q(pw, M40K_TYPE_F32, 4, 64, px, 64, 9, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_q refuses 2 splits of K 256",
+          m40k_gemm_q(pw, M40K_TYPE_Q8_0, 4, 256, px, 256, 9, py, 4, 2, py, (int *)16, 0) != 0);
+    check("gemm_q refuses splits without workspace",
+          m40k_gemm_q(pw, M40K_TYPE_Q8_0, 4, 512, px, 512, 9, py, 4, 2, NULL, NULL, 0) != 0);
+    check("gemm_q supports Q4_K, not F32", m40k_gemm_q_supported(M40K_TYPE_Q4_K) && !m40k_gemm_q_supported(M40K_TYPE_F32));
+}
+
 /* 8c'. m40k_gemm_skinny_glu (the down projection fed by the gate/up product) against
  * its twin: this GPU's m40k_glu output rounded to F16, then m40_ref_gemv (only the order
  * of the sum differs; the GLU itself is compared with m40_ref_glu in test_act). Both
@@ -1654,6 +1780,116 @@ static void bench_gemv_q8_shapes(void)
  * splits), the F16 m40k_gemv, and cuBLAS's F16 x F16 -> F32 GEMM on an F16 copy of x;
  * weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
  * Mistral-7B shapes: q/o, q+k+v, k/v, gate+up, down, output. */
+/* The quantized GEMM (m40k_gemm_q) at a 7B step's shapes against the path it replaces
+ * (the matrix dequantized to F16 by m40k_embed, then cublasGemmEx) and against cuBLAS on
+ * F16 weights: microseconds, weight bytes read per second (against the H100's 3.02 TB/s)
+ * and tensor TFLOP/s. Weights rotate over copies past the 50 MB L2. */
+static void bench_gemm_q(void)
+{
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cublasHandle_t blas;
+    if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS) {
+        printf("bench gemm_q: no cuBLAS\n");
+        return;
+    }
+    struct { int N, K; } shapes[] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+    const int types[] = {M40K_TYPE_Q4_K, M40K_TYPE_Q6_K_G8, M40K_TYPE_Q8_0_G8};
+    const int maxM = 512;
+    for (auto sh : shapes) {
+        uint16_t *dx16, *ddeq;
+        float *dy, *dws;
+        std::vector<float> xf = rand_vec((size_t)maxM * sh.K);
+        std::vector<uint16_t> x16(xf.size());
+        for (size_t i = 0; i < xf.size(); i++)
+            x16[i] = m40_fp32_to_fp16(xf[i]);
+        dx16 = dup(x16);
+        const size_t wsf = (size_t)16 << 20;
+        CK(cudaMalloc(&dy, (size_t)maxM * sh.N * 4));
+        CK(cudaMalloc(&dws, wsf * 4));
+        CK(cudaMalloc(&ddeq, (size_t)sh.N * sh.K * 2));
+        std::vector<int32_t> iota(sh.N);
+        for (int i = 0; i < sh.N; i++)
+            iota[i] = i;
+        int32_t *diota = dup(iota);
+        int *dcnt = dup(std::vector<int>(m40k_gemm_q_counter_ints(sh.N, maxM), 0));
+        for (int type : types) {
+            const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : type;
+            if (sh.K % m40_type_get((uint32_t)base)->block_elems || (type == M40K_TYPE_Q6_K_G8 && sh.K % 2048))
+                continue;
+            const size_t bytes = row_bytes(base, sh.K) * sh.N;
+            std::vector<uint8_t> w(bytes);
+            for (auto &b : w) /* random bytes, scales tamed: any bit pattern is a valid weight here but d */
+                b = (uint8_t)rnd32();
+            std::vector<uint8_t> wq = quant_matrix(base, 64, sh.K); /* realistic scales: tile the first 64 rows */
+            for (size_t i = 0; i < bytes; i++)
+                w[i] = wq[i % wq.size()];
+            if (type != base) {
+                std::vector<uint8_t> r(bytes);
+                CK(m40k_repack_g8(base, w.data(), r.data(), sh.N, sh.K));
+                w.swap(r);
+            }
+            const int copies = (int)(120000000 / bytes) + 1;
+            std::vector<uint8_t *> dw(copies);
+            for (auto &d : dw)
+                d = dup(w);
+            for (int M : {16, 32, 64, 128, 256, 512})
+                for (int v = 0; v < 2; v++) { /* 0 gemm_q, 1 dequantize + cuBLAS */
+                    const int S = m40k_gemm_q_pick_splits(sh.N, sh.K, M, sms, wsf, m40k_gemm_q_counter_ints(sh.N, maxM));
+                    int turn = 0;
+                    auto run = [&]() {
+                        const uint8_t *wp = dw[turn++ % copies];
+                        if (v == 0) {
+                            CK(m40k_gemm_q(wp, type, sh.N, sh.K, dx16, sh.K, M, dy, sh.N, S, dws, dcnt, 0));
+                        } else {
+                            CK(m40k_embed(wp, type, sh.N, sh.K, diota, sh.N, ddeq, M40K_TYPE_F16, sh.K, 0));
+                            const float one = 1.0f, zero = 0.0f;
+                            if (cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.N, M, sh.K, &one, ddeq, CUDA_R_16F,
+                                             sh.K, dx16, CUDA_R_16F, sh.K, &zero, dy, CUDA_R_32F, sh.N,
+                                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+                                CK(cudaErrorUnknown);
+                        }
+                    };
+                    const double us = time_us(run, 20), gbs = bytes / (us * 1e3);
+                    const double tf = 2.0 * sh.N * sh.K * M / (us * 1e6);
+                    printf("bench %-8s %-7s N %5d K %5d M %3d S %2d: %8.1f us  %7.1f GB/s (%5.1f%%)  %6.1f TFLOP/s\n",
+                           m40_type_name(base), v == 0 ? (type != base ? "gemm_q8" : "gemm_q") : "deq+blas", sh.N,
+                           sh.K, M, v == 0 ? S : 0, us, gbs, 100.0 * gbs / 3020.0, tf);
+                }
+            for (auto &d : dw)
+                cudaFree(d);
+        }
+        /* cuBLAS on F16 weights, the same shapes: what the F16 models get */
+        {
+            std::vector<uint16_t> w((size_t)sh.N * sh.K);
+            for (auto &h : w)
+                h = (uint16_t)(0x3000 + rnd32() % 0x0C00) ^ (uint16_t)((rnd32() & 1) << 15);
+            const size_t bytes = w.size() * 2;
+            const int copies = (int)(120000000 / bytes) + 1;
+            std::vector<uint16_t *> dw(copies);
+            for (auto &d : dw)
+                d = dup(w);
+            for (int M : {16, 32, 64, 128, 256, 512}) {
+                int turn = 0;
+                auto run = [&]() {
+                    const float one = 1.0f, zero = 0.0f;
+                    if (cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.N, M, sh.K, &one, dw[turn++ % copies],
+                                     CUDA_R_16F, sh.K, dx16, CUDA_R_16F, sh.K, &zero, dy, CUDA_R_32F, sh.N,
+                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+                        CK(cudaErrorUnknown);
+                };
+                const double us = time_us(run, 20), gbs = bytes / (us * 1e3);
+                printf("bench F16      cublas  N %5d K %5d M %3d     : %8.1f us  %7.1f GB/s (%5.1f%%)  %6.1f TFLOP/s\n",
+                       sh.N, sh.K, M, us, gbs, 100.0 * gbs / 3020.0, 2.0 * sh.N * sh.K * M / (us * 1e6));
+            }
+            for (auto &d : dw)
+                cudaFree(d);
+        }
+        cudaFree(dx16), cudaFree(dy), cudaFree(dws), cudaFree(ddeq), cudaFree(diota), cudaFree(dcnt);
+    }
+    cublasDestroy(blas);
+}
+
 static void bench_skinny(void)
 {
     const double peak = 3020.0;
@@ -1821,6 +2057,7 @@ int main(int argc, char **argv)
         {"gemv_q8_argmax", test_gemv_q8_argmax},
         {"skinny", test_gemm_skinny},
         {"skinny_glu", test_gemm_skinny_glu},
+        {"gemm_q", test_gemm_q},
         {"sample", test_sample},
     };
     /* M40_TEST_ONLY=name,name: only those tests (for a quick check of one kernel) */
@@ -1860,6 +2097,8 @@ int main(int argc, char **argv)
             bench_skinny();
         if (want("attn"))
             bench_attn_decode();
+        if (want("gemmq"))
+            bench_gemm_q();
     }
     printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
     return n_fail ? 1 : 0;

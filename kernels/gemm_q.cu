@@ -1,0 +1,587 @@
+/* Quantized GEMM on the tensor cores for products of 9 and more token rows (kernels.h
+ * 8e): y[t][r] = sum_k W[r][k] x[t][k], W in any GGUF weight type the GPU reads, x in F16.
+ *
+ * Why this design (weight tiles dequantized in shared memory, F16 mma.sync) rather than
+ * int8 MMA on the weight blocks: one code path serves every type (m40k_group8 of
+ * quant_dev.h turns 8 elements of any type into small integers with one scale and one
+ * offset); the F16 weights it forms are bit for bit the ones the tiled path's
+ * dequantize-then-cuBLAS product formed before it, and x is the same F16 copy, so models
+ * compute what they computed (only the order of the F32 sums changed); and the cost
+ * that motivated the change (the F16 copy of every matrix written and read again on
+ * every step) is gone: weights are read once per block of token rows, in their quantized
+ * bytes. BENCHMARKS.md has the measurements.
+ *
+ * Block: 8 warps, 128 weight rows x BM token rows (BM 16, 32, 64 or 128), K in steps of
+ * 64. Per step the block dequantizes its 128 x 64 weight tile into shared memory (each
+ * thread four groups of 8 elements: loads, then the F16 conversion) while the x tile
+ * (BM x 64 F16) arrives by cp.async; the warps multiply the previous step's tiles
+ * meanwhile (two stages). Each warp owns a 16*MT x 8*NT piece of the output: ldmatrix A
+ * fragments from the weight tile (rows = weight rows), B fragments from the x tile
+ * (rows = token rows, k contiguous: the mma's "col" operand as it is), F32 accumulators.
+ * Rows of shared memory are padded by 16 bytes: 8 rows of an ldmatrix hit 8 different
+ * bank quads.
+ *
+ * Split-K (few output tiles, as in decode batches of a few dozen rows): split s writes
+ * its partial tile to the workspace, fences and counts on its tile's counter; the block
+ * that counts last sums the splits in order 0..S-1 (deterministic) into y and resets the
+ * counter to zero (kernels.h 8e: the caller zeroes the counters once). */
+#include "quant_dev.h"
+
+#define MQ_WARPS 8
+#define MQ_BN 128             /* weight rows a block */
+#define MQ_BK 64              /* K a step */
+#define MQ_LDS (MQ_BK + 8)    /* halves a shared-memory row: 144 bytes */
+#define MQ_GROUPS (MQ_BN * MQ_BK / 8 / (MQ_WARPS * 32)) /* groups of 8 a thread dequantizes a step: 4 */
+
+__device__ __forceinline__ uint32_t mq_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing */
+__device__ __forceinline__ void mq_cp16(void *dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mq_saddr(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mq_ldsm4(uint32_t (&r)[4], const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(mq_saddr(p)));
+}
+
+/* c[16x8] += a[16x16] b[16x8], F16 in, F32 accumulate (fragment layouts: PTX ISA,
+ * mma.m16n8k16) */
+__device__ __forceinline__ void mq_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ uint32_t mq_h2(float lo, float hi)
+{
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+/* The warp grid of a BM-row block: 8 warps as WN (along the weight rows) x WM (along the
+ * token rows); a warp's piece is MT m16 tiles x NT n8 tiles. */
+template <int BM> struct mq_shape {
+    enum {
+        WN = BM <= 32 ? 8 : 4,
+        WM = MQ_WARPS / WN,
+        MT = MQ_BN / WN / 16,
+        NT = BM / WM / 8,
+        XC = BM * (MQ_BK / 8) / (MQ_WARPS * 32) /* 16-byte pieces of the x tile a thread (0: fewer threads) */
+    };
+    static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+};
+
+/* Staged weights (the fast path): per row and chunk of MQ_KC = 256 elements, the chunk's
+ * bytes as the file lays them out, RB bytes a row (a multiple of 16, so cp.async moves
+ * them 16 bytes at a time): one superblock of the K-quants, 8 blocks of the 32-element
+ * types, one group of Q8_0_G8; Q6_K_G8's superblock (208 bytes) followed by its group's
+ * 16 bytes of scales d[8]. 0: the type has no such chunk (plain Q6_K: 210 bytes). */
+#define MQ_KC 256
+template <int T> struct mq_stage {
+    enum {
+        RB = T == M40K_TYPE_Q6_K_G8 ? 224
+             : T == M40K_TYPE_Q6_K || T == M40K_TYPE_F16 || T == M40K_TYPE_F32
+                 ? 0
+                 : MQ_KC / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB
+    };
+    static_assert(RB % 16 == 0, "staged chunks move in 16-byte pieces");
+};
+
+/* Shared memory of a block: the F16 weight tile (MQ_BN x MQ_BK), the F16 x tile (BM x
+ * MQ_BK), and where staged two chunks of raw weights (MQ_BN x RB each). */
+template <int T, int BM, bool STAGED> struct mq_smem {
+    enum {
+        W = MQ_BN * MQ_LDS * 2,
+        X = BM * MQ_LDS * 2,
+        RAW = STAGED ? 2 * MQ_BN * mq_stage<T>::RB : 0,
+        BYTES = W + X + RAW
+    };
+};
+
+__device__ __forceinline__ uint32_t mq_lds16(const uint8_t *p) { return *reinterpret_cast<const uint16_t *>(p); }
+
+/* 8 elements e .. e+7 (e a multiple of 8) of a staged chunk row p (16-byte aligned), as
+ * m40k_group8 gives them (the same q, scale and offset, so the same F16 values), read
+ * with the widest loads each layout's alignment allows. j: Q6_K_G8's superblock within its
+ * group (its d). */
+template <int T>
+__device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, float (&q)[8], float &sc, float &off)
+{
+    if constexpr (T == M40K_TYPE_Q4_0 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q5_0) {
+        /* blocks at even offsets: 2-byte loads */
+        constexpr int BB = m40k_tinfo<T>::BB, QS = T == M40K_TYPE_Q5_0 ? 6 : 2;
+        const uint8_t *b = p + BB * (e >> 5);
+        const int jj = e & 31;
+        uint32_t v[4];
+        const uint8_t *qs = b + QS + (T == M40K_TYPE_Q8_0 ? jj : (jj & 15));
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            v[i] = mq_lds16(qs + 2 * i);
+        sc = m40k_h2f((uint16_t)mq_lds16(b));
+        if constexpr (T == M40K_TYPE_Q8_0) {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                q[i] = m40k_u8f(((v[i >> 1] >> (8 * (i & 1))) & 255u) ^ 0x80u); /* int8 + 128 */
+            off = 128.0f * sc;
+        } else {
+            const int sh = jj < 16 ? 0 : 4;
+            uint32_t hb = 0;
+            if constexpr (T == M40K_TYPE_Q5_0)
+                hb = ((mq_lds16(b + 2) | mq_lds16(b + 4) << 16) >> jj) << 4; /* bit jj+i at bit 4+i */
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                q[i] = m40k_u8f(((v[i >> 1] >> (8 * (i & 1) + sh)) & 15u) | ((hb >> i) & 16u));
+            off = (T == M40K_TYPE_Q5_0 ? 16.0f : 8.0f) * sc;
+        }
+    } else if constexpr (T == M40K_TYPE_Q4_1 || T == M40K_TYPE_Q5_1) {
+        /* 4- and 8-byte aligned blocks: word loads */
+        constexpr int BB = m40k_tinfo<T>::BB, QS = T == M40K_TYPE_Q4_1 ? 4 : 8;
+        const uint8_t *b = p + BB * (e >> 5);
+        const int jj = e & 31, sh = jj < 16 ? 0 : 4;
+        const uint32_t dm = *reinterpret_cast<const uint32_t *>(b);
+        const uint32_t *qs = reinterpret_cast<const uint32_t *>(b + QS + (jj & 15));
+        const uint32_t v[2] = {qs[0], qs[1]};
+        uint32_t hb = 0;
+        if constexpr (T == M40K_TYPE_Q5_1)
+            hb = (*reinterpret_cast<const uint32_t *>(b + 4) >> jj) << 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f(((v[i >> 2] >> (8 * (i & 3) + sh)) & 15u) | ((hb >> i) & 16u));
+        sc = m40k_h2f((uint16_t)(dm & 0xFFFFu));
+        off = -m40k_h2f((uint16_t)(dm >> 16));
+    } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
+        const int jb = e >> 5;
+        const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + 32 * jb + (e & 31));
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f((((i < 4 ? v.x : v.y) >> (8 * (i & 3))) & 255u) ^ 0x80u);
+        sc = m40k_h2f((uint16_t)mq_lds16(p + 2 * jb));
+        off = 128.0f * sc;
+    } else if constexpr (T == M40K_TYPE_Q4_K) {
+        const int s = e >> 5, c = e >> 6, l = e & 63, sh = l < 32 ? 0 : 4;
+        const uint32_t dm = *reinterpret_cast<const uint32_t *>(p);
+        const uint8_t *scb = p + 4;
+        int scv, mnv;
+        if (s < 4) {
+            scv = scb[s] & 63;
+            mnv = scb[s + 4] & 63;
+        } else {
+            scv = (scb[s + 4] & 15) | ((scb[s - 4] >> 6) << 4);
+            mnv = (scb[s + 4] >> 4) | ((scb[s] >> 6) << 4);
+        }
+        const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + 32 * c + (l & 31));
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_u8f((((i < 4 ? v.x : v.y) >> (8 * (i & 3) + sh)) & 15u));
+        sc = m40k_h2f((uint16_t)(dm & 0xFFFFu)) * (float)scv;
+        off = m40k_h2f((uint16_t)(dm >> 16)) * (float)mnv;
+    } else if constexpr (T == M40K_TYPE_Q6_K_G8) {
+        const int n = e >> 7, r = e & 127, k = r >> 5, l = r & 31;
+        const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
+        const uint2 hi = *reinterpret_cast<const uint2 *>(p + 128 + 32 * n + l);
+        const int shl = k < 2 ? 0 : 4, shh = 2 * k;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const uint32_t a = (i < 4 ? lo.x : lo.y) >> (8 * (i & 3)), h = (i < 4 ? hi.x : hi.y) >> (8 * (i & 3));
+            q[i] = m40k_u8f(((a >> shl) & 15u) | (((h >> shh) & 3u) << 4));
+        }
+        sc = m40k_h2f((uint16_t)mq_lds16(p + 208 + 2 * j)) * (float)(int8_t)p[192 + (e >> 4)];
+        off = 32.0f * sc;
+    }
+}
+
+/* STAGED: the weights come through two chunk buffers filled by cp.async a chunk (four
+ * steps) ahead and are dequantized from shared memory (mq_deq8; K a multiple of 256, rows
+ * 16-byte aligned); otherwise each thread dequantizes straight from global memory
+ * (m40k_group8, any alignment: the fallback). The F16 tiles are single: each step is
+ * multiply, barrier, store the next step's tiles (formed in registers during the
+ * multiply), barrier. */
+template <int T, int BM, bool STAGED>
+__global__ __launch_bounds__(MQ_WARPS * 32, 2) void mq_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
+                                                               int K, const uint16_t *__restrict__ x, int64_t x_stride,
+                                                               int M, float *__restrict__ y, int64_t ldy, int S,
+                                                               float *ws, int *counters)
+{
+    typedef mq_shape<BM> sh;
+    typedef mq_smem<T, BM, STAGED> sm;
+    constexpr int RB = STAGED ? mq_stage<T>::RB : 16;
+    extern __shared__ __align__(16) uint8_t mq_sm[];
+    uint16_t *const wt = reinterpret_cast<uint16_t *>(mq_sm);
+    uint16_t *const xt = reinterpret_cast<uint16_t *>(mq_sm + sm::W);
+    uint8_t *const raw = mq_sm + sm::W + sm::X; /* STAGED: chunk buffer b at raw + b * MQ_BN * RB */
+    __shared__ int last;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wn = warp % sh::WN, wm = warp / sh::WN;
+    const int n0 = blockIdx.x * MQ_BN, m0 = blockIdx.y * BM, s = blockIdx.z;
+    /* the split's steps: whole chunks of 256 (the staged kernel's unit; the direct one
+     * splits alike, so that both sum in the same order) */
+    constexpr int unit = MQ_KC / MQ_BK;
+    const int nu = (K + MQ_KC - 1) / MQ_KC;
+    const int it0 = (int)((int64_t)s * nu / S) * unit, it1 = min((int)((int64_t)(s + 1) * nu / S) * unit,
+                                                                 (K + MQ_BK - 1) / MQ_BK);
+
+    /* this thread's groups: group i*256 + tid of the tile is row g >> 3, columns 8*(g & 7) */
+    int wr[MQ_GROUPS], wcol[MQ_GROUPS];
+#pragma unroll
+    for (int i = 0; i < MQ_GROUPS; i++) {
+        const int g = i * MQ_WARPS * 32 + tid;
+        wr[i] = g >> 3;
+        wcol[i] = 8 * (g & 7);
+    }
+    /* STAGED: chunk c (of the row's chunks) into buffer c & 1, one commit group */
+    auto issue_chunk = [&](int c) {
+        uint8_t *dst = raw + (c & 1) * MQ_BN * RB;
+        for (int i = tid; i < MQ_BN * (RB / 16); i += MQ_WARPS * 32) {
+            const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
+            const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes; /* rows past N: never written */
+            const uint8_t *src;
+            if constexpr (T == M40K_TYPE_Q6_K_G8) /* superblock c % 8 of group c / 8, then the group's d[8] */
+                src = row + 1680 * (size_t)(c >> 3) + (o < 208 ? 208 * (c & 7) + o : 1664 + (o - 208));
+            else
+                src = row + (size_t)c * RB + o;
+            mq_cp16(dst + r * RB + o, src, 16);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    /* the weight tile of step it as F16, packed: 4 groups x 8 halves */
+    auto deq = [&](int it, uint4(&h)[MQ_GROUPS]) {
+#pragma unroll
+        for (int i = 0; i < MQ_GROUPS; i++) {
+            const int e0 = it * MQ_BK + wcol[i];
+            float q[8], sc = 0.0f, off = 0.0f;
+            if constexpr (STAGED) {
+                const int c = e0 / MQ_KC;
+                mq_deq8<T>(raw + (c & 1) * MQ_BN * RB + wr[i] * RB, e0 % MQ_KC, c & 7, q, sc, off);
+            } else if (e0 < K) {
+                m40k_group8<T>(w + (size_t)min(n0 + wr[i], N - 1) * row_bytes, e0, q, sc, off);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    q[k] = 0.0f;
+            }
+            h[i].x = mq_h2(sc * q[0] - off, sc * q[1] - off);
+            h[i].y = mq_h2(sc * q[2] - off, sc * q[3] - off);
+            h[i].z = mq_h2(sc * q[4] - off, sc * q[5] - off);
+            h[i].w = mq_h2(sc * q[6] - off, sc * q[7] - off);
+        }
+    };
+    /* the x tile of step it into registers: BM rows x 8 pieces of 16 bytes; rows past M
+     * and columns past K are zeros */
+    constexpr int XC = sh::XC > 0 ? sh::XC : 1;
+    auto load_x = [&](int it, uint4(&h)[XC]) {
+#pragma unroll
+        for (int i = 0; i < XC; i++) {
+            const int c = i * MQ_WARPS * 32 + tid, r = c >> 3, k = it * MQ_BK + 8 * (c & 7);
+            h[i] = make_uint4(0, 0, 0, 0);
+            if (c < BM * (MQ_BK / 8) && m0 + r < M && k < K)
+                h[i] = __ldg(reinterpret_cast<const uint4 *>(x + (size_t)(m0 + r) * x_stride + k));
+        }
+    };
+    auto store = [&](const uint4(&hw)[MQ_GROUPS], const uint4(&hx)[XC]) {
+#pragma unroll
+        for (int i = 0; i < MQ_GROUPS; i++)
+            *reinterpret_cast<uint4 *>(wt + wr[i] * MQ_LDS + wcol[i]) = hw[i];
+#pragma unroll
+        for (int i = 0; i < XC; i++) {
+            const int c = i * MQ_WARPS * 32 + tid;
+            if (c < BM * (MQ_BK / 8))
+                *reinterpret_cast<uint4 *>(xt + (c >> 3) * MQ_LDS + 8 * (c & 7)) = hx[i];
+        }
+    };
+
+    float acc[sh::MT][sh::NT][4];
+#pragma unroll
+    for (int a = 0; a < sh::MT; a++)
+#pragma unroll
+        for (int b = 0; b < sh::NT; b++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                acc[a][b][c] = 0.0f;
+
+    uint4 hw[MQ_GROUPS], hx[XC];
+    if (it0 < it1) {
+        if constexpr (STAGED) {
+            issue_chunk(it0 / unit);
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            __syncthreads();
+        }
+        load_x(it0, hx);
+        deq(it0, hw);
+        if constexpr (STAGED)
+            if (it0 + unit < it1)
+                issue_chunk(it0 / unit + 1);
+        store(hw, hx);
+        __syncthreads();
+    }
+    /* A fragments: lanes 0-15 rows 0-15 at k, lanes 16-31 the same rows at k + 8; B
+     * fragments (two n8 tiles): lane l row 8*(l >> 4) + (l & 7), k + 8*((l >> 3) & 1) */
+    const int a_off = (wn * sh::MT * 16 + (lane & 15)) * MQ_LDS + (lane >> 4) * 8;
+    const int b_off = (wm * sh::NT * 8 + ((lane >> 4) << 3) + (lane & 7)) * MQ_LDS + ((lane >> 3) & 1) * 8;
+    for (int it = it0; it < it1; it++) {
+        const bool more = it + 1 < it1;
+        if (more) {
+            load_x(it + 1, hx);
+            if constexpr (STAGED)
+                if ((it + 1) % unit == 0) { /* step it + 1 opens chunk c: it was issued a chunk ago */
+                    const int c = (it + 1) / unit;
+                    asm volatile("cp.async.wait_all;\n" ::: "memory");
+                    __syncthreads();
+                    /* chunk c + 1 into the buffer of chunk c - 1, read for the last time by
+                     * the step before this one's (two barriers ago) */
+                    if (it + 1 + unit < it1)
+                        issue_chunk(c + 1);
+                }
+            deq(it + 1, hw);
+        }
+#pragma unroll
+        for (int kk = 0; kk < MQ_BK; kk += 16) {
+            uint32_t a[sh::MT][4], b[sh::NT][2];
+#pragma unroll
+            for (int mt = 0; mt < sh::MT; mt++)
+                mq_ldsm4(a[mt], wt + a_off + mt * 16 * MQ_LDS + kk);
+#pragma unroll
+            for (int nt = 0; nt < sh::NT; nt += 2) {
+                uint32_t r[4];
+                mq_ldsm4(r, xt + b_off + nt * 8 * MQ_LDS + kk);
+                b[nt][0] = r[0], b[nt][1] = r[1], b[nt + 1][0] = r[2], b[nt + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mt = 0; mt < sh::MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < sh::NT; nt++)
+                    mq_mma(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+        }
+        if (more) {
+            __syncthreads(); /* every warp is done with this step's tiles */
+            store(hw, hx);
+            __syncthreads();
+        }
+    }
+
+    /* accumulator c of tile (mt, nt): weight row 16*mt + lane/4 + 8*(c >> 1), token row
+     * 8*nt + 2*(lane & 3) + (c & 1) of the warp's piece */
+    float *dst = S > 1 ? ws + (size_t)s * M * N : y;
+    const int64_t ld = S > 1 ? N : ldy;
+#pragma unroll
+    for (int mt = 0; mt < sh::MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < sh::NT; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int r = n0 + wn * sh::MT * 16 + mt * 16 + (lane >> 2) + 8 * (c >> 1);
+                const int t = m0 + wm * sh::NT * 8 + nt * 8 + 2 * (lane & 3) + (c & 1);
+                if (r < N && t < M)
+                    dst[(size_t)t * ld + r] = acc[mt][nt][c];
+            }
+    if (S == 1)
+        return;
+    __threadfence();
+    __syncthreads();
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    if (tid == 0) {
+        __threadfence();
+        last = atomicAdd(counters + tile, 1) == S - 1;
+    }
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence();
+    const int rows = min(MQ_BN, N - n0), toks = min(BM, M - m0);
+    for (int idx = tid; idx < rows * toks; idx += MQ_WARPS * 32) {
+        const int t = m0 + idx / rows, r = n0 + idx % rows;
+        float v = 0.0f;
+        for (int k = 0; k < S; k++)
+            v += __ldcg(ws + ((size_t)k * M + t) * N + r);
+        y[(size_t)t * ldy + r] = v;
+    }
+    if (tid == 0)
+        atomicExch(counters + tile, 0); /* every split has counted: nothing else touches it now */
+}
+
+/* The block's token rows for M rows: the smallest of 16, 32, 64 that holds them, else 128. */
+static int mq_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : M <= 64 ? 64 : 128; }
+
+extern "C" size_t m40k_gemm_q_counter_ints(int N, int M)
+{
+    return N > 0 && M > 0 ? (size_t)((N + MQ_BN - 1) / MQ_BN) * (size_t)((M + mq_bm(M) - 1) / mq_bm(M)) : 0;
+}
+
+extern "C" size_t m40k_gemm_q_ws_floats(int N, int M, int n_splits)
+{
+    return n_splits > 1 && N > 0 && M > 0 ? (size_t)n_splits * M * N : 0;
+}
+
+extern "C" int m40k_gemm_q_pick_splits(int N, int K, int M, int sm_count, size_t ws_floats, size_t counter_ints)
+{
+    if (N <= 0 || M <= 0 || K <= 0 || sm_count <= 0 || m40k_gemm_q_counter_ints(N, M) > counter_ints)
+        return 1;
+    const int tiles = (int)m40k_gemm_q_counter_ints(N, M), nc = (K + MQ_KC - 1) / MQ_KC;
+    /* one wave of two resident blocks an SM; at least one 256-wide chunk a split */
+    int S = (2 * sm_count) / tiles;
+    S = min(S, nc);
+    while (S > 1 && m40k_gemm_q_ws_floats(N, M, S) > ws_floats)
+        S--;
+    return S < 1 ? 1 : S;
+}
+
+/* Raises the dynamic shared-memory limit of instance <T, BM, STAGED> on the current
+ * device, once (a plain flag per device: a second thread racing here only sets it twice). */
+template <int T, int BM, bool STAGED> static int mq_prepare(void)
+{
+    static bool done[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return M40K_INVALID;
+    if (!done[dev]) {
+        const cudaError_t e = cudaFuncSetAttribute(mq_kernel<T, BM, STAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   mq_smem<T, BM, STAGED>::BYTES);
+        if (e != cudaSuccess)
+            return (int)e;
+        done[dev] = true;
+    }
+    return 0;
+}
+
+template <int T, bool STAGED> static int mq_prepare_all(void)
+{
+    int e = mq_prepare<T, 16, STAGED>();
+    if (!e)
+        e = mq_prepare<T, 32, STAGED>();
+    if (!e)
+        e = mq_prepare<T, 64, STAGED>();
+    if (!e)
+        e = mq_prepare<T, 128, STAGED>();
+    return e;
+}
+
+template <int T> static int mq_prepare_type(void)
+{
+    int e = mq_prepare_all<T, false>();
+    if constexpr (mq_stage<T>::RB > 0)
+        if (!e)
+            e = mq_prepare_all<T, true>();
+    return e;
+}
+
+template <int T, int BM, bool STAGED>
+static int mq_launch(const void *w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride, int M,
+                     float *y, int64_t ldy, int S, float *ws, int *counters, cudaStream_t st)
+{
+    const int e = mq_prepare<T, BM, STAGED>();
+    if (e)
+        return e;
+    const dim3 grid((unsigned)((N + MQ_BN - 1) / MQ_BN), (unsigned)((M + BM - 1) / BM), (unsigned)S);
+    mq_kernel<T, BM, STAGED><<<grid, MQ_WARPS * 32, mq_smem<T, BM, STAGED>::BYTES, st>>>(
+        (const uint8_t *)w, row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters);
+    return m40k_launch_status();
+}
+
+template <int T, bool STAGED>
+static int mq_bm_launch(const void *w, size_t rb, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
+                        int64_t ldy, int S, float *ws, int *counters, cudaStream_t st)
+{
+    switch (mq_bm(M)) {
+    case 16: return mq_launch<T, 16, STAGED>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+    case 32: return mq_launch<T, 32, STAGED>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+    case 64: return mq_launch<T, 64, STAGED>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+    default: return mq_launch<T, 128, STAGED>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+    }
+}
+
+/* The staged kernel where the type has 16-byte chunks and the rows allow them (K a
+ * multiple of 256, rows 16-byte aligned); the direct one otherwise. */
+template <int T>
+static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y, int64_t ldy,
+                   int S, float *ws, int *counters, cudaStream_t st)
+{
+    typedef m40k_tinfo<T> ti;
+    if (K % ti::BE)
+        return M40K_INVALID;
+    const size_t rb = (size_t)K / ti::BE * ti::BB;
+    if constexpr (mq_stage<T>::RB > 0)
+        if (K % MQ_KC == 0 && rb % 16 == 0 && ((uintptr_t)w & 15) == 0)
+            return mq_bm_launch<T, true>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+    return mq_bm_launch<T, false>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+}
+
+extern "C" int m40k_gemm_q_supported(int w_type)
+{
+    switch (w_type) {
+    case M40K_TYPE_F16:
+    case M40K_TYPE_Q8_0:
+    case M40K_TYPE_Q4_0:
+    case M40K_TYPE_Q4_1:
+    case M40K_TYPE_Q5_0:
+    case M40K_TYPE_Q5_1:
+    case M40K_TYPE_Q4_K:
+    case M40K_TYPE_Q6_K:
+    case M40K_TYPE_Q8_0_G8:
+    case M40K_TYPE_Q6_K_G8: return 1;
+    default: return 0;
+    }
+}
+
+extern "C" int m40k_gemm_q_prepare(void)
+{
+    const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,    M40K_TYPE_Q5_0,
+                         M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8};
+    for (int t : types) {
+        int e = 0;
+        switch (t) {
+#define MQ_CASE(x)                                                                                                     \
+    case x: e = mq_prepare_type<x>(); break;
+            MQ_CASE(M40K_TYPE_F16)
+            MQ_CASE(M40K_TYPE_Q8_0)
+            MQ_CASE(M40K_TYPE_Q4_0)
+            MQ_CASE(M40K_TYPE_Q4_1)
+            MQ_CASE(M40K_TYPE_Q5_0)
+            MQ_CASE(M40K_TYPE_Q5_1)
+            MQ_CASE(M40K_TYPE_Q4_K)
+            MQ_CASE(M40K_TYPE_Q6_K)
+            MQ_CASE(M40K_TYPE_Q8_0_G8)
+            MQ_CASE(M40K_TYPE_Q6_K_G8)
+#undef MQ_CASE
+        }
+        if (e)
+            return e;
+    }
+    return 0;
+}
+
+extern "C" int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M,
+                           float *y, int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream)
+{
+    if (N <= 0 || M <= 0)
+        return 0;
+    if (K <= 0 || K % 8 || ((uintptr_t)x & 15) || x_stride % 8 || (M > 1 && x_stride < K) || ldy < N ||
+        n_splits < 1 || n_splits > (K + MQ_KC - 1) / MQ_KC || n_splits > 65535 ||
+        (n_splits > 1 && (!workspace || !counters)) || (M + 15) / 16 > 65535)
+        return M40K_INVALID;
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (w_type) {
+#define MQ_CASE(t)                                                                                                     \
+    case t: return mq_type<t>(w, N, K, x, x_stride, M, y, ldy, n_splits, workspace, counters, st);
+        MQ_CASE(M40K_TYPE_F16)
+        MQ_CASE(M40K_TYPE_Q8_0)
+        MQ_CASE(M40K_TYPE_Q4_0)
+        MQ_CASE(M40K_TYPE_Q4_1)
+        MQ_CASE(M40K_TYPE_Q5_0)
+        MQ_CASE(M40K_TYPE_Q5_1)
+        MQ_CASE(M40K_TYPE_Q4_K)
+        MQ_CASE(M40K_TYPE_Q6_K)
+        MQ_CASE(M40K_TYPE_Q8_0_G8)
+        MQ_CASE(M40K_TYPE_Q6_K_G8)
+#undef MQ_CASE
+    default: return M40K_INVALID;
+    }
+}
