@@ -440,6 +440,10 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
         snprintf(err, errlen, "ctx_size, max_seqs, max_queue and prefill_chunk must not be negative");
         return -1;
     }
+    if (!(cfg->gpu_memory_fraction >= 0.0f && cfg->gpu_memory_fraction <= 1.0f)) {
+        snprintf(err, errlen, "gpu_memory_fraction must be in (0, 1] (0 for the default)");
+        return -1;
+    }
     m40_engine *e = calloc(1, sizeof *e);
     if (!e) {
         snprintf(err, errlen, "out of memory");
@@ -455,8 +459,9 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
     }
     e->device = cfg->device;
     e->ctx_cfg = cfg->ctx_size;
-    e->max_seqs = cfg->max_seqs > 0 ? cfg->max_seqs : 1;
+    e->max_seqs_cfg = cfg->max_seqs;
     e->max_queue = cfg->max_queue > 0 ? cfg->max_queue : M40_DEFAULT_MAX_QUEUE;
+    e->gpu_memory_fraction = cfg->gpu_memory_fraction; /* 0: the KV pool's default */
     e->n_threads = cfg->n_threads;
     e->prefill_chunk = cfg->prefill_chunk > 0 ? cfg->prefill_chunk : M40_DEFAULT_PREFILL_CHUNK;
     e->state = M40_ENGINE_LOADING;
@@ -572,6 +577,34 @@ int32_t m40_engine_n_vocab(m40_engine *e)
 const char *m40_engine_model_name(const m40_engine *e)
 {
     return e->model_name;
+}
+
+int m40_engine_get_capacity(m40_engine *e, m40_engine_capacity *out)
+{
+    pthread_mutex_lock(&e->mu);
+    int ready = e->state == M40_ENGINE_READY;
+    if (ready)
+        *out = e->capacity;
+    pthread_mutex_unlock(&e->mu);
+    return ready ? 0 : -1;
+}
+
+int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len)
+{
+    const double GiB = 1073741824.0;
+    char where[256];
+    if (c->kv_blocks > 0)
+        snprintf(where, sizeof where,
+                 "%d blocks of %d, %.1f GiB: %.2f of gpu %d's %.1f GiB less %.1f GiB in use and %.1f GiB kept for "
+                 "activations",
+                 (int)c->kv_blocks, (int)c->kv_block_size, c->kv_bytes / GiB, (double)c->gpu_memory_fraction,
+                 c->device, c->gpu_total / GiB, c->gpu_in_use / GiB, c->gpu_reserve / GiB);
+    else
+        snprintf(where, sizeof where, "%d slots of %d tokens in CPU memory", (int)c->max_seqs, (int)c->ctx);
+    return snprintf(buf, len, "KV cache: %lld tokens (%s); %lld sequences of %d tokens fit; max_seqs %d%s; "
+                              "max_queue %d",
+                    (long long)c->kv_tokens, where, (long long)c->full_ctx_seqs, (int)c->ctx, (int)c->max_seqs,
+                    c->max_seqs_auto ? " (automatic)" : "", (int)c->max_queue);
 }
 
 void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out)

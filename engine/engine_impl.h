@@ -28,7 +28,6 @@
 #define M40_MAX_STOP_ALL (M40_MAX_STOP + 1)
 #define M40_MAX_STOP_LEN 1024
 #define M40_DEFAULT_PREFILL_CHUNK 512
-#define M40_DEFAULT_MAX_QUEUE 256
 
 enum m40_req_phase {
     M40_REQ_QUEUED = 0,  /* in e's wait queue; release may unlink it directly */
@@ -106,8 +105,10 @@ struct m40_engine {
     char *template_override;
     int device;
     int32_t ctx_cfg;
-    int32_t max_seqs;
+    int32_t max_seqs_cfg;         /* as configured; 0: automatic */
+    int32_t max_seqs;             /* the engine thread's, set at load (slots) */
     int32_t max_queue;
+    float gpu_memory_fraction;
     int32_t n_threads;
     int32_t prefill_chunk;
 
@@ -122,6 +123,7 @@ struct m40_engine {
     char load_err[512];
     int32_t ctx;         /* valid once READY */
     int32_t n_vocab;
+    m40_engine_capacity capacity; /* valid once READY */
     m40_request *q_head, *q_tail;
     int32_t q_n;
     m40_request *rd_head, *rd_tail;

@@ -22,7 +22,11 @@
  * (m40_kv_slot_clear), and when a step needs more blocks than are free the forward
  * call says so (M40_FORWARD_NO_BLOCKS) and changes nothing; the youngest sequence is
  * then preempted (its blocks freed, its tokens so far, generated ones included,
- * become a prompt to recompute later) and the step is rebuilt, until it fits.
+ * become a prompt to recompute later) and the step is rebuilt, until it fits. The pool
+ * is sized from the GPU's memory, not from max_seqs * ctx (kv_size), so this is the
+ * normal way a full pool is shared: admission takes any free slot, the oldest sequence
+ * always keeps going, and a young one waits (preempted again each step) until blocks
+ * come back. A sequence alone that the pool cannot hold ends (make_room).
  *
  * Prefix caching (GPU pool, m40_kv_slot_match_prefix): when a sequence gets its first
  * prompt chunk, the full blocks of its prompt that are already cached are attached to
@@ -875,6 +879,64 @@ static void stats_publish(m40_engine *e)
 
 /* ---------- load and shutdown ---------- */
 
+/* The KV cache and the number of slots (m40_engine.h says the rules). On a GPU the pool
+ * is sized from the memory first, for the most slots the automatic choice could take
+ * (the activation reserve grows with the slots), then an automatic max_seqs is what the
+ * pool holds; the pool's slots past it stay unused (a few bytes each). The pool is
+ * capped at what M40_AUTO_MAX_SEQS (or max_seqs, when larger) sequences of full
+ * context need: more could only ever hold cached prefixes, and a small model on a big
+ * card would otherwise get millions of blocks to keep track of. Fills e->capacity. */
+static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
+{
+    const int gpu = m40_model_device(e->model) >= 0;
+    const int automatic = e->max_seqs_cfg <= 0;
+    int32_t slots = !automatic ? e->max_seqs_cfg : gpu ? M40_AUTO_MAX_SEQS : M40_CPU_MAX_SEQS;
+    const int64_t bs = M40_KV_BLOCK_SIZE_DEFAULT, ctx_blocks = ((int64_t)ctx + bs - 1) / bs;
+    m40_kv_options ko = {.gpu_memory_fraction = e->gpu_memory_fraction,
+                         .max_tokens = (int64_t)(slots > M40_AUTO_MAX_SEQS ? slots : M40_AUTO_MAX_SEQS) * ctx_blocks * bs,
+                         .max_step_rows = slots + e->prefill_chunk,
+                         .max_step_out = slots};
+    char kerr[400];
+    e->kv = m40_kv_new_opts(e->model, slots, ctx, &ko, kerr, sizeof kerr);
+    if (!e->kv) {
+        snprintf(err, errlen, "cannot allocate the KV cache for %d sequences of %d tokens: %s", (int)slots, (int)ctx,
+                 kerr);
+        return -1;
+    }
+    m40_engine_capacity c;
+    memset(&c, 0, sizeof c);
+    c.device = gpu ? m40_model_device(e->model) : -1;
+    c.ctx = ctx;
+    if (gpu) {
+        m40_kv_pool_info pi;
+        m40_kv_get_pool_info(e->kv, &pi);
+        c.kv_blocks = m40_kv_pool_blocks(e->kv);
+        c.kv_block_size = (int32_t)bs;
+        c.kv_tokens = (int64_t)c.kv_blocks * bs;
+        c.full_ctx_seqs = c.kv_blocks / ctx_blocks;
+        c.gpu_memory_fraction = pi.fraction;
+        c.gpu_total = pi.total;
+        c.gpu_in_use = pi.in_use;
+        c.gpu_reserve = pi.reserve;
+        c.kv_bytes = pi.pool;
+        if (automatic) {
+            /* sequences of M40_AUTO_SEQ_TOKENS (or of the whole context when shorter) */
+            int64_t len = ctx < M40_AUTO_SEQ_TOKENS ? ctx : M40_AUTO_SEQ_TOKENS, per = (len + bs - 1) / bs;
+            int64_t fit = c.kv_blocks / per;
+            slots = fit < 1 ? 1 : fit < slots ? (int32_t)fit : slots;
+        }
+    } else {
+        c.kv_tokens = (int64_t)slots * ctx;
+        c.full_ctx_seqs = slots;
+    }
+    e->max_seqs = slots;
+    c.max_seqs = slots;
+    c.max_seqs_auto = automatic;
+    c.max_queue = e->max_queue;
+    e->capacity = c; /* published under e->mu with READY */
+    return 0;
+}
+
 static int engine_load(m40_engine *e, char *err, size_t errlen)
 {
     char merr[384];
@@ -899,12 +961,8 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
      * control text the model was trained to emit as one id); when it is not, the
      * model can only spell it out, and the fallback template stops on that text. */
     e->fallback_end_is_text = m40_tokenizer_find_piece(e->tok, M40_FALLBACK_END) < 0;
-    e->kv = m40_kv_new(e->model, e->max_seqs, ctx);
-    if (!e->kv) {
-        snprintf(err, errlen, "cannot allocate the KV cache for %d sequences of %d tokens", (int)e->max_seqs,
-                 (int)ctx);
+    if (kv_size(e, ctx, err, errlen) != 0)
         return -1;
-    }
 
     const char *src = e->template_override;
     if (!src)

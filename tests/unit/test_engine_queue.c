@@ -1,0 +1,218 @@
+/* The engine's waiting room (engine.c, scheduler.c) on the CPU with the tiny
+ * stories260K model: the defaults of max_queue and max_seqs, the capacity the engine
+ * reports at load, the validation of gpu_memory_fraction, and a burst far larger than
+ * the slots plus the old 64-deep queue that waits and completes instead of being
+ * refused. */
+#include <stdint.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "engine_jobs.h"
+#include "m40_engine.h"
+
+static const char *prompts[6] = {
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park. They saw a big",
+    "One day",
+    "She was happy because",
+    "A bird sat on a tree and sang a song to the sun",
+};
+
+static m40_engine *start(const char *path, int ctx, int max_seqs, int max_queue, float mem_fraction, char *err,
+                         size_t errlen)
+{
+    m40_engine_config cfg = {.model_path = path,
+                             .model_name = "stories",
+                             .device = -1,
+                             .ctx_size = ctx,
+                             .max_seqs = max_seqs,
+                             .max_queue = max_queue,
+                             .n_threads = 2,
+                             .gpu_memory_fraction = mem_fraction};
+    m40_engine *e = NULL;
+    if (m40_engine_create(&cfg, &e, err, errlen) != 0)
+        return NULL;
+    return e;
+}
+
+static int wait_ready(m40_engine *e, double timeout)
+{
+    double end = now_s() + timeout;
+    m40_engine_state st;
+    while ((st = m40_engine_get_state(e, NULL, 0)) == M40_ENGINE_LOADING && now_s() < end)
+        usleep(2000);
+    return st;
+}
+
+static void params_completion(m40_request_params *p, const char *prompt, int max_tokens)
+{
+    memset(p, 0, sizeof *p);
+    p->prompt = prompt;
+    p->prompt_len = strlen(prompt);
+    p->max_tokens = max_tokens;
+    m40_sampler_params_default(&p->sampling);
+    p->sampling.temperature = 0.0f;
+}
+
+/* Waits until the stats say `running` sequences run (and returns them in st). */
+static int wait_running(m40_engine *e, int running, double timeout, m40_engine_stats *st)
+{
+    double end = now_s() + timeout;
+    do {
+        m40_engine_get_stats(e, st);
+        if (st->running == running)
+            return 0;
+        usleep(1000);
+    } while (now_s() < end);
+    return -1;
+}
+
+/* Defaults and what the engine reports once loaded. */
+static void test_defaults(const char *path)
+{
+    char err[512], line[512];
+    CHECK(M40_DEFAULT_MAX_QUEUE >= 1024, "default max_queue %d", M40_DEFAULT_MAX_QUEUE);
+
+    /* max_seqs 0 and max_queue 0: the defaults, and the engine says so */
+    m40_engine *e = start(path, 256, 0, 0, 0.0f, err, sizeof err);
+    CHECK(e != NULL, "create: %s", err);
+    if (!e)
+        return;
+    CHECK(wait_ready(e, 30) == M40_ENGINE_READY, "not READY");
+    m40_engine_capacity c;
+    CHECK(m40_engine_get_capacity(e, &c) == 0, "capacity once READY");
+    CHECK(c.device == -1 && c.ctx == 256, "device %d ctx %d", c.device, (int)c.ctx);
+    CHECK(c.max_seqs == M40_CPU_MAX_SEQS && c.max_seqs_auto == 1, "cpu max_seqs %d auto %d", (int)c.max_seqs,
+          c.max_seqs_auto);
+    CHECK(c.max_queue == M40_DEFAULT_MAX_QUEUE, "max_queue %d", (int)c.max_queue);
+    CHECK(c.kv_tokens == (int64_t)M40_CPU_MAX_SEQS * 256 && c.full_ctx_seqs == M40_CPU_MAX_SEQS && c.kv_blocks == 0,
+          "kv tokens %lld, %lld full sequences, %d blocks", (long long)c.kv_tokens, (long long)c.full_ctx_seqs,
+          (int)c.kv_blocks);
+    m40_engine_capacity_line(&c, line, sizeof line);
+    CHECK(strstr(line, "KV cache: 1024 tokens (4 slots of 256 tokens in CPU memory); 4 sequences of 256 tokens fit; "
+                       "max_seqs 4 (automatic); max_queue 1024") == line,
+          "capacity line [%s]", line);
+    m40_engine_stats st;
+    m40_engine_get_stats(e, &st);
+    CHECK(st.kv_tokens_total == c.kv_tokens, "stats kv total %lld", (long long)st.kv_tokens_total);
+    m40_engine_destroy(e);
+
+    /* given values are kept and not called automatic */
+    e = start(path, 128, 3, 7, 0.5f, err, sizeof err);
+    CHECK(e && wait_ready(e, 30) == M40_ENGINE_READY, "create: %s", err);
+    if (e) {
+        CHECK(m40_engine_get_capacity(e, &c) == 0 && c.max_seqs == 3 && !c.max_seqs_auto && c.max_queue == 7 &&
+                  c.kv_tokens == 3 * 128,
+              "max_seqs %d auto %d queue %d kv %lld", (int)c.max_seqs, c.max_seqs_auto, (int)c.max_queue,
+              (long long)c.kv_tokens);
+        m40_engine_capacity_line(&c, line, sizeof line);
+        CHECK(strstr(line, "max_seqs 3; max_queue 7") != NULL, "line [%s]", line);
+        m40_engine_destroy(e);
+    }
+
+    /* a fraction outside (0, 1] is refused at create, with the reason */
+    const float bad[] = {-0.5f, 1.5f, 2.0f};
+    for (int i = 0; i < 3; i++) {
+        err[0] = '\0';
+        e = start(path, 128, 1, 1, bad[i], err, sizeof err);
+        CHECK(e == NULL && strstr(err, "gpu_memory_fraction"), "fraction %g: [%s]", (double)bad[i], err);
+        if (e)
+            m40_engine_destroy(e);
+    }
+
+    /* nothing to report from an engine that failed to load */
+    e = start("/nonexistent/model.gguf", 0, 0, 0, 0.0f, err, sizeof err);
+    CHECK(e != NULL, "create with a bad path");
+    if (e) {
+        CHECK(wait_ready(e, 10) == M40_ENGINE_FAILED, "bad path not FAILED");
+        CHECK(m40_engine_get_capacity(e, &c) == -1, "capacity of a failed engine");
+        m40_engine_destroy(e);
+    }
+}
+
+/* A burst far beyond max_seqs + 64 (the old queue) waits and completes: 2 slots held by
+ * two long generations (they cannot finish on their own within this test: thousands
+ * of tokens of context left), 200 requests submitted behind them all wait, none is
+ * refused, and once the slots free up every one of them completes with the text the
+ * same prompt gets alone. */
+#define BURST 200
+static void test_burst(const char *path)
+{
+    char err[512];
+    m40_engine *e = start(path, 16384, 2, 0, 0.0f, err, sizeof err);
+    CHECK(e != NULL, "create: %s", err);
+    if (!e)
+        return;
+    CHECK(wait_ready(e, 30) == M40_ENGINE_READY, "not READY");
+
+    /* the text each prompt gets alone */
+    static job solo[6];
+    for (int i = 0; i < 6; i++) {
+        m40_request_params p;
+        params_completion(&p, prompts[i], 6);
+        job *js[1] = {&solo[i]};
+        CHECK(m40_engine_submit(e, &p, &solo[i], &solo[i].req, err, sizeof err) == M40_SUBMIT_OK, "solo: %s", err);
+        CHECK(pump(e, js, 1, 20) == 0 && solo[i].err_status == 0, "solo %d did not finish", i);
+    }
+
+    /* two generations that hold both slots (end of sequence does not end them, no token
+     * limit reached before thousands of steps) */
+    static job hold[2];
+    for (int i = 0; i < 2; i++) {
+        m40_request_params p;
+        params_completion(&p, prompts[i], 16000);
+        p.ignore_eos = 1;
+        CHECK(m40_engine_submit(e, &p, &hold[i], &hold[i].req, err, sizeof err) == M40_SUBMIT_OK, "hold: %s", err);
+    }
+    m40_engine_stats st;
+    CHECK(wait_running(e, 2, 10, &st) == 0, "holders running: %d", st.running);
+
+    static job burst[BURST];
+    int ok = 0;
+    for (int i = 0; i < BURST; i++) {
+        m40_request_params p;
+        params_completion(&p, prompts[i % 6], 6);
+        ok += m40_engine_submit(e, &p, &burst[i], &burst[i].req, err, sizeof err) == M40_SUBMIT_OK;
+    }
+    CHECK(ok == BURST, "%d of %d submits accepted (last: %s)", ok, BURST, err);
+    m40_engine_get_stats(e, &st);
+    pump_once(e);
+    if (!hold[0].done && !hold[1].done)
+        CHECK(st.queue_depth == BURST && st.running == 2, "queue depth %d, running %d", st.queue_depth, st.running);
+    CHECK(st.requests_rejected == 0, "rejected %llu", (unsigned long long)st.requests_rejected);
+
+    m40_request_release(hold[0].req);
+    m40_request_release(hold[1].req);
+    job *js[BURST];
+    for (int i = 0; i < BURST; i++)
+        js[i] = &burst[i];
+    CHECK(pump(e, js, BURST, 120) == 0, "the burst did not complete");
+    int same = 0, failed = 0;
+    for (int i = 0; i < BURST; i++) {
+        failed += burst[i].err_status != 0;
+        same += burst[i].done && strcmp(burst[i].text, solo[i % 6].text) == 0;
+        m40_request_release(burst[i].req);
+    }
+    CHECK(failed == 0 && same == BURST, "%d failed, %d of %d equal to the same prompt alone", failed, same, BURST);
+    settle_stats(e, &st);
+    CHECK(st.requests_rejected == 0 && st.running == 0 && st.queue_depth == 0 && st.requests_cancelled == 2,
+          "after the burst: rejected %llu running %d queue %d cancelled %llu",
+          (unsigned long long)st.requests_rejected, st.running, st.queue_depth,
+          (unsigned long long)st.requests_cancelled);
+    for (int i = 0; i < 6; i++)
+        m40_request_release(solo[i].req);
+    m40_engine_destroy(e);
+}
+
+int main(void)
+{
+    char path[4096];
+    if (!check_shared_file("models/stories260K.gguf", path, sizeof path)) {
+        SKIP("../shared/models/stories260K.gguf is absent");
+        return check_done();
+    }
+    test_defaults(path);
+    test_burst(path);
+    return check_done();
+}
