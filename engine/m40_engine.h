@@ -1,20 +1,24 @@
 /* The engine's public API: the only engine header the nginx module includes.
  *
  * One engine per nginx worker (per GPU). m40_engine_create starts a dedicated engine
- * thread that loads the model and then runs the scheduler loop: it admits queued
- * requests (chat-template rendering and tokenization happen there, off the event
- * loop), batches every live sequence through one forward call per step, samples,
- * detokenizes incrementally (UTF-8 safe), matches stop strings (held back until they
- * can no longer match) and pushes events into each request's queue. Whenever a
- * request gets events the engine writes the eventfd; the worker's event loop reads it,
- * calls m40_engine_ready() to learn which requests have news, and m40_request_poll()s
- * them. No call here blocks on inference: every function is safe to call from the
- * event loop.
+ * thread that loads the model, starts a tokenizer thread and then runs the scheduler
+ * loop. A submitted request first waits for the tokenizer thread, which renders its
+ * chat template and tokenizes it (off the event loop and off the engine thread, so a
+ * huge prompt stalls nobody's decoding; a prompt that is too long or a template that
+ * fails is answered from there, with the same ERROR events as ever), then waits for a
+ * slot. The engine thread admits tokenized requests, batches every live sequence
+ * through one forward call per step, samples, detokenizes incrementally (UTF-8 safe),
+ * matches stop strings (held back until they can no longer match) and pushes events
+ * into each request's queue. Whenever a request gets events the engine writes the
+ * eventfd; the worker's event loop reads it, calls m40_engine_ready() to learn which
+ * requests have news, and m40_request_poll()s them. No call here blocks on inference
+ * or tokenization: every function is safe to call from the event loop.
  *
  * Ownership: a request is shared by the engine and its submitter. The submitter ends
  * its side with m40_request_release() (after the final event, or at any time to
- * abandon it: that cancels a running sequence, whose KV memory returns to the pool at
- * the next step). */
+ * abandon it: that drops a request still waiting, lets the tokenizer thread drop one
+ * it is working on when it is done, and cancels a running sequence, whose KV memory
+ * returns to the pool at the next step). m40_engine_destroy joins both threads. */
 #ifndef M40_ENGINE_H
 #define M40_ENGINE_H
 
@@ -179,7 +183,7 @@ typedef struct {
     uint64_t prompt_tokens_total;      /* prompt tokens of admitted requests */
     uint64_t prompt_tokens_computed;   /* prompt tokens actually run through the model */
     uint64_t completion_tokens_total;
-    int32_t queue_depth;
+    int32_t queue_depth;               /* waiting for the tokenizer or for a slot */
     int32_t running;
     int64_t kv_tokens_used;
     int64_t kv_tokens_total;

@@ -1,12 +1,17 @@
-/* The engine's waiting room (engine.c, scheduler.c) on the CPU with the tiny
+/* The engine's waiting room (engine.c, prompt.c, scheduler.c) on the CPU with the tiny
  * stories260K model: the defaults of max_queue and max_seqs, the capacity the engine
- * reports at load, the validation of gpu_memory_fraction, and a burst far larger than
- * the slots plus the old 64-deep queue that waits and completes instead of being
- * refused. */
+ * reports at load, the validation of gpu_memory_fraction, a burst far larger than the
+ * slots plus the old 64-deep queue that waits and completes instead of being refused,
+ * and the tokenizer thread: while it works on a prompt (held there by the test hook, so
+ * that nothing depends on timing) running streams keep getting tokens, the request at
+ * work and those behind it count against max_queue, releasing them there is safe, and
+ * destroy waits for it and answers the request with 503. */
+#include <pthread.h>
 #include <stdint.h>
 #include <unistd.h>
 
 #include "check.h"
+#include "engine_impl.h" /* m40_engine_set_tokenize_hook: the test seam */
 #include "engine_jobs.h"
 #include "m40_engine.h"
 
@@ -205,6 +210,200 @@ static void test_burst(const char *path)
     m40_engine_destroy(e);
 }
 
+/* ---------- the tokenizer thread, held by the hook ---------- */
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    void *hold;          /* the user pointer to hold */
+    int entered;         /* the tokenizer thread is in the hook with it */
+    int go;              /* let it continue */
+} gate;
+
+static gate g_gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0};
+
+static void gate_hook(void *ctx, void *user)
+{
+    gate *g = ctx;
+    pthread_mutex_lock(&g->mu);
+    if (user == g->hold) {
+        g->entered = 1;
+        pthread_cond_broadcast(&g->cv);
+        while (!g->go)
+            pthread_cond_wait(&g->cv, &g->mu);
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void gate_arm(gate *g, void *user)
+{
+    pthread_mutex_lock(&g->mu);
+    g->hold = user;
+    g->entered = 0;
+    g->go = 0;
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* Waits (up to timeout s) until the tokenizer thread holds the armed request. */
+static int gate_wait_entered(gate *g, double timeout)
+{
+    double end = now_s() + timeout;
+    pthread_mutex_lock(&g->mu);
+    while (!g->entered && now_s() < end) {
+        pthread_mutex_unlock(&g->mu);
+        usleep(1000);
+        pthread_mutex_lock(&g->mu);
+    }
+    int in = g->entered;
+    pthread_mutex_unlock(&g->mu);
+    return in ? 0 : -1;
+}
+
+static void gate_open(gate *g)
+{
+    pthread_mutex_lock(&g->mu);
+    g->go = 1;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void *destroy_thread(void *arg)
+{
+    m40_engine_destroy(arg);
+    return NULL;
+}
+
+static void test_tokenizer_thread(const char *path)
+{
+    char err[512];
+    /* max_queue 2: the request being tokenized and one behind it fill it */
+    m40_engine *e = start(path, 4096, 2, 2, 0.0f, err, sizeof err);
+    CHECK(e != NULL, "create: %s", err);
+    if (!e)
+        return;
+    CHECK(wait_ready(e, 30) == M40_ENGINE_READY, "not READY");
+    m40_engine_set_tokenize_hook(e, gate_hook, &g_gate);
+
+    /* A: a stream that runs for thousands of steps */
+    static job a, b, c, d, f;
+    m40_request_params p;
+    params_completion(&p, prompts[2], 4000);
+    p.ignore_eos = 1;
+    CHECK(m40_engine_submit(e, &p, &a, &a.req, err, sizeof err) == M40_SUBMIT_OK, "submit A: %s", err);
+    job *ja[1] = {&a};
+    double end = now_s() + 10;
+    while (a.n_text_events < 2 && !a.done && now_s() < end)
+        pump(e, ja, 1, 0.02);
+    CHECK(a.n_text_events >= 2 && !a.done, "A streaming (%d events)", a.n_text_events);
+
+    /* B: a huge prompt (about 120,000 tokens, far more than the context), held by the
+     * hook at the start of its tokenization */
+    size_t big_len = 600000;
+    char *big = malloc(big_len + 1);
+    CHECK(big != NULL, "malloc");
+    if (!big)
+        return;
+    for (size_t i = 0; i < big_len; i += 8)
+        memcpy(big + i, "cat dog ", big_len - i < 8 ? big_len - i : 8);
+    big[big_len] = '\0';
+    gate_arm(&g_gate, &b);
+    params_completion(&p, big, 8);
+    CHECK(m40_engine_submit(e, &p, &b, &b.req, err, sizeof err) == M40_SUBMIT_OK, "submit B: %s", err);
+    CHECK(gate_wait_entered(&g_gate, 10) == 0, "the tokenizer thread never took B");
+
+    /* While B is being tokenized, A's steps go on: 50 more tokens of it arrive. With the
+     * tokenization on the engine thread none would (the hook holds it). */
+    int a0 = a.n_text_events;
+    end = now_s() + 30;
+    while (a.n_text_events < a0 + 50 && !a.done && now_s() < end)
+        pump(e, ja, 1, 0.02);
+    CHECK(a.n_text_events >= a0 + 50, "A got %d tokens while B was being tokenized", a.n_text_events - a0);
+    m40_engine_stats st;
+    m40_engine_get_stats(e, &st);
+    CHECK(st.queue_depth == 1 && st.running == 1, "while B is tokenized: queue depth %d, running %d", st.queue_depth,
+          st.running);
+
+    /* C waits behind B; D finds the queue (max_queue 2) full: B counts while tokenized. */
+    params_completion(&p, prompts[0], 4);
+    CHECK(m40_engine_submit(e, &p, &c, &c.req, err, sizeof err) == M40_SUBMIT_OK, "submit C: %s", err);
+    int std = m40_engine_submit(e, &p, &d, &d.req, err, sizeof err);
+    CHECK(std == M40_SUBMIT_QUEUE_FULL && d.req == NULL, "D: %d (%s)", std, err);
+    m40_engine_get_stats(e, &st);
+    CHECK(st.queue_depth == 2 && st.requests_rejected == 1, "queue depth %d, rejected %llu", st.queue_depth,
+          (unsigned long long)st.requests_rejected);
+    /* releasing C while it waits for the tokenizer */
+    m40_request_release(c.req);
+    m40_engine_get_stats(e, &st);
+    CHECK(st.queue_depth == 1 && st.requests_cancelled == 1, "after releasing C: queue depth %d, cancelled %llu",
+          st.queue_depth, (unsigned long long)st.requests_cancelled);
+
+    /* B goes on: the 400 that names both numbers, as when the engine thread tokenized */
+    gate_open(&g_gate);
+    job *jb[1] = {&b};
+    CHECK(pump(e, jb, 1, 30) == 0, "B not answered");
+    CHECK(b.err_status == 400 && strstr(b.err_msg, "but the context size is 4096") && strstr(b.err_msg, "prompt has "),
+          "B: %d [%s]", b.err_status, b.err_msg);
+    m40_request_release(b.req);
+    free(big);
+
+    /* E: released while being tokenized; the tokenizer thread drops it when done (no
+     * event for it, nothing admitted) */
+    static job ej;
+    gate_arm(&g_gate, &ej);
+    params_completion(&p, prompts[1], 4);
+    CHECK(m40_engine_submit(e, &p, &ej, &ej.req, err, sizeof err) == M40_SUBMIT_OK, "submit E: %s", err);
+    CHECK(gate_wait_entered(&g_gate, 10) == 0, "the tokenizer thread never took E");
+    m40_request_release(ej.req);
+    gate_open(&g_gate);
+    end = now_s() + 10;
+    do
+        m40_engine_get_stats(e, &st);
+    while ((st.queue_depth != 0 || st.requests_cancelled != 2) && now_s() < end && usleep(1000) == 0);
+    CHECK(st.queue_depth == 0 && st.requests_cancelled == 2 && st.running == 1,
+          "after releasing E mid-tokenization: queue depth %d, cancelled %llu, running %d", st.queue_depth,
+          (unsigned long long)st.requests_cancelled, st.running);
+    /* the pipeline still works: a request after it completes */
+    static job g2;
+    params_completion(&p, prompts[3], 4);
+    job *jg[1] = {&g2};
+    CHECK(m40_engine_submit(e, &p, &g2, &g2.req, err, sizeof err) == M40_SUBMIT_OK, "submit G: %s", err);
+    CHECK(pump(e, jg, 1, 20) == 0 && g2.err_status == 0 && g2.completion_tokens > 0, "G: %d [%s]", g2.err_status,
+          g2.err_msg);
+    m40_request_release(g2.req);
+
+    /* F held in the tokenizer while the engine is destroyed: destroy waits for it (the
+     * engine thread joins the tokenizer thread), F is answered 503, A ends cancelled. */
+    gate_arm(&g_gate, &f);
+    params_completion(&p, prompts[4], 4);
+    CHECK(m40_engine_submit(e, &p, &f, &f.req, err, sizeof err) == M40_SUBMIT_OK, "submit F: %s", err);
+    CHECK(gate_wait_entered(&g_gate, 10) == 0, "the tokenizer thread never took F");
+    pthread_t dt;
+    CHECK(pthread_create(&dt, NULL, destroy_thread, e) == 0, "destroy thread");
+    /* the engine is stopping once submit says so (it cannot be freed before F is let go) */
+    end = now_s() + 10;
+    int stopping = 0;
+    while (!stopping && now_s() < end) {
+        static job probe;
+        params_completion(&p, prompts[0], 1);
+        m40_submit_status ps = m40_engine_submit(e, &p, &probe, &probe.req, err, sizeof err);
+        if (ps == M40_SUBMIT_OK)
+            m40_request_release(probe.req);
+        stopping = ps == M40_SUBMIT_NOT_READY;
+        if (!stopping)
+            usleep(1000);
+    }
+    CHECK(stopping, "destroy did not start");
+    gate_open(&g_gate);
+    pthread_join(dt, NULL);
+    job_take(&f);
+    job_take(&a);
+    CHECK(f.done && f.err_status == 503 && strstr(f.err_msg, "stopping"), "F after destroy: done %d, %d [%s]", f.done,
+          f.err_status, f.err_msg);
+    CHECK(a.done && a.finish == M40_FINISH_CANCELLED, "A after destroy: done %d finish %d", a.done, a.finish);
+    m40_request_release(f.req);
+    m40_request_release(a.req);
+}
+
 int main(void)
 {
     char path[4096];
@@ -214,5 +413,6 @@ int main(void)
     }
     test_defaults(path);
     test_burst(path);
+    test_tokenizer_thread(path);
     return check_done();
 }
