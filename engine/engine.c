@@ -652,10 +652,16 @@ int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len
                  c->device, c->gpu_total / GiB, c->gpu_in_use / GiB, c->gpu_reserve / GiB);
     else
         snprintf(where, sizeof where, "%d slots of %d tokens in CPU memory", (int)c->max_seqs, (int)c->ctx);
+    char rule[128] = "";
+    if (c->max_seqs_auto && c->kv_blocks > 0)
+        snprintf(rule, sizeof rule, " (automatic: the %d-token sequences the KV cache holds, 1 to %d)",
+                 (int)(c->ctx < M40_AUTO_SEQ_TOKENS ? c->ctx : M40_AUTO_SEQ_TOKENS), M40_AUTO_MAX_SEQS);
+    else if (c->max_seqs_auto)
+        snprintf(rule, sizeof rule, " (automatic: the CPU's)");
     return snprintf(buf, len, "KV cache: %lld tokens (%s); %lld sequences of %d tokens fit; max_seqs %d%s; "
                               "max_queue %d",
-                    (long long)c->kv_tokens, where, (long long)c->full_ctx_seqs, (int)c->ctx, (int)c->max_seqs,
-                    c->max_seqs_auto ? " (automatic)" : "", (int)c->max_queue);
+                    (long long)c->kv_tokens, where, (long long)c->full_ctx_seqs, (int)c->ctx, (int)c->max_seqs, rule,
+                    (int)c->max_queue);
 }
 
 void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out)

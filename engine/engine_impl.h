@@ -223,6 +223,10 @@ void m40_engine_set_tokenize_hook(m40_engine *e, void (*fn)(void *ctx, void *use
 int m40_prompt_start(m40_engine *e, char *err, size_t errlen);
 void m40_prompt_stop(m40_engine *e);
 
+/* scheduler.c: an automatic max_seqs on a GPU (m40_engine.h): the sequences of
+ * M40_AUTO_SEQ_TOKENS (or ctx when shorter) that kv_blocks blocks hold, 1 to
+ * M40_AUTO_MAX_SEQS. */
+int32_t m40_auto_max_seqs(int64_t kv_blocks, int32_t block_size, int32_t ctx);
 /* scheduler.c: the engine thread's body. */
 void *m40_engine_thread_main(void *arg);
 

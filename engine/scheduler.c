@@ -727,6 +727,16 @@ static void stats_publish(m40_engine *e)
 
 /* ---------- load and shutdown ---------- */
 
+int32_t m40_auto_max_seqs(int64_t kv_blocks, int32_t block_size, int32_t ctx)
+{
+    /* sequences of M40_AUTO_SEQ_TOKENS (or of the whole context when shorter), each in
+     * whole blocks */
+    int64_t len = ctx < M40_AUTO_SEQ_TOKENS ? ctx : M40_AUTO_SEQ_TOKENS;
+    int64_t per = block_size > 0 ? (len + block_size - 1) / block_size : 1;
+    int64_t fit = kv_blocks / (per > 0 ? per : 1);
+    return fit < 1 ? 1 : fit > M40_AUTO_MAX_SEQS ? M40_AUTO_MAX_SEQS : (int32_t)fit;
+}
+
 /* The KV cache and the number of slots (m40_engine.h says the rules). On a GPU the pool
  * is sized from the memory first, for the most slots the automatic choice could take
  * (the activation reserve grows with the slots), then an automatic max_seqs is what the
@@ -767,12 +777,8 @@ static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
         c.gpu_in_use = pi.in_use;
         c.gpu_reserve = pi.reserve;
         c.kv_bytes = pi.pool;
-        if (automatic) {
-            /* sequences of M40_AUTO_SEQ_TOKENS (or of the whole context when shorter) */
-            int64_t len = ctx < M40_AUTO_SEQ_TOKENS ? ctx : M40_AUTO_SEQ_TOKENS, per = (len + bs - 1) / bs;
-            int64_t fit = c.kv_blocks / per;
-            slots = fit < 1 ? 1 : fit < slots ? (int32_t)fit : slots;
-        }
+        if (automatic)
+            slots = m40_auto_max_seqs(c.kv_blocks, (int32_t)bs, ctx);
     } else {
         c.kv_tokens = (int64_t)slots * ctx;
         c.full_ctx_seqs = slots;
@@ -781,7 +787,7 @@ static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
     c.max_seqs = slots;
     c.max_seqs_auto = automatic;
     c.max_queue = e->max_queue;
-    e->capacity = c; /* published under e->mu with READY */
+    e->capacity = c; /* others read it (under e->mu) only once READY is set */
     return 0;
 }
 
@@ -946,7 +952,7 @@ static void engine_shutdown(m40_engine *e)
     for (;;) {
         pthread_mutex_lock(&e->mu);
         m40_request *r = queue_pop_locked(e);
-        e->stats.queue_depth = e->q_n;
+        e->stats.queue_depth = m40_engine_waiting_locked(e);
         e->stats.requests_cancelled += (uint64_t)cancelled;
         cancelled = 0;
         pthread_mutex_unlock(&e->mu);

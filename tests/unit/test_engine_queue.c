@@ -73,6 +73,43 @@ static int wait_running(m40_engine *e, int running, double timeout, m40_engine_s
     return -1;
 }
 
+/* The GPU's automatic max_seqs and its log line, from numbers alone (no GPU here). */
+static void test_gpu_rule(void)
+{
+    /* a 7B Mistral in F16 on an 80 GB card: ~29,000 blocks of 2 MiB */
+    CHECK(m40_auto_max_seqs(29030, 16, 32768) == 256, "%d", (int)m40_auto_max_seqs(29030, 16, 32768));
+    /* 1,000 blocks: 15 sequences of 1,024 tokens (64 blocks each) */
+    CHECK(m40_auto_max_seqs(1000, 16, 32768) == 15, "%d", (int)m40_auto_max_seqs(1000, 16, 32768));
+    /* a short context counts whole: 100 tokens take 7 blocks */
+    CHECK(m40_auto_max_seqs(100, 16, 100) == 14, "%d", (int)m40_auto_max_seqs(100, 16, 100));
+    /* never below 1 nor above 256 */
+    CHECK(m40_auto_max_seqs(10, 16, 4096) == 1 && m40_auto_max_seqs(0, 16, 4096) == 1, "small pools");
+    CHECK(m40_auto_max_seqs(5000, 16, 256) == 256, "%d", (int)m40_auto_max_seqs(5000, 16, 256));
+
+    m40_engine_capacity c;
+    memset(&c, 0, sizeof c);
+    c.device = 0;
+    c.ctx = 2048;
+    c.max_seqs = 256;
+    c.max_seqs_auto = 1;
+    c.max_queue = 1024;
+    c.kv_blocks = 1000;
+    c.kv_block_size = 16;
+    c.kv_tokens = 16000;
+    c.full_ctx_seqs = 7;
+    c.gpu_memory_fraction = 0.9f;
+    c.gpu_total = 80.0 * 1073741824.0;
+    c.gpu_in_use = 16.0 * 1073741824.0;
+    c.gpu_reserve = 0.5 * 1073741824.0;
+    c.kv_bytes = 2.0 * 1073741824.0;
+    char line[512];
+    m40_engine_capacity_line(&c, line, sizeof line);
+    CHECK(strcmp(line, "KV cache: 16000 tokens (1000 blocks of 16, 2.0 GiB: 0.90 of gpu 0's 80.0 GiB less 16.0 GiB in "
+                       "use and 0.5 GiB kept for activations); 7 sequences of 2048 tokens fit; max_seqs 256 (automatic: "
+                       "the 1024-token sequences the KV cache holds, 1 to 256); max_queue 1024") == 0,
+          "gpu line [%s]", line);
+}
+
 /* Defaults and what the engine reports once loaded. */
 static void test_defaults(const char *path)
 {
@@ -96,7 +133,7 @@ static void test_defaults(const char *path)
           (int)c.kv_blocks);
     m40_engine_capacity_line(&c, line, sizeof line);
     CHECK(strstr(line, "KV cache: 1024 tokens (4 slots of 256 tokens in CPU memory); 4 sequences of 256 tokens fit; "
-                       "max_seqs 4 (automatic); max_queue 1024") == line,
+                       "max_seqs 4 (automatic: the CPU's); max_queue 1024") == line,
           "capacity line [%s]", line);
     m40_engine_stats st;
     m40_engine_get_stats(e, &st);
@@ -407,6 +444,7 @@ static void test_tokenizer_thread(const char *path)
 int main(void)
 {
     char path[4096];
+    test_gpu_rule();
     if (!check_shared_file("models/stories260K.gguf", path, sizeof path)) {
         SKIP("../shared/models/stories260K.gguf is absent");
         return check_done();
