@@ -335,10 +335,13 @@ int m40_cmd_bench(int argc, char **argv)
         return 2;
     }
     double kv_bytes = (double)o.batch * p->n_layers * (double)ctx * 2.0 * p->n_kv_heads * p->head_dim * (on_gpu ? 2.0 : 4.0);
-    m40_kv *kv = m40_kv_new(m, (int32_t)o.batch, (int32_t)ctx);
+    /* the pool holds every slot's whole context, no more: as m40_kv_new sizes it */
+    m40_kv_options ko = {.max_tokens = o.batch * ((ctx + 15) / 16 * 16)};
+    char kerr[400];
+    m40_kv *kv = m40_kv_new_opts(m, (int32_t)o.batch, (int32_t)ctx, &ko, kerr, sizeof kerr);
     if (!kv) {
-        fprintf(stderr, "m40 bench: cannot allocate the KV cache (%ld slots of %ld positions, %.2f GB)\n", o.batch,
-                ctx, kv_bytes / 1e9);
+        fprintf(stderr, "m40 bench: cannot allocate the KV cache (%ld slots of %ld positions, %.2f GB): %s\n",
+                o.batch, ctx, kv_bytes / 1e9, kerr);
         m40_model_free(m);
         return 1;
     }

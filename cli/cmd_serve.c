@@ -28,7 +28,11 @@ static void serve_usage(FILE *f)
             "  --name NAME     model name in the API (default: file name without .gguf)\n"
             "  --threads N     CPU threads (default: all)\n"
             "  --ctx-size N    context per sequence (default: the model's)\n"
-            "  --max-seqs N    concurrent sequences (default 4)\n"
+            "  --max-seqs N    concurrent sequences (default: 4 on the cpu, on a GPU what\n"
+            "                  the KV cache holds, up to 256)\n"
+            "  --max-queue N   requests waiting before 429 (default 1024)\n"
+            "  --gpu-memory-fraction F\n"
+            "                  share of the GPU's memory to fill, KV cache included (default 0.90)\n"
             "  --module PATH   ngx_http_m40_module.so (default: beside the m40 binary)\n"
             "  --nginx PATH    nginx binary (default " SERVE_DEFAULT_NGINX ")\n"
             "  --user USER     user of the worker process when started as root\n"
@@ -84,7 +88,8 @@ static int module_beside_binary(char *out, size_t outlen)
 int m40_cmd_serve(int argc, char **argv)
 {
     const char *model = NULL, *port = "8080", *host = "127.0.0.1", *device = "cpu";
-    const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL;
+    const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL, *max_queue = NULL;
+    const char *mem_fraction = NULL;
     const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL;
 
     for (int i = 1; i < argc; i++) {
@@ -113,6 +118,10 @@ int m40_cmd_serve(int argc, char **argv)
                 ctx_size = v;
             else if (!strcmp(a, "--max-seqs"))
                 max_seqs = v;
+            else if (!strcmp(a, "--max-queue"))
+                max_queue = v;
+            else if (!strcmp(a, "--gpu-memory-fraction"))
+                mem_fraction = v;
             else if (!strcmp(a, "--module"))
                 module = v;
             else if (!strcmp(a, "--nginx"))
@@ -149,6 +158,20 @@ int m40_cmd_serve(int argc, char **argv)
         || (max_seqs && !is_number(max_seqs, 1, 4096))) {
         fprintf(stderr, "m40 serve: --threads, --ctx-size and --max-seqs take non-negative numbers\n");
         return 2;
+    }
+    if (max_queue && !is_number(max_queue, 1, 1 << 30)) {
+        fprintf(stderr, "m40 serve: --max-queue takes a positive number\n");
+        return 2;
+    }
+    if (mem_fraction) {
+        /* nginx checks it again; a clear message here beats a failed start */
+        char *end;
+        errno = 0;
+        double f = strtod(mem_fraction, &end);
+        if (!*mem_fraction || *end || errno || !(f > 0.0 && f <= 1.0)) {
+            fprintf(stderr, "m40 serve: --gpu-memory-fraction takes a number greater than 0 and at most 1\n");
+            return 2;
+        }
     }
     if (strpbrk(host, " \t;{}\"'") || (name && strpbrk(name, "\"\\$\n"))) {
         fprintf(stderr, "m40 serve: invalid --host or --name\n");
@@ -251,6 +274,10 @@ int m40_cmd_serve(int argc, char **argv)
         fprintf(f, "    m40_ctx_size %s;\n", ctx_size);
     if (max_seqs)
         fprintf(f, "    m40_max_seqs %s;\n", max_seqs);
+    if (max_queue)
+        fprintf(f, "    m40_max_queue %s;\n", max_queue);
+    if (mem_fraction)
+        fprintf(f, "    m40_gpu_memory_fraction %s;\n", mem_fraction);
     fprintf(f, "\n    server {\n        listen %s%s%s:%s;\n        location / {\n            m40_api;\n"
                "        }\n    }\n}\n",
             strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port);

@@ -1,7 +1,8 @@
 /* The engine's public API (m40_engine.h): creating and stopping the engine thread,
  * submitting requests, the per-request event queues, the ready list the worker's
- * event loop drains, and the stats. The thread itself (load, admission, batching,
- * sampling, stop strings) lives in scheduler.c.
+ * event loop drains, and the stats. The engine thread itself (load, admission,
+ * batching, sampling, stop strings) lives in scheduler.c, the tokenizer thread that
+ * every request passes first (template rendering, tokenization) in prompt.c.
  *
  * Lifetime of a request: submit creates it with two references, the engine's and the
  * submitter's. The engine drops its own when the request has its final event (or was
@@ -49,30 +50,37 @@ static char *dup_str(const char *s)
 
 /* ---------- intrusive lists (all under e->mu) ---------- */
 
-static void queue_push(m40_engine *e, m40_request *r)
+/* The tokenizer queue and the admission queue: FIFO lists through q_next / q_prev (a
+ * request is in at most one of them). */
+void m40_queue_push(m40_request **head, m40_request **tail, int32_t *n, m40_request *r)
 {
     r->q_next = NULL;
-    r->q_prev = e->q_tail;
-    if (e->q_tail)
-        e->q_tail->q_next = r;
+    r->q_prev = *tail;
+    if (*tail)
+        (*tail)->q_next = r;
     else
-        e->q_head = r;
-    e->q_tail = r;
-    e->q_n++;
+        *head = r;
+    *tail = r;
+    (*n)++;
 }
 
-static void queue_unlink(m40_engine *e, m40_request *r)
+void m40_queue_unlink(m40_request **head, m40_request **tail, int32_t *n, m40_request *r)
 {
     if (r->q_prev)
         r->q_prev->q_next = r->q_next;
     else
-        e->q_head = r->q_next;
+        *head = r->q_next;
     if (r->q_next)
         r->q_next->q_prev = r->q_prev;
     else
-        e->q_tail = r->q_prev;
+        *tail = r->q_prev;
     r->q_next = r->q_prev = NULL;
-    e->q_n--;
+    (*n)--;
+}
+
+int32_t m40_engine_waiting_locked(const m40_engine *e)
+{
+    return e->tq_n + e->tk_busy + e->q_n;
 }
 
 static void ready_unlink(m40_engine *e, m40_request *r)
@@ -209,6 +217,7 @@ static void request_free(m40_request *r)
 {
     if (!r)
         return;
+    free(r->ids);
     for (size_t i = 0; i < r->ev_n; i++)
         m40_event_clear(&r->ev[(r->ev_head + i) % r->ev_cap]);
     free(r->ev);
@@ -237,6 +246,29 @@ void m40_engine_drop_request(m40_engine *e, m40_request *r)
         request_free(r);
 }
 
+void m40_engine_fail_request(m40_engine *e, m40_request *r, int http_status, const char *msg)
+{
+    m40_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = M40_EV_ERROR;
+    ev.http_status = http_status;
+    snprintf(ev.message, sizeof ev.message, "%s", msg);
+    /* out of memory for the event: nothing can be told, the request ends all the same */
+    if (m40_request_push_event(r, &ev) == 0)
+        m40_engine_notify(e, &r, 1);
+    else
+        m40_event_clear(&ev);
+    m40_engine_drop_request(e, r);
+}
+
+void m40_engine_set_tokenize_hook(m40_engine *e, void (*fn)(void *ctx, void *user), void *ctx)
+{
+    pthread_mutex_lock(&e->mu);
+    e->tokenize_hook = fn;
+    e->tokenize_hook_ctx = ctx;
+    pthread_mutex_unlock(&e->mu);
+}
+
 void m40_request_release(m40_request *r)
 {
     if (!r)
@@ -251,16 +283,22 @@ void m40_request_release(m40_request *r)
         pthread_mutex_lock(&e->mu);
         r->released = 1;
         ready_unlink(e, r);
-        if (r->phase == M40_REQ_QUEUED) {
-            /* Never started: unlink it here, the engine will not see it. */
-            queue_unlink(e, r);
-            e->stats.queue_depth = e->q_n;
+        if (r->phase == M40_REQ_TOKENIZE || r->phase == M40_REQ_QUEUED) {
+            /* Waiting in a queue: unlink it here (the engine's reference goes with it),
+             * neither thread will see it. */
+            if (r->phase == M40_REQ_TOKENIZE)
+                m40_queue_unlink(&e->tq_head, &e->tq_tail, &e->tq_n, r);
+            else
+                m40_queue_unlink(&e->q_head, &e->q_tail, &e->q_n, r);
+            e->stats.queue_depth = m40_engine_waiting_locked(e);
             e->stats.requests_cancelled++;
             r->phase = M40_REQ_DONE;
             r->refs--;
         } else if (r->phase == M40_REQ_ENGINE) {
             wake = 1; /* its slot is freed at the engine's next step */
         }
+        /* M40_REQ_TOKENIZING: the tokenizer thread sees `released` when it is done and
+         * drops the engine's reference then (prompt.c). */
         last = --r->refs == 0;
         if (last)
             live_unlink(e, r);
@@ -349,7 +387,7 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
     r->e = e;
     r->user = user;
     r->refs = 2;
-    r->phase = M40_REQ_QUEUED;
+    r->phase = M40_REQ_TOKENIZE;
     r->add_generation_prompt = p->add_generation_prompt;
     r->max_tokens = p->max_tokens;
     r->logprobs = p->logprobs != 0;
@@ -400,21 +438,23 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
         snprintf(err, errlen, "the engine is stopping");
         return M40_SUBMIT_NOT_READY;
     }
-    if (e->q_n >= e->max_queue) {
+    /* Waiting counts from submit on: for the tokenizer (queued or at work) and for a slot. */
+    if (m40_engine_waiting_locked(e) >= e->max_queue) {
         e->stats.requests_rejected++;
         pthread_mutex_unlock(&e->mu);
         request_free(r);
         snprintf(err, errlen, "the queue is full (%d requests waiting)", (int)e->max_queue);
         return M40_SUBMIT_QUEUE_FULL;
     }
-    queue_push(e, r);
+    r->phase = M40_REQ_TOKENIZE;
+    m40_queue_push(&e->tq_head, &e->tq_tail, &e->tq_n, r);
     r->live_next = e->live_head;
     if (e->live_head)
         e->live_head->live_prev = r;
     e->live_head = r;
     e->stats.requests_total++;
-    e->stats.queue_depth = e->q_n;
-    pthread_cond_signal(&e->cv);
+    e->stats.queue_depth = m40_engine_waiting_locked(e);
+    pthread_cond_signal(&e->tk_cv);
     pthread_mutex_unlock(&e->mu);
     *out = r;
     return M40_SUBMIT_OK;
@@ -440,6 +480,10 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
         snprintf(err, errlen, "ctx_size, max_seqs, max_queue and prefill_chunk must not be negative");
         return -1;
     }
+    if (!(cfg->gpu_memory_fraction >= 0.0f && cfg->gpu_memory_fraction <= 1.0f)) {
+        snprintf(err, errlen, "gpu_memory_fraction must be in (0, 1] (0 for the default)");
+        return -1;
+    }
     m40_engine *e = calloc(1, sizeof *e);
     if (!e) {
         snprintf(err, errlen, "out of memory");
@@ -455,8 +499,9 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
     }
     e->device = cfg->device;
     e->ctx_cfg = cfg->ctx_size;
-    e->max_seqs = cfg->max_seqs > 0 ? cfg->max_seqs : 1;
+    e->max_seqs_cfg = cfg->max_seqs;
     e->max_queue = cfg->max_queue > 0 ? cfg->max_queue : M40_DEFAULT_MAX_QUEUE;
+    e->gpu_memory_fraction = cfg->gpu_memory_fraction; /* 0: the KV pool's default */
     e->n_threads = cfg->n_threads;
     e->prefill_chunk = cfg->prefill_chunk > 0 ? cfg->prefill_chunk : M40_DEFAULT_PREFILL_CHUNK;
     e->state = M40_ENGINE_LOADING;
@@ -476,6 +521,12 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
         snprintf(err, errlen, "cannot create a condition variable");
         goto fail;
     }
+    if (pthread_cond_init(&e->tk_cv, NULL) != 0) {
+        pthread_cond_destroy(&e->cv);
+        pthread_mutex_destroy(&e->mu);
+        snprintf(err, errlen, "cannot create a condition variable");
+        goto fail;
+    }
     /* The engine thread (and the model's thread pool it starts) must never take the
      * worker's signals: nginx handles them on its own thread. Threads inherit the
      * mask, so block everything around pthread_create. */
@@ -486,6 +537,7 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
         snprintf(err, errlen, "cannot start the engine thread: %s", strerror(rc));
+        pthread_cond_destroy(&e->tk_cv);
         pthread_cond_destroy(&e->cv);
         pthread_mutex_destroy(&e->mu);
         goto fail;
@@ -510,9 +562,12 @@ void m40_engine_destroy(m40_engine *e)
     pthread_mutex_lock(&e->mu);
     e->stop = 1;
     pthread_cond_signal(&e->cv);
+    pthread_cond_signal(&e->tk_cv);
     pthread_mutex_unlock(&e->mu);
     /* A load in progress finishes first (it cannot be interrupted); the thread then
-     * ends every running and queued request and drops its references. */
+     * stops and joins the tokenizer thread (which answers what waits for it, after
+     * finishing the prompt at hand), ends every running and queued request and drops
+     * its references. */
     pthread_join(e->thread, NULL);
 
     /* What is left is held by submitters only: detach those requests so that their
@@ -529,6 +584,7 @@ void m40_engine_destroy(m40_engine *e)
     e->rd_head = e->rd_tail = NULL;
     pthread_mutex_unlock(&e->mu);
 
+    pthread_cond_destroy(&e->tk_cv);
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
     close(e->efd);
@@ -574,10 +630,44 @@ const char *m40_engine_model_name(const m40_engine *e)
     return e->model_name;
 }
 
+int m40_engine_get_capacity(m40_engine *e, m40_engine_capacity *out)
+{
+    pthread_mutex_lock(&e->mu);
+    int ready = e->state == M40_ENGINE_READY;
+    if (ready)
+        *out = e->capacity;
+    pthread_mutex_unlock(&e->mu);
+    return ready ? 0 : -1;
+}
+
+int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len)
+{
+    const double GiB = 1073741824.0;
+    char where[256];
+    if (c->kv_blocks > 0)
+        snprintf(where, sizeof where,
+                 "%d blocks of %d, %.1f GiB: %.2f of gpu %d's %.1f GiB less %.1f GiB in use and %.1f GiB kept for "
+                 "activations",
+                 (int)c->kv_blocks, (int)c->kv_block_size, c->kv_bytes / GiB, (double)c->gpu_memory_fraction,
+                 c->device, c->gpu_total / GiB, c->gpu_in_use / GiB, c->gpu_reserve / GiB);
+    else
+        snprintf(where, sizeof where, "%d slots of %d tokens in CPU memory", (int)c->max_seqs, (int)c->ctx);
+    char rule[128] = "";
+    if (c->max_seqs_auto && c->kv_blocks > 0)
+        snprintf(rule, sizeof rule, " (automatic: the %d-token sequences the KV cache holds, 1 to %d)",
+                 (int)(c->ctx < M40_AUTO_SEQ_TOKENS ? c->ctx : M40_AUTO_SEQ_TOKENS), M40_AUTO_MAX_SEQS);
+    else if (c->max_seqs_auto)
+        snprintf(rule, sizeof rule, " (automatic: the CPU's)");
+    return snprintf(buf, len, "KV cache: %lld tokens (%s); %lld sequences of %d tokens fit; max_seqs %d%s; "
+                              "max_queue %d",
+                    (long long)c->kv_tokens, where, (long long)c->full_ctx_seqs, (int)c->ctx, (int)c->max_seqs, rule,
+                    (int)c->max_queue);
+}
+
 void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out)
 {
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
-    out->queue_depth = e->q_n;
+    out->queue_depth = m40_engine_waiting_locked(e);
     pthread_mutex_unlock(&e->mu);
 }

@@ -1,15 +1,27 @@
-/* Internals shared by engine.c (public API, request lifetime, event queues, stats)
- * and scheduler.c (the engine thread: load, admit, batch, sample, stop strings).
+/* Internals shared by engine.c (public API, request lifetime, event queues, stats),
+ * prompt.c (the tokenizer thread: chat-template rendering and tokenization) and
+ * scheduler.c (the engine thread: load, admit, batch, sample, stop strings).
  * Not included by the nginx module.
  *
+ * A request's way: submit puts it in the tokenizer queue (phase TOKENIZE); the
+ * tokenizer thread takes it (TOKENIZING), renders and tokenizes it, and puts it in the
+ * admission queue (QUEUED) with its token ids, or answers it with an error; the engine
+ * thread admits it into a slot (ENGINE) and drops its reference when it ends (DONE).
+ * The engine's reference travels with the request: whichever thread holds the request
+ * in its phase owns that reference.
+ *
  * Threads and locks:
- *   - e->mu guards everything the submitter's thread and the engine thread share:
- *     state, the wait queue, the ready list, the list of live requests, each
- *     request's refs/released/phase, and the stats.
+ *   - e->mu guards everything the submitter's thread, the tokenizer thread and the
+ *     engine thread share: state, both queues and the request being tokenized, the
+ *     ready list, the list of live requests, each request's refs/released/phase, and
+ *     the stats.
  *   - r->evmu guards one request's event queue (poll on one side, push on the other).
- *   Lock order: e->mu before r->evmu (the engine never takes e->mu while holding evmu).
+ *   Lock order: e->mu before r->evmu (no thread takes e->mu while holding evmu).
  *   - m40_slot and everything about a running sequence belong to the engine thread
- *     alone and are never locked. */
+ *     alone and are never locked. The tokenizer, the parsed template and the model's
+ *     facts (ctx) are set before the tokenizer thread starts and only read afterwards
+ *     (tokenizer and template are safe to use from several threads: tokenizer.h,
+ *     jinja.h). */
 #ifndef M40_ENGINE_IMPL_H
 #define M40_ENGINE_IMPL_H
 
@@ -28,12 +40,16 @@
 #define M40_MAX_STOP_ALL (M40_MAX_STOP + 1)
 #define M40_MAX_STOP_LEN 1024
 #define M40_DEFAULT_PREFILL_CHUNK 512
-#define M40_DEFAULT_MAX_QUEUE 256
+/* The fallback chat template's end-of-turn text (prompt.c renders it, scheduler.c stops
+ * on it when it is no token of the vocabulary). */
+#define M40_FALLBACK_END "<|im_end|>"
 
 enum m40_req_phase {
-    M40_REQ_QUEUED = 0,  /* in e's wait queue; release may unlink it directly */
-    M40_REQ_ENGINE,      /* taken by the engine thread (admitting or running) */
-    M40_REQ_DONE,        /* the engine has dropped its reference */
+    M40_REQ_TOKENIZE = 0, /* in e's tokenizer queue; release may unlink it directly */
+    M40_REQ_TOKENIZING,   /* the tokenizer thread renders / tokenizes it */
+    M40_REQ_QUEUED,       /* tokenized, in e's admission queue; release may unlink it directly */
+    M40_REQ_ENGINE,       /* taken by the engine thread (admitting or running) */
+    M40_REQ_DONE,         /* the engine has dropped its reference */
 };
 
 struct m40_request {
@@ -45,7 +61,7 @@ struct m40_request {
     int released;        /* the submitter is gone: cancel, never list as ready */
     int phase;
     int in_ready;
-    m40_request *q_next, *q_prev;       /* wait queue */
+    m40_request *q_next, *q_prev;       /* the tokenizer queue or the admission queue */
     m40_request *rd_next, *rd_prev;     /* ready list */
     m40_request *live_next, *live_prev; /* every request not yet freed */
 
@@ -62,6 +78,12 @@ struct m40_request {
     int logprobs;
     int ignore_eos;
     double t_submit;     /* monotonic seconds, for time to first token */
+
+    /* Written by the tokenizer thread before it queues the request for admission,
+     * then the engine thread's (which takes the ids into its slot). */
+    int32_t *ids;        /* the prompt's token ids (chat: the rendered template) */
+    int32_t n_ids;
+    int fallback_chat;   /* rendered by the fallback template: its end marker stops */
 
     /* Event queue, guarded by evmu: a ring of ev_cap entries from ev_head. */
     pthread_mutex_t evmu;
@@ -106,15 +128,20 @@ struct m40_engine {
     char *template_override;
     int device;
     int32_t ctx_cfg;
-    int32_t max_seqs;
+    int32_t max_seqs_cfg;         /* as configured; 0: automatic */
+    int32_t max_seqs;             /* the engine thread's, set at load (slots) */
     int32_t max_queue;
+    float gpu_memory_fraction;
     int32_t n_threads;
     int32_t prefill_chunk;
 
     int efd;
     pthread_t thread;
     pthread_mutex_t mu;
-    pthread_cond_t cv;
+    pthread_cond_t cv;          /* the engine thread waits here */
+    pthread_t tk_thread;        /* the tokenizer thread (prompt.c), started by the engine thread */
+    int tk_started;
+    pthread_cond_t tk_cv;       /* the tokenizer thread waits here */
 
     /* Guarded by mu. */
     int stop;
@@ -122,8 +149,16 @@ struct m40_engine {
     char load_err[512];
     int32_t ctx;         /* valid once READY */
     int32_t n_vocab;
-    m40_request *q_head, *q_tail;
+    m40_engine_capacity capacity; /* valid once READY */
+    m40_request *tq_head, *tq_tail; /* waiting for the tokenizer */
+    int32_t tq_n;
+    int32_t tk_busy;              /* requests the tokenizer thread is working on (0 or 1) */
+    m40_request *q_head, *q_tail; /* tokenized, waiting for a slot */
     int32_t q_n;
+    /* Test seam (m40_engine_set_tokenize_hook): called on the tokenizer thread, no lock
+     * held, with a request's user pointer before it is rendered and tokenized. */
+    void (*tokenize_hook)(void *ctx, void *user);
+    void *tokenize_hook_ctx;
     m40_request *rd_head, *rd_tail;
     m40_request *live_head;
     m40_engine_stats stats;
@@ -131,6 +166,7 @@ struct m40_engine {
     /* Engine thread only. */
     m40_model *model;
     m40_kv *kv;
+    /* Set at load, before the tokenizer thread starts; read by both threads after. */
     const m40_tokenizer *tok;
     m40_jinja *tmpl;              /* parsed chat template, NULL: fallback rendering */
     char tmpl_err[256];           /* non-empty: the model's template did not parse */
@@ -165,6 +201,32 @@ void m40_engine_wake(m40_engine *e);
 void m40_engine_drop_request(m40_engine *e, m40_request *r);
 void m40_hist_observe(const double *bounds, uint64_t *counts, double *sum, double v);
 
+/* The tokenizer queue and the admission queue (under e->mu): FIFO lists through
+ * q_next / q_prev; a request is in at most one. */
+void m40_queue_push(m40_request **head, m40_request **tail, int32_t *n, m40_request *r);
+void m40_queue_unlink(m40_request **head, m40_request **tail, int32_t *n, m40_request *r);
+/* Requests waiting for tokenization or for a slot: what max_queue limits and the
+ * queue_depth gauge shows. Under e->mu. */
+int32_t m40_engine_waiting_locked(const m40_engine *e);
+/* Ends a request the engine holds that never got a slot: pushes an ERROR event, lists
+ * it as ready and drops the engine's reference (any thread; no lock held). */
+void m40_engine_fail_request(m40_engine *e, m40_request *r, int http_status, const char *msg);
+
+/* Test seam: fn(ctx, user) runs on the tokenizer thread before each request is
+ * rendered and tokenized, with no lock held; a test blocks in it to hold a request
+ * "being tokenized" while it checks what the engine thread does meanwhile. NULL: none. */
+void m40_engine_set_tokenize_hook(m40_engine *e, void (*fn)(void *ctx, void *user), void *ctx);
+
+/* prompt.c: the tokenizer thread. Started by the engine thread once the model is loaded
+ * (-1 with err when the thread cannot be created); stopped (joined) by it after e->stop
+ * is set, before the model goes: requests still waiting for it are answered with 503. */
+int m40_prompt_start(m40_engine *e, char *err, size_t errlen);
+void m40_prompt_stop(m40_engine *e);
+
+/* scheduler.c: an automatic max_seqs on a GPU (m40_engine.h): the sequences of
+ * M40_AUTO_SEQ_TOKENS (or ctx when shorter) that kv_blocks blocks hold, 1 to
+ * M40_AUTO_MAX_SEQS. */
+int32_t m40_auto_max_seqs(int64_t kv_blocks, int32_t block_size, int32_t ctx);
 /* scheduler.c: the engine thread's body. */
 void *m40_engine_thread_main(void *arg);
 

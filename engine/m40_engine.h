@@ -1,20 +1,24 @@
 /* The engine's public API: the only engine header the nginx module includes.
  *
  * One engine per nginx worker (per GPU). m40_engine_create starts a dedicated engine
- * thread that loads the model and then runs the scheduler loop: it admits queued
- * requests (chat-template rendering and tokenization happen there, off the event
- * loop), batches every live sequence through one forward call per step, samples,
- * detokenizes incrementally (UTF-8 safe), matches stop strings (held back until they
- * can no longer match) and pushes events into each request's queue. Whenever a
- * request gets events the engine writes the eventfd; the worker's event loop reads it,
- * calls m40_engine_ready() to learn which requests have news, and m40_request_poll()s
- * them. No call here blocks on inference: every function is safe to call from the
- * event loop.
+ * thread that loads the model, starts a tokenizer thread and then runs the scheduler
+ * loop. A submitted request first waits for the tokenizer thread, which renders its
+ * chat template and tokenizes it (off the event loop and off the engine thread, so a
+ * huge prompt stalls nobody's decoding; a prompt that is too long or a template that
+ * fails is answered from there, with the same ERROR events as ever), then waits for a
+ * slot. The engine thread admits tokenized requests, batches every live sequence
+ * through one forward call per step, samples, detokenizes incrementally (UTF-8 safe),
+ * matches stop strings (held back until they can no longer match) and pushes events
+ * into each request's queue. Whenever a request gets events the engine writes the
+ * eventfd; the worker's event loop reads it, calls m40_engine_ready() to learn which
+ * requests have news, and m40_request_poll()s them. No call here blocks on inference
+ * or tokenization: every function is safe to call from the event loop.
  *
  * Ownership: a request is shared by the engine and its submitter. The submitter ends
  * its side with m40_request_release() (after the final event, or at any time to
- * abandon it: that cancels a running sequence, whose KV memory returns to the pool at
- * the next step). */
+ * abandon it: that drops a request still waiting, lets the tokenizer thread drop one
+ * it is working on when it is done, and cancels a running sequence, whose KV memory
+ * returns to the pool at the next step). m40_engine_destroy joins both threads. */
 #ifndef M40_ENGINE_H
 #define M40_ENGINE_H
 
@@ -33,12 +37,35 @@ typedef struct {
     const char *model_name;        /* public name in the API ("model" field) */
     int device;                    /* -1: CPU; >= 0: GPU index */
     int32_t ctx_size;              /* per-sequence context; 0: the model's trained context */
-    int32_t max_seqs;              /* concurrent sequences (batch slots) */
-    int32_t max_queue;             /* queued (not yet running) requests before 429 */
+    int32_t max_seqs;              /* concurrent sequences (batch slots); 0: automatic (below) */
+    int32_t max_queue;             /* requests waiting (for tokenization or a slot) before 429;
+                                    * 0: M40_DEFAULT_MAX_QUEUE */
     int32_t n_threads;             /* CPU threads; 0: all */
     const char *chat_template;     /* Jinja source overriding the GGUF's; NULL: the GGUF's, else the fallback */
     int32_t prefill_chunk;         /* max prompt tokens per sequence per step; 0: default */
+    float gpu_memory_fraction;     /* GPU: share of the card's memory this engine may fill, (0, 1];
+                                    * 0: the KV pool's default, 0.90 */
 } m40_engine_config;
+
+/* Defaults of the configuration's zeros.
+ *
+ * The GPU KV cache is a pool of 16-token blocks shared by all sequences. It takes what
+ * is left of gpu_memory_fraction of the card once the weights, the engine's other
+ * allocations and anything else on the card are counted and a reserve for the largest
+ * step's activations is set aside (at most what M40_AUTO_MAX_SEQS sequences, or
+ * max_seqs when larger, of full context need; the rest would only ever hold cached
+ * prefixes).
+ *
+ * max_seqs 0 (automatic): on the CPU M40_CPU_MAX_SEQS (each slot owns a full context
+ * of F32 KV memory there, and the cores, not the batch, bound throughput); on a GPU
+ * as many sequences of M40_AUTO_SEQ_TOKENS tokens (or of the whole context when that is
+ * shorter) as the pool holds, at least 1 and at most M40_AUTO_MAX_SEQS. Sequences
+ * longer than that share the pool: when it runs short, the youngest running sequence
+ * is preempted and recomputed later (its output so far stays sent). */
+#define M40_DEFAULT_MAX_QUEUE 1024
+#define M40_CPU_MAX_SEQS 4
+#define M40_AUTO_MAX_SEQS 256
+#define M40_AUTO_SEQ_TOKENS 1024
 
 typedef enum { M40_ENGINE_LOADING = 0, M40_ENGINE_READY = 1, M40_ENGINE_FAILED = 2 } m40_engine_state;
 
@@ -56,6 +83,28 @@ m40_engine_state m40_engine_get_state(m40_engine *e, char *err, size_t errlen);
 int32_t m40_engine_ctx_size(m40_engine *e);
 int32_t m40_engine_n_vocab(m40_engine *e);
 const char *m40_engine_model_name(const m40_engine *e);
+
+/* What the engine sized at load (valid once READY). */
+typedef struct {
+    int device;                    /* -1: the CPU, else the GPU index */
+    int32_t ctx;                   /* tokens per sequence */
+    int32_t max_seqs;              /* concurrent sequences (batch slots) */
+    int max_seqs_auto;             /* 1: chosen by the engine (the configuration said 0) */
+    int32_t max_queue;
+    int64_t kv_tokens;             /* KV cache capacity in tokens (all sequences together) */
+    int32_t kv_blocks;             /* GPU: blocks of kv_block_size tokens; 0 on the CPU */
+    int32_t kv_block_size;         /* GPU: 16; 0 on the CPU */
+    int64_t full_ctx_seqs;         /* sequences of ctx tokens that fit at once */
+    /* GPU memory accounting behind the pool, bytes (0 on the CPU) */
+    float gpu_memory_fraction;
+    double gpu_total, gpu_in_use, gpu_reserve, kv_bytes;
+} m40_engine_capacity;
+/* 0, or -1 (nothing written) unless READY. */
+int m40_engine_get_capacity(m40_engine *e, m40_engine_capacity *out);
+/* The capacity as one line for the log, vLLM style: "KV cache: N tokens (B blocks of
+ * 16, ...); X sequences of C tokens fit; max_seqs S (automatic); max_queue Q".
+ * Returns what snprintf returns. */
+int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len);
 
 /* Reads the eventfd and returns up to cap user pointers (as given to submit) of
  * requests that have unread events. Call until it returns < cap. */
@@ -134,7 +183,7 @@ typedef struct {
     uint64_t prompt_tokens_total;      /* prompt tokens of admitted requests */
     uint64_t prompt_tokens_computed;   /* prompt tokens actually run through the model */
     uint64_t completion_tokens_total;
-    int32_t queue_depth;
+    int32_t queue_depth;               /* waiting for the tokenizer or for a slot */
     int32_t running;
     int64_t kv_tokens_used;
     int64_t kv_tokens_total;

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ggml_types.h"
+#include "kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
 #include "model_gpu.h"
 #include "model_internal.h"
 #include "quant.h"
@@ -396,21 +397,51 @@ m40_kv *m40_kv_new(const m40_model *m, int32_t n_slots, int32_t ctx)
 {
     if (ctx <= 0)
         ctx = m->p.ctx_train;
-    if (n_slots <= 0)
+    /* every slot may fill its whole context: ctx rounded up to whole blocks each */
+    const int64_t bs = M40_KV_BLOCK_SIZE_DEFAULT;
+    m40_kv_options o = {.max_tokens = ctx > 0 && n_slots > 0 ? (int64_t)n_slots * ((ctx + bs - 1) / bs * bs) : 0};
+    return m40_kv_new_opts(m, n_slots, ctx, &o, NULL, 0);
+}
+
+m40_kv *m40_kv_new_opts(const m40_model *m, int32_t n_slots, int32_t ctx, const m40_kv_options *o, char *err,
+                        size_t errlen)
+{
+    char dummy[8];
+    if (!err || !errlen) {
+        err = dummy;
+        errlen = sizeof dummy;
+    }
+    err[0] = '\0';
+    if (ctx <= 0)
+        ctx = m->p.ctx_train;
+    if (n_slots <= 0 || ctx <= 0) {
+        snprintf(err, errlen, "a KV cache needs at least one slot and a positive context (%d slots of %d)",
+                 (int)n_slots, (int)ctx);
         return NULL;
+    }
+    if (o && (!(o->gpu_memory_fraction >= 0.0f && o->gpu_memory_fraction <= 1.0f) || o->max_tokens < 0 ||
+              o->max_step_rows < 0 || o->max_step_out < 0)) {
+        snprintf(err, errlen, "bad KV pool options (gpu_memory_fraction must be in (0, 1])");
+        return NULL;
+    }
     size_t per_slot = (size_t)m->p.n_layers * (size_t)ctx * (size_t)m->kv_dim;
     if (per_slot / (size_t)ctx / (size_t)m->kv_dim != (size_t)m->p.n_layers ||
-        per_slot > SIZE_MAX / sizeof(float) / (size_t)n_slots)
+        per_slot > SIZE_MAX / sizeof(float) / (size_t)n_slots) {
+        snprintf(err, errlen, "a KV cache of %d slots of %d positions is too large", (int)n_slots, (int)ctx);
         return NULL;
+    }
     m40_kv *kv = calloc(1, sizeof *kv);
-    if (!kv)
+    if (!kv) {
+        snprintf(err, errlen, "out of memory");
         return NULL;
+    }
     kv->n_slots = n_slots;
     kv->ctx = ctx;
     kv->n_layers = m->p.n_layers;
     kv->kv_dim = m->kv_dim;
     if (m->gpu) {
-        kv->gpu = m40_gpu_kv_new(m->gpu, n_slots, ctx);
+        m40_kv_options d = {0};
+        kv->gpu = m40_gpu_kv_new(m->gpu, n_slots, ctx, o ? o : &d, err, errlen);
         if (!kv->gpu) {
             free(kv);
             return NULL;
@@ -420,10 +451,19 @@ m40_kv *m40_kv_new(const m40_model *m, int32_t n_slots, int32_t ctx)
     kv->k = calloc(per_slot * (size_t)n_slots, sizeof(float));
     kv->v = calloc(per_slot * (size_t)n_slots, sizeof(float));
     if (!kv->k || !kv->v) {
+        snprintf(err, errlen, "out of memory for a KV cache of %d slots of %d positions (%.2f GB)", (int)n_slots,
+                 (int)ctx, 2.0 * (double)per_slot * (double)n_slots * sizeof(float) / 1e9);
         m40_kv_free(kv);
         return NULL;
     }
     return kv;
+}
+
+void m40_kv_get_pool_info(const m40_kv *kv, m40_kv_pool_info *out)
+{
+    memset(out, 0, sizeof *out);
+    if (kv && kv->gpu)
+        m40_gpu_kv_pool_info(kv->gpu, out);
 }
 
 void m40_kv_free(m40_kv *kv)

@@ -69,6 +69,38 @@ int m40_model_n_threads(const m40_model *m);
  * just means starting again at position 0. */
 typedef struct m40_kv m40_kv;
 m40_kv *m40_kv_new(const m40_model *m, int32_t n_slots, int32_t ctx);
+
+/* How a GPU model's KV pool is sized (the CPU backend ignores all of it: a slot's cache
+ * there is always ctx positions of its own).
+ *
+ * The pool takes what is left of gpu_memory_fraction of the card's memory once
+ * everything already on it is counted (this process's weights and scratch, the CUDA
+ * context, other processes: total - free) and once a reserve for the activations of the
+ * largest forward call is set aside (max_step_rows token rows, max_step_out of them
+ * with logits; see m40_gpu_kv_new), capped by max_tokens when that is given:
+ *   pool bytes = fraction * total - (total - free) - reserve.
+ * The environment variable M40_KV_BLOCKS caps the block count further (a test seam). */
+typedef struct {
+    float gpu_memory_fraction;  /* (0, 1]; 0: M40_GPU_MEMORY_FRACTION_DEFAULT */
+    int64_t max_tokens;         /* > 0: at most this many tokens; 0: as many as the memory holds */
+    int32_t max_step_rows;      /* token rows of the largest forward call; 0: n_slots + 512 */
+    int32_t max_step_out;       /* rows of it that want logits; 0: n_slots */
+} m40_kv_options;
+#define M40_GPU_MEMORY_FRACTION_DEFAULT 0.90f
+/* m40_kv_new is m40_kv_new_opts with max_tokens = n_slots * ctx and defaults otherwise.
+ * NULL with err (which may be NULL) when the memory does not hold a single block, or on
+ * bad arguments or out of memory. */
+m40_kv *m40_kv_new_opts(const m40_model *m, int32_t n_slots, int32_t ctx, const m40_kv_options *o, char *err,
+                        size_t errlen);
+/* The GPU memory accounting behind a pool (bytes; all 0 on the CPU backend). */
+typedef struct {
+    double total;       /* the card's memory */
+    double in_use;      /* in use when the pool was sized (total - free) */
+    double reserve;     /* kept free for the activations of the largest forward call */
+    double pool;        /* the pool itself */
+    float fraction;     /* gpu_memory_fraction applied */
+} m40_kv_pool_info;
+void m40_kv_get_pool_info(const m40_kv *kv, m40_kv_pool_info *out);
 void m40_kv_free(m40_kv *kv);
 int32_t m40_kv_ctx(const m40_kv *kv);
 int32_t m40_kv_n_slots(const m40_kv *kv);
@@ -76,8 +108,8 @@ int32_t m40_kv_n_slots(const m40_kv *kv);
  * on the CPU, where a slot's memory is fixed). Positions restart at 0 afterwards.
  *
  * On a GPU model the cache is a pool of 16-token blocks (engine/kv_blocks) shared by
- * all slots, sized by ctx * n_slots or the free GPU memory, whichever is smaller
- * (the environment variable M40_KV_BLOCKS caps it: a test seam). A slot takes blocks
+ * all slots, sized as m40_kv_options says (m40_kv_new: ctx * n_slots or what the memory
+ * holds, whichever is smaller). A slot takes blocks
  * as its positions grow; a batch whose first position for a slot is below the slot's
  * length restarts that slot there (position 0 always works; a restart inside a full
  * block that the prefix cache shares with other sequences is an error). */

@@ -47,10 +47,17 @@ void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps)
     (void)g;
     *ms = 0, *steps = 0;
 }
-m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx)
+m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_kv_options *o, char *err,
+                           size_t errlen)
 {
-    (void)g, (void)n_slots, (void)ctx;
+    (void)g, (void)n_slots, (void)ctx, (void)o;
+    snprintf(err, errlen, "this build has no CUDA support");
     return NULL;
+}
+void m40_gpu_kv_pool_info(const m40_gpu_kv *kv, m40_kv_pool_info *out)
+{
+    (void)kv;
+    memset(out, 0, sizeof *out);
 }
 void m40_gpu_kv_free(m40_gpu_kv *kv) { (void)kv; }
 void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot) { (void)kv, (void)slot; }

@@ -64,42 +64,120 @@
 
 /* ------------------------------------------------------------- KV pool ---- */
 
-m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx)
+/* Device bytes that forward calls of up to max_rows token rows, max_out of them with
+ * logits, allocate on top of what is resident at load: what ensure_scratch, ensure_ints
+ * and the attention workspace below grow to (keep this in step with them), plus room
+ * for what is not ours to count exactly. The KV pool is sized after the weights but
+ * before any forward call, so this is reserved out of the pool's share up front; a
+ * forward call that found no memory for its scratch would fail the step.
+ *   - per token row: the residual stream and its copies (x, xb, x2, xd), q/k/v, the
+ *     attention output, gate|up and the FFN hidden (hb, hb2) in F32, and the F16 copy
+ *     of the widest product input (x16);
+ *   - per logits row: the final-norm output, the logits and the greedy pick;
+ *   - the int8 GEMV inputs, the tensor-core GEMV's split-K workspace (4 MB) and
+ *     counters, the decode attention's split workspace (its split picker keeps
+ *     sequences x KV heads x splits within 4 blocks per SM) and counters;
+ *   - then a quarter more and 256 MiB: cuBLAS / cuBLASLt workspaces (allocated at their
+ *     first GEMM), the executable CUDA graphs of decode steps (up to M40_GRAPH_SLOTS),
+ *     the batch tables (a few ints per row and one per KV block in the step), the
+ *     allocator's rounding, and the scratch that a GEMM kernel of ours may add without
+ *     this estimate knowing it. */
+static size_t step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max_rows, int32_t max_out)
 {
-    if (n_slots <= 0 || ctx <= 0)
+    const m40_model_params *p = &g->p;
+    size_t R = (size_t)(max_rows < 64 ? 64 : max_rows), O = (size_t)(max_out < 8 ? 8 : max_out);
+    size_t in_max = (size_t)p->ffn_dim;
+    if ((size_t)p->dim > in_max)
+        in_max = (size_t)p->dim;
+    if ((size_t)g->q_dim > in_max)
+        in_max = (size_t)g->q_dim;
+    size_t per_row = 4 * (4 * (size_t)p->dim + (size_t)g->qkv_dim + (size_t)g->q_dim + 3 * (size_t)p->ffn_dim) +
+                     2 * in_max;
+    size_t per_out = 4 * (size_t)p->dim + 4 * (size_t)p->n_vocab + 8;
+    size_t rows = (size_t)p->n_vocab;
+    if ((size_t)g->qkv_dim > rows)
+        rows = (size_t)g->qkv_dim;
+    if (2 * (size_t)p->ffn_dim > rows)
+        rows = 2 * (size_t)p->ffn_dim;
+    size_t fixed = m40k_gemv_q8_ws_bytes((int)in_max, 8) + m40k_gemv_q8_ws_bytes((int)p->dim, 1) +
+                   ((size_t)p->dim / 32 + 1) * 4 + ((size_t)1 << 22) +
+                   m40k_gemm_skinny_counter_ints((int)rows) * sizeof(int);
+    const int G = p->n_kv_heads > 0 ? p->n_heads / p->n_kv_heads : 1;
+    size_t att = (size_t)4 * (size_t)(g->sm_count > 0 ? g->sm_count : 132) * (size_t)(G > 0 ? G : 1) *
+                     ((size_t)p->head_dim + 2) * 4 +
+                 m40k_decode_counter_ints(n_slots, p->n_kv_heads) * sizeof(int);
+    size_t est = R * per_row + O * per_out + fixed + att;
+    return est + est / 4 + ((size_t)256 << 20);
+}
+
+m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_kv_options *o, char *err,
+                           size_t errlen)
+{
+    if (n_slots <= 0 || ctx <= 0) {
+        m40_set_err(err, errlen, "a KV pool needs at least one slot and a positive context");
         return NULL;
+    }
     cudaSetDevice(g->device);
     m40_gpu_kv *kv = calloc(1, sizeof *kv);
-    if (!kv)
+    if (!kv) {
+        m40_set_err(err, errlen, "out of memory");
         return NULL;
+    }
     kv->g = g;
     kv->n_slots = n_slots;
     kv->ctx = ctx;
     /* Bytes of one block over all layers, K and V. */
     size_t block_elems = (size_t)M40K_PAGE * (size_t)g->kv_dim;
     size_t block_bytes = block_elems * 2 * 2 * (size_t)g->p.n_layers;
-    int64_t want = (int64_t)n_slots * (((int64_t)ctx + M40K_PAGE - 1) / M40K_PAGE);
+    const float fraction = o->gpu_memory_fraction > 0.0f ? o->gpu_memory_fraction : M40_GPU_MEMORY_FRACTION_DEFAULT;
+    const int32_t max_rows = o->max_step_rows > 0 ? o->max_step_rows : n_slots + 512;
+    const int32_t max_out = o->max_step_out > 0 ? o->max_step_out : n_slots;
     size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
-    /* Leave room for the activations of big steps, cuBLAS workspaces and other
-     * allocations: 1 GiB or 5% of the card, whichever is larger. */
-    size_t margin = (size_t)1 << 30;
-    if (total_b / 20 > margin)
-        margin = total_b / 20;
-    int64_t fit = free_b > margin ? (int64_t)((free_b - margin) / block_bytes) : 0;
-    int64_t nb = want < fit ? want : fit;
+    cudaError_t ce = cudaMemGetInfo(&free_b, &total_b);
+    if (ce != cudaSuccess) {
+        m40_set_err(err, errlen, "gpu %d: cudaMemGetInfo: %s", g->device, cudaGetErrorString(ce));
+        goto fail;
+    }
+    /* What this process may fill is fraction * total; everything on the card now counts
+     * against it (weights, the dequantization scratch, the CUDA context and cuBLAS
+     * handles, and other processes' memory), and so does the activation reserve. */
+    double budget = (double)fraction * (double)total_b;
+    double in_use = (double)(total_b - free_b);
+    double reserve = (double)step_reserve_bytes(g, n_slots, max_rows, max_out);
+    kv->info.total = (double)total_b;
+    kv->info.in_use = in_use;
+    kv->info.reserve = reserve;
+    kv->info.fraction = fraction;
+    double room = budget - in_use - reserve; /* never more than free - reserve: fraction <= 1 */
+    int64_t nb = room > 0 ? (int64_t)(room / (double)block_bytes) : 0;
+    if (nb <= 0) {
+        m40_set_err(err, errlen,
+                    "gpu %d: no room for the KV cache: gpu_memory_fraction %.2f of %.1f GiB is %.1f GiB, but %.1f "
+                    "GiB are in use (%.1f GiB of weights) and %.1f GiB are kept for the activations of steps of %d "
+                    "tokens; a block of 16 tokens takes %.1f MiB (raise the memory fraction or lower max_seqs)",
+                    g->device, fraction, total_b / 1073741824.0, budget / 1073741824.0, in_use / 1073741824.0,
+                    g->weight_bytes / 1073741824.0, reserve / 1073741824.0, (int)max_rows, block_bytes / 1048576.0);
+        goto fail;
+    }
+    if (o->max_tokens > 0) {
+        int64_t want = (o->max_tokens + M40K_PAGE - 1) / M40K_PAGE;
+        if (want < nb)
+            nb = want;
+    }
     const char *cap = getenv("M40_KV_BLOCKS");
     if (cap && atoll(cap) > 0 && atoll(cap) < nb)
         nb = atoll(cap);
     if (nb > INT32_MAX / M40K_PAGE)
         nb = INT32_MAX / M40K_PAGE;
-    if (nb <= 0)
-        goto fail;
     kv->n_blocks = (int32_t)nb;
     kv->layer_elems = (size_t)nb * block_elems;
-    if (cudaMalloc((void **)&kv->k, kv->layer_elems * 2 * (size_t)g->p.n_layers) != cudaSuccess ||
-        cudaMalloc((void **)&kv->v, kv->layer_elems * 2 * (size_t)g->p.n_layers) != cudaSuccess)
+    kv->info.pool = (double)nb * (double)block_bytes;
+    if ((ce = cudaMalloc((void **)&kv->k, kv->layer_elems * 2 * (size_t)g->p.n_layers)) != cudaSuccess ||
+        (ce = cudaMalloc((void **)&kv->v, kv->layer_elems * 2 * (size_t)g->p.n_layers)) != cudaSuccess) {
+        m40_set_err(err, errlen, "gpu %d: cannot allocate a KV pool of %d blocks (%.2f GiB): %s", g->device,
+                    (int)nb, kv->info.pool / 1073741824.0, cudaGetErrorString(ce));
         goto fail;
+    }
     m40_kv_blocks_params bp;
     m40_kv_blocks_params_default(&bp, kv->n_blocks);
     bp.block_size = M40K_PAGE;
@@ -109,16 +187,22 @@ m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx)
     kv->seqs = calloc((size_t)n_slots, sizeof *kv->seqs);
     kv->toks = calloc((size_t)n_slots, sizeof *kv->toks);
     kv->toks_cap = calloc((size_t)n_slots, sizeof *kv->toks_cap);
-    if (!kv->mgr || !kv->seqs || !kv->toks || !kv->toks_cap)
+    if (!kv->mgr || !kv->seqs || !kv->toks || !kv->toks_cap) {
+        m40_set_err(err, errlen, "out of memory for the KV block tables (%d blocks)", (int)nb);
         goto fail;
+    }
     for (int32_t i = 0; i < n_slots; i++)
-        if (!(kv->seqs[i] = m40_kv_seq_new(kv->mgr)))
+        if (!(kv->seqs[i] = m40_kv_seq_new(kv->mgr))) {
+            m40_set_err(err, errlen, "out of memory for the KV block tables (%d slots)", (int)n_slots);
             goto fail;
+        }
     return kv;
 fail:
     m40_gpu_kv_free(kv);
     return NULL;
 }
+
+void m40_gpu_kv_pool_info(const m40_gpu_kv *kv, m40_kv_pool_info *out) { *out = kv->info; }
 
 void m40_gpu_kv_free(m40_gpu_kv *kv)
 {

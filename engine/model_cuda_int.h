@@ -171,6 +171,7 @@ struct m40_gpu_kv {
     int prefix_cache;
     int32_t **toks;
     int32_t *toks_cap;
+    m40_kv_pool_info info; /* the memory accounting it was sized by (m40_gpu_kv_new) */
 };
 
 #endif

@@ -58,8 +58,12 @@ typedef struct m40_gpu_kv m40_gpu_kv;
  * err when there is no such device, CUDA is not built in, or memory runs out. */
 int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu **out, char *err, size_t errlen);
 void m40_gpu_free(m40_gpu *g);
-/* Paged KV pool for n_slots sequences of up to ctx tokens. NULL when out of memory. */
-m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx);
+/* Paged KV pool for n_slots sequences of up to ctx tokens, sized as o says (model.h,
+ * m40_kv_options). NULL with err when not even one block fits or memory runs out. */
+m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_kv_options *o, char *err,
+                           size_t errlen);
+/* The memory accounting the pool was sized by. */
+void m40_gpu_kv_pool_info(const m40_gpu_kv *kv, m40_kv_pool_info *out);
 void m40_gpu_kv_free(m40_gpu_kv *kv);
 void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot);
 int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv);

@@ -3,8 +3,10 @@
  * One iteration ("step"):
  *   1. sequences whose submitter released them are cancelled and their slots freed,
  *      before anything is computed for them;
- *   2. queued requests are admitted into free slots (chat template rendered,
- *      prompt tokenized, sampler and detokenizer created);
+ *   2. queued requests are admitted into free slots (sampler and detokenizer
+ *      created); they come already rendered and tokenized by the tokenizer thread
+ *      (prompt.c), so that however long a prompt is, its tokenization never holds up
+ *      a step;
  *   3. one m40_batch is built: the next token of every decoding sequence, then prompt
  *      chunks of prefilling sequences, oldest admission first, under a step budget of
  *      prefill_chunk prompt tokens in total (so that a long prompt arriving never
@@ -22,7 +24,11 @@
  * (m40_kv_slot_clear), and when a step needs more blocks than are free the forward
  * call says so (M40_FORWARD_NO_BLOCKS) and changes nothing; the youngest sequence is
  * then preempted (its blocks freed, its tokens so far, generated ones included,
- * become a prompt to recompute later) and the step is rebuilt, until it fits.
+ * become a prompt to recompute later) and the step is rebuilt, until it fits. The pool
+ * is sized from the GPU's memory, not from max_seqs * ctx (kv_size), so this is the
+ * normal way a full pool is shared: admission takes any free slot, the oldest sequence
+ * always keeps going, and a young one waits (preempted again each step) until blocks
+ * come back. A sequence alone that the pool cannot hold ends (make_room).
  *
  * Prefix caching (GPU pool, m40_kv_slot_match_prefix): when a sequence gets its first
  * prompt chunk, the full blocks of its prompt that are already cached are attached to
@@ -42,8 +48,6 @@
 #include <string.h>
 #include <unistd.h>
 
-/* Text appended to the end-of-turn of the fallback chat template. */
-#define M40_FALLBACK_END "<|im_end|>"
 
 /* ---------- slot bookkeeping ---------- */
 
@@ -276,144 +280,6 @@ static size_t stop_holdback(const stop_set *st, const char *text, size_t n)
 
 /* ---------- admission ---------- */
 
-static int64_t tokenize_alloc(const m40_tokenizer *tok, const char *text, size_t len, int add_bos,
-                              int parse_special, int32_t **out, char *err, size_t errlen)
-{
-    int64_t cap = (int64_t)len + 16;
-    *out = NULL;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        int32_t *ids = malloc((size_t)cap * sizeof *ids);
-        if (!ids) {
-            snprintf(err, errlen, "out of memory tokenizing %zu bytes", len);
-            return -1;
-        }
-        int64_t n = m40_tokenize(tok, text, len, add_bos, parse_special, ids, cap, err, errlen);
-        if (n < 0) {
-            free(ids);
-            return -1;
-        }
-        if (n <= cap) {
-            *out = ids;
-            return n;
-        }
-        free(ids);
-        cap = n;
-    }
-    snprintf(err, errlen, "tokenizer returned inconsistent lengths");
-    return -1;
-}
-
-/* The fallback when neither the GGUF nor the configuration has a chat template: a
- * ChatML-style rendering, the most common convention of instruction-tuned models:
- *   <|im_start|>{role}\n{content}<|im_end|>\n ... [<|im_start|>assistant\n]
- * Non-string content (null for tool-call turns) renders as empty text. */
-static char *render_fallback(const json_t *messages, int add_generation_prompt, size_t *out_len)
-{
-    size_t cap = 64, len = 0;
-    size_t i;
-    json_t *m;
-    json_array_foreach(messages, i, m)
-    {
-        const char *role = json_string_value(json_object_get(m, "role"));
-        const char *content = json_string_value(json_object_get(m, "content"));
-        cap += 32 + (role ? strlen(role) : 0) + (content ? strlen(content) : 0);
-    }
-    char *buf = malloc(cap);
-    if (!buf)
-        return NULL;
-    json_array_foreach(messages, i, m)
-    {
-        const char *role = json_string_value(json_object_get(m, "role"));
-        const char *content = json_string_value(json_object_get(m, "content"));
-        len += (size_t)sprintf(buf + len, "<|im_start|>%s\n%s" M40_FALLBACK_END "\n", role ? role : "user",
-                               content ? content : "");
-    }
-    if (add_generation_prompt)
-        len += (size_t)sprintf(buf + len, "<|im_start|>assistant\n");
-    *out_len = len;
-    return buf;
-}
-
-/* Renders (chat) and tokenizes the request's prompt. On failure returns -1 with the
- * HTTP status and message to answer with. */
-static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int32_t *n_out, int *status, char *msg,
-                          size_t msglen)
-{
-    const m40_tokenizer *tok = e->tok;
-    char err[256];
-    int64_t n;
-    int32_t *ids = NULL;
-    *status = 500;
-    if (r->messages) {
-        char *text = NULL;
-        size_t len = 0;
-        if (e->tmpl_err[0]) {
-            snprintf(msg, msglen, "the model's chat template cannot be used: %.200s", e->tmpl_err);
-            return -1;
-        }
-        if (e->tmpl) {
-            int32_t bos = m40_tokenizer_bos(tok), eos = m40_tokenizer_eos(tok);
-            const char *bos_s = bos >= 0 ? m40_tokenizer_piece(tok, bos) : NULL;
-            const char *eos_s = eos >= 0 ? m40_tokenizer_piece(tok, eos) : NULL;
-            if (m40_chat_template_render_parsed(e->tmpl, r->messages, NULL, r->add_generation_prompt, bos_s, eos_s,
-                                                NULL, NULL, &text, &len, err, sizeof err) != 0) {
-                /* raise_exception() in templates rejects the conversation itself. */
-                *status = 400;
-                snprintf(msg, msglen, "chat template: %.230s", err);
-                return -1;
-            }
-        } else {
-            text = render_fallback(r->messages, r->add_generation_prompt, &len);
-            if (!text) {
-                snprintf(msg, msglen, "out of memory rendering the chat");
-                return -1;
-            }
-        }
-        /* Template output is trusted: its control-token strings become single ids. */
-        n = tokenize_alloc(tok, text, len, 0, 1, &ids, err, sizeof err);
-        free(text);
-        if (n < 0) {
-            snprintf(msg, msglen, "tokenizer: %.230s", err);
-            return -1;
-        }
-        int32_t bos = m40_tokenizer_bos(tok);
-        if (m40_tokenizer_add_bos(tok) && bos >= 0 && (n == 0 || ids[0] != bos)) {
-            int32_t *nids = realloc(ids, (size_t)(n + 1) * sizeof *nids);
-            if (!nids) {
-                free(ids);
-                snprintf(msg, msglen, "out of memory");
-                return -1;
-            }
-            ids = nids;
-            memmove(ids + 1, ids, (size_t)n * sizeof *ids);
-            ids[0] = bos;
-            n++;
-        }
-    } else {
-        /* User text: control-token strings stay text. */
-        n = tokenize_alloc(tok, r->prompt, r->prompt_len, m40_tokenizer_add_bos(tok), 0, &ids, err, sizeof err);
-        if (n < 0) {
-            snprintf(msg, msglen, "tokenizer: %.230s", err);
-            return -1;
-        }
-    }
-    if (n >= e->ctx) {
-        free(ids);
-        *status = 400;
-        snprintf(msg, msglen, "prompt has %lld tokens but the context size is %d", (long long)n, (int)e->ctx);
-        return -1;
-    }
-    if (n == 0) {
-        free(ids);
-        *status = 400;
-        snprintf(msg, msglen, "prompt is empty (no tokens to start from)");
-        return -1;
-    }
-    *ids_out = ids;
-    *n_out = (int32_t)n;
-    return 0;
-}
-
 /* Error before a slot was taken: answer and drop the engine's reference now. */
 static void admit_fail(m40_engine *e, m40_request *r, int status, const char *msg)
 {
@@ -422,23 +288,15 @@ static void admit_fail(m40_engine *e, m40_request *r, int status, const char *ms
     m40_engine_drop_request(e, r);
 }
 
+/* The request comes tokenized (prompt.c): its ids move into the slot. */
 static void admit(m40_engine *e, m40_request *r, int32_t slot)
 {
-    int32_t *ids = NULL, n = 0;
-    int status;
-    char msg[256];
-    if (request_tokens(e, r, &ids, &n, &status, msg, sizeof msg) != 0) {
-        admit_fail(e, r, status, msg);
-        return;
-    }
+    int32_t *ids = r->ids, n = r->n_ids;
+    r->ids = NULL;
+    r->n_ids = 0;
     m40_slot *s = &e->slots[slot];
     memset(s, 0, sizeof *s);
-    s->fallback_chat = r->messages != NULL && e->tmpl == NULL;
-    /* Rendered: the messages are not needed any more (only this thread reads them). */
-    if (r->messages) {
-        json_decref(r->messages);
-        r->messages = NULL;
-    }
+    s->fallback_chat = r->fallback_chat;
     r->sampling.skip_logprob = !r->logprobs; /* only logprobs requests report it */
     s->smp = m40_sampler_new(&r->sampling, e->n_vocab);
     s->detok = m40_detok_new(e->tok);
@@ -493,14 +351,8 @@ static m40_request *queue_pop_locked(m40_engine *e)
 {
     m40_request *r = e->q_head;
     if (r) {
-        e->q_head = r->q_next;
-        if (e->q_head)
-            e->q_head->q_prev = NULL;
-        else
-            e->q_tail = NULL;
-        r->q_next = r->q_prev = NULL;
-        e->q_n--;
-        e->stats.queue_depth = e->q_n;
+        m40_queue_unlink(&e->q_head, &e->q_tail, &e->q_n, r);
+        e->stats.queue_depth = m40_engine_waiting_locked(e);
         r->phase = M40_REQ_ENGINE;
     }
     return r;
@@ -875,6 +727,70 @@ static void stats_publish(m40_engine *e)
 
 /* ---------- load and shutdown ---------- */
 
+int32_t m40_auto_max_seqs(int64_t kv_blocks, int32_t block_size, int32_t ctx)
+{
+    /* sequences of M40_AUTO_SEQ_TOKENS (or of the whole context when shorter), each in
+     * whole blocks */
+    int64_t len = ctx < M40_AUTO_SEQ_TOKENS ? ctx : M40_AUTO_SEQ_TOKENS;
+    int64_t per = block_size > 0 ? (len + block_size - 1) / block_size : 1;
+    int64_t fit = kv_blocks / (per > 0 ? per : 1);
+    return fit < 1 ? 1 : fit > M40_AUTO_MAX_SEQS ? M40_AUTO_MAX_SEQS : (int32_t)fit;
+}
+
+/* The KV cache and the number of slots (m40_engine.h says the rules). On a GPU the pool
+ * is sized from the memory first, for the most slots the automatic choice could take
+ * (the activation reserve grows with the slots), then an automatic max_seqs is what the
+ * pool holds; the pool's slots past it stay unused (a few bytes each). The pool is
+ * capped at what M40_AUTO_MAX_SEQS (or max_seqs, when larger) sequences of full
+ * context need: more could only ever hold cached prefixes, and a small model on a big
+ * card would otherwise get millions of blocks to keep track of. Fills e->capacity. */
+static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
+{
+    const int gpu = m40_model_device(e->model) >= 0;
+    const int automatic = e->max_seqs_cfg <= 0;
+    int32_t slots = !automatic ? e->max_seqs_cfg : gpu ? M40_AUTO_MAX_SEQS : M40_CPU_MAX_SEQS;
+    const int64_t bs = M40_KV_BLOCK_SIZE_DEFAULT, ctx_blocks = ((int64_t)ctx + bs - 1) / bs;
+    m40_kv_options ko = {.gpu_memory_fraction = e->gpu_memory_fraction,
+                         .max_tokens = (int64_t)(slots > M40_AUTO_MAX_SEQS ? slots : M40_AUTO_MAX_SEQS) * ctx_blocks * bs,
+                         .max_step_rows = slots + e->prefill_chunk,
+                         .max_step_out = slots};
+    char kerr[400];
+    e->kv = m40_kv_new_opts(e->model, slots, ctx, &ko, kerr, sizeof kerr);
+    if (!e->kv) {
+        snprintf(err, errlen, "cannot allocate the KV cache for %d sequences of %d tokens: %s", (int)slots, (int)ctx,
+                 kerr);
+        return -1;
+    }
+    m40_engine_capacity c;
+    memset(&c, 0, sizeof c);
+    c.device = gpu ? m40_model_device(e->model) : -1;
+    c.ctx = ctx;
+    if (gpu) {
+        m40_kv_pool_info pi;
+        m40_kv_get_pool_info(e->kv, &pi);
+        c.kv_blocks = m40_kv_pool_blocks(e->kv);
+        c.kv_block_size = (int32_t)bs;
+        c.kv_tokens = (int64_t)c.kv_blocks * bs;
+        c.full_ctx_seqs = c.kv_blocks / ctx_blocks;
+        c.gpu_memory_fraction = pi.fraction;
+        c.gpu_total = pi.total;
+        c.gpu_in_use = pi.in_use;
+        c.gpu_reserve = pi.reserve;
+        c.kv_bytes = pi.pool;
+        if (automatic)
+            slots = m40_auto_max_seqs(c.kv_blocks, (int32_t)bs, ctx);
+    } else {
+        c.kv_tokens = (int64_t)slots * ctx;
+        c.full_ctx_seqs = slots;
+    }
+    e->max_seqs = slots;
+    c.max_seqs = slots;
+    c.max_seqs_auto = automatic;
+    c.max_queue = e->max_queue;
+    e->capacity = c; /* others read it (under e->mu) only once READY is set */
+    return 0;
+}
+
 static int engine_load(m40_engine *e, char *err, size_t errlen)
 {
     char merr[384];
@@ -899,12 +815,8 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
      * control text the model was trained to emit as one id); when it is not, the
      * model can only spell it out, and the fallback template stops on that text. */
     e->fallback_end_is_text = m40_tokenizer_find_piece(e->tok, M40_FALLBACK_END) < 0;
-    e->kv = m40_kv_new(e->model, e->max_seqs, ctx);
-    if (!e->kv) {
-        snprintf(err, errlen, "cannot allocate the KV cache for %d sequences of %d tokens", (int)e->max_seqs,
-                 (int)ctx);
+    if (kv_size(e, ctx, err, errlen) != 0)
         return -1;
-    }
 
     const char *src = e->template_override;
     if (!src)
@@ -1040,7 +952,7 @@ static void engine_shutdown(m40_engine *e)
     for (;;) {
         pthread_mutex_lock(&e->mu);
         m40_request *r = queue_pop_locked(e);
-        e->stats.queue_depth = e->q_n;
+        e->stats.queue_depth = m40_engine_waiting_locked(e);
         e->stats.requests_cancelled += (uint64_t)cancelled;
         cancelled = 0;
         pthread_mutex_unlock(&e->mu);
@@ -1066,6 +978,15 @@ void *m40_engine_thread_main(void *arg)
         return NULL;
     }
     engine_warmup(e);
+    if (m40_prompt_start(e, err, sizeof err) != 0) {
+        engine_unload(e);
+        pthread_mutex_lock(&e->mu);
+        e->state = M40_ENGINE_FAILED;
+        snprintf(e->load_err, sizeof e->load_err, "%s", err);
+        pthread_mutex_unlock(&e->mu);
+        m40_engine_wake(e);
+        return NULL;
+    }
     pthread_mutex_lock(&e->mu);
     e->state = M40_ENGINE_READY;
     e->stats.kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16
@@ -1088,6 +1009,9 @@ void *m40_engine_thread_main(void *arg)
         stats_publish(e);
         e->tstats.schedule_seconds += m40_now() - t0 - (e->tstats.forward_seconds + e->tstats.sample_seconds - busy0);
     }
+    /* The tokenizer thread first: it answers what waits for it, and whatever it had
+     * queued for admission before it saw the stop is answered by engine_shutdown. */
+    m40_prompt_stop(e);
     engine_shutdown(e);
     engine_unload(e);
     return NULL;

@@ -21,6 +21,8 @@ static char *ngx_http_m40_device(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 static char *ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
+static char *ngx_http_m40_gpu_memory_fraction(ngx_conf_t *cf,
+    ngx_command_t *cmd, void *conf);
 static char *ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
 static ngx_int_t ngx_http_m40_init_process(ngx_cycle_t *cycle);
 static void ngx_http_m40_exit_process(ngx_cycle_t *cycle);
@@ -77,6 +79,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       NGX_HTTP_MAIN_CONF_OFFSET,
       offsetof(ngx_http_m40_main_conf_t, max_queue),
       &ngx_http_m40_positive },
+
+    { ngx_string("m40_gpu_memory_fraction"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_http_m40_gpu_memory_fraction,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
 
     { ngx_string("m40_max_tokens_default"),
       NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
@@ -167,6 +176,7 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->max_tokens_default = NGX_CONF_UNSET;
     mcf->max_tokens_limit = NGX_CONF_UNSET;
     mcf->threads = NGX_CONF_UNSET;
+    mcf->gpu_memory_fraction = -1.0;
 
     return mcf;
 }
@@ -179,8 +189,13 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
 
     ngx_conf_init_value(mcf->device, -1);
     ngx_conf_init_value(mcf->ctx_size, 0);
-    ngx_conf_init_value(mcf->max_seqs, 4);
-    ngx_conf_init_value(mcf->max_queue, 64);
+    /* 0: the engine picks (m40_engine.h: 4 on the CPU, what the KV pool holds
+     * on a GPU) and logs what it picked */
+    ngx_conf_init_value(mcf->max_seqs, 0);
+    ngx_conf_init_value(mcf->max_queue, M40_DEFAULT_MAX_QUEUE);
+    if (mcf->gpu_memory_fraction < 0.0) {
+        mcf->gpu_memory_fraction = 0.0;     /* the engine's default, 0.90 */
+    }
     ngx_conf_init_value(mcf->max_tokens_default, 256);
     ngx_conf_init_value(mcf->max_tokens_limit, 4096);
     ngx_conf_init_value(mcf->threads, 0);
@@ -341,6 +356,43 @@ ngx_http_m40_device(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 }
 
 
+/* m40_gpu_memory_fraction F: the share of each GPU's memory its engine may fill
+ * (weights, activations and the KV cache that takes the rest), 0 < F <= 1. */
+static char *
+ngx_http_m40_gpu_memory_fraction(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf)
+{
+    ngx_http_m40_main_conf_t *mcf = conf;
+
+    char       *end;
+    double      f;
+    ngx_str_t  *value;
+
+    if (mcf->gpu_memory_fraction >= 0.0) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    /* configuration arguments are NUL-terminated */
+    errno = 0;
+    f = strtod((const char *) value[1].data, &end);
+    if (value[1].len == 0 || *end != '\0' || errno != 0
+        || !(f > 0.0 && f <= 1.0))
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid m40_gpu_memory_fraction \"%V\": a number "
+                           "greater than 0 and at most 1 expected "
+                           "(e.g. 0.90)", &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    mcf->gpu_memory_fraction = f;
+
+    return NGX_CONF_OK;
+}
+
+
 /* m40_chat_template PATH: the file is read here, at configuration time, so that
  * workers never do file I/O for it. */
 static char *
@@ -484,6 +536,7 @@ ngx_http_m40_init_process(ngx_cycle_t *cycle)
     ec.max_seqs = (int32_t) mcf->max_seqs;
     ec.max_queue = (int32_t) mcf->max_queue;
     ec.n_threads = (int32_t) mcf->threads;
+    ec.gpu_memory_fraction = (float) mcf->gpu_memory_fraction;
     ec.chat_template = mcf->chat_template.len
                        ? (const char *) mcf->chat_template.data : NULL;
 
@@ -621,6 +674,47 @@ ngx_http_m40_choice_lookup(ngx_http_m40_main_conf_t *mcf, ngx_rbtree_key_t key)
 }
 
 
+/* Once the engine has loaded (the eventfd is written when it becomes READY or
+ * FAILED): what it sized, or why it failed. */
+static void
+ngx_http_m40_log_load(ngx_http_m40_main_conf_t *mcf, ngx_log_t *log)
+{
+    char                   line[768];
+    m40_engine_state       state;
+    m40_engine_capacity    cap;
+
+    state = m40_engine_get_state(mcf->engine, line, sizeof(line));
+
+    if (state == M40_ENGINE_FAILED) {
+        ngx_log_error(NGX_LOG_ERR, log, 0, "m40: \"%V\" failed to load: %s",
+                      &mcf->model_path, line);
+        mcf->load_logged = 1;
+        return;
+    }
+
+    if (state != M40_ENGINE_READY
+        || m40_engine_get_capacity(mcf->engine, &cap) != 0)
+    {
+        return;
+    }
+
+    mcf->load_logged = 1;
+
+    m40_engine_capacity_line(&cap, line, sizeof(line));
+    ngx_log_error(NGX_LOG_NOTICE, log, 0, "m40: \"%V\" ready; %s",
+                  &mcf->model_name, line);
+
+    if (cap.full_ctx_seqs < 1) {
+        ngx_log_error(NGX_LOG_WARN, log, 0,
+                      "m40: the KV cache holds %L tokens, less than one "
+                      "sequence of the full context (%d tokens): longer "
+                      "sequences end early; lower m40_ctx_size or raise "
+                      "m40_gpu_memory_fraction",
+                      (int64_t) cap.kv_tokens, (int) cap.ctx);
+    }
+}
+
+
 #define NGX_HTTP_M40_READY_BATCH  64
 
 static void
@@ -636,6 +730,10 @@ ngx_http_m40_engine_event(ngx_event_t *rev)
 
     c = rev->data;
     mcf = c->data;
+
+    if (!mcf->load_logged) {
+        ngx_http_m40_log_load(mcf, rev->log);
+    }
 
     /* Drain the eventfd first: a notification written after this read makes the
      * fd readable again, so none is lost. */

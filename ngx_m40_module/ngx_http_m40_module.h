@@ -37,6 +37,7 @@ typedef struct {
     ngx_int_t            max_tokens_default;
     ngx_int_t            max_tokens_limit;
     ngx_int_t            threads;
+    double               gpu_memory_fraction; /* -1: unset; 0: the engine's default */
     ngx_str_t            chat_template_path;
     ngx_str_t            chat_template;       /* file content, NUL-terminated */
     ngx_flag_t           api_used;            /* some location has m40_api */
@@ -44,6 +45,7 @@ typedef struct {
     /* Per worker (set in init_process, after fork). */
     m40_engine          *engine;
     ngx_connection_t    *event_conn;          /* the engine's eventfd in the event loop */
+    ngx_flag_t           load_logged;         /* READY or FAILED has been logged */
     ngx_rbtree_t         choices;             /* live engine requests by id */
     ngx_rbtree_node_t    choices_sentinel;
     ngx_rbtree_key_t     next_id;

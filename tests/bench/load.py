@@ -22,6 +22,18 @@ OpenAI's API has no way to forbid end-of-sequence: outputs may end before
 --max-tokens. The finish_reason counts in the report show it; --extra-json can pass a
 server-specific field (e.g. '{"ignore_eos": true}') where a server has one.
 
+Every run counts the requests refused with HTTP 429 (queue full: "rejected") apart
+from those that failed otherwise ("failed").
+
+--long-prompt-tokens N switches to the long-prompt-while-streaming case: --concurrency
+streams run (each to --max-tokens, end of sequence ignored where the server allows it,
+see --extra-json); once all of them stream, a quiet phase of --quiet-seconds, then one
+request with a prompt of about N tokens (words calibrated first with one short
+request's usage.prompt_tokens) and max_tokens 1 arrives. Reported: the ITL p50/p99 of
+the streams in the quiet phase and while the long prompt is processed (from its
+arrival until its response ends: tokenization, prefill and one token), the long
+request's time and prompt tokens, and streams that ended before it did.
+
 The run is bounded (a fixed number of requests, a timeout per request) and only
 talks to loopback addresses: it refuses any other target.
 """
@@ -133,12 +145,14 @@ async def body_pieces(reader, headers):
 
 
 class Result:
-    __slots__ = ("ok", "error", "ttft", "itl", "chunks", "completion_tokens", "prompt_tokens",
+    __slots__ = ("ok", "error", "status", "ttft", "itl", "times", "chunks", "completion_tokens", "prompt_tokens",
                  "cached_tokens", "finish", "start", "end", "usage_seen")
 
     def __init__(self):
         self.ok = False
         self.error = None
+        self.status = None  # the HTTP status when it was not 200
+        self.times = []     # arrival of every content chunk (perf_counter seconds)
         self.ttft = None
         self.itl = []
         self.chunks = 0
@@ -162,6 +176,7 @@ async def one_request(args, addr, port, path, body, res):
         await writer.drain()
         status, headers = await read_headers(reader)
         if status != 200:
+            res.status = status
             text = b"".join([p async for p in body_pieces(reader, headers)])[:300]
             raise HTTPError(f"HTTP {status}: {text.decode('utf-8', 'replace').strip()}")
         buf = b""
@@ -188,6 +203,7 @@ async def one_request(args, addr, port, path, body, res):
                     content = (ch.get("delta") or {}).get("content")
                     if content:
                         res.chunks += 1
+                        res.times.append(now)
                         if last is None:
                             res.ttft = now - res.start
                         else:
@@ -251,6 +267,15 @@ async def fetch_metrics(args, addr, port):
     return parse_metrics(text), None
 
 
+def chat_body(args, messages, max_tokens, stream=True):
+    body = {"model": args.model, "messages": messages, "stream": stream,
+            "max_tokens": max_tokens, "temperature": args.temperature}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(args.extra)
+    return body
+
+
 def build_bodies(args):
     shared = random_words(random.Random(args.seed ^ 0x5EED), args.shared_prefix_words) \
         if args.shared_prefix_words > 0 else None
@@ -261,12 +286,41 @@ def build_bodies(args):
         if shared:
             messages.append({"role": "system", "content": shared})
         messages.append({"role": "user", "content": random_words(rng, args.prompt_words)})
-        body = {"model": args.model, "messages": messages, "stream": True,
-                "stream_options": {"include_usage": True},
-                "max_tokens": args.max_tokens, "temperature": args.temperature}
-        body.update(args.extra)
-        bodies.append(body)
+        bodies.append(chat_body(args, messages, args.max_tokens))
     return bodies
+
+
+async def run_one(args, addr, port, path, body, res):
+    """one_request with the error handling of a worker: never raises (but for
+    cancellation)."""
+    try:
+        await asyncio.wait_for(one_request(args, addr, port, path, body, res), args.timeout)
+    except asyncio.TimeoutError:
+        res.error = f"timeout after {args.timeout:g} s"
+    except (OSError, HTTPError, ValueError, asyncio.IncompleteReadError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    except Exception as e:  # a malformed response must not stop the other streams
+        res.error = f"unexpected {type(e).__name__}: {e}"
+    if res.error and not res.end:
+        res.end = time.perf_counter()
+
+
+async def post_json(addr, port, host_header, path, body, timeout):
+    """A plain (non-streaming) POST; returns (status, parsed JSON or None, text)."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, port, limit=1 << 22), timeout)
+    try:
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data)
+        await writer.drain()
+        status, headers = await asyncio.wait_for(read_headers(reader), timeout)
+        text = b"".join([p async for p in body_pieces(reader, headers)]).decode("utf-8", "replace")
+        try:
+            return status, json.loads(text), text
+        except ValueError:
+            return status, None, text
+    finally:
+        writer.close()
 
 
 async def run(args):
@@ -293,6 +347,9 @@ async def run(args):
         if not args.model:
             raise SystemExit("load.py: no --model and GET /v1/models did not name one")
 
+    if args.long_prompt_tokens > 0:
+        return await run_long_prompt(args, addr, port, path)
+
     bodies = build_bodies(args)
     m_before = m_err = None
     if args.metrics:
@@ -306,16 +363,7 @@ async def run(args):
         while queue:
             i = queue.pop()
             res = results[i]
-            try:
-                await asyncio.wait_for(one_request(args, addr, port, path, bodies[i], res), args.timeout)
-            except asyncio.TimeoutError:
-                res.error = f"timeout after {args.timeout:g} s"
-            except (OSError, HTTPError, ValueError, asyncio.IncompleteReadError) as e:
-                res.error = f"{type(e).__name__}: {e}"
-            except Exception as e:  # a malformed response must not stop the other streams
-                res.error = f"unexpected {type(e).__name__}: {e}"
-            if res.error and not res.end:
-                res.end = time.perf_counter()
+            await run_one(args, addr, port, path, bodies[i], res)
             if args.verbose:
                 print(f"request {i}: " + (f"error {res.error}" if res.error else
                       f"ttft {res.ttft * 1e3 if res.ttft is not None else float('nan'):.1f} ms, "
@@ -329,6 +377,90 @@ async def run(args):
     if args.metrics and m_before is not None:
         m_after, m_err = await fetch_metrics(args, addr, port)
     return summarize(args, results, wall, m_before, m_after, m_err)
+
+
+async def run_long_prompt(args, addr, port, path):
+    """--long-prompt-tokens: streams running, a quiet phase, then one long prompt."""
+    # Tokens per word of this server's tokenizer (chat template included), from one
+    # short request: the long prompt then gets about the number of tokens asked for.
+    cal_words = 200
+    rng = random.Random(args.seed ^ 0xCA11B)
+    status, obj, text = await post_json(addr, port, args.host_header, path,
+                                        chat_body(args, [{"role": "user", "content": random_words(rng, cal_words)}],
+                                                  1, stream=False), args.timeout)
+    try:
+        tokens_per_word = obj["usage"]["prompt_tokens"] / cal_words
+    except (TypeError, KeyError, ZeroDivisionError):
+        raise SystemExit(f"load.py: the calibration request failed: HTTP {status}: {text[:300]}")
+    long_words = max(1, int(args.long_prompt_tokens / tokens_per_word))
+
+    n = args.concurrency
+    results = [Result() for _ in range(n)]
+    tasks = []
+    for i in range(n):
+        rng = random.Random(args.seed * 1000003 + i)
+        body = chat_body(args, [{"role": "user", "content": random_words(rng, args.prompt_words)}], args.max_tokens)
+        tasks.append(asyncio.ensure_future(run_one(args, addr, port, path, body, results[i])))
+    t0 = time.perf_counter()
+    # every stream has its first token (or ended)
+    while any(not r.times and not r.error and not r.ok for r in results):
+        if time.perf_counter() - t0 > args.timeout:
+            break
+        await asyncio.sleep(0.01)
+    t_quiet = time.perf_counter()
+    await asyncio.sleep(args.quiet_seconds)
+    long_res = Result()
+    long_body = chat_body(args, [{"role": "user", "content": random_words(random.Random(args.seed ^ 0x10A6),
+                                                                           long_words)}], 1)
+    t_long = time.perf_counter()
+    await run_one(args, addr, port, path, long_body, long_res)
+    t_long_end = time.perf_counter()
+    # the streams' next tokens after it, then they are done with
+    await asyncio.sleep(0.2)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+    quiet, during = [], []
+    for r in results:
+        for a, b in zip(r.times, r.times[1:]):
+            # a gap counts where it ends: one that ends after the long prompt arrived
+            # is a gap the streams saw while it was processed
+            if t_quiet <= b < t_long:
+                quiet.append(b - a)
+            elif t_long <= b <= t_long_end:
+                during.append(b - a)
+    # cancelled at the end (neither ok nor an error): ran through the long phase
+    ended_early = sum(1 for r in results if (r.ok or r.error) and r.end < t_long_end)
+    all_res = results + [long_res]
+    s = {
+        "mode": "long_prompt", "url": args.url, "model": args.model, "concurrency": n,
+        "prompt_words": args.prompt_words, "max_tokens": args.max_tokens,
+        "requests": len(all_res),
+        "rejected": sum(1 for r in all_res if r.status == 429),
+        "failed": sum(1 for r in all_res if r.error and r.status != 429),
+        "error_kinds": {},
+        "tokens_per_word": tokens_per_word, "long_prompt_words": long_words,
+        "long_prompt_tokens": long_res.prompt_tokens if long_res.ok else None,
+        "long_ok": long_res.ok, "long_error": long_res.error,
+        "long_s": t_long_end - t_long,
+        "quiet_s": t_long - t_quiet,
+        "streams_ended_early": ended_early,
+        "itl_quiet_n": len(quiet), "itl_long_n": len(during),
+    }
+    for r in all_res:
+        if r.error:
+            key = re.sub(r"\d+", "N", r.error)[:160]
+            s["error_kinds"][key] = s["error_kinds"].get(key, 0) + 1
+    for name, vals in (("itl_quiet", quiet), ("itl_long", during)):
+        for q in (50, 99):
+            v = percentile(vals, q)
+            s[f"{name}_p{q}_ms"] = v * 1e3 if v is not None else None
+    qp, lp = s["itl_quiet_p99_ms"], s["itl_long_p99_ms"]
+    s["itl_p99_ratio"] = lp / qp if qp and lp is not None else None
+    # load.py's exit status: the long prompt and the streams worked
+    s["ok"] = int(long_res.ok and not s["failed"] and not s["rejected"])
+    return s
 
 
 def summarize(args, results, wall, m_before, m_after, m_err):
@@ -349,6 +481,8 @@ def summarize(args, results, wall, m_before, m_after, m_err):
         "url": args.url, "model": args.model, "concurrency": args.concurrency, "requests": len(results),
         "prompt_words": args.prompt_words, "shared_prefix_words": args.shared_prefix_words,
         "max_tokens": args.max_tokens, "ok": len(ok), "errors": len(results) - len(ok),
+        "rejected": sum(1 for r in results if not r.ok and r.status == 429),
+        "failed": sum(1 for r in results if not r.ok and r.status != 429),
         "error_kinds": errors, "wall_s": wall,
         "generated_tokens": gen,
         "generated_tokens_source": "usage" if ok and all(r.usage_seen for r in ok) else
@@ -388,12 +522,33 @@ def fmt_ms(v):
     return "-" if v is None else f"{v:.1f} ms"
 
 
+def print_long_report(s):
+    def ms(v):
+        return "-" if v is None else f"{v:.1f}"
+    print(f"target:     {s['url']} model {s['model']}")
+    print(f"load:       {s['concurrency']} streams of {s['prompt_words']}-word prompts, then after "
+          f"{s['quiet_s']:.1f} s one prompt of {s['long_prompt_words']} words "
+          f"({s['tokens_per_word']:.2f} tokens/word: ~{s['long_prompt_words'] * s['tokens_per_word']:.0f} tokens)")
+    print(f"long:       " + (f"{s['long_prompt_tokens']} prompt tokens, answered in {s['long_s']:.2f} s"
+                             if s["long_ok"] else f"failed after {s['long_s']:.2f} s: {s['long_error']}"))
+    print(f"ITL quiet:  p50 {ms(s['itl_quiet_p50_ms'])} ms, p99 {ms(s['itl_quiet_p99_ms'])} ms ({s['itl_quiet_n']} gaps)")
+    print(f"ITL long:   p50 {ms(s['itl_long_p50_ms'])} ms, p99 {ms(s['itl_long_p99_ms'])} ms ({s['itl_long_n']} gaps)"
+          + (f"; p99 {s['itl_p99_ratio']:.2f}x the quiet one" if s["itl_p99_ratio"] is not None else ""))
+    print(f"result:     {s['rejected']} rejected (429), {s['failed']} failed, "
+          f"{s['streams_ended_early']} streams ended before the long prompt was answered")
+    for k, n in s["error_kinds"].items():
+        print(f"  error x{n}: {k}")
+
+
 def print_report(s):
+    if s.get("mode") == "long_prompt":
+        return print_long_report(s)
     print(f"target:     {s['url']} model {s['model']}")
     print(f"load:       {s['requests']} requests, {s['concurrency']} concurrent, {s['prompt_words']} prompt words"
           + (f" + {s['shared_prefix_words']}-word shared system prompt" if s['shared_prefix_words'] else "")
           + f", max_tokens {s['max_tokens']}")
-    print(f"result:     {s['ok']} ok, {s['errors']} errors in {s['wall_s']:.2f} s")
+    print(f"result:     {s['ok']} ok, {s['errors']} errors ({s['rejected']} rejected with 429, "
+          f"{s['failed']} failed) in {s['wall_s']:.2f} s")
     for k, n in s["error_kinds"].items():
         print(f"  error x{n}: {k}")
     print(f"throughput: {s['generated_tokens']} generated tokens ({s['generated_tokens_source']}) = "
@@ -438,6 +593,11 @@ def main():
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
     ap.add_argument("--metrics", action="store_true",
                     help="read /metrics before and after: prompt tokens the server computed")
+    ap.add_argument("--long-prompt-tokens", type=int, default=0,
+                    help="the long-prompt-while-streaming case: --concurrency streams, then one prompt of about "
+                         "this many tokens")
+    ap.add_argument("--quiet-seconds", type=float, default=5.0,
+                    help="long-prompt case: seconds of streaming measured before the long prompt arrives")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per request on stderr")
     args = ap.parse_args()
@@ -447,6 +607,8 @@ def main():
         ap.error("--concurrency must be 1..4096 and --requests 1..1000000")
     if args.prompt_words < 1 or args.shared_prefix_words < 0 or args.max_tokens < 1 or args.timeout <= 0:
         ap.error("--prompt-words and --max-tokens must be positive, --shared-prefix-words >= 0, --timeout > 0")
+    if args.long_prompt_tokens < 0 or args.quiet_seconds < 0:
+        ap.error("--long-prompt-tokens and --quiet-seconds must not be negative")
     args.extra = {}
     if args.extra_json:
         try:

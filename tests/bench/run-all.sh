@@ -8,8 +8,13 @@
 # For each model: `m40 bench` (prefill and batch-1 decode tokens/s, fraction of the
 # bandwidth roofline), then `m40 serve` (nginx + the module) with tests/bench/load.py
 # at each --concurrency of streaming chats, then a shared-prefix run that reads
-# m40_prompt_tokens_computed_total from /metrics. Prints one table at the end; the
-# raw output of every step stays in --out.
+# m40_prompt_tokens_computed_total from /metrics; then a second server with a long
+# context for the long-prompt rows: --rag-words prompts at each --rag-concurrency
+# (RAG and agents: TTFT p99 is the number to watch), and the long-prompt-while-
+# streaming case (--long-streams streams, then one --long-prompt-tokens prompt: the
+# streams' ITL p50/p99 before it and while it is processed). Every server row counts
+# the requests refused with 429 and those that failed otherwise. Prints the tables at
+# the end; the raw output of every step stays in --out.
 #
 # Each piece that is missing (the m40 binary, `m40 mkmodel`, a GPU engine behind
 # --device, the nginx module, python3) is reported in the table with the reason and
@@ -22,13 +27,21 @@
 #   --model FILE          benchmark this GGUF instead of synthetic ones (repeatable)
 #   --model-dir DIR       where synthetic models are made / reused [build/bench-models]
 #   --serve-types "T ..." which of the types also get the server runs [all of --types]
-#   --concurrency "N ..." concurrent streams of the server runs [16 64]
+#   --concurrency "N ..." concurrent streams of the server runs [16 64 128 256]
 #   --requests-per-stream R  requests = R x concurrency [2]
 #   --prompt-words N      random words per user message [100]
 #   --max-tokens N        max_tokens per request [256]
 #   --shared-prefix-words K  shared system message of the prefix run; 0 skips it [1000]
 #   --prefix-concurrency N   streams of the prefix run [the first --concurrency]
-#   --ctx-size N          m40 serve --ctx-size [2048]
+#   --rag-words N         words of each prompt of the long-prompt rows; 0 skips them [2000]
+#   --rag-max-tokens N    max_tokens of the long-prompt rows [128]
+#   --rag-concurrency "N ..."  concurrent streams of the long-prompt rows [64]
+#   --long-prompt-tokens N   the prompt that arrives while streams run; 0 skips the case [100000]
+#   --long-streams N      streams running when it arrives [16]
+#   --long-stream-tokens N   max_tokens of those streams (they must outlast it) [4096]
+#   --quiet-seconds S     streaming measured before it arrives [5]
+#   --ctx-size N          m40 serve --ctx-size of the first server [2048, or more when its
+#                         prompts need it]; the long-prompt server gets what its prompts need
 #   --max-seqs N          m40 serve --max-seqs [largest --concurrency]
 #   --bench-args "..."    extra arguments for m40 bench, e.g. "--reps 5 --gen 256"
 #   --bandwidth GB/s      roofline bandwidth [3020: H100 80GB HBM3 copy]
@@ -46,13 +59,20 @@ TYPES="F16 Q8_0 Q4_K_M"
 MODELS=()
 MODEL_DIR=$ROOT/build/bench-models
 SERVE_TYPES=
-CONCURRENCY="16 64"
+CONCURRENCY="16 64 128 256"
 RPS=2
+RAG_WORDS=2000
+RAG_MAX_TOKENS=128
+RAG_CONC=64
+LONG_TOKENS=100000
+LONG_STREAMS=16
+LONG_STREAM_TOKENS=4096
+QUIET_S=5
 PROMPT_WORDS=100
 MAX_TOKENS=256
 PREFIX_WORDS=1000
 PREFIX_CONC=
-CTX_SIZE=2048
+CTX_SIZE=
 MAX_SEQS=
 BENCH_ARGS=
 BANDWIDTH=3020
@@ -79,6 +99,13 @@ while [ $# -gt 0 ]; do
         --max-tokens) MAX_TOKENS=$2 ;;
         --shared-prefix-words) PREFIX_WORDS=$2 ;;
         --prefix-concurrency) PREFIX_CONC=$2 ;;
+        --rag-words) RAG_WORDS=$2 ;;
+        --rag-max-tokens) RAG_MAX_TOKENS=$2 ;;
+        --rag-concurrency) RAG_CONC=$2 ;;
+        --long-prompt-tokens) LONG_TOKENS=$2 ;;
+        --long-streams) LONG_STREAMS=$2 ;;
+        --long-stream-tokens) LONG_STREAM_TOKENS=$2 ;;
+        --quiet-seconds) QUIET_S=$2 ;;
         --ctx-size) CTX_SIZE=$2 ;;
         --max-seqs) MAX_SEQS=$2 ;;
         --bench-args) BENCH_ARGS=$2 ;;
@@ -90,18 +117,40 @@ while [ $# -gt 0 ]; do
     esac
     shift 2
 done
+for v in "$PROMPT_WORDS" "$MAX_TOKENS" "$PREFIX_WORDS" "$RAG_WORDS" "$RAG_MAX_TOKENS" "$LONG_TOKENS" "$LONG_STREAMS" "$LONG_STREAM_TOKENS" $RAG_CONC $CONCURRENCY; do
+    case $v in ''|*[!0-9]*) echo "run-all.sh: '$v' is not a number" >&2; exit 2 ;; esac
+done
 if [ -z "$MAX_SEQS" ]; then
     MAX_SEQS=1
     for c in $CONCURRENCY; do [ "$c" -gt "$MAX_SEQS" ] && MAX_SEQS=$c; done
 fi
+# Contexts from the prompts: load.py's random words take about 3.6 tokens each with
+# mistral-7b's vocabulary (300 words + template = 1,072 tokens, BENCHMARKS.md); 4 a
+# word leaves a margin. Whole multiples of 1024.
+if [ -z "$CTX_SIZE" ]; then
+    w=$PROMPT_WORDS
+    [ "$PREFIX_WORDS" -gt 0 ] && [ $((PREFIX_WORDS + 20)) -gt "$w" ] && w=$((PREFIX_WORDS + 20))
+    CTX_SIZE=$(( (4 * w + MAX_TOKENS + 256 + 1023) / 1024 * 1024 ))
+    [ "$CTX_SIZE" -lt 2048 ] && CTX_SIZE=2048
+fi
+# The long-prompt server: a --rag-words prompt plus its answer, and the long prompt with
+# a margin (load.py aims at its token count from a calibration).
+LONG_CTX=0
+[ "$RAG_WORDS" -gt 0 ] && LONG_CTX=$((4 * RAG_WORDS + RAG_MAX_TOKENS + 256))
+[ "$LONG_TOKENS" -gt 0 ] && [ $((LONG_TOKENS + LONG_TOKENS / 8 + 1024)) -gt "$LONG_CTX" ] &&
+    LONG_CTX=$((LONG_TOKENS + LONG_TOKENS / 8 + 1024))
+LONG_CTX=$(( (LONG_CTX + 1023) / 1024 * 1024 ))
+LONG_MAX_SEQS=$MAX_SEQS
+for c in $RAG_CONC $((LONG_STREAMS + 1)); do [ "$c" -gt "$LONG_MAX_SEQS" ] && LONG_MAX_SEQS=$c; done
 OUT=${OUT:-$ROOT/build/bench-results/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT" || exit 1
 LOAD="python3 $ROOT/tests/bench/load.py"
 
 say() { echo "== $*" >&2; }
-# Rows of the two tables, tab-separated, filled as the run goes.
+# Rows of the tables, tab-separated, filled as the run goes.
 ENGINE_ROWS=()
 SERVER_ROWS=()
+LONG_ROWS=()
 
 # ---- the machine -------------------------------------------------------------------
 MACHINE_CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo 2>/dev/null | head -1)
@@ -241,26 +290,60 @@ print("-" if not st else "%.1f  %.2f/%.2f/%.2f" % (e["step_tokens"]/st, 1e3*e["f
 
 in_serve_types() { [ "$SERVE_TYPES" = all ] && return 0; for t in $SERVE_TYPES; do [ "$1" = "$SHAPE $t" ] && return 0; done; return 1; }
 
+# Starts `m40 serve` on PATH with context CTX and SEQS slots (log in $slog, name $name);
+# 0 when /health says ready, else 1 with the reason in START_ERR.
+START_ERR=
+start_server() {
+    local path=$1 ctx=$2 seqs=$3
+    START_ERR=
+    if port_answers; then START_ERR="port $PORT is already in use: pass --port"; return 1; fi
+    say "m40 serve $path --port $PORT --device $DEVICE --ctx-size $ctx --max-seqs $seqs (log $slog)"
+    "$M40" serve "$path" --port "$PORT" --device "$DEVICE" --name "$name" --ctx-size "$ctx" \
+        --max-seqs "$seqs" >"$slog" 2>&1 &
+    SERVE_PID=$!
+    wait_ready
+    local rc=$?
+    if [ $rc -ne 0 ]; then
+        START_ERR="server exited"
+        [ $rc = 1 ] && START_ERR="server not ready after 600 s"
+        START_ERR="$START_ERR: $(grep -v '^ *$' "$slog" | grep -iv notice | tail -1)"
+        stop_server
+        return 1
+    fi
+    # what the server sized (the KV cache line of its error log)
+    grep -o 'KV cache: .*' "$slog" | head -1 | sed 's/^/   /' >&2
+    return 0
+}
+
+# One load.py run of streaming chats: concurrency $1, $2-word prompts, max_tokens $3,
+# seed $4, into $res; appends the row "$label<TAB>$5<TAB>..." to SERVER_ROWS.
+load_row() {
+    local c=$1 words=$2 maxtok=$3 seed=$4 kind=$5
+    say "load.py --concurrency $c --requests $((RPS * c)) --prompt-words $words --max-tokens $maxtok --seed $seed"
+    $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
+        --prompt-words "$words" --max-tokens "$maxtok" --seed "$seed" --metrics "${extra[@]}" \
+        --json >"$res" 2>"$res.err"
+    if ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
+        SERVER_ROWS+=("$label	$kind	load.py failed: $(tail -1 "$res.err")")
+        return
+    fi
+    if [ "$(jget "$res" ok)" = 0 ]; then
+        SERVER_ROWS+=("$label	$kind	$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("0/%d ok (%d rejected with 429, %d failed): %s" % (d["requests"], d["rejected"], d["failed"], "; ".join(d["error_kinds"])[:200]))' "$res")")
+        return
+    fi
+    SERVER_ROWS+=("$label	$kind	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" rejected)	$(jget "$res" failed)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)	$(estep "$res")")
+}
+
 for e in "${ENTRIES[@]}"; do
     label=${e%%	*}; path=${e#*	}
     in_serve_types "$label" || continue
     if [[ $path == '!'* ]]; then SERVER_ROWS+=("$label	-	${path#!}"); continue; fi
     if [ "$HAVE_PY" = 0 ]; then SERVER_ROWS+=("$label	-	python3 missing"); continue; fi
     if ! has_cmd serve; then SERVER_ROWS+=("$label	-	m40 serve is not in this build"); continue; fi
-    if port_answers; then SERVER_ROWS+=("$label	-	port $PORT is already in use: pass --port"); continue; fi
     slog=$OUT/serve-${label// /-}.log
     name=bench-${label// /-}
-    say "m40 serve $path --port $PORT --device $DEVICE (log $slog)"
-    "$M40" serve "$path" --port "$PORT" --device "$DEVICE" --name "$name" --ctx-size "$CTX_SIZE" \
-        --max-seqs "$MAX_SEQS" >"$slog" 2>&1 &
-    SERVE_PID=$!
-    wait_ready
-    rc=$?
-    if [ $rc -ne 0 ]; then
-        why="server exited"
-        [ $rc = 1 ] && why="server not ready after 600 s"
-        SERVER_ROWS+=("$label	-	$why: $(grep -v '^ *$' "$slog" | grep -iv notice | tail -1)")
-        stop_server
+    if ! start_server "$path" "$CTX_SIZE" "$MAX_SEQS"; then
+        SERVER_ROWS+=("$label	-	$START_ERR")
         continue
     fi
     extra=()
@@ -271,19 +354,7 @@ for e in "${ENTRIES[@]}"; do
     for c in $CONCURRENCY; do
         res=$OUT/load-${label// /-}-c$c.json
         seed=$((seed + 1))
-        say "load.py --concurrency $c --requests $((RPS * c)) --seed $seed"
-        $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
-            --prompt-words "$PROMPT_WORDS" --max-tokens "$MAX_TOKENS" --seed "$seed" --metrics "${extra[@]}" \
-            --json >"$res" 2>"$res.err"
-        if ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
-            SERVER_ROWS+=("$label	$c streams	load.py failed: $(tail -1 "$res.err")")
-            continue
-        fi
-        if [ "$(jget "$res" ok)" = 0 ]; then
-            SERVER_ROWS+=("$label	$c streams	$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("0/%d ok: %s" % (d["requests"], "; ".join(d["error_kinds"])[:200]))' "$res")")
-            continue
-        fi
-        SERVER_ROWS+=("$label	$c streams	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)	$(estep "$res")")
+        load_row "$c" "$PROMPT_WORDS" "$MAX_TOKENS" "$seed" "$c streams"
     done
     if [ "$PREFIX_WORDS" -gt 0 ]; then
         c=${PREFIX_CONC:-$(set -- $CONCURRENCY; echo "$1")}
@@ -311,6 +382,50 @@ else:
         fi
     fi
     stop_server
+
+    # ---- the long-prompt server: RAG rows, then a long prompt while streaming ----
+    [ "$LONG_CTX" -gt 0 ] || continue
+    slog=$OUT/serve-${label// /-}-long.log
+    if ! start_server "$path" "$LONG_CTX" "$LONG_MAX_SEQS"; then
+        [ "$RAG_WORDS" -gt 0 ] && SERVER_ROWS+=("$label	rag	$START_ERR")
+        [ "$LONG_TOKENS" -gt 0 ] && LONG_ROWS+=("$label	-	$START_ERR")
+        continue
+    fi
+    if [ "$RAG_WORDS" -gt 0 ]; then
+        for c in $RAG_CONC; do
+            res=$OUT/load-${label// /-}-rag-c$c.json
+            seed=$((seed + 1))
+            load_row "$c" "$RAG_WORDS" "$RAG_MAX_TOKENS" "$seed" "rag $c"
+        done
+    fi
+    if [ "$LONG_TOKENS" -gt 0 ]; then
+        res=$OUT/load-${label// /-}-long.json
+        seed=$((seed + 1))
+        # the streams must run through the long prompt: end of sequence does not end them
+        lx=$(python3 -c 'import json,sys; d=json.loads(sys.argv[1]) if sys.argv[1] else {}; d.setdefault("ignore_eos", True); print(json.dumps(d))' "$EXTRA_JSON")
+        say "load.py long prompt: $LONG_STREAMS streams, then ~$LONG_TOKENS prompt tokens after ${QUIET_S} s"
+        $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$LONG_STREAMS" \
+            --prompt-words "$PROMPT_WORDS" --max-tokens "$LONG_STREAM_TOKENS" --seed "$seed" \
+            --long-prompt-tokens "$LONG_TOKENS" --quiet-seconds "$QUIET_S" --extra-json "$lx" \
+            --json >"$res" 2>"$res.err"
+        if python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
+            LONG_ROWS+=("$(python3 - "$res" "$label" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+def f(v, fmt="%.1f"):
+    return "-" if v is None else fmt % v
+print("\t".join([sys.argv[2], "%d+1" % d["concurrency"], f(d["long_prompt_tokens"], "%d"),
+                 "%.2f" % d["long_s"] + ("" if d["long_ok"] else " (failed)"),
+                 f(d["itl_quiet_p50_ms"]), f(d["itl_quiet_p99_ms"]), f(d["itl_long_p50_ms"]),
+                 f(d["itl_long_p99_ms"]), f(d["itl_p99_ratio"], "%.2fx"), str(d["rejected"]), str(d["failed"]),
+                 str(d["streams_ended_early"])]))
+EOF
+)")
+        else
+            LONG_ROWS+=("$label	-	load.py failed: $(tail -1 "$res.err")")
+        fi
+    fi
+    stop_server
 done
 
 # ---- the table ---------------------------------------------------------------------
@@ -334,7 +449,17 @@ row "model	weights GB	prefill tok/s	decode tok/s	roofline tok/s	% roofline	devic
 for r in "${ENGINE_ROWS[@]}"; do row "$r" 18 11 14 13 15 11 7; done
 if [ ${#SERVER_ROWS[@]} -gt 0 ]; then
     echo
-    echo "server (m40 serve + load.py: streaming chats, $PROMPT_WORDS-word prompts, max_tokens $MAX_TOKENS, temperature 0)"
-    row "model	load	ok/req	gen tok/s	TTFT p50 ms	TTFT p99 ms	ITL p50 ms	ITL p99 ms	tokens/req	tok/step  ms/step fwd/sample/sched" 18 11 8 10 12 12 11 11 10 30
-    for r in "${SERVER_ROWS[@]}"; do row "$r" 18 11 8 10 12 12 11 11 10 30; done
+    echo "server (m40 serve + load.py: streaming chats, $PROMPT_WORDS-word prompts, max_tokens $MAX_TOKENS, temperature 0;"
+    echo "  'rag N': N streams of $RAG_WORDS-word prompts, max_tokens $RAG_MAX_TOKENS, on a server with --ctx-size $LONG_CTX;"
+    echo "  429: requests refused with the queue full; failed: other errors)"
+    row "model	load	ok/req	429	failed	gen tok/s	TTFT p50 ms	TTFT p99 ms	ITL p50 ms	ITL p99 ms	tokens/req	tok/step  ms/step fwd/sample/sched" 18 11 9 5 7 10 12 12 11 11 10 30
+    for r in "${SERVER_ROWS[@]}"; do row "$r" 18 11 9 5 7 10 12 12 11 11 10 30; done
+fi
+if [ ${#LONG_ROWS[@]} -gt 0 ]; then
+    echo
+    echo "long prompt while streaming ($LONG_STREAMS streams of $PROMPT_WORDS-word prompts, then one prompt of ~$LONG_TOKENS tokens"
+    echo "  and max_tokens 1 after ${QUIET_S} s; ITL ms of the streams before it ('quiet') and until it is answered ('long');"
+    echo "  early: streams that ended before it was answered)"
+    row "model	streams	prompt tok	answered s	quiet p50	quiet p99	long p50	long p99	p99 ratio	429	failed	early" 18 8 11 11 10 10 10 10 10 5 7 6
+    for r in "${LONG_ROWS[@]}"; do row "$r" 18 8 11 11 10 10 10 10 10 5 7 6; done
 fi

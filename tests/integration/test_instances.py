@@ -29,6 +29,54 @@ def minimal_with(port, extra, workdir_tag, model=harness.MODEL):
     return harness.render(text, workdir, {"127.0.0.1:8080": f"127.0.0.1:{port}"}, model=model)
 
 
+def raw_burst(port, n, body):
+    """n POST /v1/chat/completions on n connections, all on the wire before any answer
+    is read; returns the raw responses in order."""
+    req = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+           f"Connection: close\r\n\r\n").encode() + body
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+    for s in socks:
+        s.sendall(req)
+    answers = []
+    for s in socks:
+        s.settimeout(120)
+        raw = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            raw += b
+        s.close()
+        answers.append(raw)
+    return answers
+
+
+def test_burst_waits_instead_of_429(instances):
+    # 100 requests at once on 2 slots: 98 wait in the queue (default depth 1024) and
+    # every one completes; nothing is refused
+    port = harness.free_port()
+    inst = instances(minimal_with(port, "    m40_max_seqs 2;\n    m40_threads 1;\n    m40_gpu_memory_fraction 0.5;\n",
+                                  "burst"), "burst", port)
+    # 48 tokens each (end of sequence does not stop them): the engine needs far longer
+    # for the burst than nginx needs to read it, so most of it really waits
+    body = json.dumps({"messages": MSGS, "max_tokens": 48, "temperature": 0, "ignore_eos": True}).encode()
+    t0 = time.time()
+    answers = raw_burst(port, 100, body)
+    took = time.time() - t0
+    statuses = [a.split(b"\r\n", 1)[0].decode() for a in answers]
+    assert statuses.count("HTTP/1.1 200 OK") == 100, statuses
+    texts = {json.loads(a.split(b"\r\n\r\n", 1)[1])["choices"][0]["message"]["content"] for a in answers}
+    assert len(texts) == 1, texts  # the same greedy prompt: the same answer, waited for or not
+    print(f"burst of 100 on 2 slots: {took:.2f} s")
+    m = requests.get(f"http://127.0.0.1:{port}/metrics").text
+    rejected = [l for l in m.splitlines() if l.startswith("m40_requests_rejected_total ")]
+    assert float(rejected[0].split()[1]) == 0
+    # at start the worker logged what it sized (notice level)
+    kv = [l for l in inst.log().splitlines() if "KV cache:" in l]
+    assert len(kv) == 1 and "[notice]" in kv[0], kv
+    assert "sequences of" in kv[0] and "max_seqs 2;" in kv[0] and "max_queue 1024" in kv[0], kv[0]
+
+
 def test_queue_full_429(instances):
     port = harness.free_port()
     instances(minimal_with(port, "    m40_max_seqs 1;\n    m40_max_queue 1;\n    m40_threads 1;\n", "queue"),
@@ -62,9 +110,11 @@ def test_queue_full_429(instances):
     for a in answers:
         if b" 429 " in a.split(b"\r\n", 1)[0]:
             head, body = a.split(b"\r\n\r\n", 1)
-            assert b"\r\nRetry-After: " in head
+            headers = dict(l.split(": ", 1) for l in head.decode().split("\r\n")[1:])
+            assert int(headers["Retry-After"]) >= 1, headers
+            assert headers["Content-Type"].startswith("application/json"), headers
             err = json.loads(body)["error"]
-            assert err["code"] == "queue_full" and err["type"]
+            assert err["code"] == "queue_full" and err["type"] == "rate_limit_error" and err["message"]
     # the SDK sees a RateLimitError
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     r = client.chat.completions.create(model=MODEL_NAME, messages=MSGS, max_tokens=4)
@@ -116,7 +166,9 @@ def test_api_without_model_rejected_by_nginx_t():
 
 @pytest.mark.parametrize("directive", [
     "m40_device gpu;", "m40_max_seqs 0;", "m40_ctx_size -1;", "m40_threads many;",
-    "m40_max_tokens_default 9000;", "m40_chat_template /nonexistent.jinja;",
+    "m40_max_tokens_default 9000;", "m40_chat_template /nonexistent.jinja;", "m40_max_queue 0;",
+    "m40_gpu_memory_fraction 0;", "m40_gpu_memory_fraction 1.5;", "m40_gpu_memory_fraction 0.9x;",
+    "m40_gpu_memory_fraction -0.5;",
 ])
 def test_bad_directives_rejected_by_nginx_t(directive):
     workdir = harness.make_workdir("baddir")
@@ -124,6 +176,17 @@ def test_bad_directives_rejected_by_nginx_t(directive):
         f"    m40_model {harness.MODEL};\n", f"    m40_model {harness.MODEL};\n    {directive}\n")
     inst = harness.Nginx(text, "baddir")
     with pytest.raises(RuntimeError, match="nginx -t failed"):
+        inst.start()
+    inst.cleanup()
+
+
+def test_gpu_memory_fraction_message():
+    workdir = harness.make_workdir("fraction")
+    text = harness.render(example("minimal.conf"), workdir).replace(
+        f"    m40_model {harness.MODEL};\n", f"    m40_model {harness.MODEL};\n    m40_gpu_memory_fraction 95;\n")
+    inst = harness.Nginx(text, "fraction")
+    with pytest.raises(RuntimeError, match=r'invalid m40_gpu_memory_fraction "95": a number greater than 0 and at '
+                                           r'most 1 expected'):
         inst.start()
     inst.cleanup()
 
@@ -264,6 +327,7 @@ def test_m40_serve():
     # the engine's switches set for `m40 serve` must reach the nginx worker (nginx
     # clears its workers' environment): the written conf passes them with env
     proc = subprocess.Popen([m40, "serve", harness.MODEL, "--port", str(port), "--name", "served", "--threads", "1",
+                             "--max-queue", "5", "--gpu-memory-fraction", "0.8",
                              "--module", harness.MODULE, "--nginx", harness.NGINX],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict({k: v for k, v in os.environ.items() if k != "M40_SKINNY"}, TMPDIR=workdir,
@@ -284,6 +348,7 @@ def test_m40_serve():
         with open(confs[0]) as f:
             conf = f.read()
         assert "\nenv M40_PDL;\n" in conf and "env M40_SKINNY;" not in conf
+        assert "\n    m40_max_queue 5;\n" in conf and "\n    m40_gpu_memory_fraction 0.8;\n" in conf, conf
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["served"]
         r = client.chat.completions.create(model="served", messages=MSGS, max_tokens=4)
@@ -303,6 +368,10 @@ def test_m40_serve_usage_errors():
     m40 = os.path.join(harness.ROOT, "build", "m40")
     assert subprocess.run([m40, "serve"], capture_output=True).returncode == 2
     assert subprocess.run([m40, "serve", harness.MODEL, "--port", "0"], capture_output=True).returncode == 2
+    for bad in (["--gpu-memory-fraction", "0"], ["--gpu-memory-fraction", "1.01"], ["--gpu-memory-fraction", "x"],
+                ["--max-queue", "0"]):
+        r = subprocess.run([m40, "serve", harness.MODEL] + bad, capture_output=True)
+        assert r.returncode == 2 and bad[0].encode() in r.stderr, (bad, r.stderr)
     assert subprocess.run([m40, "serve", "/nonexistent.gguf"], capture_output=True).returncode == 1
     r = subprocess.run([m40, "serve", harness.MODEL, "--module", "/nonexistent.so"], capture_output=True)
     assert r.returncode == 1

@@ -1,0 +1,257 @@
+/* The tokenizer thread: between submit and the admission queue, it renders each chat
+ * request's template and tokenizes every prompt, off the nginx event loop and off the
+ * engine thread, so that a 100,000-token prompt never stalls the decode steps of the
+ * sequences already running (the engine thread's steps go on while it works).
+ *
+ * One thread, first come first served: a long prompt delays the admission of the
+ * requests behind it by its tokenization time (their TTFT), never anybody's next token.
+ * It takes the oldest request of e's tokenizer queue, works on it without holding the
+ * lock, and then, under the lock:
+ *   - the submitter released it meanwhile: drops the engine's reference (counted as
+ *     cancelled);
+ *   - rendering or tokenizing failed, or the prompt does not fit the context: answers
+ *     it with an ERROR event (400 with the reason, as before this thread existed) and
+ *     drops the reference;
+ *   - the engine is stopping: answers 503;
+ *   - else: hands it to the engine thread's admission queue with its token ids.
+ * When the engine stops, the thread answers every request still in its queue with 503
+ * and ends; the engine thread joins it before the model (tokenizer, template) goes. */
+#include "engine_impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t tokenize_alloc(const m40_tokenizer *tok, const char *text, size_t len, int add_bos,
+                              int parse_special, int32_t **out, char *err, size_t errlen)
+{
+    int64_t cap = (int64_t)len + 16;
+    *out = NULL;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int32_t *ids = malloc((size_t)cap * sizeof *ids);
+        if (!ids) {
+            snprintf(err, errlen, "out of memory tokenizing %zu bytes", len);
+            return -1;
+        }
+        int64_t n = m40_tokenize(tok, text, len, add_bos, parse_special, ids, cap, err, errlen);
+        if (n < 0) {
+            free(ids);
+            return -1;
+        }
+        if (n <= cap) {
+            *out = ids;
+            return n;
+        }
+        free(ids);
+        cap = n;
+    }
+    snprintf(err, errlen, "tokenizer returned inconsistent lengths");
+    return -1;
+}
+
+/* The fallback when neither the GGUF nor the configuration has a chat template: a
+ * ChatML-style rendering, the most common convention of instruction-tuned models:
+ *   <|im_start|>{role}\n{content}<|im_end|>\n ... [<|im_start|>assistant\n]
+ * Non-string content (null for tool-call turns) renders as empty text. */
+static char *render_fallback(const json_t *messages, int add_generation_prompt, size_t *out_len)
+{
+    size_t cap = 64, len = 0;
+    size_t i;
+    json_t *m;
+    json_array_foreach(messages, i, m)
+    {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        const char *content = json_string_value(json_object_get(m, "content"));
+        cap += 32 + (role ? strlen(role) : 0) + (content ? strlen(content) : 0);
+    }
+    char *buf = malloc(cap);
+    if (!buf)
+        return NULL;
+    json_array_foreach(messages, i, m)
+    {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        const char *content = json_string_value(json_object_get(m, "content"));
+        len += (size_t)sprintf(buf + len, "<|im_start|>%s\n%s" M40_FALLBACK_END "\n", role ? role : "user",
+                               content ? content : "");
+    }
+    if (add_generation_prompt)
+        len += (size_t)sprintf(buf + len, "<|im_start|>assistant\n");
+    *out_len = len;
+    return buf;
+}
+
+/* Renders (chat) and tokenizes the request's prompt; sets r->fallback_chat. On failure
+ * returns -1 with the HTTP status and message to answer with. Reads only what is
+ * immutable while the thread runs (e->tok, e->tmpl, e->tmpl_err, e->ctx) and the
+ * request's own parameters. */
+static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int32_t *n_out, int *status, char *msg,
+                          size_t msglen)
+{
+    const m40_tokenizer *tok = e->tok;
+    char err[256];
+    int64_t n;
+    int32_t *ids = NULL;
+    *status = 500;
+    if (r->messages) {
+        char *text = NULL;
+        size_t len = 0;
+        if (e->tmpl_err[0]) {
+            snprintf(msg, msglen, "the model's chat template cannot be used: %.200s", e->tmpl_err);
+            return -1;
+        }
+        if (e->tmpl) {
+            int32_t bos = m40_tokenizer_bos(tok), eos = m40_tokenizer_eos(tok);
+            const char *bos_s = bos >= 0 ? m40_tokenizer_piece(tok, bos) : NULL;
+            const char *eos_s = eos >= 0 ? m40_tokenizer_piece(tok, eos) : NULL;
+            if (m40_chat_template_render_parsed(e->tmpl, r->messages, NULL, r->add_generation_prompt, bos_s, eos_s,
+                                                NULL, NULL, &text, &len, err, sizeof err) != 0) {
+                /* raise_exception() in templates rejects the conversation itself. */
+                *status = 400;
+                snprintf(msg, msglen, "chat template: %.230s", err);
+                return -1;
+            }
+        } else {
+            text = render_fallback(r->messages, r->add_generation_prompt, &len);
+            r->fallback_chat = 1;
+            if (!text) {
+                snprintf(msg, msglen, "out of memory rendering the chat");
+                return -1;
+            }
+        }
+        /* Template output is trusted: its control-token strings become single ids. */
+        n = tokenize_alloc(tok, text, len, 0, 1, &ids, err, sizeof err);
+        free(text);
+        if (n < 0) {
+            snprintf(msg, msglen, "tokenizer: %.230s", err);
+            return -1;
+        }
+        int32_t bos = m40_tokenizer_bos(tok);
+        if (m40_tokenizer_add_bos(tok) && bos >= 0 && (n == 0 || ids[0] != bos)) {
+            int32_t *nids = realloc(ids, (size_t)(n + 1) * sizeof *nids);
+            if (!nids) {
+                free(ids);
+                snprintf(msg, msglen, "out of memory");
+                return -1;
+            }
+            ids = nids;
+            memmove(ids + 1, ids, (size_t)n * sizeof *ids);
+            ids[0] = bos;
+            n++;
+        }
+    } else {
+        /* User text: control-token strings stay text. */
+        n = tokenize_alloc(tok, r->prompt, r->prompt_len, m40_tokenizer_add_bos(tok), 0, &ids, err, sizeof err);
+        if (n < 0) {
+            snprintf(msg, msglen, "tokenizer: %.230s", err);
+            return -1;
+        }
+    }
+    if (n >= e->ctx) {
+        free(ids);
+        *status = 400;
+        snprintf(msg, msglen, "prompt has %lld tokens but the context size is %d", (long long)n, (int)e->ctx);
+        return -1;
+    }
+    if (n == 0) {
+        free(ids);
+        *status = 400;
+        snprintf(msg, msglen, "prompt is empty (no tokens to start from)");
+        return -1;
+    }
+    *ids_out = ids;
+    *n_out = (int32_t)n;
+    return 0;
+}
+
+static void *prompt_thread_main(void *arg)
+{
+    m40_engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        while (!e->stop && !e->tq_head)
+            pthread_cond_wait(&e->tk_cv, &e->mu);
+        m40_request *r = e->tq_head;
+        if (!r)
+            break; /* stopping, nothing left */
+        m40_queue_unlink(&e->tq_head, &e->tq_tail, &e->tq_n, r);
+        /* Ours now: release only marks it (phase ENGINE), the reference is dropped here. */
+        r->phase = M40_REQ_ENGINE;
+        if (e->stop) {
+            e->stats.queue_depth = m40_engine_waiting_locked(e);
+            pthread_mutex_unlock(&e->mu);
+            m40_engine_fail_request(e, r, 503, "the engine is stopping");
+            pthread_mutex_lock(&e->mu);
+            continue;
+        }
+        r->phase = M40_REQ_TOKENIZING;
+        e->tk_busy++;
+        void (*hook)(void *, void *) = e->tokenize_hook;
+        void *hook_ctx = e->tokenize_hook_ctx;
+        pthread_mutex_unlock(&e->mu);
+
+        if (hook)
+            hook(hook_ctx, r->user);
+        int32_t *ids = NULL, n = 0;
+        int status = 500;
+        char msg[256];
+        int rc = request_tokens(e, r, &ids, &n, &status, msg, sizeof msg);
+        /* Rendered: only this thread ever read the messages (the engine's deep copy). */
+        if (r->messages) {
+            json_decref(r->messages);
+            r->messages = NULL;
+        }
+
+        pthread_mutex_lock(&e->mu);
+        e->tk_busy--;
+        if (r->released || rc != 0 || e->stop) {
+            int released = r->released;
+            if (released)
+                e->stats.requests_cancelled++;
+            r->phase = M40_REQ_ENGINE;
+            e->stats.queue_depth = m40_engine_waiting_locked(e);
+            pthread_mutex_unlock(&e->mu);
+            free(ids);
+            if (released)
+                m40_engine_drop_request(e, r); /* nobody listens: no event */
+            else if (rc != 0)
+                m40_engine_fail_request(e, r, status, msg);
+            else
+                m40_engine_fail_request(e, r, 503, "the engine is stopping");
+            pthread_mutex_lock(&e->mu);
+            continue;
+        }
+        r->ids = ids;
+        r->n_ids = n;
+        r->phase = M40_REQ_QUEUED;
+        m40_queue_push(&e->q_head, &e->q_tail, &e->q_n, r);
+        e->stats.queue_depth = m40_engine_waiting_locked(e);
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+int m40_prompt_start(m40_engine *e, char *err, size_t errlen)
+{
+    /* Created by the engine thread, whose signal mask (everything blocked) it inherits:
+     * nginx's signals stay on nginx's thread. */
+    int rc = pthread_create(&e->tk_thread, NULL, prompt_thread_main, e);
+    if (rc != 0) {
+        snprintf(err, errlen, "cannot start the tokenizer thread: %s", strerror(rc));
+        return -1;
+    }
+    e->tk_started = 1;
+    return 0;
+}
+
+void m40_prompt_stop(m40_engine *e)
+{
+    if (!e->tk_started)
+        return;
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    pthread_cond_signal(&e->tk_cv);
+    pthread_mutex_unlock(&e->mu);
+    pthread_join(e->tk_thread, NULL);
+    e->tk_started = 0;
+}
