@@ -286,6 +286,81 @@ void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64
                                               x + b * x_stride, K);
 }
 
+static float ldh(const uint8_t *p) { return m40_fp16_to_fp32((uint16_t)(p[0] | p[1] << 8)); }
+
+/* 8 elements e0 .. e0+7 of a row of type t as the GPU's m40k_group8 (kernels/quant_dev.h)
+ * gives them: small integers q with one scale and one offset, w = scale * q - offset. */
+static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale, float *offset)
+{
+    const uint8_t *b;
+    const int j = e0 & 31;
+    switch (t) {
+    case M40K_TYPE_F16:
+        for (int i = 0; i < 8; i++)
+            q[i] = m40_fp16_to_fp32((uint16_t)(p[2 * (e0 + i)] | p[2 * (e0 + i) + 1] << 8));
+        *scale = 1.0f, *offset = 0.0f;
+        return;
+    case M40K_TYPE_Q8_0:
+        b = p + 34 * (size_t)(e0 >> 5);
+        for (int i = 0; i < 8; i++)
+            q[i] = (float)(b[2 + j + i] ^ 0x80u);
+        *scale = ldh(b), *offset = 128.0f * *scale;
+        return;
+    case M40K_TYPE_Q4_0:
+        b = p + 18 * (size_t)(e0 >> 5);
+        for (int i = 0; i < 8; i++)
+            q[i] = (float)((b[2 + (j & 15) + i] >> (j < 16 ? 0 : 4)) & 15u);
+        *scale = ldh(b), *offset = 8.0f * *scale;
+        return;
+    case M40K_TYPE_Q4_1:
+    case M40K_TYPE_Q5_0:
+    case M40K_TYPE_Q5_1: {
+        const int BB = t == M40K_TYPE_Q4_1 ? 20 : t == M40K_TYPE_Q5_0 ? 22 : 24;
+        const int QS = t == M40K_TYPE_Q4_1 ? 4 : t == M40K_TYPE_Q5_0 ? 6 : 8;
+        b = p + BB * (size_t)(e0 >> 5);
+        uint32_t hb = 0;
+        if (t != M40K_TYPE_Q4_1) {
+            const uint8_t *qh = b + QS - 4;
+            hb = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+        }
+        for (int i = 0; i < 8; i++)
+            q[i] = (float)(((b[QS + (j & 15) + i] >> (j < 16 ? 0 : 4)) & 15u) | (((hb >> (j + i)) & 1u) << 4));
+        *scale = ldh(b);
+        *offset = t == M40K_TYPE_Q5_0 ? 16.0f * *scale : -ldh(b + 2);
+        return;
+    }
+    case M40K_TYPE_Q4_K: {
+        b = p + 144 * (size_t)(e0 >> 8);
+        const int e = e0 & 255, sb = e >> 5, c = e >> 6, l = e & 63;
+        const uint8_t *sc = b + 4;
+        int scv, mnv;
+        if (sb < 4) {
+            scv = sc[sb] & 63;
+            mnv = sc[sb + 4] & 63;
+        } else {
+            scv = (sc[sb + 4] & 15) | ((sc[sb - 4] >> 6) << 4);
+            mnv = (sc[sb + 4] >> 4) | ((sc[sb] >> 6) << 4);
+        }
+        for (int i = 0; i < 8; i++)
+            q[i] = (float)((b[16 + 32 * c + (l & 31) + i] >> (l < 32 ? 0 : 4)) & 15u);
+        *scale = ldh(b) * (float)scv, *offset = ldh(b + 2) * (float)mnv;
+        return;
+    }
+    case M40K_TYPE_Q6_K: {
+        b = p + 210 * (size_t)(e0 >> 8);
+        const int e = e0 & 255, n = e >> 7, r = e & 127, k = r >> 5, l = r & 31;
+        for (int i = 0; i < 8; i++) {
+            const uint8_t ql = b[64 * n + 32 * (k & 1) + l + i], qh = b[128 + 32 * n + l + i];
+            q[i] = (float)(((ql >> (k < 2 ? 0 : 4)) & 15u) | (((qh >> (2 * k)) & 3u) << 4));
+        }
+        *scale = ldh(b + 208) * (float)(int8_t)b[192 + (e >> 4)], *offset = 32.0f * *scale;
+        return;
+    }
+    default:
+        abort(); /* the twin covers the GGUF types m40k_gemm_q reads */
+    }
+}
+
 void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                     int64_t ldy)
 {
@@ -295,9 +370,16 @@ void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, 
     if (!wr)
         abort();
     for (int r = 0; r < N; r++) {
-        m40_dequantize_row((uint32_t)w_type, (const uint8_t *)w + (size_t)r * row_bytes, wr, K);
-        for (int k = 0; k < K; k++)
-            wr[k] = m40_fp16_to_fp32(m40_fp32_to_fp16(wr[k]));
+        const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
+        for (int e0 = 0; e0 < K; e0 += 8) {
+            float q[8], sc, off;
+            ref_group8(w_type, row, e0, q, &sc, &off);
+            /* F16(q * F16(scale) - F16(offset)), one rounding of the exact value (as the
+             * GPU's F16 fused multiply-add; every product here is exact in double) */
+            const double s16 = m40_fp16_to_fp32(m40_fp32_to_fp16(sc)), o16 = m40_fp16_to_fp32(m40_fp32_to_fp16(off));
+            for (int i = 0; i < 8; i++)
+                wr[e0 + i] = m40_fp16_to_fp32(m40_fp32_to_fp16((float)((double)q[i] * s16 - o16)));
+        }
         for (int t = 0; t < M; t++) {
             double acc = 0.0;
             for (int k = 0; k < K; k++)
@@ -353,7 +435,6 @@ void m40_ref_quantize_q8(const float *x, int64_t x_stride, int K, int batch, voi
         }
 }
 
-static float ldh(const uint8_t *p) { return m40_fp16_to_fp32((uint16_t)(p[0] | p[1] << 8)); }
 
 /* One weight scale group against its activations: d1*S1 + d2*S2 of the integer dots
  * S1 = sum(w*q1), S2 = sum(w*q2), in F32 as the GPU forms it. */

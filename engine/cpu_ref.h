@@ -59,9 +59,10 @@ void m40_ref_scale(float *x, int64_t n, float s);
 void m40_ref_softcap(float *x, int64_t n, float cap);
 void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x_stride, float *y,
                   int64_t y_stride, int batch);
-/* Twin of m40k_gemm_q (kernels.h 8e): every weight dequantized (m40_dequantize_row) and
- * rounded to F16, times x (F16), summed in double; y[t*ldy + r] for r < N, t < M. GGUF
- * types only (a regrouped device layout holds the same values as its GGUF type). */
+/* Twin of m40k_gemm_q (kernels.h 8e): every weight formed as the GPU forms it,
+ * F16(q * F16(scale) - F16(offset)) of its group of 8 (the q, scale and offset of
+ * m40k_group8), times x (F16), summed in double; y[t*ldy + r] for r < N, t < M. GGUF types
+ * only (a regrouped device layout holds the same values as its GGUF type). */
 void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                     int64_t ldy);
 /* Twins of m40k_quantize_q8 / m40k_gemv_q8 (kernels.h 8b): the same workspace bytes

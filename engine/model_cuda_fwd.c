@@ -101,7 +101,9 @@ static size_t step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max_
         rows = 2 * (size_t)p->ffn_dim;
     size_t fixed = m40k_gemv_q8_ws_bytes((int)in_max, 8) + m40k_gemv_q8_ws_bytes((int)p->dim, 1) +
                    ((size_t)p->dim / 32 + 1) * 4 + ((size_t)1 << 22) +
-                   m40k_gemm_skinny_counter_ints((int)rows) * sizeof(int);
+                   m40k_gemm_skinny_counter_ints((int)rows) * sizeof(int) +
+                   (g->gemm_q ? ((size_t)1 << 22) * 4 + m40k_gemm_q_counter_ints((int)rows, (int)R) * sizeof(int)
+                              : 0); /* the quantized GEMM's split-K scratch (ensure_scratch) */
     const int G = p->n_kv_heads > 0 ? p->n_heads / p->n_kv_heads : 1;
     size_t att = (size_t)4 * (size_t)(g->sm_count > 0 ? g->sm_count : 132) * (size_t)(G > 0 ? G : 1) *
                      ((size_t)p->head_dim + 2) * 4 +

@@ -4,18 +4,17 @@
  * Why this design (weight tiles dequantized in shared memory, F16 mma.sync) rather than
  * int8 MMA on the weight blocks: one code path serves every type (m40k_group8 of
  * quant_dev.h turns 8 elements of any type into small integers with one scale and one
- * offset); the F16 weights it forms are bit for bit the ones the tiled path's
- * dequantize-then-cuBLAS product formed before it, and x is the same F16 copy, so models
- * compute what they computed (only the order of the F32 sums changed); and the cost
- * that motivated the change (the F16 copy of every matrix written and read again on
- * every step) is gone: weights are read once per block of token rows, in their quantized
- * bytes. BENCHMARKS.md has the measurements.
+ * offset, turned into F16 weights two at a time by mq_pack); x is the F16 copy the tiled
+ * path's cuBLAS product read before; and the cost that motivated the change (the F16
+ * copy of every matrix written and read again on every step) is gone: weights are read
+ * once per block of token rows, in their quantized bytes. BENCHMARKS.md has the
+ * measurements, and what holds the kernel today (issue rate, not bandwidth).
  *
  * Block: 8 warps, 128 weight rows x BM token rows (BM 16, 32, 64 or 128), K in steps of
  * 64. Per step the block dequantizes its 128 x 64 weight tile into shared memory (each
- * thread four groups of 8 elements: loads, then the F16 conversion) while the x tile
- * (BM x 64 F16) arrives by cp.async; the warps multiply the previous step's tiles
- * meanwhile (two stages). Each warp owns a 16*MT x 8*NT piece of the output: ldmatrix A
+ * thread four groups of 8 elements) and stores the x tile (BM x 64 F16, loaded two steps
+ * ahead into registers), then the warps multiply (see mq_kernel for the staging of the
+ * raw weights). Each warp owns a 16*MT x 8*NT piece of the output: ldmatrix A
  * fragments from the weight tile (rows = weight rows), B fragments from the x tile
  * (rows = token rows, k contiguous: the mma's "col" operand as it is), F32 accumulators.
  * Rows of shared memory are padded by 16 bytes: 8 rows of an ldmatrix hit 8 different
@@ -109,37 +108,73 @@ template <int T, int BM, bool STAGED> struct mq_smem {
 
 __device__ __forceinline__ uint32_t mq_lds16(const uint8_t *p) { return *reinterpret_cast<const uint16_t *>(p); }
 
-/* 8 elements e .. e+7 (e a multiple of 8) of a staged chunk row p (16-byte aligned), as
- * m40k_group8 gives them (the same q, scale and offset, so the same F16 values), read
- * with the widest loads each layout's alignment allows. j: Q6_K_G8's superblock within its
- * group (its d). */
+/* The F16 weight of every element: w = RN(q * RN(scale) - RN(offset)), q, scale and
+ * offset as m40k_group8 gives them, the scale and offset rounded to F16 once per group,
+ * then one fused multiply-add in F16 (single rounding). For the types whose scale and
+ * offset are F16 values already (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) that is exactly the F32
+ * result rounded to F16; for Q4_K and Q6_K the rounded scale adds up to 2^-11 of the
+ * weight's size, thirty times below the 4-bit grid. Two elements an instruction instead of
+ * a conversion, a multiply-add and half a pack each in F32. Twin: m40_ref_gemm_q. */
+__device__ __forceinline__ uint4 mq_pack(const uint32_t (&q)[4], float sc, float off)
+{
+    const __half2 s2 = __float2half2_rn(sc), o2 = __float2half2_rn(-off);
+    uint4 h;
+    uint32_t *o = &h.x;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __half2 r = __hfma2(*reinterpret_cast<const __half2 *>(&q[i]), s2, o2);
+        o[i] = *reinterpret_cast<const uint32_t *>(&r);
+    }
+    return h;
+}
+
+/* Two words of four unsigned bytes (each < 1024) as four F16 pairs holding them exactly:
+ * the bytes under 0x64 (1024 + b), then 1024 subtracted. */
+__device__ __forceinline__ void mq_bytes_h2(uint32_t t0, uint32_t t1, uint32_t (&q)[4])
+{
+    const __half2 k1024 = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+    const uint32_t v[4] = {__byte_perm(t0, 0x64, 0x4140), __byte_perm(t0, 0x64, 0x4342), __byte_perm(t1, 0x64, 0x4140),
+                           __byte_perm(t1, 0x64, 0x4342)};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&v[i]), k1024);
+        q[i] = *reinterpret_cast<const uint32_t *>(&r);
+    }
+}
+
+/* Bits 0..3 of b spread to bit 4 of bytes 0..3 (Q5's fifth bits). */
+__device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return ((b & 15u) * 0x00204081u & 0x01010101u) << 4; }
+
+/* 8 elements e .. e+7 (e a multiple of 8) of a staged chunk row p (16-byte aligned): the
+ * q of m40k_group8 as bytes t0 (elements 0-3) and t1 (4-7), its scale and offset; read with
+ * the widest loads each layout's alignment allows. j: Q6_K_G8's superblock within its group
+ * (its d). */
 template <int T>
-__device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, float (&q)[8], float &sc, float &off)
+__device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, uint32_t &t0, uint32_t &t1, float &sc,
+                                        float &off)
 {
     if constexpr (T == M40K_TYPE_Q4_0 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q5_0) {
         /* blocks at even offsets: 2-byte loads */
         constexpr int BB = m40k_tinfo<T>::BB, QS = T == M40K_TYPE_Q5_0 ? 6 : 2;
         const uint8_t *b = p + BB * (e >> 5);
         const int jj = e & 31;
-        uint32_t v[4];
         const uint8_t *qs = b + QS + (T == M40K_TYPE_Q8_0 ? jj : (jj & 15));
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            v[i] = mq_lds16(qs + 2 * i);
+        t0 = mq_lds16(qs) | mq_lds16(qs + 2) << 16;
+        t1 = mq_lds16(qs + 4) | mq_lds16(qs + 6) << 16;
         sc = m40k_h2f((uint16_t)mq_lds16(b));
         if constexpr (T == M40K_TYPE_Q8_0) {
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                q[i] = m40k_u8f(((v[i >> 1] >> (8 * (i & 1))) & 255u) ^ 0x80u); /* int8 + 128 */
+            t0 ^= 0x80808080u; /* int8 + 128 */
+            t1 ^= 0x80808080u;
             off = 128.0f * sc;
         } else {
             const int sh = jj < 16 ? 0 : 4;
-            uint32_t hb = 0;
-            if constexpr (T == M40K_TYPE_Q5_0)
-                hb = ((mq_lds16(b + 2) | mq_lds16(b + 4) << 16) >> jj) << 4; /* bit jj+i at bit 4+i */
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                q[i] = m40k_u8f(((v[i >> 1] >> (8 * (i & 1) + sh)) & 15u) | ((hb >> i) & 16u));
+            t0 = (t0 >> sh) & 0x0F0F0F0Fu;
+            t1 = (t1 >> sh) & 0x0F0F0F0Fu;
+            if constexpr (T == M40K_TYPE_Q5_0) {
+                const uint32_t hb = (mq_lds16(b + 2) | mq_lds16(b + 4) << 16) >> jj;
+                t0 |= mq_spread4(hb);
+                t1 |= mq_spread4(hb >> 4);
+            }
             off = (T == M40K_TYPE_Q5_0 ? 16.0f : 8.0f) * sc;
         }
     } else if constexpr (T == M40K_TYPE_Q4_1 || T == M40K_TYPE_Q5_1) {
@@ -149,21 +184,20 @@ __device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, float (&
         const int jj = e & 31, sh = jj < 16 ? 0 : 4;
         const uint32_t dm = *reinterpret_cast<const uint32_t *>(b);
         const uint32_t *qs = reinterpret_cast<const uint32_t *>(b + QS + (jj & 15));
-        const uint32_t v[2] = {qs[0], qs[1]};
-        uint32_t hb = 0;
-        if constexpr (T == M40K_TYPE_Q5_1)
-            hb = (*reinterpret_cast<const uint32_t *>(b + 4) >> jj) << 4;
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            q[i] = m40k_u8f(((v[i >> 2] >> (8 * (i & 3) + sh)) & 15u) | ((hb >> i) & 16u));
+        t0 = (qs[0] >> sh) & 0x0F0F0F0Fu;
+        t1 = (qs[1] >> sh) & 0x0F0F0F0Fu;
+        if constexpr (T == M40K_TYPE_Q5_1) {
+            const uint32_t hb = *reinterpret_cast<const uint32_t *>(b + 4) >> jj;
+            t0 |= mq_spread4(hb);
+            t1 |= mq_spread4(hb >> 4);
+        }
         sc = m40k_h2f((uint16_t)(dm & 0xFFFFu));
         off = -m40k_h2f((uint16_t)(dm >> 16));
     } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
         const int jb = e >> 5;
         const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + 32 * jb + (e & 31));
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            q[i] = m40k_u8f((((i < 4 ? v.x : v.y) >> (8 * (i & 3))) & 255u) ^ 0x80u);
+        t0 = v.x ^ 0x80808080u;
+        t1 = v.y ^ 0x80808080u;
         sc = m40k_h2f((uint16_t)mq_lds16(p + 2 * jb));
         off = 128.0f * sc;
     } else if constexpr (T == M40K_TYPE_Q4_K) {
@@ -179,9 +213,8 @@ __device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, float (&
             mnv = (scb[s + 4] >> 4) | ((scb[s] >> 6) << 4);
         }
         const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + 32 * c + (l & 31));
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            q[i] = m40k_u8f((((i < 4 ? v.x : v.y) >> (8 * (i & 3) + sh)) & 15u));
+        t0 = (v.x >> sh) & 0x0F0F0F0Fu;
+        t1 = (v.y >> sh) & 0x0F0F0F0Fu;
         sc = m40k_h2f((uint16_t)(dm & 0xFFFFu)) * (float)scv;
         off = m40k_h2f((uint16_t)(dm >> 16)) * (float)mnv;
     } else if constexpr (T == M40K_TYPE_Q6_K_G8) {
@@ -189,11 +222,8 @@ __device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, float (&
         const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
         const uint2 hi = *reinterpret_cast<const uint2 *>(p + 128 + 32 * n + l);
         const int shl = k < 2 ? 0 : 4, shh = 2 * k;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const uint32_t a = (i < 4 ? lo.x : lo.y) >> (8 * (i & 3)), h = (i < 4 ? hi.x : hi.y) >> (8 * (i & 3));
-            q[i] = m40k_u8f(((a >> shl) & 15u) | (((h >> shh) & 3u) << 4));
-        }
+        t0 = ((lo.x >> shl) & 0x0F0F0F0Fu) | (((hi.x >> shh) & 0x03030303u) << 4);
+        t1 = ((lo.y >> shl) & 0x0F0F0F0Fu) | (((hi.y >> shh) & 0x03030303u) << 4);
         sc = m40k_h2f((uint16_t)mq_lds16(p + 208 + 2 * j)) * (float)(int8_t)p[192 + (e >> 4)];
         off = 32.0f * sc;
     }
@@ -258,21 +288,25 @@ __global__ __launch_bounds__(MQ_WARPS * 32, 2) void mq_kernel(const uint8_t *__r
 #pragma unroll
         for (int i = 0; i < MQ_GROUPS; i++) {
             const int e0 = it * MQ_BK + wcol[i];
-            float q[8], sc = 0.0f, off = 0.0f;
+            uint32_t qh[4];
+            float sc = 0.0f, off = 0.0f;
             if constexpr (STAGED) {
                 const int c = e0 / MQ_KC;
-                mq_deq8<T>(raw + (c & 1) * MQ_BN * RB + wr[i] * RB, e0 % MQ_KC, c & 7, q, sc, off);
-            } else if (e0 < K) {
-                m40k_group8<T>(w + (size_t)min(n0 + wr[i], N - 1) * row_bytes, e0, q, sc, off);
+                uint32_t t0, t1;
+                mq_deq8<T>(raw + (c & 1) * MQ_BN * RB + wr[i] * RB, e0 % MQ_KC, c & 7, t0, t1, sc, off);
+                mq_bytes_h2(t0, t1, qh);
             } else {
+                float q[8];
 #pragma unroll
                 for (int k = 0; k < 8; k++)
                     q[k] = 0.0f;
+                if (e0 < K)
+                    m40k_group8<T>(w + (size_t)min(n0 + wr[i], N - 1) * row_bytes, e0, q, sc, off);
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    qh[k] = mq_h2(q[2 * k], q[2 * k + 1]); /* small integers (F16 values for F16): exact */
             }
-            h[i].x = mq_h2(sc * q[0] - off, sc * q[1] - off);
-            h[i].y = mq_h2(sc * q[2] - off, sc * q[3] - off);
-            h[i].z = mq_h2(sc * q[4] - off, sc * q[5] - off);
-            h[i].w = mq_h2(sc * q[6] - off, sc * q[7] - off);
+            h[i] = mq_pack(qh, sc, off);
         }
     };
     /* the x tile of step it into registers: BM rows x 8 pieces of 16 bytes; rows past M
@@ -308,36 +342,51 @@ __global__ __launch_bounds__(MQ_WARPS * 32, 2) void mq_kernel(const uint8_t *__r
             for (int c = 0; c < 4; c++)
                 acc[a][b][c] = 0.0f;
 
-    uint4 hw[MQ_GROUPS], hx[XC];
+    /* x comes two steps ahead (hx0 / hx1 in turn): its loads have a whole step to land.
+     * Not for 128-row blocks: their registers are full (the second buffer spilled). */
+    constexpr bool X2 = BM < 128;
+    uint4 hw[MQ_GROUPS], hx0[XC], hx1[X2 ? XC : 1];
     if (it0 < it1) {
-        if constexpr (STAGED) {
+        if constexpr (STAGED) { /* the first two chunks in flight together; wait for the first */
             issue_chunk(it0 / unit);
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            if (it0 + unit < it1) {
+                issue_chunk(it0 / unit + 1);
+                asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+            } else {
+                asm volatile("cp.async.wait_all;\n" ::: "memory");
+            }
             __syncthreads();
         }
-        load_x(it0, hx);
+        load_x(it0, hx0);
         deq(it0, hw);
-        if constexpr (STAGED)
-            if (it0 + unit < it1)
-                issue_chunk(it0 / unit + 1);
-        store(hw, hx);
+        store(hw, hx0);
+        if (X2 && it0 + 1 < it1)
+            load_x(it0 + 1, hx0);
         __syncthreads();
     }
     /* A fragments: lanes 0-15 rows 0-15 at k, lanes 16-31 the same rows at k + 8; B
      * fragments (two n8 tiles): lane l row 8*(l >> 4) + (l & 7), k + 8*((l >> 3) & 1) */
     const int a_off = (wn * sh::MT * 16 + (lane & 15)) * MQ_LDS + (lane >> 4) * 8;
     const int b_off = (wm * sh::NT * 8 + ((lane >> 4) << 3) + (lane & 7)) * MQ_LDS + ((lane >> 3) & 1) * 8;
-    for (int it = it0; it < it1; it++) {
+    /* step it: hn holds x of step it + 1 (X2; else it is loaded here), hl receives x of
+     * step it + 2 */
+    auto step = [&](int it, uint4(&hn)[XC], uint4(&hl)[X2 ? XC : 1]) {
         const bool more = it + 1 < it1;
+        if constexpr (X2) {
+            if (it + 2 < it1)
+                load_x(it + 2, hl);
+        } else if (more) {
+            load_x(it + 1, hn);
+        }
         if (more) {
-            load_x(it + 1, hx);
             if constexpr (STAGED)
                 if ((it + 1) % unit == 0) { /* step it + 1 opens chunk c: it was issued a chunk ago */
                     const int c = (it + 1) / unit;
                     asm volatile("cp.async.wait_all;\n" ::: "memory");
                     __syncthreads();
                     /* chunk c + 1 into the buffer of chunk c - 1, read for the last time by
-                     * the step before this one's (two barriers ago) */
+                     * the step before this one's (two barriers ago; chunk it0/unit + 1 came
+                     * with the first) */
                     if (it + 1 + unit < it1)
                         issue_chunk(c + 1);
                 }
@@ -363,9 +412,19 @@ __global__ __launch_bounds__(MQ_WARPS * 32, 2) void mq_kernel(const uint8_t *__r
         }
         if (more) {
             __syncthreads(); /* every warp is done with this step's tiles */
-            store(hw, hx);
+            store(hw, hn);
             __syncthreads();
         }
+    };
+    if constexpr (X2) {
+        for (int it = it0; it < it1; it += 2) { /* two steps a turn: the x buffers swap roles */
+            step(it, hx0, hx1);
+            if (it + 1 < it1)
+                step(it + 1, hx1, hx0);
+        }
+    } else {
+        for (int it = it0; it < it1; it++)
+            step(it, hx0, hx1);
     }
 
     /* accumulator c of tile (mt, nt): weight row 16*mt + lane/4 + 8*(c >> 1), token row

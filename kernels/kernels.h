@@ -373,10 +373,12 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
  * x[t*x_stride + k], r < N, t < M. W: rows of K elements of w_type packed (F16, Q8_0, Q4_0,
  * Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, Q8_0_G8, Q6_K_G8: m40k_gemm_q_supported), K a multiple of
  * the type's block (and of 8); any alignment. x F16, 16-byte aligned, x_stride a multiple
- * of 8. Each weight is dequantized in shared memory to the F16 value m40k_embed's F16
- * output holds for it, then F16 x F16 products with F32 accumulation (twin:
- * m40_ref_gemm_q). No per-call scratch copy of W: each block reads its weight tile's
- * quantized bytes once.
+ * of 8. Each weight is dequantized in shared memory to F16(q * F16(scale) - F16(offset))
+ * (one F16 fused multiply-add; q, scale and offset of its group as in quant_dev.h): for
+ * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 the value m40k_embed's F16 output holds, for Q4_K and
+ * Q6_K within 2^-11 of the weight's size of it. Then F16 x F16 products with F32
+ * accumulation (twin: m40_ref_gemm_q). No per-call scratch copy of W: each block reads
+ * its weight tile's quantized bytes once.
  * Where the rows allow (K a multiple of 256, W and its rows 16-byte aligned, a type whose
  * 256-element chunks are 16-byte multiples: all but plain Q6_K and F16) the raw chunks
  * come into shared memory by cp.async a chunk ahead and are dequantized from there;

@@ -1834,12 +1834,17 @@ static void bench_gemm_q(void)
             for (auto &d : dw)
                 d = dup(w);
             for (int M : {16, 32, 64, 128, 256, 512})
-                for (int v = 0; v < 2; v++) { /* 0 gemm_q, 1 dequantize + cuBLAS */
-                    const int S = m40k_gemm_q_pick_splits(sh.N, sh.K, M, sms, wsf, m40k_gemm_q_counter_ints(sh.N, maxM));
+                for (int v = 0; v < 3; v++) { /* 0 gemm_q, 1 dequantize + cuBLAS, 2 gemm_q at half the splits */
+                    int S = m40k_gemm_q_pick_splits(sh.N, sh.K, M, sms, wsf, m40k_gemm_q_counter_ints(sh.N, maxM));
+                    if (v == 2) {
+                        if (S == 1)
+                            continue;
+                        S /= 2;
+                    }
                     int turn = 0;
                     auto run = [&]() {
                         const uint8_t *wp = dw[turn++ % copies];
-                        if (v == 0) {
+                        if (v != 1) {
                             CK(m40k_gemm_q(wp, type, sh.N, sh.K, dx16, sh.K, M, dy, sh.N, S, dws, dcnt, 0));
                         } else {
                             CK(m40k_embed(wp, type, sh.N, sh.K, diota, sh.N, ddeq, M40K_TYPE_F16, sh.K, 0));
@@ -1853,8 +1858,8 @@ static void bench_gemm_q(void)
                     const double us = time_us(run, 20), gbs = bytes / (us * 1e3);
                     const double tf = 2.0 * sh.N * sh.K * M / (us * 1e6);
                     printf("bench %-8s %-7s N %5d K %5d M %3d S %2d: %8.1f us  %7.1f GB/s (%5.1f%%)  %6.1f TFLOP/s\n",
-                           m40_type_name(base), v == 0 ? (type != base ? "gemm_q8" : "gemm_q") : "deq+blas", sh.N,
-                           sh.K, M, v == 0 ? S : 0, us, gbs, 100.0 * gbs / 3020.0, tf);
+                           m40_type_name(base), v != 1 ? (type != base ? "gemm_q8" : "gemm_q") : "deq+blas", sh.N,
+                           sh.K, M, v != 1 ? S : 0, us, gbs, 100.0 * gbs / 3020.0, tf);
                 }
             for (auto &d : dw)
                 cudaFree(d);
