@@ -145,63 +145,79 @@ __device__ __forceinline__ void mq_bytes_h2(uint32_t t0, uint32_t t1, uint32_t (
 /* Bits 0..3 of b spread to bit 4 of bytes 0..3 (Q5's fifth bits). */
 __device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return ((b & 15u) * 0x00204081u & 0x01010101u) << 4; }
 
-/* 8 elements e .. e+7 (e a multiple of 8) of a staged chunk row p (16-byte aligned): the
- * q of m40k_group8 as bytes t0 (elements 0-3) and t1 (4-7), its scale and offset; read with
- * the widest loads each layout's alignment allows. j: Q6_K_G8's superblock within its group
- * (its d). */
+/* The 32 elements e .. e+31 (e a multiple of 32: one block of the 32-element types, one
+ * sub-block of Q4_K, two scale groups of Q6_K) of a staged chunk row p (16-byte aligned):
+ * the q of m40k_group8 as bytes, t[0..3] elements 0-15 and t[4..7] elements 16-31 (4 a
+ * word, in order), and the scale and offset of each half; read with the widest loads each
+ * layout's alignment allows, the scales decoded once for all 32. j: Q6_K_G8's superblock
+ * within its group (its d). */
 template <int T>
-__device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, uint32_t &t0, uint32_t &t1, float &sc,
-                                        float &off)
+__device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_t (&t)[8], float (&sc)[2],
+                                         float (&off)[2])
 {
-    if constexpr (T == M40K_TYPE_Q4_0 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q5_0) {
-        /* blocks at even offsets: 2-byte loads */
+    if constexpr (T == M40K_TYPE_Q4_0 || T == M40K_TYPE_Q5_0) {
+        /* 18- and 22-byte blocks at even offsets: 2-byte loads; element i < 16 is the low
+         * nibble of byte i, element 16 + i the high one */
         constexpr int BB = m40k_tinfo<T>::BB, QS = T == M40K_TYPE_Q5_0 ? 6 : 2;
         const uint8_t *b = p + BB * (e >> 5);
-        const int jj = e & 31;
-        const uint8_t *qs = b + QS + (T == M40K_TYPE_Q8_0 ? jj : (jj & 15));
-        t0 = mq_lds16(qs) | mq_lds16(qs + 2) << 16;
-        t1 = mq_lds16(qs + 4) | mq_lds16(qs + 6) << 16;
-        sc = m40k_h2f((uint16_t)mq_lds16(b));
-        if constexpr (T == M40K_TYPE_Q8_0) {
-            t0 ^= 0x80808080u; /* int8 + 128 */
-            t1 ^= 0x80808080u;
-            off = 128.0f * sc;
-        } else {
-            const int sh = jj < 16 ? 0 : 4;
-            t0 = (t0 >> sh) & 0x0F0F0F0Fu;
-            t1 = (t1 >> sh) & 0x0F0F0F0Fu;
+        uint32_t v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            v[k] = mq_lds16(b + QS + 4 * k) | mq_lds16(b + QS + 4 * k + 2) << 16;
+        uint32_t hb = 0;
+        if constexpr (T == M40K_TYPE_Q5_0)
+            hb = mq_lds16(b + 2) | mq_lds16(b + 4) << 16;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            t[k] = v[k] & 0x0F0F0F0Fu;
+            t[4 + k] = (v[k] >> 4) & 0x0F0F0F0Fu;
             if constexpr (T == M40K_TYPE_Q5_0) {
-                const uint32_t hb = (mq_lds16(b + 2) | mq_lds16(b + 4) << 16) >> jj;
-                t0 |= mq_spread4(hb);
-                t1 |= mq_spread4(hb >> 4);
+                t[k] |= mq_spread4(hb >> (4 * k));
+                t[4 + k] |= mq_spread4(hb >> (16 + 4 * k));
             }
-            off = (T == M40K_TYPE_Q5_0 ? 16.0f : 8.0f) * sc;
         }
+        sc[0] = sc[1] = m40k_h2f((uint16_t)mq_lds16(b));
+        off[0] = off[1] = (T == M40K_TYPE_Q5_0 ? 16.0f : 8.0f) * sc[0];
+    } else if constexpr (T == M40K_TYPE_Q8_0) {
+        const uint8_t *b = p + 34 * (e >> 5);
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            t[k] = (mq_lds16(b + 2 + 4 * k) | mq_lds16(b + 4 + 4 * k) << 16) ^ 0x80808080u; /* int8 + 128 */
+        sc[0] = sc[1] = m40k_h2f((uint16_t)mq_lds16(b));
+        off[0] = off[1] = 128.0f * sc[0];
     } else if constexpr (T == M40K_TYPE_Q4_1 || T == M40K_TYPE_Q5_1) {
         /* 4- and 8-byte aligned blocks: word loads */
         constexpr int BB = m40k_tinfo<T>::BB, QS = T == M40K_TYPE_Q4_1 ? 4 : 8;
         const uint8_t *b = p + BB * (e >> 5);
-        const int jj = e & 31, sh = jj < 16 ? 0 : 4;
         const uint32_t dm = *reinterpret_cast<const uint32_t *>(b);
-        const uint32_t *qs = reinterpret_cast<const uint32_t *>(b + QS + (jj & 15));
-        t0 = (qs[0] >> sh) & 0x0F0F0F0Fu;
-        t1 = (qs[1] >> sh) & 0x0F0F0F0Fu;
-        if constexpr (T == M40K_TYPE_Q5_1) {
-            const uint32_t hb = *reinterpret_cast<const uint32_t *>(b + 4) >> jj;
-            t0 |= mq_spread4(hb);
-            t1 |= mq_spread4(hb >> 4);
+        const uint32_t *qs = reinterpret_cast<const uint32_t *>(b + QS);
+        uint32_t hb = 0;
+        if constexpr (T == M40K_TYPE_Q5_1)
+            hb = *reinterpret_cast<const uint32_t *>(b + 4);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const uint32_t v = qs[k];
+            t[k] = v & 0x0F0F0F0Fu;
+            t[4 + k] = (v >> 4) & 0x0F0F0F0Fu;
+            if constexpr (T == M40K_TYPE_Q5_1) {
+                t[k] |= mq_spread4(hb >> (4 * k));
+                t[4 + k] |= mq_spread4(hb >> (16 + 4 * k));
+            }
         }
-        sc = m40k_h2f((uint16_t)(dm & 0xFFFFu));
-        off = -m40k_h2f((uint16_t)(dm >> 16));
+        sc[0] = sc[1] = m40k_h2f((uint16_t)(dm & 0xFFFFu));
+        off[0] = off[1] = -m40k_h2f((uint16_t)(dm >> 16));
     } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
         const int jb = e >> 5;
-        const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + 32 * jb + (e & 31));
-        t0 = v.x ^ 0x80808080u;
-        t1 = v.y ^ 0x80808080u;
-        sc = m40k_h2f((uint16_t)mq_lds16(p + 2 * jb));
-        off = 128.0f * sc;
+        const uint4 *q = reinterpret_cast<const uint4 *>(p + 16 + 32 * jb);
+        const uint4 a = q[0], c = q[1];
+        const uint32_t v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            t[k] = v[k] ^ 0x80808080u;
+        sc[0] = sc[1] = m40k_h2f((uint16_t)mq_lds16(p + 2 * jb));
+        off[0] = off[1] = 128.0f * sc[0];
     } else if constexpr (T == M40K_TYPE_Q4_K) {
-        const int s = e >> 5, c = e >> 6, l = e & 63, sh = l < 32 ? 0 : 4;
+        const int s = e >> 5, sh = (s & 1) ? 4 : 0;
         const uint32_t dm = *reinterpret_cast<const uint32_t *>(p);
         const uint8_t *scb = p + 4;
         int scv, mnv;
@@ -212,31 +228,42 @@ __device__ __forceinline__ void mq_deq8(const uint8_t *p, int e, int j, uint32_t
             scv = (scb[s + 4] & 15) | ((scb[s - 4] >> 6) << 4);
             mnv = (scb[s + 4] >> 4) | ((scb[s] >> 6) << 4);
         }
-        const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + 32 * c + (l & 31));
-        t0 = (v.x >> sh) & 0x0F0F0F0Fu;
-        t1 = (v.y >> sh) & 0x0F0F0F0Fu;
-        sc = m40k_h2f((uint16_t)(dm & 0xFFFFu)) * (float)scv;
-        off = m40k_h2f((uint16_t)(dm >> 16)) * (float)mnv;
+        const uint4 *q = reinterpret_cast<const uint4 *>(p + 16 + 32 * (s >> 1));
+        const uint4 a = q[0], c = q[1];
+        const uint32_t v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            t[k] = (v[k] >> sh) & 0x0F0F0F0Fu;
+        sc[0] = sc[1] = m40k_h2f((uint16_t)(dm & 0xFFFFu)) * (float)scv;
+        off[0] = off[1] = m40k_h2f((uint16_t)(dm >> 16)) * (float)mnv;
     } else if constexpr (T == M40K_TYPE_Q6_K_G8) {
-        const int n = e >> 7, r = e & 127, k = r >> 5, l = r & 31;
-        const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
-        const uint2 hi = *reinterpret_cast<const uint2 *>(p + 128 + 32 * n + l);
+        const int n = e >> 7, k = (e & 127) >> 5;
+        const uint4 *ql = reinterpret_cast<const uint4 *>(p + 64 * n + 32 * (k & 1));
+        const uint4 *qh = reinterpret_cast<const uint4 *>(p + 128 + 32 * n);
+        const uint4 la = ql[0], lc = ql[1], ha = qh[0], hc = qh[1];
+        const uint32_t lo[8] = {la.x, la.y, la.z, la.w, lc.x, lc.y, lc.z, lc.w};
+        const uint32_t hi[8] = {ha.x, ha.y, ha.z, ha.w, hc.x, hc.y, hc.z, hc.w};
         const int shl = k < 2 ? 0 : 4, shh = 2 * k;
-        t0 = ((lo.x >> shl) & 0x0F0F0F0Fu) | (((hi.x >> shh) & 0x03030303u) << 4);
-        t1 = ((lo.y >> shl) & 0x0F0F0F0Fu) | (((hi.y >> shh) & 0x03030303u) << 4);
-        sc = m40k_h2f((uint16_t)mq_lds16(p + 208 + 2 * j)) * (float)(int8_t)p[192 + (e >> 4)];
-        off = 32.0f * sc;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            t[i] = ((lo[i] >> shl) & 0x0F0F0F0Fu) | (((hi[i] >> shh) & 0x03030303u) << 4);
+        const float d = m40k_h2f((uint16_t)mq_lds16(p + 208 + 2 * j));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sc[h] = d * (float)(int8_t)p[192 + (e >> 4) + h];
+            off[h] = 32.0f * sc[h];
+        }
     }
 }
 
 /* STAGED: the weights come through two chunk buffers filled by cp.async a chunk (four
- * steps) ahead and are dequantized from shared memory (mq_deq8; K a multiple of 256, rows
+ * steps) ahead and are dequantized from shared memory (mq_deq32; K a multiple of 256, rows
  * 16-byte aligned); otherwise each thread dequantizes straight from global memory
  * (m40k_group8, any alignment: the fallback). The F16 tiles are single: each step is
  * multiply, barrier, store the next step's tiles (formed in registers during the
  * multiply), barrier. */
 template <int T, int BM, bool STAGED>
-__global__ __launch_bounds__(MQ_WARPS * 32, 2) void mq_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
+__global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
                                                                int K, const uint16_t *__restrict__ x, int64_t x_stride,
                                                                int M, float *__restrict__ y, int64_t ldy, int S,
                                                                float *ws, int *counters)
@@ -261,13 +288,16 @@ __global__ __launch_bounds__(MQ_WARPS * 32, 2) void mq_kernel(const uint8_t *__r
                                                                  (K + MQ_BK - 1) / MQ_BK);
 
     /* this thread's groups: group i*256 + tid of the tile is row g >> 3, columns 8*(g & 7) */
+    /* Direct: group i*256 + tid of the tile is row g >> 3, columns 8*(g & 7). Staged: one
+     * run of 32 a thread, row tid >> 1, columns 32*(tid & 1) .. +31 (the four groups). */
     int wr[MQ_GROUPS], wcol[MQ_GROUPS];
 #pragma unroll
     for (int i = 0; i < MQ_GROUPS; i++) {
         const int g = i * MQ_WARPS * 32 + tid;
-        wr[i] = g >> 3;
-        wcol[i] = 8 * (g & 7);
+        wr[i] = STAGED ? tid >> 1 : g >> 3;
+        wcol[i] = STAGED ? 32 * (tid & 1) + 8 * i : 8 * (g & 7);
     }
+    static_assert(!STAGED || (MQ_GROUPS == 4 && MQ_BN * MQ_BK == 32 * MQ_WARPS * 32), "one run of 32 a thread");
     /* STAGED: chunk c (of the row's chunks) into buffer c & 1, one commit group */
     auto issue_chunk = [&](int c) {
         uint8_t *dst = raw + (c & 1) * MQ_BN * RB;
@@ -285,17 +315,25 @@ __global__ __launch_bounds__(MQ_WARPS * 32, 2) void mq_kernel(const uint8_t *__r
     };
     /* the weight tile of step it as F16, packed: 4 groups x 8 halves */
     auto deq = [&](int it, uint4(&h)[MQ_GROUPS]) {
+        if constexpr (STAGED) {
+            const int e0 = it * MQ_BK + wcol[0], c = e0 / MQ_KC;
+            uint32_t t[8];
+            float sc[2], off[2];
+            mq_deq32<T>(raw + (c & 1) * MQ_BN * RB + wr[0] * RB, e0 % MQ_KC, c & 7, t, sc, off);
+#pragma unroll
+            for (int i = 0; i < MQ_GROUPS; i++) {
+                uint32_t qh[4];
+                mq_bytes_h2(t[2 * i], t[2 * i + 1], qh);
+                h[i] = mq_pack(qh, sc[i >> 1], off[i >> 1]);
+            }
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < MQ_GROUPS; i++) {
             const int e0 = it * MQ_BK + wcol[i];
             uint32_t qh[4];
             float sc = 0.0f, off = 0.0f;
-            if constexpr (STAGED) {
-                const int c = e0 / MQ_KC;
-                uint32_t t0, t1;
-                mq_deq8<T>(raw + (c & 1) * MQ_BN * RB + wr[i] * RB, e0 % MQ_KC, c & 7, t0, t1, sc, off);
-                mq_bytes_h2(t0, t1, qh);
-            } else {
+            {
                 float q[8];
 #pragma unroll
                 for (int k = 0; k < 8; k++)
