@@ -326,25 +326,22 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                 mq_bytes_h2(t[2 * i], t[2 * i + 1], qh);
                 h[i] = mq_pack(qh, sc[i >> 1], off[i >> 1]);
             }
-            return;
-        }
+        } else {
 #pragma unroll
-        for (int i = 0; i < MQ_GROUPS; i++) {
-            const int e0 = it * MQ_BK + wcol[i];
-            uint32_t qh[4];
-            float sc = 0.0f, off = 0.0f;
-            {
-                float q[8];
+            for (int i = 0; i < MQ_GROUPS; i++) {
+                const int e0 = it * MQ_BK + wcol[i];
+                float q[8], sc = 0.0f, off = 0.0f;
 #pragma unroll
                 for (int k = 0; k < 8; k++)
                     q[k] = 0.0f;
                 if (e0 < K)
                     m40k_group8<T>(w + (size_t)min(n0 + wr[i], N - 1) * row_bytes, e0, q, sc, off);
+                uint32_t qh[4];
 #pragma unroll
                 for (int k = 0; k < 4; k++)
                     qh[k] = mq_h2(q[2 * k], q[2 * k + 1]); /* small integers (F16 values for F16): exact */
+                h[i] = mq_pack(qh, sc, off);
             }
-            h[i] = mq_pack(qh, sc, off);
         }
     };
     /* the x tile of step it into registers: BM rows x 8 pieces of 16 bytes; rows past M
@@ -611,48 +608,40 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     return mq_bm_launch<T, false>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
 }
 
+/* The types m40k_gemm_q reads: one list for the dispatch, the preparation and the
+ * question whether a type is read. */
+#define MQ_TYPES(X)                                                                                                    \
+    X(M40K_TYPE_F16)                                                                                                   \
+    X(M40K_TYPE_Q8_0)                                                                                                  \
+    X(M40K_TYPE_Q4_0)                                                                                                  \
+    X(M40K_TYPE_Q4_1)                                                                                                  \
+    X(M40K_TYPE_Q5_0)                                                                                                  \
+    X(M40K_TYPE_Q5_1)                                                                                                  \
+    X(M40K_TYPE_Q4_K)                                                                                                  \
+    X(M40K_TYPE_Q6_K)                                                                                                  \
+    X(M40K_TYPE_Q8_0_G8)                                                                                               \
+    X(M40K_TYPE_Q6_K_G8)
+
 extern "C" int m40k_gemm_q_supported(int w_type)
 {
     switch (w_type) {
-    case M40K_TYPE_F16:
-    case M40K_TYPE_Q8_0:
-    case M40K_TYPE_Q4_0:
-    case M40K_TYPE_Q4_1:
-    case M40K_TYPE_Q5_0:
-    case M40K_TYPE_Q5_1:
-    case M40K_TYPE_Q4_K:
-    case M40K_TYPE_Q6_K:
-    case M40K_TYPE_Q8_0_G8:
-    case M40K_TYPE_Q6_K_G8: return 1;
+#define MQ_CASE(t) case t:
+        MQ_TYPES(MQ_CASE)
+#undef MQ_CASE
+        return 1;
     default: return 0;
     }
 }
 
 extern "C" int m40k_gemm_q_prepare(void)
 {
-    const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,    M40K_TYPE_Q5_0,
-                         M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8};
-    for (int t : types) {
-        int e = 0;
-        switch (t) {
-#define MQ_CASE(x)                                                                                                     \
-    case x: e = mq_prepare_type<x>(); break;
-            MQ_CASE(M40K_TYPE_F16)
-            MQ_CASE(M40K_TYPE_Q8_0)
-            MQ_CASE(M40K_TYPE_Q4_0)
-            MQ_CASE(M40K_TYPE_Q4_1)
-            MQ_CASE(M40K_TYPE_Q5_0)
-            MQ_CASE(M40K_TYPE_Q5_1)
-            MQ_CASE(M40K_TYPE_Q4_K)
-            MQ_CASE(M40K_TYPE_Q6_K)
-            MQ_CASE(M40K_TYPE_Q8_0_G8)
-            MQ_CASE(M40K_TYPE_Q6_K_G8)
-#undef MQ_CASE
-        }
-        if (e)
-            return e;
-    }
-    return 0;
+    int e = 0;
+#define MQ_PREP(t)                                                                                                     \
+    if (!e)                                                                                                            \
+        e = mq_prepare_type<t>();
+    MQ_TYPES(MQ_PREP)
+#undef MQ_PREP
+    return e;
 }
 
 extern "C" int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M,
@@ -668,16 +657,7 @@ extern "C" int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16
     switch (w_type) {
 #define MQ_CASE(t)                                                                                                     \
     case t: return mq_type<t>(w, N, K, x, x_stride, M, y, ldy, n_splits, workspace, counters, st);
-        MQ_CASE(M40K_TYPE_F16)
-        MQ_CASE(M40K_TYPE_Q8_0)
-        MQ_CASE(M40K_TYPE_Q4_0)
-        MQ_CASE(M40K_TYPE_Q4_1)
-        MQ_CASE(M40K_TYPE_Q5_0)
-        MQ_CASE(M40K_TYPE_Q5_1)
-        MQ_CASE(M40K_TYPE_Q4_K)
-        MQ_CASE(M40K_TYPE_Q6_K)
-        MQ_CASE(M40K_TYPE_Q8_0_G8)
-        MQ_CASE(M40K_TYPE_Q6_K_G8)
+        MQ_TYPES(MQ_CASE)
 #undef MQ_CASE
     default: return M40K_INVALID;
     }
