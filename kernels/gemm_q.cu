@@ -102,7 +102,11 @@ template <int T, int BM, bool STAGED> struct mq_smem {
         W = MQ_BN * MQ_LDS * 2,
         X = BM * MQ_LDS * 2,
         RAW = STAGED ? 2 * MQ_BN * mq_stage<T>::RB : 0,
-        BYTES = W + X + RAW
+        /* two of each tile (DB: one barrier a step instead of two) where two blocks still
+         * fit an SM's 228 KB (1 KB of each block is the system's) */
+        DB = 2 * (2 * (W + X) + RAW + 1024) <= 228 * 1024,
+        TILES = DB ? 2 : 1,
+        BYTES = TILES * (W + X) + RAW
     };
 };
 
@@ -259,9 +263,10 @@ __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_
 /* STAGED: the weights come through two chunk buffers filled by cp.async a chunk (four
  * steps) ahead and are dequantized from shared memory (mq_deq32; K a multiple of 256, rows
  * 16-byte aligned); otherwise each thread dequantizes straight from global memory
- * (m40k_group8, any alignment: the fallback). The F16 tiles are single: each step is
- * multiply, barrier, store the next step's tiles (formed in registers during the
- * multiply), barrier. */
+ * (m40k_group8, any alignment: the fallback). The next step's tiles are formed in
+ * registers before a step's multiply. Where two blocks an SM still fit with two buffers of
+ * the F16 tiles (mq_smem::DB) a step is multiply, store the next tiles into the other
+ * buffer, barrier; otherwise multiply, barrier, store, barrier. */
 template <int T, int BM, bool STAGED>
 __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
                                                                int K, const uint16_t *__restrict__ x, int64_t x_stride,
@@ -272,9 +277,10 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
     typedef mq_smem<T, BM, STAGED> sm;
     constexpr int RB = STAGED ? mq_stage<T>::RB : 16;
     extern __shared__ __align__(16) uint8_t mq_sm[];
+    /* tile buffer b (b < sm::TILES): weights at wt + b * MQ_BN * MQ_LDS, x at xt + b * BM * MQ_LDS */
     uint16_t *const wt = reinterpret_cast<uint16_t *>(mq_sm);
-    uint16_t *const xt = reinterpret_cast<uint16_t *>(mq_sm + sm::W);
-    uint8_t *const raw = mq_sm + sm::W + sm::X; /* STAGED: chunk buffer b at raw + b * MQ_BN * RB */
+    uint16_t *const xt = reinterpret_cast<uint16_t *>(mq_sm + sm::TILES * sm::W);
+    uint8_t *const raw = mq_sm + sm::TILES * (sm::W + sm::X); /* STAGED: chunk buffer b at raw + b * MQ_BN * RB */
     __shared__ int last;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -356,15 +362,18 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                 h[i] = __ldg(reinterpret_cast<const uint4 *>(x + (size_t)(m0 + r) * x_stride + k));
         }
     };
-    auto store = [&](const uint4(&hw)[MQ_GROUPS], const uint4(&hx)[XC]) {
+    /* the tiles of step it into their buffer ((it - it0) & 1 with two, else the one) */
+    auto buf = [&](int it) { return sm::DB ? (it - it0) & 1 : 0; };
+    auto store = [&](int it, const uint4(&hw)[MQ_GROUPS], const uint4(&hx)[XC]) {
+        uint16_t *const wb = wt + buf(it) * MQ_BN * MQ_LDS, *const xb = xt + buf(it) * BM * MQ_LDS;
 #pragma unroll
         for (int i = 0; i < MQ_GROUPS; i++)
-            *reinterpret_cast<uint4 *>(wt + wr[i] * MQ_LDS + wcol[i]) = hw[i];
+            *reinterpret_cast<uint4 *>(wb + wr[i] * MQ_LDS + wcol[i]) = hw[i];
 #pragma unroll
         for (int i = 0; i < XC; i++) {
             const int c = i * MQ_WARPS * 32 + tid;
             if (c < BM * (MQ_BK / 8))
-                *reinterpret_cast<uint4 *>(xt + (c >> 3) * MQ_LDS + 8 * (c & 7)) = hx[i];
+                *reinterpret_cast<uint4 *>(xb + (c >> 3) * MQ_LDS + 8 * (c & 7)) = hx[i];
         }
     };
 
@@ -394,7 +403,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
         }
         load_x(it0, hx0);
         deq(it0, hw);
-        store(hw, hx0);
+        store(it0, hw, hx0);
         if (X2 && it0 + 1 < it1)
             load_x(it0 + 1, hx0);
         __syncthreads();
@@ -420,23 +429,24 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                     asm volatile("cp.async.wait_all;\n" ::: "memory");
                     __syncthreads();
                     /* chunk c + 1 into the buffer of chunk c - 1, read for the last time by
-                     * the step before this one's (two barriers ago; chunk it0/unit + 1 came
-                     * with the first) */
+                     * the step before this one's (a barrier ago at least; chunk it0/unit + 1
+                     * came with the first) */
                     if (it + 1 + unit < it1)
                         issue_chunk(c + 1);
                 }
             deq(it + 1, hw);
         }
+        const uint16_t *const wb = wt + buf(it) * MQ_BN * MQ_LDS, *const xb = xt + buf(it) * BM * MQ_LDS;
 #pragma unroll
         for (int kk = 0; kk < MQ_BK; kk += 16) {
             uint32_t a[sh::MT][4], b[sh::NT][2];
 #pragma unroll
             for (int mt = 0; mt < sh::MT; mt++)
-                mq_ldsm4(a[mt], wt + a_off + mt * 16 * MQ_LDS + kk);
+                mq_ldsm4(a[mt], wb + a_off + mt * 16 * MQ_LDS + kk);
 #pragma unroll
             for (int nt = 0; nt < sh::NT; nt += 2) {
                 uint32_t r[4];
-                mq_ldsm4(r, xt + b_off + nt * 8 * MQ_LDS + kk);
+                mq_ldsm4(r, xb + b_off + nt * 8 * MQ_LDS + kk);
                 b[nt][0] = r[0], b[nt][1] = r[1], b[nt + 1][0] = r[2], b[nt + 1][1] = r[3];
             }
 #pragma unroll
@@ -446,9 +456,17 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                     mq_mma(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
         }
         if (more) {
-            __syncthreads(); /* every warp is done with this step's tiles */
-            store(hw, hn);
-            __syncthreads();
+            if constexpr (sm::DB) {
+                /* the next step's tiles into the other buffer (its last reader, step it - 1,
+                 * is a barrier behind), then one barrier: they are complete, and this
+                 * step's buffer is free for the step after */
+                store(it + 1, hw, hn);
+                __syncthreads();
+            } else {
+                __syncthreads(); /* every warp is done with this step's tiles */
+                store(it + 1, hw, hn);
+                __syncthreads();
+            }
         }
     };
     if constexpr (X2) {
