@@ -117,6 +117,8 @@ typedef struct {
     m40_held_token *held_toks;
     int32_t n_held_toks, cap_held_toks;
     double t_last;       /* when the previous token was sampled */
+    double t_first;      /* when its first token was (the ITL guard protects it from prompts
+                          * arriving later: prefill_policy.h) */
     int fallback_chat;   /* rendered by the fallback template: its end marker stops */
     int cancel;          /* released by the submitter, finish without events */
     int preempted;       /* KV blocks given back this step: not scheduled again until the next */

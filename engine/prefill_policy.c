@@ -271,7 +271,7 @@ int m40_step_cost_wants_probe(const m40_step_cost *c, int32_t n_dec)
 /* ---------- the allocator ---------- */
 
 void m40_prefill_alloc_begin(m40_prefill_alloc *a, const m40_prefill_policy *pol, const m40_step_cost *cost,
-                             int32_t n_dec, double dec_keys)
+                             int32_t n_dec, double dec_keys, int may_probe)
 {
     memset(a, 0, sizeof *a);
     a->pol = pol;
@@ -280,7 +280,7 @@ void m40_prefill_alloc_begin(m40_prefill_alloc *a, const m40_prefill_policy *pol
     a->guarded = pol->guard >= 1.0 && n_dec > 0 && cost != NULL;
     if (!a->guarded)
         return;
-    if (m40_step_cost_wants_probe(cost, n_dec)) {
+    if (may_probe && m40_step_cost_wants_probe(cost, n_dec)) {
         a->probe = 1;
         return;
     }
@@ -315,7 +315,7 @@ static double chunk_var(const m40_step_cost *c, int32_t s, int32_t k)
     return m40_step_cost_chunk(c, s, k) - c->pre.theta[3] * (double)s / SC_ENDS;
 }
 
-int32_t m40_prefill_alloc_take(m40_prefill_alloc *a, int32_t start, int32_t remaining)
+int32_t m40_prefill_alloc_take(m40_prefill_alloc *a, int32_t start, int32_t remaining, int exempt)
 {
     const m40_prefill_policy *pol = a->pol;
     int32_t kmax = remaining;
@@ -328,6 +328,8 @@ int32_t m40_prefill_alloc_take(m40_prefill_alloc *a, int32_t start, int32_t rema
     int32_t k = kmax;
     if (a->probe) {
         k = 0;
+    } else if (a->guarded && exempt) {
+        a->allow -= m40_step_cost_chunk(a->cost, start, k);
     } else if (a->guarded) {
         const m40_step_cost *c = a->cost;
         k = largest_fit(c, start, kmax, a->allow);
@@ -353,19 +355,17 @@ int32_t m40_prefill_alloc_take(m40_prefill_alloc *a, int32_t start, int32_t rema
                 k = lo2;
             }
         }
-        /* Every DITHER_EVERY-th guarded step the first chunk is halved: steps of one
-         * chunk size alone cannot tell the fits' per-token terms from the fixed ones,
-         * and the guard's own choices would otherwise keep the size constant. Halving
-         * never takes a step over the target; it costs 1/(2 DITHER_EVERY) of the
-         * guarded prompt tokens. At the floor the chunk doubles instead: the steps
-         * there are at or over the target already (the floor barely fits, or does not),
-         * and a fixed cost that makes the floor worthless shows only so. */
+        /* Every DITHER_EVERY-th guarded step the first chunk is halved (not below the
+         * floor): steps of one chunk size alone cannot tell the fits' per-token terms
+         * from the fixed ones, and the guard's own choices would otherwise keep the
+         * size constant. Halving never takes a step over the target; it costs
+         * 1/(2 DITHER_EVERY) of the guarded prompt tokens. (Doubling at the floor to
+         * learn there was tried: where the cost really is per token, those steps set
+         * the 99th percentile; the chunks above the floor teach the split first.) */
         if (a->chunks == 0 && c->steps % DITHER_EVERY == DITHER_EVERY - 1) {
             int32_t lo = pol->floor < kmax ? pol->floor : kmax;
             if (k / 2 >= lo)
                 k /= 2;
-            else if (k <= lo)
-                k = 2 * lo < kmax ? 2 * lo : kmax;
         }
         if (k > 0)
             a->allow -= m40_step_cost_chunk(c, start, k);
@@ -387,7 +387,8 @@ int32_t m40_step_plan(const m40_prefill_policy *pol, const m40_step_cost *cost, 
 {
     m40_step_shape_clear(shape);
     memset(info, 0, sizeof *info);
-    int32_t total = 0, waiting = 0;
+    int32_t total = 0, waiting = 0, oldest = -1;
+    double since = INFINITY; /* the earliest first token of the decoding sequences */
     /* Every decoding sequence first, one token each: nothing below can remove one. */
     for (int32_t i = 0; i < n; i++) {
         const m40_plan_seq *q = &seqs[i];
@@ -398,12 +399,18 @@ int32_t m40_step_plan(const m40_prefill_policy *pol, const m40_step_cost *cost, 
             take[i] = 1;
             m40_step_shape_add_decode(shape, q->n_past);
             total++;
+            if (q->streaming < since)
+                since = q->streaming;
         } else {
             waiting++;
+            if (oldest < 0 || q->order < seqs[oldest].order)
+                oldest = i;
         }
     }
+    /* no probe while the oldest prompt is exempt: it runs this step either way */
     m40_prefill_alloc a;
-    m40_prefill_alloc_begin(&a, pol, cost, shape->n_dec, shape->dec_keys);
+    m40_prefill_alloc_begin(&a, pol, cost, shape->n_dec, shape->dec_keys,
+                            oldest < 0 || !(seqs[oldest].arrived < since));
     /* Then prompt chunks, oldest admission first; take -1 marks one passed over. */
     while (waiting > 0 && !a.probe && a.budget_left > 0) {
         int32_t best = -1;
@@ -415,16 +422,17 @@ int32_t m40_step_plan(const m40_prefill_policy *pol, const m40_step_cost *cost, 
         }
         if (best < 0)
             break;
-        if (a.guarded && a.chunks > 0 && a.allow <= 0.0) {
+        m40_plan_seq *q = &seqs[best];
+        const int exempt = q->arrived < since;
+        if (a.guarded && !exempt && a.chunks > 0 && a.allow <= 0.0) {
             a.limited = 1; /* nothing more fits: the guard holds the rest back */
             break;
         }
-        m40_plan_seq *q = &seqs[best];
         if (q->fresh && first_chunk && !first_chunk(ctx, best, &q->n_prefilled)) {
             take[best] = -1;
             continue;
         }
-        int32_t k = m40_prefill_alloc_take(&a, q->n_prefilled, q->n_prompt - q->n_prefilled);
+        int32_t k = m40_prefill_alloc_take(&a, q->n_prefilled, q->n_prompt - q->n_prefilled, exempt);
         if (k <= 0) {
             take[best] = -1;
             continue;

@@ -19,6 +19,13 @@
  *     least `floor` tokens a step (it always progresses), and never a chunk so small
  *     that the chunk's fixed cost outweighs its useful work (see m40_prefill_alloc).
  * With nothing decoding the guard has nobody to protect and the budget applies alone.
+ * Nor does it hold back a prompt that was already waiting when the earliest of the
+ * running streams got its first token: a stream is protected from prompts that arrive
+ * after it started, not from those that were ahead of it or came with it. In a burst
+ * (64 long prompts at once) the first prompts done start streaming while the rest
+ * still wait; guarding those 4 streams against the 60 prompts that came with them cost
+ * the burst's time to first token several times over (tests/unit/test_prefill_policy.c
+ * prints both), where a prompt arriving among running streams is still guarded.
  *
  * The guard's predictions come from m40_step_cost, a cost model fitted online from the
  * measured time of every step (the forward call's wall time):
@@ -50,9 +57,9 @@
  *
  * Three details keep the loop honest. The target is aimed below by 2.33 standard errors
  * of the recent predictions, so that it bounds the steps' 99th percentile, not their
- * mean. One guarded step in four halves the first chunk (or doubles it at the floor):
- * without that the guard's own choices keep the chunk size constant and the fits could
- * never tell a per-token cost from a fixed one. And where even the floor is predicted
+ * mean. One guarded step in four halves the first chunk (not below the floor): without
+ * that the guard's own choices keep the chunk size constant and the fits could never
+ * tell a per-token cost from a fixed one. And where even the floor is predicted
  * over the target (a long context with today's kernels), the guard cannot help the
  * streams and only slows the prompt: it then takes the chunk where the proportional part
  * at least equals the fixed part, losing at most half the prompt's rate. */
@@ -146,17 +153,20 @@ typedef struct {
     int32_t chunks;      /* chunks given so far */
 } m40_prefill_alloc;
 
-/* n_dec, dec_keys: the step's decode rows (all of them run, whatever follows). */
+/* n_dec, dec_keys: the step's decode rows (all of them run, whatever follows).
+ * may_probe: 0 when this step must carry prompt tokens anyway (an exempt prompt waits). */
 void m40_prefill_alloc_begin(m40_prefill_alloc *a, const m40_prefill_policy *pol, const m40_step_cost *cost,
-                             int32_t n_dec, double dec_keys);
+                             int32_t n_dec, double dec_keys, int may_probe);
 /* Tokens for the next prefilling sequence in FIFO order: its chunk starts at position
- * start with remaining prompt tokens left. Without the guard: min(remaining, chunk,
- * budget left). With it: the largest such k whose predicted cost fits what is left of
- * (guard - 1) x D - r0; for the first sequence given tokens at least min(floor, ...),
- * and, when the chunk's fixed part (r3 s, plus r0) would outweigh its proportional part,
- * the smallest k where it no longer does (a chunk that small buys little ITL and costs
- * much progress: the long-context case of the comment above). */
-int32_t m40_prefill_alloc_take(m40_prefill_alloc *a, int32_t start, int32_t remaining);
+ * start with remaining prompt tokens left. Without the guard, or exempt from it (it was
+ * waiting before the streams started): min(remaining, chunk, budget left), its predicted
+ * cost counted against what the guarded ones behind it may use. Guarded: the largest
+ * such k whose predicted cost fits what is left of (guard - 1) x D - r0; for the first
+ * sequence given tokens at least min(floor, ...), and, when the chunk's fixed part (r3 s,
+ * plus r0) would outweigh its proportional part, the smallest k where it no longer does
+ * (a chunk that small buys little ITL and costs much progress: the long-context case of
+ * the comment above). */
+int32_t m40_prefill_alloc_take(m40_prefill_alloc *a, int32_t start, int32_t remaining, int exempt);
 
 /* One slot as the planner sees it. */
 typedef struct {
@@ -166,6 +176,8 @@ typedef struct {
     int32_t n_prompt;    /* tokens to prefill */
     int32_t n_prefilled; /* of them computed; == n_prompt: decoding */
     int fresh;           /* no chunk yet since (re)admission: first_chunk is asked first */
+    double arrived;      /* when its request arrived (any clock, the same for all) */
+    double streaming;    /* decoding: when its first token came */
 } m40_plan_seq;
 
 /* Called before a fresh sequence's first chunk, oldest first, with take[] filled for
@@ -180,8 +192,10 @@ typedef struct {
 } m40_plan_info;
 
 /* Plans one step over n slots: take[i] = 1 for every active decoding slot, the
- * allocator's tokens for the prefilling ones (0 when skipped). seqs[i].n_prefilled may
- * be moved by first_chunk. Fills the step's shape; returns its tokens. */
+ * allocator's tokens for the prefilling ones (0 when skipped). A prefilling slot that
+ * arrived before the earliest `streaming` of the decoding ones is exempt from the
+ * guard. seqs[i].n_prefilled may be moved by first_chunk. Fills the step's shape;
+ * returns its tokens. */
 int32_t m40_step_plan(const m40_prefill_policy *pol, const m40_step_cost *cost, m40_plan_seq *seqs, int32_t n,
                       m40_plan_first_fn first_chunk, void *ctx, int32_t *take, m40_step_shape *shape,
                       m40_plan_info *info);

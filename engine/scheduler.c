@@ -402,9 +402,10 @@ static void sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t pi
     m40_sampler_accept(s->smp, res.token);
 
     double now = m40_now();
-    if (s->n_gen == 0)
+    if (s->n_gen == 0) {
         m40_hist_observe(e->tstats.hist_bounds, e->tstats.ttft_counts, &e->tstats.ttft_sum, now - r->t_submit);
-    else
+        s->t_first = now;
+    } else
         m40_hist_observe(e->tstats.hist_bounds, e->tstats.itl_counts, &e->tstats.itl_sum, now - s->t_last);
     s->t_last = now;
     s->n_gen++;
@@ -556,7 +557,9 @@ static int32_t build_batch(m40_engine *e, int32_t *rows_out)
                                     .n_past = s->n_past,
                                     .n_prompt = s->n_prompt,
                                     .n_prefilled = s->n_prefilled,
-                                    .fresh = s->n_past == 0 && s->n_prefilled == 0};
+                                    .fresh = s->n_past == 0 && s->n_prefilled == 0,
+                                    .arrived = s->r ? s->r->t_submit : 0.0,
+                                    .streaming = s->t_first};
     }
     m40_step_plan(&e->prefill, &e->cost, e->plan, e->max_seqs, first_chunk, e, take, &e->shape, &e->plan_info);
     /* Decode rows first (the GPU forward orders them so anyway), then the chunks. */
