@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "m40_engine.h" /* M40_MAX_PREFILL_TOKENS */
 
 #define SERVE_DEFAULT_NGINX "/usr/sbin/nginx"
 
@@ -33,6 +34,14 @@ static void serve_usage(FILE *f)
             "  --max-queue N   requests waiting before 429 (default 1024)\n"
             "  --gpu-memory-fraction F\n"
             "                  share of the GPU's memory to fill, KV cache included (default 0.90)\n"
+            "  --prefill-budget N\n"
+            "                  prompt tokens a step, all sequences (default 2048 on a GPU,\n"
+            "                  the chunk on the cpu)\n"
+            "  --prefill-chunk N\n"
+            "                  prompt tokens a step, one sequence (default 512)\n"
+            "  --itl-guard F|off\n"
+            "                  while sequences decode, a step with prompt tokens takes at\n"
+            "                  most F times a decode-only step (default 2)\n"
             "  --module PATH   ngx_http_m40_module.so (default: beside the m40 binary)\n"
             "  --nginx PATH    nginx binary (default " SERVE_DEFAULT_NGINX ")\n"
             "  --user USER     user of the worker process when started as root\n"
@@ -89,7 +98,7 @@ int m40_cmd_serve(int argc, char **argv)
 {
     const char *model = NULL, *port = "8080", *host = "127.0.0.1", *device = "cpu";
     const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL, *max_queue = NULL;
-    const char *mem_fraction = NULL;
+    const char *mem_fraction = NULL, *prefill_budget = NULL, *prefill_chunk = NULL, *itl_guard = NULL;
     const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL;
 
     for (int i = 1; i < argc; i++) {
@@ -122,6 +131,12 @@ int m40_cmd_serve(int argc, char **argv)
                 max_queue = v;
             else if (!strcmp(a, "--gpu-memory-fraction"))
                 mem_fraction = v;
+            else if (!strcmp(a, "--prefill-budget"))
+                prefill_budget = v;
+            else if (!strcmp(a, "--prefill-chunk"))
+                prefill_chunk = v;
+            else if (!strcmp(a, "--itl-guard"))
+                itl_guard = v;
             else if (!strcmp(a, "--module"))
                 module = v;
             else if (!strcmp(a, "--nginx"))
@@ -170,6 +185,21 @@ int m40_cmd_serve(int argc, char **argv)
         double f = strtod(mem_fraction, &end);
         if (!*mem_fraction || *end || errno || !(f > 0.0 && f <= 1.0)) {
             fprintf(stderr, "m40 serve: --gpu-memory-fraction takes a number greater than 0 and at most 1\n");
+            return 2;
+        }
+    }
+    if ((prefill_budget && !is_number(prefill_budget, 1, M40_MAX_PREFILL_TOKENS))
+        || (prefill_chunk && !is_number(prefill_chunk, 1, M40_MAX_PREFILL_TOKENS))) {
+        fprintf(stderr, "m40 serve: --prefill-budget and --prefill-chunk take a number from 1 to %d\n",
+                M40_MAX_PREFILL_TOKENS);
+        return 2;
+    }
+    if (itl_guard && strcmp(itl_guard, "off")) {
+        char *end;
+        errno = 0;
+        double g = strtod(itl_guard, &end);
+        if (!*itl_guard || *end || errno || !(g >= 1.0 && g <= 100.0)) {
+            fprintf(stderr, "m40 serve: --itl-guard takes a number from 1 to 100 or off\n");
             return 2;
         }
     }
@@ -278,6 +308,12 @@ int m40_cmd_serve(int argc, char **argv)
         fprintf(f, "    m40_max_queue %s;\n", max_queue);
     if (mem_fraction)
         fprintf(f, "    m40_gpu_memory_fraction %s;\n", mem_fraction);
+    if (prefill_budget)
+        fprintf(f, "    m40_prefill_budget %s;\n", prefill_budget);
+    if (prefill_chunk)
+        fprintf(f, "    m40_prefill_chunk %s;\n", prefill_chunk);
+    if (itl_guard)
+        fprintf(f, "    m40_itl_guard %s;\n", itl_guard);
     fprintf(f, "\n    server {\n        listen %s%s%s:%s;\n        location / {\n            m40_api;\n"
                "        }\n    }\n}\n",
             strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port);

@@ -476,8 +476,17 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
         snprintf(err, errlen, "no model path");
         return -1;
     }
-    if (cfg->ctx_size < 0 || cfg->max_seqs < 0 || cfg->max_queue < 0 || cfg->prefill_chunk < 0) {
-        snprintf(err, errlen, "ctx_size, max_seqs, max_queue and prefill_chunk must not be negative");
+    if (cfg->ctx_size < 0 || cfg->max_seqs < 0 || cfg->max_queue < 0 || cfg->prefill_chunk < 0 ||
+        cfg->prefill_budget < 0) {
+        snprintf(err, errlen, "ctx_size, max_seqs, max_queue, prefill_chunk and prefill_budget must not be negative");
+        return -1;
+    }
+    if (cfg->prefill_chunk > M40_MAX_PREFILL_TOKENS || cfg->prefill_budget > M40_MAX_PREFILL_TOKENS) {
+        snprintf(err, errlen, "prefill_chunk and prefill_budget must be at most %d", M40_MAX_PREFILL_TOKENS);
+        return -1;
+    }
+    if (!(cfg->itl_guard <= 0.0f || (cfg->itl_guard >= 1.0f && cfg->itl_guard <= 100.0f))) {
+        snprintf(err, errlen, "itl_guard must be from 1 to 100 (0 for the default, negative for no guard)");
         return -1;
     }
     if (!(cfg->gpu_memory_fraction >= 0.0f && cfg->gpu_memory_fraction <= 1.0f)) {
@@ -503,7 +512,19 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
     e->max_queue = cfg->max_queue > 0 ? cfg->max_queue : M40_DEFAULT_MAX_QUEUE;
     e->gpu_memory_fraction = cfg->gpu_memory_fraction; /* 0: the KV pool's default */
     e->n_threads = cfg->n_threads;
-    e->prefill_chunk = cfg->prefill_chunk > 0 ? cfg->prefill_chunk : M40_DEFAULT_PREFILL_CHUNK;
+    /* The chunk caps one sequence and the budget all of them: a chunk beyond the budget
+     * could never be taken, so it is cut to it. */
+    int32_t chunk = cfg->prefill_chunk > 0 ? cfg->prefill_chunk : M40_DEFAULT_PREFILL_CHUNK;
+    int32_t budget = cfg->prefill_budget > 0 ? cfg->prefill_budget
+                     : cfg->device >= 0      ? M40_DEFAULT_PREFILL_BUDGET
+                                             : chunk;
+    e->prefill_budget_auto = cfg->prefill_budget == 0;
+    e->prefill = (m40_prefill_policy){.budget = budget,
+                                      .chunk = chunk < budget ? chunk : budget,
+                                      .floor = M40_PREFILL_FLOOR,
+                                      .guard = cfg->itl_guard < 0.0f    ? 0.0
+                                               : cfg->itl_guard == 0.0f ? (double)M40_DEFAULT_ITL_GUARD
+                                                                        : (double)cfg->itl_guard};
     e->state = M40_ENGINE_LOADING;
     memcpy(e->stats.hist_bounds, bounds, sizeof bounds);
 
@@ -658,10 +679,16 @@ int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len
                  (int)(c->ctx < M40_AUTO_SEQ_TOKENS ? c->ctx : M40_AUTO_SEQ_TOKENS), M40_AUTO_MAX_SEQS);
     else if (c->max_seqs_auto)
         snprintf(rule, sizeof rule, " (automatic: the CPU's)");
+    char guard[32] = "off";
+    if (c->itl_guard > 0.0f)
+        snprintf(guard, sizeof guard, "%gx", (double)c->itl_guard);
     return snprintf(buf, len, "KV cache: %lld tokens (%s); %lld sequences of %d tokens fit; max_seqs %d%s; "
-                              "max_queue %d",
+                              "max_queue %d; prefill %d tokens a step%s, %d a sequence; ITL guard %s",
                     (long long)c->kv_tokens, where, (long long)c->full_ctx_seqs, (int)c->ctx, (int)c->max_seqs, rule,
-                    (int)c->max_queue);
+                    (int)c->max_queue, (int)c->prefill_budget,
+                    c->prefill_budget_auto ? (c->device >= 0 ? " (automatic: the GPU's)" : " (automatic: the CPU's)")
+                                           : "",
+                    (int)c->prefill_chunk, guard);
 }
 
 void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out)

@@ -31,6 +31,7 @@
 #include "jinja.h"
 #include "m40_engine.h"
 #include "model.h"
+#include "prefill_policy.h"
 #include "sampler.h"
 #include "tokenizer.h"
 
@@ -39,7 +40,6 @@
  * end-of-turn marker when the vocabulary has no such token (see scheduler.c). */
 #define M40_MAX_STOP_ALL (M40_MAX_STOP + 1)
 #define M40_MAX_STOP_LEN 1024
-#define M40_DEFAULT_PREFILL_CHUNK 512
 /* The fallback chat template's end-of-turn text (prompt.c renders it, scheduler.c stops
  * on it when it is no token of the vocabulary). */
 #define M40_FALLBACK_END "<|im_end|>"
@@ -117,6 +117,8 @@ typedef struct {
     m40_held_token *held_toks;
     int32_t n_held_toks, cap_held_toks;
     double t_last;       /* when the previous token was sampled */
+    double t_first;      /* when its first token was (the ITL guard protects it from prompts
+                          * arriving later: prefill_policy.h) */
     int fallback_chat;   /* rendered by the fallback template: its end marker stops */
     int cancel;          /* released by the submitter, finish without events */
     int preempted;       /* KV blocks given back this step: not scheduled again until the next */
@@ -133,7 +135,8 @@ struct m40_engine {
     int32_t max_queue;
     float gpu_memory_fraction;
     int32_t n_threads;
-    int32_t prefill_chunk;
+    m40_prefill_policy prefill;   /* budget, chunk, floor, guard (0: off); set at create */
+    int prefill_budget_auto;
 
     int efd;
     pthread_t thread;
@@ -178,6 +181,10 @@ struct m40_engine {
     int32_t *row_slot;            /* logits row -> slot */
     int32_t *picks;               /* the model's greedy picks, per logits row (all-greedy steps) */
     int32_t *take;                /* tokens of each slot in the current batch */
+    m40_plan_seq *plan;           /* the slots as the step planner sees them */
+    m40_step_cost cost;           /* step times measured so far, fitted (the guard's model) */
+    m40_step_shape shape;         /* what the current batch carries, for that model */
+    m40_plan_info plan_info;
     float *logits;
     m40_request **ready_batch;    /* requests that got events this step */
     int32_t n_ready_batch;

@@ -42,7 +42,13 @@ typedef struct {
                                     * 0: M40_DEFAULT_MAX_QUEUE */
     int32_t n_threads;             /* CPU threads; 0: all */
     const char *chat_template;     /* Jinja source overriding the GGUF's; NULL: the GGUF's, else the fallback */
-    int32_t prefill_chunk;         /* max prompt tokens per sequence per step; 0: default */
+    int32_t prefill_chunk;         /* prompt tokens of one sequence in one step (at most the
+                                    * budget); 0: M40_DEFAULT_PREFILL_CHUNK */
+    int32_t prefill_budget;        /* prompt tokens of all sequences in one step; 0: automatic
+                                    * (M40_DEFAULT_PREFILL_BUDGET on a GPU, prefill_chunk on the CPU) */
+    float itl_guard;               /* while sequences decode, a step with prompt tokens may take
+                                    * this many times a decode-only step (>= 1); 0: the default,
+                                    * M40_DEFAULT_ITL_GUARD; negative: no guard (the budget alone) */
     float gpu_memory_fraction;     /* GPU: share of the card's memory this engine may fill, (0, 1];
                                     * 0: the KV pool's default, 0.90 */
 } m40_engine_config;
@@ -63,6 +69,17 @@ typedef struct {
  * longer than that share the pool: when it runs short, the youngest running sequence
  * is preempted and recomputed later (its output so far stays sent). */
 #define M40_DEFAULT_MAX_QUEUE 1024
+/* Prompt tokens a step (engine/prefill_policy.h says how they are shared). Per sequence:
+ * a long prompt shares the step with the prompts behind it. All sequences together: on a
+ * GPU a step of a few thousand rows runs the matmuls at the tensor cores' rate and
+ * several prompts move at once; on the CPU a step costs the same per token at any size,
+ * so a bigger step gains nothing and only delays cancellations and admissions. The
+ * guard: a step with prompt tokens takes at most about twice the time the same step
+ * would take without them, while anything decodes. */
+#define M40_DEFAULT_PREFILL_CHUNK 512
+#define M40_DEFAULT_PREFILL_BUDGET 2048
+#define M40_DEFAULT_ITL_GUARD 2.0f
+#define M40_MAX_PREFILL_TOKENS 65536
 #define M40_CPU_MAX_SEQS 4
 #define M40_AUTO_MAX_SEQS 256
 #define M40_AUTO_SEQ_TOKENS 1024
@@ -91,6 +108,10 @@ typedef struct {
     int32_t max_seqs;              /* concurrent sequences (batch slots) */
     int max_seqs_auto;             /* 1: chosen by the engine (the configuration said 0) */
     int32_t max_queue;
+    int32_t prefill_budget;        /* prompt tokens a step, all sequences */
+    int prefill_budget_auto;       /* 1: chosen by the engine */
+    int32_t prefill_chunk;         /* prompt tokens a step, one sequence */
+    float itl_guard;               /* 0: off */
     int64_t kv_tokens;             /* KV cache capacity in tokens (all sequences together) */
     int32_t kv_blocks;             /* GPU: blocks of kv_block_size tokens; 0 on the CPU */
     int32_t kv_block_size;         /* GPU: 16; 0 on the CPU */
@@ -102,8 +123,8 @@ typedef struct {
 /* 0, or -1 (nothing written) unless READY. */
 int m40_engine_get_capacity(m40_engine *e, m40_engine_capacity *out);
 /* The capacity as one line for the log, vLLM style: "KV cache: N tokens (B blocks of
- * 16, ...); X sequences of C tokens fit; max_seqs S (automatic); max_queue Q".
- * Returns what snprintf returns. */
+ * 16, ...); X sequences of C tokens fit; max_seqs S (automatic); max_queue Q; prefill
+ * P tokens a step, K a sequence; ITL guard G". Returns what snprintf returns. */
 int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len);
 
 /* Reads the eventfd and returns up to cap user pointers (as given to submit) of
@@ -208,6 +229,13 @@ typedef struct {
     double forward_seconds;
     double sample_seconds;
     double schedule_seconds;
+    /* The ITL guard (engine/prefill_policy.h): steps in which it held prompt tokens back,
+     * the steps among them that carried none so that a decode-only step was measured,
+     * and its current estimate of a decode-only step of the running sequences (0 when
+     * nothing decodes). */
+    uint64_t guard_limited_steps;
+    uint64_t guard_probe_steps;
+    double decode_step_estimate;
 } m40_engine_stats;
 
 void m40_engine_get_stats(m40_engine *e, m40_engine_stats *out);

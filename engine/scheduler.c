@@ -7,13 +7,15 @@
  *      created); they come already rendered and tokenized by the tokenizer thread
  *      (prompt.c), so that however long a prompt is, its tokenization never holds up
  *      a step;
- *   3. one m40_batch is built: the next token of every decoding sequence, then prompt
- *      chunks of prefilling sequences, oldest admission first, under a step budget of
- *      prefill_chunk prompt tokens in total (so that a long prompt arriving never
- *      stalls the decoding sequences for more than one bounded step);
- *   4. one forward call; every sequence that got logits samples its next token with
- *      its own sampler, feeds it to its detokenizer, and emits text (held back while
- *      it could still be the start of a stop string);
+ *   3. one m40_batch is built (m40_step_plan, prefill_policy.h): the next token of
+ *      every decoding sequence, then prompt chunks of prefilling sequences, oldest
+ *      admission first, at most prefill.chunk tokens each and prefill.budget in all, and
+ *      while anything decodes no more than the ITL guard lets in (the step's predicted
+ *      time within prefill.guard times a decode-only step's);
+ *   4. one forward call, timed: the time goes into the guard's cost model; every
+ *      sequence that got logits samples its next token with its own sampler, feeds it
+ *      to its detokenizer, and emits text (held back while it could still be the start
+ *      of a stop string);
  *   5. the requests that got events are listed as ready and the eventfd is written
  *      once; finished sequences give their slot back.
  * With nothing queued and nothing running the thread sleeps on a condition variable.
@@ -400,9 +402,10 @@ static void sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t pi
     m40_sampler_accept(s->smp, res.token);
 
     double now = m40_now();
-    if (s->n_gen == 0)
+    if (s->n_gen == 0) {
         m40_hist_observe(e->tstats.hist_bounds, e->tstats.ttft_counts, &e->tstats.ttft_sum, now - r->t_submit);
-    else
+        s->t_first = now;
+    } else
         m40_hist_observe(e->tstats.hist_bounds, e->tstats.itl_counts, &e->tstats.itl_sum, now - s->t_last);
     s->t_last = now;
     s->n_gen++;
@@ -498,10 +501,9 @@ static int preempt(m40_engine *e, int32_t i)
 }
 
 /* Whether an older sequence in this step's batch is prefilling full blocks that slot c's
- * prompt shares and that are not cached yet: c then waits one step and finds them
- * cached instead of computing them a second time alongside. The older sequences always
- * finish their prefill this step (the step's budget goes to them first), so c waits at
- * most one step per such sequence. */
+ * prompt shares and that are not cached yet: c then waits and finds them cached instead
+ * of computing them a second time alongside. The older sequences get their chunks first
+ * (FIFO), so c waits only while one of them is still computing the shared blocks. */
 static int prefix_in_flight(const m40_engine *e, int32_t c)
 {
     const int32_t bs = M40_KV_BLOCK_SIZE_DEFAULT;
@@ -526,60 +528,59 @@ static int prefix_in_flight(const m40_engine *e, int32_t c)
     return 0;
 }
 
+/* Before a sequence's first chunk (new, or preempted and starting over): with the
+ * prefix cache, wait while an older sequence computes blocks it shares, else attach
+ * its cached prefix and start after it. */
+static int first_chunk(void *ctx, int32_t i, int32_t *n_prefilled)
+{
+    m40_engine *e = ctx;
+    m40_slot *s = &e->slots[i];
+    if (!m40_kv_prefix_cache_enabled(e->kv))
+        return 1;
+    if (prefix_in_flight(e, i))
+        return 0;
+    int32_t hit = m40_kv_slot_match_prefix(e->kv, i, s->prompt, s->n_prompt);
+    if (hit > 0 && hit < s->n_prompt)
+        s->n_prefilled = s->n_past = *n_prefilled = hit;
+    return 1;
+}
+
 /* Builds the step's batch from the slots' state; returns its size. */
 static int32_t build_batch(m40_engine *e, int32_t *rows_out)
 {
     int32_t n = 0, rows = 0;
     int32_t *take = e->take;
-    /* Decoding sequences first: one token each, never held back by prefill. */
     for (int32_t i = 0; i < e->max_seqs; i++) {
-        m40_slot *s = &e->slots[i];
-        take[i] = 0;
-        if (s->r && !s->preempted && s->n_prefilled == s->n_prompt) {
+        const m40_slot *s = &e->slots[i];
+        e->plan[i] = (m40_plan_seq){.active = s->r != NULL && !s->preempted,
+                                    .order = s->order,
+                                    .n_past = s->n_past,
+                                    .n_prompt = s->n_prompt,
+                                    .n_prefilled = s->n_prefilled,
+                                    .fresh = s->n_past == 0 && s->n_prefilled == 0,
+                                    .arrived = s->r ? s->r->t_submit : 0.0,
+                                    .streaming = s->t_first};
+    }
+    m40_step_plan(&e->prefill, &e->cost, e->plan, e->max_seqs, first_chunk, e, take, &e->shape, &e->plan_info);
+    /* Decode rows first (the GPU forward orders them so anyway), then the chunks. */
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        const m40_slot *s = &e->slots[i];
+        if (take[i] > 0 && s->n_prefilled >= s->n_prompt) {
             batch_add(e, &n, s->next_token, s->n_past, i, 1);
             e->row_slot[rows++] = i;
-            take[i] = 1;
         }
     }
-    /* Then prompt chunks, oldest admission first, within the step's prefill budget. */
-    int32_t budget = e->prefill_chunk;
-    const int cache = m40_kv_prefix_cache_enabled(e->kv);
-    while (budget > 0) {
-        int32_t best = -1;
-        for (int32_t i = 0; i < e->max_seqs; i++) {
-            m40_slot *s = &e->slots[i];
-            if (s->r && !s->preempted && s->n_prefilled < s->n_prompt && take[i] == 0 &&
-                (best < 0 || s->order < e->slots[best].order))
-                best = i;
-        }
-        if (best < 0)
-            break;
-        m40_slot *s = &e->slots[best];
-        if (s->n_past == 0 && s->n_prefilled == 0) {
-            /* First chunk (of a new or a preempted sequence): start after its cached prefix. */
-            if (cache && prefix_in_flight(e, best)) {
-                take[best] = -1; /* not this step; reset to 0 below */
-                continue;
-            }
-            int32_t hit = m40_kv_slot_match_prefix(e->kv, best, s->prompt, s->n_prompt);
-            if (hit > 0 && hit < s->n_prompt)
-                s->n_prefilled = s->n_past = hit;
-        }
-        int32_t k = s->n_prompt - s->n_prefilled;
-        if (k > budget)
-            k = budget;
-        for (int32_t j = 0; j < k; j++) {
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        const m40_slot *s = &e->slots[i];
+        if (take[i] <= 0 || s->n_prefilled >= s->n_prompt)
+            continue;
+        for (int32_t j = 0; j < take[i]; j++) {
             int last = s->n_prefilled + j + 1 == s->n_prompt;
-            batch_add(e, &n, s->prompt[s->n_prefilled + j], s->n_prefilled + j, best, last);
+            batch_add(e, &n, s->prompt[s->n_prefilled + j], s->n_prefilled + j, i, last);
             if (last)
-                e->row_slot[rows++] = best;
+                e->row_slot[rows++] = i;
         }
-        take[best] = k;
-        budget -= k;
     }
-    for (int32_t i = 0; i < e->max_seqs; i++)
-        if (take[i] < 0)
-            take[i] = 0;
     *rows_out = rows;
     return n;
 }
@@ -630,7 +631,7 @@ static void run_step(m40_engine *e)
     char err[256];
     for (int32_t i = 0; i < e->max_seqs; i++)
         e->slots[i].preempted = 0;
-    double t0 = 0;
+    double t0 = 0, fwd = 0;
     for (;;) {
         n = build_batch(e, &rows);
         if (n == 0)
@@ -642,7 +643,8 @@ static void run_step(m40_engine *e)
         b.argmax = greedy ? e->picks : NULL;
         t0 = m40_now();
         rc = m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err);
-        e->tstats.forward_seconds += m40_now() - t0;
+        fwd = m40_now() - t0;
+        e->tstats.forward_seconds += fwd;
         picked = b.argmax != NULL;
         if (rc != M40_FORWARD_NO_BLOCKS)
             break;
@@ -650,6 +652,11 @@ static void run_step(m40_engine *e)
     }
     e->tstats.steps_total++;
     e->tstats.step_tokens_total += (uint64_t)n;
+    e->tstats.guard_limited_steps += (uint64_t)e->plan_info.limited;
+    e->tstats.guard_probe_steps += (uint64_t)e->plan_info.probe;
+    if (rc == 0) /* the cost model learns from the call that ran (a refused one changes nothing) */
+        m40_step_cost_observe(&e->cost, &e->shape, fwd);
+    e->tstats.decode_step_estimate = m40_step_cost_decode(&e->cost, e->shape.n_dec, e->shape.dec_keys);
     if (rc != 0) {
         char msg[300];
         snprintf(msg, sizeof msg, "forward pass failed: %s", err);
@@ -714,6 +721,9 @@ static void stats_publish(m40_engine *e)
     o->forward_seconds = t->forward_seconds;
     o->sample_seconds = t->sample_seconds;
     o->schedule_seconds = t->schedule_seconds;
+    o->guard_limited_steps = t->guard_limited_steps;
+    o->guard_probe_steps = t->guard_probe_steps;
+    o->decode_step_estimate = running > 0 ? t->decode_step_estimate : 0.0;
     o->running = running;
     o->kv_tokens_used = used;
     o->kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16
@@ -752,7 +762,7 @@ static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
     const int64_t bs = M40_KV_BLOCK_SIZE_DEFAULT, ctx_blocks = ((int64_t)ctx + bs - 1) / bs;
     m40_kv_options ko = {.gpu_memory_fraction = e->gpu_memory_fraction,
                          .max_tokens = (int64_t)(slots > M40_AUTO_MAX_SEQS ? slots : M40_AUTO_MAX_SEQS) * ctx_blocks * bs,
-                         .max_step_rows = slots + e->prefill_chunk,
+                         .max_step_rows = slots + e->prefill.budget,
                          .max_step_out = slots};
     char kerr[400];
     e->kv = m40_kv_new_opts(e->model, slots, ctx, &ko, kerr, sizeof kerr);
@@ -787,6 +797,10 @@ static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
     c.max_seqs = slots;
     c.max_seqs_auto = automatic;
     c.max_queue = e->max_queue;
+    c.prefill_budget = e->prefill.budget;
+    c.prefill_budget_auto = e->prefill_budget_auto;
+    c.prefill_chunk = e->prefill.chunk;
+    c.itl_guard = (float)e->prefill.guard;
     e->capacity = c; /* others read it (under e->mu) only once READY is set */
     return 0;
 }
@@ -835,7 +849,8 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
         }
     }
 
-    size_t bcap = (size_t)e->max_seqs + (size_t)e->prefill_chunk;
+    /* every slot decoding (one row each) or prefilling (within the budget in all) */
+    size_t bcap = (size_t)e->max_seqs + (size_t)e->prefill.budget;
     e->slots = calloc((size_t)e->max_seqs, sizeof *e->slots);
     e->b_tokens = malloc(bcap * sizeof *e->b_tokens);
     e->b_pos = malloc(bcap * sizeof *e->b_pos);
@@ -844,11 +859,13 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
     e->row_slot = malloc((size_t)e->max_seqs * sizeof *e->row_slot);
     e->picks = malloc((size_t)e->max_seqs * sizeof *e->picks);
     e->take = malloc((size_t)e->max_seqs * sizeof *e->take);
+    e->plan = malloc((size_t)e->max_seqs * sizeof *e->plan);
+    m40_step_cost_init(&e->cost);
     e->logits = malloc((size_t)e->max_seqs * (size_t)e->n_vocab * sizeof *e->logits);
     e->ready_batch = malloc((size_t)e->max_seqs * sizeof *e->ready_batch);
     e->done_batch = malloc((size_t)e->max_seqs * sizeof *e->done_batch);
     if (!e->slots || !e->b_tokens || !e->b_pos || !e->b_slot || !e->b_want || !e->row_slot || !e->picks || !e->take ||
-        !e->logits || !e->ready_batch || !e->done_batch) {
+        !e->plan || !e->logits || !e->ready_batch || !e->done_batch) {
         snprintf(err, errlen, "out of memory allocating the scheduler's buffers");
         return -1;
     }
@@ -862,41 +879,59 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
  * CUDA loads a kernel at its first launch, cuBLAS picks other kernels for other
  * row counts, the GEMVs are instantiated per batch size, the attention kernels differ
  * for one query and for many, and the device scratch grows to the largest step.
- * Shapes, largest first: a mixed step (one prompt chunk of prefill_chunk tokens and one
- * decode token in every other slot), prompt chunks alone of prefill_chunk, 512, 256,
- * ..., 32 tokens, then every decode batch of 1..min(max_seqs, 64) tokens (one a slot)
- * and the powers of two above up to max_seqs. Greedy (device argmax) and full-logits
- * passes alternate. Afterwards every slot is cleared and the prefix cache forgets the
- * warm-up's blocks. M40_WARMUP=0 skips it (to measure it); the CPU backend has
- * nothing to warm. */
+ * Shapes, largest first: the largest step (the prefill budget as chunks of
+ * prefill.chunk tokens in as many slots, one decode token in every other slot), the
+ * same chunks alone, one chunk alone of prefill.chunk, 512, 256, ..., 32 tokens, then
+ * every decode batch of 1..min(max_seqs, 64) tokens (one a slot) and the powers of two
+ * above up to max_seqs. Greedy (device argmax) and full-logits passes alternate.
+ * Afterwards every slot is cleared and the prefix cache forgets the warm-up's blocks.
+ * M40_WARMUP=0 skips it (to measure it); the CPU backend has nothing to warm. */
 static void engine_warmup(m40_engine *e)
 {
     const char *env = getenv("M40_WARMUP");
     if (m40_model_device(e->model) < 0 || (env && !strcmp(env, "0")))
         return;
-    const int32_t S = e->max_seqs, chunk = e->prefill_chunk < e->ctx ? e->prefill_chunk : e->ctx;
-    int32_t lead[96], rest[96], ns = 0; /* tokens of slot 0; slots 1..rest one token each */
-    lead[ns] = chunk, rest[ns++] = S - 1;
-    lead[ns] = chunk, rest[ns++] = 0;
+    const int32_t S = e->max_seqs, chunk = e->prefill.chunk < e->ctx ? e->prefill.chunk : e->ctx;
+    int32_t n_full = (e->prefill.budget + chunk - 1) / chunk;
+    if (n_full > S)
+        n_full = S;
+    const int32_t full = e->prefill.budget < n_full * chunk ? e->prefill.budget : n_full * chunk;
+    /* per shape: prompt chunks in slots 0..chunks-1 (`prompt` tokens in all, `chunk`
+     * each but the last), then one decode token in each of the next `dec` slots */
+    int32_t chunks[96], prompt[96], dec[96], ns = 0;
+    chunks[ns] = n_full, prompt[ns] = full, dec[ns++] = S - n_full;
+    if (S - n_full > 0)
+        chunks[ns] = n_full, prompt[ns] = full, dec[ns++] = 0;
+    if (n_full > 1)
+        chunks[ns] = 1, prompt[ns] = chunk, dec[ns++] = 0;
     for (int32_t c = 512; c >= 32; c /= 2)
         if (c < chunk)
-            lead[ns] = c, rest[ns++] = 0;
+            chunks[ns] = 1, prompt[ns] = c, dec[ns++] = 0;
     for (int32_t d = 1; d <= S && d <= 64; d++)
-        lead[ns] = 1, rest[ns++] = d - 1;
+        chunks[ns] = 0, prompt[ns] = 0, dec[ns++] = d;
     for (int32_t d = 128; d < S && ns < 95; d *= 2)
-        lead[ns] = 1, rest[ns++] = d - 1;
+        chunks[ns] = 0, prompt[ns] = 0, dec[ns++] = d;
     if (S > 64)
-        lead[ns] = 1, rest[ns++] = S - 1;
+        chunks[ns] = 0, prompt[ns] = 0, dec[ns++] = S;
     const double t0 = m40_now();
     char err[256];
     int done = 0;
     for (int k = 0; k < ns; k++) {
-        const int32_t n = lead[k] + rest[k];
-        for (int32_t i = 0; i < n; i++) {
-            e->b_tokens[i] = (int32_t)(((int64_t)i * 31 + 7) % e->n_vocab);
-            e->b_pos[i] = i < lead[k] ? i : 0;
-            e->b_slot[i] = i < lead[k] ? 0 : i - lead[k] + 1;
-            e->b_want[i] = i >= lead[k] - 1;
+        int32_t n = 0;
+        for (int32_t j = 0; j < chunks[k]; j++) {
+            const int32_t len = prompt[k] - j * chunk < chunk ? prompt[k] - j * chunk : chunk;
+            for (int32_t p = 0; p < len; p++, n++) {
+                e->b_tokens[n] = (int32_t)(((int64_t)n * 31 + 7) % e->n_vocab);
+                e->b_pos[n] = p;
+                e->b_slot[n] = j;
+                e->b_want[n] = p == len - 1;
+            }
+        }
+        for (int32_t d = 0; d < dec[k]; d++, n++) {
+            e->b_tokens[n] = (int32_t)(((int64_t)n * 31 + 7) % e->n_vocab);
+            e->b_pos[n] = 0;
+            e->b_slot[n] = chunks[k] + d;
+            e->b_want[n] = 1;
         }
         m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
         b.argmax = k % 2 ? e->picks : NULL;
@@ -910,7 +945,7 @@ static void engine_warmup(m40_engine *e)
         m40_kv_slot_clear(e->kv, i);
     m40_kv_prefix_forget(e->kv);
     fprintf(stderr, "m40: warm-up: %d forward passes (batches of 1..%d tokens) in %.0f ms\n", done,
-            (int)(chunk + S - 1), (m40_now() - t0) * 1e3);
+            (int)(full + S - n_full), (m40_now() - t0) * 1e3);
 }
 
 static void engine_unload(m40_engine *e)
@@ -926,6 +961,7 @@ static void engine_unload(m40_engine *e)
     free(e->row_slot);
     free(e->picks);
     free(e->take);
+    free(e->plan);
     free(e->logits);
     free(e->ready_batch);
     free(e->done_batch);

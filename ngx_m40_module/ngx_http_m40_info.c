@@ -266,6 +266,23 @@ ngx_http_m40_metrics_handler(ngx_http_request_t *r)
                  s.forward_seconds, s.sample_seconds, s.schedule_seconds);
     p += (n > 0 && n < end - p) ? n : 0;
 
+    ngx_http_m40_metric(p, end, "counter", "m40_prefill_guard_limited_steps_total",
+                        "Steps in which the ITL guard held prompt tokens back "
+                        "to keep decoding sequences' steps short",
+                        "%uL", (uint64_t) s.guard_limited_steps);
+    ngx_http_m40_metric(p, end, "counter", "m40_prefill_guard_probe_steps_total",
+                        "Steps run without prompt tokens to measure the "
+                        "decode-only step time (part of the limited steps)",
+                        "%uL", (uint64_t) s.guard_probe_steps);
+
+    n = snprintf((char *) p, end - p,
+                 "# HELP m40_decode_step_seconds The ITL guard's estimate of "
+                 "a decode-only step of the running sequences\n"
+                 "# TYPE m40_decode_step_seconds gauge\n"
+                 "m40_decode_step_seconds %.6f\n",
+                 s.decode_step_estimate);
+    p += (n > 0 && n < end - p) ? n : 0;
+
     if (mcf->engine) {      /* the bucket bounds come from the engine */
         p = ngx_http_m40_histogram(p, end, "m40_time_to_first_token_seconds",
                                    "Time from submission to the first token",

@@ -23,6 +23,8 @@ static char *ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 static char *ngx_http_m40_gpu_memory_fraction(ngx_conf_t *cf,
     ngx_command_t *cmd, void *conf);
+static char *ngx_http_m40_itl_guard(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
 static char *ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
 static ngx_int_t ngx_http_m40_init_process(ngx_cycle_t *cycle);
 static void ngx_http_m40_exit_process(ngx_cycle_t *cycle);
@@ -40,6 +42,10 @@ static ngx_conf_num_bounds_t  ngx_http_m40_non_negative = {
 
 static ngx_conf_num_bounds_t  ngx_http_m40_threads_bounds = {
     ngx_conf_check_num_bounds, 0, 1024
+};
+
+static ngx_conf_num_bounds_t  ngx_http_m40_prefill_bounds = {
+    ngx_conf_check_num_bounds, 1, M40_MAX_PREFILL_TOKENS
 };
 
 
@@ -83,6 +89,27 @@ static ngx_command_t  ngx_http_m40_commands[] = {
     { ngx_string("m40_gpu_memory_fraction"),
       NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
       ngx_http_m40_gpu_memory_fraction,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("m40_prefill_chunk"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, prefill_chunk),
+      &ngx_http_m40_prefill_bounds },
+
+    { ngx_string("m40_prefill_budget"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, prefill_budget),
+      &ngx_http_m40_prefill_bounds },
+
+    { ngx_string("m40_itl_guard"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_http_m40_itl_guard,
       NGX_HTTP_MAIN_CONF_OFFSET,
       0,
       NULL },
@@ -177,6 +204,9 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->max_tokens_limit = NGX_CONF_UNSET;
     mcf->threads = NGX_CONF_UNSET;
     mcf->gpu_memory_fraction = -1.0;
+    mcf->prefill_chunk = NGX_CONF_UNSET;
+    mcf->prefill_budget = NGX_CONF_UNSET;
+    mcf->itl_guard = -2.0;
 
     return mcf;
 }
@@ -196,6 +226,23 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     if (mcf->gpu_memory_fraction < 0.0) {
         mcf->gpu_memory_fraction = 0.0;     /* the engine's default, 0.90 */
     }
+    /* 0: the engine's defaults (m40_engine.h), which it logs with the capacity */
+    ngx_conf_init_value(mcf->prefill_chunk, 0);
+    ngx_conf_init_value(mcf->prefill_budget, 0);
+    if (mcf->itl_guard < -1.5) {
+        mcf->itl_guard = 0.0;
+    }
+
+    if (mcf->prefill_chunk > 0 && mcf->prefill_budget > 0
+        && mcf->prefill_chunk > mcf->prefill_budget)
+    {
+        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                           "m40_prefill_chunk %i is larger than "
+                           "m40_prefill_budget %i: a sequence gets at most "
+                           "the budget in a step",
+                           mcf->prefill_chunk, mcf->prefill_budget);
+    }
+
     ngx_conf_init_value(mcf->max_tokens_default, 256);
     ngx_conf_init_value(mcf->max_tokens_limit, 4096);
     ngx_conf_init_value(mcf->threads, 0);
@@ -393,6 +440,48 @@ ngx_http_m40_gpu_memory_fraction(ngx_conf_t *cf, ngx_command_t *cmd,
 }
 
 
+/* m40_itl_guard F | off: while sequences are decoding, a step that also carries
+ * prompt tokens may take up to F times the time of the same step without them
+ * (1 <= F <= 100); "off" leaves the prompt tokens of a step to m40_prefill_budget
+ * alone. */
+static char *
+ngx_http_m40_itl_guard(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_m40_main_conf_t *mcf = conf;
+
+    char       *end;
+    double      f;
+    ngx_str_t  *value;
+
+    if (mcf->itl_guard > -1.5) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    if (value[1].len == 3 && ngx_strncasecmp(value[1].data, (u_char *) "off", 3) == 0) {
+        mcf->itl_guard = -1.0;
+        return NGX_CONF_OK;
+    }
+
+    /* configuration arguments are NUL-terminated */
+    errno = 0;
+    f = strtod((const char *) value[1].data, &end);
+    if (value[1].len == 0 || *end != '\0' || errno != 0
+        || !(f >= 1.0 && f <= 100.0))
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid m40_itl_guard \"%V\": a number from 1 "
+                           "to 100 (e.g. 2) or \"off\" expected", &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    mcf->itl_guard = f;
+
+    return NGX_CONF_OK;
+}
+
+
 /* m40_chat_template PATH: the file is read here, at configuration time, so that
  * workers never do file I/O for it. */
 static char *
@@ -537,6 +626,9 @@ ngx_http_m40_init_process(ngx_cycle_t *cycle)
     ec.max_queue = (int32_t) mcf->max_queue;
     ec.n_threads = (int32_t) mcf->threads;
     ec.gpu_memory_fraction = (float) mcf->gpu_memory_fraction;
+    ec.prefill_chunk = (int32_t) mcf->prefill_chunk;
+    ec.prefill_budget = (int32_t) mcf->prefill_budget;
+    ec.itl_guard = (float) mcf->itl_guard;
     ec.chat_template = mcf->chat_template.len
                        ? (const char *) mcf->chat_template.data : NULL;
 

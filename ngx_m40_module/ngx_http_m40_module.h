@@ -38,6 +38,9 @@ typedef struct {
     ngx_int_t            max_tokens_limit;
     ngx_int_t            threads;
     double               gpu_memory_fraction; /* -1: unset; 0: the engine's default */
+    ngx_int_t            prefill_chunk;       /* 0: the engine's default */
+    ngx_int_t            prefill_budget;      /* 0: automatic (the engine's) */
+    double               itl_guard;           /* -2: unset; -1: off; 0: the engine's default */
     ngx_str_t            chat_template_path;
     ngx_str_t            chat_template;       /* file content, NUL-terminated */
     ngx_flag_t           api_used;            /* some location has m40_api */

@@ -34,6 +34,8 @@
 #   --shared-prefix-words K  shared system message of the prefix run; 0 skips it [1000]
 #   --prefix-concurrency N   streams of the prefix run [the first --concurrency]
 #   --rag-words N         words of each prompt of the long-prompt rows; 0 skips them [2000]
+#                         (load.py's words are ~3.3 tokens each with the synthetic 32k
+#                         vocabulary: 2000 words ~ 6,650 tokens; 600 words ~ 2,000 tokens)
 #   --rag-max-tokens N    max_tokens of the long-prompt rows [128]
 #   --rag-concurrency "N ..."  concurrent streams of the long-prompt rows [64]
 #   --long-prompt-tokens N   the prompt that arrives while streams run; 0 skips the case [100000]
@@ -43,6 +45,8 @@
 #   --ctx-size N          m40 serve --ctx-size of the first server [2048, or more when its
 #                         prompts need it]; the long-prompt server gets what its prompts need
 #   --max-seqs N          m40 serve --max-seqs [largest --concurrency]
+#   --serve-args "..."    extra arguments for every m40 serve, e.g. "--itl-guard off" or
+#                         "--prefill-budget 4096" (A/B runs of the prefill policy)
 #   --bench-args "..."    extra arguments for m40 bench, e.g. "--reps 5 --gen 256"
 #   --bandwidth GB/s      roofline bandwidth [3020: H100 80GB HBM3 copy]
 #   --port N              loopback port of the server [18090]
@@ -75,6 +79,7 @@ PREFIX_CONC=
 CTX_SIZE=
 MAX_SEQS=
 BENCH_ARGS=
+SERVE_ARGS=
 BANDWIDTH=3020
 PORT=18090
 OUT=
@@ -109,6 +114,7 @@ while [ $# -gt 0 ]; do
         --ctx-size) CTX_SIZE=$2 ;;
         --max-seqs) MAX_SEQS=$2 ;;
         --bench-args) BENCH_ARGS=$2 ;;
+        --serve-args) SERVE_ARGS=$2 ;;
         --bandwidth) BANDWIDTH=$2 ;;
         --port) PORT=$2 ;;
         --out) OUT=$2 ;;
@@ -297,9 +303,10 @@ start_server() {
     local path=$1 ctx=$2 seqs=$3
     START_ERR=
     if port_answers; then START_ERR="port $PORT is already in use: pass --port"; return 1; fi
-    say "m40 serve $path --port $PORT --device $DEVICE --ctx-size $ctx --max-seqs $seqs (log $slog)"
+    say "m40 serve $path --port $PORT --device $DEVICE --ctx-size $ctx --max-seqs $seqs $SERVE_ARGS (log $slog)"
+    # shellcheck disable=SC2086
     "$M40" serve "$path" --port "$PORT" --device "$DEVICE" --name "$name" --ctx-size "$ctx" \
-        --max-seqs "$seqs" >"$slog" 2>&1 &
+        --max-seqs "$seqs" $SERVE_ARGS >"$slog" 2>&1 &
     SERVE_PID=$!
     wait_ready
     local rc=$?
@@ -443,6 +450,7 @@ echo
 echo "m40 benchmark table  ($(date -u '+%Y-%m-%d %H:%M UTC'), m40 $REV)"
 echo "machine: $MACHINE_CPU x $MACHINE_NCPU CPUs; GPU: $MACHINE_GPU"
 echo "device: $DEVICE; roofline bandwidth $BANDWIDTH GB/s; raw output in $OUT"
+[ -n "$SERVE_ARGS" ] && echo "m40 serve extra arguments: $SERVE_ARGS"
 echo
 echo "engine (m40 bench $BENCH_ARGS: prefill of a random prompt, batch-1 greedy decode; roofline = bandwidth / weight bytes)"
 row "model	weights GB	prefill tok/s	decode tok/s	roofline tok/s	% roofline	device" 18 11 14 13 15 11 7

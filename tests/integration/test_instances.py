@@ -124,6 +124,37 @@ def test_queue_full_429(instances):
     assert float(rejected[0].split()[1]) == statuses.count("HTTP/1.1 429 Too Many Requests")
 
 
+def test_prefill_directives(instances):
+    # small prompt budgets and a strict guard: concurrent requests still get the answer
+    # each gets alone, the worker logs what it was given, /metrics shows the guard
+    port = harness.free_port()
+    inst = instances(minimal_with(port, "    m40_max_seqs 4;\n    m40_threads 1;\n    m40_prefill_budget 6;\n"
+                                        "    m40_prefill_chunk 4;\n    m40_itl_guard 1.5;\n", "prefill"),
+                     "prefill", port)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    prompts = ["Once upon a time", "The little dog ran to the big tree and", "Lily and Tom went to the park. They saw",
+               "One day", "She was happy because", "A bird sat on a tree and sang"]
+    alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=12, temperature=0).choices[0].text
+             for p in prompts]
+    got = [None] * len(prompts)
+
+    def one(i):
+        got[i] = client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=12,
+                                           temperature=0).choices[0].text
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+    kv = [l for l in inst.log().splitlines() if "KV cache:" in l]
+    assert len(kv) == 1 and "; prefill 6 tokens a step, 4 a sequence; ITL guard 1.5x" in kv[0], kv
+    m = requests.get(f"http://127.0.0.1:{port}/metrics").text
+    for name in ("m40_prefill_guard_limited_steps_total", "m40_prefill_guard_probe_steps_total",
+                 "m40_decode_step_seconds"):
+        assert any(l.startswith(name + " ") for l in m.splitlines()), name
+
+
 def test_model_that_fails_to_load_503(instances):
     port = harness.free_port()
     workdir = harness.make_workdir("broken")
@@ -168,7 +199,9 @@ def test_api_without_model_rejected_by_nginx_t():
     "m40_device gpu;", "m40_max_seqs 0;", "m40_ctx_size -1;", "m40_threads many;",
     "m40_max_tokens_default 9000;", "m40_chat_template /nonexistent.jinja;", "m40_max_queue 0;",
     "m40_gpu_memory_fraction 0;", "m40_gpu_memory_fraction 1.5;", "m40_gpu_memory_fraction 0.9x;",
-    "m40_gpu_memory_fraction -0.5;",
+    "m40_gpu_memory_fraction -0.5;", "m40_prefill_budget 0;", "m40_prefill_budget 65537;",
+    "m40_prefill_chunk -1;", "m40_prefill_chunk many;", "m40_itl_guard 0.5;", "m40_itl_guard on;",
+    "m40_itl_guard 101;", "m40_itl_guard 2x;",
 ])
 def test_bad_directives_rejected_by_nginx_t(directive):
     workdir = harness.make_workdir("baddir")
@@ -187,6 +220,17 @@ def test_gpu_memory_fraction_message():
     inst = harness.Nginx(text, "fraction")
     with pytest.raises(RuntimeError, match=r'invalid m40_gpu_memory_fraction "95": a number greater than 0 and at '
                                            r'most 1 expected'):
+        inst.start()
+    inst.cleanup()
+
+
+def test_itl_guard_message():
+    workdir = harness.make_workdir("guard")
+    text = harness.render(example("minimal.conf"), workdir).replace(
+        f"    m40_model {harness.MODEL};\n", f"    m40_model {harness.MODEL};\n    m40_itl_guard 0.9;\n")
+    inst = harness.Nginx(text, "guard")
+    with pytest.raises(RuntimeError, match=r'invalid m40_itl_guard "0.9": a number from 1 to 100 \(e.g. 2\) or '
+                                           r'"off" expected'):
         inst.start()
     inst.cleanup()
 
@@ -327,7 +371,8 @@ def test_m40_serve():
     # the engine's switches set for `m40 serve` must reach the nginx worker (nginx
     # clears its workers' environment): the written conf passes them with env
     proc = subprocess.Popen([m40, "serve", harness.MODEL, "--port", str(port), "--name", "served", "--threads", "1",
-                             "--max-queue", "5", "--gpu-memory-fraction", "0.8",
+                             "--max-queue", "5", "--gpu-memory-fraction", "0.8", "--prefill-budget", "64",
+                             "--prefill-chunk", "16", "--itl-guard", "off",
                              "--module", harness.MODULE, "--nginx", harness.NGINX],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict({k: v for k, v in os.environ.items() if k != "M40_SKINNY"}, TMPDIR=workdir,
@@ -349,6 +394,8 @@ def test_m40_serve():
             conf = f.read()
         assert "\nenv M40_PDL;\n" in conf and "env M40_SKINNY;" not in conf
         assert "\n    m40_max_queue 5;\n" in conf and "\n    m40_gpu_memory_fraction 0.8;\n" in conf, conf
+        assert ("\n    m40_prefill_budget 64;\n" in conf and "\n    m40_prefill_chunk 16;\n" in conf
+                and "\n    m40_itl_guard off;\n" in conf), conf
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["served"]
         r = client.chat.completions.create(model="served", messages=MSGS, max_tokens=4)

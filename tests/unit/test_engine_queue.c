@@ -102,12 +102,23 @@ static void test_gpu_rule(void)
     c.gpu_in_use = 16.0 * 1073741824.0;
     c.gpu_reserve = 0.5 * 1073741824.0;
     c.kv_bytes = 2.0 * 1073741824.0;
+    c.prefill_budget = 2048;
+    c.prefill_budget_auto = 1;
+    c.prefill_chunk = 512;
+    c.itl_guard = 2.0f;
     char line[512];
     m40_engine_capacity_line(&c, line, sizeof line);
     CHECK(strcmp(line, "KV cache: 16000 tokens (1000 blocks of 16, 2.0 GiB: 0.90 of gpu 0's 80.0 GiB less 16.0 GiB in "
                        "use and 0.5 GiB kept for activations); 7 sequences of 2048 tokens fit; max_seqs 256 (automatic: "
-                       "the 1024-token sequences the KV cache holds, 1 to 256); max_queue 1024") == 0,
+                       "the 1024-token sequences the KV cache holds, 1 to 256); max_queue 1024; prefill 2048 tokens a "
+                       "step (automatic: the GPU's), 512 a sequence; ITL guard 2x") == 0,
           "gpu line [%s]", line);
+    c.prefill_budget = 4096;
+    c.prefill_budget_auto = 0;
+    c.itl_guard = 0.0f;
+    m40_engine_capacity_line(&c, line, sizeof line);
+    CHECK(strstr(line, "; max_queue 1024; prefill 4096 tokens a step, 512 a sequence; ITL guard off") != NULL,
+          "given budget, no guard [%s]", line);
 }
 
 /* Defaults and what the engine reports once loaded. */
@@ -132,9 +143,14 @@ static void test_defaults(const char *path)
           "kv tokens %lld, %lld full sequences, %d blocks", (long long)c.kv_tokens, (long long)c.full_ctx_seqs,
           (int)c.kv_blocks);
     m40_engine_capacity_line(&c, line, sizeof line);
-    CHECK(strstr(line, "KV cache: 1024 tokens (4 slots of 256 tokens in CPU memory); 4 sequences of 256 tokens fit; "
-                       "max_seqs 4 (automatic: the CPU's); max_queue 1024") == line,
+    CHECK(strcmp(line, "KV cache: 1024 tokens (4 slots of 256 tokens in CPU memory); 4 sequences of 256 tokens fit; "
+                       "max_seqs 4 (automatic: the CPU's); max_queue 1024; prefill 512 tokens a step (automatic: the "
+                       "CPU's), 512 a sequence; ITL guard 2x") == 0,
           "capacity line [%s]", line);
+    CHECK(c.prefill_budget == M40_DEFAULT_PREFILL_CHUNK && c.prefill_budget_auto && c.prefill_chunk == 512 &&
+              c.itl_guard == M40_DEFAULT_ITL_GUARD,
+          "cpu prefill: budget %d (auto %d), chunk %d, guard %g", (int)c.prefill_budget, c.prefill_budget_auto,
+          (int)c.prefill_chunk, (double)c.itl_guard);
     m40_engine_stats st;
     m40_engine_get_stats(e, &st);
     CHECK(st.kv_tokens_total == c.kv_tokens, "stats kv total %lld", (long long)st.kv_tokens_total);
@@ -161,6 +177,42 @@ static void test_defaults(const char *path)
         CHECK(e == NULL && strstr(err, "gpu_memory_fraction"), "fraction %g: [%s]", (double)bad[i], err);
         if (e)
             m40_engine_destroy(e);
+    }
+
+    /* prefill settings: out-of-range ones refused with the reason; a chunk beyond the
+     * budget is cut to it; a negative guard is off */
+    {
+        static const struct {
+            int32_t chunk, budget;
+            float guard;
+            const char *why;
+        } bad_prefill[] = {{-1, 0, 0.0f, "must not be negative"},
+                           {0, -1, 0.0f, "must not be negative"},
+                           {M40_MAX_PREFILL_TOKENS + 1, 0, 0.0f, "at most"},
+                           {0, M40_MAX_PREFILL_TOKENS + 1, 0.0f, "at most"},
+                           {0, 0, 0.5f, "itl_guard"},
+                           {0, 0, 101.0f, "itl_guard"}};
+        for (size_t i = 0; i < sizeof bad_prefill / sizeof bad_prefill[0]; i++) {
+            m40_engine_config cfg = {.model_path = path, .device = -1, .ctx_size = 128, .n_threads = 1,
+                                     .prefill_chunk = bad_prefill[i].chunk, .prefill_budget = bad_prefill[i].budget,
+                                     .itl_guard = bad_prefill[i].guard};
+            err[0] = '\0';
+            e = NULL;
+            CHECK(m40_engine_create(&cfg, &e, err, sizeof err) != 0 && e == NULL && strstr(err, bad_prefill[i].why),
+                  "prefill case %zu: [%s]", i, err);
+            if (e)
+                m40_engine_destroy(e);
+        }
+        m40_engine_config cfg = {.model_path = path, .device = -1, .ctx_size = 128, .n_threads = 1,
+                                 .prefill_chunk = 300, .prefill_budget = 100, .itl_guard = -1.0f};
+        e = NULL;
+        CHECK(m40_engine_create(&cfg, &e, err, sizeof err) == 0, "create: %s", err);
+        if (e) {
+            CHECK(wait_ready(e, 30) == M40_ENGINE_READY && m40_engine_get_capacity(e, &c) == 0 &&
+                      c.prefill_budget == 100 && !c.prefill_budget_auto && c.prefill_chunk == 100 && c.itl_guard == 0.0f,
+                  "budget %d chunk %d guard %g", (int)c.prefill_budget, (int)c.prefill_chunk, (double)c.itl_guard);
+            m40_engine_destroy(e);
+        }
     }
 
     /* nothing to report from an engine that failed to load */
