@@ -48,7 +48,7 @@ typedef struct {
                                     * (M40_DEFAULT_PREFILL_BUDGET on a GPU, prefill_chunk on the CPU) */
     float itl_guard;               /* while sequences decode, a step with prompt tokens may take
                                     * this many times a decode-only step (>= 1); 0: the default,
-                                    * M40_DEFAULT_ITL_GUARD; negative: no guard (the budget alone) */
+                                    * M40_DEFAULT_ITL_GUARD (off); negative: no guard (the budget alone) */
     float gpu_memory_fraction;     /* GPU: share of the card's memory this engine may fill, (0, 1];
                                     * 0: the KV pool's default, 0.90 */
 } m40_engine_config;
@@ -70,15 +70,17 @@ typedef struct {
  * is preempted and recomputed later (its output so far stays sent). */
 #define M40_DEFAULT_MAX_QUEUE 1024
 /* Prompt tokens a step (engine/prefill_policy.h says how they are shared). Per sequence:
- * a long prompt shares the step with the prompts behind it. All sequences together: on a
- * GPU a step of a few thousand rows runs the matmuls at the tensor cores' rate and
- * several prompts move at once; on the CPU a step costs the same per token at any size,
- * so a bigger step gains nothing and only delays cancellations and admissions. The
- * guard: a step with prompt tokens takes at most about twice the time the same step
- * would take without them, while anything decodes. */
+ * a long prompt shares the step with the prompts behind it. All sequences together:
+ * 512 by default, on the GPU too, and no ITL guard by default: on an H100 with a 7B F16
+ * model at 64 streams (BENCHMARKS.md, thirteenth session) a budget of 2048 raised the
+ * throughput (5,210 -> 5,796 tok/s) and halved the long-prompt rows' time to first token
+ * but doubled the inter-token p99 (30 -> 63 ms, past the 60 ms target of issue 5 and the
+ * 30 of issue 21), and the guard (2x) cut the throughput to 4,339 and multiplied the
+ * time to first token by 9 for 20x instead of 27x on the long prompt's ITL. Both are
+ * there for operators whose load wants them (m40_prefill_budget, m40_itl_guard). */
 #define M40_DEFAULT_PREFILL_CHUNK 512
-#define M40_DEFAULT_PREFILL_BUDGET 2048
-#define M40_DEFAULT_ITL_GUARD 2.0f
+#define M40_DEFAULT_PREFILL_BUDGET 512
+#define M40_DEFAULT_ITL_GUARD 0.0f /* off */
 #define M40_MAX_PREFILL_TOKENS 65536
 #define M40_CPU_MAX_SEQS 4
 #define M40_AUTO_MAX_SEQS 256

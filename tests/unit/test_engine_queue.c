@@ -145,7 +145,7 @@ static void test_defaults(const char *path)
     m40_engine_capacity_line(&c, line, sizeof line);
     CHECK(strcmp(line, "KV cache: 1024 tokens (4 slots of 256 tokens in CPU memory); 4 sequences of 256 tokens fit; "
                        "max_seqs 4 (automatic: the CPU's); max_queue 1024; prefill 512 tokens a step (automatic: the "
-                       "CPU's), 512 a sequence; ITL guard 2x") == 0,
+                       "CPU's), 512 a sequence; ITL guard off") == 0,
           "capacity line [%s]", line);
     CHECK(c.prefill_budget == M40_DEFAULT_PREFILL_CHUNK && c.prefill_budget_auto && c.prefill_chunk == 512 &&
               c.itl_guard == M40_DEFAULT_ITL_GUARD,
