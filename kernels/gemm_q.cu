@@ -266,7 +266,9 @@ __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_
  * (m40k_group8, any alignment: the fallback). The next step's tiles are formed in
  * registers before a step's multiply. Where two blocks an SM still fit with two buffers of
  * the F16 tiles (mq_smem::DB) a step is multiply, store the next tiles into the other
- * buffer, barrier; otherwise multiply, barrier, store, barrier. */
+ * buffer, barrier; otherwise multiply, barrier, store, barrier. Registers: blocks of 16
+ * or 32 token rows are held to 85 a thread (three blocks an SM; they used 84-86 before
+ * the bound, with no spills under it), larger ones to 128 (two). */
 template <int T, int BM, bool STAGED>
 __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
                                                                int K, const uint16_t *__restrict__ x, int64_t x_stride,
