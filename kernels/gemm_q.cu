@@ -34,11 +34,33 @@
 
 __device__ __forceinline__ uint32_t mq_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-/* 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing */
+/* 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing. cp.async is
+ * sm_80's: the builds for older GPUs (which never launch this kernel: the engine asks for
+ * cc >= 8.0) get plain copies so that they compile. */
 __device__ __forceinline__ void mq_cp16(void *dst, const void *src, int src_bytes)
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mq_saddr(dst)), "l"(src), "r"(src_bytes)
                  : "memory");
+#else
+    *reinterpret_cast<uint4 *>(dst) = src_bytes ? *reinterpret_cast<const uint4 *>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void mq_commit(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+/* every copy issued so far has landed (N = 0), or all but the last N groups */
+template <int N> __device__ __forceinline__ void mq_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (N == 0)
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+    else
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
 }
 
 __device__ __forceinline__ void mq_ldsm4(uint32_t (&r)[4], const void *p)
@@ -319,7 +341,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                 src = row + (size_t)c * RB + o;
             mq_cp16(dst + r * RB + o, src, 16);
         }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        mq_commit();
     };
     /* the weight tile of step it as F16, packed: 4 groups x 8 halves */
     auto deq = [&](int it, uint4(&h)[MQ_GROUPS]) {
@@ -397,9 +419,9 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
             issue_chunk(it0 / unit);
             if (it0 + unit < it1) {
                 issue_chunk(it0 / unit + 1);
-                asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+                mq_wait<1>();
             } else {
-                asm volatile("cp.async.wait_all;\n" ::: "memory");
+                mq_wait<0>();
             }
             __syncthreads();
         }
@@ -428,7 +450,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
             if constexpr (STAGED)
                 if ((it + 1) % unit == 0) { /* step it + 1 opens chunk c: it was issued a chunk ago */
                     const int c = (it + 1) / unit;
-                    asm volatile("cp.async.wait_all;\n" ::: "memory");
+                    mq_wait<0>();
                     __syncthreads();
                     /* chunk c + 1 into the buffer of chunk c - 1, read for the last time by
                      * the step before this one's (a barrier ago at least; chunk it0/unit + 1
