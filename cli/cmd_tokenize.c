@@ -78,6 +78,10 @@ static int load_tokenizer(const char *path, m40_tokenizer **tok, char *err, size
         return -1;
     int rc = m40_tokenizer_from_gguf(gg, tok, err, errlen);
     m40_gguf_close(gg);
+    /* The ids printed depend on the fallback: say so, as llama.cpp's tools do. */
+    const char *warning = rc == 0 ? m40_tokenizer_load_warning(*tok) : NULL;
+    if (warning)
+        fprintf(stderr, "m40 tokenize: warning: %s\n", warning);
     return rc;
 }
 

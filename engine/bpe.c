@@ -102,6 +102,16 @@ static const char *const re_deepseek3[] = {
     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
     "| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
     NULL};
+/* llama.cpp's fallback for byte-level BPE files without tokenizer.ggml.pre (its pre-type
+ * "default"; a file whose value is "default" gets it too). Files converted before the
+ * key existed (GPT-NeoX, early Llama 3 quantizations, ...) load with it in llama.cpp and
+ * Ollama, so their users' token ids are these, not the GPT-2 regex alone. The steps:
+ * runs of punctuation (Unicode P plus the ASCII symbols $ + < = > ^ ~ |; unlike falcon's
+ * list, not the backtick) are isolated first, so "don't" never forms the contraction
+ * "'t"; the GPT-2 regex splits what is left; number runs lose their leading space; ASCII
+ * digit runs are cut into threes from the left ("12345" -> "123" "45"). */
+static const char *const re_default[] = {
+    "[\\p{P}\\$\\+<=>\\^~\\|]+", RE_GPT2, "\\p{N}+", "[0-9][0-9][0-9]", NULL};
 static const char *const re_falcon[] = {"[\\p{P}\\$\\+<=>\\^~\\|`]+", RE_GPT2, "[0-9][0-9][0-9]", NULL};
 static const char *const re_starcoder[] = {"\\p{N}", RE_GPT2, NULL};
 static const char *const re_poro[] = {RE_PORO, NULL};
@@ -143,8 +153,8 @@ typedef struct {
 } m40_bpe_pre_def;
 
 static const m40_bpe_pre_def m40_bpe_pres[] = {
-    /* "default" (the value used when tokenizer.ggml.pre is absent) is the GPT-2 regex. */
-    {"default", re_gpt2, 0},         {"gpt2", re_gpt2, 0},           {"gpt-2", re_gpt2, 0},
+    /* "default": also what a missing tokenizer.ggml.pre means (see m40_bpe_new). */
+    {"default", re_default, 0},      {"gpt2", re_gpt2, 0},           {"gpt-2", re_gpt2, 0},
     {"gpt-neox", re_gpt2, 0},        {"phi-2", re_gpt2, 0},          {"mpt", re_gpt2, 0},
     {"olmo", re_gpt2, 0},            {"jais", re_gpt2, 0},           {"trillion", re_gpt2, 0},
     {"granite-docling", re_gpt2, 0}, {"exaone4", re_gpt2, 0},        {"jina-es", re_gpt2, 0},
@@ -194,6 +204,7 @@ typedef struct {
 
 struct m40_bpe {
     char pre[64];
+    char load_warning[256]; /* "" when the file needed no fallback */
     int ignore_merges;
     int n_regex;
     pcre2_code *re[M40_BPE_MAX_REGEX];
@@ -391,8 +402,17 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
 {
     if (err && errlen)
         err[0] = '\0';
+    /* A missing or empty tokenizer.ggml.pre is what llama.cpp reads as its "default"
+     * pre-tokenizer (with a warning): doing the same gives such files the token ids
+     * their llama.cpp and Ollama users get. A value that is not a string is a broken
+     * file, not a missing key. */
     const char *pre = m40_gguf_get_str(g, "tokenizer.ggml.pre");
-    if (!pre)
+    if (!pre && m40_gguf_get(g, "tokenizer.ggml.pre")) {
+        m40_bpe_errf(err, errlen, "tokenizer.ggml.pre is not a string");
+        return NULL;
+    }
+    const char *pre_missing = !pre ? "missing" : !*pre ? "empty" : NULL;
+    if (pre_missing)
         pre = "default";
     const m40_bpe_pre_def *def = NULL;
     for (size_t i = 0; i < sizeof m40_bpe_pres / sizeof m40_bpe_pres[0]; i++)
@@ -427,6 +447,12 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
         return NULL;
     }
     snprintf(b->pre, sizeof b->pre, "%s", pre);
+    if (pre_missing)
+        snprintf(b->load_warning, sizeof b->load_warning,
+                 "tokenizer.ggml.pre is %s: using llama.cpp's fallback pre-tokenizer \"default\" "
+                 "(token ids match llama.cpp and Ollama, but may differ from the model's own "
+                 "tokenizer; a current GGUF conversion names the right one)",
+                 pre_missing);
     b->ignore_merges = def->ignore_merges;
     m40_bpe_init_bytemap(b);
 
@@ -591,6 +617,11 @@ void m40_bpe_free(m40_bpe *b)
 const char *m40_bpe_pre_name(const m40_bpe *b)
 {
     return b ? b->pre : NULL;
+}
+
+const char *m40_bpe_load_warning(const m40_bpe *b)
+{
+    return b && b->load_warning[0] ? b->load_warning : NULL;
 }
 
 /* ---------------------------------------------------------------------------------- */

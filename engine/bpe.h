@@ -12,11 +12,15 @@
 
 typedef struct m40_bpe m40_bpe;
 
-/* Reads tokenizer.ggml.tokens, tokenizer.ggml.merges and tokenizer.ggml.pre (absent ->
- * "default", the gpt-2 regex). An unknown pre value fails with its name in err. */
+/* Reads tokenizer.ggml.tokens, tokenizer.ggml.merges and tokenizer.ggml.pre. A missing or
+ * empty pre reads as "default", llama.cpp's fallback pre-tokenizer, and leaves a load
+ * warning; an unknown pre value, or one that is not a string, fails with it named in err. */
 m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen);
 void m40_bpe_free(m40_bpe *b);
 const char *m40_bpe_pre_name(const m40_bpe *b);
+/* One line for the load log when the file needed a fallback (a missing pre), else NULL.
+ * The library prints nothing itself: its callers log it once per load. */
+const char *m40_bpe_load_warning(const m40_bpe *b);
 
 /* Encode len bytes (any bytes; invalid UTF-8 is encoded bytewise, never crashes).
  * Writes up to cap ids, returns the total count (> cap: call again with more room),

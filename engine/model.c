@@ -301,6 +301,11 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         m40_set_err(err, errlen, "%s: tokenizer: %s", path, sub);
         goto fail;
     }
+    /* Once per load, on stderr like the engine's other load messages (nginx sends a
+     * worker's stderr to its error log). */
+    const char *tok_warning = m40_tokenizer_load_warning(m->tok);
+    if (tok_warning)
+        fprintf(stderr, "m40: warning: %s: %s\n", path, tok_warning);
     if (m40_tokenizer_n_vocab(m->tok) > m->p.n_vocab) {
         m40_set_err(err, errlen, "%s: the tokenizer has %d tokens but token_embd.weight only %d rows", path,
                 (int)m40_tokenizer_n_vocab(m->tok), (int)m->p.n_vocab);

@@ -590,6 +590,7 @@ fail:
 /* ---- accessors ---- */
 
 int m40_tokenizer_kind(const m40_tokenizer *t) { return t->kind; }
+const char *m40_tokenizer_load_warning(const m40_tokenizer *t) { return t->bpe ? m40_bpe_load_warning(t->bpe) : NULL; }
 int32_t m40_tokenizer_n_vocab(const m40_tokenizer *t) { return t->n_vocab; }
 int32_t m40_tokenizer_bos(const m40_tokenizer *t) { return t->bos; }
 int32_t m40_tokenizer_eos(const m40_tokenizer *t) { return t->eos; }

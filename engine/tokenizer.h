@@ -35,6 +35,10 @@ int m40_tokenizer_from_spm_file(const char *path, m40_tokenizer **out, char *err
 void m40_tokenizer_free(m40_tokenizer *t);
 
 int m40_tokenizer_kind(const m40_tokenizer *t);
+/* What the load had to fall back on, as one line for the log (a BPE vocabulary without
+ * tokenizer.ggml.pre gets llama.cpp's "default" pre-tokenizer), or NULL. Printing is the
+ * caller's: the model loader and `m40 tokenize` log it once per load. */
+const char *m40_tokenizer_load_warning(const m40_tokenizer *t);
 int32_t m40_tokenizer_n_vocab(const m40_tokenizer *t);
 int32_t m40_tokenizer_bos(const m40_tokenizer *t);     /* -1 if none */
 int32_t m40_tokenizer_eos(const m40_tokenizer *t);     /* -1 if none */

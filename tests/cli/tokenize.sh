@@ -38,8 +38,19 @@ fi
 GPT2=$SHARED/tokenizer/ggml-vocab-gpt-2.gguf
 if [ -f "$GPT2" ] && "$M40" tokenize "$GPT2" "x" >/dev/null 2>&1; then
     eq "gpt-2: no BOS by default" "[15496, 995]" "$M40" tokenize "$GPT2" "Hello world"
+    check "gpt-2 (has tokenizer.ggml.pre): no warning" test ! -s "$tmp/err"
 else
     skip "gpt-2 vocabulary absent or BPE not available"
+fi
+
+# No tokenizer.ggml.pre: llama.cpp's "default" pre-tokenizer (its ids, see
+# tests/tokenizer/bpe_default_ref.py) and one warning on stderr naming the fallback.
+NEOX=$SHARED/tokenizer/ggml-vocab-gpt-neox.gguf
+if [ -f "$NEOX" ]; then
+    eq "gpt-neox: default pre-tokenizer" "[9903, 8, 85, 209, 10683, 1857]" "$M40" tokenize "$NEOX" "don't 12345"
+    check "gpt-neox: one warning line" test "$(grep -c 'tokenizer.ggml.pre is missing.*"default"' "$tmp/err")" -eq 1
+else
+    skip "$NEOX absent"
 fi
 
 # failures: exit 1 with a message naming the problem; usage: exit 2

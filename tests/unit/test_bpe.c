@@ -1,7 +1,8 @@
 /* Byte-level BPE: the reference cases of every gpt2-model vocabulary in
- * ../shared/tokenizer, exact byte round trips (hostile bytes included), the prompts of
- * the tiny qwen2 model, and small synthetic vocabularies that pin down merge order,
- * the byte fallback and the error paths. */
+ * ../shared/tokenizer, llama.cpp's ids for the one without tokenizer.ggml.pre
+ * (gpt-neox), exact byte round trips (hostile bytes included), the prompts of the tiny
+ * qwen2 model, and small synthetic vocabularies that pin down merge order, the byte
+ * fallback, the missing-pre fallback and the error paths. */
 #include <jansson.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,6 +14,9 @@
 #include "check.h"
 #include "gguf.h"
 #include "gguf_writer.h"
+#include "tokenizer.h"
+
+#include "bpe_default_cases.h"
 
 #define SEP "\n__ggml_vocab_test__\n"
 
@@ -194,6 +198,9 @@ static void test_vocab(const char *name, double *total_time)
     specials_load(&sp, g);
     const char *pre = m40_gguf_get_str(g, "tokenizer.ggml.pre");
     CHECK(strcmp(m40_bpe_pre_name(b), pre ? pre : "default") == 0, "pre name %s", m40_bpe_pre_name(b));
+    /* A load warning exactly when the file lacks the key. */
+    CHECK((m40_bpe_load_warning(b) != NULL) == (pre == NULL), "%s: load warning %s", name,
+          m40_bpe_load_warning(b) ? m40_bpe_load_warning(b) : "(none)");
 
     snprintf(rel, sizeof rel, "tokenizer/ggml-vocab-%s.gguf.inp", name);
     const char *ip = check_shared_file(rel, inp_path, sizeof inp_path);
@@ -315,6 +322,59 @@ static void test_vocab(const char *name, double *total_time)
     free(outs);
     m40_bpe_free(b);
     m40_gguf_close(g);
+}
+
+/* gpt-neox has no tokenizer.ggml.pre: llama.cpp, and so Ollama, tokenize it with their
+ * "default" pre-tokenizer, and so must we. The expected ids (bpe_default_cases.h) come
+ * from tests/tokenizer/bpe_default_ref.py, which derives them from that pre-tokenizer's
+ * definition with Python's regex module and the file's merges, and checks them against
+ * Hugging Face tokenizers and llama.cpp (llama-cpp-python) where those are installed.
+ * Through the whole tokenizer, as llama_tokenize(add_special = false, parse_special =
+ * false) runs: NeoX's whitespace runs are user-defined tokens, split out before the
+ * regexes see the text. */
+static void test_gpt_neox_default(void)
+{
+    char path[4096], err[256];
+    if (!check_shared_file("tokenizer/ggml-vocab-gpt-neox.gguf", path, sizeof path)) {
+        SKIP("tokenizer/ggml-vocab-gpt-neox.gguf absent (no ../shared/tokenizer)");
+        return;
+    }
+    m40_gguf *g = NULL;
+    m40_tokenizer *t = NULL;
+    if (m40_gguf_open(path, &g, err, sizeof err) != 0) {
+        CHECK(0, "open %s: %s", path, err);
+        return;
+    }
+    CHECK(m40_gguf_get(g, "tokenizer.ggml.pre") == NULL, "gpt-neox now has tokenizer.ggml.pre: pick another file");
+    int rc = m40_tokenizer_from_gguf(g, &t, err, sizeof err);
+    m40_gguf_close(g);
+    CHECK(rc == 0, "gpt-neox tokenizer: %s", err);
+    if (rc != 0)
+        return;
+    const char *w = m40_tokenizer_load_warning(t);
+    CHECK(w && strstr(w, "tokenizer.ggml.pre is missing") && strstr(w, "\"default\""), "gpt-neox load warning: %s",
+          w ? w : "(none)");
+
+    int n_cases = (int)(sizeof bpe_default_cases / sizeof bpe_default_cases[0]), passed = 0;
+    for (int i = 0; i < n_cases; i++) {
+        const char *text = bpe_default_cases[i].text;
+        int32_t got[256];
+        int64_t n = m40_tokenize(t, text, strlen(text), 0, 0, got, 256, err, sizeof err);
+        int ok = n == bpe_default_cases[i].n &&
+                 memcmp(got, bpe_default_cases[i].ids, (size_t)n * sizeof got[0]) == 0;
+        if (!ok) {
+            char a[2048], b[2048];
+            fmt_ids(a, sizeof a, got, n > 0 && n <= 256 ? n : 0);
+            fmt_ids(b, sizeof b, bpe_default_cases[i].ids, bpe_default_cases[i].n);
+            CHECK(ok, "gpt-neox default case %d '%s':\n  got  %s\n  want %s", i, text, a, b);
+        } else {
+            CHECK(ok, "gpt-neox default case %d", i);
+            passed++;
+        }
+    }
+    printf("vocab %-15s (pre missing -> default): %d/%d cases match llama.cpp's ids\n", "gpt-neox", passed,
+           n_cases);
+    m40_tokenizer_free(t);
 }
 
 static void test_qwen2_prompts(void)
@@ -599,6 +659,89 @@ static void test_synthetic(void)
         free(mem);
     }
 
+    /* No tokenizer.ggml.pre: llama.cpp's "default" pre-tokenizer. Two of the ways it
+     * differs from the GPT-2 regex alone, on tokens 12, 34, 45, " 1", "'t" with merges
+     * "3 4" (rank 0), "1 2", "4 5", " 1", "' t". "x 12345": the number run loses its space
+     * and is cut "123" "45" -> [x, ' ', 12, 3, 45], where gpt-2 merges " 12345" -> [' ',
+     * 12, 34, 5] after x (" 1" never applies: "1 2" ranks first). "don't": the apostrophe is
+     * punctuation, isolated before the contractions are looked for -> bytes only, where
+     * gpt-2 takes "'t" whole. The value "default" itself is the same pre-tokenizer without
+     * the warning; an empty value counts as missing (llama.cpp tests for an empty
+     * string); a value that is not a string is an error. */
+    {
+        char sp1[8], m34[8] = "3 4", m12[8] = "1 2", m45[8] = "4 5", msp1[16], mqt[8] = "' t";
+        mapped(" 1", sp1);
+        snprintf(msp1, sizeof msp1, "\xC4\xA0 1");
+        const char *extra[] = {"12", "34", "45", sp1, "'t"};
+        const char *merges[] = {m34, m12, m45, msp1, mqt};
+        struct {
+            const char *pre, *text, *warning;
+            int n;
+            int32_t ids[8];
+        } want[] = {
+            {NULL, "x 12345", "tokenizer.ggml.pre is missing", 5, {'x', ' ', 256, '3', 258}},
+            {"", "x 12345", "tokenizer.ggml.pre is empty", 5, {'x', ' ', 256, '3', 258}},
+            {"default", "x 12345", NULL, 5, {'x', ' ', 256, '3', 258}},
+            {"gpt-2", "x 12345", NULL, 5, {'x', ' ', 256, 257, '5'}},
+            {NULL, "don't", "tokenizer.ggml.pre is missing", 5, {'d', 'o', 'n', '\'', 't'}},
+            {"gpt-2", "don't", NULL, 4, {'d', 'o', 'n', 260}},
+        };
+        for (size_t k = 0; k < sizeof want / sizeof want[0]; k++) {
+            m40_bpe *b = tiny_bpe(want[k].pre, extra, 5, merges, 5, &mem, &g, err, sizeof err);
+            CHECK(b != NULL, "default-pre vocab (pre %s): %s", want[k].pre ? want[k].pre : "absent", err);
+            if (b) {
+                int32_t ids[16];
+                int64_t n = m40_bpe_encode(b, want[k].text, strlen(want[k].text), ids, 16);
+                int ok = n == want[k].n;
+                for (int i = 0; ok && i < n; i++)
+                    ok = ids[i] == want[k].ids[i];
+                char a[256];
+                fmt_ids(a, sizeof a, ids, n > 0 && n <= 16 ? n : 0);
+                CHECK(ok, "'%s' with pre %s: [%s]", want[k].text, want[k].pre ? want[k].pre : "absent", a);
+                const char *w = m40_bpe_load_warning(b);
+                CHECK(want[k].warning ? w && strstr(w, want[k].warning) == w : w == NULL,
+                      "pre %s: load warning %s", want[k].pre ? want[k].pre : "absent", w ? w : "(none)");
+                CHECK(strcmp(m40_bpe_pre_name(b), want[k].pre && *want[k].pre ? want[k].pre : "default") == 0,
+                      "pre name %s", m40_bpe_pre_name(b));
+            }
+            m40_bpe_free(b);
+            m40_gguf_close(g);
+            free(mem);
+        }
+    }
+    {
+        const char *toks[256];
+        static char strs[256][8];
+        for (int i = 0; i < 256; i++) {
+            char one[2] = {(char)i, 0};
+            if (i == 0)
+                strcpy(strs[i], "\xC4\x80");
+            else
+                mapped(one, strs[i]);
+            toks[i] = strs[i];
+        }
+        const char *merges[] = {mab};
+        m40_gguf_writer *w = m40_gguf_writer_new();
+        size_t size = 0;
+        mem = NULL;
+        g = NULL;
+        int rc = w ? 0 : -1;
+        rc = rc ? rc : m40_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2");
+        rc = rc ? rc : m40_gguf_writer_set_u32(w, "tokenizer.ggml.pre", 7);
+        rc = rc ? rc : m40_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", toks, 256);
+        rc = rc ? rc : m40_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", merges, 1);
+        rc = rc ? rc : m40_gguf_writer_write_mem(w, &mem, &size, err, sizeof err);
+        rc = rc ? rc : m40_gguf_open_mem(mem, size, &g, err, sizeof err);
+        CHECK(rc == 0, "gguf with a u32 pre: %s", err);
+        m40_bpe *b = rc == 0 ? m40_bpe_new(g, err, sizeof err) : NULL;
+        CHECK(rc != 0 || (b == NULL && strstr(err, "tokenizer.ggml.pre is not a string")), "u32 pre: %s",
+              b ? "accepted" : err);
+        m40_bpe_free(b);
+        m40_gguf_writer_free(w);
+        m40_gguf_close(g);
+        free(mem);
+    }
+
     /* Unknown pre-tokenizer names fail with the name in the message. */
     {
         const char *merges[] = {mab};
@@ -653,6 +796,7 @@ int main(void)
         test_vocab(vocabs[i], &t);
     /* Milliseconds expected; the bound is loose for slow shared machines. */
     CHECK(t < 1.0, "encoding all .inp files took %.3f s", t);
+    test_gpt_neox_default();
     test_qwen2_prompts();
     test_synthetic();
     return check_done();
