@@ -82,27 +82,50 @@
  *     the batch tables (a few ints per row and one per KV block in the step), the
  *     allocator's rounding, and the scratch that a GEMM kernel of ours may add without
  *     this estimate knowing it. */
-static size_t step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max_rows, int32_t max_out)
+/* The most rows any product of the model has (the output head, the fused [q; k; v] and
+ * [gate; up]): the split-K counters of the GEMV and GEMM kernels cover it. */
+static int gpu_rows_max(const m40_gpu *g)
 {
     const m40_model_params *p = &g->p;
-    size_t R = (size_t)(max_rows < 64 ? 64 : max_rows), O = (size_t)(max_out < 8 ? 8 : max_out);
+    int64_t rows = p->n_vocab;
+    const int64_t cand[] = {g->qkv_dim, 2 * (int64_t)p->ffn_dim, p->dim, g->q_dim};
+    for (int i = 0; i < 4; i++)
+        if (cand[i] > rows)
+            rows = cand[i];
+    return (int)rows;
+}
+
+/* The widest input of any product (the x16 and int8 records are sized by it). */
+static size_t gpu_in_max(const m40_gpu *g)
+{
+    const m40_model_params *p = &g->p;
     size_t in_max = (size_t)p->ffn_dim;
     if ((size_t)p->dim > in_max)
         in_max = (size_t)p->dim;
     if ((size_t)g->q_dim > in_max)
         in_max = (size_t)g->q_dim;
+    return in_max;
+}
+
+/* Split-K partial sums of the tensor-core GEMV (4 MB: every split the picker makes for
+ * 7B-class shapes at 8 rows; larger ones take fewer splits) and of the quantized GEMM
+ * (16 MB; likewise). */
+#define SK_WS_FLOATS ((size_t)1 << 20)
+#define MQ_WS_FLOATS ((size_t)1 << 22)
+
+static size_t step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max_rows, int32_t max_out)
+{
+    const m40_model_params *p = &g->p;
+    size_t R = (size_t)(max_rows < 64 ? 64 : max_rows), O = (size_t)(max_out < 8 ? 8 : max_out);
+    const size_t in_max = gpu_in_max(g);
     size_t per_row = 4 * (4 * (size_t)p->dim + (size_t)g->qkv_dim + (size_t)g->q_dim + 3 * (size_t)p->ffn_dim) +
                      2 * in_max;
     size_t per_out = 4 * (size_t)p->dim + 4 * (size_t)p->n_vocab + 8;
-    size_t rows = (size_t)p->n_vocab;
-    if ((size_t)g->qkv_dim > rows)
-        rows = (size_t)g->qkv_dim;
-    if (2 * (size_t)p->ffn_dim > rows)
-        rows = 2 * (size_t)p->ffn_dim;
+    const int rows = gpu_rows_max(g);
     size_t fixed = m40k_gemv_q8_ws_bytes((int)in_max, 8) + m40k_gemv_q8_ws_bytes((int)p->dim, 1) +
-                   ((size_t)p->dim / 32 + 1) * 4 + ((size_t)1 << 22) +
-                   m40k_gemm_skinny_counter_ints((int)rows) * sizeof(int) +
-                   (g->gemm_q ? ((size_t)1 << 22) * 4 + m40k_gemm_q_counter_ints((int)rows, (int)R) * sizeof(int)
+                   ((size_t)p->dim / 32 + 1) * 4 + SK_WS_FLOATS * 4 +
+                   m40k_gemm_skinny_counter_ints(rows) * sizeof(int) +
+                   (g->gemm_q ? MQ_WS_FLOATS * 4 + m40k_gemm_q_counter_ints(rows, (int)R) * sizeof(int)
                               : 0); /* the quantized GEMM's split-K scratch (ensure_scratch) */
     const int G = p->n_kv_heads > 0 ? p->n_heads / p->n_kv_heads : 1;
     size_t att = (size_t)4 * (size_t)(g->sm_count > 0 ? g->sm_count : 132) * (size_t)(G > 0 ? G : 1) *
@@ -336,18 +359,6 @@ void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps)
     *steps = g->steps_timed;
 }
 
-/* The most rows any product of the model has (the quantized GEMM's counters cover it). */
-static int mq_rows_max(const m40_gpu *g)
-{
-    const m40_model_params *p = &g->p;
-    int64_t rows = p->n_vocab;
-    const int64_t cand[] = {g->qkv_dim, 2 * (int64_t)p->ffn_dim, p->dim, g->q_dim};
-    for (int i = 0; i < 4; i++)
-        if (cand[i] > rows)
-            rows = cand[i];
-    return (int)rows;
-}
-
 static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
 {
     const m40_model_params *p = &g->p;
@@ -355,11 +366,7 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
         graphs_drop(g);
     if (n > g->cap) {
         int32_t c = n < 64 ? 64 : n;
-        size_t N = (size_t)c, in_max = (size_t)p->ffn_dim;
-        if ((size_t)p->dim > in_max)
-            in_max = (size_t)p->dim;
-        if ((size_t)g->q_dim > in_max)
-            in_max = (size_t)g->q_dim;
+        const size_t N = (size_t)c, in_max = gpu_in_max(g);
         if (grow_dev((void **)&g->x, N * p->dim * 4) || grow_dev((void **)&g->xb, N * p->dim * 4) ||
             grow_dev((void **)&g->x2, N * p->dim * 4) || grow_dev((void **)&g->xd, N * p->dim * 4) ||
             grow_dev((void **)&g->qkv, N * g->qkv_dim * 4) || grow_dev((void **)&g->att, N * g->q_dim * 4) ||
@@ -385,32 +392,25 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             return -1;
         g->cap = c;
     }
-    if (g->gemm_q && !g->gemm_f32 && m40k_gemm_q_counter_ints(mq_rows_max(g), g->cap) > g->mq_cnt_ints) {
+    const size_t mq_ints = m40k_gemm_q_counter_ints(gpu_rows_max(g), g->cap);
+    if (g->gemm_q && !g->gemm_f32 && mq_ints > g->mq_cnt_ints) {
         /* split-K scratch of the quantized GEMM: counters for every output tile of the
-         * largest product at cap rows; 16 MB of partial sums (the picker takes fewer
-         * splits where a shape would need more) */
-        const size_t ints = m40k_gemm_q_counter_ints(mq_rows_max(g), g->cap);
-        g->mq_ws_floats = (size_t)1 << 22;
+         * largest product at cap rows, and the partial sums (MQ_WS_FLOATS) */
+        g->mq_ws_floats = MQ_WS_FLOATS;
         if ((!g->mq_ws && grow_dev((void **)&g->mq_ws, g->mq_ws_floats * 4)) ||
-            grow_dev((void **)&g->mq_cnt, ints * sizeof *g->mq_cnt) ||
-            cudaMemsetAsync(g->mq_cnt, 0, ints * sizeof *g->mq_cnt, g->stream) != cudaSuccess) {
+            grow_dev((void **)&g->mq_cnt, mq_ints * sizeof *g->mq_cnt) ||
+            cudaMemsetAsync(g->mq_cnt, 0, mq_ints * sizeof *g->mq_cnt, g->stream) != cudaSuccess) {
             cudaFree(g->mq_cnt);
             g->mq_cnt = NULL;
             g->mq_cnt_ints = 0;
             return -1;
         }
-        g->mq_cnt_ints = ints;
+        g->mq_cnt_ints = mq_ints;
     }
     if (g->skinny && !g->gemm_f32 && !g->sk_cnt) {
-        /* split-K scratch of the tensor-core GEMV: 4 MB covers every split the picker
-         * makes for 7B-class shapes at 8 rows; larger ones take fewer splits */
-        size_t rows = (size_t)p->n_vocab;
-        const size_t cand[] = {(size_t)g->qkv_dim, 2 * (size_t)p->ffn_dim, (size_t)p->dim};
-        for (int i = 0; i < 3; i++)
-            if (cand[i] > rows)
-                rows = cand[i];
-        g->sk_cnt_ints = m40k_gemm_skinny_counter_ints((int)rows);
-        g->sk_ws_floats = (size_t)1 << 20;
+        /* split-K scratch of the tensor-core GEMV (SK_WS_FLOATS) */
+        g->sk_cnt_ints = m40k_gemm_skinny_counter_ints(gpu_rows_max(g));
+        g->sk_ws_floats = SK_WS_FLOATS;
         if (grow_dev((void **)&g->sk_ws, g->sk_ws_floats * 4) ||
             grow_dev((void **)&g->sk_cnt, g->sk_cnt_ints * sizeof *g->sk_cnt) ||
             cudaMemsetAsync(g->sk_cnt, 0, g->sk_cnt_ints * sizeof *g->sk_cnt, g->stream) != cudaSuccess) {
