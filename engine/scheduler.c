@@ -999,30 +999,28 @@ static void engine_shutdown(m40_engine *e)
     stats_publish(e);
 }
 
+/* The engine could not start: what was loaded goes, the state says FAILED with why. */
+static void *engine_fail_start(m40_engine *e, const char *err)
+{
+    engine_unload(e);
+    pthread_mutex_lock(&e->mu);
+    e->state = M40_ENGINE_FAILED;
+    snprintf(e->load_err, sizeof e->load_err, "%s", err);
+    pthread_mutex_unlock(&e->mu);
+    m40_engine_wake(e);
+    return NULL;
+}
+
 void *m40_engine_thread_main(void *arg)
 {
     m40_engine *e = arg;
     char err[512];
     memcpy(e->tstats.hist_bounds, e->stats.hist_bounds, sizeof e->tstats.hist_bounds);
-    if (engine_load(e, err, sizeof err) != 0) {
-        engine_unload(e);
-        pthread_mutex_lock(&e->mu);
-        e->state = M40_ENGINE_FAILED;
-        snprintf(e->load_err, sizeof e->load_err, "%s", err);
-        pthread_mutex_unlock(&e->mu);
-        m40_engine_wake(e);
-        return NULL;
-    }
+    if (engine_load(e, err, sizeof err) != 0)
+        return engine_fail_start(e, err);
     engine_warmup(e);
-    if (m40_prompt_start(e, err, sizeof err) != 0) {
-        engine_unload(e);
-        pthread_mutex_lock(&e->mu);
-        e->state = M40_ENGINE_FAILED;
-        snprintf(e->load_err, sizeof e->load_err, "%s", err);
-        pthread_mutex_unlock(&e->mu);
-        m40_engine_wake(e);
-        return NULL;
-    }
+    if (m40_prompt_start(e, err, sizeof err) != 0)
+        return engine_fail_start(e, err);
     pthread_mutex_lock(&e->mu);
     e->state = M40_ENGINE_READY;
     e->stats.kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16
