@@ -297,22 +297,20 @@ int m40_cmd_serve(int argc, char **argv)
         put_quoted(f, nm);
     }
     fprintf(f, ";\n    m40_device %s;\n", device);
-    if (threads)
-        fprintf(f, "    m40_threads %s;\n", threads);
-    if (ctx_size)
-        fprintf(f, "    m40_ctx_size %s;\n", ctx_size);
-    if (max_seqs)
-        fprintf(f, "    m40_max_seqs %s;\n", max_seqs);
-    if (max_queue)
-        fprintf(f, "    m40_max_queue %s;\n", max_queue);
-    if (mem_fraction)
-        fprintf(f, "    m40_gpu_memory_fraction %s;\n", mem_fraction);
-    if (prefill_budget)
-        fprintf(f, "    m40_prefill_budget %s;\n", prefill_budget);
-    if (prefill_chunk)
-        fprintf(f, "    m40_prefill_chunk %s;\n", prefill_chunk);
-    if (itl_guard)
-        fprintf(f, "    m40_itl_guard %s;\n", itl_guard);
+    /* the options given, as their directives */
+    const struct {
+        const char *directive, *value;
+    } given[] = {{"m40_threads", threads},
+                 {"m40_ctx_size", ctx_size},
+                 {"m40_max_seqs", max_seqs},
+                 {"m40_max_queue", max_queue},
+                 {"m40_gpu_memory_fraction", mem_fraction},
+                 {"m40_prefill_budget", prefill_budget},
+                 {"m40_prefill_chunk", prefill_chunk},
+                 {"m40_itl_guard", itl_guard}};
+    for (size_t i = 0; i < sizeof given / sizeof given[0]; i++)
+        if (given[i].value)
+            fprintf(f, "    %s %s;\n", given[i].directive, given[i].value);
     fprintf(f, "\n    server {\n        listen %s%s%s:%s;\n        location / {\n            m40_api;\n"
                "        }\n    }\n}\n",
             strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port);

@@ -403,6 +403,21 @@ ngx_http_m40_device(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 }
 
 
+/* The whole of a directive's argument as a number: NGX_OK and *f, or NGX_ERROR for an
+ * empty value, trailing text or a value out of double's range. Configuration arguments
+ * are NUL-terminated. */
+static ngx_int_t
+ngx_http_m40_parse_double(ngx_str_t *v, double *f)
+{
+    char  *end;
+
+    errno = 0;
+    *f = strtod((const char *) v->data, &end);
+
+    return (v->len == 0 || *end != '\0' || errno != 0) ? NGX_ERROR : NGX_OK;
+}
+
+
 /* m40_gpu_memory_fraction F: the share of each GPU's memory its engine may fill
  * (weights, activations and the KV cache that takes the rest), 0 < F <= 1. */
 static char *
@@ -411,7 +426,6 @@ ngx_http_m40_gpu_memory_fraction(ngx_conf_t *cf, ngx_command_t *cmd,
 {
     ngx_http_m40_main_conf_t *mcf = conf;
 
-    char       *end;
     double      f;
     ngx_str_t  *value;
 
@@ -421,10 +435,7 @@ ngx_http_m40_gpu_memory_fraction(ngx_conf_t *cf, ngx_command_t *cmd,
 
     value = cf->args->elts;
 
-    /* configuration arguments are NUL-terminated */
-    errno = 0;
-    f = strtod((const char *) value[1].data, &end);
-    if (value[1].len == 0 || *end != '\0' || errno != 0
+    if (ngx_http_m40_parse_double(&value[1], &f) != NGX_OK
         || !(f > 0.0 && f <= 1.0))
     {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
@@ -449,7 +460,6 @@ ngx_http_m40_itl_guard(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_m40_main_conf_t *mcf = conf;
 
-    char       *end;
     double      f;
     ngx_str_t  *value;
 
@@ -464,10 +474,7 @@ ngx_http_m40_itl_guard(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         return NGX_CONF_OK;
     }
 
-    /* configuration arguments are NUL-terminated */
-    errno = 0;
-    f = strtod((const char *) value[1].data, &end);
-    if (value[1].len == 0 || *end != '\0' || errno != 0
+    if (ngx_http_m40_parse_double(&value[1], &f) != NGX_OK
         || !(f >= 1.0 && f <= 100.0))
     {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
