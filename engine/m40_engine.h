@@ -27,8 +27,6 @@
 
 #include <jansson.h>
 
-#include "sampler.h"
-
 typedef struct m40_engine m40_engine;
 typedef struct m40_request m40_request;
 
@@ -132,6 +130,29 @@ int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len
 /* Reads the eventfd and returns up to cap user pointers (as given to submit) of
  * requests that have unread events. Call until it returns < cap. */
 int m40_engine_ready(m40_engine *e, void **users, int cap);
+
+/* How a request samples its tokens (engine/sampler.h applies them on the CPU, the GPU
+ * sampler the same on the device). Defined here, not in sampler.h, because it is part of
+ * the request's parameters: the public API includes nothing of the engine's internals. */
+typedef struct {
+    float temperature;      /* 0: greedy */
+    int32_t top_k;          /* <= 0: off */
+    float top_p;            /* 1: off */
+    float min_p;            /* 0: off */
+    float repetition_penalty; /* 1: off (divides positive logits, multiplies negative) */
+    float presence_penalty;   /* 0: off */
+    float frequency_penalty;  /* 0: off */
+    int32_t penalty_last_n;   /* window of recent tokens for penalties; <0: all */
+    uint64_t seed;
+    int32_t n_logit_bias;
+    const int32_t *logit_bias_ids;
+    const float *logit_bias_values;
+    int32_t n_top_logprobs;   /* 0..20: how many top alternatives to report */
+    int32_t skip_logprob;     /* 1: the chosen token's logprob is not wanted (reported as NaN;
+                               * saves a pass of exp() over the vocabulary per token) */
+} m40_sampler_params;
+
+void m40_sampler_params_default(m40_sampler_params *p);
 
 typedef struct {
     /* Exactly one of: messages (chat; JSON array of {"role","content"} objects, content

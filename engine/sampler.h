@@ -5,25 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef struct {
-    float temperature;      /* 0: greedy */
-    int32_t top_k;          /* <= 0: off */
-    float top_p;            /* 1: off */
-    float min_p;            /* 0: off */
-    float repetition_penalty; /* 1: off (divides positive logits, multiplies negative) */
-    float presence_penalty;   /* 0: off */
-    float frequency_penalty;  /* 0: off */
-    int32_t penalty_last_n;   /* window of recent tokens for penalties; <0: all */
-    uint64_t seed;
-    int32_t n_logit_bias;
-    const int32_t *logit_bias_ids;
-    const float *logit_bias_values;
-    int32_t n_top_logprobs;   /* 0..20: how many top alternatives to report */
-    int32_t skip_logprob;     /* 1: the chosen token's logprob is not wanted (reported as NaN;
-                               * saves a pass of exp() over the vocabulary per token) */
-} m40_sampler_params;
-
-void m40_sampler_params_default(m40_sampler_params *p);
+#include "m40_engine.h" /* m40_sampler_params: the request's sampling fields are public API */
 
 typedef struct m40_sampler m40_sampler;
 
