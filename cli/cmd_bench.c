@@ -21,8 +21,8 @@
 #include <time.h>
 
 #include "cli.h"
-#include "ggml_types.h"
-#include "model.h"
+#include "ref/ggml_types.h"
+#include "model/model.h"
 
 #define BENCH_DEFAULT_BANDWIDTH_GBS 3020.0 /* H100 80GB HBM3 copy bandwidth, GUIDE.md */
 

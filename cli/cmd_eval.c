@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "cli.h"
-#include "eval.h"
-#include "model.h"
+#include "model/eval.h"
+#include "model/model.h"
 
 static void eval_usage(FILE *f)
 {

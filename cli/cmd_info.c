@@ -5,8 +5,8 @@
 #include <string.h>
 
 #include "cli.h"
-#include "ggml_types.h"
-#include "gguf.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf.h"
 
 /* One value on one line: strings quoted and cut short, arrays summarized with their
  * first items (vocabularies run to 262k entries). */

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "cli.h"
-#include "mkmodel.h"
+#include "gguf/mkmodel.h"
 
 static void mk_usage(FILE *f)
 {

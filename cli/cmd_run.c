@@ -6,9 +6,9 @@
 #include <time.h>
 
 #include "cli.h"
-#include "model.h"
-#include "sampler.h"
-#include "tokenizer.h"
+#include "model/model.h"
+#include "serve/sampler.h"
+#include "tokenizer/tokenizer.h"
 
 static void run_usage(FILE *f)
 {

@@ -10,8 +10,8 @@
 #include <string.h>
 
 #include "cli.h"
-#include "gguf.h"
-#include "tokenizer.h"
+#include "gguf/gguf.h"
+#include "tokenizer/tokenizer.h"
 
 static int tokenize_usage(void)
 {

@@ -47,15 +47,15 @@ if [ -x "$NVCC" ]; then
     (
         set -e
         objs=()
-        for f in engine/quant.c engine/ggml_types.c engine/cpu_ref.c; do
+        for f in kernels/ref/quant.c kernels/ref/ggml_types.c kernels/ref/cpu_ref.c; do
             o="$out/$(basename "$f" .c).o"
-            $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -c "$f" -o "$o"
+            $CC -std=c11 -O2 -g -D_GNU_SOURCE -Ikernels -c "$f" -o "$o"
             objs+=("$o")
         done
         pids=()
         for f in kernels/*.cu; do
             o="$out/$(basename "$f" .cu).o"
-            if [ ! -f "$o" ] || [ "$f" -nt "$o" ] || [ -n "$(find kernels -name '*.h' -newer "$o")" ]; then
+            if [ ! -f "$o" ] || [ "$f" -nt "$o" ] || [ -n "$(find kernels -maxdepth 1 -name '*.h' -newer "$o")" ]; then
                 $NVCC -O3 -std=c++17 $ARCH -Ikernels -c "$f" -o "$o" &
                 pids+=($!)
             fi

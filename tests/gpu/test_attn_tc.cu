@@ -20,10 +20,10 @@
 #include <vector>
 
 extern "C" {
-#include "ggml_types.h"
-#include "quant.h"
+#include "ref/ggml_types.h"
+#include "ref/quant.h"
 }
-#include "cpu_ref.h"
+#include "ref/cpu_ref.h"
 
 #define GPU_CHECK_SEED 0xD1B54A32D192ED03ull
 #include "gpu_check.h"

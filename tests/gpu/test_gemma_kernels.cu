@@ -12,10 +12,10 @@
 #include <vector>
 
 extern "C" {
-#include "ggml_types.h"
-#include "quant.h"
+#include "ref/ggml_types.h"
+#include "ref/quant.h"
 }
-#include "cpu_ref.h"
+#include "ref/cpu_ref.h"
 #include "model_aux.h"
 
 #define GPU_CHECK_SEED 0x2545F4914F6CDD1Dull

@@ -21,10 +21,10 @@
 #include <algorithm>
 
 extern "C" {
-#include "ggml_types.h"
-#include "quant.h"
+#include "ref/ggml_types.h"
+#include "ref/quant.h"
 }
-#include "cpu_ref.h"
+#include "ref/cpu_ref.h"
 
 #define GPU_CHECK_SEED 0x9E3779B97F4A7C15ull
 #include "gpu_check.h"

@@ -31,13 +31,13 @@
 
 #include "check.h"
 #include "engine_jobs.h"
-#include "eval.h"
-#include "ggml_types.h"
-#include "gguf_writer.h"
-#include "quant.h"
+#include "model/eval.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf_writer.h"
+#include "ref/quant.h"
 #include "m40_engine.h"
-#include "model.h"
-#include "tokenizer.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
 
 
 /* ---------- 1. references ---------- */

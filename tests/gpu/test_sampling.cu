@@ -14,7 +14,7 @@
 #include <vector>
 #include <algorithm>
 
-#include "cpu_ref.h"
+#include "ref/cpu_ref.h"
 
 #define GPU_CHECK_SEED 0x243F6A8885A308D3ull
 #include "gpu_check.h"

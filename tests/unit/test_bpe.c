@@ -10,11 +10,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "bpe.h"
+#include "tokenizer/bpe.h"
 #include "check.h"
-#include "gguf.h"
-#include "gguf_writer.h"
-#include "tokenizer.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "tokenizer/tokenizer.h"
 
 #include "bpe_default_cases.h"
 

@@ -6,8 +6,8 @@
 #include <string.h>
 
 #include "check.h"
-#include "cpu_ref.h"
-#include "quant.h"
+#include "ref/cpu_ref.h"
+#include "ref/quant.h"
 
 static uint32_t rs = 12345;
 static float frand(void)

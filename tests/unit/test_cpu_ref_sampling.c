@@ -7,7 +7,7 @@
 #include <stdint.h>
 
 #include "check.h"
-#include "cpu_ref.h"
+#include "ref/cpu_ref.h"
 
 static uint32_t rs = 777;
 static float frand(float lo, float hi)

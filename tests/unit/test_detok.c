@@ -6,8 +6,8 @@
 #include <stdint.h>
 
 #include "check.h"
-#include "gguf.h"
-#include "tokenizer.h"
+#include "gguf/gguf.h"
+#include "tokenizer/tokenizer.h"
 
 #define FFFD "\xef\xbf\xbd"
 

@@ -10,8 +10,8 @@
 #include "check.h"
 #include "engine_jobs.h"
 #include "m40_engine.h"
-#include "model.h"
-#include "tokenizer.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
 
 
 /* ---------- reference: a plain greedy loop ---------- */

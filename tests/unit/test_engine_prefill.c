@@ -15,8 +15,8 @@
 #include "check.h"
 #include "engine_jobs.h"
 #include "m40_engine.h"
-#include "model.h"
-#include "tokenizer.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 static uint32_t rnd(void)

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "engine_impl.h" /* m40_engine_set_tokenize_hook: the test seam */
+#include "serve/engine_impl.h" /* m40_engine_set_tokenize_hook: the test seam */
 #include "engine_jobs.h"
 #include "m40_engine.h"
 

@@ -13,10 +13,10 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "ggml_types.h"
-#include "gguf_writer.h"
-#include "model.h"
-#include "tokenizer.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf_writer.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
 
 enum { DIM = 32, HEADS = 2, KV_HEADS = 1, HD = 24, FFN = 48, LAYERS = 3, WINDOW = 3, SEQ = 9 };
 #define GLOBAL_BASE 100.0

@@ -11,9 +11,9 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "ggml_types.h"
-#include "gguf.h"
-#include "gguf_writer.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
 
 /* ---------- helpers ---------- */
 

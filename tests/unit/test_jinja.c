@@ -9,7 +9,7 @@
 #include <jansson.h>
 
 #include "check.h"
-#include "jinja.h"
+#include "template/jinja.h"
 
 static char err[512];
 

@@ -16,7 +16,7 @@
 #include <jansson.h>
 
 #include "check.h"
-#include "jinja.h"
+#include "template/jinja.h"
 
 #define FIXED_NOW 1721952000 /* 2024-07-26 00:00:00 UTC, as in render.py */
 

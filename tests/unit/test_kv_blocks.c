@@ -4,7 +4,7 @@
  * (hash collision, use after eviction, write into a shared block) shows up as a wrong
  * token at some computed position. */
 #include "check.h"
-#include "kv_blocks.h"
+#include "kv/kv_blocks.h"
 
 #include <stdint.h>
 

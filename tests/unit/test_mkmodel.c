@@ -11,11 +11,11 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "ggml_types.h"
-#include "gguf.h"
-#include "mkmodel.h"
-#include "model.h"
-#include "tokenizer.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf.h"
+#include "gguf/mkmodel.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
 
 static char dir[64];
 

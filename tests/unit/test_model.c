@@ -6,10 +6,10 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "eval.h"
-#include "ggml_types.h"
-#include "gguf_writer.h"
-#include "model.h"
+#include "model/eval.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf_writer.h"
+#include "model/model.h"
 
 /* Every model, F16 ones included: the forward pass rounds matmul inputs to F16 exactly
  * where the reference does (see rounds_input_to_f16 in engine/model.c). */

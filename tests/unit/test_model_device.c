@@ -7,7 +7,7 @@
 
 #include "check.h"
 #include "m40_engine.h"
-#include "model.h"
+#include "model/model.h"
 
 int main(void)
 {

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #include "check.h"
-#include "prefill_policy.h"
+#include "serve/prefill_policy.h"
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint32_t rnd(void)

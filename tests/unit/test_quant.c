@@ -14,9 +14,9 @@
 #include <string.h>
 
 #include "check.h"
-#include "ggml_types.h"
-#include "gguf.h"
-#include "quant.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf.h"
+#include "ref/quant.h"
 
 /* ------------------------------------------------------------- random */
 

@@ -4,7 +4,7 @@
 #include <stdint.h>
 
 #include "check.h"
-#include "sampler.h"
+#include "serve/sampler.h"
 
 #define V 1000
 

@@ -3,7 +3,7 @@
 #include <stdatomic.h>
 
 #include "check.h"
-#include "threadpool.h"
+#include "util/threadpool.h"
 
 #define MAX_TASKS 1000
 

@@ -13,10 +13,10 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "gguf.h"
-#include "gguf_writer.h"
-#include "spm.h"
-#include "tokenizer.h"
+#include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
+#include "tokenizer/spm.h"
+#include "tokenizer/tokenizer.h"
 
 #define SEP "\n__ggml_vocab_test__\n"
 

@@ -4,9 +4,9 @@
 #include <stdint.h>
 
 #include "model_internal.h"
-#include "quant.h"
-#include "threadpool.h"
-#include "ggml_types.h"
+#include "ref/quant.h"
+#include "util/threadpool.h"
+#include "ref/ggml_types.h"
 
 typedef struct {
     const m40_matrix *w;

@@ -15,7 +15,7 @@
  *
  * Built without CUDA (no M40_HAVE_CUDA), the entry points fail with a clear message. */
 #include "model_gpu.h"
-#include "model_internal.h"
+#include "model/model_internal.h"
 
 #include <stdio.h>
 #include <string.h>

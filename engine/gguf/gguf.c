@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "ggml_types.h"
+#include "ref/ggml_types.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32
 /* Real files nest at most 2 deep; the bound keeps a hostile file from recursing the

@@ -7,8 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gguf.h"
-#include "tokenizer.h"
+#include "gguf/gguf.h"
+#include "tokenizer/tokenizer.h"
 
 typedef struct {
     char arch[32];          /* "llama", "qwen2" */

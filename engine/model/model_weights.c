@@ -3,9 +3,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "ggml_types.h"
+#include "ref/ggml_types.h"
 #include "model_internal.h"
-#include "quant.h"
+#include "ref/quant.h"
 
 void m40_set_err(char *err, size_t errlen, const char *fmt, ...)
 {

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ggml_types.h"
+#include "ref/ggml_types.h"
 
 #define WRITER_DEFAULT_ALIGNMENT 32
 

@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../kernels/kernels.h"
+#include "../kernels.h"
 
 #ifdef __cplusplus
 extern "C" {

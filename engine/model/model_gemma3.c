@@ -39,13 +39,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ggml_types.h"
-#include "gguf.h"
+#include "ref/ggml_types.h"
+#include "gguf/gguf.h"
 #include "model.h"
-#include "model_gpu.h"
+#include "gpu/model_gpu.h"
 #include "model_internal.h"
-#include "quant.h"
-#include "threadpool.h"
+#include "ref/quant.h"
+#include "util/threadpool.h"
 
 /* The entry points model.c calls (declared there the same way). */
 typedef struct m40_gemma3 m40_gemma3;

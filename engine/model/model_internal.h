@@ -6,8 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gguf.h"
-#include "model_gpu.h"
+#include "gguf/gguf.h"
+#include "gpu/model_gpu.h"
 
 /* printf into err (when err and errlen are set). */
 void m40_set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -15,12 +15,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ggml_types.h"
-#include "kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
-#include "model_gpu.h"
+#include "ref/ggml_types.h"
+#include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
+#include "gpu/model_gpu.h"
 #include "model_internal.h"
-#include "quant.h"
-#include "threadpool.h"
+#include "ref/quant.h"
+#include "util/threadpool.h"
 
 /* Gemma 3 has its own weights and forward pass in model_gemma3.c; this object keeps
  * the GGUF, tokenizer, params, thread pool and KV cache layout for it. */

@@ -5,7 +5,7 @@
 #define M40_MODEL_CUDA_INT_H
 
 #include "model_gpu.h"
-#include "model_internal.h"
+#include "model/model_internal.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -14,11 +14,11 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "ggml_types.h"
+#include "ref/ggml_types.h"
 #include "kernels.h"
-#include "kv_blocks.h"
+#include "kv/kv_blocks.h"
 #include "model_aux.h"
-#include "quant.h"
+#include "ref/quant.h"
 
 /* A weight matrix on the device. */
 typedef struct {

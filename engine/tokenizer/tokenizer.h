@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gguf.h"
+#include "gguf/gguf.h"
 
 typedef struct m40_tokenizer m40_tokenizer;
 

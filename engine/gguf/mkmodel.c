@@ -19,10 +19,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ggml_types.h"
+#include "ref/ggml_types.h"
 #include "gguf.h"
-#include "quant.h"
-#include "threadpool.h"
+#include "ref/quant.h"
+#include "util/threadpool.h"
 
 #define MK_ALIGNMENT 32
 #define MK_CHUNK_ELEMS (1 << 18) /* elements generated per task: 1 MB of floats per thread */

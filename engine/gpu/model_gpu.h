@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "model.h"
+#include "model/model.h"
 
 /* A weight matrix in GGUF layout: `rows` rows (ne[1], the output dim) of `cols`
  * elements (ne[0], the input dim), row r at data + r * row_bytes. */

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gguf.h"
+#include "gguf/gguf.h"
 
 typedef struct m40_bpe m40_bpe;
 

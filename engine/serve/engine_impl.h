@@ -28,12 +28,12 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#include "jinja.h"
+#include "template/jinja.h"
 #include "m40_engine.h"
-#include "model.h"
+#include "model/model.h"
 #include "prefill_policy.h"
 #include "sampler.h"
-#include "tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #define M40_MAX_STOP 4
 /* One more stop than the caller may give: the fallback chat template adds its own

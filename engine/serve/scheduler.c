@@ -42,7 +42,7 @@
  * cached until evicted) and recomputes little; a finished or cancelled one leaves its
  * full blocks to later requests. */
 #include "engine_impl.h"
-#include "kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
+#include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
 
 #include <math.h>
 #include <stdio.h>
