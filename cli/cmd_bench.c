@@ -1,4 +1,4 @@
-/* m40 bench: prefill and decode throughput of the forward pass (engine/model.h), with
+/* m40 bench: prefill and decode throughput of the forward pass (engine/model/model.h), with
  * no scheduler, HTTP or sampling in the way.
  *
  * Prefill: --prompt-len random token ids run through a fresh KV slot, one forward call

@@ -1,4 +1,4 @@
-/* `m40 mkmodel`: a synthetic GGUF in the shape of a real model (engine/mkmodel.h says
+/* `m40 mkmodel`: a synthetic GGUF in the shape of a real model (engine/gguf/mkmodel.h says
  * what the weights, types and vocabulary are). */
 #include <errno.h>
 #include <inttypes.h>

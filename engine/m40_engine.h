@@ -67,7 +67,7 @@ typedef struct {
  * longer than that share the pool: when it runs short, the youngest running sequence
  * is preempted and recomputed later (its output so far stays sent). */
 #define M40_DEFAULT_MAX_QUEUE 1024
-/* Prompt tokens a step (engine/prefill_policy.h says how they are shared). Per sequence:
+/* Prompt tokens a step (engine/serve/prefill_policy.h says how they are shared). Per sequence:
  * a long prompt shares the step with the prompts behind it. All sequences together:
  * 512 by default, on the GPU too, and no ITL guard by default: on an H100 with a 7B F16
  * model at 64 streams (BENCHMARKS.md, thirteenth session) a budget of 2048 raised the
@@ -131,7 +131,7 @@ int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len
  * requests that have unread events. Call until it returns < cap. */
 int m40_engine_ready(m40_engine *e, void **users, int cap);
 
-/* How a request samples its tokens (engine/sampler.h applies them on the CPU, the GPU
+/* How a request samples its tokens (engine/serve/sampler.h applies them on the CPU, the GPU
  * sampler the same on the device). Defined here, not in sampler.h, because it is part of
  * the request's parameters: the public API includes nothing of the engine's internals. */
 typedef struct {
@@ -252,7 +252,7 @@ typedef struct {
     double forward_seconds;
     double sample_seconds;
     double schedule_seconds;
-    /* The ITL guard (engine/prefill_policy.h): steps in which it held prompt tokens back,
+    /* The ITL guard (engine/serve/prefill_policy.h): steps in which it held prompt tokens back,
      * the steps among them that carried none so that a decode-only step was measured,
      * and its current estimate of a decode-only step of the running sequences (0 when
      * nothing decodes). */

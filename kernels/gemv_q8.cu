@@ -71,7 +71,7 @@
  * batch 1 had a 64-register instance of 8 blocks an SM for rows of K <= 4096: 32 warps,
  * twice the bytes in flight; four rows a warp, gq_rows, replaced it.)
  *
- * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in engine/cpu_ref.c) writes the
+ * The CPU twin (m40_ref_quantize_q8 / m40_ref_gemv_q8 in kernels/ref/cpu_ref.c) writes the
  * same workspace bytes and forms the same integer dots and the same per-group F32
  * terms; only the order of the F32 additions differs. */
 #include <string.h>

@@ -4,7 +4,7 @@
  * wrapper launches asynchronously on `stream` and returns the launch status as a
  * cudaError_t value (0 = cudaSuccess; cudaErrorInvalidValue = 1 for a shape the kernel
  * does not handle). Each function has a CPU twin with the same semantics in
- * engine/cpu_ref.h (m40_ref_*); tests/gpu/test_kernels.cu compares the two.
+ * kernels/ref/cpu_ref.h (m40_ref_*); tests/gpu/test_kernels.cu compares the two.
  *
  * Conventions:
  *  - F16 data is IEEE binary16 stored as uint16_t; F32 accumulation everywhere.
@@ -291,7 +291,7 @@ int m40k_gemv(const void *w, int w_type, int N, int K, const float *x, int64_t x
  *   m40k_gemv_q8: y[b*y_stride + n] = sum over the weight's scale groups of
  *     scale * (d1 * sum(w_int * q1) + d2 * sum(w_int * q2)) minus the offset terms
  *     (Q4_0: 8*d_w*s; Q4_K: dmin*m*s), all in F32 (the exact definition:
- *     m40_ref_gemv_q8 in engine/cpu_ref.c), for the ws written by m40k_quantize_q8 with
+ *     m40_ref_gemv_q8 in kernels/ref/cpu_ref.c), for the ws written by m40k_quantize_q8 with
  *     the same K, batch. K a multiple of 32 (256 for the K-quants and Q8_0_G8, 2048 for
  *     Q6_K_G8), W 16-byte aligned
  *     (rows packed as for m40k_gemv; other alignments: use m40k_gemv). Never reads past
@@ -330,7 +330,7 @@ int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int typ
  * x_out's RMSNorm r = x_out * rsqrt(mean(x_out^2) + eps) * norm_w it is W' . r, the
  * quantization taken before the scale instead of after it (the same relative error).
  * Every block of the consumer sums ss in one fixed order: one factor for all rows.
- * Twins: m40_ref_gemv_q8_add_norm and m40_ref_norm_factor (engine/cpu_ref.h). Types and
+ * Twins: m40_ref_gemv_q8_add_norm and m40_ref_norm_factor (kernels/ref/cpu_ref.h). Types and
  * K as m40k_gemv_q8. */
 int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x, float *x_out,
                           const float *norm_w, void *xq_out, float *ss_out, m40k_stream stream);
@@ -443,7 +443,7 @@ int m40k_gemv_q8_argmax(const void *w, int w_type, int N, int K, const void *ws,
 
 /* 9b. Full sampling, batched: one block per sequence s over logits row s
  * (logits + s*stride, n_vocab <= 2^23 entries, modified in place: logit bias and
- * penalties are applied to it), with the CPU sampler's order (engine/sampler.c):
+ * penalties are applied to it), with the CPU sampler's order (engine/serve/sampler.c):
  *   logit bias -> penalties -> [logprobs: log-softmax at temperature 1] ->
  *   temperature -> top-k -> top-p -> min-p -> draw.
  * Rank order is (logit descending, id ascending); NaN counts as -inf and -0 as +0.

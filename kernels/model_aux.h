@@ -1,4 +1,4 @@
-/* Small CUDA helpers of the GPU forward pass (engine/model_cuda_fwd.c) that the kernel
+/* Small CUDA helpers of the GPU forward pass (engine/gpu/model_cuda_fwd.c) that the kernel
  * families of kernels.h do not cover: type conversion, bias broadcast, row gather, and a
  * plain paged attention for the shapes the tuned kernels reject (head_dim other than
  * 64/128/256, or more than 8 query heads per KV head). Same conventions as kernels.h:
@@ -29,7 +29,7 @@ int m40k_gather_rows(float *dst, int64_t dst_stride, const float *src, int64_t s
  * attends to positions 0..row_pos[i] of that sequence's pages (CSR indptr/indices,
  * layout [block][kv_head][16][head_dim] F16). One block of 128 threads per (row, head),
  * online softmax over chunks of 128 positions. Slow but shape-agnostic. The CPU twins of
- * this file's kernels are in engine/cpu_ref.c (m40_ref_attn_generic_window, ...),
+ * this file's kernels are in kernels/ref/cpu_ref.c (m40_ref_attn_generic_window, ...),
  * compared in tests/gpu/test_gemma_kernels.cu. */
 int m40k_attn_generic(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *row_seq,
                       const int32_t *row_pos, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,

@@ -1,5 +1,5 @@
 /* Device-side dequantization of 8 consecutive elements of a GGUF-typed row, shared by
- * the embedding gather and the GEMV. Same block layouts as engine/quant.c:
+ * the embedding gather and the GEMV. Same block layouts as kernels/ref/quant.c:
  *   Q8_0 (34 B / 32):  d f16 | qs[32] int8
  *   Q4_0 (18 B / 32):  d f16 | qs[16]  (element j: low nibble of qs[j], j+16: high)
  *   Q4_1 (20 B / 32):  d f16 | m f16 | qs[16]  (w = d*q + m)

@@ -39,7 +39,7 @@ int m40_model_load(const char *path, int n_threads, m40_model **out, char *err, 
 /* Loading options. device < 0: the CPU backend; device N >= 0: every weight is
  * uploaded once to CUDA device N (mmap -> pinned staging -> device) and forward calls
  * run there with GPU-resident activations and a paged F16 KV cache (llama, qwen2;
- * engine/model_cuda.c). log_progress: upload progress lines on stderr. */
+ * engine/gpu/model_cuda.c). log_progress: upload progress lines on stderr. */
 typedef struct {
     int n_threads;
     int device;
@@ -118,7 +118,7 @@ void m40_kv_slot_clear(m40_kv *kv, int32_t slot);
 int32_t m40_kv_pool_blocks(const m40_kv *kv);
 int32_t m40_kv_pool_free_blocks(const m40_kv *kv);
 
-/* Automatic prefix caching (GPU pool; engine/kv_blocks.h has the design). Full 16-token
+/* Automatic prefix caching (GPU pool; engine/kv/kv_blocks.h has the design). Full 16-token
  * blocks whose KV has been computed stay registered under the hash of their whole
  * token prefix, also after their sequence ends (idle, evicted least recently used when
  * the pool runs short), and a new sequence can start on them instead of recomputing.

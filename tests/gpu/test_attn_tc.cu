@@ -1,5 +1,5 @@
 /* Tensor-core prefill attention (kernels/attn_prefill_tc.cu) against its CPU twin
- * (m40_ref_attn_prefill_window, engine/cpu_ref.c) and the SIMT kernel on random inputs:
+ * (m40_ref_attn_prefill_window, kernels/ref/cpu_ref.c) and the SIMT kernel on random inputs:
  * head dims 64/128/256, GQA groups 1/4/8 (and 7), new-token counts 1..513 after cached
  * prefixes 0..1000, several sequences per batch on shuffled physical blocks whose unused
  * slots hold NaN bit patterns, odd strides, sharp softmax, sliding windows. Tolerance:

@@ -1,4 +1,4 @@
-/* Gemma 3's kernels against their CPU twins (engine/cpu_ref.c) on random inputs:
+/* Gemma 3's kernels against their CPU twins (kernels/ref/cpu_ref.c) on random inputs:
  *   - the sliding-window attention variants (decode with and without splits, prefill,
  *     and the shape-agnostic generic kernel), windows from 1 to longer than the context;
  *   - per-head RMSNorm, scale and logit soft-capping (kernels/model_aux.h).

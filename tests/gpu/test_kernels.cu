@@ -1,4 +1,4 @@
-/* GPU kernels vs their CPU twins (engine/cpu_ref.c) on random inputs with odd sizes.
+/* GPU kernels vs their CPU twins (kernels/ref/cpu_ref.c) on random inputs with odd sizes.
  *   test_kernels          run every comparison; ends with "N passed, N failed, N skipped"
  *   test_kernels --bench  also time the GEMVs (m40k_gemv, and m40k_gemv_q8 for the
  *                         quantized types) on 4096x14336 and 14336x4096 matrices of each

@@ -1,4 +1,4 @@
-/* The GPU forward pass (engine/model_cuda_fwd.c) and the engine on a GPU, on the shared
+/* The GPU forward pass (engine/gpu/model_cuda_fwd.c) and the engine on a GPU, on the shared
  * test models (run by tests/gpu/run.sh on a GPU host; skips without a GPU):
  *   1. every model with a reference (../shared/models/ref/<model>.json) agrees with it
  *      within 5e-2 in log-probability, tokenization identical;

@@ -4,7 +4,7 @@
 A byte-level BPE GGUF without `tokenizer.ggml.pre` (ggml-vocab-gpt-neox.gguf in
 ../shared/tokenizer is one) is tokenized by llama.cpp, and so by Ollama, with its
 "default" pre-tokenizer. ../shared has no .inp/.out cases for such a file, so this
-script derives them from the definition, sharing no code with engine/bpe.c:
+script derives them from the definition, sharing no code with engine/tokenizer/bpe.c:
 
   1. user-defined tokens (token_type 4: NeoX's whitespace runs) are cut out of the
      text first, longest token first, as llama.cpp does even when special tokens are

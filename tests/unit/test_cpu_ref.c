@@ -1,4 +1,4 @@
-/* CPU twins of the CUDA kernels (engine/cpu_ref.c) against direct formulas: paged
+/* CPU twins of the CUDA kernels (kernels/ref/cpu_ref.c) against direct formulas: paged
  * attention equals naive contiguous attention, prefill's last row equals decode, the KV
  * append lands where the page table says, RoPE matches the rotation formula, sliding
  * windows (Gemma 3) restrict attention to the last `window` positions. */

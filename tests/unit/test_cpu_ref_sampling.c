@@ -1,6 +1,6 @@
-/* The sampling twin m40_ref_sample (engine/cpu_ref.c, the definition m40k_sample must
+/* The sampling twin m40_ref_sample (kernels/ref/cpu_ref.c, the definition m40k_sample must
  * match bit for bit) against direct formulas: its exp against exp(), greedy = argmax,
- * top-k / top-p / min-p keep exactly the sets engine/sampler.c documents, the draw
+ * top-k / top-p / min-p keep exactly the sets engine/serve/sampler.c documents, the draw
  * follows the softmax at temperature T, seeds and steps reproduce, penalties and bias
  * touch only their tokens, logprobs and top-n are the log-softmax in rank order. */
 #include <math.h>

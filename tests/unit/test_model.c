@@ -12,7 +12,7 @@
 #include "model/model.h"
 
 /* Every model, F16 ones included: the forward pass rounds matmul inputs to F16 exactly
- * where the reference does (see rounds_input_to_f16 in engine/model.c). */
+ * where the reference does (see rounds_input_to_f16 in engine/model/model.c). */
 #define TOL 1e-3
 
 static void test_reference(const char *dir, const char *name)

@@ -1,4 +1,4 @@
-/* The prefill policy (engine/prefill_policy.c) on synthetic step timings: the fits, the
+/* The prefill policy (engine/serve/prefill_policy.c) on synthetic step timings: the fits, the
  * per-step plan (every decode row kept, the prompt budget split oldest first, chunk and
  * budget limits), the ITL guard (it shrinks chunks as a prompt's context grows and lets
  * them grow back, never starves the oldest prompt, probes the decode-only time), and two

@@ -5,7 +5,7 @@
  * The hand-built blocks are made in the ENCODING direction: the test picks the
  * integer levels and scales it wants, packs them into bytes following the format
  * description, and expects the decoder to give back d*sc*q - dmin*m. The packing
- * here is written independently of the decoder in engine/quant.c, and a few
+ * here is written independently of the decoder in kernels/ref/quant.c, and a few
  * literal byte patterns with hand-computed values pin the layout further. */
 #include <math.h>
 #include <stdint.h>
