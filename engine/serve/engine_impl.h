@@ -230,11 +230,39 @@ void m40_engine_set_tokenize_hook(m40_engine *e, void (*fn)(void *ctx, void *use
 int m40_prompt_start(m40_engine *e, char *err, size_t errlen);
 void m40_prompt_stop(m40_engine *e);
 
-/* scheduler.c: an automatic max_seqs on a GPU (m40_engine.h): the sequences of
+/* The engine thread, in four files by job; everything below runs on it alone.
+ * engine_thread.c: an automatic max_seqs on a GPU (m40_engine.h): the sequences of
  * M40_AUTO_SEQ_TOKENS (or ctx when shorter) that kv_blocks blocks hold, 1 to
  * M40_AUTO_MAX_SEQS. */
 int32_t m40_auto_max_seqs(int64_t kv_blocks, int32_t block_size, int32_t ctx);
-/* scheduler.c: the engine thread's body. */
+/* engine_thread.c: the engine thread's body. */
 void *m40_engine_thread_main(void *arg);
+
+/* admission.c: cancel the sequences whose submitter released them (no event: nobody
+ * listens), then fill free slots from the admission queue. */
+void m40_cancel_released(m40_engine *e);
+void m40_admit_queued(m40_engine *e);
+/* The oldest queued request, taken off the queue and now the engine's (NULL when the
+ * queue is empty). Under e->mu. */
+m40_request *m40_queue_pop_locked(m40_engine *e);
+/* Error before a slot was taken: answer and drop the engine's reference now. */
+void m40_admit_fail(m40_engine *e, m40_request *r, int status, const char *msg);
+
+/* scheduler.c: one step (build the batch, make room in the KV pool, forward, hand
+ * each new token to m40_sequence_advance). */
+void m40_run_step(m40_engine *e);
+
+/* output.c: a slot's buffers freed and zeroed. */
+void m40_slot_clear(m40_slot *s);
+/* Ends the sequence in slot i: its KV blocks go back now, its engine reference after
+ * this step's notification (m40_step_flush). */
+void m40_slot_finish(m40_engine *e, int32_t i);
+void m40_push_error(m40_engine *e, m40_request *r, int http_status, const char *msg);
+void m40_push_done(m40_engine *e, m40_slot *s, m40_finish finish);
+/* Notifies the requests that got events this step, then drops finished ones. */
+void m40_step_flush(m40_engine *e);
+/* Slot i's newest logits (or the token the model `picked` when logits is NULL):
+ * sample, detokenize, stop strings, finish conditions, events. */
+void m40_sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picked);
 
 #endif
