@@ -1,5 +1,5 @@
-/* Private to the GPU back end (model_cuda.c: load and free; model_cuda_fwd.c: the KV
- * pool and the forward pass): the device-side structures both work on. Only included
+/* Private to the GPU back end (model_cuda.c: load and free; gpu_kv.c: the KV pool;
+ * model_cuda_fwd.c: the forward pass): the device-side structures they work on. Only included
  * when building with CUDA (M40_HAVE_CUDA). */
 #ifndef M40_MODEL_CUDA_INT_H
 #define M40_MODEL_CUDA_INT_H
@@ -156,6 +156,10 @@ static inline int gemm_q_takes(const m40_gpu *g, const gmat *w, int32_t n)
 
 /* Destroys every decode-step graph (model_cuda_fwd.c). */
 void m40_gpu_graphs_free(m40_gpu *g);
+/* Device bytes that forward calls of up to max_rows token rows, max_out of them with
+ * logits, allocate on top of what is resident at load (model_cuda_fwd.c, beside the
+ * scratch it estimates): the KV pool (gpu_kv.c) keeps them out of its share. */
+size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max_rows, int32_t max_out);
 
 struct m40_gpu_kv {
     m40_gpu *g;
@@ -173,5 +177,8 @@ struct m40_gpu_kv {
     int32_t *toks_cap;
     m40_kv_pool_info info; /* the memory accounting it was sized by (m40_gpu_kv_new) */
 };
+
+/* Room for n token ids in slot's token record (gpu_kv.c). -1 when out of memory. */
+int m40_gpu_kv_toks_reserve(m40_gpu_kv *kv, int32_t slot, int32_t n);
 
 #endif
