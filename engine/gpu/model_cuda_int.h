@@ -154,6 +154,40 @@ static inline int gemm_q_takes(const m40_gpu *g, const gmat *w, int32_t n)
     return gemm_q_reads(g, w) && (g->gemm_q_rows <= 0 || n <= g->gemm_q_rows);
 }
 
+/* A CUDA call or kernel launch inside a function with g, err and errlen in scope: on
+ * failure err names the call and the function returns -1. */
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        int rc_ = (call);                                                                                              \
+        if (rc_ != 0) {                                                                                                \
+            m40_set_err(err, errlen, "gpu %d: %s failed: %s", g->device, #call, cudaGetErrorString((cudaError_t)rc_));    \
+            return -1;                                                                                                 \
+        }                                                                                                              \
+    } while (0)
+
+/* (Re)allocates device memory, contents lost: grown scratch never needs its old data. */
+static inline int grow_dev(void **p, size_t bytes)
+{
+    cudaFree(*p);
+    *p = NULL;
+    return cudaMalloc(p, bytes + 256) == cudaSuccess ? 0 : -1;
+}
+
+/* What a step's device work depends on, besides the model: sizes, the attention
+ * choice and the device tables (m40_gpu_plan_step builds it). */
+typedef struct {
+    int32_t n, n_dec, n_grp, n_out;
+    int tuned, splits, splits_local;
+    const int32_t *d_tok, *d_pos, *d_rs, *d_qi, *d_ip, *d_lpl, *d_out, *d_idx;
+    uint64_t *d_key; /* the greedy pick folded into the head (kernels.h 9c), or NULL */
+} step_plan;
+
+/* step_plan.c: the step's row groups, KV blocks, device tables and attention splits
+ * (d_key left NULL for the caller). 0, -1 with err, or M40_FORWARD_NO_BLOCKS when the
+ * pool lacks the blocks. */
+int m40_gpu_plan_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
+                      size_t errlen);
+
 /* Destroys every decode-step graph (model_cuda_fwd.c). */
 void m40_gpu_graphs_free(m40_gpu *g);
 /* Device bytes that forward calls of up to max_rows token rows, max_out of them with
