@@ -1,5 +1,6 @@
 /* Helpers shared by the model backends (model.c, model_gemma3.c, model_cuda.c) and
- * eval.c: error messages and validated views of GGUF weight tensors. Not public API. */
+ * eval.c: validated views of GGUF weight tensors (and, through util/err.h, error
+ * messages). Not public API. */
 #ifndef M40_MODEL_INTERNAL_H
 #define M40_MODEL_INTERNAL_H
 
@@ -8,9 +9,7 @@
 
 #include "gguf/gguf.h"
 #include "gpu/model_gpu.h"
-
-/* printf into err (when err and errlen are set). */
-void m40_set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+#include "util/err.h" /* m40_set_err */
 
 /* The tensor `name`, which must exist and have a type the CPU backend supports. */
 const m40_gguf_tensor *m40_weight_tensor(const m40_gguf *g, const char *name, char *err, size_t errlen);

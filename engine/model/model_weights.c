@@ -1,21 +1,10 @@
 /* Shared helpers of the model backends: see model_internal.h. */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "ref/ggml_types.h"
 #include "model_internal.h"
 #include "ref/quant.h"
-
-void m40_set_err(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
 
 const m40_gguf_tensor *m40_weight_tensor(const m40_gguf *g, const char *name, char *err, size_t errlen)
 {
