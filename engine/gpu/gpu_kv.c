@@ -1,7 +1,7 @@
 /* The GPU back end's paged KV pool: sized from the card's memory once the weights are
  * loaded (what gpu_memory_fraction leaves after everything in use and the activation
- * reserve of model_cuda_fwd.c), K and V in device memory, the blocks handed out by the
- * kv/ block manager, and the prefix cache's token records. */
+ * reserve of model_cuda_fwd.c) and K and V in device memory. Which block holds what is
+ * kv/'s (paged_kv.c): this file sizes the pool and makes it. */
 #ifdef M40_HAVE_CUDA
 
 #include "model_cuda_int.h"
@@ -77,24 +77,12 @@ m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_k
                     (int)nb, kv->info.pool / 1073741824.0, cudaGetErrorString(ce));
         goto fail;
     }
-    m40_kv_blocks_params bp;
-    m40_kv_blocks_params_default(&bp, kv->n_blocks);
-    bp.block_size = M40K_PAGE;
     const char *pc = getenv("M40_PREFIX_CACHE"); /* "0": off (test and benchmark seam) */
-    bp.prefix_cache = kv->prefix_cache = !(pc && strcmp(pc, "0") == 0);
-    kv->mgr = m40_kv_blocks_new(&bp);
-    kv->seqs = calloc((size_t)n_slots, sizeof *kv->seqs);
-    kv->toks = calloc((size_t)n_slots, sizeof *kv->toks);
-    kv->toks_cap = calloc((size_t)n_slots, sizeof *kv->toks_cap);
-    if (!kv->mgr || !kv->seqs || !kv->toks || !kv->toks_cap) {
+    kv->pool = m40_paged_kv_new(n_slots, kv->n_blocks, M40K_PAGE, !(pc && strcmp(pc, "0") == 0));
+    if (!kv->pool) {
         m40_set_err(err, errlen, "out of memory for the KV block tables (%d blocks)", (int)nb);
         goto fail;
     }
-    for (int32_t i = 0; i < n_slots; i++)
-        if (!(kv->seqs[i] = m40_kv_seq_new(kv->mgr))) {
-            m40_set_err(err, errlen, "out of memory for the KV block tables (%d slots)", (int)n_slots);
-            goto fail;
-        }
     return kv;
 fail:
     m40_gpu_kv_free(kv);
@@ -110,75 +98,15 @@ void m40_gpu_kv_free(m40_gpu_kv *kv)
     cudaSetDevice(kv->g->device);
     cudaStreamSynchronize(kv->g->stream);
     m40_gpu_graphs_free(kv->g); /* they read this pool */
-    if (kv->seqs)
-        for (int32_t i = 0; i < kv->n_slots; i++)
-            m40_kv_seq_free(kv->seqs[i]);
-    free(kv->seqs);
-    m40_kv_blocks_free(kv->mgr);
+    m40_paged_kv_free(kv->pool);
     cudaFree(kv->k);
     cudaFree(kv->v);
     free(kv->csr_indptr);
     free(kv->csr_lpl);
     free(kv->csr_indices);
-    if (kv->toks)
-        for (int32_t i = 0; i < kv->n_slots; i++)
-            free(kv->toks[i]);
-    free(kv->toks);
-    free(kv->toks_cap);
     free(kv);
 }
 
-void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot)
-{
-    if (slot >= 0 && slot < kv->n_slots)
-        m40_kv_seq_reset(kv->seqs[slot]);
-}
-
-int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv) { return kv->n_blocks; }
-int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv) { return m40_kv_blocks_n_available(kv->mgr); }
-
-/* Room for n token ids in slot's token record. -1 when out of memory. */
-int m40_gpu_kv_toks_reserve(m40_gpu_kv *kv, int32_t slot, int32_t n)
-{
-    if (n <= kv->toks_cap[slot])
-        return 0;
-    int32_t cap = kv->toks_cap[slot] > 0 ? kv->toks_cap[slot] : 64;
-    while (cap < n)
-        cap = cap > INT32_MAX / 2 ? n : cap * 2;
-    int32_t *t = realloc(kv->toks[slot], (size_t)cap * sizeof *t);
-    if (!t)
-        return -1;
-    kv->toks[slot] = t;
-    kv->toks_cap[slot] = cap;
-    return 0;
-}
-
-int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv) { return kv->prefix_cache; }
-
-int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n)
-{
-    if (slot < 0 || slot >= kv->n_slots || n <= 0 || m40_kv_seq_len(kv->seqs[slot]) != 0)
-        return 0;
-    /* The record must hold the matched tokens before later commits read it; sized for
-     * the whole prompt, which the coming prefill needs anyway. */
-    if (kv->prefix_cache && m40_gpu_kv_toks_reserve(kv, slot, n) != 0)
-        return 0;
-    int32_t got = m40_kv_seq_match_prefix(kv->seqs[slot], tokens, n);
-    if (got <= 0)
-        return 0;
-    memcpy(kv->toks[slot], tokens, (size_t)got * sizeof *tokens);
-    return got;
-}
-
-void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens)
-{
-    m40_kv_cache_stats st;
-    m40_kv_blocks_stats(kv->mgr, &st);
-    *queries = st.queries;
-    *query_tokens = st.query_tokens;
-    *hit_tokens = st.hit_tokens;
-}
-
-void m40_gpu_kv_prefix_forget(m40_gpu_kv *kv) { m40_kv_blocks_drop_idle(kv->mgr); }
+m40_paged_kv *m40_gpu_kv_pool(m40_gpu_kv *kv) { return kv->pool; }
 
 #endif /* M40_HAVE_CUDA */

@@ -60,21 +60,11 @@ void m40_gpu_kv_pool_info(const m40_gpu_kv *kv, m40_kv_pool_info *out)
     memset(out, 0, sizeof *out);
 }
 void m40_gpu_kv_free(m40_gpu_kv *kv) { (void)kv; }
-void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot) { (void)kv, (void)slot; }
-int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv) { (void)kv; return 0; }
-int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv) { (void)kv; return 0; }
-int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv) { (void)kv; return 0; }
-int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n)
-{
-    (void)kv, (void)slot, (void)tokens, (void)n;
-    return 0;
-}
-void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens)
+m40_paged_kv *m40_gpu_kv_pool(m40_gpu_kv *kv)
 {
     (void)kv;
-    *queries = *query_tokens = *hit_tokens = 0;
+    return NULL;
 }
-void m40_gpu_kv_prefix_forget(m40_gpu_kv *kv) { (void)kv; }
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen)
 {
     (void)g, (void)kv, (void)b, (void)logits;
@@ -404,11 +394,7 @@ void m40_gpu_free(m40_gpu *g)
     cudaFreeHost(g->ints_h);
     cudaFreeHost(g->logits_h);
     free(g->perm);
-    free(g->grp_slot);
-    free(g->grp_first);
-    free(g->grp_n);
     free(g->out_rows);
-    free(g->grp_seq);
     if (g->blas)
         cublasDestroy(g->blas);
     if (g->stream)

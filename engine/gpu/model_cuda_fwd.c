@@ -5,15 +5,16 @@
  *   - the batch's rows are grouped by slot (stable), so each sequence's new tokens are
  *     contiguous: that is the CSR layout every paged kernel takes (q_indptr = rows of
  *     sequence s, indptr/indices/last_page_len = its KV blocks);
- *   - blocks are reserved from the engine/kv_blocks manager for every slot's new
- *     positions first; when the pool cannot hold them the call returns -2 before
- *     anything is written (the scheduler preempts and retries);
- *   - the manager's prefix cache is on (M40_PREFIX_CACHE=0 turns it off): a slot may
- *     start on cached blocks (m40_gpu_kv_match_prefix, its first position then being
- *     the matched length), and after the step every block that became full is
- *     committed under the slot's real token ids, kept per slot in kv->toks;
- *   - the small integer tables (tokens, positions, CSR) go up in one copy from pinned
- *     memory; then per layer: RMSNorm (fused with the previous layer's residual add)
+ *   - kv/ (paged_kv.c) groups them and reserves the blocks of every slot's new
+ *     positions first, asked by the scheduler before the call (m40_kv_reserve) or by
+ *     the call itself; when the pool cannot hold them the answer is -2 before anything
+ *     is written (the scheduler preempts and retries);
+ *   - the prefix cache is on (M40_PREFIX_CACHE=0 turns it off): a slot may start on
+ *     cached blocks (m40_kv_slot_match_prefix, its first position then being the
+ *     matched length), and after the step kv/ commits every block that became full
+ *     under the slot's real token ids;
+ *   - step_plan.c writes the small integer tables (tokens, positions, CSR), which go up
+ *     in one copy from pinned memory; then per layer: RMSNorm (fused with the previous layer's residual add)
  *     -> fused QKV matmul (+bias) -> RoPE -> paged KV append -> attention -> output
  *     matmul -> residual add + RMSNorm -> fused gate/up matmul -> SwiGLU -> down matmul;
  *     everything stays on the device. Attention: the sequences with one new token come
@@ -198,18 +199,10 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             grow_dev((void **)&g->nss, ((size_t)p->dim / 32 + 1) * 4))
             return -1;
         free(g->perm);
-        free(g->grp_slot);
-        free(g->grp_first);
-        free(g->grp_n);
         free(g->out_rows);
-        free(g->grp_seq);
         g->perm = malloc(N * sizeof *g->perm);
-        g->grp_slot = malloc(N * sizeof *g->grp_slot);
-        g->grp_first = malloc(N * sizeof *g->grp_first);
-        g->grp_n = malloc(N * sizeof *g->grp_n);
         g->out_rows = malloc(N * sizeof *g->out_rows);
-        g->grp_seq = malloc(N * sizeof *g->grp_seq);
-        if (!g->perm || !g->grp_slot || !g->grp_first || !g->grp_n || !g->out_rows || !g->grp_seq)
+        if (!g->perm || !g->out_rows)
             return -1;
         g->cap = c;
     }
@@ -725,6 +718,9 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     const m40_model_params *p = &g->p;
     const int32_t n = b->n;
     cudaSetDevice(g->device);
+    /* The blocks of the batch's new positions: reserved by the caller for this very
+     * batch (m40_kv_reserve, the scheduler's question before the step) or here. */
+    const int reserved = m40_paged_kv_claim(kv->pool, n, b->tokens, b->pos, b->slot);
 
     int32_t n_out = 0;
     for (int32_t i = 0; i < n; i++)
@@ -733,11 +729,15 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         m40_set_err(err, errlen, "gpu %d: out of memory for a batch of %d tokens", g->device, (int)n);
         return -1;
     }
-
+    if (!reserved) {
+        int rc = m40_paged_kv_reserve(kv->pool, n, b->tokens, b->pos, b->slot, err, errlen);
+        if (rc != 0)
+            return rc; /* M40_KV_NO_BLOCKS is M40_FORWARD_NO_BLOCKS */
+        m40_paged_kv_claim(kv->pool, n, b->tokens, b->pos, b->slot);
+    }
     step_plan sp;
-    int rc = m40_gpu_plan_step(g, kv, b, n_out, &sp, err, errlen);
-    if (rc != 0)
-        return rc;
+    if (m40_gpu_plan_step(g, m40_paged_kv_step(kv->pool), b, n_out, &sp, err, errlen))
+        return -1;
     /* one greedy row whose head runs on the int8 GEMV: the pick is folded into it */
     const int pick = b->argmax && n_out == 1 && g->fuse_pick && gemv_q8_reads(&g->output) &&
                      !(g->gemma3 && g->g3.logit_softcap > 0);
@@ -776,9 +776,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     /* Every position of the batch is computed: with the prefix cache, each block that is
      * now full is registered under its token prefix (or merged into an identical cached
      * block; block ids may change, the next call re-exports the tables). */
-    for (int32_t j = 0; j < sp.n_grp; j++)
-        m40_kv_seq_commit(g->grp_seq[j], kv->prefix_cache ? kv->toks[g->grp_slot[j]] : NULL,
-                          m40_kv_seq_len(g->grp_seq[j]));
+    m40_paged_kv_commit(kv->pool);
     return 0;
 }
 

@@ -17,6 +17,7 @@
 #include "ref/ggml_types.h"
 #include "kernels.h"
 #include "kv/kv_blocks.h"
+#include "kv/paged_kv.h"
 #include "model_aux.h"
 #include "ref/quant.h"
 
@@ -134,9 +135,8 @@ struct m40_gpu {
     cudaEvent_t step_ev[2];
     double step_gpu_ms;
     int64_t steps_timed;
-    /* Host-side grouping scratch. */
-    int32_t *perm, *grp_slot, *grp_first, *grp_n, *out_rows;
-    m40_kv_seq **grp_seq;
+    /* Host-side scratch of the step planner: each batch row's row in the step. */
+    int32_t *perm, *out_rows;
     int32_t host_cap;
 };
 
@@ -182,10 +182,9 @@ typedef struct {
     uint64_t *d_key; /* the greedy pick folded into the head (kernels.h 9c), or NULL */
 } step_plan;
 
-/* step_plan.c: the step's row groups, KV blocks, device tables and attention splits
- * (d_key left NULL for the caller). 0, -1 with err, or M40_FORWARD_NO_BLOCKS when the
- * pool lacks the blocks. */
-int m40_gpu_plan_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
+/* step_plan.c: the device tables and attention splits of a step whose KV blocks kv/
+ * reserved (st: its groups; d_key left NULL for the caller). 0, or -1 with err. */
+int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
                       size_t errlen);
 
 /* Destroys every decode-step graph (model_cuda_fwd.c). */
@@ -198,21 +197,12 @@ size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max
 struct m40_gpu_kv {
     m40_gpu *g;
     int32_t n_slots, ctx, n_blocks;
-    m40_kv_blocks *mgr;
-    m40_kv_seq **seqs;
+    m40_paged_kv *pool;  /* which block holds what (kv/paged_kv.h): the steps' reservations */
     uint16_t *k, *v;     /* [layer][block][kv_head][16][head_dim] */
     size_t layer_elems;  /* elements of one layer's K (or V) */
     int32_t *csr_indptr, *csr_lpl, *csr_indices;
     int32_t csr_cap;
-    /* Prefix cache: the token id at every position of each slot (what m40_kv_seq_commit
-     * keys the slot's full blocks by), grown with the slot's length. */
-    int prefix_cache;
-    int32_t **toks;
-    int32_t *toks_cap;
     m40_kv_pool_info info; /* the memory accounting it was sized by (m40_gpu_kv_new) */
 };
-
-/* Room for n token ids in slot's token record (gpu_kv.c). -1 when out of memory. */
-int m40_gpu_kv_toks_reserve(m40_gpu_kv *kv, int32_t slot, int32_t n);
 
 #endif

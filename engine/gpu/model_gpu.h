@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kv/paged_kv.h"
 #include "model/model.h"
 
 /* A weight matrix in GGUF layout: `rows` rows (ne[1], the output dim) of `cols`
@@ -65,15 +66,9 @@ m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_k
 /* The memory accounting the pool was sized by. */
 void m40_gpu_kv_pool_info(const m40_gpu_kv *kv, m40_kv_pool_info *out);
 void m40_gpu_kv_free(m40_gpu_kv *kv);
-void m40_gpu_kv_slot_clear(m40_gpu_kv *kv, int32_t slot);
-int32_t m40_gpu_kv_blocks_total(const m40_gpu_kv *kv);
-int32_t m40_gpu_kv_blocks_free(const m40_gpu_kv *kv);
-/* Prefix cache (see m40_kv_slot_match_prefix in model.h): on unless M40_PREFIX_CACHE=0
- * was set at m40_gpu_kv_new. */
-int m40_gpu_kv_prefix_cache_enabled(const m40_gpu_kv *kv);
-int32_t m40_gpu_kv_match_prefix(m40_gpu_kv *kv, int32_t slot, const int32_t *tokens, int32_t n);
-void m40_gpu_kv_prefix_stats(const m40_gpu_kv *kv, int64_t *queries, int64_t *query_tokens, int64_t *hit_tokens);
-void m40_gpu_kv_prefix_forget(m40_gpu_kv *kv);
+/* Which block holds what (kv/paged_kv.h): the slots, the prefix cache (on unless
+ * M40_PREFIX_CACHE=0 was set at m40_gpu_kv_new) and the steps' reservations. */
+m40_paged_kv *m40_gpu_kv_pool(m40_gpu_kv *kv);
 /* Decode-step CUDA graphs so far: captured (instantiated) and launched. */
 void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches);
 /* Device time of forward calls: with timing on, each call's device work (table upload
@@ -81,8 +76,9 @@ void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
  * milliseconds and the number of calls timed. 0, or -1 when the events can not be made. */
 int m40_gpu_step_timing(m40_gpu *g, int on);
 void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps);
-/* The batch was validated by the caller (tokens, slots, positions in range). 0, -1
- * with err, or -2 (M40_FORWARD_NO_BLOCKS) when the pool lacks blocks: nothing changed. */
+/* The batch was validated by the caller (tokens, slots, positions in range). Its KV
+ * blocks were reserved for it (m40_kv_reserve) or are reserved here first. 0, -1 with
+ * err, or -2 (M40_FORWARD_NO_BLOCKS) when the pool lacks blocks: none were taken. */
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);
 
 #endif

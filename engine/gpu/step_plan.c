@@ -1,11 +1,11 @@
 /* The GPU back end, part 3: the plan of one forward step (m40_gpu_forward calls it
- * before any device work). The batch's rows are grouped by slot (decoding slots, one
- * new token each, first: the decode attention kernel takes the first n_dec rows),
- * each slot's KV blocks are reserved, and the small integer tables every kernel of the
- * step reads (permuted tokens and positions, q_indptr, the CSR block tables, the
- * logit rows) are written to pinned memory and sent up in one copy; the attention
- * split counts are chosen from the longest decoding sequence, bucketed, so that a
- * decode step's CUDA graph serves many lengths. */
+ * before any device work), once kv/ has reserved the step's KV blocks and grouped its
+ * rows by slot (decoding slots, one new token each, first: the decode attention kernel
+ * takes the first n_dec rows). The small integer tables every kernel of the step reads
+ * (permuted tokens and positions, q_indptr, the CSR block tables, the logit rows) are
+ * written to pinned memory and sent up in one copy; the attention split counts are
+ * chosen from the longest decoding sequence, bucketed, so that a decode step's CUDA
+ * graph serves many lengths. */
 #ifdef M40_HAVE_CUDA
 
 #include "model_cuda_int.h"
@@ -27,86 +27,20 @@ static int ensure_ints(m40_gpu *g, size_t n)
     return 0;
 }
 
-int m40_gpu_plan_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
+int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
                       size_t errlen)
 {
     const m40_model_params *p = &g->p;
     const int32_t n = b->n;
-    /* Group rows by slot, in order of first appearance; check each slot's positions. */
-    int32_t n_grp = 0;
-    for (int32_t i = 0; i < n; i++) {
-        int32_t j = 0;
-        while (j < n_grp && g->grp_slot[j] != b->slot[i])
-            j++;
-        if (j == n_grp) {
-            g->grp_slot[n_grp] = b->slot[i];
-            g->grp_first[n_grp] = b->pos[i];
-            g->grp_n[n_grp] = 0;
-            n_grp++;
-        }
-        if (b->pos[i] != g->grp_first[j] + g->grp_n[j]) {
-            m40_set_err(err, errlen, "batch entry %d: slot %d's positions must be consecutive (got %d after %d)", (int)i,
-                    (int)b->slot[i], (int)b->pos[i], (int)(g->grp_first[j] + g->grp_n[j] - 1));
-            return -1;
-        }
-        g->grp_n[j]++;
-    }
-    /* Decoding groups (one token) first, in order, then the prompt chunks: the first n_dec
-     * rows of the step are then one decode query each, for the decode attention kernel,
-     * and the prefill kernel takes the rest (a mixed step no longer runs its decode rows
-     * through prefill tiles of one query without split-K). */
-    int32_t n_dec = 0;
-    for (int32_t j = 0; j < n_grp; j++)
-        if (g->grp_n[j] == 1) {
-            int32_t sl = g->grp_slot[j], fi = g->grp_first[j];
-            memmove(g->grp_slot + n_dec + 1, g->grp_slot + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_slot);
-            memmove(g->grp_first + n_dec + 1, g->grp_first + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_first);
-            memmove(g->grp_n + n_dec + 1, g->grp_n + n_dec, (size_t)(j - n_dec) * sizeof *g->grp_n);
-            g->grp_slot[n_dec] = sl, g->grp_first[n_dec] = fi, g->grp_n[n_dec] = 1;
-            n_dec++;
-        }
-    /* A slot's tokens continue its cache; a first position below its length restarts
-     * the slot there (a new sequence in a reused slot). */
-    int64_t need = 0;
-    for (int32_t j = 0; j < n_grp; j++) {
-        m40_kv_seq *s = kv->seqs[g->grp_slot[j]];
-        int32_t len = m40_kv_seq_len(s);
-        if (g->grp_first[j] > len) {
-            m40_set_err(err, errlen, "slot %d: position %d skips ahead of its cache (%d tokens)", (int)g->grp_slot[j],
-                    (int)g->grp_first[j], (int)len);
-            return -1;
-        }
-        if (g->grp_first[j] < len && m40_kv_seq_truncate(s, g->grp_first[j]) != g->grp_first[j]) {
-            m40_set_err(err, errlen, "slot %d: cannot restart at position %d", (int)g->grp_slot[j], (int)g->grp_first[j]);
-            return -1;
-        }
-        if (kv->prefix_cache && m40_gpu_kv_toks_reserve(kv, g->grp_slot[j], g->grp_first[j] + g->grp_n[j]) != 0) {
-            m40_set_err(err, errlen, "out of memory for slot %d's token record", (int)g->grp_slot[j]);
-            return -1;
-        }
-        need += m40_kv_seq_blocks_needed(s, g->grp_n[j]);
-        g->grp_seq[j] = s;
-    }
-    if (need > m40_kv_blocks_n_available(kv->mgr)) {
-        m40_set_err(err, errlen, "the KV cache pool is full: this step needs %lld blocks, %d are free of %d",
-                (long long)need, (int)m40_kv_blocks_n_available(kv->mgr), (int)kv->n_blocks);
-        return M40_FORWARD_NO_BLOCKS;
-    }
-    for (int32_t j = 0; j < n_grp; j++)
-        if (m40_kv_seq_append(g->grp_seq[j], g->grp_n[j]) != 0) {
-            m40_set_err(err, errlen, "KV block allocation failed");
-            return -1;
-        }
-    if (kv->prefix_cache) /* the ids the commit below keys full blocks by */
-        for (int32_t i = 0; i < n; i++)
-            kv->toks[b->slot[i]][b->pos[i]] = b->tokens[i];
-
+    const int32_t n_grp = st->n_grp, n_dec = st->n_dec;
+    const int32_t *grp_slot = st->slot;
+    m40_kv_seq *const *grp_seq = st->seq;
     /* Host tables: permuted tokens and positions, q_indptr, CSR, logit rows. */
     int32_t total_blocks = 0, max_len = 0; /* max_len: of the decoding groups */
     for (int32_t j = 0; j < n_grp; j++) {
-        total_blocks += m40_kv_seq_n_blocks(g->grp_seq[j]);
-        if (j < n_dec && m40_kv_seq_len(g->grp_seq[j]) > max_len)
-            max_len = m40_kv_seq_len(g->grp_seq[j]);
+        total_blocks += m40_kv_seq_n_blocks(grp_seq[j]);
+        if (j < n_dec && m40_kv_seq_len(grp_seq[j]) > max_len)
+            max_len = m40_kv_seq_len(grp_seq[j]);
     }
     /* layout: key[2] tokens[n] pos[n] row_seq[n] q_indptr[n_grp+1] indptr[n_grp+1] lpl[n_grp] out_rows[n_out]
      * indices[]; key: the greedy pick's 64-bit key (kernels.h 9c), zeroed by this copy every step */
@@ -124,7 +58,7 @@ int m40_gpu_plan_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_
     H[o_qi] = 0;
     for (int32_t j = 0; j < n_grp; j++) {
         for (int32_t i = 0; i < n; i++)
-            if (b->slot[i] == g->grp_slot[j]) {
+            if (b->slot[i] == grp_slot[j]) {
                 g->perm[i] = r;
                 H[o_tok + r] = b->tokens[i];
                 H[o_pos + r] = b->pos[i];
@@ -137,7 +71,7 @@ int m40_gpu_plan_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_
     for (int32_t i = 0; i < n; i++)
         if (b->want_logits ? b->want_logits[i] != 0 : i == n - 1)
             H[o_out + k_out++] = g->perm[i];
-    if (m40_kv_blocks_csr((const m40_kv_seq *const *)g->grp_seq, n_grp, H + o_ip, H + o_idx, total_blocks,
+    if (m40_kv_blocks_csr((const m40_kv_seq *const *)grp_seq, n_grp, H + o_ip, H + o_idx, total_blocks,
                           H + o_lpl) < 0) {
         m40_set_err(err, errlen, "block table export failed");
         return -1;

@@ -17,6 +17,7 @@
 
 #include "ref/ggml_types.h"
 #include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
+#include "kv/paged_kv.h"
 #include "gpu/model_gpu.h"
 #include "model_internal.h"
 #include "ref/quant.h"
@@ -67,7 +68,8 @@ struct m40_model {
 struct m40_kv {
     int32_t n_slots, ctx, n_layers, kv_dim;
     float *k, *v;                 /* [slot][layer][pos][kv_dim] (CPU) */
-    m40_gpu_kv *gpu;              /* GPU model: the paged pool instead */
+    m40_gpu_kv *gpu;              /* GPU model: the paged pool instead, its memory... */
+    m40_paged_kv *pool;           /* ...and which block holds what (kv/paged_kv.h) */
 };
 
 
@@ -451,6 +453,7 @@ m40_kv *m40_kv_new_opts(const m40_model *m, int32_t n_slots, int32_t ctx, const 
             free(kv);
             return NULL;
         }
+        kv->pool = m40_gpu_kv_pool(kv->gpu);
         return kv;
     }
     kv->k = calloc(per_slot * (size_t)n_slots, sizeof(float));
@@ -483,35 +486,50 @@ void m40_kv_free(m40_kv *kv)
 
 void m40_kv_slot_clear(m40_kv *kv, int32_t slot)
 {
-    if (kv && kv->gpu && slot >= 0 && slot < kv->n_slots)
-        m40_gpu_kv_slot_clear(kv->gpu, slot);
+    if (kv && kv->pool && slot >= 0 && slot < kv->n_slots)
+        m40_paged_kv_slot_clear(kv->pool, slot);
 }
 
-int32_t m40_kv_pool_blocks(const m40_kv *kv) { return kv->gpu ? m40_gpu_kv_blocks_total(kv->gpu) : 0; }
-int32_t m40_kv_pool_free_blocks(const m40_kv *kv) { return kv->gpu ? m40_gpu_kv_blocks_free(kv->gpu) : 0; }
+int32_t m40_kv_pool_blocks(const m40_kv *kv) { return kv->pool ? m40_paged_kv_blocks_total(kv->pool) : 0; }
+int32_t m40_kv_pool_free_blocks(const m40_kv *kv) { return kv->pool ? m40_paged_kv_blocks_free(kv->pool) : 0; }
 
 /* The CPU backend keeps no prefix cache (a slot's memory is its own): no hits. */
-int m40_kv_prefix_cache_enabled(const m40_kv *kv) { return kv && kv->gpu && m40_gpu_kv_prefix_cache_enabled(kv->gpu); }
+int m40_kv_prefix_cache_enabled(const m40_kv *kv) { return kv && kv->pool && m40_paged_kv_prefix_cache(kv->pool); }
 
 int32_t m40_kv_slot_match_prefix(m40_kv *kv, int32_t slot, const int32_t *tokens, int32_t n)
 {
-    if (!kv || !kv->gpu || slot < 0 || slot >= kv->n_slots || !tokens || n <= 0)
+    if (!kv || !kv->pool || slot < 0 || slot >= kv->n_slots || !tokens || n <= 0)
         return 0;
-    int32_t got = m40_gpu_kv_match_prefix(kv->gpu, slot, tokens, n);
+    int32_t got = m40_paged_kv_match_prefix(kv->pool, slot, tokens, n);
     return got > 0 ? got : 0;
 }
 
 void m40_kv_get_prefix_stats(const m40_kv *kv, m40_kv_prefix_stats *out)
 {
     memset(out, 0, sizeof *out);
-    if (kv && kv->gpu)
-        m40_gpu_kv_prefix_stats(kv->gpu, &out->queries, &out->query_tokens, &out->hit_tokens);
+    if (kv && kv->pool)
+        m40_paged_kv_prefix_stats(kv->pool, &out->queries, &out->query_tokens, &out->hit_tokens);
 }
 
 void m40_kv_prefix_forget(m40_kv *kv)
 {
-    if (kv && kv->gpu)
-        m40_gpu_kv_prefix_forget(kv->gpu);
+    if (kv && kv->pool)
+        m40_paged_kv_prefix_forget(kv->pool);
+}
+
+_Static_assert(M40_FORWARD_NO_BLOCKS == M40_KV_NO_BLOCKS, "one value for a pool that lacks blocks");
+
+int m40_kv_reserve(m40_kv *kv, const m40_batch *b, char *err, size_t errlen)
+{
+    if (!kv->pool) /* the CPU cache: every slot holds its whole context */
+        return 0;
+    for (int32_t i = 0; i < b->n; i++)
+        if (b->pos[i] < 0 || b->pos[i] >= kv->ctx) {
+            m40_set_err(err, errlen, "batch entry %d: position %d beyond the context of %d", (int)i, (int)b->pos[i],
+                        (int)kv->ctx);
+            return -1;
+        }
+    return m40_paged_kv_reserve(kv->pool, b->n, b->tokens, b->pos, b->slot, err, errlen);
 }
 
 int32_t m40_kv_ctx(const m40_kv *kv) { return kv->ctx; }

@@ -107,7 +107,7 @@ int32_t m40_kv_n_slots(const m40_kv *kv);
 /* The slot's sequence is over: on the GPU its KV blocks go back to the pool (a no-op
  * on the CPU, where a slot's memory is fixed). Positions restart at 0 afterwards.
  *
- * On a GPU model the cache is a pool of 16-token blocks (engine/kv_blocks) shared by
+ * On a GPU model the cache is a pool of 16-token blocks (engine/kv/) shared by
  * all slots, sized as m40_kv_options says (m40_kv_new: ctx * n_slots or what the memory
  * holds, whichever is smaller). A slot takes blocks
  * as its positions grow; a batch whose first position for a slot is below the slot's
@@ -169,8 +169,16 @@ typedef struct {
 } m40_batch;
 
 /* M40_FORWARD_NO_BLOCKS (-2, GPU only): the KV pool lacks the blocks this batch needs;
- * nothing changed, so the caller can free a sequence's slot and retry. */
+ * none were taken, so the caller can free a sequence's slot and retry. */
 #define M40_FORWARD_NO_BLOCKS (-2)
 int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);
+
+/* Whether the KV cache holds the batch, asked before m40_model_forward (the scheduler
+ * does, so that preemption is decided before the forward pass runs). On a GPU model the
+ * pool (kv/paged_kv.h) takes the blocks of the batch's new positions, and the forward
+ * call that follows with this same batch uses them; a forward call nobody reserved for
+ * reserves by itself. 0, M40_FORWARD_NO_BLOCKS with err (no block taken), or -1 with
+ * err on a bad batch. Always 0 on the CPU, where a slot holds its whole context. */
+int m40_kv_reserve(m40_kv *kv, const m40_batch *b, char *err, size_t errlen);
 
 #endif

@@ -26,12 +26,13 @@
  * A slot's KV cache is reused without clearing: a new sequence writes positions from
  * 0 and attends only to positions it has written itself. On a GPU model the cache is
  * a pool of blocks shared by the slots: a finished sequence's blocks go back at once
- * (m40_kv_slot_clear), and when a step needs more blocks than are free the forward
- * call says so (M40_FORWARD_NO_BLOCKS) and changes nothing; the youngest sequence is
- * then preempted (its blocks freed, its tokens so far, generated ones included,
+ * (m40_kv_slot_clear), and before the forward call the pool is asked whether the step
+ * fits (m40_kv_reserve, which takes its blocks); when it needs more blocks than are
+ * free the answer is M40_FORWARD_NO_BLOCKS and nothing is taken; the youngest sequence
+ * is then preempted (its blocks freed, its tokens so far, generated ones included,
  * become a prompt to recompute later) and the step is rebuilt, until it fits. The pool
- * is sized from the GPU's memory, not from max_seqs * ctx (kv_size), so this is the
- * normal way a full pool is shared: admission takes any free slot, the oldest sequence
+ * is sized from the GPU's memory, not from max_seqs * ctx (kv_size, engine_thread.c),
+ * so this is the normal way a full pool is shared: admission takes any free slot, the oldest sequence
  * always keeps going, and a young one waits (preempted again each step) until blocks
  * come back. A sequence alone that the pool cannot hold ends (make_room).
  *
@@ -247,7 +248,10 @@ void m40_run_step(m40_engine *e)
             greedy = greedy_only(e->slots[e->row_slot[k]].r);
         b.argmax = greedy ? e->picks : NULL;
         t0 = m40_now();
-        rc = m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err);
+        /* kv/ says first whether the step's new positions fit (and takes their blocks) */
+        rc = m40_kv_reserve(e->kv, &b, err, sizeof err);
+        if (rc == 0)
+            rc = m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err);
         fwd = m40_now() - t0;
         e->tstats.forward_seconds += fwd;
         picked = b.argmax != NULL;
