@@ -70,7 +70,8 @@ __device__ __forceinline__ float m40k_block_sum(float v, float *partial)
  * it reads its input or writes anything. Kernels that come before a GEMV call
  * m40k_grid_launch_dependents at their start: the GEMV is then scheduled once every
  * block of theirs has started. Both are no-ops before sm_90 and on a normal launch.
- * M40_PDL=0 in the environment turns the attribute off (for measuring it). */
+ * The engine's M40_PDL=0 turns the attribute off (for measuring it), through
+ * m40k_set_launch_tuning (model_aux.h). */
 __device__ __forceinline__ void m40k_grid_wait(void)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -107,8 +108,8 @@ __device__ __forceinline__ void m40k_pdl_begin(void)
 }
 #define M40K_LAUNDER(p) asm volatile("" : "+l"(p)::"memory")
 
-int m40k_pdl_enabled(void);      /* model_aux.cu: compute capability >= 9 and M40_PDL != 0 */
-int m40k_clusters_enabled(void); /* model_aux.cu: compute capability >= 9 and M40_CLUSTER != 0 */
+int m40k_pdl_enabled(void);      /* model_aux.cu: compute capability >= 9 and PDL not turned off */
+int m40k_clusters_enabled(void); /* model_aux.cu: compute capability >= 9 and clusters not turned off */
 
 /* kernel<<<grid, block, smem, st>>>(args) through cudaLaunchKernelEx: with programmatic
  * stream serialization (when m40k_pdl_enabled), and in thread block clusters of

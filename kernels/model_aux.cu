@@ -22,27 +22,20 @@ static int cc9_current(void)
     return by_dev[dev] > 0;
 }
 
-/* 1 unless the environment variable `name` is "0" (read once per call site's flag) */
-static int env_on(const char *name, int *cached)
+/* The launch switches the engine passes in (m40k_set_launch_tuning): on until told
+ * otherwise, so that a program that never calls it (the kernel tests) launches as the
+ * engine does by default. */
+static int pdl_on = 1, clusters_on = 1;
+
+extern "C" void m40k_set_launch_tuning(int pdl, int clusters)
 {
-    if (*cached < 0) {
-        const char *e = getenv(name);
-        *cached = !(e && strcmp(e, "0") == 0);
-    }
-    return *cached;
+    pdl_on = pdl != 0;
+    clusters_on = clusters != 0;
 }
 
-int m40k_pdl_enabled(void)
-{
-    static int on = -1; /* M40_PDL=0 */
-    return env_on("M40_PDL", &on) && cc9_current();
-}
+int m40k_pdl_enabled(void) { return pdl_on && cc9_current(); }
 
-int m40k_clusters_enabled(void)
-{
-    static int on = -1; /* M40_CLUSTER=0 */
-    return env_on("M40_CLUSTER", &on) && cc9_current();
-}
+int m40k_clusters_enabled(void) { return clusters_on && cc9_current(); }
 
 __global__ void f32_to_f16_kernel(const float *__restrict__ x, uint16_t *__restrict__ y, int64_t n)
 {

@@ -14,6 +14,12 @@
 extern "C" {
 #endif
 
+/* Launch switches for every kernel family, set by the engine once per GPU model load
+ * from its tuning switches (engine/util/tuning.h; no getenv in kernels/): pdl 0 turns
+ * programmatic dependent launch off, clusters 0 the decode attention's thread block
+ * clusters (both apply from compute capability 9 only). Both on until set. */
+void m40k_set_launch_tuning(int pdl, int clusters);
+
 /* y[i] = f16(x[i]), i < n. */
 int m40k_f32_to_f16(const float *x, uint16_t *y, int64_t n, m40k_stream stream);
 

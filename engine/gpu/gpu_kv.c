@@ -63,9 +63,8 @@ m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_k
         if (want < nb)
             nb = want;
     }
-    const char *cap = getenv("M40_KV_BLOCKS");
-    if (cap && atoll(cap) > 0 && atoll(cap) < nb)
-        nb = atoll(cap);
+    if (g->tuning.kv_blocks > 0 && g->tuning.kv_blocks < nb) /* M40_KV_BLOCKS: a test seam */
+        nb = g->tuning.kv_blocks;
     if (nb > INT32_MAX / M40K_PAGE)
         nb = INT32_MAX / M40K_PAGE;
     kv->n_blocks = (int32_t)nb;
@@ -77,8 +76,8 @@ m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_k
                     (int)nb, kv->info.pool / 1073741824.0, cudaGetErrorString(ce));
         goto fail;
     }
-    const char *pc = getenv("M40_PREFIX_CACHE"); /* "0": off (test and benchmark seam) */
-    kv->pool = m40_paged_kv_new(n_slots, kv->n_blocks, M40K_PAGE, !(pc && strcmp(pc, "0") == 0));
+    /* M40_PREFIX_CACHE=0: off (test and benchmark seam) */
+    kv->pool = m40_paged_kv_new(n_slots, kv->n_blocks, M40K_PAGE, g->tuning.prefix_cache);
     if (!kv->pool) {
         m40_set_err(err, errlen, "out of memory for the KV block tables (%d blocks)", (int)nb);
         goto fail;

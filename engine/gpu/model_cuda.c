@@ -22,9 +22,10 @@
 
 #ifndef M40_HAVE_CUDA
 
-int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu **out, char *err, size_t errlen)
+int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int log_progress, m40_gpu **out, char *err,
+                 size_t errlen)
 {
-    (void)src;
+    (void)src, (void)t;
     (void)log_progress;
     *out = NULL;
     snprintf(err, errlen, "device %d was asked for, but this build has no CUDA support (configure found no "
@@ -402,7 +403,8 @@ void m40_gpu_free(m40_gpu *g)
     free(g);
 }
 
-int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu **out, char *err, size_t errlen)
+int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int log_progress, m40_gpu **out, char *err,
+                 size_t errlen)
 {
     *out = NULL;
     int n_dev = 0;
@@ -429,6 +431,7 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         return -1;
     }
     g->device = device;
+    g->tuning = *t;
     g->p = *p;
     g->q_dim = src->q_dim;
     g->kv_dim = src->kv_dim;
@@ -446,35 +449,33 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
     g->sm_count = prop.multiProcessorCount;
     {
         /* CUDA graphs for decode steps of up to this many sequences (0: off) */
-        const char *cg = getenv("M40_CUDA_GRAPHS");
-        g->graph_max = cg && *cg ? atoi(cg) : 64;
-        if (g->graph_max < 0)
-            g->graph_max = 0;
+        g->graph_max = t->cuda_graphs;
     }
     {
         /* batch-1 decode: the add + RMSNorm of each layer folded into the int8 GEMVs around
-         * it (kernels.h 8d); "0": the add+RMSNorm kernels */
-        const char *fn = getenv("M40_FUSE_NORM");
-        g->fuse_norm = !(fn && !strcmp(fn, "0"));
-        /* one greedy row: the pick folded into the head's int8 GEMV (kernels.h 9c); "0": the sampling kernel */
-        const char *fp = getenv("M40_FUSE_PICK");
-        g->fuse_pick = !(fp && !strcmp(fp, "0"));
+         * it (kernels.h 8d); M40_FUSE_NORM=0: the add+RMSNorm kernels */
+        g->fuse_norm = t->fuse_norm;
+        /* one greedy row: the pick folded into the head's int8 GEMV (kernels.h 9c);
+         * M40_FUSE_PICK=0: the sampling kernel */
+        g->fuse_pick = t->fuse_pick;
     }
     {
-        /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); "0": as in the file */
-        const char *g8 = getenv("M40_G8");
-        g->g8 = !(g8 && !strcmp(g8, "0"));
+        /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); M40_G8=0: as in the file */
+        g->g8 = t->g8;
     }
     {
-        const char *sk = getenv("M40_SKINNY");
-        g->skinny = prop.major >= 8 && !(sk && !strcmp(sk, "0"));
+        g->skinny = prop.major >= 8 && t->skinny;
         /* the quantized GEMM's mma.sync F16 needs cc >= 8.0, as the skinny GEMV's */
-        const char *mq = getenv("M40_GEMM_Q");
-        g->gemm_q = prop.major >= 8 && !(mq && !strcmp(mq, "0"));
+        g->gemm_q = prop.major >= 8 && t->gemm_q;
         if (g->gemm_q && m40k_gemm_q_prepare() != 0) /* before any graph capture */
             g->gemm_q = 0;
-        const char *mr = getenv("M40_GEMM_Q_ROWS");
-        g->gemm_q_rows = mr ? atoi(mr) : 0;
+        g->gemm_q_rows = t->gemm_q_rows;
+    }
+    m40k_set_launch_tuning(t->pdl, t->clusters); /* M40_PDL, M40_CLUSTER */
+    if (log_progress) {
+        char line[512];
+        m40_tuning_line(t, line, sizeof line);
+        fprintf(stderr, "m40: gpu %d: switches: %s\n", device, line);
     }
     if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(g->blas, g->stream) != CUBLAS_STATUS_SUCCESS) {
         g->blas = NULL;
@@ -498,11 +499,10 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
             for (int i = 0; i < 7; i++)
                 params += (double)ms[i]->rows * (double)ms[i]->cols;
         }
-        const char *gm = getenv("M40_GEMM");
-        const int forced = gm && (!strcmp(gm, "f32") || !strcmp(gm, "f16"));
-        g->gemm_f32 = forced ? !strcmp(gm, "f32") : params < 1e9;
-        if (gm && !forced)
-            fprintf(stderr, "m40: M40_GEMM=%s is neither f16 nor f32: ignored\n", gm);
+        const int forced = t->gemm != M40_GEMM_AUTO;
+        g->gemm_f32 = forced ? t->gemm == M40_GEMM_F32 : params < 1e9;
+        if (t->gemm_ignored[0])
+            fprintf(stderr, "m40: M40_GEMM=%s is neither f16 nor f32: ignored\n", t->gemm_ignored);
         if (log_progress)
             fprintf(stderr, "m40: gpu %d: %.0fM parameters: prefill matmuls in %s%s\n", device, params / 1e6,
                     g->gemm_f32 ? "F32" : "F16 on the tensor cores", forced ? " (M40_GEMM)" : "");

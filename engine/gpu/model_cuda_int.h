@@ -62,6 +62,7 @@ typedef struct {
 
 struct m40_gpu {
     int device;
+    m40_tuning tuning;   /* the model's switches (util/tuning.h), read at its load */
     cudaStream_t stream;
     cublasHandle_t blas;
     int sm_count;

@@ -9,6 +9,7 @@
 
 #include "kv/paged_kv.h"
 #include "model/model.h"
+#include "util/tuning.h"
 
 /* A weight matrix in GGUF layout: `rows` rows (ne[1], the output dim) of `cols`
  * elements (ne[0], the input dim), row r at data + r * row_bytes. */
@@ -55,9 +56,12 @@ typedef struct {
 typedef struct m40_gpu m40_gpu;
 typedef struct m40_gpu_kv m40_gpu_kv;
 
-/* Uploads every weight to device `device` (mmap -> pinned staging -> device). -1 with
- * err when there is no such device, CUDA is not built in, or memory runs out. */
-int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu **out, char *err, size_t errlen);
+/* Uploads every weight to device `device` (mmap -> pinned staging -> device); t: the
+ * model's tuning switches (kept, logged once with log_progress, and handed to the
+ * kernels). -1 with err when there is no such device, CUDA is not built in, or memory
+ * runs out. */
+int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int log_progress, m40_gpu **out, char *err,
+                 size_t errlen);
 void m40_gpu_free(m40_gpu *g);
 /* Paged KV pool for n_slots sequences of up to ctx tokens, sized as o says (model.h,
  * m40_kv_options). NULL with err when not even one block fits or memory runs out. */

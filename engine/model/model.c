@@ -49,6 +49,7 @@ struct m40_model {
     m40_gemma3 *gemma3;           /* arch gemma3: holds the weights (the llama ones above stay unset) */
     m40_gpu *gpu;                 /* device >= 0: the weights on the GPU, forward runs there */
     int device;
+    m40_tuning tuning;            /* the switches read at load (util/tuning.h) */
 
     m40_threadpool *pool;
     int n_threads;
@@ -282,6 +283,7 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         m40_set_err(err, errlen, "out of memory");
         return -1;
     }
+    m40_tuning_from_env(&m->tuning);
     char sub[512];
     if (m40_gguf_open(path, &m->gguf, sub, sizeof sub) != 0) {
         m40_set_err(err, errlen, "%s: %s", path, sub);
@@ -331,7 +333,7 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
             m40_set_err(err, errlen, "out of memory");
             goto fail;
         }
-        int rc = m40_gpu_load(&src, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub);
+        int rc = m40_gpu_load(&src, &m->tuning, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub);
         free(g3_layers);
         if (rc) {
             m40_set_err(err, errlen, "%s: %s", path, sub);
@@ -381,6 +383,7 @@ const m40_tokenizer *m40_model_tokenizer(const m40_model *m) { return m->tok; }
 const m40_gguf *m40_model_gguf(const m40_model *m) { return m->gguf; }
 int m40_model_n_threads(const m40_model *m) { return m->n_threads; }
 int m40_model_device(const m40_model *m) { return m->gpu ? m->device : -1; }
+const m40_tuning *m40_model_tuning(const m40_model *m) { return &m->tuning; }
 void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launches)
 {
     *captures = *launches = 0;

@@ -9,6 +9,7 @@
 
 #include "gguf/gguf.h"
 #include "tokenizer/tokenizer.h"
+#include "util/tuning.h"
 
 typedef struct {
     char arch[32];          /* "llama", "qwen2" */
@@ -48,6 +49,8 @@ typedef struct {
 int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen);
 /* -1: the CPU, else the CUDA device index the model lives on. */
 int m40_model_device(const m40_model *m);
+/* The tuning switches read from the environment when the model was loaded. */
+const m40_tuning *m40_model_tuning(const m40_model *m);
 /* GPU models: decode-step CUDA graphs captured and launched so far (0 and 0 on the CPU). */
 void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launches);
 /* GPU models: time each forward call's device work with CUDA events (on / off; -1 on the

@@ -215,8 +215,7 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
  * M40_WARMUP=0 skips it (to measure it); the CPU backend has nothing to warm. */
 static void engine_warmup(m40_engine *e)
 {
-    const char *env = getenv("M40_WARMUP");
-    if (m40_model_device(e->model) < 0 || (env && !strcmp(env, "0")))
+    if (m40_model_device(e->model) < 0 || !m40_model_tuning(e->model)->warmup) /* M40_WARMUP=0 */
         return;
     const int32_t S = e->max_seqs, chunk = e->prefill.chunk < e->ctx ? e->prefill.chunk : e->ctx;
     int32_t n_full = (e->prefill.budget + chunk - 1) / chunk;

@@ -1,0 +1,54 @@
+/* The tuning switches, read from the environment (see tuning.h). Each keeps the reading
+ * it always had, so that the values users and BENCHMARKS.md give still mean the same. */
+#include "tuning.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* 1 unless the variable is "0": a switch that is on by default. */
+static int on_unless_zero(const char *name)
+{
+    const char *v = getenv(name);
+    return !(v && strcmp(v, "0") == 0);
+}
+
+void m40_tuning_from_env(m40_tuning *t)
+{
+    memset(t, 0, sizeof *t);
+    const char *gm = getenv("M40_GEMM");
+    if (gm && !strcmp(gm, "f16"))
+        t->gemm = M40_GEMM_F16;
+    else if (gm && !strcmp(gm, "f32"))
+        t->gemm = M40_GEMM_F32;
+    else if (gm)
+        snprintf(t->gemm_ignored, sizeof t->gemm_ignored, "%s", gm);
+    t->pdl = on_unless_zero("M40_PDL");
+    t->clusters = on_unless_zero("M40_CLUSTER");
+    t->skinny = on_unless_zero("M40_SKINNY");
+    const char *cg = getenv("M40_CUDA_GRAPHS");
+    t->cuda_graphs = cg && *cg ? atoi(cg) : 64;
+    if (t->cuda_graphs < 0)
+        t->cuda_graphs = 0;
+    t->warmup = on_unless_zero("M40_WARMUP");
+    t->g8 = on_unless_zero("M40_G8");
+    t->fuse_norm = on_unless_zero("M40_FUSE_NORM");
+    t->fuse_pick = on_unless_zero("M40_FUSE_PICK");
+    t->gemm_q = on_unless_zero("M40_GEMM_Q");
+    const char *mr = getenv("M40_GEMM_Q_ROWS");
+    t->gemm_q_rows = mr ? atoi(mr) : 0;
+    const char *kb = getenv("M40_KV_BLOCKS");
+    t->kv_blocks = kb && atoll(kb) > 0 ? atoll(kb) : 0;
+    t->prefix_cache = on_unless_zero("M40_PREFIX_CACHE");
+}
+
+int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)
+{
+    static const char *const gemm[] = {"auto", "f16", "f32"};
+    return snprintf(buf, len,
+                    "M40_GEMM=%s M40_PDL=%d M40_CLUSTER=%d M40_SKINNY=%d M40_CUDA_GRAPHS=%d M40_WARMUP=%d "
+                    "M40_G8=%d M40_FUSE_NORM=%d M40_FUSE_PICK=%d M40_GEMM_Q=%d M40_GEMM_Q_ROWS=%d "
+                    "M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d",
+                    gemm[t->gemm], t->pdl, t->clusters, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
+                    t->fuse_pick, t->gemm_q, (int)t->gemm_q_rows, (long long)t->kv_blocks, t->prefix_cache);
+}

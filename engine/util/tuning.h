@@ -1,0 +1,43 @@
+/* The engine's tuning switches: environment variables that turn one optimization off
+ * or cap one size, to measure it or to work around it (README.md, "Supported models",
+ * says what each does). They are read in one place, once per model load
+ * (m40_tuning_from_env), kept with the model, and logged once when a GPU model loads;
+ * the GPU back end, the KV pool, the warm-up and the kernels (through their arguments)
+ * take their values from here, and nothing else of the engine or kernels/ calls getenv.
+ * nginx hands its workers an empty environment: nginx.conf passes a switch with `env`. */
+#ifndef M40_TUNING_H
+#define M40_TUNING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum { M40_GEMM_AUTO = 0, M40_GEMM_F16 = 1, M40_GEMM_F32 = 2 };
+
+typedef struct {
+    int gemm;             /* M40_GEMM=f16|f32: the tiled products' precision; else M40_GEMM_AUTO
+                           * (F32 under 1B parameters, F16 from there) */
+    char gemm_ignored[32];/* M40_GEMM's value when it was neither f16 nor f32 ("": none) */
+    int pdl;              /* M40_PDL=0: no programmatic dependent launch on Hopper */
+    int clusters;         /* M40_CLUSTER=0: no thread block clusters in the decode attention */
+    int skinny;           /* M40_SKINNY=0: no tensor-core GEMV for F16 decode products */
+    int cuda_graphs;      /* M40_CUDA_GRAPHS=N: decode steps of up to N sequences as CUDA graphs
+                           * (default 64; 0: none) */
+    int warmup;           /* M40_WARMUP=0: no GPU warm-up before READY */
+    int g8;               /* M40_G8=0: Q8_0 and Q6_K keep the file's layout on the GPU */
+    int fuse_norm;        /* M40_FUSE_NORM=0: batch-1 decode keeps its add+RMSNorm kernels */
+    int fuse_pick;        /* M40_FUSE_PICK=0: a greedy row's pick by the sampling kernel */
+    int gemm_q;           /* M40_GEMM_Q=0: quantized products of more than 8 rows dequantize
+                           * to F16 and go through cuBLAS */
+    int32_t gemm_q_rows;  /* M40_GEMM_Q_ROWS=N: only products of up to N rows take the
+                           * quantized GEMM (0: all) */
+    int64_t kv_blocks;    /* M40_KV_BLOCKS=N: the GPU KV pool holds at most N blocks (a test
+                           * seam; 0: no cap) */
+    int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */
+} m40_tuning;
+
+/* Reads every switch from the environment (unset or unparsable: the default). */
+void m40_tuning_from_env(m40_tuning *t);
+/* The values as one line of NAME=value pairs, for the load log. Returns snprintf's. */
+int m40_tuning_line(const m40_tuning *t, char *buf, size_t len);
+
+#endif

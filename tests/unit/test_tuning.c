@@ -1,0 +1,61 @@
+/* The tuning switches (engine/util/tuning.c) read the environment as the code that read
+ * each of them before did: unset means the default, "0" turns an on-by-default switch
+ * off and any other value leaves it on, numbers as atoi/atoll read them. */
+#include "check.h"
+#include "util/tuning.h"
+
+static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_SKINNY", "M40_CUDA_GRAPHS",
+                                    "M40_WARMUP", "M40_G8", "M40_FUSE_NORM", "M40_FUSE_PICK", "M40_GEMM_Q",
+                                    "M40_GEMM_Q_ROWS", "M40_KV_BLOCKS", "M40_PREFIX_CACHE"};
+
+static void clear(void)
+{
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        unsetenv(names[i]);
+}
+
+int main(void)
+{
+    m40_tuning t;
+    clear();
+    m40_tuning_from_env(&t);
+    CHECK(t.gemm == M40_GEMM_AUTO && !t.gemm_ignored[0], "M40_GEMM unset: auto");
+    CHECK(t.pdl && t.clusters && t.skinny && t.warmup && t.g8 && t.fuse_norm && t.fuse_pick && t.gemm_q &&
+              t.prefix_cache,
+          "every on/off switch on by default");
+    CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 0 && t.kv_blocks == 0, "numbers' defaults");
+
+    for (size_t i = 1; i < sizeof names / sizeof names[0]; i++)
+        setenv(names[i], "0", 1);
+    m40_tuning_from_env(&t);
+    CHECK(!t.pdl && !t.clusters && !t.skinny && !t.warmup && !t.g8 && !t.fuse_norm && !t.fuse_pick && !t.gemm_q &&
+              !t.prefix_cache,
+          "\"0\" turns each off");
+    CHECK(t.cuda_graphs == 0 && t.gemm_q_rows == 0 && t.kv_blocks == 0, "numbers at 0");
+
+    clear();
+    setenv("M40_PDL", "no", 1);
+    setenv("M40_CUDA_GRAPHS", "", 1);
+    setenv("M40_GEMM_Q_ROWS", "32", 1);
+    setenv("M40_KV_BLOCKS", "12", 1);
+    setenv("M40_GEMM", "f32", 1);
+    m40_tuning_from_env(&t);
+    CHECK(t.pdl, "a value other than \"0\" leaves a switch on");
+    CHECK(t.cuda_graphs == 64, "an empty M40_CUDA_GRAPHS: the default (%d)", t.cuda_graphs);
+    CHECK(t.gemm_q_rows == 32 && t.kv_blocks == 12, "numbers read");
+    CHECK(t.gemm == M40_GEMM_F32, "f32");
+    setenv("M40_CUDA_GRAPHS", "-5", 1);
+    setenv("M40_KV_BLOCKS", "-5", 1);
+    setenv("M40_GEMM", "bf16", 1);
+    m40_tuning_from_env(&t);
+    CHECK(t.cuda_graphs == 0 && t.kv_blocks == 0, "negative numbers: none");
+    CHECK(t.gemm == M40_GEMM_AUTO && !strcmp(t.gemm_ignored, "bf16"), "an unknown M40_GEMM is ignored, and kept to say so");
+    setenv("M40_GEMM", "f16", 1);
+    m40_tuning_from_env(&t);
+    char line[512];
+    m40_tuning_line(&t, line, sizeof line);
+    CHECK(strstr(line, "M40_GEMM=f16 ") && strstr(line, "M40_KV_BLOCKS=0 ") && strstr(line, "M40_CUDA_GRAPHS=0 "),
+          "the log line: %s", line);
+    clear();
+    return check_done();
+}
