@@ -24,6 +24,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "sample_hd.h" /* the argmax key (9c), the rank key and the random number (9b) */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -416,28 +418,8 @@ int m40k_sample_greedy(const float *logits, int64_t stride, int rows, int n_voca
  * folded into *key (8-byte aligned device memory that must hold 0 before the call) by
  * atomicMax of m40k_argmax_key(y[i], i): each block offers the key of its best row, so no
  * sampling kernel follows the head. m40k_argmax_key_id reads the id back from the key
- * (-1: no entry that is not NaN). */
-#ifdef __CUDACC__
-#define M40K_HD __host__ __device__
-#else
-#define M40K_HD
-#endif
-static inline M40K_HD uint64_t m40k_argmax_key(float v, int32_t i)
-{
-    union {
-        float f;
-        uint32_t u;
-    } c;
-    if (v != v)
-        return 0; /* NaN: never picked */
-    c.f = v == 0.0f ? 0.0f : v; /* -0 as +0 */
-    const uint32_t o = (c.u & 0x80000000u) ? ~c.u : (c.u | 0x80000000u); /* ordered as the values */
-    return ((uint64_t)o << 32) | (uint64_t)(0xFFFFFFFFu - (uint32_t)i);
-}
-static inline int32_t m40k_argmax_key_id(uint64_t key)
-{
-    return key ? (int32_t)(0xFFFFFFFFu - (uint32_t)key) : -1;
-}
+ * (-1: no entry that is not NaN).
+ * (sample_hd.h holds both, with the rank key and the random number of 9b.) */
 int m40k_gemv_q8_argmax(const void *w, int w_type, int N, int K, const void *ws, const float *ss, float eps, float *y,
                         uint64_t *key, m40k_stream stream);
 
@@ -454,7 +436,7 @@ int m40k_gemv_q8_argmax(const void *w, int w_type, int N, int K, const void *ws,
  * the first top_k (all when top_k <= 0 or >= n_vocab), cut after the first element whose
  * inclusive mass reaches ceil(top_p * mass of the top-k) (top_p < 1), then only those
  * with p >= min_p (min_p > 0). The draw takes r = floor(rand * kept_mass / 2^64) with
- * rand = m40 random(seed, step) and picks the first element whose inclusive mass
+ * rand = m40k_sample_random(seed, step) and picks the first element whose inclusive mass
  * exceeds r. So the GPU and the CPU twin (m40_ref_sample) pick the same token exactly.
  * The caller advances `step` once per sampled token (e.g. tokens generated so far).
  *

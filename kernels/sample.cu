@@ -164,12 +164,6 @@ extern "C" int m40k_sample_greedy(const float *logits, int64_t stride, int rows,
 
 __device__ __forceinline__ float smp_lv(float x) { return x != x ? -INFINITY : x == 0.0f ? 0.0f : x; }
 
-__device__ __forceinline__ uint32_t smp_key(float x)
-{
-    const uint32_t u = __float_as_uint(smp_lv(x));
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 /* m40_ref_sample_exp, operation for operation (no fused multiply-add) */
 __device__ __forceinline__ float smp_exp(float x)
 {
@@ -186,18 +180,6 @@ __device__ __forceinline__ float smp_exp(float x)
     p = __fadd_rn(__fmul_rn(p, r), 1.0f);
     p = __fadd_rn(__fmul_rn(p, r), 1.0f);
     return __fmul_rn(p, __uint_as_float((uint32_t)(127 + (int)n) << 23));
-}
-
-__device__ __forceinline__ uint64_t smp_random(uint64_t seed, uint64_t step)
-{
-    uint64_t z = seed + 0x9e3779b97f4a7c15ull * (step + 1);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    z += seed ^ 0x6a09e667f3bcc909ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 struct smp_shared {
@@ -297,7 +279,7 @@ __device__ int smp_nth_with_key(const smp_ctx &c, uint32_t key, uint32_t j, smp_
         sh.found = -1;
     for (int t0 = 0; t0 < c.n; t0 += blockDim.x) {
         const int i = t0 + threadIdx.x;
-        const bool f = i < c.n && smp_key(c.l[i]) == key;
+        const bool f = i < c.n && m40k_rank_key(c.l[i]) == key;
         const uint32_t bal = __ballot_sync(0xffffffffu, f);
         __syncthreads();
         if (lane == 0)
@@ -334,7 +316,7 @@ __device__ smp_sel smp_descend(const smp_ctx &c, uint32_t K, uint64_t T, smp_sha
         __syncthreads();
         for (int i = threadIdx.x; i < c.n; i += blockDim.x) {
             const float x = c.l[i];
-            const uint32_t key = smp_key(x);
+            const uint32_t key = m40k_rank_key(x);
             if (d > 0 && (key >> (shift + 8)) != prefix)
                 continue;
             const int b = (key >> shift) & 255;
@@ -394,7 +376,7 @@ __device__ smp_sel smp_descend(const smp_ctx &c, uint32_t K, uint64_t T, smp_sha
         if (nb == 1) {
             const int id = sh.last[b];
             r.id = id;
-            r.key = smp_key(c.l[id]);
+            r.key = m40k_rank_key(c.l[id]);
             r.cnt = c_above + 1;
             r.mass = m_above + smp_mass(c, c.l[id]);
             return r;
@@ -540,7 +522,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS) void sample_kernel(
             int fi = -1;
             for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
                 const float x = l[i];
-                const uint32_t key = smp_key(x);
+                const uint32_t key = m40k_rank_key(x);
                 if (e2.id >= 0 && !smp_ranked_le(key, i, e2))
                     continue;
                 if (fi >= 0 && !(key > fk || (key == fk && i < fi)))
@@ -552,7 +534,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS) void sample_kernel(
             uint64_t m = 0;
             for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
                 const float x = l[i];
-                const uint32_t key = smp_key(x);
+                const uint32_t key = m40k_rank_key(x);
                 if (e2.id >= 0 && !smp_ranked_le(key, i, e2))
                     continue;
                 if (fi >= 0 && !(key > fk || (key == fk && i < fi)))
@@ -561,7 +543,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS) void sample_kernel(
             }
             kept = smp_block_sum_u64(m, sh);
         }
-        const uint64_t r = __umul64hi(smp_random(P.seed, P.step), kept);
+        const uint64_t r = __umul64hi(m40k_sample_random(P.seed, P.step), kept);
         const smp_sel e = smp_descend(c, ~0u, r + 1, sh);
         tok = e.id >= 0 ? e.id : bi;
     }
@@ -579,7 +561,7 @@ __global__ __launch_bounds__(SAMPLE_THREADS) void sample_kernel(
             sh.n_top = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < n_vocab; i += blockDim.x)
-            if (smp_ranked_le(smp_key(l[i]), i, e)) {
+            if (smp_ranked_le(m40k_rank_key(l[i]), i, e)) {
                 const int slot = atomicAdd(&sh.n_top, 1);
                 if (slot < 20)
                     sh.top[slot] = i;
@@ -589,10 +571,10 @@ __global__ __launch_bounds__(SAMPLE_THREADS) void sample_kernel(
             const int have = sh.n_top < nt ? sh.n_top : nt;
             for (int a = 1; a < have; a++) { /* insertion sort in rank order */
                 const int id = sh.top[a];
-                const uint32_t key = smp_key(l[id]);
+                const uint32_t key = m40k_rank_key(l[id]);
                 int b = a;
                 while (b > 0) {
-                    const uint32_t kb = smp_key(l[sh.top[b - 1]]);
+                    const uint32_t kb = m40k_rank_key(l[sh.top[b - 1]]);
                     if (kb > key || (kb == key && sh.top[b - 1] < id))
                         break;
                     sh.top[b] = sh.top[b - 1];

@@ -601,18 +601,6 @@ void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_
  * sums do not depend on order, and the draw is an integer. Only the reported logprobs
  * carry float rounding. */
 
-uint64_t m40_ref_sample_random(uint64_t seed, uint64_t step)
-{
-    uint64_t z = seed + 0x9e3779b97f4a7c15ull * (step + 1);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    z += seed ^ 0x6a09e667f3bcc909ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 float m40_ref_sample_exp(float x)
 {
     if (!(x > -32.0f))
@@ -634,14 +622,6 @@ float m40_ref_sample_exp(float x)
 }
 
 static inline float sample_lv(float x) { return x != x ? -INFINITY : x == 0.0f ? 0.0f : x; }
-
-static inline uint32_t sample_key(float x)
-{
-    x = sample_lv(x);
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 
 typedef struct {
     uint32_t key;
@@ -689,7 +669,7 @@ void m40_ref_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const
             }
 
         for (int i = 0; i < n_vocab; i++)
-            rank[i] = (sample_rank){sample_key(l[i]), i};
+            rank[i] = (sample_rank){m40k_rank_key(l[i]), i};
         qsort(rank, (size_t)n_vocab, sizeof *rank, sample_rank_cmp);
         const float max = sample_lv(l[rank[0].id]);
         double sum = 0;
@@ -724,7 +704,7 @@ void m40_ref_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const
                 keep = n;
             }
             const uint64_t mass = cum[keep - 1];
-            const uint64_t r = (uint64_t)(((unsigned __int128)m40_ref_sample_random(p->seed, p->step) * mass) >> 64);
+            const uint64_t r = (uint64_t)(((unsigned __int128)m40k_sample_random(p->seed, p->step) * mass) >> 64);
             int n = 0;
             while (cum[n] <= r)
                 n++;

@@ -78,10 +78,10 @@ void m40_ref_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const voi
 float m40_ref_norm_factor(const float *ss, int K, float eps);
 void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token,
                            float *logprob, int top_k, int32_t *top_tokens, float *top_logprobs);
-/* Sampling twins of m40k_sample (kernels.h 9b): the counter-based random number for
- * (seed, step), the fixed exp used for probabilities (x <= 0; 0 below -32), and the
- * sampler itself, written as a sort of the row in rank order and linear walks over it. */
-uint64_t m40_ref_sample_random(uint64_t seed, uint64_t step);
+/* Sampling twins of m40k_sample (kernels.h 9b): the fixed exp used for probabilities
+ * (x <= 0; 0 below -32), and the sampler itself, written as a sort of the row in rank
+ * order and linear walks over it. The random number of a draw and the rank key are the
+ * GPU's own (sample_hd.h: m40k_sample_random, m40k_rank_key), not twins. */
 float m40_ref_sample_exp(float x);
 void m40_ref_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const m40k_sample_params *params,
                     const int32_t *bias_indptr, const int32_t *bias_ids, const float *bias_values,

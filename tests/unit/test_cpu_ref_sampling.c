@@ -64,13 +64,13 @@ static void test_exp(void)
 
 static void test_random(void)
 {
-    CHECK(m40_ref_sample_random(1, 2) == m40_ref_sample_random(1, 2), "deterministic");
-    CHECK(m40_ref_sample_random(1, 2) != m40_ref_sample_random(2, 2), "seed matters");
-    CHECK(m40_ref_sample_random(1, 2) != m40_ref_sample_random(1, 3), "step matters");
+    CHECK(m40k_sample_random(1, 2) == m40k_sample_random(1, 2), "deterministic");
+    CHECK(m40k_sample_random(1, 2) != m40k_sample_random(2, 2), "seed matters");
+    CHECK(m40k_sample_random(1, 2) != m40k_sample_random(1, 3), "step matters");
     /* roughly uniform top bit over steps */
     int ones = 0;
     for (uint64_t s = 0; s < 10000; s++)
-        ones += (int)(m40_ref_sample_random(5, s) >> 63);
+        ones += (int)(m40k_sample_random(5, s) >> 63);
     CHECK(ones > 4700 && ones < 5300, "top bit set %d of 10000", ones);
 }
 
