@@ -23,6 +23,7 @@
 #include "cli.h"
 #include "ref/ggml_types.h"
 #include "model/model.h"
+#include "sample_hd.h" /* m40k_argmax: the greedy pick as the GPU makes it */
 
 #define BENCH_DEFAULT_BANDWIDTH_GBS 3020.0 /* H100 80GB HBM3 copy bandwidth, GUIDE.md */
 
@@ -85,15 +86,6 @@ static uint64_t rng_next(uint64_t *s)
     *s ^= *s << 25;
     *s ^= *s >> 27;
     return *s * 2685821657736338717ULL;
-}
-
-static int32_t argmax(const float *v, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (v[i] > v[best])
-            best = i;
-    return best;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -166,7 +158,7 @@ static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *r
                 if (m40_model_forward(m, kv, &b, logits, err, errlen))
                     goto out;
                 for (int32_t k = 0; k < n_out; k++)
-                    next[first_out + k] = argmax(logits + (size_t)k * (size_t)V, V);
+                    next[first_out + k] = m40k_argmax(logits + (size_t)k * (size_t)V, V);
                 first_out += n_out;
                 n = n_out = 0;
             }

@@ -1,9 +1,9 @@
 /* The pieces of sampling that must be the same bits on the host and the device, in one
  * place: the order of logits (one 32-bit key per float), the greedy pick's 64-bit key,
  * and the counter-based random number of a draw. The GPU kernels (sample.cu, the
- * folded pick of gemv_q8.cu) and their CPU twins (kernels/ref/cpu_ref.c) include this
- * header, so that a token the GPU picks is the token the CPU picks, by construction
- * rather than by two copies kept in step. Plain C11 and CUDA alike: static inline
+ * folded pick of gemv_q8.cu), their CPU twins (kernels/ref/cpu_ref.c) and the engine's
+ * CPU greedy picks include this header, so that a token the GPU picks is the token the
+ * CPU picks, by construction rather than by copies kept in step. Plain C11 and CUDA alike: static inline
  * functions, host and device. */
 #ifndef M40_SAMPLE_HD_H
 #define M40_SAMPLE_HD_H
@@ -49,6 +49,19 @@ static inline M40K_HD uint64_t m40k_argmax_key(float v, int32_t i)
 static inline M40K_HD int32_t m40k_argmax_key_id(uint64_t key)
 {
     return key ? (int32_t)(0xFFFFFFFFu - (uint32_t)key) : -1;
+}
+
+/* The greedy pick of v[0..n) by those keys, in one thread (the CPU's greedy picks: the
+ * engine's sampler, its CPU forward pass, m40 bench): 0 when every value is NaN. */
+static inline M40K_HD int32_t m40k_argmax(const float *v, int32_t n)
+{
+    uint64_t best = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const uint64_t k = m40k_argmax_key(v[i], i);
+        if (k > best)
+            best = k;
+    }
+    return best ? m40k_argmax_key_id(best) : 0;
 }
 
 /* The random number of a draw: a function of (seed, step) alone, counter-based, so that

@@ -18,6 +18,7 @@
 #include "ref/ggml_types.h"
 #include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
 #include "kv/paged_kv.h"
+#include "sample_hd.h" /* m40k_argmax */
 #include "gpu/model_gpu.h"
 #include "model_internal.h"
 #include "ref/quant.h"
@@ -762,11 +763,7 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
             n_out += b->want_logits ? b->want_logits[i] != 0 : i == b->n - 1;
         for (int32_t k = 0; k < n_out; k++) {
             const float *row = logits + (size_t)k * (size_t)p->n_vocab;
-            int32_t best = 0;
-            for (int32_t v = 1; v < p->n_vocab; v++)
-                if (row[v] > row[best])
-                    best = v;
-            b->argmax[k] = best;
+            b->argmax[k] = m40k_argmax(row, p->n_vocab); /* as the GPU picks */
         }
         return 0;
     }

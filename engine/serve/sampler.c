@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "sample_hd.h" /* m40k_argmax: the greedy pick as the GPU makes it */
+
 typedef struct {
     int32_t id;
     float logit;
@@ -189,15 +191,6 @@ static void apply_penalties(m40_sampler *s, float *logits)
 /* a ranks before b: higher logit, then lower id (so ties resolve the same way always). */
 static int ranks_before(float la, int32_t ia, float lb, int32_t ib) { return la > lb || (la == lb && ia < ib); }
 
-static int32_t argmax(const float *logits, int32_t n)
-{
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (logits[i] > logits[best])
-            best = i;
-    return best;
-}
-
 /* The n best (logit, id) in order, by insertion into a short sorted list: O(V n) worst
  * case, about O(V) in practice since most logits fail the first comparison. */
 static void top_n(const float *logits, int32_t n_vocab, int n, int32_t *ids)
@@ -282,7 +275,7 @@ static int32_t sample_truncated(m40_sampler *s, const float *logits)
         if (c[i].logit > max)
             max = c[i].logit;
     if (!isfinite(max)) /* everything banned or not a number: nothing sensible to draw */
-        return argmax(logits, s->n_vocab);
+        return m40k_argmax(logits, s->n_vocab);
     double total = 0;
     for (size_t i = 0; i < n; i++) {
         c[i].p = expf((c[i].logit - max) / p->temperature);
@@ -350,7 +343,7 @@ void m40_sampler_sample(m40_sampler *s, float *logits, m40_sample_result *out)
      * exponentials (arguments <= 0, results in [0, 1]) summed in double. */
     double log_z = NAN;
     if (!p->skip_logprob || p->n_top_logprobs > 0) {
-        float max = logits[argmax(logits, s->n_vocab)];
+        float max = logits[m40k_argmax(logits, s->n_vocab)];
         double sum = 0;
         for (int32_t i = 0; i < s->n_vocab; i++)
             sum += expf(logits[i] - max);
@@ -359,7 +352,7 @@ void m40_sampler_sample(m40_sampler *s, float *logits, m40_sample_result *out)
 
     int32_t token;
     if (p->temperature <= 0.0f || p->top_k == 1)
-        token = argmax(logits, s->n_vocab);
+        token = m40k_argmax(logits, s->n_vocab);
     else
         token = sample_truncated(s, logits);
 

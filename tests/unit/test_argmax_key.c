@@ -58,5 +58,10 @@ int main(void)
           "the id reads back");
     CHECK(m40k_argmax_key(1.0f, 5) > m40k_argmax_key(1.0f, 6) && m40k_argmax_key(2.0f, 9) > m40k_argmax_key(1.0f, 0),
           "ordered by value, then lower id first");
+    /* m40k_argmax, the CPU's greedy pick (sampler, CPU forward, m40 bench): the key's pick */
+    const float nan_first[4] = {NAN, 1.0f, 3.0f, 3.0f};
+    CHECK(m40k_argmax(nan_first, 4) == 2, "NaN at id 0 is skipped; the tie goes to the lower id");
+    CHECK(m40k_argmax(nan3, 3) == 0 && m40k_argmax(zeros, 3) == 0 && m40k_argmax(ninf, 3) == 1,
+          "all NaN: 0; +-0: the first; -inf: the first -inf");
     return check_done();
 }
