@@ -138,19 +138,6 @@ size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max
 
 /* ------------------------------------------------------------- forward ---- */
 
-/* Drops every decode-step graph (they bake in the scratch pointers; called before any
- * of those is reallocated). */
-static void graphs_drop(m40_gpu *g)
-{
-    for (int i = 0; i < M40_GRAPH_SLOTS; i++) {
-        if (g->graphs[i].exec)
-            cudaGraphExecDestroy(g->graphs[i].exec);
-        memset(&g->graphs[i], 0, sizeof g->graphs[i]);
-    }
-}
-
-void m40_gpu_graphs_free(m40_gpu *g) { graphs_drop(g); }
-
 void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
 {
     *captures = g->graph_captures;
@@ -185,7 +172,7 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
 {
     const m40_model_params *p = &g->p;
     if (n > g->cap || (n_out > g->cap_out) || (g->skinny && !g->gemm_f32 && !g->sk_cnt))
-        graphs_drop(g);
+        m40_gpu_graphs_free(g);
     if (n > g->cap) {
         int32_t c = n < 64 ? 64 : n;
         const size_t N = (size_t)c, in_max = gpu_in_max(g);

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "ref/ggml_types.h"
@@ -188,8 +189,17 @@ typedef struct {
 int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
                       size_t errlen);
 
-/* Destroys every decode-step graph (model_cuda_fwd.c). */
-void m40_gpu_graphs_free(m40_gpu *g);
+/* Drops every decode-step graph (they bake in the scratch pointers and the KV pool's:
+ * called before any of those is reallocated or freed). Here, not in the forward pass's
+ * file, because the step planner's and the pool's growth need it too. */
+static inline void m40_gpu_graphs_free(m40_gpu *g)
+{
+    for (int i = 0; i < M40_GRAPH_SLOTS; i++) {
+        if (g->graphs[i].exec)
+            cudaGraphExecDestroy(g->graphs[i].exec);
+        memset(&g->graphs[i], 0, sizeof g->graphs[i]);
+    }
+}
 /* Device bytes that forward calls of up to max_rows token rows, max_out of them with
  * logits, allocate on top of what is resident at load (model_cuda_fwd.c, beside the
  * scratch it estimates): the KV pool (gpu_kv.c) keeps them out of its share. */
