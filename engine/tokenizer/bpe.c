@@ -27,10 +27,11 @@
 
 #include "bpe.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "util/err.h" /* m40_set_err */
 
 /* ---------------------------------------------------------------------------------- */
 /* Pre-tokenizer regexes (public definitions of the model families' pre-tokenizers).   */
@@ -384,17 +385,6 @@ static size_t m40_bpe_utf8_put(char *out, uint32_t cp)
     return 2;
 }
 
-__attribute__((format(printf, 3, 4)))
-static void m40_bpe_errf(char *err, size_t errlen, const char *fmt, ...)
-{
-    if (!err || !errlen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-}
-
 /* ---------------------------------------------------------------------------------- */
 /* Construction.                                                                       */
 
@@ -408,7 +398,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
      * file, not a missing key. */
     const char *pre = m40_gguf_get_str(g, "tokenizer.ggml.pre");
     if (!pre && m40_gguf_get(g, "tokenizer.ggml.pre")) {
-        m40_bpe_errf(err, errlen, "tokenizer.ggml.pre is not a string");
+        m40_set_err(err, errlen, "tokenizer.ggml.pre is not a string");
         return NULL;
     }
     const char *pre_missing = !pre ? "missing" : !*pre ? "empty" : NULL;
@@ -419,31 +409,31 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
         if (strcmp(m40_bpe_pres[i].name, pre) == 0)
             def = &m40_bpe_pres[i];
     if (!def) {
-        m40_bpe_errf(err, errlen, "unknown tokenizer.ggml.pre '%.100s'", pre);
+        m40_set_err(err, errlen, "unknown tokenizer.ggml.pre '%.100s'", pre);
         return NULL;
     }
     const m40_gguf_value *toks = m40_gguf_get_arr(g, "tokenizer.ggml.tokens", M40_GGUF_STRING);
     if (!toks) {
-        m40_bpe_errf(err, errlen, "missing or non-string tokenizer.ggml.tokens");
+        m40_set_err(err, errlen, "missing or non-string tokenizer.ggml.tokens");
         return NULL;
     }
     if (toks->v.arr.n == 0 || toks->v.arr.n > (uint64_t)INT32_MAX / 2) {
-        m40_bpe_errf(err, errlen, "bad vocabulary size %llu", (unsigned long long)toks->v.arr.n);
+        m40_set_err(err, errlen, "bad vocabulary size %llu", (unsigned long long)toks->v.arr.n);
         return NULL;
     }
     const m40_gguf_value *merges = m40_gguf_get_arr(g, "tokenizer.ggml.merges", M40_GGUF_STRING);
     if (!merges) {
-        m40_bpe_errf(err, errlen, "missing or non-string tokenizer.ggml.merges");
+        m40_set_err(err, errlen, "missing or non-string tokenizer.ggml.merges");
         return NULL;
     }
     if (merges->v.arr.n > (uint64_t)INT32_MAX / 4) {
-        m40_bpe_errf(err, errlen, "too many merges: %llu", (unsigned long long)merges->v.arr.n);
+        m40_set_err(err, errlen, "too many merges: %llu", (unsigned long long)merges->v.arr.n);
         return NULL;
     }
 
     m40_bpe *b = calloc(1, sizeof *b);
     if (!b) {
-        m40_bpe_errf(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         return NULL;
     }
     snprintf(b->pre, sizeof b->pre, "%s", pre);
@@ -461,7 +451,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
     for (int32_t i = 0; i < n_vocab; i++)
         arena += toks->v.arr.items[i].v.str.len;
     if (arena > UINT32_MAX / 2) {
-        m40_bpe_errf(err, errlen, "vocabulary strings too large (%zu bytes)", arena);
+        m40_set_err(err, errlen, "vocabulary strings too large (%zu bytes)", arena);
         goto fail;
     }
     b->arena_cap = arena + 4096;
@@ -473,7 +463,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
     b->pieces = malloc((size_t)b->cap_pieces * sizeof *b->pieces);
     b->str_slots = malloc(slots * sizeof *b->str_slots);
     if (!b->arena || !b->pieces || !b->str_slots) {
-        m40_bpe_errf(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         goto fail;
     }
     for (size_t i = 0; i < slots; i++)
@@ -483,7 +473,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
     for (int32_t i = 0; i < n_vocab; i++) {
         const m40_gguf_value *t = &toks->v.arr.items[i];
         if (m40_bpe_intern(b, t->v.str.ptr, t->v.str.len, 1) != i) {
-            m40_bpe_errf(err, errlen, "out of memory interning token %d", (int)i);
+            m40_set_err(err, errlen, "out of memory interning token %d", (int)i);
             goto fail;
         }
     }
@@ -492,7 +482,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
     const m40_gguf_value *types = m40_gguf_get_arr(g, "tokenizer.ggml.token_type", M40_GGUF_INT32);
     b->raw = calloc((size_t)n_vocab, 1);
     if (!b->raw) {
-        m40_bpe_errf(err, errlen, "out of memory");
+        m40_set_err(err, errlen, "out of memory");
         goto fail;
     }
     /* Absent or mis-sized types: every token is treated as byte-mapped text. */
@@ -507,7 +497,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
         size_t n = m40_bpe_utf8_put(s, b->byte_to_cp[i]);
         b->byte_piece[i] = m40_bpe_intern(b, s, n, 0);
         if (b->byte_piece[i] < 0) {
-            m40_bpe_errf(err, errlen, "out of memory");
+            m40_set_err(err, errlen, "out of memory");
             goto fail;
         }
     }
@@ -517,7 +507,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
         mcap *= 2;
     b->merge_slots = malloc(mcap * sizeof *b->merge_slots);
     if (!b->merge_slots) {
-        m40_bpe_errf(err, errlen, "out of memory for %llu merges", (unsigned long long)merges->v.arr.n);
+        m40_set_err(err, errlen, "out of memory for %llu merges", (unsigned long long)merges->v.arr.n);
         goto fail;
     }
     for (size_t i = 0; i < mcap; i++)
@@ -534,7 +524,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
         const char *sp = n > 1 ? memchr(s + 1, ' ', n - 1) : NULL;
         if (!sp) {
             free(cat);
-            m40_bpe_errf(err, errlen, "tokenizer.ggml.merges[%llu] is not of the form 'left right'", (unsigned long long)r);
+            m40_set_err(err, errlen, "tokenizer.ggml.merges[%llu] is not of the form 'left right'", (unsigned long long)r);
             goto fail;
         }
         size_t ln = (size_t)(sp - s), rn = n - ln - 1;
@@ -542,7 +532,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
             char *nc = realloc(cat, ln + rn);
             if (!nc) {
                 free(cat);
-                m40_bpe_errf(err, errlen, "out of memory");
+                m40_set_err(err, errlen, "out of memory");
                 goto fail;
             }
             cat = nc;
@@ -555,7 +545,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
         int32_t res = rt < 0 ? -1 : m40_bpe_intern(b, cat, ln + rn, 0);
         if (res < 0) {
             free(cat);
-            m40_bpe_errf(err, errlen, "out of memory interning merge %llu", (unsigned long long)r);
+            m40_set_err(err, errlen, "out of memory interning merge %llu", (unsigned long long)r);
             goto fail;
         }
         uint64_t key = ((uint64_t)(uint32_t)l << 32) | (uint32_t)rt;
@@ -572,7 +562,7 @@ m40_bpe *m40_bpe_new(const m40_gguf *g, char *err, size_t errlen)
 
     for (const char *const *re = def->regexes; *re; re++) {
         if (b->n_regex == M40_BPE_MAX_REGEX) {
-            m40_bpe_errf(err, errlen, "pre-tokenizer '%s' has more than %d regexes", pre, M40_BPE_MAX_REGEX);
+            m40_set_err(err, errlen, "pre-tokenizer '%s' has more than %d regexes", pre, M40_BPE_MAX_REGEX);
             goto fail;
         }
         int ec;
