@@ -361,29 +361,45 @@ static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale
     }
 }
 
+/* Row r of W as the F16 weights the GPU forms: F16(q * F16(scale) - F16(offset)), one
+ * rounding of the exact value (as the GPU's F16 fused multiply-add; every product here is
+ * exact in double). */
+static void ref_row_f16(const void *w, int w_type, size_t row_bytes, int r, int K, uint16_t *out)
+{
+    const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
+    for (int e0 = 0; e0 < K; e0 += 8) {
+        float q[8], sc, off;
+        ref_group8(w_type, row, e0, q, &sc, &off);
+        const double s16 = m40_fp16_to_fp32(m40_fp32_to_fp16(sc)), o16 = m40_fp16_to_fp32(m40_fp32_to_fp16(off));
+        for (int i = 0; i < 8; i++)
+            out[e0 + i] = m40_fp32_to_fp16((float)((double)q[i] * s16 - o16));
+    }
+}
+
+static size_t ref_row_bytes(int w_type, int K)
+{
+    const m40_type_info *ti = m40_type_get((uint32_t)w_type);
+    return (size_t)K / ti->block_elems * ti->block_bytes;
+}
+
+void m40_ref_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out)
+{
+    for (int r = 0; r < N; r++)
+        ref_row_f16(w, w_type, ref_row_bytes(w_type, K), r, K, out + (size_t)r * K);
+}
+
 void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                     int64_t ldy)
 {
-    const m40_type_info *ti = m40_type_get((uint32_t)w_type);
-    const size_t row_bytes = (size_t)K / ti->block_elems * ti->block_bytes;
-    float *wr = malloc((size_t)K * sizeof *wr);
+    uint16_t *wr = malloc((size_t)K * sizeof *wr);
     if (!wr)
         abort();
     for (int r = 0; r < N; r++) {
-        const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
-        for (int e0 = 0; e0 < K; e0 += 8) {
-            float q[8], sc, off;
-            ref_group8(w_type, row, e0, q, &sc, &off);
-            /* F16(q * F16(scale) - F16(offset)), one rounding of the exact value (as the
-             * GPU's F16 fused multiply-add; every product here is exact in double) */
-            const double s16 = m40_fp16_to_fp32(m40_fp32_to_fp16(sc)), o16 = m40_fp16_to_fp32(m40_fp32_to_fp16(off));
-            for (int i = 0; i < 8; i++)
-                wr[e0 + i] = m40_fp16_to_fp32(m40_fp32_to_fp16((float)((double)q[i] * s16 - o16)));
-        }
+        ref_row_f16(w, w_type, ref_row_bytes(w_type, K), r, K, wr);
         for (int t = 0; t < M; t++) {
             double acc = 0.0;
             for (int k = 0; k < K; k++)
-                acc += (double)wr[k] * (double)m40_fp16_to_fp32(x[(size_t)t * x_stride + k]);
+                acc += (double)m40_fp16_to_fp32(wr[k]) * (double)m40_fp16_to_fp32(x[(size_t)t * x_stride + k]);
             y[(size_t)t * ldy + r] = (float)acc;
         }
     }

@@ -487,8 +487,14 @@ int m40_gpu_load(const m40_gpu_src *src, int device, int log_progress, m40_gpu *
         g->gemm_q = prop.major >= 8 && !(mq && !strcmp(mq, "0"));
         if (g->gemm_q && m40k_gemm_q_prepare() != 0) /* before any graph capture */
             g->gemm_q = 0;
+        /* products of more than M40_GEMM_Q_ROWS token rows (default 128: prefill chunks)
+         * dequantize the matrix to F16 and take cuBLAS, faster there than either kernel of
+         * m40k_gemm_q (BENCHMARKS.md); 0: m40k_gemm_q at every size */
         const char *mr = getenv("M40_GEMM_Q_ROWS");
-        g->gemm_q_rows = mr ? atoi(mr) : 0;
+        g->gemm_q_rows = mr ? atoi(mr) : 128;
+        /* products of up to M40_GEMM_Q_REG token rows (default 64) take the register kernel */
+        const char *mg = getenv("M40_GEMM_Q_REG");
+        m40k_gemm_q_tune(mg ? atoi(mg) : 64);
     }
     if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(g->blas, g->stream) != CUBLAS_STATUS_SUCCESS) {
         g->blas = NULL;

@@ -390,15 +390,32 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
  *     ONCE; every completed call leaves them zero (as 6's counters; one array serves every
  *     later call up to that size on one stream).
  * The split sums are added in a fixed order: results do not depend on timing.
- * m40k_gemm_q_pick_splits: a split count for the shape within the caller's workspace and
- * counters (1 when they are too small). */
+ * Two kernels (m40k_gemm_q_kernel says which takes a product): products of 9..64 token
+ * rows in Q4_K, Q8_0_G8 and Q6_K_G8 with aligned rows (K a multiple of 256, 2048 for
+ * Q6_K_G8) take the register kernel (gemm_q_reg.cu: the weights formed straight into the
+ * mma fragments); everything else the shared-memory tile kernel (staged or direct, as
+ * above). Same weights, same F32 sums of F16 products; the order of the sums differs
+ * between the two kernels (and is fixed within each).
+ * m40k_gemm_q_tune(reg_rows): products of up to reg_rows token rows may take the register
+ * kernel (default 64, its most; 0: never). Process-wide; set it before any launch.
+ * m40k_gemm_q_pick_splits: a split count for the product (its type picks the kernel)
+ * within the caller's workspace and counters (1 when they are too small). */
 int m40k_gemm_q_supported(int w_type);
 /* Raises the kernels' shared-memory limit on the current device (once; m40k_gemm_q does
  * it too on first use): call it before capturing m40k_gemm_q into a CUDA graph. */
 int m40k_gemm_q_prepare(void);
 size_t m40k_gemm_q_ws_floats(int N, int M, int n_splits);
 size_t m40k_gemm_q_counter_ints(int N, int M);
-int m40k_gemm_q_pick_splits(int N, int K, int M, int sm_count, size_t ws_floats, size_t counter_ints);
+int m40k_gemm_q_pick_splits(int w_type, int N, int K, int M, int sm_count, size_t ws_floats, size_t counter_ints);
+enum { M40K_GEMM_Q_DIRECT = 0, M40K_GEMM_Q_STAGED = 1, M40K_GEMM_Q_REGISTER = 2 };
+/* m40k_gemm_q_dequant: out[r*K + k] = the F16 weight m40k_gemm_q forms of W[r][k] (r < N,
+ * k < K), for products of so many rows that cuBLAS on the F16 copy is faster than either
+ * kernel (prefill chunks). The staged kernel's types and layouts only (K a multiple of
+ * 256, W, its rows and out 16-byte aligned); M40K_INVALID otherwise (m40k_embed's F16
+ * output holds the same values for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0). */
+int m40k_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out, m40k_stream stream);
+int m40k_gemm_q_kernel(int w_type, int K, int M, const void *w);
+void m40k_gemm_q_tune(int reg_rows);
 int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                 int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream);
 
