@@ -112,8 +112,9 @@ typedef struct {
 
 static int gpu_type_native(uint32_t t)
 {
-    return t == M40_TYPE_F32 || t == M40_TYPE_F16 || t == M40_TYPE_Q8_0 || t == M40_TYPE_Q4_0 ||
-           t == M40_TYPE_Q4_1 || t == M40_TYPE_Q5_0 || t == M40_TYPE_Q5_1 || t == M40_TYPE_Q4_K ||
+    return t == M40_TYPE_F32 || t == M40_TYPE_F16 || t == M40_TYPE_BF16 || t == M40_TYPE_Q8_0 ||
+           t == M40_TYPE_Q4_0 || t == M40_TYPE_Q4_1 || t == M40_TYPE_Q5_0 || t == M40_TYPE_Q5_1 ||
+           t == M40_TYPE_Q2_K || t == M40_TYPE_Q3_K || t == M40_TYPE_Q4_K || t == M40_TYPE_Q5_K ||
            t == M40_TYPE_Q6_K;
 }
 

@@ -54,8 +54,10 @@
  *     matrix (m40k_gemm_q_dequant, the same F16 weights; the embedding-gather kernel for
  *     the types it does not read), then cublasGemmEx. Models under 1B parameters take it in F32 instead (weights
  *     dequantized to F32, cublasSgemm): see gemm_f32.
- * Weight types the kernels do not read (BF16, other K-quants) are converted to F16 on
- * upload. Q/K/V and gate/up are concatenated on upload when their types match, so
+ * Every GGUF weight type the loader reads is kept on the device as the file has it (Q8_0
+ * and Q6_K regrouped, kernels.h 0.): BF16, Q2_K, Q3_K and Q5_K go through the GEMV and
+ * the direct kernel of m40k_gemm_q (their F16 weights, BF16 rounded to F16 there) and
+ * above M40_GEMM_Q_ROWS through the gather into the F16 scratch. Q/K/V and gate/up are concatenated on upload when their types match, so
  * each pair/triple is one product. */
 #ifdef M40_HAVE_CUDA
 
@@ -451,13 +453,17 @@ static int ensure_ints(m40_gpu *g, size_t n)
 static int gemv_reads(int type, int64_t K)
 {
     switch (type) {
-    case M40K_TYPE_F16: return K % 8 == 0;
+    case M40K_TYPE_F16:
+    case M40K_TYPE_BF16: return K % 8 == 0;
     case M40K_TYPE_Q8_0:
     case M40K_TYPE_Q4_0:
     case M40K_TYPE_Q4_1:
     case M40K_TYPE_Q5_0:
     case M40K_TYPE_Q5_1: return K % 32 == 0;
+    case M40K_TYPE_Q2_K:
+    case M40K_TYPE_Q3_K:
     case M40K_TYPE_Q4_K:
+    case M40K_TYPE_Q5_K:
     case M40K_TYPE_Q6_K: return K % 256 == 0;
     default: return 0;
     }

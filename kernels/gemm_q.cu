@@ -272,7 +272,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                 uint32_t qh[4];
 #pragma unroll
                 for (int k = 0; k < 4; k++)
-                    qh[k] = mq_h2(q[2 * k], q[2 * k + 1]); /* small integers (F16 values for F16): exact */
+                    qh[k] = mq_h2(q[2 * k], q[2 * k + 1]); /* small integers and F16 values exact; BF16 rounded */
                 h[i] = mq_pack(qh, sc, off);
             }
         }
@@ -627,7 +627,11 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     X(M40K_TYPE_Q4_K)                                                                                                  \
     X(M40K_TYPE_Q6_K)                                                                                                  \
     X(M40K_TYPE_Q8_0_G8)                                                                                               \
-    X(M40K_TYPE_Q6_K_G8)
+    X(M40K_TYPE_Q6_K_G8)                                                                                               \
+    X(M40K_TYPE_Q2_K)                                                                                                  \
+    X(M40K_TYPE_Q3_K)                                                                                                  \
+    X(M40K_TYPE_Q5_K)                                                                                                  \
+    X(M40K_TYPE_BF16)
 
 extern "C" int m40k_gemm_q_supported(int w_type)
 {

@@ -42,8 +42,12 @@ enum {
     M40K_TYPE_Q5_0 = 6,
     M40K_TYPE_Q5_1 = 7,
     M40K_TYPE_Q8_0 = 8,
+    M40K_TYPE_Q2_K = 10,
+    M40K_TYPE_Q3_K = 11,
     M40K_TYPE_Q4_K = 12,
+    M40K_TYPE_Q5_K = 13,
     M40K_TYPE_Q6_K = 14,
+    M40K_TYPE_BF16 = 30,
     /* Device-only layouts (never in a GGUF file): the same blocks regrouped by 8 so that
      * every piece the int8 GEMV reads starts 16-byte aligned (m40k_repack_g8). */
     M40K_TYPE_Q8_0_G8 = 1008,
@@ -65,7 +69,7 @@ int m40k_g8_type(int t, int64_t K);
 int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, int64_t K);
 
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
- * F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K or a regrouped layout (0.) (dim a
+ * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or a regrouped layout (0.) (dim a
  * multiple of the block size: 32, or 256 for the K-quants and Q8_0_G8, 2048 for
  * Q6_K_G8); rows are dim elements packed (row bytes = dim/block*block_bytes). out_type
  * F32 or F16, row stride out_stride elements. Ids outside [0, n_rows) give zero rows. */
@@ -268,9 +272,9 @@ int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q
                                   float scale, int window, m40k_stream stream);
 
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
- * n < N, b < batch (1..8). W rows are K elements of w_type (F16, Q8_0, Q4_0, Q4_1,
- * Q5_0, Q5_1, Q4_K, Q6_K; GGUF block layouts) packed, row bytes = K/block*block_bytes. K a multiple of 32
- * (256 for the K-quants, 8 for F16). x 16-byte aligned, x_stride a multiple of 4.
+ * n < N, b < batch (1..8). W rows are K elements of w_type (F16, BF16, Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; GGUF block layouts) packed, row bytes =
+ * K/block*block_bytes. K a multiple of 32 (256 for the K-quants, 8 for F16 and BF16). x 16-byte aligned, x_stride a multiple of 4.
  * One warp per row: 16-byte loads staged through shared memory, dequantization in
  * registers, F32 accumulation. May read up to 15 bytes past the end of W's last row
  * (never past the 16-byte-aligned chunk that holds its last byte). */
@@ -371,7 +375,8 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
 /* 8e. Quantized GEMM on the tensor cores (kernels/gemm_q.cu) for products of 9 and more
  * token rows, decode batches and prefill chunks alike: y[t*ldy + r] = sum_k W[r][k] *
  * x[t*x_stride + k], r < N, t < M. W: rows of K elements of w_type packed (F16, Q8_0, Q4_0,
- * Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, Q8_0_G8, Q6_K_G8: m40k_gemm_q_supported), K a multiple of
+ * Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, Q8_0_G8, Q6_K_G8:
+ * m40k_gemm_q_supported; BF16 values are rounded to F16), K a multiple of
  * the type's block (and of 8); any alignment. x F16, 16-byte aligned, x_stride a multiple
  * of 8. Each weight is dequantized in shared memory to F16(q * F16(scale) - F16(offset))
  * (one F16 fused multiply-add; q, scale and offset of its group as in quant_dev.h): for

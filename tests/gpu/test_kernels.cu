@@ -48,17 +48,37 @@ static size_t row_bytes(int type, int n)
     const m40_type_info *ti = m40_type_get((uint32_t)type);
     return (size_t)n / ti->block_elems * ti->block_bytes;
 }
+/* Rows of random values quantized to type; for the types without a quantizer here (Q2_K,
+ * Q3_K, Q5_K) random blocks: every bit pattern is a valid block but the F16 scales, which
+ * are set to small positive values. */
 static std::vector<uint8_t> quant_matrix(int type, int rows, int cols, float lo = -1, float hi = 1)
 {
     std::vector<uint8_t> q(row_bytes(type, cols) * rows);
     for (int r = 0; r < rows; r++) {
         std::vector<float> f = rand_vec(cols, lo, hi);
-        m40_quantize_row((uint32_t)type, f.data(), q.data() + r * row_bytes(type, cols), cols);
+        uint8_t *row = q.data() + r * row_bytes(type, cols);
+        if (m40_quantize_row((uint32_t)type, f.data(), row, cols) == 0)
+            continue;
+        const int bb = m40_type_get((uint32_t)type)->block_bytes;
+        std::vector<int> f16_at = type == M40K_TYPE_Q2_K   ? std::vector<int>{80, 82}
+                                  : type == M40K_TYPE_Q3_K ? std::vector<int>{108}
+                                  : type == M40K_TYPE_Q5_K ? std::vector<int>{0, 2}
+                                                           : std::vector<int>{};
+        if (f16_at.empty())
+            abort(); /* a type this helper does not know */
+        for (size_t i = 0; i < row_bytes(type, cols); i++)
+            row[i] = (uint8_t)rnd32();
+        for (size_t b = 0; b < row_bytes(type, cols); b += bb)
+            for (int o : f16_at) {
+                const uint16_t h = m40_fp32_to_fp16(0.001f + 0.004f * (rnd32() % 1000) / 1000.0f);
+                row[b + o] = (uint8_t)(h & 0xff), row[b + o + 1] = (uint8_t)(h >> 8);
+            }
     }
     return q;
 }
-static const int all_types[] = {M40K_TYPE_F32,  M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
-                                M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int all_types[] = {M40K_TYPE_F32,  M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0,
+                                M40K_TYPE_Q4_0, M40K_TYPE_Q4_1, M40K_TYPE_Q5_0, M40K_TYPE_Q5_1,
+                                M40K_TYPE_Q2_K, M40K_TYPE_Q3_K, M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K};
 
 /* ---------------------------------------------------------------- 1. embed */
 static void test_embed(void)
@@ -816,8 +836,9 @@ static void test_kv_append_rope(void)
 }
 
 /* ---------------------------------------------------------------- 8. gemv */
-static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
-                                 M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0,
+                                 M40K_TYPE_Q4_1, M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q2_K,
+                                 M40K_TYPE_Q3_K, M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K};
 
 static void test_gemv(void)
 {
@@ -828,7 +849,7 @@ static void test_gemv(void)
         for (int K : {256 * 3, 256 * 9, 4096 + 256, 608, 640})
             for (int N : {1, 17, 259})
                 for (int batch : {1, 3, 8}) {
-                    if (K % 256 && (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K))
+                    if (K % m40_type_get((uint32_t)type)->block_elems)
                         continue;
                     std::vector<uint8_t> w = quant_matrix(type, N, K);
                     const int64_t xs = K + 4, ys = N + 1;
@@ -961,8 +982,9 @@ static void test_gemm_q(void)
 {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1, M40K_TYPE_Q5_0,
-                         M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8};
+    const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,    M40K_TYPE_Q5_0,
+                         M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8,
+                         M40K_TYPE_Q2_K, M40K_TYPE_Q3_K, M40K_TYPE_Q5_K, M40K_TYPE_BF16};
     for (int type : types) {
         const bool g8 = type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8;
         const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : type;
@@ -1003,7 +1025,9 @@ static void test_gemm_q(void)
                         uint16_t *dq;
                         CK(cudaMalloc(&dq, (size_t)N * K * 2));
                         const int e = m40k_gemm_q_dequant(dw, type, N, K, dq, 0);
-                        const bool takes = K % 256 == 0 && type != M40K_TYPE_F16 && type != M40K_TYPE_Q6_K;
+                        const bool takes = K % 256 == 0 && type != M40K_TYPE_F16 && type != M40K_TYPE_Q6_K &&
+                                           type != M40K_TYPE_BF16 && type != M40K_TYPE_Q2_K &&
+                                           type != M40K_TYPE_Q3_K && type != M40K_TYPE_Q5_K;
                         char what[128];
                         snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d %s", m40_type_name(base),
                                  g8 ? "_G8" : "", N, K, takes ? "runs" : "refuses");
