@@ -270,7 +270,7 @@ int m40_cmd_serve(int argc, char **argv)
      * switches reach the worker only through env directives */
     static const char *const pass_env[] = {"M40_GEMM",        "M40_PDL",    "M40_CLUSTER",   "M40_SKINNY",
                                            "M40_CUDA_GRAPHS", "M40_WARMUP", "M40_G8",        "M40_FUSE_NORM",
-                                           "M40_FUSE_PICK",   "M40_GEMM_Q", "M40_GEMM_Q_ROWS", "CUDA_VISIBLE_DEVICES"};
+                                           "M40_FUSE_PICK",   "M40_GEMM_Q", "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "CUDA_VISIBLE_DEVICES"};
     for (size_t i = 0; i < sizeof pass_env / sizeof pass_env[0]; i++)
         if (getenv(pass_env[i]))
             fprintf(f, "env %s;\n", pass_env[i]);

@@ -13,6 +13,8 @@
 static inline int m40k_launch_status(void) { return (int)cudaGetLastError(); }
 
 __device__ __forceinline__ float m40k_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+/* BF16 bits as a float (exact: the top half of the float's bits) */
+__device__ __forceinline__ float m40k_bf2f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
 __device__ __forceinline__ uint16_t m40k_f2h(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
 /* 0..255 to float without the (quarter-rate) integer conversion: the bits of 2^23 + v. */

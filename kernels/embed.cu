@@ -17,10 +17,11 @@ __global__ void embed_kernel(const uint8_t *__restrict__ table, size_t row_bytes
 #pragma unroll
         for (int k = 0; k < 8; k++)
             q[k] = valid ? (n == 8 ? sc * q[k] - off : 0.0f) : 0.0f;
-        if (valid && n < 8) /* ragged tail of an F32/F16 row */
+        if (valid && n < 8) /* ragged tail of an F32/F16/BF16 row */
             for (int k = 0; k < n; k++)
-                q[k] = T == M40K_TYPE_F32 ? reinterpret_cast<const float *>(row)[e0 + k]
-                                          : m40k_ldh(row + 2 * (e0 + k));
+                q[k] = T == M40K_TYPE_F32    ? reinterpret_cast<const float *>(row)[e0 + k]
+                       : T == M40K_TYPE_BF16 ? m40k_bf2f((uint16_t)(row[2 * (e0 + k)] | (row[2 * (e0 + k) + 1] << 8)))
+                                             : m40k_ldh(row + 2 * (e0 + k));
         if (out_f16) {
             uint16_t *o = (uint16_t *)out + (int64_t)i * out_stride + e0;
             for (int k = 0; k < n; k++)
@@ -65,6 +66,10 @@ extern "C" int m40k_embed(const void *table, int table_type, int64_t n_rows, int
     case M40K_TYPE_Q5_1: return embed_launch<M40K_TYPE_Q5_1>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q4_K: return embed_launch<M40K_TYPE_Q4_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q6_K: return embed_launch<M40K_TYPE_Q6_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
+    case M40K_TYPE_Q2_K: return embed_launch<M40K_TYPE_Q2_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
+    case M40K_TYPE_Q3_K: return embed_launch<M40K_TYPE_Q3_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
+    case M40K_TYPE_Q5_K: return embed_launch<M40K_TYPE_Q5_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
+    case M40K_TYPE_BF16: return embed_launch<M40K_TYPE_BF16>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q8_0_G8:
         return embed_launch<M40K_TYPE_Q8_0_G8>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q6_K_G8:

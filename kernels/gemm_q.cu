@@ -24,62 +24,18 @@
  * its partial tile to the workspace, fences and counts on its tile's counter; the block
  * that counts last sums the splits in order 0..S-1 (deterministic) into y and resets the
  * counter to zero (kernels.h 8e: the caller zeroes the counters once). */
-#include "quant_dev.h"
+#include "gemm_q_dev.h"
 
-#define MQ_WARPS 8
 #define MQ_BN 128             /* weight rows a block */
 #define MQ_BK 64              /* K a step */
 #define MQ_LDS (MQ_BK + 8)    /* halves a shared-memory row: 144 bytes */
 #define MQ_GROUPS (MQ_BN * MQ_BK / 8 / (MQ_WARPS * 32)) /* groups of 8 a thread dequantizes a step: 4 */
-
-__device__ __forceinline__ uint32_t mq_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing. cp.async is
- * sm_80's: the builds for older GPUs (which never launch this kernel: the engine asks for
- * cc >= 8.0) get plain copies so that they compile. */
-__device__ __forceinline__ void mq_cp16(void *dst, const void *src, int src_bytes)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mq_saddr(dst)), "l"(src), "r"(src_bytes)
-                 : "memory");
-#else
-    *reinterpret_cast<uint4 *>(dst) = src_bytes ? *reinterpret_cast<const uint4 *>(src) : make_uint4(0, 0, 0, 0);
-#endif
-}
-__device__ __forceinline__ void mq_commit(void)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-/* every copy issued so far has landed (N = 0), or all but the last N groups */
-template <int N> __device__ __forceinline__ void mq_wait(void)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if constexpr (N == 0)
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-    else
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
 
 __device__ __forceinline__ void mq_ldsm4(uint32_t (&r)[4], const void *p)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(mq_saddr(p)));
-}
-
-/* c[16x8] += a[16x16] b[16x8], F16 in, F32 accumulate (fragment layouts: PTX ISA,
- * mma.m16n8k16) */
-__device__ __forceinline__ void mq_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
 }
 
 __device__ __forceinline__ uint32_t mq_h2(float lo, float hi)
@@ -101,21 +57,6 @@ template <int BM> struct mq_shape {
     static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
 };
 
-/* Staged weights (the fast path): per row and chunk of MQ_KC = 256 elements, the chunk's
- * bytes as the file lays them out, RB bytes a row (a multiple of 16, so cp.async moves
- * them 16 bytes at a time): one superblock of the K-quants, 8 blocks of the 32-element
- * types, one group of Q8_0_G8; Q6_K_G8's superblock (208 bytes) followed by its group's
- * 16 bytes of scales d[8]. 0: the type has no such chunk (plain Q6_K: 210 bytes). */
-#define MQ_KC 256
-template <int T> struct mq_stage {
-    enum {
-        RB = T == M40K_TYPE_Q6_K_G8 ? 224
-             : T == M40K_TYPE_Q6_K || T == M40K_TYPE_F16 || T == M40K_TYPE_F32
-                 ? 0
-                 : MQ_KC / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB
-    };
-    static_assert(RB % 16 == 0, "staged chunks move in 16-byte pieces");
-};
 
 /* Shared memory of a block: the F16 weight tile (MQ_BN x MQ_BK), the F16 x tile (BM x
  * MQ_BK), and where staged two chunks of raw weights (MQ_BN x RB each). */
@@ -131,42 +72,6 @@ template <int T, int BM, bool STAGED> struct mq_smem {
         BYTES = TILES * (W + X) + RAW
     };
 };
-
-__device__ __forceinline__ uint32_t mq_lds16(const uint8_t *p) { return *reinterpret_cast<const uint16_t *>(p); }
-
-/* The F16 weight of every element: w = RN(q * RN(scale) - RN(offset)), q, scale and
- * offset as m40k_group8 gives them, the scale and offset rounded to F16 once per group,
- * then one fused multiply-add in F16 (single rounding). For the types whose scale and
- * offset are F16 values already (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) that is exactly the F32
- * result rounded to F16; for Q4_K and Q6_K the rounded scale adds up to 2^-11 of the
- * weight's size, thirty times below the 4-bit grid. Two elements an instruction instead of
- * a conversion, a multiply-add and half a pack each in F32. Twin: m40_ref_gemm_q. */
-__device__ __forceinline__ uint4 mq_pack(const uint32_t (&q)[4], float sc, float off)
-{
-    const __half2 s2 = __float2half2_rn(sc), o2 = __float2half2_rn(-off);
-    uint4 h;
-    uint32_t *o = &h.x;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __half2 r = __hfma2(*reinterpret_cast<const __half2 *>(&q[i]), s2, o2);
-        o[i] = *reinterpret_cast<const uint32_t *>(&r);
-    }
-    return h;
-}
-
-/* Two words of four unsigned bytes (each < 1024) as four F16 pairs holding them exactly:
- * the bytes under 0x64 (1024 + b), then 1024 subtracted. */
-__device__ __forceinline__ void mq_bytes_h2(uint32_t t0, uint32_t t1, uint32_t (&q)[4])
-{
-    const __half2 k1024 = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
-    const uint32_t v[4] = {__byte_perm(t0, 0x64, 0x4140), __byte_perm(t0, 0x64, 0x4342), __byte_perm(t1, 0x64, 0x4140),
-                           __byte_perm(t1, 0x64, 0x4342)};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&v[i]), k1024);
-        q[i] = *reinterpret_cast<const uint32_t *>(&r);
-    }
-}
 
 /* Bits 0..3 of b spread to bit 4 of bytes 0..3 (Q5's fifth bits). */
 __device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return ((b & 15u) * 0x00204081u & 0x01010101u) << 4; }
@@ -305,8 +210,6 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
     uint16_t *const wt = reinterpret_cast<uint16_t *>(mq_sm);
     uint16_t *const xt = reinterpret_cast<uint16_t *>(mq_sm + sm::TILES * sm::W);
     uint8_t *const raw = mq_sm + sm::TILES * (sm::W + sm::X); /* STAGED: chunk buffer b at raw + b * MQ_BN * RB */
-    __shared__ int last;
-
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wn = warp % sh::WN, wm = warp / sh::WN;
     const int n0 = blockIdx.x * MQ_BN, m0 = blockIdx.y * BM, s = blockIdx.z;
@@ -369,7 +272,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                 uint32_t qh[4];
 #pragma unroll
                 for (int k = 0; k < 4; k++)
-                    qh[k] = mq_h2(q[2 * k], q[2 * k + 1]); /* small integers (F16 values for F16): exact */
+                    qh[k] = mq_h2(q[2 * k], q[2 * k + 1]); /* small integers and F16 values exact; BF16 rounded */
                 h[i] = mq_pack(qh, sc, off);
             }
         }
@@ -519,29 +422,61 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                 if (r < N && t < M)
                     dst[(size_t)t * ld + r] = acc[mt][nt][c];
             }
-    if (S == 1)
-        return;
-    __threadfence();
-    __syncthreads();
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    if (tid == 0) {
-        __threadfence();
-        last = atomicAdd(counters + tile, 1) == S - 1;
+    if (S > 1)
+        mq_split_end(S, N, M, n0, m0, min(MQ_BN, N - n0), min(BM, M - m0), y, ldy, ws, counters,
+                     blockIdx.y * gridDim.x + blockIdx.x);
+}
+
+/* The weights as F16, for products of many rows (prefill chunks) that multiply them with
+ * cuBLAS: 32 rows x one 256-element chunk a block, the raw chunk rows staged in shared
+ * memory by 16-byte loads, one run of 32 a thread (mq_deq32, as the staged kernel), 64
+ * bytes of F16 stored a thread (a row's chunk: 512 contiguous bytes a quarter block). */
+#define MQ_DQ_ROWS 32
+template <int T>
+__global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K,
+                                                          uint16_t *__restrict__ out)
+{
+    constexpr int RB = mq_stage<T>::RB;
+    __shared__ __align__(16) uint8_t raw[MQ_DQ_ROWS * RB];
+    const int n0 = blockIdx.x * MQ_DQ_ROWS, c = blockIdx.y;
+    for (int i = threadIdx.x; i < MQ_DQ_ROWS * (RB / 16); i += blockDim.x) {
+        const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
+        const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes;
+        const uint8_t *src;
+        if constexpr (T == M40K_TYPE_Q6_K_G8)
+            src = row + 1680 * (size_t)(c >> 3) + (o < 208 ? 208 * (c & 7) + o : 1664 + (o - 208));
+        else
+            src = row + (size_t)c * RB + o;
+        *reinterpret_cast<uint4 *>(raw + r * RB + o) = __ldg(reinterpret_cast<const uint4 *>(src));
     }
     __syncthreads();
-    if (!last)
+    const int r = threadIdx.x >> 3, e = 32 * (threadIdx.x & 7);
+    if (n0 + r >= N)
         return;
-    __threadfence();
-    const int rows = min(MQ_BN, N - n0), toks = min(BM, M - m0);
-    for (int idx = tid; idx < rows * toks; idx += MQ_WARPS * 32) {
-        const int t = m0 + idx / rows, r = n0 + idx % rows;
-        float v = 0.0f;
-        for (int k = 0; k < S; k++)
-            v += __ldcg(ws + ((size_t)k * M + t) * N + r);
-        y[(size_t)t * ldy + r] = v;
+    uint32_t t[8];
+    float sc[2], off[2];
+    mq_deq32<T>(raw + r * RB, e, c & 7, t, sc, off);
+    uint4 *o = reinterpret_cast<uint4 *>(out + (size_t)(n0 + r) * K + (size_t)c * MQ_KC + e);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint32_t qh[4];
+        mq_bytes_h2(t[2 * i], t[2 * i + 1], qh);
+        o[i] = mq_pack(qh, sc[i >> 1], off[i >> 1]);
     }
-    if (tid == 0)
-        atomicExch(counters + tile, 0); /* every split has counted: nothing else touches it now */
+}
+
+template <int T> static int mq_dequant_type(const void *w, int N, int K, uint16_t *out, cudaStream_t st)
+{
+    if constexpr (mq_stage<T>::RB > 0) {
+        typedef m40k_tinfo<T> ti;
+        const size_t rb = (size_t)K / ti::BE * ti::BB;
+        if (K % ti::BE || K % MQ_KC || rb % 16 || ((uintptr_t)w & 15) || ((uintptr_t)out & 15))
+            return M40K_INVALID;
+        const dim3 grid((unsigned)((N + MQ_DQ_ROWS - 1) / MQ_DQ_ROWS), (unsigned)(K / MQ_KC));
+        mq_dequant_kernel<T><<<grid, 256, 0, st>>>((const uint8_t *)w, rb, N, K, out);
+        return m40k_launch_status();
+    }
+    return M40K_INVALID;
 }
 
 /* The block's token rows for M rows: the smallest of 16, 32, 64 that holds them, else 128. */
@@ -557,13 +492,26 @@ extern "C" size_t m40k_gemm_q_ws_floats(int N, int M, int n_splits)
     return n_splits > 1 && N > 0 && M > 0 ? (size_t)n_splits * M * N : 0;
 }
 
-extern "C" int m40k_gemm_q_pick_splits(int N, int K, int M, int sm_count, size_t ws_floats, size_t counter_ints)
+/* Products of up to this many token rows take the register kernel where it reads the
+ * type (m40k_gemm_q_tune). */
+static int mq_reg_rows = 64;
+
+extern "C" void m40k_gemm_q_tune(int reg_rows) { mq_reg_rows = reg_rows < 0 ? 0 : reg_rows; }
+
+static bool mq_reg_takes(int w_type, int K, int M, const void *w, size_t row_bytes)
+{
+    return M <= mq_reg_rows && mr_reads(w_type, K, M, w, row_bytes);
+}
+
+extern "C" int m40k_gemm_q_pick_splits(int w_type, int N, int K, int M, int sm_count, size_t ws_floats,
+                                       size_t counter_ints)
 {
     if (N <= 0 || M <= 0 || K <= 0 || sm_count <= 0 || m40k_gemm_q_counter_ints(N, M) > counter_ints)
         return 1;
     const int tiles = (int)m40k_gemm_q_counter_ints(N, M), nc = (K + MQ_KC - 1) / MQ_KC;
-    /* one wave of two resident blocks an SM; at least one 256-wide chunk a split */
-    int S = (2 * sm_count) / tiles;
+    /* one wave of two resident blocks an SM (the register kernel: its own count); at
+     * least one 256-wide chunk a split */
+    int S = mq_reg_takes(w_type, K, M, NULL, 16) ? mr_pick_splits(w_type, N, K, M, sm_count) : (2 * sm_count) / tiles;
     S = min(S, nc);
     while (S > 1 && m40k_gemm_q_ws_floats(N, M, S) > ws_floats)
         S--;
@@ -634,8 +582,21 @@ static int mq_bm_launch(const void *w, size_t rb, int N, int K, const uint16_t *
     }
 }
 
-/* The staged kernel where the type has 16-byte chunks and the rows allow them (K a
- * multiple of 256, rows 16-byte aligned); the direct one otherwise. */
+/* The register kernel where it takes the product (gemm_q_reg.cu); else the staged kernel
+ * where the type has 16-byte chunks and the rows allow them (K a multiple of 256, rows
+ * 16-byte aligned); the direct one otherwise. */
+template <int T> static int mq_kind(const void *w, int K, int M)
+{
+    typedef m40k_tinfo<T> ti;
+    const size_t rb = (size_t)K / ti::BE * ti::BB;
+    if (mq_reg_takes(T, K, M, w, rb))
+        return M40K_GEMM_Q_REGISTER;
+    if constexpr (mq_stage<T>::RB > 0)
+        if (K % MQ_KC == 0 && rb % 16 == 0 && ((uintptr_t)w & 15) == 0)
+            return M40K_GEMM_Q_STAGED;
+    return M40K_GEMM_Q_DIRECT;
+}
+
 template <int T>
 static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y, int64_t ldy,
                    int S, float *ws, int *counters, cudaStream_t st)
@@ -644,10 +605,14 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     if (K % ti::BE)
         return M40K_INVALID;
     const size_t rb = (size_t)K / ti::BE * ti::BB;
-    if constexpr (mq_stage<T>::RB > 0)
-        if (K % MQ_KC == 0 && rb % 16 == 0 && ((uintptr_t)w & 15) == 0)
+    switch (mq_kind<T>(w, K, M)) {
+    case M40K_GEMM_Q_REGISTER: return mr_gemm(T, w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+    case M40K_GEMM_Q_STAGED:
+        if constexpr (mq_stage<T>::RB > 0)
             return mq_bm_launch<T, true>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
-    return mq_bm_launch<T, false>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+        return M40K_INVALID;
+    default: return mq_bm_launch<T, false>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
+    }
 }
 
 /* The types m40k_gemm_q reads: one list for the dispatch, the preparation and the
@@ -662,7 +627,11 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     X(M40K_TYPE_Q4_K)                                                                                                  \
     X(M40K_TYPE_Q6_K)                                                                                                  \
     X(M40K_TYPE_Q8_0_G8)                                                                                               \
-    X(M40K_TYPE_Q6_K_G8)
+    X(M40K_TYPE_Q6_K_G8)                                                                                               \
+    X(M40K_TYPE_Q2_K)                                                                                                  \
+    X(M40K_TYPE_Q3_K)                                                                                                  \
+    X(M40K_TYPE_Q5_K)                                                                                                  \
+    X(M40K_TYPE_BF16)
 
 extern "C" int m40k_gemm_q_supported(int w_type)
 {
@@ -675,9 +644,37 @@ extern "C" int m40k_gemm_q_supported(int w_type)
     }
 }
 
+extern "C" int m40k_gemm_q_kernel(int w_type, int K, int M, const void *w)
+{
+    if (K <= 0 || M <= 0)
+        return M40K_INVALID;
+    switch (w_type) {
+#define MQ_CASE(t)                                                                                                     \
+    case t: return K % m40k_tinfo<t>::BE ? M40K_INVALID : mq_kind<t>(w, K, M);
+        MQ_TYPES(MQ_CASE)
+#undef MQ_CASE
+    default: return M40K_INVALID;
+    }
+}
+
+extern "C" int m40k_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out, m40k_stream stream)
+{
+    if (N <= 0 || K <= 0)
+        return N < 0 || K < 0 ? M40K_INVALID : 0;
+    if (K / MQ_KC > 65535)
+        return M40K_INVALID;
+    switch (w_type) {
+#define MQ_CASE(t)                                                                                                     \
+    case t: return mq_dequant_type<t>(w, N, K, out, (cudaStream_t)stream);
+        MQ_TYPES(MQ_CASE)
+#undef MQ_CASE
+    default: return M40K_INVALID;
+    }
+}
+
 extern "C" int m40k_gemm_q_prepare(void)
 {
-    int e = 0;
+    int e = mr_prepare();
 #define MQ_PREP(t)                                                                                                     \
     if (!e)                                                                                                            \
         e = mq_prepare_type<t>();

@@ -44,8 +44,12 @@ enum {
     M40K_TYPE_Q5_0 = 6,
     M40K_TYPE_Q5_1 = 7,
     M40K_TYPE_Q8_0 = 8,
+    M40K_TYPE_Q2_K = 10,
+    M40K_TYPE_Q3_K = 11,
     M40K_TYPE_Q4_K = 12,
+    M40K_TYPE_Q5_K = 13,
     M40K_TYPE_Q6_K = 14,
+    M40K_TYPE_BF16 = 30,
     /* Device-only layouts (never in a GGUF file): the same blocks regrouped by 8 so that
      * every piece the int8 GEMV reads starts 16-byte aligned (m40k_repack_g8). */
     M40K_TYPE_Q8_0_G8 = 1008,
@@ -67,7 +71,7 @@ int m40k_g8_type(int t, int64_t K);
 int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, int64_t K);
 
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
- * F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K or a regrouped layout (0.) (dim a
+ * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or a regrouped layout (0.) (dim a
  * multiple of the block size: 32, or 256 for the K-quants and Q8_0_G8, 2048 for
  * Q6_K_G8); rows are dim elements packed (row bytes = dim/block*block_bytes). out_type
  * F32 or F16, row stride out_stride elements. Ids outside [0, n_rows) give zero rows. */
@@ -270,9 +274,9 @@ int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q
                                   float scale, int window, m40k_stream stream);
 
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
- * n < N, b < batch (1..8). W rows are K elements of w_type (F16, Q8_0, Q4_0, Q4_1,
- * Q5_0, Q5_1, Q4_K, Q6_K; GGUF block layouts) packed, row bytes = K/block*block_bytes. K a multiple of 32
- * (256 for the K-quants, 8 for F16). x 16-byte aligned, x_stride a multiple of 4.
+ * n < N, b < batch (1..8). W rows are K elements of w_type (F16, BF16, Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; GGUF block layouts) packed, row bytes =
+ * K/block*block_bytes. K a multiple of 32 (256 for the K-quants, 8 for F16 and BF16). x 16-byte aligned, x_stride a multiple of 4.
  * One warp per row: 16-byte loads staged through shared memory, dequantization in
  * registers, F32 accumulation. May read up to 15 bytes past the end of W's last row
  * (never past the 16-byte-aligned chunk that holds its last byte). */
@@ -373,7 +377,8 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
 /* 8e. Quantized GEMM on the tensor cores (kernels/gemm_q.cu) for products of 9 and more
  * token rows, decode batches and prefill chunks alike: y[t*ldy + r] = sum_k W[r][k] *
  * x[t*x_stride + k], r < N, t < M. W: rows of K elements of w_type packed (F16, Q8_0, Q4_0,
- * Q4_1, Q5_0, Q5_1, Q4_K, Q6_K, Q8_0_G8, Q6_K_G8: m40k_gemm_q_supported), K a multiple of
+ * Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, Q8_0_G8, Q6_K_G8:
+ * m40k_gemm_q_supported; BF16 values are rounded to F16), K a multiple of
  * the type's block (and of 8); any alignment. x F16, 16-byte aligned, x_stride a multiple
  * of 8. Each weight is dequantized in shared memory to F16(q * F16(scale) - F16(offset))
  * (one F16 fused multiply-add; q, scale and offset of its group as in quant_dev.h): for
@@ -392,15 +397,32 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
  *     ONCE; every completed call leaves them zero (as 6's counters; one array serves every
  *     later call up to that size on one stream).
  * The split sums are added in a fixed order: results do not depend on timing.
- * m40k_gemm_q_pick_splits: a split count for the shape within the caller's workspace and
- * counters (1 when they are too small). */
+ * Two kernels (m40k_gemm_q_kernel says which takes a product): products of 9..64 token
+ * rows in Q4_K, Q8_0_G8 and Q6_K_G8 with aligned rows (K a multiple of 256, 2048 for
+ * Q6_K_G8) take the register kernel (gemm_q_reg.cu: the weights formed straight into the
+ * mma fragments); everything else the shared-memory tile kernel (staged or direct, as
+ * above). Same weights, same F32 sums of F16 products; the order of the sums differs
+ * between the two kernels (and is fixed within each).
+ * m40k_gemm_q_tune(reg_rows): products of up to reg_rows token rows may take the register
+ * kernel (default 64, its most; 0: never). Process-wide; set it before any launch.
+ * m40k_gemm_q_pick_splits: a split count for the product (its type picks the kernel)
+ * within the caller's workspace and counters (1 when they are too small). */
 int m40k_gemm_q_supported(int w_type);
 /* Raises the kernels' shared-memory limit on the current device (once; m40k_gemm_q does
  * it too on first use): call it before capturing m40k_gemm_q into a CUDA graph. */
 int m40k_gemm_q_prepare(void);
 size_t m40k_gemm_q_ws_floats(int N, int M, int n_splits);
 size_t m40k_gemm_q_counter_ints(int N, int M);
-int m40k_gemm_q_pick_splits(int N, int K, int M, int sm_count, size_t ws_floats, size_t counter_ints);
+int m40k_gemm_q_pick_splits(int w_type, int N, int K, int M, int sm_count, size_t ws_floats, size_t counter_ints);
+enum { M40K_GEMM_Q_DIRECT = 0, M40K_GEMM_Q_STAGED = 1, M40K_GEMM_Q_REGISTER = 2 };
+/* m40k_gemm_q_dequant: out[r*K + k] = the F16 weight m40k_gemm_q forms of W[r][k] (r < N,
+ * k < K), for products of so many rows that cuBLAS on the F16 copy is faster than either
+ * kernel (prefill chunks). The staged kernel's types and layouts only (K a multiple of
+ * 256, W, its rows and out 16-byte aligned); M40K_INVALID otherwise (m40k_embed's F16
+ * output holds the same values for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0). */
+int m40k_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out, m40k_stream stream);
+int m40k_gemm_q_kernel(int w_type, int K, int M, const void *w);
+void m40k_gemm_q_tune(int reg_rows);
 int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                 int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream);
 

@@ -6,8 +6,17 @@
  *   Q5_0 (22 B / 32):  d f16 | qh[4] | qs[16]  (Q4_0 nibbles, bit j of qh is element j's
  *                      5th bit; w = d*(q - 16))
  *   Q5_1 (24 B / 32):  d f16 | m f16 | qh[4] | qs[16]  (w = d*q + m)
+ *   Q2_K (84 B / 256): scales[16] (4-bit scale | 4-bit min) | qs[64] | d f16 | dmin f16
+ *                      (2-bit field j of qs[32n + l] is element 128n + 32j + l;
+ *                      w = d*sc*q - dmin*m per 16 elements)
+ *   Q3_K (110 B / 256): hmask[32] | qs[64] | scales[12] | d f16  (Q2_K's 2 low bits,
+ *                      bit 4n + j of hmask[l] the third, CLEAR = minus 4; 16 6-bit
+ *                      scales minus 32; w = d*sc*q per 16 elements)
  *   Q4_K (144 B / 256): d f16 | dmin f16 | scales[12] | qs[128]
+ *   Q5_K (176 B / 256): d f16 | dmin f16 | scales[12] | qh[32] | qs[128]  (Q4_K plus
+ *                      the 5th bit of element e in bit e/32 of qh[e % 32])
  *   Q6_K (210 B / 256): ql[128] | qh[64] | scales[16] int8 | d f16
+ *   BF16 (2 B / 1)
  * and the regrouped device layouts of kernels.h (0.): Q8_0_G8, Q6_K_G8.
  * A group of 8 (first element e0, a multiple of 8) always lies in one scale sub-block,
  * so it comes back as small integers q[8] with one scale and one offset:
@@ -25,7 +34,11 @@ template <> struct m40k_tinfo<M40K_TYPE_Q4_0> { enum { BE = 32, BB = 18 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q4_1> { enum { BE = 32, BB = 20 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q5_0> { enum { BE = 32, BB = 22 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q5_1> { enum { BE = 32, BB = 24 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q2_K> { enum { BE = 256, BB = 84 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q3_K> { enum { BE = 256, BB = 110 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q4_K> { enum { BE = 256, BB = 144 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q5_K> { enum { BE = 256, BB = 176 }; };
+template <> struct m40k_tinfo<M40K_TYPE_BF16> { enum { BE = 1, BB = 2 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K> { enum { BE = 256, BB = 210 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q8_0_G8> { enum { BE = 256, BB = 272 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K_G8> { enum { BE = 2048, BB = 1680 }; };
@@ -48,6 +61,32 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
         for (int i = 0; i < 8; i++)
             q[i] = m40k_ldh(p + 2 * (e0 + i));
         scale = 1.0f, offset = 0.0f;
+    } else if (T == M40K_TYPE_BF16) {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_bf2f((uint16_t)(p[2 * (e0 + i)] | (p[2 * (e0 + i) + 1] << 8)));
+        scale = 1.0f, offset = 0.0f;
+    } else if (T == M40K_TYPE_Q2_K || T == M40K_TYPE_Q3_K) {
+        /* q as unsigned: Q3_K's -4..3 plus 4 (offset 4*scale) */
+        const uint8_t *b = p + m40k_tinfo<T>::BB * (e0 >> 8);
+        const int e = e0 & 255, n = e >> 7, j = (e >> 5) & 3, l = e & 31, s = e >> 4;
+        const uint8_t *qs = b + (T == M40K_TYPE_Q2_K ? 16 : 32) + 32 * n + l;
+        if (T == M40K_TYPE_Q2_K) {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                q[i] = m40k_u8f((qs[i] >> (2 * j)) & 3u);
+            scale = m40k_ldh(b + 80) * (float)(b[s] & 15);
+            offset = m40k_ldh(b + 82) * (float)(b[s] >> 4);
+        } else {
+            const uint8_t *hm = b + l;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                q[i] = m40k_u8f(((qs[i] >> (2 * j)) & 3u) | (((hm[i] >> (4 * n + j)) & 1u) << 2));
+            const uint8_t *sc = b + 96;
+            const int lo = s < 8 ? (sc[s] & 15) : (sc[s - 8] >> 4), hi = (sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+            scale = m40k_ldh(b + 108) * (float)((lo | (hi << 4)) - 32);
+            offset = 4.0f * scale;
+        }
     } else if (T == M40K_TYPE_Q8_0) {
         const uint8_t *b = p + 34 * (e0 >> 5);
         const int j = e0 & 31;
@@ -79,8 +118,9 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
             q[i] = m40k_u8f(((b[QS + (j & 15) + i] >> sh) & 15u) | ((hb >> i) & 16u));
         scale = m40k_ldh(b);
         offset = T == M40K_TYPE_Q5_0 ? 16.0f * scale : -m40k_ldh(b + 2);
-    } else if (T == M40K_TYPE_Q4_K) {
-        const uint8_t *b = p + 144 * (e0 >> 8);
+    } else if (T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q5_K) {
+        constexpr bool q5 = T == M40K_TYPE_Q5_K;
+        const uint8_t *b = p + m40k_tinfo<T>::BB * (e0 >> 8);
         const int e = e0 & 255, s = e >> 5, c = e >> 6, l = e & 63, sh = l < 32 ? 0 : 4;
         const uint8_t *sc = b + 4;
         int scv, mnv;
@@ -91,10 +131,11 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
             scv = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
             mnv = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
         }
-        const uint8_t *qs = b + 16 + 32 * c + (l & 31);
+        const uint8_t *qs = b + (q5 ? 48 : 16) + 32 * c + (l & 31);
+        const uint8_t *qh = b + 16 + (l & 31);
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            q[i] = m40k_u8f((qs[i] >> sh) & 15u);
+            q[i] = m40k_u8f(((qs[i] >> sh) & 15u) | (q5 ? ((qh[i] >> (2 * c + (sh ? 1 : 0))) & 1u) << 4 : 0u));
         scale = m40k_ldh(b) * (float)scv;
         offset = m40k_ldh(b + 2) * (float)mnv;
     } else if (T == M40K_TYPE_Q8_0_G8) {

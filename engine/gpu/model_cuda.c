@@ -103,8 +103,9 @@ typedef struct {
 
 static int gpu_type_native(uint32_t t)
 {
-    return t == M40_TYPE_F32 || t == M40_TYPE_F16 || t == M40_TYPE_Q8_0 || t == M40_TYPE_Q4_0 ||
-           t == M40_TYPE_Q4_1 || t == M40_TYPE_Q5_0 || t == M40_TYPE_Q5_1 || t == M40_TYPE_Q4_K ||
+    return t == M40_TYPE_F32 || t == M40_TYPE_F16 || t == M40_TYPE_BF16 || t == M40_TYPE_Q8_0 ||
+           t == M40_TYPE_Q4_0 || t == M40_TYPE_Q4_1 || t == M40_TYPE_Q5_0 || t == M40_TYPE_Q5_1 ||
+           t == M40_TYPE_Q2_K || t == M40_TYPE_Q3_K || t == M40_TYPE_Q4_K || t == M40_TYPE_Q5_K ||
            t == M40_TYPE_Q6_K;
 }
 
@@ -469,7 +470,12 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         g->gemm_q = prop.major >= 8 && t->gemm_q;
         if (g->gemm_q && m40k_gemm_q_prepare() != 0) /* before any graph capture */
             g->gemm_q = 0;
+        /* products of more than M40_GEMM_Q_ROWS token rows (default 128: prefill chunks)
+         * dequantize the matrix to F16 and take cuBLAS, faster there than either kernel of
+         * m40k_gemm_q (BENCHMARKS.md); 0: m40k_gemm_q at every size */
         g->gemm_q_rows = t->gemm_q_rows;
+        /* products of up to M40_GEMM_Q_REG token rows (default 64) take the register kernel */
+        m40k_gemm_q_tune(t->gemm_q_reg);
     }
     m40k_set_launch_tuning(t->pdl, t->clusters); /* M40_PDL, M40_CLUSTER */
     if (log_progress) {

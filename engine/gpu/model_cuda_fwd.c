@@ -44,17 +44,21 @@
  *     M40_G8) the dp4a GEMV on x quantized once per input to two int8 levels
  *     (m40k_quantize_q8, m40k_gemv_q8: per element within max|x of its block|/254^2);
  *     F16, Q4_1, Q5_0, Q5_1 the float-activation m40k_gemv;
- *   - more rows, quantized weights (every type the GPU reads): the quantized
- *     tensor-core GEMM (m40k_gemm_q, kernels.h 8e) on the F16 copy of x: each weight
- *     tile dequantized in shared memory, read once per block of token rows, no F16 copy
- *     of the matrix (gemm_q_reads; M40_GEMM_Q=0 turns it off);
+ *   - 9..128 rows (M40_GEMM_Q_ROWS), quantized weights (every type the GPU reads): the
+ *     quantized tensor-core GEMM (m40k_gemm_q, kernels.h 8e) on the F16 copy of x: the
+ *     weights read once per block of token rows in their quantized bytes, formed in F16
+ *     in registers (decode batches up to 64 rows of the common types) or in shared
+ *     memory, no F16 copy of the matrix (gemm_q_reads; M40_GEMM_Q=0 turns it off);
  *   - F16 weights over more rows: cublasGemmEx on x rounded to F16, F32 accumulation;
- *   - otherwise (M40_GEMM_Q=0, or a shape it refuses) the "tiled path": the weights
- *     dequantized into an F16 scratch matrix (the embedding-gather kernel over all rows),
- *     then cublasGemmEx. Models under 1B parameters take it in F32 instead (weights
+ *   - otherwise (more than M40_GEMM_Q_ROWS rows: prefill chunks; M40_GEMM_Q=0; a shape
+ *     m40k_gemm_q refuses) the "tiled path": the weights dequantized into an F16 scratch
+ *     matrix (m40k_gemm_q_dequant, the same F16 weights; the embedding-gather kernel for
+ *     the types it does not read), then cublasGemmEx. Models under 1B parameters take it in F32 instead (weights
  *     dequantized to F32, cublasSgemm): see gemm_f32.
- * Weight types the kernels do not read (BF16, other K-quants) are converted to F16 on
- * upload. Q/K/V and gate/up are concatenated on upload when their types match, so
+ * Every GGUF weight type the loader reads is kept on the device as the file has it (Q8_0
+ * and Q6_K regrouped, kernels.h 0.): BF16, Q2_K, Q3_K and Q5_K go through the GEMV and
+ * the direct kernel of m40k_gemm_q (their F16 weights, BF16 rounded to F16 there) and
+ * above M40_GEMM_Q_ROWS through the gather into the F16 scratch. Q/K/V and gate/up are concatenated on upload when their types match, so
  * each pair/triple is one product. */
 #ifdef M40_HAVE_CUDA
 
@@ -236,13 +240,17 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
 static int gemv_reads(int type, int64_t K)
 {
     switch (type) {
-    case M40K_TYPE_F16: return K % 8 == 0;
+    case M40K_TYPE_F16:
+    case M40K_TYPE_BF16: return K % 8 == 0;
     case M40K_TYPE_Q8_0:
     case M40K_TYPE_Q4_0:
     case M40K_TYPE_Q4_1:
     case M40K_TYPE_Q5_0:
     case M40K_TYPE_Q5_1: return K % 32 == 0;
+    case M40K_TYPE_Q2_K:
+    case M40K_TYPE_Q3_K:
     case M40K_TYPE_Q4_K:
+    case M40K_TYPE_Q5_K:
     case M40K_TYPE_Q6_K: return K % 256 == 0;
     default: return 0;
     }
@@ -345,7 +353,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
             CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
             *x16_ready = 1;
         }
-        const int S = m40k_gemm_q_pick_splits(rows, cols, n, g->sm_count, g->mq_ws_floats, g->mq_cnt_ints);
+        const int S = m40k_gemm_q_pick_splits(w->type, rows, cols, n, g->sm_count, g->mq_ws_floats, g->mq_cnt_ints);
         CK(m40k_gemm_q(w->data, w->type, rows, cols, g->x16, cols, n, y, ldy, S, g->mq_ws, g->mq_cnt, g->stream));
         return 0;
     }
@@ -364,7 +372,9 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
             m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
             return -1;
         }
-        CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
+        /* the weights gemm_q forms, where its dequantizer reads the type; else the gather's */
+        if (m40k_gemm_q_dequant(w->data, w->type, rows, cols, (uint16_t *)g->deq, g->stream) != 0)
+            CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
         wf16 = g->deq;
     }
     if (!*x16_ready) {

@@ -96,7 +96,7 @@ struct m40_gpu {
      * rows: on unless M40_GEMM_Q=0 (then the tiled path); its split-K workspace and
      * counters (zeroed once, zero between calls). */
     int gemm_q;
-    int32_t gemm_q_rows; /* products of more rows take the tiled path (M40_GEMM_Q_ROWS; 0: none do) */
+    int32_t gemm_q_rows; /* products of more rows take the tiled path (M40_GEMM_Q_ROWS, default 128; 0: none do) */
     float *mq_ws;
     size_t mq_ws_floats;
     int *mq_cnt;

@@ -29,7 +29,10 @@ typedef struct {
     int gemm_q;           /* M40_GEMM_Q=0: quantized products of more than 8 rows dequantize
                            * to F16 and go through cuBLAS */
     int32_t gemm_q_rows;  /* M40_GEMM_Q_ROWS=N: only products of up to N rows take the
-                           * quantized GEMM (0: all) */
+                           * quantized GEMM, larger ones dequantize to F16 for cuBLAS
+                           * (default 128; 0: all take it) */
+    int32_t gemm_q_reg;   /* M40_GEMM_Q_REG=N: products of up to N rows take the quantized
+                           * GEMM's register kernel (default 64) */
     int64_t kv_blocks;    /* M40_KV_BLOCKS=N: the GPU KV pool holds at most N blocks (a test
                            * seam; 0: no cap) */
     int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */

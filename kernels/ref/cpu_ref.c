@@ -300,6 +300,51 @@ static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale
             q[i] = m40_fp16_to_fp32((uint16_t)(p[2 * (e0 + i)] | p[2 * (e0 + i) + 1] << 8));
         *scale = 1.0f, *offset = 0.0f;
         return;
+    case M40K_TYPE_BF16:
+        for (int i = 0; i < 8; i++)
+            q[i] = m40_bf16_to_fp32((uint16_t)(p[2 * (e0 + i)] | p[2 * (e0 + i) + 1] << 8));
+        *scale = 1.0f, *offset = 0.0f;
+        return;
+    case M40K_TYPE_Q2_K: { /* scales[16] | qs[64] | d | dmin; 16 elements a scale */
+        b = p + 84 * (size_t)(e0 >> 8);
+        const int e = e0 & 255, half = e / 128, field = (e / 32) % 4, sub = e / 16;
+        for (int i = 0; i < 8; i++)
+            q[i] = (float)((b[16 + 32 * half + (e % 32) + i] >> (2 * field)) & 3);
+        *scale = ldh(b + 80) * (float)(b[sub] % 16), *offset = ldh(b + 82) * (float)(b[sub] / 16);
+        return;
+    }
+    case M40K_TYPE_Q3_K: { /* hmask[32] | qs[64] | scales[12] | d; q - (-4) */
+        b = p + 110 * (size_t)(e0 >> 8);
+        const int e = e0 & 255, half = e / 128, field = (e / 32) % 4, sub = e / 16;
+        for (int i = 0; i < 8; i++) {
+            const int lo = (b[32 + 32 * half + (e % 32) + i] >> (2 * field)) & 3;
+            const int hi = (b[(e % 32) + i] >> (4 * half + field)) & 1;
+            q[i] = (float)(lo + 4 * hi); /* (lo - 4 * !hi) + 4 */
+        }
+        const uint8_t *sc = b + 96;
+        const int low4 = sub < 8 ? sc[sub] & 15 : sc[sub - 8] >> 4, top2 = (sc[8 + sub % 4] >> (2 * (sub / 4))) & 3;
+        *scale = ldh(b + 108) * (float)((low4 + 16 * top2) - 32), *offset = 4.0f * *scale;
+        return;
+    }
+    case M40K_TYPE_Q5_K: { /* d | dmin | scales[12] | qh[32] | qs[128] */
+        b = p + 176 * (size_t)(e0 >> 8);
+        const int e = e0 & 255, sb = e / 32, pair = e / 64, l = e % 32;
+        const uint8_t *sc = b + 4;
+        int scv, mnv;
+        if (sb < 4) {
+            scv = sc[sb] & 63;
+            mnv = sc[sb + 4] & 63;
+        } else {
+            scv = (sc[sb + 4] & 15) | ((sc[sb - 4] >> 6) << 4);
+            mnv = (sc[sb + 4] >> 4) | ((sc[sb] >> 6) << 4);
+        }
+        for (int i = 0; i < 8; i++) {
+            const int nib = (b[48 + 32 * pair + l + i] >> (sb % 2 ? 4 : 0)) & 15;
+            q[i] = (float)(nib + 16 * ((b[16 + l + i] >> sb) & 1));
+        }
+        *scale = ldh(b) * (float)scv, *offset = ldh(b + 2) * (float)mnv;
+        return;
+    }
     case M40K_TYPE_Q8_0:
         b = p + 34 * (size_t)(e0 >> 5);
         for (int i = 0; i < 8; i++)
@@ -361,29 +406,45 @@ static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale
     }
 }
 
+/* Row r of W as the F16 weights the GPU forms: F16(q * F16(scale) - F16(offset)), one
+ * rounding of the exact value (as the GPU's F16 fused multiply-add; every product here is
+ * exact in double). */
+static void ref_row_f16(const void *w, int w_type, size_t row_bytes, int r, int K, uint16_t *out)
+{
+    const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
+    for (int e0 = 0; e0 < K; e0 += 8) {
+        float q[8], sc, off;
+        ref_group8(w_type, row, e0, q, &sc, &off);
+        const double s16 = m40_fp16_to_fp32(m40_fp32_to_fp16(sc)), o16 = m40_fp16_to_fp32(m40_fp32_to_fp16(off));
+        for (int i = 0; i < 8; i++)
+            out[e0 + i] = m40_fp32_to_fp16((float)((double)q[i] * s16 - o16));
+    }
+}
+
+static size_t ref_row_bytes(int w_type, int K)
+{
+    const m40_type_info *ti = m40_type_get((uint32_t)w_type);
+    return (size_t)K / ti->block_elems * ti->block_bytes;
+}
+
+void m40_ref_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out)
+{
+    for (int r = 0; r < N; r++)
+        ref_row_f16(w, w_type, ref_row_bytes(w_type, K), r, K, out + (size_t)r * K);
+}
+
 void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                     int64_t ldy)
 {
-    const m40_type_info *ti = m40_type_get((uint32_t)w_type);
-    const size_t row_bytes = (size_t)K / ti->block_elems * ti->block_bytes;
-    float *wr = malloc((size_t)K * sizeof *wr);
+    uint16_t *wr = malloc((size_t)K * sizeof *wr);
     if (!wr)
         abort();
     for (int r = 0; r < N; r++) {
-        const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
-        for (int e0 = 0; e0 < K; e0 += 8) {
-            float q[8], sc, off;
-            ref_group8(w_type, row, e0, q, &sc, &off);
-            /* F16(q * F16(scale) - F16(offset)), one rounding of the exact value (as the
-             * GPU's F16 fused multiply-add; every product here is exact in double) */
-            const double s16 = m40_fp16_to_fp32(m40_fp32_to_fp16(sc)), o16 = m40_fp16_to_fp32(m40_fp32_to_fp16(off));
-            for (int i = 0; i < 8; i++)
-                wr[e0 + i] = m40_fp16_to_fp32(m40_fp32_to_fp16((float)((double)q[i] * s16 - o16)));
-        }
+        ref_row_f16(w, w_type, ref_row_bytes(w_type, K), r, K, wr);
         for (int t = 0; t < M; t++) {
             double acc = 0.0;
             for (int k = 0; k < K; k++)
-                acc += (double)wr[k] * (double)m40_fp16_to_fp32(x[(size_t)t * x_stride + k]);
+                acc += (double)m40_fp16_to_fp32(wr[k]) * (double)m40_fp16_to_fp32(x[(size_t)t * x_stride + k]);
             y[(size_t)t * ldy + r] = (float)acc;
         }
     }

@@ -65,6 +65,8 @@ void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64
  * only (a regrouped device layout holds the same values as its GGUF type). */
 void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                     int64_t ldy);
+/* Twin of m40k_gemm_q_dequant: the F16 weights m40_ref_gemm_q multiplies, row r at out + r*K. */
+void m40_ref_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out);
 /* Twins of m40k_quantize_q8 / m40k_gemv_q8 (kernels.h 8b): the same workspace bytes
  * (both levels of the rounding of x), the same integer dots and F32 group terms; only
  * the order of the sum differs (here in double). */

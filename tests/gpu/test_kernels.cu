@@ -48,17 +48,37 @@ static size_t row_bytes(int type, int n)
     const m40_type_info *ti = m40_type_get((uint32_t)type);
     return (size_t)n / ti->block_elems * ti->block_bytes;
 }
+/* Rows of random values quantized to type; for the types without a quantizer here (Q2_K,
+ * Q3_K, Q5_K) random blocks: every bit pattern is a valid block but the F16 scales, which
+ * are set to small positive values. */
 static std::vector<uint8_t> quant_matrix(int type, int rows, int cols, float lo = -1, float hi = 1)
 {
     std::vector<uint8_t> q(row_bytes(type, cols) * rows);
     for (int r = 0; r < rows; r++) {
         std::vector<float> f = rand_vec(cols, lo, hi);
-        m40_quantize_row((uint32_t)type, f.data(), q.data() + r * row_bytes(type, cols), cols);
+        uint8_t *row = q.data() + r * row_bytes(type, cols);
+        if (m40_quantize_row((uint32_t)type, f.data(), row, cols) == 0)
+            continue;
+        const int bb = m40_type_get((uint32_t)type)->block_bytes;
+        std::vector<int> f16_at = type == M40K_TYPE_Q2_K   ? std::vector<int>{80, 82}
+                                  : type == M40K_TYPE_Q3_K ? std::vector<int>{108}
+                                  : type == M40K_TYPE_Q5_K ? std::vector<int>{0, 2}
+                                                           : std::vector<int>{};
+        if (f16_at.empty())
+            abort(); /* a type this helper does not know */
+        for (size_t i = 0; i < row_bytes(type, cols); i++)
+            row[i] = (uint8_t)rnd32();
+        for (size_t b = 0; b < row_bytes(type, cols); b += bb)
+            for (int o : f16_at) {
+                const uint16_t h = m40_fp32_to_fp16(0.001f + 0.004f * (rnd32() % 1000) / 1000.0f);
+                row[b + o] = (uint8_t)(h & 0xff), row[b + o + 1] = (uint8_t)(h >> 8);
+            }
     }
     return q;
 }
-static const int all_types[] = {M40K_TYPE_F32,  M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
-                                M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int all_types[] = {M40K_TYPE_F32,  M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0,
+                                M40K_TYPE_Q4_0, M40K_TYPE_Q4_1, M40K_TYPE_Q5_0, M40K_TYPE_Q5_1,
+                                M40K_TYPE_Q2_K, M40K_TYPE_Q3_K, M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K};
 
 /* ---------------------------------------------------------------- 1. embed */
 static void test_embed(void)
@@ -816,8 +836,9 @@ static void test_kv_append_rope(void)
 }
 
 /* ---------------------------------------------------------------- 8. gemv */
-static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,
-                                 M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K};
+static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0,
+                                 M40K_TYPE_Q4_1, M40K_TYPE_Q5_0, M40K_TYPE_Q5_1, M40K_TYPE_Q2_K,
+                                 M40K_TYPE_Q3_K, M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K};
 
 static void test_gemv(void)
 {
@@ -828,7 +849,7 @@ static void test_gemv(void)
         for (int K : {256 * 3, 256 * 9, 4096 + 256, 608, 640})
             for (int N : {1, 17, 259})
                 for (int batch : {1, 3, 8}) {
-                    if (K % 256 && (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q6_K))
+                    if (K % m40_type_get((uint32_t)type)->block_elems)
                         continue;
                     std::vector<uint8_t> w = quant_matrix(type, N, K);
                     const int64_t xs = K + 4, ys = N + 1;
@@ -952,15 +973,18 @@ static void test_gemm_skinny(void)
  * and, rarely, the last F16 bit of a weight differ). Every type it reads, the regrouped
  * layouts through a repacked copy of the same matrix; N past the 128-row block; K with a
  * partial last 64-wide step (32-element types) and of several steps; M in every tile
- * height (16, 32, 64, 128) and past one tile; x rows strided; split counts 1, picked and
- * the most. Also: y columns past N left alone, the same bits again, the counters back at
- * zero, refusals. */
+ * height (16, 32, 64, 128) and past one tile (9..64 rows of Q4_K and the G8 layouts: the
+ * register kernel; the rest: the shared-memory one); x rows strided; split counts 1,
+ * picked and the most. Also: y columns past N left alone, the same bits again, the
+ * counters back at zero, the unaligned copy on the direct kernel, refusals, and the F16
+ * weights of m40k_gemm_q_dequant against m40_ref_gemm_q_dequant. */
 static void test_gemm_q(void)
 {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1, M40K_TYPE_Q5_0,
-                         M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8};
+    const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,    M40K_TYPE_Q5_0,
+                         M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8,
+                         M40K_TYPE_Q2_K, M40K_TYPE_Q3_K, M40K_TYPE_Q5_K, M40K_TYPE_BF16};
     for (int type : types) {
         const bool g8 = type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8;
         const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : type;
@@ -997,12 +1021,41 @@ static void test_gemm_q(void)
                     }
                     uint8_t *dw = dup(wd);
                     uint16_t *dx = dup(x);
+                    if (M == 9) { /* the F16 weights for cuBLAS: the twin's, to the last bit but rare ties */
+                        uint16_t *dq;
+                        CK(cudaMalloc(&dq, (size_t)N * K * 2));
+                        const int e = m40k_gemm_q_dequant(dw, type, N, K, dq, 0);
+                        const bool takes = K % 256 == 0 && type != M40K_TYPE_F16 && type != M40K_TYPE_Q6_K &&
+                                           type != M40K_TYPE_BF16 && type != M40K_TYPE_Q2_K &&
+                                           type != M40K_TYPE_Q3_K && type != M40K_TYPE_Q5_K;
+                        char what[128];
+                        snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d %s", m40_type_name(base),
+                                 g8 ? "_G8" : "", N, K, takes ? "runs" : "refuses");
+                        check(what, takes ? e == 0 : e != 0);
+                        if (takes && e == 0) {
+                            std::vector<uint16_t> got = back(dq, (size_t)N * K), ref((size_t)N * K);
+                            m40_ref_gemm_q_dequant(w.data(), base, N, K, ref.data());
+                            size_t far = 0, off1 = 0;
+                            for (size_t i = 0; i < got.size(); i++)
+                                if (got[i] != ref[i]) {
+                                    const int d = abs((int)(got[i] & 0x7fff) - (int)(ref[i] & 0x7fff));
+                                    if (d == 1 && (got[i] & 0x8000) == (ref[i] & 0x8000))
+                                        off1++;
+                                    else
+                                        far++;
+                                }
+                            snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d: %zu of %zu one ulp off",
+                                     m40_type_name(base), g8 ? "_G8" : "", N, K, off1, got.size());
+                            check(what, far == 0 && off1 * 1000 <= got.size());
+                        }
+                        cudaFree(dq);
+                    }
                     float *dy, *dws;
                     const int maxS = (K + 255) / 256;
                     CK(cudaMalloc(&dy, c.size() * 4));
                     CK(cudaMalloc(&dws, m40k_gemm_q_ws_floats(N, M, maxS) * 4 + 16));
                     int *dcnt = dup(std::vector<int>(m40k_gemm_q_counter_ints(N, M), 0));
-                    const int pick = m40k_gemm_q_pick_splits(N, K, M, sms, m40k_gemm_q_ws_floats(N, M, maxS),
+                    const int pick = m40k_gemm_q_pick_splits(type, N, K, M, sms, m40k_gemm_q_ws_floats(N, M, maxS),
                                                              m40k_gemm_q_counter_ints(N, M));
                     check("gemm_q pick in 1..K/256", pick >= 1 && pick <= maxS);
                     for (int S : {1, pick, maxS}) {
@@ -1036,21 +1089,37 @@ static void test_gemm_q(void)
                         snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: counters zero",
                                  m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
                         check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                        const int kind = m40k_gemm_q_kernel(type, K, M, dw);
+                        check("gemm_q kernel named", kind == M40K_GEMM_Q_DIRECT || kind == M40K_GEMM_Q_STAGED ||
+                                                         kind == M40K_GEMM_Q_REGISTER);
                         if (S == pick && (N == 17 || M == 33)) {
                             /* W 2 bytes off 16-byte alignment: the direct kernel (byte loads);
-                             * the same steps and sums as the staged one, so the same bits */
+                             * the same steps and sums as the staged one, so the same bits
+                             * (the register kernel sums in another order: the twin's bound) */
                             uint8_t *dw2;
                             CK(cudaMalloc(&dw2, wd.size() + 64));
                             CK(cudaMemcpy(dw2 + 2, wd.data(), wd.size(), cudaMemcpyHostToDevice));
                             CK(m40k_gemm_q(dw2 + 2, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
                             std::vector<float> g3 = back(dy, c.size());
-                            bool same3 = true;
-                            for (int t = 0; t < M; t++)
-                                for (int r = 0; r < N; r++)
-                                    same3 = same3 && memcmp(&g3[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
-                            snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: W+2 same bits",
-                                     m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
-                            check(what, same3);
+                            check("gemm_q W+2 takes the direct kernel",
+                                  m40k_gemm_q_kernel(type, K, M, dw2 + 2) == M40K_GEMM_Q_DIRECT);
+                            if (kind == M40K_GEMM_Q_REGISTER) {
+                                for (int t = 0; t < M; t++)
+                                    for (int64_t r = N; r < ldy; r++)
+                                        g3[(size_t)t * ldy + r] = 0.0f;
+                                snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: W+2 (direct)",
+                                         m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                                compare(what, g3.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
+                            } else {
+                                bool same3 = true;
+                                for (int t = 0; t < M; t++)
+                                    for (int r = 0; r < N; r++)
+                                        same3 = same3 &&
+                                                memcmp(&g3[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
+                                snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: W+2 same bits",
+                                         m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                                check(what, same3);
+                            }
                             cudaFree(dw2);
                         }
                     }
@@ -1781,7 +1850,7 @@ static void bench_gemv_q8_shapes(void)
  * weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
  * Mistral-7B shapes: q/o, q+k+v, k/v, gate+up, down, output. */
 /* The quantized GEMM (m40k_gemm_q) at a 7B step's shapes against the path it replaces
- * (the matrix dequantized to F16 by m40k_embed, then cublasGemmEx) and against cuBLAS on
+ * (the matrix dequantized to F16 by m40k_gemm_q_dequant, then cublasGemmEx) and against cuBLAS on
  * F16 weights: microseconds, weight bytes read per second (against the H100's 3.02 TB/s)
  * and tensor TFLOP/s. Weights rotate over copies past the 50 MB L2. */
 static void bench_gemm_q(void)
@@ -1834,12 +1903,23 @@ static void bench_gemm_q(void)
             for (auto &d : dw)
                 d = dup(w);
             for (int M : {16, 32, 64, 128, 256, 512})
-                for (int v = 0; v < 3; v++) { /* 0 gemm_q, 1 dequantize + cuBLAS, 2 gemm_q at half the splits */
-                    int S = m40k_gemm_q_pick_splits(sh.N, sh.K, M, sms, wsf, m40k_gemm_q_counter_ints(sh.N, maxM));
-                    if (v == 2) {
+                /* 0 gemm_q as the engine calls it; 1 dequantize + cuBLAS; where the register
+                 * kernel takes M: 2 the shared-memory kernel instead, 3 and 4 the register
+                 * kernel at half and twice the picked splits */
+                for (int v = 0; v < 5; v++) {
+                    const bool reg = m40k_gemm_q_kernel(type, sh.K, M, dw[0]) == M40K_GEMM_Q_REGISTER;
+                    if (v >= 2 && !reg)
+                        continue;
+                    m40k_gemm_q_tune(v == 2 ? 0 : 64);
+                    int S = m40k_gemm_q_pick_splits(type, sh.N, sh.K, M, sms, wsf, m40k_gemm_q_counter_ints(sh.N, maxM));
+                    if (v == 3) {
                         if (S == 1)
                             continue;
                         S /= 2;
+                    } else if (v == 4) {
+                        if (2 * S > sh.K / 256)
+                            continue;
+                        S *= 2;
                     }
                     int turn = 0;
                     auto run = [&]() {
@@ -1847,7 +1927,8 @@ static void bench_gemm_q(void)
                         if (v != 1) {
                             CK(m40k_gemm_q(wp, type, sh.N, sh.K, dx16, sh.K, M, dy, sh.N, S, dws, dcnt, 0));
                         } else {
-                            CK(m40k_embed(wp, type, sh.N, sh.K, diota, sh.N, ddeq, M40K_TYPE_F16, sh.K, 0));
+                            if (m40k_gemm_q_dequant(wp, type, sh.N, sh.K, ddeq, 0) != 0)
+                                CK(m40k_embed(wp, type, sh.N, sh.K, diota, sh.N, ddeq, M40K_TYPE_F16, sh.K, 0));
                             const float one = 1.0f, zero = 0.0f;
                             if (cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.N, M, sh.K, &one, ddeq, CUDA_R_16F,
                                              sh.K, dx16, CUDA_R_16F, sh.K, &zero, dy, CUDA_R_32F, sh.N,
@@ -1857,9 +1938,11 @@ static void bench_gemm_q(void)
                     };
                     const double us = time_us(run, 20), gbs = bytes / (us * 1e3);
                     const double tf = 2.0 * sh.N * sh.K * M / (us * 1e6);
-                    printf("bench %-8s %-7s N %5d K %5d M %3d S %2d: %8.1f us  %7.1f GB/s (%5.1f%%)  %6.1f TFLOP/s\n",
-                           m40_type_name(base), v != 1 ? (type != base ? "gemm_q8" : "gemm_q") : "deq+blas", sh.N,
-                           sh.K, M, v != 1 ? S : 0, us, gbs, 100.0 * gbs / 3020.0, tf);
+                    static const char *const names[] = {"gemm_q", "deq+blas", "tile", "reg S/2", "reg S*2"};
+                    printf("bench %-8s %-8s %-8s N %5d K %5d M %3d S %2d: %8.1f us  %7.1f GB/s (%5.1f%%)  %6.1f TFLOP/s\n",
+                           m40_type_name(base), type != base ? "G8" : "", names[v], sh.N, sh.K, M, v != 1 ? S : 0, us,
+                           gbs, 100.0 * gbs / 3020.0, tf);
+                    m40k_gemm_q_tune(64);
                 }
             for (auto &d : dw)
                 cudaFree(d);

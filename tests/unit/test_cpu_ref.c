@@ -357,6 +357,63 @@ static void test_quantize_q8(void)
     }
 }
 
+/* The F16 weights the quantized GEMM forms (m40_ref_gemm_q_dequant, its twin's) against
+ * the reference dequantizer, for every type m40k_gemm_q reads: within the rounding of the
+ * scale and offset to F16 and of the weight to F16 (relative 2^-10 of the block's largest
+ * term, so 2e-3 of max |w| is the bound used). Random blocks with small F16 scales: every
+ * other bit pattern is a valid block. */
+static void test_gemm_q_weights(void)
+{
+    const int types[] = {M40_TYPE_F16,  M40_TYPE_BF16, M40_TYPE_Q8_0, M40_TYPE_Q4_0, M40_TYPE_Q4_1,
+                         M40_TYPE_Q5_0, M40_TYPE_Q5_1, M40_TYPE_Q2_K, M40_TYPE_Q3_K, M40_TYPE_Q4_K,
+                         M40_TYPE_Q5_K, M40_TYPE_Q6_K};
+    enum { K = 512, N = 3 };
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        const int t = types[ti];
+        const m40_type_info *inf = m40_type_get((uint32_t)t);
+        const size_t rb = (size_t)K / inf->block_elems * inf->block_bytes;
+        static uint8_t w[N * 1024];
+        static uint16_t out[N * K];
+        static float d[K];
+        for (size_t i = 0; i < rb * N; i++)
+            w[i] = (uint8_t)(frand() * 127.0f + 128.0f);
+        /* F16 fields (scales and mins) at these offsets of each block; F16/BF16 values kept finite */
+        int offs[2] = {-1, -1};
+        switch (t) {
+        case M40_TYPE_Q2_K: offs[0] = 80, offs[1] = 82; break;
+        case M40_TYPE_Q3_K: offs[0] = 108; break;
+        case M40_TYPE_Q4_K:
+        case M40_TYPE_Q5_K:
+        case M40_TYPE_Q4_1:
+        case M40_TYPE_Q5_1: offs[0] = 0, offs[1] = 2; break;
+        case M40_TYPE_Q6_K: offs[0] = 208; break;
+        case M40_TYPE_Q8_0:
+        case M40_TYPE_Q4_0:
+        case M40_TYPE_Q5_0: offs[0] = 0; break;
+        default: /* F16, BF16: exponent bits tamed */
+            for (size_t i = 1; i < rb * N; i += 2)
+                w[i] = (uint8_t)((w[i] & 0x83) | (t == M40_TYPE_BF16 ? 0x3c : 0x38));
+        }
+        for (size_t b = 0; b < rb * N; b += inf->block_bytes)
+            for (int j = 0; j < 2; j++)
+                if (offs[j] >= 0) {
+                    const uint16_t h = m40_fp32_to_fp16(0.001f + 0.004f * (frand() * 0.5f + 0.5f));
+                    w[b + offs[j]] = (uint8_t)(h & 255), w[b + offs[j] + 1] = (uint8_t)(h >> 8);
+                }
+        m40_ref_gemm_q_dequant(w, t, N, K, out);
+        double worst = 0, mag = 0;
+        for (int r = 0; r < N; r++) {
+            m40_dequantize_row((uint32_t)t, w + r * rb, d, K);
+            for (int k = 0; k < K; k++) {
+                worst = fmax(worst, fabs((double)m40_fp16_to_fp32(out[r * K + k]) - d[k]));
+                mag = fmax(mag, fabs(d[k]));
+            }
+        }
+        CHECK(mag > 0 && worst <= 2e-3 * mag, "gemm_q weights %s: max |twin - dequantized| %g, max |w| %g", inf->name,
+              worst, mag);
+    }
+}
+
 int main(void)
 {
     test_paged_attention();
@@ -364,5 +421,6 @@ int main(void)
     test_small();
     test_gemma_helpers();
     test_quantize_q8();
+    test_gemm_q_weights();
     return check_done();
 }

@@ -6,7 +6,7 @@
 
 static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_SKINNY", "M40_CUDA_GRAPHS",
                                     "M40_WARMUP", "M40_G8", "M40_FUSE_NORM", "M40_FUSE_PICK", "M40_GEMM_Q",
-                                    "M40_GEMM_Q_ROWS", "M40_KV_BLOCKS", "M40_PREFIX_CACHE"};
+                                    "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE"};
 
 static void clear(void)
 {
@@ -23,7 +23,7 @@ int main(void)
     CHECK(t.pdl && t.clusters && t.skinny && t.warmup && t.g8 && t.fuse_norm && t.fuse_pick && t.gemm_q &&
               t.prefix_cache,
           "every on/off switch on by default");
-    CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 0 && t.kv_blocks == 0, "numbers' defaults");
+    CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 128 && t.gemm_q_reg == 64 && t.kv_blocks == 0, "numbers' defaults");
 
     for (size_t i = 1; i < sizeof names / sizeof names[0]; i++)
         setenv(names[i], "0", 1);
@@ -31,7 +31,7 @@ int main(void)
     CHECK(!t.pdl && !t.clusters && !t.skinny && !t.warmup && !t.g8 && !t.fuse_norm && !t.fuse_pick && !t.gemm_q &&
               !t.prefix_cache,
           "\"0\" turns each off");
-    CHECK(t.cuda_graphs == 0 && t.gemm_q_rows == 0 && t.kv_blocks == 0, "numbers at 0");
+    CHECK(t.cuda_graphs == 0 && t.gemm_q_rows == 0 && t.gemm_q_reg == 0 && t.kv_blocks == 0, "numbers at 0");
 
     clear();
     setenv("M40_PDL", "no", 1);

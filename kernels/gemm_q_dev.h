@@ -1,0 +1,147 @@
+/* Device pieces shared by the two kernels of the quantized GEMM (kernels.h 8e): the
+ * shared-memory tile kernel (gemm_q.cu) and the register kernel (gemm_q_reg.cu). The
+ * weights of both are F16(q * F16(scale) - F16(offset)), so one twin (m40_ref_gemm_q)
+ * serves both; the split-K end is one function, so both sum their splits alike. */
+#ifndef M40_GEMM_Q_DEV_H
+#define M40_GEMM_Q_DEV_H
+
+#include "quant_dev.h"
+
+#define MQ_WARPS 8
+
+__device__ __forceinline__ uint32_t mq_saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16 bytes global -> shared; src_bytes 0 writes zeros and reads nothing. cp.async is
+ * sm_80's: the builds for older GPUs (which never launch this kernel: the engine asks for
+ * cc >= 8.0) get plain copies so that they compile. */
+__device__ __forceinline__ void mq_cp16(void *dst, const void *src, int src_bytes)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mq_saddr(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+#else
+    *reinterpret_cast<uint4 *>(dst) = src_bytes ? *reinterpret_cast<const uint4 *>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void mq_commit(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+/* every copy issued so far has landed (N = 0), or all but the last N groups */
+template <int N> __device__ __forceinline__ void mq_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (N == 0)
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+    else
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* c[16x8] += a[16x16] b[16x8], F16 in, F32 accumulate (fragment layouts: PTX ISA,
+ * mma.m16n8k16) */
+__device__ __forceinline__ void mq_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/* Staged weights (the fast path): per row and chunk of MQ_KC = 256 elements, the chunk's
+ * bytes as the file lays them out, RB bytes a row (a multiple of 16, so cp.async moves
+ * them 16 bytes at a time): one superblock of the K-quants, 8 blocks of the 32-element
+ * types, one group of Q8_0_G8; Q6_K_G8's superblock (208 bytes) followed by its group's
+ * 16 bytes of scales d[8]. 0: the type has no such chunk (plain Q6_K: 210 bytes; Q2_K, Q3_K: 84, 110) or
+ * mq_deq32 does not read it yet (Q5_K, BF16): the direct kernel. */
+#define MQ_KC 256
+template <int T> struct mq_stage {
+    enum {
+        RB = T == M40K_TYPE_Q6_K_G8 ? 224
+             : T == M40K_TYPE_Q6_K || T == M40K_TYPE_F16 || T == M40K_TYPE_F32 || T == M40K_TYPE_BF16 ||
+                       T == M40K_TYPE_Q2_K || T == M40K_TYPE_Q3_K || T == M40K_TYPE_Q5_K
+                 ? 0
+                 : MQ_KC / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB
+    };
+    static_assert(RB % 16 == 0, "staged chunks move in 16-byte pieces");
+};
+
+__device__ __forceinline__ uint32_t mq_lds16(const uint8_t *p) { return *reinterpret_cast<const uint16_t *>(p); }
+
+/* The F16 weight of every element: w = RN(q * RN(scale) - RN(offset)), q, scale and
+ * offset as m40k_group8 gives them, the scale and offset rounded to F16 once per group,
+ * then one fused multiply-add in F16 (single rounding). For the types whose scale and
+ * offset are F16 values already (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) that is exactly the F32
+ * result rounded to F16; for Q4_K and Q6_K the rounded scale adds up to 2^-11 of the
+ * weight's size, thirty times below the 4-bit grid. Two elements an instruction instead of
+ * a conversion, a multiply-add and half a pack each in F32. Twin: m40_ref_gemm_q. */
+__device__ __forceinline__ uint4 mq_pack(const uint32_t (&q)[4], float sc, float off)
+{
+    const __half2 s2 = __float2half2_rn(sc), o2 = __float2half2_rn(-off);
+    uint4 h;
+    uint32_t *o = &h.x;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __half2 r = __hfma2(*reinterpret_cast<const __half2 *>(&q[i]), s2, o2);
+        o[i] = *reinterpret_cast<const uint32_t *>(&r);
+    }
+    return h;
+}
+
+/* Two words of four unsigned bytes (each < 1024) as four F16 pairs holding them exactly:
+ * the bytes under 0x64 (1024 + b), then 1024 subtracted. */
+__device__ __forceinline__ void mq_bytes_h2(uint32_t t0, uint32_t t1, uint32_t (&q)[4])
+{
+    const __half2 k1024 = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+    const uint32_t v[4] = {__byte_perm(t0, 0x64, 0x4140), __byte_perm(t0, 0x64, 0x4342), __byte_perm(t1, 0x64, 0x4140),
+                           __byte_perm(t1, 0x64, 0x4342)};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __half2 r = __hsub2(*reinterpret_cast<const __half2 *>(&v[i]), k1024);
+        q[i] = *reinterpret_cast<const uint32_t *>(&r);
+    }
+}
+
+/* The end of a split-K block (S > 1): this block's partial tile is in ws (split s at
+ * ws + s*M*N, [t][r]); it counts on its tile's counter, and the block that counts last
+ * sums the S partials in order 0..S-1 (deterministic) into y and resets the counter to
+ * zero. rows x toks: the tile's extent at (n0, m0). Every thread of the block calls it. */
+__device__ __forceinline__ void mq_split_end(int S, int N, int M, int n0, int m0, int rows, int toks, float *y,
+                                             int64_t ldy, const float *ws, int *counters, int tile)
+{
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(counters + tile, 1) == S - 1;
+    }
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence();
+    for (int idx = threadIdx.x; idx < rows * toks; idx += blockDim.x) {
+        const int t = m0 + idx / rows, r = n0 + idx % rows;
+        float v = 0.0f;
+        for (int k = 0; k < S; k++)
+            v += __ldcg(ws + ((size_t)k * M + t) * N + r);
+        y[(size_t)t * ldy + r] = v;
+    }
+    if (threadIdx.x == 0)
+        atomicExch(counters + tile, 0); /* every split has counted: nothing else touches it now */
+}
+
+/* The register kernel (gemm_q_reg.cu): whether it takes a product (its types, 9..64 token
+ * rows, aligned rows and K whole chunks), its split count, its shared-memory limits
+ * (mr_prepare), the launch. */
+int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes);
+int mr_pick_splits(int w_type, int N, int K, int M, int sm_count);
+int mr_prepare(void);
+int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride, int M,
+            float *y, int64_t ldy, int S, float *ws, int *counters, cudaStream_t st);
+
+#endif

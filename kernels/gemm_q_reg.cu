@@ -1,0 +1,310 @@
+/* The register kernel of the quantized GEMM (kernels.h 8e) for decode batches of 9..64
+ * token rows, in the types of the files people serve (Q4_K, and the regrouped Q8_0_G8 and
+ * Q6_K_G8 of Q8_0 and Q4_K_M files): y[t][r] = sum_k W[r][k] x[t][k], the same F16
+ * weights and F32 sums of F16 products as the shared-memory kernel of gemm_q.cu (twin:
+ * m40_ref_gemm_q), summed in another order.
+ *
+ * Why a second kernel: the shared-memory kernel forms each 128 x 64 weight tile in F16
+ * in shared memory, then every warp reads it back; its warps meet at a barrier every 64
+ * elements of K, and at 16-64 token rows there is too little tensor work between the
+ * barriers to hide them (BENCHMARKS.md: 10-30% of bandwidth, most cycles without an
+ * eligible warp). Here a warp turns the raw quantized bytes straight into the A fragments
+ * of its mma.sync, in registers, and the block meets once per 256 elements of K, to hand
+ * over a stage of a ring of cp.async copies several chunks deep.
+ *
+ * The trick that makes the fragments cheap: a product sums over k, so A and B may take k
+ * in any order as long as both take the same one. In a 64-wide step, lane (g, t) (g =
+ * lane / 4, t = lane % 4) holds for its weight rows the 8 elements 8t .. 8t+7 of each
+ * 32-wide half (one 8-byte load for Q4_K and Q8_0), and mma q of the step (two a half)
+ * takes elements 4q' .. 4q'+3 of them in its fragment slots 2t, 2t+1, 2t+8, 2t+9; the B
+ * fragment of token g is then x[g][8t + 4q' .. +3], one 16-byte load for two mmas.
+ *
+ * Block: 8 warps, each one m16 tile of weight rows (16) by all BM token rows (BM 16, 32
+ * or 64: NT = BM/8 n8 tiles; two m16 tiles a warp halve the x reads an mma but took one
+ * block an SM and were slower at 64 rows, BENCHMARKS.md). Stage: the chunk's raw weight bytes
+ * (rows padded where 8-byte loads would collide in a bank) and its x tile (BM x 256 F16,
+ * rows padded to 576 bytes so that the 16-byte loads of a quarter warp hit 32 banks). */
+#include "gemm_q_dev.h"
+
+#define MR_XLD (MQ_KC + 32) /* halves a row of the staged x tile: 576 bytes */
+#define MR_SMEM_MAX (227 * 1024)
+
+#define MR_ROWS (MQ_WARPS * 16) /* weight rows a block: one m16 tile a warp */
+
+/* Shared memory of one stage and the ring. Two blocks an SM where two stages each fit,
+ * one otherwise; as many stages as fit (at most 4). The weight rows are padded against
+ * bank conflicts unless the padding costs a stage of a ring shorter than 3. */
+template <int T, int BM> struct mr_smem {
+    enum {
+        RB = mq_stage<T>::RB,
+        X = BM * MR_XLD * 2,
+        BLOCKS = 2 * (MR_ROWS * RB + X) <= MR_SMEM_MAX / 2 - 1024 ? 2 : 1,
+        CAP = BLOCKS == 2 ? MR_SMEM_MAX / 2 - 1024 : MR_SMEM_MAX,
+        WLDP = RB % 128 == 16 ? RB + 16 : RB, /* 144 -> 160, 272 -> 288: rows 8 banks apart */
+        NSP0 = CAP / (MR_ROWS * WLDP + X),
+        NSU0 = CAP / (MR_ROWS * RB + X),
+        NSP = NSP0 > 4 ? 4 : NSP0,
+        NSU = NSU0 > 4 ? 4 : NSU0,
+        PAD = NSP >= 3 || NSP == NSU,
+        WLD = PAD ? WLDP : RB,
+        NS = PAD ? NSP : NSU,
+        STAGE = MR_ROWS * WLD + X,
+        BYTES = NS * STAGE
+    };
+    static_assert(NS >= 2, "a ring of at least two stages");
+};
+
+/* What a lane decodes once per chunk and row: the scales of the row's chunk. */
+struct mr_cs {
+    uint32_t a, b, c, d; /* Q4_K: scales 0-3, 4-7, mins 0-3, 4-7 (a byte each); Q8_0_G8: d[8]; Q6_K_G8: d in a */
+    float d0, d1;        /* Q4_K: d, dmin */
+};
+
+template <int T> __device__ __forceinline__ mr_cs mr_chunk_scales(const uint8_t *p, int j)
+{
+    mr_cs cs;
+    if constexpr (T == M40K_TYPE_Q4_K) {
+        const uint4 h = *reinterpret_cast<const uint4 *>(p); /* d, dmin | scales[12] */
+        cs.a = h.y & 0x3f3f3f3fu;
+        cs.c = h.z & 0x3f3f3f3fu;
+        cs.b = (h.w & 0x0f0f0f0fu) | ((h.y >> 6) & 0x03030303u) << 4;
+        cs.d = ((h.w >> 4) & 0x0f0f0f0fu) | ((h.z >> 6) & 0x03030303u) << 4;
+        cs.d0 = m40k_h2f((uint16_t)(h.x & 0xFFFFu));
+        cs.d1 = m40k_h2f((uint16_t)(h.x >> 16));
+    } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
+        const uint4 h = *reinterpret_cast<const uint4 *>(p);
+        cs.a = h.x, cs.b = h.y, cs.c = h.z, cs.d = h.w;
+        cs.d0 = cs.d1 = 0.0f;
+    } else { /* Q6_K_G8 */
+        cs.a = mq_lds16(p + 208 + 2 * j);
+        cs.b = cs.c = cs.d = 0;
+        cs.d0 = m40k_h2f((uint16_t)cs.a);
+        cs.d1 = 0.0f;
+    }
+    return cs;
+}
+
+__device__ __forceinline__ uint32_t mr_byte(uint32_t w, int i) { return (w >> (8 * i)) & 0xFFu; }
+
+/* The 8 elements 32*s + l .. +7 (l a multiple of 8 below 32; s a constant after
+ * unrolling) of a staged chunk row p as 8 bytes q (the q of m40k_group8: t0 elements 0-3,
+ * t1 4-7), with their group's scale and offset; cs: the row's mr_chunk_scales. */
+template <int T>
+__device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr_cs &cs, uint32_t &t0, uint32_t &t1,
+                                        float &sc, float &off)
+{
+    const int e = 32 * s + l;
+    if constexpr (T == M40K_TYPE_Q4_K) {
+        /* sub-block s: the low nibbles of bytes 32*(s/2) .. +31 for even s, the high ones for odd */
+        const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + 32 * (s >> 1) + l);
+        const int sh = (s & 1) * 4;
+        t0 = (v.x >> sh) & 0x0F0F0F0Fu;
+        t1 = (v.y >> sh) & 0x0F0F0F0Fu;
+        sc = cs.d0 * (float)mr_byte(s < 4 ? cs.a : cs.b, s & 3);
+        off = cs.d1 * (float)mr_byte(s < 4 ? cs.c : cs.d, s & 3);
+    } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
+        const int jb = s;
+        const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + e);
+        t0 = v.x ^ 0x80808080u; /* int8 + 128 */
+        t1 = v.y ^ 0x80808080u;
+        const uint32_t dw = jb < 2 ? cs.a : jb < 4 ? cs.b : jb < 6 ? cs.c : cs.d;
+        sc = m40k_h2f((uint16_t)(dw >> (16 * (jb & 1))));
+        off = 128.0f * sc;
+    } else { /* Q6_K_G8: superblock ql[128] | qh[64] | scales[16] (quant_dev.h) */
+        const int n = s >> 2, k = s & 3;
+        const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
+        const uint2 hi = *reinterpret_cast<const uint2 *>(p + 128 + 32 * n + l);
+        const int shl = k < 2 ? 0 : 4, shh = 2 * k;
+        t0 = ((lo.x >> shl) & 0x0F0F0F0Fu) | (((hi.x >> shh) & 0x03030303u) << 4);
+        t1 = ((lo.y >> shl) & 0x0F0F0F0Fu) | (((hi.y >> shh) & 0x03030303u) << 4);
+        sc = cs.d0 * (float)(int8_t)p[192 + (e >> 4)];
+        off = 32.0f * sc;
+    }
+}
+
+template <int T, int BM>
+__global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kernel(
+    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const uint16_t *__restrict__ x, int64_t x_stride,
+    int M, float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters)
+{
+    typedef mr_smem<T, BM> sm;
+    constexpr int NT = BM / 8;
+    constexpr int RB = sm::RB, WLD = sm::WLD, NS = sm::NS;
+    extern __shared__ __align__(16) uint8_t mr_sm[];
+    /* stage b: weights at mr_sm + b * STAGE (ROWS rows of WLD bytes), then x (BM rows of
+     * MR_XLD halves) */
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int n0 = blockIdx.x * MR_ROWS, s = blockIdx.z;
+    const int nc = K / MQ_KC;
+    const int c0 = (int)((int64_t)s * nc / S), c1 = (int)((int64_t)(s + 1) * nc / S);
+
+    /* chunk c into stage b, one commit group (empty past the split's end: the count of
+     * groups stays one a turn) */
+    auto issue = [&](int c, int b) {
+        if (c < c1) {
+            uint8_t *ws_ = mr_sm + b * sm::STAGE;
+            for (int i = tid; i < MR_ROWS * (RB / 16); i += MQ_WARPS * 32) {
+                const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
+                const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes; /* rows past N: never written */
+                const uint8_t *src;
+                if constexpr (T == M40K_TYPE_Q6_K_G8) /* superblock c % 8 of group c / 8, then the group's d[8] */
+                    src = row + 1680 * (size_t)(c >> 3) + (o < 208 ? 208 * (c & 7) + o : 1664 + (o - 208));
+                else
+                    src = row + (size_t)c * RB + o;
+                mq_cp16(ws_ + r * WLD + o, src, 16);
+            }
+            uint16_t *xs = reinterpret_cast<uint16_t *>(ws_ + MR_ROWS * WLD);
+            for (int i = tid; i < BM * (MQ_KC / 8); i += MQ_WARPS * 32) {
+                const int r = i / (MQ_KC / 8), o = 8 * (i % (MQ_KC / 8));
+                const bool in = r < M;
+                mq_cp16(xs + r * MR_XLD + o, in ? x + (size_t)r * x_stride + (size_t)c * MQ_KC + o : x, in ? 16 : 0);
+            }
+        }
+        mq_commit();
+    };
+
+    float acc[NT][4];
+#pragma unroll
+    for (int b = 0; b < NT; b++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            acc[b][c] = 0.0f;
+
+#pragma unroll
+    for (int i = 0; i < NS - 1; i++)
+        issue(c0 + i, i);
+    /* this lane's weight rows in a stage: g and g + 8 of its warp's m16 tile */
+    const int wrow = warp * 16 + g;
+    for (int c = c0; c < c1; c++) {
+        mq_wait<NS - 2>(); /* chunk c has landed (this thread's copies) */
+        __syncthreads();   /* everyone's copies of chunk c; everyone is done with chunk c - 1 */
+        issue(c + NS - 1, (c + NS - 1 - c0) % NS); /* into chunk c - 1's stage */
+        const uint8_t *st = mr_sm + ((c - c0) % NS) * sm::STAGE;
+        const uint16_t *xs = reinterpret_cast<const uint16_t *>(st + MR_ROWS * WLD);
+        const uint8_t *row[2] = {st + wrow * WLD, st + (wrow + 8) * WLD};
+        const mr_cs cs[2] = {mr_chunk_scales<T>(row[0], c & 7), mr_chunk_scales<T>(row[1], c & 7)};
+#pragma unroll
+        for (int half = 0; half < MQ_KC / 32; half++) {
+            uint4 a[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                uint32_t t0, t1, q[4];
+                float sc, off;
+                mr_deq8<T>(row[h], half, 8 * t4, cs[h], t0, t1, sc, off);
+                mq_bytes_h2(t0, t1, q);
+                a[h] = mq_pack(q, sc, off);
+            }
+            /* mma 0 takes elements 8t .. 8t+3 of the half, mma 1 8t+4 .. 8t+7 */
+            const uint32_t a0[4] = {a[0].x, a[1].x, a[0].y, a[1].y};
+            const uint32_t a1[4] = {a[0].z, a[1].z, a[0].w, a[1].w};
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint4 b = *reinterpret_cast<const uint4 *>(xs + (nt * 8 + g) * MR_XLD + 32 * half + 8 * t4);
+                mq_mma(acc[nt], a0, b.x, b.y);
+                mq_mma(acc[nt], a1, b.z, b.w);
+            }
+        }
+    }
+    mq_wait<0>(); /* no copy outlives the block */
+
+    /* accumulator c of tile nt: weight row wrow + 8*(c >> 1), token row 8*nt + 2*t4 + (c & 1) */
+    float *dst = S > 1 ? ws + (size_t)s * M * N : y;
+    const int64_t ld = S > 1 ? N : ldy;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int r = n0 + wrow + 8 * (c >> 1);
+            const int t = nt * 8 + 2 * t4 + (c & 1);
+            if (r < N && t < M)
+                dst[(size_t)t * ld + r] = acc[nt][c];
+        }
+    if (S > 1)
+        mq_split_end(S, N, M, n0, 0, min(MR_ROWS, N - n0), M, y, ldy, ws, counters, blockIdx.x);
+}
+
+static int mr_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : 64; }
+
+int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
+{
+    return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8) && M > 8 &&
+           M <= 64 && K % (w_type == M40K_TYPE_Q6_K_G8 ? 2048 : MQ_KC) == 0 && row_bytes % 16 == 0 &&
+           ((uintptr_t)w & 15) == 0;
+}
+
+template <int T> static int mr_prepare_type(void)
+{
+    cudaError_t e = cudaFuncSetAttribute(mr_kernel<T, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         mr_smem<T, 16>::BYTES);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(mr_kernel<T, 32>, cudaFuncAttributeMaxDynamicSharedMemorySize, mr_smem<T, 32>::BYTES);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(mr_kernel<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, mr_smem<T, 64>::BYTES);
+    return (int)e;
+}
+
+/* Raises the shared-memory limit of every instance on the current device, once (a plain
+ * flag per device: a second thread racing here only sets it twice). */
+int mr_prepare(void)
+{
+    static bool done[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return M40K_INVALID;
+    if (done[dev])
+        return 0;
+    int e = mr_prepare_type<M40K_TYPE_Q4_K>();
+    if (!e)
+        e = mr_prepare_type<M40K_TYPE_Q8_0_G8>();
+    if (!e)
+        e = mr_prepare_type<M40K_TYPE_Q6_K_G8>();
+    done[dev] = !e;
+    return e;
+}
+
+typedef void (*mr_fn)(const uint8_t *, size_t, int, int, const uint16_t *, int64_t, int, float *, int64_t, int, float *,
+                      int *);
+
+/* f(kernel, blocks an SM, shared-memory bytes) for the instance of the type and M rows */
+template <int T, typename F> static int mr_with(int M, F f)
+{
+    switch (mr_bm(M)) {
+    case 16: return f(mr_kernel<T, 16>, (int)mr_smem<T, 16>::BLOCKS, (int)mr_smem<T, 16>::BYTES);
+    case 32: return f(mr_kernel<T, 32>, (int)mr_smem<T, 32>::BLOCKS, (int)mr_smem<T, 32>::BYTES);
+    default: return f(mr_kernel<T, 64>, (int)mr_smem<T, 64>::BLOCKS, (int)mr_smem<T, 64>::BYTES);
+    }
+}
+
+template <typename F> static int mr_dispatch(int w_type, int M, F f)
+{
+    switch (w_type) {
+    case M40K_TYPE_Q4_K: return mr_with<M40K_TYPE_Q4_K>(M, f);
+    case M40K_TYPE_Q8_0_G8: return mr_with<M40K_TYPE_Q8_0_G8>(M, f);
+    case M40K_TYPE_Q6_K_G8: return mr_with<M40K_TYPE_Q6_K_G8>(M, f);
+    default: return M40K_INVALID;
+    }
+}
+
+/* One wave: as many splits as fill the SMs with the blocks an SM holds, at most one a
+ * chunk of 256. (Half or twice that: slower or equal at 16-64 rows, BENCHMARKS.md.) */
+int mr_pick_splits(int w_type, int N, int K, int M, int sm_count)
+{
+    const int S = mr_dispatch(w_type, M, [&](mr_fn, int blocks, int) {
+        return min(blocks * sm_count / ((N + MR_ROWS - 1) / MR_ROWS), K / MQ_KC);
+    });
+    return S < 1 ? 1 : S;
+}
+
+int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride, int M,
+            float *y, int64_t ldy, int S, float *ws, int *counters, cudaStream_t st)
+{
+    const int e = mr_prepare(); /* once per device */
+    if (e)
+        return e;
+    return mr_dispatch(w_type, M, [&](mr_fn fn, int, int bytes) {
+        const dim3 grid((unsigned)((N + MR_ROWS - 1) / MR_ROWS), 1, (unsigned)S);
+        fn<<<grid, MQ_WARPS * 32, bytes, st>>>((const uint8_t *)w, row_bytes, N, K, x, x_stride, M, y, ldy, S, ws,
+                                                counters);
+        return m40k_launch_status();
+    });
+}
