@@ -1,6 +1,6 @@
 /* Quantized GEMV for decode batches: y[b][n] = W[n] . x[b], batch 1..8.
  *
- * Fast path (F16, Q8_0, Q4_0, Q4_K, Q6_K with W 16-byte aligned and rows a multiple of
+ * Fast path (F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K with W 16-byte aligned and rows a multiple of
  * 16 bytes: every K that is a multiple of 256, so most real model shapes):
  * gemv_fast_kernel below. Q4_1, Q5_0 and Q5_1 (the fallbacks of K-quant files for rows
  * that are not a multiple of 256, e.g. Gemma 3 270M's 640) take the generic kernel. A block of 4 warps
@@ -17,7 +17,7 @@
  *   - 4- and 6-bit quants become floats with one byte permute each: the byte
  *     0x80|q<<3 (or q<<1) under exponent 0x3F gives f = 1 + q/16 (1 + q/64) exactly, so
  *     sum(q*x) = 16*(sum(f*x) - sum(x)); with w = a*q - m every group folds into
- *     acc += A*sum(f*x) + C*sum(x). F16 and Q8_0 convert exactly as before.
+ *     acc += A*sum(f*x) + C*sum(x). F16, BF16 and Q8_0 convert exactly as before.
  * Accumulation is F32 throughout (the CPU twin's semantics; rounding differs only in
  * order). Other alignments take the generic kernel that follows, which is the
  * original one-warp-per-row design (byte-granular staging).
@@ -110,7 +110,7 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
                     sqx = fmaf(q[5], xb.y, sqx);
                     sqx = fmaf(q[6], xb.z, sqx);
                     sqx = fmaf(q[7], xb.w, sqx);
-                    if (T == M40K_TYPE_F16) {
+                    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16) {
                         acc[b] += sqx;
                     } else {
                         const float sx = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
@@ -135,6 +135,7 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
 
 template <int T> struct gf_cfg;
 template <> struct gf_cfg<M40K_TYPE_F16> { enum { SEG = 512, NSC = 0 }; };
+template <> struct gf_cfg<M40K_TYPE_BF16> { enum { SEG = 512, NSC = 0 }; };
 template <> struct gf_cfg<M40K_TYPE_Q8_0> { enum { SEG = 1024, NSC = 0 }; };
 template <> struct gf_cfg<M40K_TYPE_Q4_0> { enum { SEG = 2048, NSC = 0 }; };
 template <> struct gf_cfg<M40K_TYPE_Q4_K> { enum { SEG = 2048, NSC = 64 }; };  /* (A, C) per 32-sub-block */
@@ -187,6 +188,15 @@ __device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2
     if (T == M40K_TYPE_F16) {
         const uint4 u = *reinterpret_cast<const uint4 *>(p + 16 * lane + 512 * i); /* off == 0 */
         m40k_unpack_h8(u, f);
+        A = 1.0f, C = 0.0f;
+    } else if (T == M40K_TYPE_BF16) { /* the top halves of floats: exact */
+        const uint4 u = *reinterpret_cast<const uint4 *>(p + 16 * lane + 512 * i); /* off == 0 */
+        const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            f[2 * k] = __uint_as_float(wd[k] << 16);
+            f[2 * k + 1] = __uint_as_float(wd[k] & 0xFFFF0000u);
+        }
         A = 1.0f, C = 0.0f;
     } else if (T == M40K_TYPE_Q8_0) {
         const int j = 8 * i + (lane >> 2), jj = 8 * (lane & 3);
@@ -370,7 +380,7 @@ __global__ __launch_bounds__(GF_WARPS * 32, MINB) void gemv_fast_kernel(const ui
                         t = fmaf(f[r][5], xb.y, t);
                         t = fmaf(f[r][6], xb.z, t);
                         t = fmaf(f[r][7], xb.w, t);
-                        if (T == M40K_TYPE_F16)
+                        if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16)
                             acc[r][b] += t;
                         else
                             acc[r][b] = fmaf(A[r], t, fmaf(C[r], sx, acc[r][b]));
@@ -389,8 +399,8 @@ static int gemv_launch_b(const void *w, int N, int K, const float *x, int64_t xs
 {
     typedef m40k_tinfo<T> ti;
     const size_t row_bytes = (size_t)K / ti::BE * ti::BB;
-    constexpr bool has_fast = T == M40K_TYPE_F16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                              T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K;
+    constexpr bool has_fast = T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 ||
+                              T == M40K_TYPE_Q4_0 || T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K;
     if constexpr (has_fast) {
     if (((uintptr_t)w & 15) == 0 && row_bytes % 16 == 0) {
         /* each row's segments split over S warps (one segment a warp and iteration) */
