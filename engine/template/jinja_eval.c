@@ -288,7 +288,21 @@ static int eval_args(jrender *r, jscope *s, const jnode *n, m40_jvalue **args, m
 
 /* ------------------------------------------------------------------ expressions */
 
+static int eval_node(jrender *r, jscope *s, const jnode *n, m40_jvalue *out);
+
+/* Every expression evaluation passes here: the nesting bound keeps a hostile template
+ * from running the thread's stack out. */
 static int eval(jrender *r, jscope *s, const jnode *n, m40_jvalue *out)
+{
+    if (r->edepth >= JR_MAX_EVAL_DEPTH)
+        return jr_fail(r, n->line, "expression nests deeper than %d levels", JR_MAX_EVAL_DEPTH);
+    r->edepth++;
+    const int rc = eval_node(r, s, n, out);
+    r->edepth--;
+    return rc;
+}
+
+static int eval_node(jrender *r, jscope *s, const jnode *n, m40_jvalue *out)
 {
     m40_jvalue a, b;
     switch (n->kind) {
