@@ -155,6 +155,7 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     ngx_uint_t                 i;
     json_error_t               jerr;
     m40_engine_state           state;
+    m40_engine_capacity        cap;
     ngx_pool_cleanup_t        *cln;
     m40_submit_status          st;
     m40_request_params         rp;
@@ -206,6 +207,20 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
                                state == M40_ENGINE_LOADING
                                ? "the model is still loading"
                                : "the model failed to load: %s", err_buf);
+        goto failed;
+    }
+
+    /* n choices enter the waiting queue together, before any of them gets a slot: more
+     * than the queue holds could never all be admitted, so it is the request that is
+     * wrong (400), not the load (429, which a retry could get past) */
+    if (p.n > 1 && m40_engine_get_capacity(mcf->engine, &cap) == 0
+        && p.n > (ngx_uint_t) cap.max_queue)
+    {
+        ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
+                               "invalid_request_error", "n", "invalid_value",
+                               "n is %ui, more than the %D requests this "
+                               "server queues (m40_max_queue)", p.n,
+                               cap.max_queue);
         goto failed;
     }
 
