@@ -206,8 +206,23 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
                                                            : "model_failed",
                                state == M40_ENGINE_LOADING
                                ? "the model is still loading"
-                               : "the model failed to load: %s", err_buf);
+                               : "the model failed to load (the server's "
+                                 "error log says why)");
         goto failed;
+    }
+
+    /* token ids past the vocabulary: known only now that the model is loaded (the
+     * engine refuses them too, without naming the parameter) */
+    for (i = 0; i < p.n_bias; i++) {
+        if (p.bias_ids[i] >= m40_engine_n_vocab(mcf->engine)) {
+            ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
+                                   "invalid_request_error", "logit_bias",
+                                   "invalid_value",
+                                   "logit_bias token id %D is outside the "
+                                   "vocabulary (0..%D)", p.bias_ids[i],
+                                   m40_engine_n_vocab(mcf->engine) - 1);
+            goto failed;
+        }
     }
 
     /* n choices enter the waiting queue together, before any of them gets a slot: more

@@ -183,9 +183,11 @@ def test_model_that_fails_to_load_503(instances):
     r = requests.get(f"http://127.0.0.1:{port}/health")
     assert r.status_code == 503
     assert r.json()["status"] == "failed" and r.json()["error"]
+    assert workdir not in r.text, r.text  # no server paths to clients: they go to the error log
     r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": MSGS})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "model_failed"
+    assert workdir not in r.text, r.text
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.InternalServerError) as ei:
         client.chat.completions.create(model="broken", messages=MSGS)
