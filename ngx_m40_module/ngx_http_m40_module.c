@@ -12,6 +12,7 @@
 
 static void *ngx_http_m40_create_main_conf(ngx_conf_t *cf);
 static char *ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf);
+static void *ngx_http_m40_create_srv_conf(ngx_conf_t *cf);
 static void *ngx_http_m40_create_loc_conf(ngx_conf_t *cf);
 static char *ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent,
     void *child);
@@ -155,12 +156,12 @@ static ngx_command_t  ngx_http_m40_commands[] = {
 
 static ngx_http_module_t  ngx_http_m40_module_ctx = {
     NULL,                                  /* preconfiguration */
-    NULL,                                  /* postconfiguration */
+    ngx_http_m40_errors_init,              /* postconfiguration */
 
     ngx_http_m40_create_main_conf,         /* create main configuration */
     ngx_http_m40_init_main_conf,           /* init main configuration */
 
-    NULL,                                  /* create server configuration */
+    ngx_http_m40_create_srv_conf,          /* create server configuration */
     NULL,                                  /* merge server configuration */
 
     ngx_http_m40_create_loc_conf,          /* create location configuration */
@@ -263,6 +264,14 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     }
 
     return NGX_CONF_OK;
+}
+
+
+static void *
+ngx_http_m40_create_srv_conf(ngx_conf_t *cf)
+{
+    /* json_errors 0 until m40_api appears in one of the server's locations */
+    return ngx_pcalloc(cf->pool, sizeof(ngx_http_m40_srv_conf_t));
 }
 
 
@@ -579,12 +588,16 @@ ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     ngx_http_core_loc_conf_t  *clcf;
     ngx_http_m40_main_conf_t  *mcf;
+    ngx_http_m40_srv_conf_t   *scf;
 
     if (lcf->api != NGX_CONF_UNSET) {
         return "is duplicate";
     }
 
     lcf->api = 1;
+
+    scf = ngx_http_conf_get_module_srv_conf(cf, ngx_http_m40_module);
+    scf->json_errors = 1;
 
     clcf = ngx_http_conf_get_module_loc_conf(cf, ngx_http_core_module);
     clcf->handler = ngx_http_m40_handler;

@@ -10,6 +10,7 @@
  *   ngx_http_m40_output.c    JSON to buffers, response objects (usage, logprobs),
  *                            OpenAI-shaped errors, UTF-8 repair
  *   ngx_http_m40_info.c      /v1/models, /health, /metrics
+ *   ngx_http_m40_errors.c    nginx's own error pages as OpenAI error JSON
  *
  * The engine (engine/m40_engine.h) runs its own thread per worker; nothing here
  * blocks on it. */
@@ -59,6 +60,10 @@ typedef struct {
 typedef struct {
     ngx_flag_t           api;
 } ngx_http_m40_loc_conf_t;
+
+typedef struct {
+    ngx_flag_t           json_errors;         /* a location of this server has m40_api */
+} ngx_http_m40_srv_conf_t;
 
 typedef enum {
     NGX_HTTP_M40_CHAT = 0,
@@ -152,6 +157,9 @@ ngx_int_t ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
 void ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
+
+/* ngx_http_m40_errors.c */
+ngx_int_t ngx_http_m40_errors_init(ngx_conf_t *cf);
 
 /* ngx_http_m40_params.c */
 ngx_int_t ngx_http_m40_parse_params(ngx_http_request_t *r,
