@@ -141,6 +141,8 @@ static int eval_slice(jrender *r, jscope *s, const jnode *n, m40_jvalue *out)
     m40_jvalue obj, parts[3];
     int has[3];
     int64_t iv[3] = {0, 0, 1};
+    if (!n->a) /* the parser gives every slice its object; this only guards that */
+        return jr_fail(r, n->line, "a slice without an object");
     if (eval(r, s, n->a, &obj))
         return -1;
     for (int k = 0; k < 3; k++) {

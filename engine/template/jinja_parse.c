@@ -336,6 +336,11 @@ static jnode *parse_postfix(jparser *p, jnode *node)
             if (idx.n == 1) {
                 n->b = idx.v[0];
             } else {
+                /* x[1, :]: a slice is a subscript of its own (its node holds the
+                 * object), never an item of a tuple of subscripts */
+                for (size_t k = 0; k < idx.n; k++)
+                    if (idx.v[k]->kind == N_SLICE)
+                        jp_fail(p, t->line, "a slice cannot be part of a tuple subscript");
                 n->b = mk(p, N_TUPLE, t->line);
                 n->b->kids = idx.v;
                 n->b->nkids = idx.n;

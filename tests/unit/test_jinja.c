@@ -368,6 +368,13 @@ static void test_hostile(void)
           "100 digits and an exponent fail cleanly: %s", err);
     m40_jinja_free(t);
     EXPECT("{{ 1_000 + 2.5e1 + 0.25 }}", NULL, "1025.25");
+    /* a slice inside a tuple subscript had no object: a NULL dereference at render
+     * (found by fuzz_jinja) */
+    t = NULL;
+    CHECK(m40_jinja_parse("{{ 'abc'[0,:] }}", 16, &t, err, sizeof err) == -1 && strstr(err, "slice"),
+          "x[0, :] fails cleanly: %s", err);
+    m40_jinja_free(t);
+    EXPECT("{{ 'abcdef'[1:4] ~ 'xyz'[::-1] }}", NULL, "bcdzyx");
     /* a source over 1 MiB (possible only through a GGUF file or a configured path) */
     const size_t big = ((size_t)1 << 20) + 1;
     char *huge = malloc(big + 1);
