@@ -9,6 +9,8 @@
  *   ngx_http_m40_stream.c    the same as Server-Sent Events, with back pressure
  *   ngx_http_m40_output.c    JSON to buffers, response objects (usage, logprobs),
  *                            OpenAI-shaped errors, UTF-8 repair
+ *   ngx_http_m40_tools.c     tools, tool_choice, chat_template_kwargs and the tool
+ *                            fields of messages; the output parser's glue
  *   ngx_http_m40_info.c      /v1/models, /health, /metrics
  *
  * The engine (engine/m40_engine.h) runs its own thread per worker; nothing here

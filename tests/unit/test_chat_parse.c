@@ -121,6 +121,48 @@ static void test_detect(void)
     CHECK(strcmp(m40_tool_format_name(M40_TOOLS_MISTRAL), "mistral") == 0, "name of");
 }
 
+/* The shared real templates pick the parser their model family writes. */
+static void test_detect_shared(void)
+{
+    static const struct {
+        const char *file;
+        m40_tool_format f;
+        int thinks;
+    } cases[] = {
+        {"Qwen-Qwen2.5-7B-Instruct.jinja", M40_TOOLS_HERMES, 0},
+        {"NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", M40_TOOLS_HERMES, 0},
+        {"NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", M40_TOOLS_HERMES, 0},
+        {"meta-llama-Llama-3.1-8B-Instruct.jinja", M40_TOOLS_LLAMA3, 0},
+        {"meta-llama-Llama-3.2-3B-Instruct.jinja", M40_TOOLS_LLAMA3, 0},
+        {"meta-llama-Llama-3.3-70B-Instruct.jinja", M40_TOOLS_LLAMA3, 0},
+        {"mistralai-Mistral-Nemo-Instruct-2407.jinja", M40_TOOLS_MISTRAL, 0},
+        {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", M40_TOOLS_JSON, 1},
+        {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", M40_TOOLS_JSON, 1},
+        {"google-gemma-2-2b-it.jinja", M40_TOOLS_JSON, 0},
+    };
+    const char *shared = check_shared_dir();
+    if (!shared) {
+        SKIP("../shared absent: template detection on real templates not checked");
+        return;
+    }
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/templates/%s", shared, cases[i].file);
+        FILE *f = fopen(path, "rb");
+        if (!f) {
+            SKIP("%s not found", path);
+            continue;
+        }
+        static char src[1 << 20];
+        size_t n = fread(src, 1, sizeof src - 1, f);
+        fclose(f);
+        src[n] = '\0';
+        CHECK(m40_tool_format_detect(src) == cases[i].f, "%s: %s", cases[i].file,
+              m40_tool_format_name(m40_tool_format_detect(src)));
+        CHECK(m40_template_thinks(src) == cases[i].thinks, "%s thinks", cases[i].file);
+    }
+}
+
 static void test_hermes(void)
 {
     const m40_tool_format H = M40_TOOLS_HERMES;
@@ -281,6 +323,7 @@ static void test_fuzz(void)
 int main(void)
 {
     test_detect();
+    test_detect_shared();
     test_hermes();
     test_reasoning();
     test_llama3();
