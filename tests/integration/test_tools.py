@@ -277,3 +277,24 @@ def test_chat_template_kwargs_reach_the_template(instances):
     on = post(base, dict(body, chat_template_kwargs={"enable_thinking": True}))
     assert off.status_code == 200 and on.status_code == 200
     assert on.json()["usage"]["prompt_tokens"] > off.json()["usage"]["prompt_tokens"]
+
+
+def test_held_markup_comes_back_as_content(client, model):
+    # "{" forced at every step (byte token 126 of stories260K's vocabulary): with tools
+    # and no tool template the JSON fallback parser holds the answer as a possible call
+    # to its end, finds no call in "{{{{{{" and returns it as content, streamed or not;
+    # the streamed logprobs still arrive token by token (on empty deltas while held).
+    kw = dict(model=model, messages=MSGS, max_tokens=6, temperature=0, logit_bias={"126": 100}, tools=TOOLS)
+    full = client.chat.completions.create(**kw)
+    assert full.choices[0].message.content == "{" * 6
+    assert full.choices[0].message.tool_calls is None
+    assert full.choices[0].finish_reason == "length"
+    content, n_lp, finish = "", 0, None
+    for chunk in client.chat.completions.create(stream=True, logprobs=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            n_lp += len(ch.logprobs.content) if ch.logprobs and ch.logprobs.content else 0
+            finish = ch.finish_reason or finish
+    assert content == "{" * 6 and n_lp == 6 and finish == "length"
+    plain = client.chat.completions.create(**dict(kw, tool_choice="none"))
+    assert plain.choices[0].message.content == "{" * 6
