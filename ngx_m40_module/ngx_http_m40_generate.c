@@ -596,6 +596,7 @@ static json_t *
 ngx_http_m40_chat_choice(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
     ngx_uint_t i, json_t *text, json_t *lp)
 {
+    size_t       k;
     json_t      *msg, *c;
     const char  *finish;
 
@@ -607,9 +608,20 @@ ngx_http_m40_chat_choice(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
         return NULL;
     }
 
-    if (ch->tool_calls && ch->text_len == 0) {
-        json_decref(text);
-        text = json_null();
+    if (ch->tool_calls) {
+        /* only blanks around the calls (a newline before "<tool_call>"): no content */
+        for (k = 0; k < ch->text_len; k++) {
+            if (ch->text[k] != ' ' && ch->text[k] != '\n' && ch->text[k] != '\r'
+                && ch->text[k] != '\t')
+            {
+                break;
+            }
+        }
+
+        if (k == ch->text_len) {
+            json_decref(text);
+            text = json_null();
+        }
     }
     json_object_set_new(msg, "content", text);
 
