@@ -50,6 +50,26 @@ static ngx_conf_num_bounds_t  ngx_http_m40_prefill_bounds = {
 };
 
 
+/* m40_tool_parser: how tool calls are read from the output (m40_chat_parse.h);
+ * "auto" chooses from the chat template's text. */
+static ngx_conf_enum_t  ngx_http_m40_tool_parsers[] = {
+    { ngx_string("auto"), NGX_HTTP_M40_TOOL_PARSER_AUTO },
+    { ngx_string("hermes"), M40_TOOLS_HERMES },
+    { ngx_string("llama3"), M40_TOOLS_LLAMA3 },
+    { ngx_string("mistral"), M40_TOOLS_MISTRAL },
+    { ngx_string("json"), M40_TOOLS_JSON },
+    { ngx_string("off"), M40_TOOLS_NONE },
+    { ngx_null_string, 0 }
+};
+
+static ngx_conf_enum_t  ngx_http_m40_reasoning_modes[] = {
+    { ngx_string("separate"), M40_REASONING_SEPARATE },
+    { ngx_string("inline"), M40_REASONING_INLINE },
+    { ngx_string("none"), M40_REASONING_NONE },
+    { ngx_null_string, 0 }
+};
+
+
 static ngx_command_t  ngx_http_m40_commands[] = {
 
     { ngx_string("m40_model"),
@@ -136,6 +156,20 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       0,
       NULL },
 
+    { ngx_string("m40_tool_parser"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_enum_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, tool_parser),
+      &ngx_http_m40_tool_parsers },
+
+    { ngx_string("m40_reasoning"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_enum_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, reasoning),
+      &ngx_http_m40_reasoning_modes },
+
     { ngx_string("m40_threads"),
       NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_num_slot,
@@ -208,6 +242,8 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->prefill_chunk = NGX_CONF_UNSET;
     mcf->prefill_budget = NGX_CONF_UNSET;
     mcf->itl_guard = -2.0;
+    mcf->tool_parser = NGX_CONF_UNSET_UINT;
+    mcf->reasoning = NGX_CONF_UNSET_UINT;
 
     return mcf;
 }
@@ -233,6 +269,8 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     if (mcf->itl_guard < -1.5) {
         mcf->itl_guard = 0.0;
     }
+    ngx_conf_init_uint_value(mcf->tool_parser, NGX_HTTP_M40_TOOL_PARSER_AUTO);
+    ngx_conf_init_uint_value(mcf->reasoning, M40_REASONING_SEPARATE);
 
     if (mcf->prefill_chunk > 0 && mcf->prefill_budget > 0
         && mcf->prefill_chunk > mcf->prefill_budget)
