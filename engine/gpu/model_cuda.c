@@ -1,7 +1,7 @@
 /* The GPU back end of the llama-family forward pass (llama, qwen2) and of Gemma 3: host
  * code in C11 that drives the kernels of kernels/ through their C wrappers, plus cuBLAS.
  *
- * Gemma 3 (src->gemma3 set; the math is model_gemma3.c's) is the same pipeline plus:
+ * Gemma 3 (src->gemma3 set; the math is model/model.c's) is the same pipeline plus:
  * the embedding scaled by sqrt(n_embd), per-head RMSNorm of Q and K after the QKV
  * product, the attention and FFN outputs RMSNorm'ed before their residual adds, GeGLU
  * (tanh) instead of SwiGLU, its own attention scale, and per layer either a global
