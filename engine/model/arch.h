@@ -4,7 +4,7 @@
  *   x += Wo attn(rope(Wq n), rope(Wk n), Wv n),  n = attn_norm(x)
  *   x += Wdown(silu(Wgate m) * Wup m),           m = ffn_norm(x)
  *
- * The loader (model.c) reads a row once and fills each layer's tensors accordingly;
+ * The loader (model_load.c) reads a row once and fills each layer's tensors accordingly;
  * the forward passes then test the layer (L->q_norm != NULL, L->local, ...) and the
  * model's scalars, never the architecture's name. Adding a dense architecture is a row
  * here, plus code only for an op that is really new. Not public API. */
@@ -47,10 +47,12 @@ typedef struct {
     uint8_t rope_linear_global; /* rope.scaling.type "linear" accepted, global layers only */
     /* Gemma's query_pre_attn_scalar: q.k scaled by <arch>.attention.scale when present,
      * else 1/sqrt(n_embd/n_head) for the 27B shapes (not stored in the GGUF, so known by
-     * shape in model.c), else 1/sqrt(head_dim) as for every other row. */
+     * shape in model_load.c), else 1/sqrt(head_dim) as for every other row. */
     uint8_t gemma_attn_scale;
     uint8_t fused_qkv;         /* attn_qkv holds the rows of q, k and v (split into views at load) */
     uint8_t fused_gate_up;     /* ffn_up holds the rows of gate then up, no ffn_gate */
+    /* No column for the tied head: every row takes token_embd as the head when the file
+     * has no output.weight (Qwen3 0.6B-4B and 8B+ differ within one architecture). */
     /* Mixture of experts: placeholders the MoE issue fills in (expert tensors, router
      * order); 0 for every dense row. */
     uint8_t moe;
