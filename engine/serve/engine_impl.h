@@ -233,6 +233,12 @@ void m40_engine_set_tokenize_hook(m40_engine *e, void (*fn)(void *ctx, void *use
  * is set, before the model goes: requests still waiting for it are answered with 503. */
 int m40_prompt_start(m40_engine *e, char *err, size_t errlen);
 void m40_prompt_stop(m40_engine *e);
+/* prompt_guard.c: the byte ranges of the rendered prompt real where the messages' texts
+ * landed, for m40_tokenize_guarded; none (0, *n_ranges 0) when no message text holds a
+ * control-token string. -1 with err (a 400) when such a text cannot be located. */
+int m40_prompt_guard(const m40_tokenizer *tok, const m40_jinja *tmpl, const json_t *messages, const json_t *tools,
+                     int add_generation_prompt, const char *bos, const char *eos, const json_t *kwargs,
+                     const char *real, size_t real_len, size_t **ranges, size_t *n_ranges, char *err, size_t errlen);
 
 /* The engine thread, in four files by job; everything below runs on it alone.
  * engine_thread.c: an automatic max_seqs on a GPU (m40_engine.h): the sequences of

@@ -23,7 +23,8 @@
 #include <string.h>
 
 static int64_t tokenize_alloc(const m40_tokenizer *tok, const char *text, size_t len, int add_bos,
-                              int parse_special, int32_t **out, char *err, size_t errlen)
+                              int parse_special, const size_t *guard, size_t n_guard, int32_t **out, char *err,
+                              size_t errlen)
 {
     int64_t cap = (int64_t)len + 16;
     *out = NULL;
@@ -33,7 +34,8 @@ static int64_t tokenize_alloc(const m40_tokenizer *tok, const char *text, size_t
             snprintf(err, errlen, "out of memory tokenizing %zu bytes", len);
             return -1;
         }
-        int64_t n = m40_tokenize(tok, text, len, add_bos, parse_special, ids, cap, err, errlen);
+        int64_t n = n_guard ? m40_tokenize_guarded(tok, text, len, add_bos, guard, n_guard, ids, cap, err, errlen)
+                            : m40_tokenize(tok, text, len, add_bos, parse_special, ids, cap, err, errlen);
         if (n < 0) {
             free(ids);
             return -1;
@@ -105,7 +107,7 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
     *status = 500;
     if (r->messages) {
         char *text = NULL;
-        size_t len = 0;
+        size_t len = 0, *guard = NULL, n_guard = 0;
         if (e->tmpl_err[0]) {
             snprintf(msg, msglen, "the model's chat template cannot be used: %.200s", e->tmpl_err);
             return -1;
@@ -117,18 +119,32 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
             /* Arguments as objects first (most templates), as the client's text when the
              * template refuses them (template/chat_args.c). */
             json_t *objs = m40_chat_arguments_as_objects(r->messages);
+            const json_t *used = objs;
             int rc = -1;
             if (objs)
                 rc = m40_chat_template_render_parsed(e->tmpl, objs, r->tools, r->add_generation_prompt, bos_s,
                                                      eos_s, r->template_kwargs, NULL, &text, &len, err, sizeof err);
-            json_decref(objs);
-            if (rc != 0)
+            if (rc != 0) {
+                used = r->messages;
                 rc = m40_chat_template_render_parsed(e->tmpl, r->messages, r->tools, r->add_generation_prompt, bos_s,
                                                      eos_s, r->template_kwargs, NULL, &text, &len, err, sizeof err);
+            }
             if (rc != 0) {
+                json_decref(objs);
                 /* raise_exception() in templates rejects the conversation itself. */
                 *status = 400;
                 snprintf(msg, msglen, "chat template: %.230s", err);
+                return -1;
+            }
+            /* Where the messages' own text landed: control-token strings typed there
+             * stay text (prompt_guard.c). */
+            rc = m40_prompt_guard(tok, e->tmpl, used, r->tools, r->add_generation_prompt, bos_s, eos_s,
+                                  r->template_kwargs, text, len, &guard, &n_guard, err, sizeof err);
+            json_decref(objs);
+            if (rc != 0) {
+                free(text);
+                *status = 400;
+                snprintf(msg, msglen, "%.250s", err);
                 return -1;
             }
         } else {
@@ -140,9 +156,11 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
             }
         }
         r->reasoning_open = ends_in_open_think(text, len);
-        /* Template output is trusted: its control-token strings become single ids. */
-        n = tokenize_alloc(tok, text, len, 0, 1, &ids, err, sizeof err);
+        /* Template output is trusted: its control-token strings become single ids; the
+         * messages' own text never does (guard: where it landed, when it holds one). */
+        n = tokenize_alloc(tok, text, len, 0, 1, guard, n_guard, &ids, err, sizeof err);
         free(text);
+        free(guard);
         if (n < 0) {
             snprintf(msg, msglen, "tokenizer: %.230s", err);
             return -1;
@@ -162,7 +180,8 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
         }
     } else {
         /* User text: control-token strings stay text. */
-        n = tokenize_alloc(tok, r->prompt, r->prompt_len, m40_tokenizer_add_bos(tok), 0, &ids, err, sizeof err);
+        n = tokenize_alloc(tok, r->prompt, r->prompt_len, m40_tokenizer_add_bos(tok), 0, NULL, 0, &ids, err,
+                           sizeof err);
         if (n < 0) {
             snprintf(msg, msglen, "tokenizer: %.230s", err);
             return -1;

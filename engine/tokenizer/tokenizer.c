@@ -696,6 +696,59 @@ int64_t m40_tokenize(const m40_tokenizer *t, const char *text, size_t len, int a
     return count;
 }
 
+int64_t m40_tokenize_guarded(const m40_tokenizer *t, const char *text, size_t len, int add_bos,
+                             const size_t *protect, size_t n_protect, int32_t *ids, int64_t cap, char *err,
+                             size_t errlen)
+{
+    if (!t || (!text && len) || cap < 0 || (!ids && cap > 0) || (n_protect && !protect)) {
+        snprintf(err, errlen, "tokenize: bad arguments");
+        return -1;
+    }
+    int64_t count = 0;
+    if (add_bos && t->bos >= 0)
+        tok_emit(ids, cap, &count, t->bos);
+    if (t->n_special == 0) {
+        if (tok_encode_text(t, text, len, ids, cap, &count, err, errlen) != 0)
+            return -1;
+        return count;
+    }
+    /* as m40_tokenize with parse_special, but a special piece may neither start inside
+     * a protected range nor reach into one, unless it is a user-defined token wholly
+     * inside the range (those match in plain text too) */
+    size_t start = 0, r = 0;
+    for (size_t i = 0; i < len;) {
+        while (r < n_protect && protect[2 * r + 1] <= i)
+            r++;
+        const int inside = r < n_protect && protect[2 * r] <= i;
+        const size_t limit = inside ? protect[2 * r + 1] : r < n_protect ? protect[2 * r] : len;
+        const int32_t id = tok_match_special(t, text + i, (limit < len ? limit : len) - i, !inside);
+        if (id < 0) {
+            i++;
+            continue;
+        }
+        if (tok_encode_text(t, text + start, i - start, ids, cap, &count, err, errlen) != 0)
+            return -1;
+        tok_emit(ids, cap, &count, id);
+        i += t->piece_len[id];
+        start = i;
+    }
+    if (tok_encode_text(t, text + start, len - start, ids, cap, &count, err, errlen) != 0)
+        return -1;
+    return count;
+}
+
+int m40_tokenizer_has_control(const m40_tokenizer *t, const char *text, size_t len)
+{
+    if (!t || !text || t->n_special == 0)
+        return 0;
+    for (size_t i = 0; i < len; i++) {
+        const int32_t id = tok_match_special(t, text + i, len - i, 1);
+        if (id >= 0 && t->types[id] != M40_TOKEN_USER_DEFINED)
+            return 1;
+    }
+    return 0;
+}
+
 /* ---- decoding ---- */
 
 static int tok_copy_out(char *buf, int cap, const char *s, size_t len)

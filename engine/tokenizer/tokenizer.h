@@ -61,6 +61,18 @@ const char *m40_tokenizer_piece(const m40_tokenizer *t, int32_t id);
 int64_t m40_tokenize(const m40_tokenizer *t, const char *text, size_t len, int add_bos, int parse_special,
                      int32_t *ids, int64_t cap, char *err, size_t errlen);
 
+/* m40_tokenize with parse_special on for the template's markup and off inside the
+ * protected byte ranges of text (n_protect pairs [protect[2k], protect[2k+1]), sorted and
+ * disjoint): the text of the conversation's messages. A control-token string typed in a
+ * message stays text there, and no control token may start in a range or reach into
+ * one; user-defined tokens inside a range still match, as in plain text. */
+int64_t m40_tokenize_guarded(const m40_tokenizer *t, const char *text, size_t len, int add_bos,
+                             const size_t *protect, size_t n_protect, int32_t *ids, int64_t cap, char *err,
+                             size_t errlen);
+/* 1 when text contains the string of a control token (one parse_special would split
+ * out), else 0. */
+int m40_tokenizer_has_control(const m40_tokenizer *t, const char *text, size_t len);
+
 /* Bytes of one token as it appears in decoded text (SPM: "▁" -> " ", <0xNN> -> byte;
  * BPE: byte-level mapping undone; control tokens -> "" unless render_special).
  * Returns the byte count (may exceed cap: nothing beyond cap is written). */
