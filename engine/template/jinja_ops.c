@@ -482,7 +482,7 @@ int jr_contains(jrender *r, int line, m40_jvalue needle, m40_jvalue hay, int *re
                 *res = 1;
                 break;
             }
-        if (hay.u.l->kind == JL_GEN) { /* `in` consumes a generator up to the match */
+        if (hay.u.l->kind == JL_GEN && hay.u.l->n > 0) { /* `in` consumes a generator up to the match */
             size_t used = i < hay.u.l->n ? i + 1 : hay.u.l->n;
             hay.u.l->v += used;
             hay.u.l->n -= used;
