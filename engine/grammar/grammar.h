@@ -62,4 +62,12 @@ int m40_gconstraint_accept(m40_gconstraint *c, int32_t token);
 int m40_gconstraint_done(const m40_gconstraint *c);
 int m40_gconstraint_can_end(const m40_gconstraint *c);
 
+/* ---- JSON Schema ---- */
+
+/* Compiles a JSON Schema (JSON text) into GBNF source (malloc'd, NUL-terminated) whose
+ * every sentence validates against the schema. NULL with err naming the problem, e.g.
+ * "unsupported JSON Schema keyword 'not'". schema_json NULL: any JSON object (the
+ * response_format {"type": "json_object"}). */
+char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, size_t errlen);
+
 #endif
