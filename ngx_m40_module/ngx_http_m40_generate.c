@@ -269,6 +269,9 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     rp.n_stop = (int32_t) p.n_stop;
     rp.logprobs = p.logprobs ? 1 : 0;
     rp.ignore_eos = p.ignore_eos ? 1 : 0;
+    rp.grammar = p.grammar;
+    rp.json_schema = p.json_schema;
+    rp.json_object = p.json_object ? 1 : 0;
 
     seed = p.has_seed ? p.seed
                       : ((uint64_t) ngx_random() << 32) ^ (uint64_t) ngx_random();

@@ -92,6 +92,10 @@ typedef struct {
     ngx_flag_t           include_usage;
     ngx_flag_t           echo;                /* completions: echo the prompt */
     ngx_flag_t           ignore_eos;          /* not OpenAI's: run to max_tokens */
+    /* constrained decoding: at most one (compiled by the engine, errors come as 400s) */
+    char                *grammar;             /* "grammar": GBNF source */
+    char                *json_schema;         /* response_format json_schema: schema text */
+    ngx_flag_t           json_object;         /* response_format json_object */
 } ngx_http_m40_params_t;
 
 /* An OpenAI-shaped error: HTTP status, message, type, param, code. */

@@ -60,6 +60,8 @@ int32_t m40_gconstraint_apply(m40_gconstraint *c, float *logits);
 int m40_gconstraint_accept(m40_gconstraint *c, int32_t token);
 /* The output so far is complete and nothing but end-of-generation may follow. */
 int m40_gconstraint_done(const m40_gconstraint *c);
+/* Non-NULL once the automaton hit a limit or memory ran out: the output cannot go on. */
+const char *m40_gconstraint_error(const m40_gconstraint *c);
 int m40_gconstraint_can_end(const m40_gconstraint *c);
 
 /* ---- JSON Schema ---- */

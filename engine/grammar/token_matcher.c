@@ -128,6 +128,7 @@ struct m40_gconstraint {
     uint32_t **masks;           /* by state id */
     int32_t masks_cap, masks_live;
     int32_t *dfs;               /* (node, state) pairs */
+    int oom;
 };
 
 m40_gconstraint *m40_gconstraint_new(m40_grammar *g, const m40_token_trie *t)
@@ -199,8 +200,10 @@ const uint32_t *m40_gconstraint_mask(m40_gconstraint *c)
         while (cap <= c->state)
             cap *= 2;
         uint32_t **m = realloc(c->masks, sizeof *m * (size_t)cap);
-        if (!m)
+        if (!m) {
+            c->oom = 1;
             return NULL;
+        }
         memset(m + c->masks_cap, 0, sizeof *m * (size_t)(cap - c->masks_cap));
         c->masks = m;
         c->masks_cap = cap;
@@ -214,8 +217,10 @@ const uint32_t *m40_gconstraint_mask(m40_gconstraint *c)
             c->masks_live = 0;
         }
         uint32_t *mask = malloc(sizeof *mask * (size_t)c->words);
-        if (!mask)
+        if (!mask) {
+            c->oom = 1;
             return NULL;
+        }
         compute_mask(c, c->state, mask);
         if (m40_gmatch_error(c->m)) {
             free(mask);
@@ -254,6 +259,11 @@ int m40_gconstraint_accept(m40_gconstraint *c, int32_t token)
         return -1;
     c->state = st;
     return 0;
+}
+
+const char *m40_gconstraint_error(const m40_gconstraint *c)
+{
+    return m40_gmatch_error(c->m) ? m40_gmatch_error(c->m) : c->oom ? "grammar: out of memory" : NULL;
 }
 
 int m40_gconstraint_done(const m40_gconstraint *c) { return m40_gmatch_final(c->m, c->state); }
