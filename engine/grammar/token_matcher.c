@@ -235,12 +235,26 @@ const uint32_t *m40_gconstraint_mask(m40_gconstraint *c)
 int32_t m40_gconstraint_apply(m40_gconstraint *c, float *logits)
 {
     const uint32_t *mask = m40_gconstraint_mask(c);
+    const int32_t n = c->t->n_vocab;
     int32_t allowed = 0;
-    for (int32_t id = 0; id < c->t->n_vocab; id++) {
-        if (mask && ((mask[id >> 5] >> (id & 31)) & 1))
-            allowed++;
-        else
-            logits[id] = -INFINITY;
+    /* a mask word at a time: whole words allowed (inside strings) or banned (most of the
+     * vocabulary elsewhere) cost one test for 32 tokens */
+    for (int32_t w = 0; w < c->words; w++) {
+        uint32_t m = mask ? mask[w] : 0;
+        int32_t base = w * 32, end = base + 32 < n ? base + 32 : n;
+        if (m == 0xffffffffu && end - base == 32) {
+            allowed += 32;
+        } else if (m == 0) {
+            for (int32_t id = base; id < end; id++)
+                logits[id] = -INFINITY;
+        } else {
+            for (int32_t id = base; id < end; id++) {
+                if ((m >> (id - base)) & 1)
+                    allowed++;
+                else
+                    logits[id] = -INFINITY;
+            }
+        }
     }
     return allowed;
 }
