@@ -7,7 +7,7 @@
  *     ones each skippable); extra keys only for map-like objects without properties;
  *   - numbers with bounds: integers inside the bounds; dates: years 1000-2999, days 01-28;
  *   - pattern: the regular expression's own language (a search for it then succeeds),
- *     character classes narrowed to characters that need no JSON escape;
+ *     character classes narrowed to characters that need no JSON escape (pattern.c);
  *   - oneOf is compiled as anyOf (branches are expected to be disjoint).
  * Any keyword that changes what validates and is not handled is an error naming it. */
 #include <ctype.h>
@@ -19,47 +19,8 @@
 #include <string.h>
 
 #include "grammar.h"
+#include "schema_int.h"
 
-typedef struct {
-    char *s;
-    size_t n, cap;
-    int oom;
-} sbuf;
-
-static void sb_add(sbuf *b, const char *s, size_t n)
-{
-    if (b->oom)
-        return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (b->n + n + 1 > cap)
-            cap *= 2;
-        char *p = realloc(b->s, cap);
-        if (!p) {
-            b->oom = 1;
-            return;
-        }
-        b->s = p;
-        b->cap = cap;
-    }
-    memcpy(b->s + b->n, s, n);
-    b->n += n;
-    b->s[b->n] = 0;
-}
-static void sb_puts(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
-static void sb_printf(sbuf *b, const char *fmt, ...)
-{
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n >= (int)sizeof tmp) {
-        b->oom = 1;
-        return;
-    }
-    sb_add(b, tmp, (size_t)n);
-}
 
 typedef struct {
     sbuf out;            /* the rules */
@@ -87,22 +48,6 @@ static int jfail(jsg *c, const char *fmt, ...)
     return -1;
 }
 
-/* A GBNF string literal for raw bytes. */
-static void lit(sbuf *b, const char *s, size_t n)
-{
-    sb_puts(b, "\"");
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\') {
-            char e[3] = {'\\', (char)c, 0};
-            sb_puts(b, e);
-        } else if (c < 0x20 || c == 0x7f)
-            sb_printf(b, "\\x%02X", c);
-        else
-            sb_add(b, (const char *)&c, 1);
-    }
-    sb_puts(b, "\"");
-}
 
 /* The shared primitives; rules nobody references are harmless. */
 static const char *PRELUDE =
@@ -314,209 +259,6 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
     return 0;
 }
 
-/* ---- pattern: a regular-expression subset ---- */
-
-/* A class member set narrowed to printable ASCII that needs no JSON escape. */
-typedef struct { uint8_t has[128]; } cset;
-
-static void cset_add_range(cset *s, int lo, int hi)
-{
-    for (int c = lo; c <= hi && c < 128; c++)
-        s->has[c] = 1;
-}
-
-static void cset_emit(sbuf *e, const cset *s, int negate)
-{
-    sb_puts(e, "[");
-    int any = 0;
-    for (int c = 0x20; c < 0x7f; c++) {
-        int in = s->has[c] ^ negate;
-        if (!in || c == '"' || c == '\\')
-            continue;
-        any = 1;
-        if (c == ']' || c == '[' || c == '-' || c == '^')
-            sb_printf(e, "\\%c", c);
-        else
-            sb_add(e, (const char *)&(char){(char)c}, 1);
-    }
-    if (!any)
-        sb_puts(e, "\\x01"); /* caught below: an empty class cannot be produced */
-    sb_puts(e, "]");
-}
-
-static int class_escape(cset *s, char c)
-{
-    switch (c) {
-    case 'd': cset_add_range(s, '0', '9'); return 1;
-    case 'w': cset_add_range(s, 'a', 'z'); cset_add_range(s, 'A', 'Z'); cset_add_range(s, '0', '9'); s->has['_'] = 1; return 1;
-    case 's': s->has[' '] = 1; return 1;
-    default: return 0;
-    }
-}
-
-typedef struct {
-    const char *p, *end;
-} rx;
-
-static int rx_alt(jsg *c, rx *r, sbuf *e, int depth);
-
-static int rx_atom(jsg *c, rx *r, sbuf *e, int depth)
-{
-    char ch = *r->p++;
-    if (ch == '(') {
-        if (r->end - r->p >= 2 && r->p[0] == '?' && r->p[1] == ':')
-            r->p += 2;
-        else if (r->p < r->end && r->p[0] == '?')
-            return jfail(c, "pattern: lookaround and other (?...) groups are not supported");
-        if (depth > 50)
-            return jfail(c, "pattern nested too deeply");
-        sb_puts(e, "(");
-        if (rx_alt(c, r, e, depth + 1))
-            return -1;
-        if (r->p >= r->end || *r->p != ')')
-            return jfail(c, "pattern: missing ')'");
-        r->p++;
-        sb_puts(e, ")");
-        return 0;
-    }
-    if (ch == '[') {
-        cset s = {{0}};
-        int negate = 0;
-        if (r->p < r->end && *r->p == '^') {
-            negate = 1;
-            r->p++;
-        }
-        int first = 1;
-        while (r->p < r->end && (*r->p != ']' || first)) {
-            first = 0;
-            int lo = (unsigned char)*r->p++;
-            if (lo == '\\') {
-                if (r->p >= r->end)
-                    return jfail(c, "pattern: '\\' at the end");
-                char x = *r->p++;
-                if (class_escape(&s, x))
-                    continue;
-                if (x == 'D' || x == 'W' || x == 'S')
-                    return jfail(c, "pattern: \\%c inside a class is not supported", x);
-                lo = x == 'n' ? '\n' : x == 't' ? '\t' : (unsigned char)x;
-            }
-            int hi = lo;
-            if (r->end - r->p >= 2 && *r->p == '-' && r->p[1] != ']') {
-                r->p++;
-                hi = (unsigned char)*r->p++;
-                if (hi == '\\') {
-                    if (r->p >= r->end)
-                        return jfail(c, "pattern: '\\' at the end");
-                    hi = (unsigned char)*r->p++;
-                }
-                if (hi < lo)
-                    return jfail(c, "pattern: character range out of order");
-            }
-            cset_add_range(&s, lo, hi);
-        }
-        if (r->p >= r->end)
-            return jfail(c, "pattern: missing ']'");
-        r->p++;
-        size_t at = e->n;
-        cset_emit(e, &s, negate);
-        if (strstr(e->s + at, "\\x01"))
-            return jfail(c, "pattern: a character class with no printable ASCII character is not supported");
-        return 0;
-    }
-    if (ch == '.') {
-        cset s = {{0}};
-        cset_emit(e, &s, 1);
-        return 0;
-    }
-    if (ch == '\\') {
-        if (r->p >= r->end)
-            return jfail(c, "pattern: '\\' at the end");
-        char x = *r->p++;
-        cset s = {{0}};
-        if (class_escape(&s, x)) {
-            cset_emit(e, &s, 0);
-            return 0;
-        }
-        if (x == 'D' || x == 'W' || x == 'S') {
-            class_escape(&s, (char)tolower((unsigned char)x));
-            cset_emit(e, &s, 1);
-            return 0;
-        }
-        if (isalnum((unsigned char)x))
-            return jfail(c, "pattern: escape '\\%c' is not supported", x);
-        ch = x;
-    } else if (ch == '*' || ch == '+' || ch == '?' || ch == '{')
-        return jfail(c, "pattern: '%c' with nothing before it", ch);
-    /* a literal character, JSON-escaped where the string needs it */
-    if (ch == '"')
-        sb_puts(e, "\"\\\\\\\"\"");
-    else if (ch == '\\')
-        sb_puts(e, "\"\\\\\\\\\"");
-    else if ((unsigned char)ch < 0x20)
-        return jfail(c, "pattern: control characters are not supported");
-    else
-        lit(e, &ch, 1);
-    return 0;
-}
-
-static int rx_seq(jsg *c, rx *r, sbuf *e, int depth)
-{
-    sb_puts(e, "(\"\"");
-    while (r->p < r->end && *r->p != '|' && *r->p != ')') {
-        if (*r->p == '^' || *r->p == '$') { /* anchors: the grammar is anchored already */
-            r->p++;
-            continue;
-        }
-        sb_puts(e, " ");
-        size_t at = e->n;
-        if (rx_atom(c, r, e, depth))
-            return -1;
-        if (r->p < r->end && (*r->p == '*' || *r->p == '+' || *r->p == '?' || *r->p == '{')) {
-            /* wrap the atom so the quantifier applies to all of it */
-            sbuf atom = {0};
-            sb_add(&atom, e->s + at, e->n - at);
-            e->n = at;
-            sb_puts(e, "(");
-            sb_add(e, atom.s ? atom.s : "", atom.n);
-            sb_puts(e, ")");
-            free(atom.s);
-            char q = *r->p++;
-            if (q == '{') {
-                const char *s = r->p;
-                while (r->p < r->end && *r->p != '}')
-                    r->p++;
-                if (r->p >= r->end)
-                    return jfail(c, "pattern: missing '}'");
-                sb_puts(e, "{");
-                for (const char *k = s; k < r->p; k++) {
-                    if (!isdigit((unsigned char)*k) && *k != ',')
-                        return jfail(c, "pattern: bad {m,n}");
-                    sb_add(e, k, 1);
-                }
-                sb_puts(e, "}");
-                r->p++;
-            } else
-                sb_add(e, &q, 1);
-            if (r->p < r->end && *r->p == '?') /* lazy: the same language */
-                r->p++;
-        }
-    }
-    sb_puts(e, ")");
-    return 0;
-}
-
-static int rx_alt(jsg *c, rx *r, sbuf *e, int depth)
-{
-    if (rx_seq(c, r, e, depth))
-        return -1;
-    while (r->p < r->end && *r->p == '|') {
-        r->p++;
-        sb_puts(e, " | ");
-        if (rx_seq(c, r, e, depth))
-            return -1;
-    }
-    return 0;
-}
 
 /* ---- types ---- */
 
@@ -534,12 +276,10 @@ static int gen_string(jsg *c, json_t *s, sbuf *e)
     if (pat) {
         if (!json_is_string(pat))
             return jfail(c, "'pattern' must be a string");
-        rx r = {json_string_value(pat), json_string_value(pat) + json_string_length(pat)};
+        char perr[200];
         sb_puts(e, "\"\\\"\" ");
-        if (rx_alt(c, &r, e, 0))
-            return -1;
-        if (r.p < r.end)
-            return jfail(c, "pattern: unbalanced ')'");
+        if (m40_pattern_to_gbnf(json_string_value(pat), json_string_length(pat), e, perr, sizeof perr))
+            return jfail(c, "%s", perr);
         sb_puts(e, " \"\\\"\"");
         return 0;
     }
