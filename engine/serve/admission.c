@@ -33,6 +33,14 @@ static void admit(m40_engine *e, m40_request *r, int32_t slot)
         s->gc = m40_gconstraint_new(r->grammar, e->vocab_trie);
         r->grammar = NULL;
     }
+    if (s->gc && s->detok && n > 0) {
+        /* The grammar matched the tokens' bytes as they are, a leading space included, so
+         * the text must not lose SentencePiece's first space: the detokenizer starts after
+         * the prompt's last token (its text, and any incomplete UTF-8 tail, thrown away). */
+        size_t k;
+        m40_detok_push(s->detok, ids[n - 1], &k);
+        m40_detok_flush(s->detok, &k);
+    }
     if (!s->smp || !s->detok || (r->grammar_src || r->json_schema || r->json_object ? !s->gc : 0)) {
         free(ids);
         m40_slot_clear(s);

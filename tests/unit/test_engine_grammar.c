@@ -107,6 +107,12 @@ int main(void)
     p.ignore_eos = 1; /* a complete grammar still ends the output */
     run_batch(e, &p, gbnf, 4, "gbnf ignore_eos");
 
+    /* a grammar that starts with a space: the text keeps it (no SentencePiece stripping) */
+    const char *spaced = "root ::= \" The\" [a-z ]{1,12} \".\"";
+    params(&p, 1);
+    p.grammar = spaced;
+    run_batch(e, &p, spaced, 8, "leading space");
+
     const char *schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":99},"
                          "\"b\":{\"enum\":[\"x\",\"y\"]},\"c\":{\"type\":\"array\",\"items\":{\"type\":\"boolean\"},"
                          "\"maxItems\":3}},\"required\":[\"a\",\"b\",\"c\"],\"additionalProperties\":false}";
