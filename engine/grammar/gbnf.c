@@ -33,6 +33,8 @@ typedef struct {
     int32_t n_sets, cap_sets;
     int32_t *set_hash;   /* open addressing over sets, -1 empty */
     int32_t set_hash_cap;
+    int32_t *name_hash;  /* open addressing over the user's rule names, -1 empty */
+    int32_t name_hash_cap, n_named;
     int64_t total_el;
     char *err;
     size_t errlen;
@@ -59,11 +61,17 @@ static int fail(parser *ps, const char *fmt, ...)
 
 /* ---- rules and sets ---- */
 
-static int32_t rule_get(parser *ps, const char *name, size_t len)
+static uint32_t name_hash(const char *s, size_t n)
 {
-    for (int32_t i = 0; i < ps->n_rules; i++)
-        if (strlen(ps->rules[i].name) == len && memcmp(ps->rules[i].name, name, len) == 0)
-            return i;
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (uint8_t)s[i]) * 16777619u;
+    return h;
+}
+
+/* Appends a rule named name[0..len); its index, or -1. */
+static int32_t rule_append(parser *ps, const char *name, size_t len)
+{
     if (ps->n_rules == ps->cap_rules) {
         int32_t cap = ps->cap_rules ? ps->cap_rules * 2 : 32;
         prule *r = realloc(ps->rules, (size_t)cap * sizeof *r);
@@ -82,12 +90,50 @@ static int32_t rule_get(parser *ps, const char *name, size_t len)
     return ps->n_rules++;
 }
 
-/* A fresh rule named after its parent ("value-3"): error messages stay readable. */
+/* The user's rule of that name, created on first mention (hashed: a hostile grammar with
+ * many names must not cost a scan per reference). */
+static int32_t rule_get(parser *ps, const char *name, size_t len)
+{
+    if ((ps->n_named + 1) * 2 > ps->name_hash_cap) {
+        int32_t cap = ps->name_hash_cap ? ps->name_hash_cap * 2 : 64;
+        int32_t *h = malloc(sizeof *h * (size_t)cap);
+        if (!h)
+            return fail(ps, "out of memory");
+        memset(h, 0xff, sizeof *h * (size_t)cap);
+        for (int32_t i = 0; i < ps->name_hash_cap; i++) {
+            int32_t r = ps->name_hash ? ps->name_hash[i] : -1;
+            if (r < 0)
+                continue;
+            uint32_t k = name_hash(ps->rules[r].name, strlen(ps->rules[r].name)) & (uint32_t)(cap - 1);
+            while (h[k] >= 0)
+                k = (k + 1) & (uint32_t)(cap - 1);
+            h[k] = r;
+        }
+        free(ps->name_hash);
+        ps->name_hash = h;
+        ps->name_hash_cap = cap;
+    }
+    uint32_t k = name_hash(name, len) & (uint32_t)(ps->name_hash_cap - 1);
+    for (; ps->name_hash[k] >= 0; k = (k + 1) & (uint32_t)(ps->name_hash_cap - 1)) {
+        const char *n = ps->rules[ps->name_hash[k]].name;
+        if (strlen(n) == len && memcmp(n, name, len) == 0)
+            return ps->name_hash[k];
+    }
+    int32_t r = rule_append(ps, name, len);
+    if (r >= 0) {
+        ps->name_hash[k] = r;
+        ps->n_named++;
+    }
+    return r;
+}
+
+/* A fresh rule named after its parent ("value#3": '#' is no name character, so it never
+ * meets a user's rule). */
 static int32_t rule_new(parser *ps, int32_t parent)
 {
     char name[160];
-    snprintf(name, sizeof name, "%.120s-%d", ps->rules[parent].name, ps->n_rules);
-    int32_t r = rule_get(ps, name, strlen(name));
+    snprintf(name, sizeof name, "%.120s#%d", ps->rules[parent].name, ps->n_rules);
+    int32_t r = rule_append(ps, name, strlen(name));
     if (r >= 0)
         ps->rules[r].defined = 1;
     return r;
@@ -799,6 +845,7 @@ done:
     free(ps.rules);
     free(ps.sets);
     free(ps.set_hash);
+    free(ps.name_hash);
     if (ps.failed) {
         m40_grammar_free(g);
         return NULL;

@@ -204,6 +204,8 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
         if (!json_is_number(v))
             return jfail(c, "'minimum' must be a number");
         double x = json_number_value(v);
+        if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
+            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k < x)
             k++;
@@ -213,6 +215,8 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
         if (!json_is_number(v))
             return jfail(c, "'exclusiveMinimum' must be a number");
         double x = json_number_value(v);
+        if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
+            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k <= x)
             k++;
@@ -223,6 +227,8 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
         if (!json_is_number(v))
             return jfail(c, "'maximum' must be a number");
         double x = json_number_value(v);
+        if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
+            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k > x)
             k--;
@@ -232,6 +238,8 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
         if (!json_is_number(v))
             return jfail(c, "'exclusiveMaximum' must be a number");
         double x = json_number_value(v);
+        if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
+            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k >= x)
             k--;

@@ -65,6 +65,8 @@ static const gcase cases[] = {
     {"root ::= \"(\" root \")\" | \"\"", {"", "()", "((()))"}, {"(", "())"}},
     {"root ::= ws \"{\" ws \"}\"\nws ::= [ \\t\\n]*", {"{}", "  { \n}"}, {"{", "{ x}"}},
     {"root ::= [^\"\\\\]*", {"", "abc", "\xc3\xa9t\xc3\xa9"}, {"\"", "\\", "\xc3"}},
+    /* a user's rule named like a generated one stays the user's */
+    {"root ::= (\"a\")* root-1\nroot-1 ::= \"z\"", {"z", "aaz"}, {"aa", "zz"}},
 };
 
 static const char *bad_grammars[][2] = {
@@ -291,6 +293,27 @@ static void test_masks(void)
     m40_token_trie_free(trie);
 }
 
+/* Many rule names: parsing stays fast (names are hashed) and the chain matches. */
+static void test_many_rules(void)
+{
+    enum { N = 20000 };
+    size_t cap = (size_t)N * 40, n = 0;
+    char *src = malloc(cap);
+    n += (size_t)snprintf(src + n, cap - n, "root ::= r0\n");
+    for (int i = 0; i < N; i++)
+        n += (size_t)snprintf(src + n, cap - n, i + 1 < N ? "r%d ::= \"a\" r%d | \"b\"\n" : "r%d ::= \"b\"\n", i, i + 1);
+    char err[256];
+    m40_grammar *g = m40_grammar_parse(src, n, err, sizeof err);
+    CHECK(g != NULL, "20000 rules: %s", err);
+    if (g) {
+        m40_gmatch *m = m40_gmatch_new(g);
+        CHECK(m40_gmatch_full(m, "aab", 3) && m40_gmatch_full(m, "b", 1) && !m40_gmatch_full(m, "ba", 2), "chain");
+        m40_gmatch_free(m);
+        m40_grammar_free(g);
+    }
+    free(src);
+}
+
 int main(void)
 {
     make_vocab();
@@ -298,5 +321,6 @@ int main(void)
     test_errors();
     test_masks();
     test_fuzz();
+    test_many_rules();
     return check_done();
 }

@@ -172,6 +172,7 @@ static const char *errors[][2] = {
     {"false", "matches nothing"},
     {"{\"type\": ", "not valid JSON"},
     {"[1]", "must be an object"},
+    {"{\"type\": \"integer\", \"minimum\": 1e300}", "beyond"},
 };
 
 typedef struct {
