@@ -55,6 +55,7 @@ struct m40_gmatch {
     size_t order_cap;
     int32_t start;
     const char *error;
+    size_t emitted;      /* stacks emitted by the current transition */
 };
 
 /* Expands the stack scratch.v[base .. base+n) until its top is a byte set, appending each
@@ -69,6 +70,12 @@ static int expand(m40_gmatch *m, size_t base, size_t n, int depth)
     }
     for (;;) {
         if (n == 0 || g->el[m->scratch.v[base + n - 1]].type == GE_SET) {
+            /* duplicates are only dropped at intern(): an ambiguous grammar (r1 ::= r2 | r2,
+             * r2 ::= r3 | r3, ...) could otherwise emit exponentially many copies */
+            if (++m->emitted > MAX_STACKS * 16) {
+                m->error = "grammar: too many parses at once (ambiguous grammar)";
+                return -1;
+            }
             if (ivec_push(&m->out, (int32_t)n))
                 return -1;
             for (size_t i = 0; i < n; i++)
@@ -305,6 +312,7 @@ int32_t m40_gmatch_next(m40_gmatch *m, int32_t s, uint8_t byte)
     }
     const m40_grammar *g = m->g;
     m->out.n = 0;
+    m->emitted = 0;
     size_t p = m->states[s].key;
     int32_t count = m->keys.v[p++];
     for (int32_t i = 0; i < count; i++) {

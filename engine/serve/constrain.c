@@ -63,6 +63,16 @@ int m40_request_compile_grammar(m40_engine *e, m40_request *r, int *status, char
         snprintf(msg, msglen, "invalid '%s': %.200s", field, err);
         return -1;
     }
+    /* The start state once here: a grammar too ambiguous or deep to even start is the
+     * caller's 400 now, not the engine thread's 500 later. */
+    m40_gmatch *probe = m40_gmatch_new(r->grammar);
+    const char *why = probe ? m40_gmatch_error(probe) : "grammar: out of memory";
+    if (why) {
+        snprintf(msg, msglen, "invalid '%s': %.200s", field, why);
+        m40_gmatch_free(probe);
+        return -1;
+    }
+    m40_gmatch_free(probe);
     if (!e->vocab_trie && !(e->vocab_trie = vocab_trie_build(e->tok))) {
         *status = 500;
         snprintf(msg, msglen, "out of memory building the vocabulary trie");

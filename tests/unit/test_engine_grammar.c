@@ -148,6 +148,12 @@ int main(void)
     p.json_schema = "{\"type\":\"string\",\"not\":{}}";
     expect_400(e, &p, "unsupported JSON Schema keyword 'not'");
     params(&p, 1);
+    p.grammar = "root ::= a0\na0 ::= a1 | a1\na1 ::= a2 | a2\na2 ::= a3 | a3\na3 ::= a4 | a4\na4 ::= a5 | a5\n"
+                "a5 ::= a6 | a6\na6 ::= a7 | a7\na7 ::= a8 | a8\na8 ::= a9 | a9\na9 ::= a10 | a10\n"
+                "a10 ::= a11 | a11\na11 ::= a12 | a12\na12 ::= a13 | a13\na13 ::= a14 | a14\na14 ::= a15 | a15\n"
+                "a15 ::= a16 | a16\na16 ::= a17 | a17\na17 ::= \"y\"";
+    expect_400(e, &p, "ambiguous");
+    params(&p, 1);
     p.json_schema = "{\"type\": ";
     expect_400(e, &p, "not valid JSON");
 

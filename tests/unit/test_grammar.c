@@ -314,6 +314,26 @@ static void test_many_rules(void)
     free(src);
 }
 
+/* Exponentially ambiguous: every level doubles the parses. An error, not a hang. */
+static void test_ambiguous(void)
+{
+    char src[4096];
+    size_t n = (size_t)snprintf(src, sizeof src, "root ::= a0 \"x\"\n");
+    for (int i = 0; i < 40; i++)
+        n += (size_t)snprintf(src + n, sizeof src - n, "a%d ::= a%d | a%d\n", i, i + 1, i + 1);
+    n += (size_t)snprintf(src + n, sizeof src - n, "a40 ::= \"y\"\n");
+    char err[256];
+    m40_grammar *g = m40_grammar_parse(src, n, err, sizeof err);
+    CHECK(g != NULL, "ambiguous grammar parses: %s", err);
+    if (g) {
+        m40_gmatch *m = m40_gmatch_new(g);
+        CHECK(!m40_gmatch_full(m, "yx", 2) && m40_gmatch_error(m) && strstr(m40_gmatch_error(m), "ambiguous"),
+              "ambiguity reported: %s", m40_gmatch_error(m) ? m40_gmatch_error(m) : "(none)");
+        m40_gmatch_free(m);
+        m40_grammar_free(g);
+    }
+}
+
 int main(void)
 {
     make_vocab();
@@ -322,5 +342,6 @@ int main(void)
     test_masks();
     test_fuzz();
     test_many_rules();
+    test_ambiguous();
     return check_done();
 }
