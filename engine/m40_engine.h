@@ -127,6 +127,11 @@ int m40_engine_get_capacity(m40_engine *e, m40_engine_capacity *out);
  * P tokens a step, K a sequence; ITL guard G". Returns what snprintf returns. */
 int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len);
 
+/* The chat template in use (the configuration's, else the GGUF's), NUL-terminated and
+ * alive as long as the engine; NULL when there is none or the engine is not READY. The
+ * submitter reads it to choose how to parse the model's output (m40_chat_parse.h). */
+const char *m40_engine_chat_template(m40_engine *e);
+
 /* Reads the eventfd and returns up to cap user pointers (as given to submit) of
  * requests that have unread events. Call until it returns < cap. */
 int m40_engine_ready(m40_engine *e, void **users, int cap);
@@ -169,6 +174,12 @@ typedef struct {
     int logprobs;                  /* report logprobs of each chosen token */
     int ignore_eos;                /* end-of-generation tokens do not end the output (benchmarks:
                                     * every request runs to max_tokens or the context) */
+    /* Chat only, both nullable (the engine keeps deep copies): the template's `tools`
+     * variable (JSON array of {"type":"function","function":{...}}; NULL renders as
+     * None, as Hugging Face passes it) and more template variables (a JSON object:
+     * chat_template_kwargs such as enable_thinking). */
+    json_t *tools;
+    json_t *template_kwargs;
     /* Constrained decoding (engine/grammar), at most one of the three (copied at submit).
      * The output is then a sentence of the grammar: tokens it does not allow are never
      * sampled, and the sequence ends (finish "stop") once the grammar is complete. The
@@ -218,6 +229,10 @@ typedef struct {
      * engine stopping) and the message. */
     int http_status;
     char message[256];
+    /* TEXT and DONE: 1 when the rendered chat prompt ends inside an open "<think>"
+     * (DeepSeek-R1 distills' templates open it for the model), so the output starts
+     * with reasoning and only its "</think>" shows where the answer begins. */
+    int reasoning_open;
 } m40_event;
 
 /* 1: an event was moved into *ev (free it with m40_event_clear), 0: none pending. */

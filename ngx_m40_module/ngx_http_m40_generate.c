@@ -155,6 +155,7 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     ngx_uint_t                 i;
     json_error_t               jerr;
     m40_engine_state           state;
+    m40_engine_capacity        cap;
     ngx_pool_cleanup_t        *cln;
     m40_submit_status          st;
     m40_request_params         rp;
@@ -205,9 +206,40 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
                                                            : "model_failed",
                                state == M40_ENGINE_LOADING
                                ? "the model is still loading"
-                               : "the model failed to load: %s", err_buf);
+                               : "the model failed to load (the server's "
+                                 "error log says why)");
         goto failed;
     }
+
+    /* token ids past the vocabulary: known only now that the model is loaded (the
+     * engine refuses them too, without naming the parameter) */
+    for (i = 0; i < p.n_bias; i++) {
+        if (p.bias_ids[i] >= m40_engine_n_vocab(mcf->engine)) {
+            ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
+                                   "invalid_request_error", "logit_bias",
+                                   "invalid_value",
+                                   "logit_bias token id %D is outside the "
+                                   "vocabulary (0..%D)", p.bias_ids[i],
+                                   m40_engine_n_vocab(mcf->engine) - 1);
+            goto failed;
+        }
+    }
+
+    /* n choices enter the waiting queue together, before any of them gets a slot: more
+     * than the queue holds could never all be admitted, so it is the request that is
+     * wrong (400), not the load (429, which a retry could get past) */
+    if (p.n > 1 && m40_engine_get_capacity(mcf->engine, &cap) == 0
+        && p.n > (ngx_uint_t) cap.max_queue)
+    {
+        ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
+                               "invalid_request_error", "n", "invalid_value",
+                               "n is %ui, more than the %D requests this "
+                               "server queues (m40_max_queue)", p.n,
+                               cap.max_queue);
+        goto failed;
+    }
+
+    ngx_http_m40_output_mode(ctx, &p);
 
     ctx->n = p.n;
     ctx->stream = p.stream ? 1 : 0;
@@ -269,6 +301,8 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     rp.n_stop = (int32_t) p.n_stop;
     rp.logprobs = p.logprobs ? 1 : 0;
     rp.ignore_eos = p.ignore_eos ? 1 : 0;
+    rp.tools = p.tools;
+    rp.template_kwargs = p.template_kwargs;
     rp.grammar = p.grammar;
     rp.json_schema = p.json_schema;
     rp.json_object = p.json_object ? 1 : 0;
@@ -337,6 +371,12 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     if (p.messages) {
         json_decref(p.messages);
     }
+    if (p.tools) {
+        json_decref(p.tools);
+    }
+    if (p.template_kwargs) {
+        json_decref(p.template_kwargs);
+    }
 
     /* Notice a client that goes away while it waits, and keep a graceful
      * shutdown (reload) from ending this worker under a running generation:
@@ -362,6 +402,12 @@ failed:
     json_decref(root);
     if (p.messages) {
         json_decref(p.messages);
+    }
+    if (p.tools) {
+        json_decref(p.tools);
+    }
+    if (p.template_kwargs) {
+        json_decref(p.template_kwargs);
     }
 
     return ngx_http_m40_send_error(r, &err);
@@ -399,6 +445,8 @@ ngx_http_m40_cleanup(void *data)
             json_decref(ch->logprobs);
             ch->logprobs = NULL;
         }
+
+        ngx_http_m40_parser_free(ch);
     }
 
     if (ctx->linger.timer_set) {
@@ -481,8 +529,8 @@ ngx_http_m40_event_error(ngx_http_m40_error_t *err, m40_event *ev)
 /* ---- non-streaming ---- */
 
 static ngx_int_t
-ngx_http_m40_append_text(ngx_http_request_t *r, ngx_http_m40_choice_t *ch,
-    const char *text, size_t len)
+ngx_http_m40_append(ngx_http_request_t *r, u_char **buf, size_t *blen,
+    size_t *bcap, const char *text, size_t len)
 {
     u_char  *p;
     size_t   cap;
@@ -491,8 +539,8 @@ ngx_http_m40_append_text(ngx_http_request_t *r, ngx_http_m40_choice_t *ch,
         return NGX_OK;
     }
 
-    if (ch->text_len + len > ch->text_cap) {
-        cap = ngx_max(ch->text_cap * 2, ch->text_len + len);
+    if (*blen + len > *bcap) {
+        cap = ngx_max(*bcap * 2, *blen + len);
         cap = ngx_max(cap, 256);
 
         p = ngx_pnalloc(r->pool, cap);
@@ -500,22 +548,136 @@ ngx_http_m40_append_text(ngx_http_request_t *r, ngx_http_m40_choice_t *ch,
             return NGX_ERROR;
         }
 
-        if (ch->text_len) {
-            ngx_memcpy(p, ch->text, ch->text_len);
+        if (*blen) {
+            ngx_memcpy(p, *buf, *blen);
         }
 
-        if (ch->text) {
-            ngx_pfree(r->pool, ch->text);
+        if (*buf) {
+            ngx_pfree(r->pool, *buf);
         }
 
-        ch->text = p;
-        ch->text_cap = cap;
+        *buf = p;
+        *bcap = cap;
     }
 
-    ngx_memcpy(ch->text + ch->text_len, text, len);
-    ch->text_len += len;
+    ngx_memcpy(*buf + *blen, text, len);
+    *blen += len;
 
     return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_m40_append_text(ngx_http_request_t *r, ngx_http_m40_choice_t *ch,
+    const char *text, size_t len)
+{
+    return ngx_http_m40_append(r, &ch->text, &ch->text_len, &ch->text_cap,
+                               text, len);
+}
+
+
+/* Output parser pieces of a non-streaming choice: content and reasoning are
+ * gathered apart, tool calls become the message's tool_calls. */
+static int
+ngx_http_m40_collect_piece(void *ud, const m40_piece *pc)
+{
+    ngx_http_m40_choice_t *ch = ud;
+
+    json_t              *c;
+    ngx_http_request_t  *r;
+
+    r = ch->ctx->request;
+
+    switch (pc->kind) {
+
+    case M40_PIECE_CONTENT:
+        return ngx_http_m40_append_text(r, ch, pc->text, pc->len) == NGX_OK
+               ? 0 : -1;
+
+    case M40_PIECE_REASONING:
+        return ngx_http_m40_append(r, &ch->reasoning, &ch->reasoning_len,
+                                   &ch->reasoning_cap, pc->text, pc->len)
+               == NGX_OK ? 0 : -1;
+
+    default:
+        if (!ch->ctx->parallel_tool_calls && ch->n_tool_calls > 0) {
+            return 0;   /* parallel_tool_calls false: the first call only */
+        }
+
+        if (ch->tool_calls == NULL) {
+            ch->tool_calls = json_array();
+        }
+
+        c = ngx_http_m40_tool_call_json(pc, 0);
+        if (ch->tool_calls == NULL || c == NULL
+            || json_array_append_new(ch->tool_calls, c) != 0)
+        {
+            return -1;
+        }
+
+        ch->n_tool_calls++;
+        return 0;
+    }
+}
+
+
+/* A chat choice: the message with its content (null when the answer is only tool
+ * calls, as OpenAI's), reasoning_content when the template thinks and the mode is
+ * separate, tool_calls when there are any (finish_reason "tool_calls" then, unless
+ * the output was cut at max_tokens). Takes text and lp. */
+static json_t *
+ngx_http_m40_chat_choice(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
+    ngx_uint_t i, json_t *text, json_t *lp)
+{
+    size_t       k;
+    json_t      *msg, *c;
+    const char  *finish;
+
+    msg = json_pack("{s:s}", "role", "assistant");
+    if (msg == NULL || text == NULL) {
+        json_decref(msg);
+        json_decref(text);
+        json_decref(lp);
+        return NULL;
+    }
+
+    if (ch->tool_calls) {
+        /* only blanks around the calls (a newline before "<tool_call>"): no content */
+        for (k = 0; k < ch->text_len; k++) {
+            if (ch->text[k] != ' ' && ch->text[k] != '\n' && ch->text[k] != '\r'
+                && ch->text[k] != '\t')
+            {
+                break;
+            }
+        }
+
+        if (k == ch->text_len) {
+            json_decref(text);
+            text = json_null();
+        }
+    }
+    json_object_set_new(msg, "content", text);
+
+    if (ctx->reasoning == M40_REASONING_SEPARATE) {
+        json_object_set_new(msg, "reasoning_content",
+                            ch->reasoning_len
+                            ? ngx_http_m40_json_text((const char *) ch->reasoning,
+                                                     ch->reasoning_len)
+                            : json_null());
+    }
+
+    finish = ngx_http_m40_finish_reason(ch->finish);
+    if (ch->tool_calls) {
+        json_object_set(msg, "tool_calls", ch->tool_calls);
+        if (ch->finish != M40_FINISH_LENGTH) {
+            finish = "tool_calls";
+        }
+    }
+
+    c = json_pack("{s:I,s:o,s:o,s:s}", "index", (json_int_t) i,
+                  "message", msg, "logprobs", lp, "finish_reason", finish);
+
+    return c;
 }
 
 
@@ -568,12 +730,7 @@ ngx_http_m40_send_completion(ngx_http_m40_ctx_t *ctx)
         }
 
         if (ctx->kind == NGX_HTTP_M40_CHAT) {
-            c = json_pack("{s:I,s:{s:s,s:o},s:o,s:s}",
-                          "index", (json_int_t) i,
-                          "message", "role", "assistant", "content", text,
-                          "logprobs", lp,
-                          "finish_reason",
-                          ngx_http_m40_finish_reason(ch->finish));
+            c = ngx_http_m40_chat_choice(ctx, ch, i, text, lp);
         } else {
             c = json_pack("{s:I,s:o,s:o,s:s}",
                           "index", (json_int_t) i,
@@ -629,7 +786,10 @@ ngx_http_m40_collect(ngx_http_m40_ctx_t *ctx)
             switch (ev.type) {
 
             case M40_EV_TEXT:
-                if (ngx_http_m40_append_text(r, ch, ev.text, ev.text_len)
+                if ((ctx->parse
+                     ? ngx_http_m40_parser_feed(ctx, ch, &ev,
+                                                ngx_http_m40_collect_piece, ch)
+                     : ngx_http_m40_append_text(r, ch, ev.text, ev.text_len))
                     != NGX_OK
                     || (ch->logprobs
                         && ngx_http_m40_logprobs_add(ctx, ch, ch->logprobs,
@@ -643,6 +803,16 @@ ngx_http_m40_collect(ngx_http_m40_ctx_t *ctx)
                 break;
 
             case M40_EV_DONE:
+                if (ctx->parse
+                    && ngx_http_m40_parser_feed(ctx, ch, &ev,
+                                                ngx_http_m40_collect_piece, ch)
+                       != NGX_OK)
+                {
+                    m40_event_clear(&ev);
+                    ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                                  "m40: out of memory parsing the answer");
+                    return NGX_HTTP_INTERNAL_SERVER_ERROR;
+                }
                 ngx_http_m40_choice_done(ctx, ch, &ev);
                 break;
 

@@ -94,9 +94,12 @@ ngx_http_m40_health_handler(ngx_http_request_t *r)
         break;
 
     default:
+        /* the engine's reason names server files: it went to the error log at load,
+         * the client gets only that it failed */
         status = NGX_HTTP_SERVICE_UNAVAILABLE;
-        root = json_pack("{s:s,s:o}", "status", "failed", "error",
-                         ngx_http_m40_json_text(err, ngx_strlen(err)));
+        root = json_pack("{s:s,s:s}", "status", "failed", "error",
+                         "the model failed to load (the server's error log "
+                         "says why)");
         break;
     }
 

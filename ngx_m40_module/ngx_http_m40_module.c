@@ -12,6 +12,7 @@
 
 static void *ngx_http_m40_create_main_conf(ngx_conf_t *cf);
 static char *ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf);
+static void *ngx_http_m40_create_srv_conf(ngx_conf_t *cf);
 static void *ngx_http_m40_create_loc_conf(ngx_conf_t *cf);
 static char *ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent,
     void *child);
@@ -46,6 +47,26 @@ static ngx_conf_num_bounds_t  ngx_http_m40_threads_bounds = {
 
 static ngx_conf_num_bounds_t  ngx_http_m40_prefill_bounds = {
     ngx_conf_check_num_bounds, 1, M40_MAX_PREFILL_TOKENS
+};
+
+
+/* m40_tool_parser: how tool calls are read from the output (m40_chat_parse.h);
+ * "auto" chooses from the chat template's text. */
+static ngx_conf_enum_t  ngx_http_m40_tool_parsers[] = {
+    { ngx_string("auto"), NGX_HTTP_M40_TOOL_PARSER_AUTO },
+    { ngx_string("hermes"), M40_TOOLS_HERMES },
+    { ngx_string("llama3"), M40_TOOLS_LLAMA3 },
+    { ngx_string("mistral"), M40_TOOLS_MISTRAL },
+    { ngx_string("json"), M40_TOOLS_JSON },
+    { ngx_string("off"), M40_TOOLS_NONE },
+    { ngx_null_string, 0 }
+};
+
+static ngx_conf_enum_t  ngx_http_m40_reasoning_modes[] = {
+    { ngx_string("separate"), M40_REASONING_SEPARATE },
+    { ngx_string("inline"), M40_REASONING_INLINE },
+    { ngx_string("none"), M40_REASONING_NONE },
+    { ngx_null_string, 0 }
 };
 
 
@@ -135,6 +156,20 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       0,
       NULL },
 
+    { ngx_string("m40_tool_parser"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_enum_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, tool_parser),
+      &ngx_http_m40_tool_parsers },
+
+    { ngx_string("m40_reasoning"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_enum_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, reasoning),
+      &ngx_http_m40_reasoning_modes },
+
     { ngx_string("m40_threads"),
       NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_num_slot,
@@ -155,12 +190,12 @@ static ngx_command_t  ngx_http_m40_commands[] = {
 
 static ngx_http_module_t  ngx_http_m40_module_ctx = {
     NULL,                                  /* preconfiguration */
-    NULL,                                  /* postconfiguration */
+    ngx_http_m40_errors_init,              /* postconfiguration */
 
     ngx_http_m40_create_main_conf,         /* create main configuration */
     ngx_http_m40_init_main_conf,           /* init main configuration */
 
-    NULL,                                  /* create server configuration */
+    ngx_http_m40_create_srv_conf,          /* create server configuration */
     NULL,                                  /* merge server configuration */
 
     ngx_http_m40_create_loc_conf,          /* create location configuration */
@@ -207,6 +242,8 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->prefill_chunk = NGX_CONF_UNSET;
     mcf->prefill_budget = NGX_CONF_UNSET;
     mcf->itl_guard = -2.0;
+    mcf->tool_parser = NGX_CONF_UNSET_UINT;
+    mcf->reasoning = NGX_CONF_UNSET_UINT;
 
     return mcf;
 }
@@ -232,6 +269,8 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     if (mcf->itl_guard < -1.5) {
         mcf->itl_guard = 0.0;
     }
+    ngx_conf_init_uint_value(mcf->tool_parser, NGX_HTTP_M40_TOOL_PARSER_AUTO);
+    ngx_conf_init_uint_value(mcf->reasoning, M40_REASONING_SEPARATE);
 
     if (mcf->prefill_chunk > 0 && mcf->prefill_budget > 0
         && mcf->prefill_chunk > mcf->prefill_budget)
@@ -263,6 +302,14 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     }
 
     return NGX_CONF_OK;
+}
+
+
+static void *
+ngx_http_m40_create_srv_conf(ngx_conf_t *cf)
+{
+    /* json_errors 0 until m40_api appears in one of the server's locations */
+    return ngx_pcalloc(cf->pool, sizeof(ngx_http_m40_srv_conf_t));
 }
 
 
@@ -579,12 +626,16 @@ ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     ngx_http_core_loc_conf_t  *clcf;
     ngx_http_m40_main_conf_t  *mcf;
+    ngx_http_m40_srv_conf_t   *scf;
 
     if (lcf->api != NGX_CONF_UNSET) {
         return "is duplicate";
     }
 
     lcf->api = 1;
+
+    scf = ngx_http_conf_get_module_srv_conf(cf, ngx_http_m40_module);
+    scf->json_errors = 1;
 
     clcf = ngx_http_conf_get_module_loc_conf(cf, ngx_http_core_module);
     clcf->handler = ngx_http_m40_handler;

@@ -9,7 +9,10 @@
  *   ngx_http_m40_stream.c    the same as Server-Sent Events, with back pressure
  *   ngx_http_m40_output.c    JSON to buffers, response objects (usage, logprobs),
  *                            OpenAI-shaped errors, UTF-8 repair
+ *   ngx_http_m40_tools.c     tools, tool_choice, chat_template_kwargs and the tool
+ *                            fields of messages; the output parser's glue
  *   ngx_http_m40_info.c      /v1/models, /health, /metrics
+ *   ngx_http_m40_errors.c    nginx's own error pages as OpenAI error JSON
  *
  * The engine (engine/m40_engine.h) runs its own thread per worker; nothing here
  * blocks on it. */
@@ -23,9 +26,11 @@
 #include <jansson.h>
 
 #include "m40_engine.h"
+#include "m40_chat_parse.h"
 
 #define NGX_HTTP_M40_MAX_N     8
 #define NGX_HTTP_M40_MAX_STOP  4
+#define NGX_HTTP_M40_TOOL_PARSER_AUTO  99
 
 typedef struct {
     ngx_str_t            model_path;
@@ -44,6 +49,8 @@ typedef struct {
     ngx_str_t            chat_template_path;
     ngx_str_t            chat_template;       /* file content, NUL-terminated */
     ngx_flag_t           api_used;            /* some location has m40_api */
+    ngx_uint_t           tool_parser;         /* m40_tool_format, or ..._AUTO: from the template */
+    ngx_uint_t           reasoning;           /* m40_reasoning_mode */
 
     /* Per worker (set in init_process, after fork). */
     m40_engine          *engine;
@@ -59,6 +66,10 @@ typedef struct {
 typedef struct {
     ngx_flag_t           api;
 } ngx_http_m40_loc_conf_t;
+
+typedef struct {
+    ngx_flag_t           json_errors;         /* a location of this server has m40_api */
+} ngx_http_m40_srv_conf_t;
 
 typedef enum {
     NGX_HTTP_M40_CHAT = 0,
@@ -92,11 +103,21 @@ typedef struct {
     ngx_flag_t           include_usage;
     ngx_flag_t           echo;                /* completions: echo the prompt */
     ngx_flag_t           ignore_eos;          /* not OpenAI's: run to max_tokens */
+    /* chat tools (ngx_http_m40_tools.c) */
+    json_t              *tools;               /* for the template (owned); NULL: none */
+    ngx_uint_t           tool_choice;         /* NGX_HTTP_M40_TOOL_CHOICE_* */
+    ngx_flag_t           parallel_tool_calls; /* default 1 */
+    json_t              *template_kwargs;     /* chat_template_kwargs (owned) */
     /* constrained decoding: at most one (compiled by the engine, errors come as 400s) */
     char                *grammar;             /* "grammar": GBNF source */
     char                *json_schema;         /* response_format json_schema: schema text */
     ngx_flag_t           json_object;         /* response_format json_object */
 } ngx_http_m40_params_t;
+
+#define NGX_HTTP_M40_TOOL_CHOICE_AUTO      0
+#define NGX_HTTP_M40_TOOL_CHOICE_NONE      1
+#define NGX_HTTP_M40_TOOL_CHOICE_REQUIRED  2
+#define NGX_HTTP_M40_TOOL_CHOICE_NAMED     3
 
 /* An OpenAI-shaped error: HTTP status, message, type, param, code. */
 typedef struct {
@@ -125,6 +146,13 @@ typedef struct {
     size_t               text_cap;
     json_t              *logprobs;            /* chat: content array; completions: object */
     size_t               text_offset;         /* completions logprobs text_offset */
+    /* Output parsing (ngx_http_m40_tools.c), when the request's ctx->parse. */
+    m40_chat_parse      *parser;
+    json_t              *tool_calls;          /* non-streaming: the calls so far */
+    ngx_uint_t           n_tool_calls;        /* calls passed on (streaming too) */
+    u_char              *reasoning;           /* non-streaming: reasoning text */
+    size_t               reasoning_len;
+    size_t               reasoning_cap;
 } ngx_http_m40_choice_t;
 
 struct ngx_http_m40_ctx_s {
@@ -141,6 +169,10 @@ struct ngx_http_m40_ctx_s {
     unsigned                  header_sent:1;
     unsigned                  finished:1;
     unsigned                  waiting_write:1;
+    unsigned                  parse:1;        /* output goes through m40_chat_parse */
+    unsigned                  parallel_tool_calls:1;
+    ngx_uint_t                tool_format;    /* m40_tool_format */
+    ngx_uint_t                reasoning;      /* m40_reasoning_mode */
     char                      id[40];
     time_t                    created;
     ngx_str_t                 echo_prefix;    /* completions echo */
@@ -156,6 +188,9 @@ ngx_int_t ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
 void ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
+
+/* ngx_http_m40_errors.c */
+ngx_int_t ngx_http_m40_errors_init(ngx_conf_t *cf);
 
 /* ngx_http_m40_params.c */
 ngx_int_t ngx_http_m40_parse_params(ngx_http_request_t *r,
@@ -195,6 +230,18 @@ json_t *ngx_http_m40_object(ngx_http_m40_ctx_t *ctx, const char *object,
     json_t *choices);
 ngx_int_t ngx_http_m40_logprobs_add(ngx_http_m40_ctx_t *ctx,
     ngx_http_m40_choice_t *ch, json_t *lp, m40_event *ev);
+
+/* ngx_http_m40_tools.c */
+ngx_int_t ngx_http_m40_parse_tools(json_t *root, ngx_http_m40_params_t *p,
+    ngx_http_m40_error_t *err);
+ngx_int_t ngx_http_m40_message_tool_fields(json_t *m, size_t i,
+    const char *role, json_t *out, ngx_http_m40_error_t *err);
+void ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx,
+    ngx_http_m40_params_t *p);
+ngx_int_t ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx,
+    ngx_http_m40_choice_t *ch, m40_event *ev, m40_piece_cb cb, void *ud);
+json_t *ngx_http_m40_tool_call_json(const m40_piece *pc, ngx_flag_t with_index);
+void ngx_http_m40_parser_free(ngx_http_m40_choice_t *ch);
 
 /* ngx_http_m40_info.c */
 ngx_int_t ngx_http_m40_models_handler(ngx_http_request_t *r, ngx_str_t *id);

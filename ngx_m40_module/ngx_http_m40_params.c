@@ -240,11 +240,12 @@ ngx_http_m40_parse_messages(json_t *root, ngx_http_m40_params_t *p,
             r = "system";       /* OpenAI's newer name for system */
 
         } else if (ngx_strcmp(r, "system") != 0 && ngx_strcmp(r, "user") != 0
-                   && ngx_strcmp(r, "assistant") != 0)
+                   && ngx_strcmp(r, "assistant") != 0
+                   && ngx_strcmp(r, "tool") != 0)
         {
             ngx_http_m40_bad(err, "messages",
                              "messages[%uz].role \"%s\" is not supported "
-                             "(system, user, assistant)", i, r);
+                             "(system, user, assistant, tool)", i, r);
             return NGX_ERROR;
         }
 
@@ -252,7 +253,10 @@ ngx_http_m40_parse_messages(json_t *root, ngx_http_m40_params_t *p,
         if ((content == NULL || json_is_null(content))
             && ngx_strcmp(r, "assistant") == 0)
         {
-            flat = json_string("");
+            /* A tool-call turn keeps its null: templates test "content is none"
+             * there (DeepSeek-R1's), as vLLM passes it. */
+            flat = json_array_size(json_object_get(m, "tool_calls")) > 0
+                   ? json_null() : json_string("");
 
         } else if (content == NULL) {
             ngx_http_m40_bad(err, "messages",
@@ -269,6 +273,11 @@ ngx_http_m40_parse_messages(json_t *root, ngx_http_m40_params_t *p,
         out = json_pack("{s:s,s:o}", "role", r, "content", flat);
         if (out == NULL || json_array_append_new(p->messages, out) != 0) {
             goto nomem;
+        }
+
+        /* tool_calls, tool_call_id, name, reasoning_content (tools.c) */
+        if (ngx_http_m40_message_tool_fields(m, i, r, out, err) != NGX_OK) {
+            return NGX_ERROR;
         }
     }
 
@@ -767,6 +776,12 @@ ngx_http_m40_parse_params(ngx_http_request_t *r, ngx_http_m40_main_conf_t *mcf,
             err->param = "stream_options.include_usage";
             return NGX_ERROR;
         }
+    }
+
+    if (kind == NGX_HTTP_M40_CHAT
+        && ngx_http_m40_parse_tools(root, p, err) != NGX_OK)
+    {
+        return NGX_ERROR;
     }
 
     v = ngx_http_m40_field(root, "user");

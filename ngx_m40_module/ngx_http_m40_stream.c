@@ -153,34 +153,51 @@ ngx_http_m40_chunk(ngx_http_m40_ctx_t *ctx, ngx_uint_t index,
 }
 
 
+/* The event's logprobs as a chunk carries them; *lp NULL when not asked for. */
+static ngx_int_t
+ngx_http_m40_event_logprobs(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
+    m40_event *ev, json_t **lp)
+{
+    json_t  *inner;
+
+    *lp = NULL;
+    if (!ctx->logprobs) {
+        return NGX_OK;
+    }
+
+    inner = ctx->kind == NGX_HTTP_M40_CHAT
+            ? json_array()
+            : json_pack("{s:[],s:[],s:[],s:[]}", "tokens",
+                        "token_logprobs", "top_logprobs", "text_offset");
+    if (inner == NULL
+        || ngx_http_m40_logprobs_add(ctx, ch, inner, ev) != NGX_OK)
+    {
+        json_decref(inner);
+        return NGX_ERROR;
+    }
+
+    *lp = ctx->kind == NGX_HTTP_M40_CHAT
+          ? json_pack("{s:o,s:n}", "content", inner, "refusal")
+          : inner;
+
+    return *lp ? NGX_OK : NGX_ERROR;
+}
+
+
 static json_t *
 ngx_http_m40_text_chunk(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
     m40_event *ev)
 {
-    json_t  *text, *lp, *inner;
+    json_t  *text, *lp;
 
     text = ngx_http_m40_json_text(ev->text ? ev->text : "", ev->text_len);
     if (text == NULL) {
         return NULL;
     }
 
-    lp = NULL;
-    if (ctx->logprobs) {
-        inner = ctx->kind == NGX_HTTP_M40_CHAT
-                ? json_array()
-                : json_pack("{s:[],s:[],s:[],s:[]}", "tokens",
-                            "token_logprobs", "top_logprobs", "text_offset");
-        if (inner == NULL
-            || ngx_http_m40_logprobs_add(ctx, ch, inner, ev) != NGX_OK)
-        {
-            json_decref(inner);
-            json_decref(text);
-            return NULL;
-        }
-
-        lp = ctx->kind == NGX_HTTP_M40_CHAT
-             ? json_pack("{s:o,s:n}", "content", inner, "refusal")
-             : inner;
+    if (ngx_http_m40_event_logprobs(ctx, ch, ev, &lp) != NGX_OK) {
+        json_decref(text);
+        return NULL;
     }
 
     if (ctx->kind == NGX_HTTP_M40_CHAT) {
@@ -188,6 +205,115 @@ ngx_http_m40_text_chunk(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
     }
 
     return ngx_http_m40_chunk(ctx, ch->index, text, lp, NULL);
+}
+
+
+/* Output parser pieces of a streaming chat choice, as chunks: content and
+ * reasoning_content deltas, and each tool call as two: its index, id, type and
+ * name (arguments ""), then its arguments. The event's logprobs ride on the first
+ * chunk it produces (or an empty delta when the parser held everything back). */
+typedef struct {
+    ngx_http_m40_ctx_t     *ctx;
+    ngx_http_m40_choice_t  *ch;
+    ngx_chain_t          ***last;
+    size_t                 *bytes;
+    json_t                 *lp;
+} ngx_http_m40_stream_pieces_t;
+
+
+static ngx_int_t
+ngx_http_m40_piece_emit(ngx_http_m40_stream_pieces_t *sp, json_t *delta)
+{
+    json_t  *lp;
+
+    lp = sp->lp;
+    sp->lp = NULL;
+
+    if (delta == NULL) {
+        json_decref(lp);
+        return NGX_ERROR;
+    }
+
+    return ngx_http_m40_emit(sp->ctx,
+                             ngx_http_m40_chunk(sp->ctx, sp->ch->index, delta,
+                                                lp, NULL),
+                             sp->last, sp->bytes);
+}
+
+
+static int
+ngx_http_m40_stream_piece(void *ud, const m40_piece *pc)
+{
+    ngx_http_m40_stream_pieces_t *sp = ud;
+
+    json_t                 *c, *text;
+    ngx_http_m40_choice_t  *ch;
+
+    ch = sp->ch;
+
+    if (pc->kind != M40_PIECE_TOOL_CALL) {
+        text = ngx_http_m40_json_text(pc->text, pc->len);
+        return ngx_http_m40_piece_emit(sp, text == NULL ? NULL
+                   : json_pack("{s:o}", pc->kind == M40_PIECE_CONTENT
+                                        ? "content" : "reasoning_content",
+                               text)) == NGX_OK ? 0 : -1;
+    }
+
+    if (!sp->ctx->parallel_tool_calls && ch->n_tool_calls > 0) {
+        return 0;   /* parallel_tool_calls false: the first call only */
+    }
+
+    c = ngx_http_m40_tool_call_json(pc, 0);
+    if (c == NULL) {
+        return -1;
+    }
+    json_object_set_new(c, "index", json_integer((json_int_t) ch->n_tool_calls));
+    json_object_set_new(json_object_get(c, "function"), "arguments",
+                        json_string(""));
+
+    if (ngx_http_m40_piece_emit(sp, json_pack("{s:[o]}", "tool_calls", c))
+        != NGX_OK)
+    {
+        return -1;
+    }
+
+    c = json_pack("{s:[{s:I,s:{s:s}}]}", "tool_calls", "index",
+                  (json_int_t) ch->n_tool_calls, "function", "arguments",
+                  pc->arguments);
+    ch->n_tool_calls++;
+
+    return ngx_http_m40_piece_emit(sp, c) == NGX_OK ? 0 : -1;
+}
+
+
+static ngx_int_t
+ngx_http_m40_stream_parse(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
+    m40_event *ev, ngx_chain_t ***last, size_t *bytes)
+{
+    ngx_int_t                     rc;
+    ngx_http_m40_stream_pieces_t  sp;
+
+    sp.ctx = ctx;
+    sp.ch = ch;
+    sp.last = last;
+    sp.bytes = bytes;
+    sp.lp = NULL;
+
+    if (ev->type == M40_EV_TEXT
+        && ngx_http_m40_event_logprobs(ctx, ch, ev, &sp.lp) != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    rc = ngx_http_m40_parser_feed(ctx, ch, ev, ngx_http_m40_stream_piece, &sp);
+
+    if (rc == NGX_OK && sp.lp != NULL) {
+        rc = ngx_http_m40_piece_emit(&sp, json_object());
+    }
+
+    json_decref(sp.lp);
+
+    return rc;
 }
 
 
@@ -309,6 +435,17 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
                 switch (ev.type) {
 
                 case M40_EV_TEXT:
+                    if (ctx->parse) {
+                        if (ngx_http_m40_stream_parse(ctx, ch, &ev, &last,
+                                                      &bytes)
+                            != NGX_OK)
+                        {
+                            m40_event_clear(&ev);
+                            return NGX_ERROR;
+                        }
+                        break;
+                    }
+
                     if ((ev.text_len > 0 || (ctx->logprobs && ev.n_tokens > 0))
                         && ngx_http_m40_emit(ctx,
                                              ngx_http_m40_text_chunk(ctx, ch,
@@ -322,12 +459,24 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
                     break;
 
                 case M40_EV_DONE:
+                    if (ctx->parse
+                        && ngx_http_m40_stream_parse(ctx, ch, &ev, &last,
+                                                     &bytes)
+                           != NGX_OK)
+                    {
+                        m40_event_clear(&ev);
+                        return NGX_ERROR;
+                    }
                     ngx_http_m40_choice_done(ctx, ch, &ev);
                     rc = ngx_http_m40_emit(ctx,
                              ngx_http_m40_chunk(ctx, ch->index,
                                  ctx->kind == NGX_HTTP_M40_CHAT
                                  ? json_object() : json_string(""),
-                                 NULL, ngx_http_m40_finish_reason(ch->finish)),
+                                 NULL,
+                                 ch->n_tool_calls > 0
+                                 && ch->finish != M40_FINISH_LENGTH
+                                 ? "tool_calls"
+                                 : ngx_http_m40_finish_reason(ch->finish)),
                              &last, &bytes);
                     if (rc != NGX_OK) {
                         m40_event_clear(&ev);

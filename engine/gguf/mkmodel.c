@@ -34,13 +34,34 @@
  * config.json and the usual GGUF conversions state (sliding window 4096 is not a
  * GGUF key the llama architecture has). */
 static const m40_mkmodel_shape shapes[] = {
-    {"tiny", "test shape: 2 layers of dim 256, GQA 4:2", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-5f},
-    {"tinyllama-1.1b", "TinyLlama 1.1B", 2048, 22, 32, 4, 5632, 32000, 2048, 10000.0f, 1e-5f},
-    {"llama-2-7b", "Llama 2 7B", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0f, 1e-5f},
-    {"mistral-7b", "Mistral 7B v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, 10000.0f, 1e-5f},
+    {"tiny", "test shape: 2 layers of dim 256, GQA 4:2", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-5f, NULL, 0, 0},
+    {"tinyllama-1.1b", "TinyLlama 1.1B", 2048, 22, 32, 4, 5632, 32000, 2048, 10000.0f, 1e-5f, NULL, 0, 0},
+    {"llama-2-7b", "Llama 2 7B", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0f, 1e-5f, NULL, 0, 0},
+    {"mistral-7b", "Mistral 7B v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, 10000.0f, 1e-5f, NULL, 0, 0},
     {"llama-3-8b", "Llama 3 8B (SentencePiece-style vocabulary of its size)", 4096, 32, 32, 8, 14336, 128256,
-     8192, 500000.0f, 1e-5f},
+     8192, 500000.0f, 1e-5f, NULL, 0, 0},
+    /* The other architectures, each with a tiny test shape for CPU smoke tests, and the
+     * real sizes from their config.json (vocabularies are SentencePiece-style of the
+     * real size; heads of Qwen3 and Gemma 2 are key_length wide, not dim / heads). */
+    {"tiny-qwen3", "test shape: qwen3, head_dim 128 != 256 / 4", 256, 2, 4, 2, 768, 1024, 512, 1e6f, 1e-6f, "qwen3",
+     128, 0},
+    {"tiny-phi3", "test shape: phi3, fused attn_qkv and gate+up", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-5f,
+     "phi3", 0, 0},
+    {"tiny-gemma2", "test shape: gemma2, window 8, tied head", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-6f,
+     "gemma2", 64, 8},
+    {"qwen3-8b", "Qwen3 8B (head_dim 128)", 4096, 36, 32, 8, 12288, 151936, 40960, 1e6f, 1e-6f, "qwen3", 128, 0},
+    {"qwen3-32b", "Qwen3 32B (head_dim 128)", 5120, 64, 64, 8, 25600, 151936, 40960, 1e6f, 1e-6f, "qwen3", 128, 0},
+    {"phi-4", "Phi-4 14B (GGUF architecture phi3)", 5120, 40, 40, 10, 17920, 100352, 16384, 250000.0f, 1e-5f, "phi3",
+     0, 0},
+    {"gemma2-9b", "Gemma 2 9B (head_dim 256, window 4096, tied head)", 3584, 42, 16, 8, 14336, 256000, 8192,
+     10000.0f, 1e-6f, "gemma2", 256, 4096},
 };
+
+static const char *shape_arch(const m40_mkmodel_shape *s) { return s->arch ? s->arch : "llama"; }
+static int32_t shape_head_dim(const m40_mkmodel_shape *s)
+{
+    return s->head_dim ? s->head_dim : s->dim / s->n_heads;
+}
 
 const m40_mkmodel_shape *m40_mkmodel_shape_at(int i)
 {
@@ -434,7 +455,9 @@ static int plan_add(plan *p, const m40_mkmodel_opts *o, int32_t n_layers, const 
 static int plan_build(plan *p, const m40_mkmodel_opts *o, int32_t L, char *err, size_t errlen)
 {
     const m40_mkmodel_shape *s = o->shape;
-    uint64_t dim = (uint64_t)s->dim, hd = (uint64_t)(s->dim / s->n_heads);
+    const char *arch = shape_arch(s);
+    int qk_norm = !strcmp(arch, "qwen3"), fused = !strcmp(arch, "phi3"), gemma = !strcmp(arch, "gemma2");
+    uint64_t dim = (uint64_t)s->dim, hd = (uint64_t)shape_head_dim(s);
     uint64_t q_dim = hd * (uint64_t)s->n_heads, kv_dim = hd * (uint64_t)s->n_kv_heads, ffn = (uint64_t)s->ffn_dim;
     uint64_t vocab = (uint64_t)s->n_vocab;
     float branch_out = MK_INIT_STD / sqrtf(2.0f * (float)L);
@@ -442,17 +465,28 @@ static int plan_build(plan *p, const m40_mkmodel_opts *o, int32_t L, char *err, 
     memset(p, 0, sizeof *p);
     if (plan_add(p, o, L, "token_embd.weight", dim, vocab, MK_INIT_STD, err, errlen) ||
         plan_add(p, o, L, "output_norm.weight", dim, 1, 0.0f, err, errlen) ||
-        plan_add(p, o, L, "output.weight", dim, vocab, MK_INIT_STD, err, errlen))
+        (!gemma && plan_add(p, o, L, "output.weight", dim, vocab, MK_INIT_STD, err, errlen))) /* gemma2: tied */
         return -1;
 #define BLK(suffix, ne0, ne1, std)                                                                   \
     (snprintf(n, sizeof n, "blk.%d.%s", (int)l, suffix), plan_add(p, o, L, n, ne0, ne1, std, err, errlen))
-    for (int32_t l = 0; l < L; l++)
-        if (BLK("attn_norm.weight", dim, 1, 0.0f) || BLK("attn_q.weight", dim, q_dim, MK_INIT_STD) ||
-            BLK("attn_k.weight", dim, kv_dim, MK_INIT_STD) || BLK("attn_v.weight", dim, kv_dim, MK_INIT_STD) ||
-            BLK("attn_output.weight", q_dim, dim, branch_out) || BLK("ffn_norm.weight", dim, 1, 0.0f) ||
-            BLK("ffn_gate.weight", dim, ffn, MK_INIT_STD) || BLK("ffn_up.weight", dim, ffn, MK_INIT_STD) ||
-            BLK("ffn_down.weight", ffn, dim, branch_out))
+    for (int32_t l = 0; l < L; l++) {
+        if (BLK("attn_norm.weight", dim, 1, 0.0f))
             return -1;
+        if (fused ? BLK("attn_qkv.weight", dim, q_dim + 2 * kv_dim, MK_INIT_STD)
+                  : BLK("attn_q.weight", dim, q_dim, MK_INIT_STD) || BLK("attn_k.weight", dim, kv_dim, MK_INIT_STD) ||
+                        BLK("attn_v.weight", dim, kv_dim, MK_INIT_STD))
+            return -1;
+        if (qk_norm && (BLK("attn_q_norm.weight", hd, 1, 0.0f) || BLK("attn_k_norm.weight", hd, 1, 0.0f)))
+            return -1;
+        if (BLK("attn_output.weight", q_dim, dim, branch_out) ||
+            (gemma && BLK("post_attention_norm.weight", dim, 1, 0.0f)) || BLK("ffn_norm.weight", dim, 1, 0.0f))
+            return -1;
+        if (fused ? BLK("ffn_up.weight", dim, 2 * ffn, MK_INIT_STD)
+                  : BLK("ffn_gate.weight", dim, ffn, MK_INIT_STD) || BLK("ffn_up.weight", dim, ffn, MK_INIT_STD))
+            return -1;
+        if (BLK("ffn_down.weight", ffn, dim, branch_out) || (gemma && BLK("post_ffw_norm.weight", dim, 1, 0.0f)))
+            return -1;
+    }
 #undef BLK
     return 0;
 }
@@ -473,23 +507,36 @@ static int build_header(bytebuf *b, const m40_mkmodel_opts *o, int32_t L, plan *
     char name[160];
     snprintf(name, sizeof name, "%s %s (m40 synthetic, seed %llu)", s->name, m40_mkmodel_type_name(o->ftype),
              (unsigned long long)o->seed);
-    kv_str(&kv, "general.architecture", "llama");
+    const char *arch = shape_arch(s);
+    char key[96];
+#define AKEY(suffix) (snprintf(key, sizeof key, "%s.%s", arch, suffix), key)
+    kv_str(&kv, "general.architecture", arch);
     kv_str(&kv, "general.name", name);
     kv_str(&kv, "general.description",
            "random weights in the shape of a real model, written by m40 mkmodel; not a trained model");
     kv_u32(&kv, "general.file_type", (uint32_t)o->ftype);
     kv_u32(&kv, "general.quantization_version", 2);
     kv_u32(&kv, "general.alignment", MK_ALIGNMENT);
-    kv_u32(&kv, "llama.context_length", (uint32_t)s->ctx);
-    kv_u32(&kv, "llama.embedding_length", (uint32_t)s->dim);
-    kv_u32(&kv, "llama.block_count", (uint32_t)L);
-    kv_u32(&kv, "llama.feed_forward_length", (uint32_t)s->ffn_dim);
-    kv_u32(&kv, "llama.rope.dimension_count", (uint32_t)(s->dim / s->n_heads));
-    kv_u32(&kv, "llama.attention.head_count", (uint32_t)s->n_heads);
-    kv_u32(&kv, "llama.attention.head_count_kv", (uint32_t)s->n_kv_heads);
-    kv_f32(&kv, "llama.attention.layer_norm_rms_epsilon", s->norm_eps);
-    kv_f32(&kv, "llama.rope.freq_base", s->rope_base);
-    kv_u32(&kv, "llama.vocab_size", (uint32_t)s->n_vocab);
+    kv_u32(&kv, AKEY("context_length"), (uint32_t)s->ctx);
+    kv_u32(&kv, AKEY("embedding_length"), (uint32_t)s->dim);
+    kv_u32(&kv, AKEY("block_count"), (uint32_t)L);
+    kv_u32(&kv, AKEY("feed_forward_length"), (uint32_t)s->ffn_dim);
+    kv_u32(&kv, AKEY("rope.dimension_count"), (uint32_t)shape_head_dim(s));
+    kv_u32(&kv, AKEY("attention.head_count"), (uint32_t)s->n_heads);
+    kv_u32(&kv, AKEY("attention.head_count_kv"), (uint32_t)s->n_kv_heads);
+    if (s->head_dim) {
+        kv_u32(&kv, AKEY("attention.key_length"), (uint32_t)s->head_dim);
+        kv_u32(&kv, AKEY("attention.value_length"), (uint32_t)s->head_dim);
+    }
+    if (s->window) {
+        kv_u32(&kv, AKEY("attention.sliding_window"), (uint32_t)s->window);
+        kv_f32(&kv, AKEY("attn_logit_softcapping"), 50.0f);
+        kv_f32(&kv, AKEY("final_logit_softcapping"), 30.0f);
+    }
+    kv_f32(&kv, AKEY("attention.layer_norm_rms_epsilon"), s->norm_eps);
+    kv_f32(&kv, AKEY("rope.freq_base"), s->rope_base);
+    kv_u32(&kv, AKEY("vocab_size"), (uint32_t)s->n_vocab);
+#undef AKEY
     kv_str(&kv, "tokenizer.ggml.model", "llama");
     kv_arr_head(&kv, "tokenizer.ggml.tokens", M40_GGUF_STRING, (uint64_t)v.n);
     for (int32_t i = 0; i < v.n; i++)
@@ -626,7 +673,7 @@ int m40_mkmodel_write(const m40_mkmodel_opts *o, const char *path, m40_mkmodel_s
         snprintf(err, errlen, "%d layers: at most 4096", (int)L);
         return -1;
     }
-    if (s->dim % s->n_heads || s->n_heads % s->n_kv_heads) {
+    if ((!s->head_dim && s->dim % s->n_heads) || s->n_heads % s->n_kv_heads) {
         snprintf(err, errlen, "shape %s: inconsistent head counts", s->name);
         return -1;
     }

@@ -1,4 +1,5 @@
-/* Synthetic GGUF models: the real tensor layout of a known llama-family model, with
+/* Synthetic GGUF models: the real tensor layout of a known model (llama, qwen3, phi3,
+ * gemma2; m40_mkmodel_shape.arch), with
  * random weights, a synthetic SentencePiece-style vocabulary and complete metadata.
  * They exercise loading, kernels and benchmarks at full size without downloading
  * anything; their text is of course gibberish.
@@ -48,6 +49,13 @@ typedef struct {
     int32_t ctx;
     float rope_base;
     float norm_eps;
+    /* Other architectures (engine/model/arch.h rows): NULL is "llama". What the file then
+     * holds beyond the llama layout: qwen3 attn_q_norm / attn_k_norm; phi3 a fused
+     * attn_qkv and gate+up ffn_up; gemma2 post_attention_norm / post_ffw_norm, a tied
+     * head, its sliding window and soft-caps (50, 30) in the metadata. */
+    const char *arch;
+    int32_t head_dim;        /* attention.key_length; 0: dim / n_heads */
+    int32_t window;          /* attention.sliding_window (gemma2) */
 } m40_mkmodel_shape;
 
 /* File types; values are general.file_type (llama.cpp's llama_ftype numbering). */

@@ -1,7 +1,7 @@
 /* The GPU back end of the llama-family forward pass (llama, qwen2) and of Gemma 3: host
  * code in C11 that drives the kernels of kernels/ through their C wrappers, plus cuBLAS.
  *
- * Gemma 3 (src->gemma3 set; the math is model_gemma3.c's) is the same pipeline plus:
+ * Gemma 3 (src->gemma3 set; the math is model/model.c's) is the same pipeline plus:
  * the embedding scaled by sqrt(n_embd), per-head RMSNorm of Q and K after the QKV
  * product, the attention and FFN outputs RMSNorm'ed before their residual adds, GeGLU
  * (tanh) instead of SwiGLU, its own attention scale, and per layer either a global
@@ -591,14 +591,17 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
             upload_proj(&u, gu, 2, NULL, &G->gate_up, err, errlen) ||
             upload_proj(&u, dn, 1, NULL, &G->down, err, errlen))
             goto fail_upload;
+        if ((g->gemma3 && (!L->q_norm || !L->post_attn_norm || !L->post_ffw_norm)) || !L->q_norm != !L->k_norm) {
+            m40_set_err(err, errlen, "layer %d lacks one of its Q/K norms or (gemma3) post norms", (int)l);
+            goto fail_upload;
+        }
+        /* Per-head Q/K norms wherever the layer has them: gemma3, and qwen3, whose GPU
+         * path this is but which model/arch.h keeps refused until it is validated. */
+        if (L->q_norm && (upload_vec(g, L->q_norm, p->head_dim, &G->q_norm, err, errlen) ||
+                          upload_vec(g, L->k_norm, p->head_dim, &G->k_norm, err, errlen)))
+            goto fail_upload;
         if (g->gemma3) {
-            if (!L->q_norm || !L->k_norm || !L->post_attn_norm || !L->post_ffw_norm) {
-                m40_set_err(err, errlen, "gemma3 layer %d lacks its Q/K or post norms", (int)l);
-                goto fail_upload;
-            }
-            if (upload_vec(g, L->q_norm, p->head_dim, &G->q_norm, err, errlen) ||
-                upload_vec(g, L->k_norm, p->head_dim, &G->k_norm, err, errlen) ||
-                upload_vec(g, L->post_attn_norm, p->dim, &G->post_attn_norm, err, errlen) ||
+            if (upload_vec(g, L->post_attn_norm, p->dim, &G->post_attn_norm, err, errlen) ||
                 upload_vec(g, L->post_ffw_norm, p->dim, &G->post_ffw_norm, err, errlen))
                 goto fail_upload;
             G->local = L->local;

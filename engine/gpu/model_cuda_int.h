@@ -57,7 +57,8 @@ typedef struct {
 typedef struct {
     float *attn_norm, *ffn_norm;
     gproj qkv, wo, gate_up, down;
-    float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm; /* gemma3; NULL otherwise */
+    float *q_norm, *k_norm;          /* per-head Q/K norms (gemma3, qwen3); NULL otherwise */
+    float *post_attn_norm, *post_ffw_norm;                   /* gemma3; NULL otherwise */
     int local;                                               /* gemma3 sliding-window layer */
 } glayer;
 

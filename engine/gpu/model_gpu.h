@@ -32,7 +32,7 @@ typedef struct {
     int local;
 } m40_layer;
 
-/* The gemma3 parts of the forward pass the llama family lacks (see model_gemma3.c). */
+/* The gemma3 parts of the forward pass the llama family lacks (see model/model.c; filled from the architecture table). */
 typedef struct {
     int32_t window;                      /* local layers see the last `window` positions */
     float local_base, global_base;       /* RoPE bases of local and global layers */

@@ -1,4 +1,4 @@
-/* The CPU backends' weight product (model.c, model_gemma3.c): rows of W split into
+/* The CPU backends' weight product (model.c): rows of W split into
  * tasks over the thread pool, each row dequantized once into the thread's row buffer
  * and dotted with every token's input. */
 #include <stdint.h>

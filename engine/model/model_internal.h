@@ -1,4 +1,4 @@
-/* Helpers shared by the model backends (model.c, model_gemma3.c, model_cuda.c) and
+/* Helpers shared by the model backends (model.c, model_cuda.c) and
  * eval.c: validated views of GGUF weight tensors (and, through util/err.h, error
  * messages). Not public API. */
 #ifndef M40_MODEL_INTERNAL_H

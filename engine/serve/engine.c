@@ -224,6 +224,10 @@ static void request_free(m40_request *r)
     pthread_mutex_destroy(&r->evmu);
     if (r->messages)
         json_decref(r->messages);
+    if (r->tools)
+        json_decref(r->tools);
+    if (r->template_kwargs)
+        json_decref(r->template_kwargs);
     free(r->prompt);
     free((void *)r->sampling.logit_bias_ids);
     free((void *)r->sampling.logit_bias_values);
@@ -407,6 +411,10 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
          * want to lean on across threads. */
         r->messages = json_deep_copy(p->messages);
         if (!r->messages)
+            goto nomem;
+        if (p->tools && !(r->tools = json_deep_copy(p->tools)))
+            goto nomem;
+        if (p->template_kwargs && !(r->template_kwargs = json_deep_copy(p->template_kwargs)))
             goto nomem;
     } else {
         r->prompt = malloc(p->prompt_len + 1);
@@ -668,6 +676,14 @@ int m40_engine_get_capacity(m40_engine *e, m40_engine_capacity *out)
         *out = e->capacity;
     pthread_mutex_unlock(&e->mu);
     return ready ? 0 : -1;
+}
+
+const char *m40_engine_chat_template(m40_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    const char *src = e->state == M40_ENGINE_READY && e->tmpl ? e->tmpl_src : NULL;
+    pthread_mutex_unlock(&e->mu);
+    return src;
 }
 
 int m40_engine_capacity_line(const m40_engine_capacity *c, char *buf, size_t len)

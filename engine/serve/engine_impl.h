@@ -68,6 +68,9 @@ struct m40_request {
 
     /* Parameters, immutable after submit (owned copies). */
     json_t *messages;    /* the engine's own deep copy; dropped once rendered */
+    json_t *tools;       /* chat: the template's tools (deep copy) or NULL; dropped with messages */
+    json_t *template_kwargs; /* chat: more template variables (deep copy) or NULL */
+    int reasoning_open;  /* the rendered prompt ends in an open "<think>" (events say so) */
     char *prompt;
     size_t prompt_len;
     int add_generation_prompt;
@@ -178,6 +181,7 @@ struct m40_engine {
     /* Set at load, before the tokenizer thread starts; read by both threads after. */
     const m40_tokenizer *tok;
     m40_jinja *tmpl;              /* parsed chat template, NULL: fallback rendering */
+    const char *tmpl_src;         /* its source (the override or the GGUF's string) */
     char tmpl_err[256];           /* non-empty: the model's template did not parse */
     int fallback_end_is_text;     /* the fallback's end marker is no token: stop on its text */
     /* The vocabulary as a trie of token bytes for grammar masks: built by the tokenizer

@@ -164,8 +164,10 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
         src = m40_gguf_get_str(m40_model_gguf(e->model), "tokenizer.chat_template");
     if (src) {
         char jerr[200];
+        e->tmpl_src = src;
         if (m40_jinja_parse(src, strlen(src), &e->tmpl, jerr, sizeof jerr) != 0) {
             e->tmpl = NULL;
+    e->tmpl_src = NULL;
             if (e->template_override) {
                 snprintf(err, errlen, "chat template: %s", jerr);
                 return -1;

@@ -69,6 +69,7 @@ void m40_push_done(m40_engine *e, m40_slot *s, m40_finish finish)
     ev.finish = finish;
     ev.prompt_tokens = s->n_prompt_user;
     ev.completion_tokens = s->n_gen;
+    ev.reasoning_open = s->r->reasoning_open;
     push_or_drop(e, s->r, &ev);
 }
 
@@ -145,6 +146,7 @@ static int emit_held(m40_engine *e, m40_slot *s, size_t nbytes, int drop_rest)
         m40_event ev;
         memset(&ev, 0, sizeof ev);
         ev.type = M40_EV_TEXT;
+        ev.reasoning_open = r->reasoning_open;
         ev.text = malloc(nbytes + 1);
         if (!ev.text)
             return -1;

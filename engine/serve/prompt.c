@@ -80,6 +80,17 @@ static char *render_fallback(const json_t *messages, int add_generation_prompt, 
     return buf;
 }
 
+/* 1 when the rendered prompt ends with "<think>" and only whitespace after it: the
+ * template opened the model's reasoning (DeepSeek-R1 distills, Qwen3 thinking variants),
+ * so the output begins inside it. */
+static int ends_in_open_think(const char *text, size_t len)
+{
+    static const char tag[] = "<think>";
+    while (len > 0 && (text[len - 1] == ' ' || text[len - 1] == '\n' || text[len - 1] == '\r' || text[len - 1] == '\t'))
+        len--;
+    return len >= sizeof tag - 1 && memcmp(text + len - (sizeof tag - 1), tag, sizeof tag - 1) == 0;
+}
+
 /* Renders (chat) and tokenizes the request's prompt; sets r->fallback_chat. On failure
  * returns -1 with the HTTP status and message to answer with. Reads only what is
  * immutable while the thread runs (e->tok, e->tmpl, e->tmpl_err, e->ctx) and the
@@ -103,8 +114,18 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
             int32_t bos = m40_tokenizer_bos(tok), eos = m40_tokenizer_eos(tok);
             const char *bos_s = bos >= 0 ? m40_tokenizer_piece(tok, bos) : NULL;
             const char *eos_s = eos >= 0 ? m40_tokenizer_piece(tok, eos) : NULL;
-            if (m40_chat_template_render_parsed(e->tmpl, r->messages, NULL, r->add_generation_prompt, bos_s, eos_s,
-                                                NULL, NULL, &text, &len, err, sizeof err) != 0) {
+            /* Arguments as objects first (most templates), as the client's text when the
+             * template refuses them (template/chat_args.c). */
+            json_t *objs = m40_chat_arguments_as_objects(r->messages);
+            int rc = -1;
+            if (objs)
+                rc = m40_chat_template_render_parsed(e->tmpl, objs, r->tools, r->add_generation_prompt, bos_s,
+                                                     eos_s, r->template_kwargs, NULL, &text, &len, err, sizeof err);
+            json_decref(objs);
+            if (rc != 0)
+                rc = m40_chat_template_render_parsed(e->tmpl, r->messages, r->tools, r->add_generation_prompt, bos_s,
+                                                     eos_s, r->template_kwargs, NULL, &text, &len, err, sizeof err);
+            if (rc != 0) {
                 /* raise_exception() in templates rejects the conversation itself. */
                 *status = 400;
                 snprintf(msg, msglen, "chat template: %.230s", err);
@@ -118,6 +139,7 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
                 return -1;
             }
         }
+        r->reasoning_open = ends_in_open_think(text, len);
         /* Template output is trusted: its control-token strings become single ids. */
         n = tokenize_alloc(tok, text, len, 0, 1, &ids, err, sizeof err);
         free(text);
@@ -203,6 +225,14 @@ static void *prompt_thread_main(void *arg)
         if (r->messages) {
             json_decref(r->messages);
             r->messages = NULL;
+        }
+        if (r->tools) {
+            json_decref(r->tools);
+            r->tools = NULL;
+        }
+        if (r->template_kwargs) {
+            json_decref(r->template_kwargs);
+            r->template_kwargs = NULL;
         }
 
         pthread_mutex_lock(&e->mu);

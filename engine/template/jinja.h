@@ -127,6 +127,13 @@ int m40_chat_template_render(const char *template_src, const json_t *messages,
                              const m40_jinja_limits *limits, char **out, size_t *out_len,
                              char *err, size_t errlen);
 
+/* OpenAI messages carry tool_calls[].function.arguments as JSON text; most templates
+ * want the object (vLLM and transformers pass one). A deep copy of messages with every
+ * such text that holds a JSON object replaced by the object, or NULL when none does
+ * (or out of memory): then render messages as they are. chat_args.c says why the
+ * caller falls back to the text when a template refuses the objects. */
+json_t *m40_chat_arguments_as_objects(const json_t *messages);
+
 /* Same with an already parsed template (the engine parses once per model). */
 int m40_chat_template_render_parsed(const m40_jinja *t, const json_t *messages,
                                     const json_t *tools, int add_generation_prompt,

@@ -141,6 +141,8 @@ static int eval_slice(jrender *r, jscope *s, const jnode *n, m40_jvalue *out)
     m40_jvalue obj, parts[3];
     int has[3];
     int64_t iv[3] = {0, 0, 1};
+    if (!n->a) /* the parser gives every slice its object; this only guards that */
+        return jr_fail(r, n->line, "a slice without an object");
     if (eval(r, s, n->a, &obj))
         return -1;
     for (int k = 0; k < 3; k++) {
@@ -288,7 +290,21 @@ static int eval_args(jrender *r, jscope *s, const jnode *n, m40_jvalue **args, m
 
 /* ------------------------------------------------------------------ expressions */
 
+static int eval_node(jrender *r, jscope *s, const jnode *n, m40_jvalue *out);
+
+/* Every expression evaluation passes here: the nesting bound keeps a hostile template
+ * from running the thread's stack out. */
 static int eval(jrender *r, jscope *s, const jnode *n, m40_jvalue *out)
+{
+    if (r->edepth >= JR_MAX_EVAL_DEPTH)
+        return jr_fail(r, n->line, "expression nests deeper than %d levels", JR_MAX_EVAL_DEPTH);
+    r->edepth++;
+    const int rc = eval_node(r, s, n, out);
+    r->edepth--;
+    return rc;
+}
+
+static int eval_node(jrender *r, jscope *s, const jnode *n, m40_jvalue *out)
 {
     m40_jvalue a, b;
     switch (n->kind) {

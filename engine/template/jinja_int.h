@@ -177,6 +177,7 @@ typedef struct jrender {
     jbuf *out;
     uint64_t steps;
     int depth;
+    int edepth; /* nested eval() calls (JR_MAX_EVAL_DEPTH) */
     char *err;
     size_t errlen;
     int failed;
@@ -276,6 +277,16 @@ typedef struct {
 } jparser;
 
 #define JP_MAX_DEPTH 200 /* nesting of brackets, expressions and statements */
+/* Height of the syntax tree: left-associative chains (a + b + c ..., a.b.c ..., x|f|g ...)
+ * are parsed by loops, not recursion, but evaluated recursively, one level a link, so
+ * their length is bounded too (real templates stay below 30). */
+#define JP_MAX_HEIGHT 500
+/* Largest template source: real chat templates are 1-30 KB; one embedded in a GGUF file
+ * has no other bound. */
+#define JP_MAX_SOURCE ((size_t)1 << 20)
+/* Nested evaluations at render time: the backstop of JP_MAX_HEIGHT for trees grown by
+ * macro calls and the like (each level a few hundred bytes of stack). */
+#define JR_MAX_EVAL_DEPTH 2000
 
 _Noreturn void jp_fail(jparser *p, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void *jp_alloc(jparser *p, size_t n);

@@ -223,23 +223,18 @@ static size_t lex_tag(jparser *p, size_t i, int *line, int is_block, int *ends_n
             *line += count_lines(s + i, j - i);
             i = j + 1;
         } else if (isdigit((unsigned char)c)) {
+            /* the literal's extent first (digits and '_', an optional fraction and
+             * exponent), then its digits into num: a literal longer than num is an error,
+             * never a write past it or a silently shortened value */
             size_t j = i;
-            char num[64];
-            size_t k = 0;
             int is_float = 0;
-            while (j < n && (isdigit((unsigned char)s[j]) || s[j] == '_')) {
-                if (s[j] != '_' && k < sizeof num - 1)
-                    num[k++] = s[j];
+            while (j < n && (isdigit((unsigned char)s[j]) || s[j] == '_'))
                 j++;
-            }
             if (j + 1 < n && s[j] == '.' && isdigit((unsigned char)s[j + 1])) {
                 is_float = 1;
-                num[k++] = s[j++];
-                while (j < n && (isdigit((unsigned char)s[j]) || s[j] == '_')) {
-                    if (s[j] != '_' && k < sizeof num - 1)
-                        num[k++] = s[j];
+                j++;
+                while (j < n && (isdigit((unsigned char)s[j]) || s[j] == '_'))
                     j++;
-                }
             }
             if (j < n && (s[j] == 'e' || s[j] == 'E')) {
                 size_t q = j + 1;
@@ -247,11 +242,19 @@ static size_t lex_tag(jparser *p, size_t i, int *line, int is_block, int *ends_n
                     q++;
                 if (q < n && isdigit((unsigned char)s[q])) {
                     is_float = 1;
-                    while (j < q && k < sizeof num - 1)
-                        num[k++] = s[j++];
-                    while (j < n && isdigit((unsigned char)s[j]) && k < sizeof num - 1)
-                        num[k++] = s[j++];
+                    j = q;
+                    while (j < n && isdigit((unsigned char)s[j]))
+                        j++;
                 }
+            }
+            char num[64];
+            size_t k = 0;
+            for (size_t q = i; q < j; q++) {
+                if (s[q] == '_')
+                    continue;
+                if (k == sizeof num - 1)
+                    jp_fail(p, *line, "number literal longer than %d characters", (int)sizeof num - 1);
+                num[k++] = s[q];
             }
             num[k] = 0;
             push_tok(p, is_float ? T_FLOAT : T_INT, *line, s + i, j - i);

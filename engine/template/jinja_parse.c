@@ -336,6 +336,11 @@ static jnode *parse_postfix(jparser *p, jnode *node)
             if (idx.n == 1) {
                 n->b = idx.v[0];
             } else {
+                /* x[1, :]: a slice is a subscript of its own (its node holds the
+                 * object), never an item of a tuple of subscripts */
+                for (size_t k = 0; k < idx.n; k++)
+                    if (idx.v[k]->kind == N_SLICE)
+                        jp_fail(p, t->line, "a slice cannot be part of a tuple subscript");
                 n->b = mk(p, N_TUPLE, t->line);
                 n->b->kids = idx.v;
                 n->b->nkids = idx.n;
@@ -999,9 +1004,46 @@ static jnode *parse_body(jparser *p, const char **end_tags, const char **which)
     return n;
 }
 
+/* The tree's height, without recursion (an explicit stack of (node, next child) frames):
+ * fails the parse past JP_MAX_HEIGHT, so that a template the evaluator could not walk
+ * without exhausting the stack is refused at load, naming the limit. */
+static void check_height(jparser *p, jnode *root)
+{
+    typedef struct {
+        jnode *n;
+        size_t next; /* children visited: a, b, c, then kids, then kids2 */
+    } frame;
+    frame st[JP_MAX_HEIGHT + 1];
+    int top = 0;
+    st[0].n = root, st[0].next = 0;
+    while (top >= 0) {
+        frame *f = &st[top];
+        jnode *n = f->n, *child = NULL;
+        while (!child && f->next < 3 + n->nkids + n->nkids2) {
+            const size_t i = f->next++;
+            child = i == 0 ? n->a : i == 1 ? n->b : i == 2 ? n->c : i - 3 < n->nkids ? n->kids[i - 3]
+                                                                                        : n->kids2[i - 3 - n->nkids];
+            if (child == n) /* N_FOR's c = itself marks "has else" */
+                child = NULL;
+        }
+        if (!child) {
+            top--;
+            continue;
+        }
+        if (top + 1 > JP_MAX_HEIGHT)
+            jp_fail(p, child->line, "template nests too deeply (an expression or statement more than %d levels deep)",
+                    JP_MAX_HEIGHT);
+        st[++top].n = child, st[top].next = 0;
+    }
+}
+
 int m40_jinja_parse(const char *src, size_t len, m40_jinja **out, char *err, size_t errlen)
 {
     *out = NULL;
+    if (len > JP_MAX_SOURCE) {
+        snprintf(err, errlen, "template is %zu bytes, more than the %zu-byte limit", len, JP_MAX_SOURCE);
+        return -1;
+    }
     m40_jinja *t = calloc(1, sizeof *t);
     if (!t) {
         snprintf(err, errlen, "out of memory");
@@ -1051,6 +1093,7 @@ int m40_jinja_parse(const char *src, size_t len, m40_jinja **out, char *err, siz
     jp_lex(p);
     const char *which = NULL;
     t->root = parse_body(p, NULL, &which);
+    check_height(p, t->root);
     free(p->toks);
     free(p);
     *out = t;

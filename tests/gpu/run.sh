@@ -6,6 +6,8 @@
 #      a CUDA-configured build): references, batched == alone, 6 concurrent requests,
 #      preemption under a tiny KV pool;
 #   3. `m40 eval --device 0 --tol 5e-2` for every shared model with a reference;
+#      then ../shared/models/next: eval at 7.5e-2 where the architecture's GPU path is
+#      validated, the clear refusal where it is not (step 3b);
 #   4. the same for a synthetic Gemma 3 against tests/gemma3/ref.py (see step 4).
 #   tests/gpu/run.sh            all of it
 #   tests/gpu/run.sh --bench    also the GEMV microbenchmark
@@ -111,6 +113,32 @@ if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
     done
 else
     echo "m40 eval --device 0: no $M40_BIN or no references, skipped"; skipped=$((skipped + 1))
+fi
+# 3b. ../shared/models/next: a row the architecture table (engine/model/arch.c) marks
+#     gpu_validated runs `m40 eval --device 0 --tol 7.5e-2` (that folder's GPU bound);
+#     a row not yet validated must be refused with "runs on the CPU only". To validate
+#     one (qwen3's GPU path is written), set its gpu_validated and move it to the first list.
+if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
+    for name in tiny-llama-hd-f16; do
+        model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
+        [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
+        if "$M40_BIN" eval --device 0 --tol 7.5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
+            passed=$((passed + 1)); echo "eval --device 0 next/$name: $(tail -n 1 "$log/eval")"
+        else
+            failed=$((failed + 1)); echo "eval --device 0 next/$name FAILED:"; tail -n 20 "$log/eval"
+        fi
+    done
+    for name in tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16; do
+        model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
+        [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
+        if ! "$M40_BIN" eval --device 0 "$model" "$ref" >"$log/eval" 2>&1 && grep -q "runs on the CPU only" "$log/eval"; then
+            passed=$((passed + 1)); echo "eval --device 0 next/$name: refused (CPU only), as it should be"
+        else
+            failed=$((failed + 1)); echo "eval --device 0 next/$name was not refused:"; tail -n 20 "$log/eval"
+        fi
+    done
+else
+    echo "m40 eval --device 0 of next/: no $M40_BIN or no references, skipped"; skipped=$((skipped + 1))
 fi
 # 4. Gemma 3 on the GPU against the independent NumPy reference (tests/gemma3/ref.py),
 #    on a small random-weight Gemma 3 built by tests/gemma3/mk_synthetic.py from the real

@@ -124,6 +124,23 @@ def test_queue_full_429(instances):
     assert float(rejected[0].split()[1]) == statuses.count("HTTP/1.1 429 Too Many Requests")
 
 
+def test_n_past_capacity_400(instances):
+    # the n choices of a request enter the waiting queue together: n past m40_max_queue
+    # could never be admitted, so 400 naming n, not a 429 a retry could never get past;
+    # n that fits still works (choices run one after another on one slot)
+    port = harness.free_port()
+    instances(minimal_with(port, "    m40_max_seqs 1;\n    m40_max_queue 2;\n    m40_threads 1;\n", "ncap"),
+              "ncap", port)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    r = requests.post(url, json={"messages": MSGS, "max_tokens": 2, "n": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and err["type"] == "invalid_request_error", err
+    assert "m40_max_queue" in err["message"] and "2 requests" in err["message"], err
+    r = requests.post(url, json={"messages": MSGS, "max_tokens": 2, "n": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
 def test_prefill_directives(instances):
     # small prompt budgets and a strict guard: concurrent requests still get the answer
     # each gets alone, the worker logs what it was given, /metrics shows the guard
@@ -166,9 +183,11 @@ def test_model_that_fails_to_load_503(instances):
     r = requests.get(f"http://127.0.0.1:{port}/health")
     assert r.status_code == 503
     assert r.json()["status"] == "failed" and r.json()["error"]
+    assert workdir not in r.text, r.text  # no server paths to clients: they go to the error log
     r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": MSGS})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "model_failed"
+    assert workdir not in r.text, r.text
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.InternalServerError) as ei:
         client.chat.completions.create(model="broken", messages=MSGS)

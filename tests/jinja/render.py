@@ -13,7 +13,11 @@ For each conversation writes "OK <nbytes>\\n<rendered bytes>" or
 
 A conversation file is a JSON object: messages, tools (optional; None when absent,
 as HF passes), add_generation_prompt, bos_token, eos_token, extra (optional object
-of further template variables)."""
+of further template variables), openai (optional: the messages are as an OpenAI
+client sends them, tool_calls[].function.arguments JSON text; rendered as vLLM
+does, with the arguments as objects, and as the text when the template refuses
+the objects: what m40's request path does, engine/template/chat_args.c)."""
+import copy
 import json
 import sys
 from datetime import datetime, timezone
@@ -61,6 +65,24 @@ def strftime_now(fmt):
     return FIXED_NOW.strftime(fmt)
 
 
+def arguments_as_objects(messages):
+    """A copy with each tool call's arguments text that holds a JSON object parsed,
+    or None when there is none."""
+    out, any_ = copy.deepcopy(messages), False
+    for m in out:
+        for c in m.get("tool_calls") or []:
+            args = (c.get("function") or {}).get("arguments")
+            if isinstance(args, str):
+                try:
+                    v = json.loads(args)
+                except ValueError:
+                    continue
+                if isinstance(v, dict):
+                    c["function"]["arguments"] = v
+                    any_ = True
+    return out if any_ else None
+
+
 def main():
     if len(sys.argv) < 3:
         sys.stderr.write(__doc__)
@@ -93,7 +115,14 @@ def main():
                 bos_token=conv.get("bos_token", ""),
                 eos_token=conv.get("eos_token", ""),
             )
-            data = template.render(**variables).encode("utf-8")
+            objs = arguments_as_objects(conv["messages"]) if conv.get("openai") else None
+            if objs is not None:
+                try:
+                    data = template.render(**dict(variables, messages=objs)).encode("utf-8")
+                except Exception:
+                    data = template.render(**variables).encode("utf-8")
+            else:
+                data = template.render(**variables).encode("utf-8")
             out.write(b"OK %d\n" % len(data) + data)
         except Exception as e:
             data = f"{type(e).__name__}: {e}".encode("utf-8", "backslashreplace")

@@ -1,4 +1,4 @@
-/* Gemma 3 on the CPU (engine/model/model_gemma3.c).
+/* Gemma 3 on the CPU (engine/model/model.c, its arch.h row).
  *
  * A tiny synthetic gemma3 GGUF (random F32 weights, head_dim != n_embd / n_head, GQA,
  * sliding window 3 with every 3rd layer global, distinct local and global RoPE bases)

@@ -321,6 +321,73 @@ static void test_hostile(void)
     out = render("{{ range(100000000)|length }}", NULL);
     CHECK(!out, "huge range is refused: %s", err);
     free(out);
+
+    /* long left-associative chains: parsed by loops but evaluated one level a link, so
+     * a 50,000-link chain used to run the stack out at render time (a worker crash for
+     * every chat request); now it is refused at parse time, naming the limit */
+    const char *links[] = {" + 1", ".a", "|string", " and 1", " ** 1"};
+    for (size_t li = 0; li < sizeof links / sizeof links[0]; li++) {
+        const size_t nl = 50000, ll = strlen(links[li]);
+        char *chain = malloc(nl * ll + 32);
+        CHECK(chain != NULL, "malloc");
+        if (!chain)
+            return;
+        size_t at = (size_t)sprintf(chain, "{{ 1");
+        for (size_t i = 0; i < nl; i++, at += ll)
+            memcpy(chain + at, links[li], ll);
+        strcpy(chain + at, " }}");
+        t = NULL;
+        CHECK(m40_jinja_parse(chain, strlen(chain), &t, err, sizeof err) == -1 && strstr(err, "nests too deeply") &&
+                  strstr(err, "500"),
+              "a 50,000-link '%s' chain fails cleanly at parse time: %s", links[li], err);
+        m40_jinja_free(t);
+        free(chain);
+    }
+    /* a chain below the limit still renders */
+    char chain[4096];
+    size_t at = (size_t)sprintf(chain, "{{ 1");
+    for (int i = 0; i < 400; i++)
+        at += (size_t)sprintf(chain + at, " + 1");
+    strcpy(chain + at, " }}");
+    out = render(chain, NULL);
+    CHECK(out && !strcmp(out, "401"), "a 400-link chain renders: %s", out ? out : err);
+    free(out);
+    /* number literals longer than the lexer's buffer: an error, not a write past it (63
+     * digits then ".5" wrote one byte past the 64-byte buffer) */
+    char num[160] = "{{ ";
+    memset(num + 3, '7', 63);
+    strcpy(num + 66, ".5 }}");
+    t = NULL;
+    CHECK(m40_jinja_parse(num, strlen(num), &t, err, sizeof err) == -1 && strstr(err, "number literal longer"),
+          "63 digits and a fraction fail cleanly: %s", err);
+    m40_jinja_free(t);
+    memset(num + 3, '7', 100);
+    strcpy(num + 103, "e5 }}");
+    t = NULL;
+    CHECK(m40_jinja_parse(num, strlen(num), &t, err, sizeof err) == -1 && strstr(err, "number literal longer"),
+          "100 digits and an exponent fail cleanly: %s", err);
+    m40_jinja_free(t);
+    EXPECT("{{ 1_000 + 2.5e1 + 0.25 }}", NULL, "1025.25");
+    /* a slice inside a tuple subscript had no object: a NULL dereference at render
+     * (found by fuzz_jinja) */
+    t = NULL;
+    CHECK(m40_jinja_parse("{{ 'abc'[0,:] }}", 16, &t, err, sizeof err) == -1 && strstr(err, "slice"),
+          "x[0, :] fails cleanly: %s", err);
+    m40_jinja_free(t);
+    EXPECT("{{ 'abcdef'[1:4] ~ 'xyz'[::-1] }}", NULL, "bcdzyx");
+    /* a source over 1 MiB (possible only through a GGUF file or a configured path) */
+    const size_t big = ((size_t)1 << 20) + 1;
+    char *huge = malloc(big + 1);
+    CHECK(huge != NULL, "malloc");
+    if (!huge)
+        return;
+    memset(huge, 'x', big);
+    huge[big] = 0;
+    t = NULL;
+    CHECK(m40_jinja_parse(huge, big, &t, err, sizeof err) == -1 && strstr(err, "limit"),
+          "a template over 1 MiB is refused: %s", err);
+    m40_jinja_free(t);
+    free(huge);
 }
 
 static void test_chat_convenience(void)

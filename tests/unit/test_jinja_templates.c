@@ -237,11 +237,20 @@ int main(void)
             int ok = 0;
             if (parsed) {
                 json_t *agp = json_object_get(conv, "add_generation_prompt");
-                ok = m40_chat_template_render_parsed(
-                         t, json_object_get(conv, "messages"), json_object_get(conv, "tools"),
-                         json_is_true(agp), json_string_value(json_object_get(conv, "bos_token")),
-                         json_string_value(json_object_get(conv, "eos_token")), json_object_get(conv, "extra"),
-                         &lim, &out, &olen, err, sizeof err) == 0;
+                json_t *msgs = json_object_get(conv, "messages");
+                /* OpenAI-shaped messages: as engine/serve/prompt.c renders them */
+                json_t *objs = json_is_true(json_object_get(conv, "openai")) ? m40_chat_arguments_as_objects(msgs)
+                                                                             : NULL;
+                for (int pass = objs ? 0 : 1; pass < 2 && !ok; pass++) {
+                    free(out);
+                    out = NULL;
+                    ok = m40_chat_template_render_parsed(
+                             t, pass == 0 ? objs : msgs, json_object_get(conv, "tools"), json_is_true(agp),
+                             json_string_value(json_object_get(conv, "bos_token")),
+                             json_string_value(json_object_get(conv, "eos_token")), json_object_get(conv, "extra"),
+                             &lim, &out, &olen, err, sizeof err) == 0;
+                }
+                json_decref(objs);
             } else {
                 snprintf(err, sizeof err, "%s", perr);
             }

@@ -327,6 +327,95 @@ static void test_errors(void)
               "%s: %llu parameters", sizes[i].shape, (unsigned long long)st.n_params);
     }
     CHECK(access(tmp_path("never.gguf"), F_OK) != 0, "a dry run writes nothing");
+    /* the other architectures: the parameter counts their model cards state (Qwen3 8B
+     * 8.19B with 6.95B outside the embeddings, Gemma 2 9B 9,241,705,984 with its tied head) */
+    struct {
+        const char *shape;
+        uint64_t params, tensors;
+    } arch_sizes[] = {
+        {"qwen3-8b", 8190735360ull, 3 + 36 * 11},
+        {"qwen3-32b", 32762123264ull, 3 + 64 * 11},
+        {"phi-4", 14659507200ull, 3 + 40 * 6},
+        {"gemma2-9b", 9241705984ull, 2 + 42 * 11},
+    };
+    for (size_t i = 0; i < sizeof arch_sizes / sizeof arch_sizes[0]; i++) {
+        m40_mkmodel_opts d = {.shape = m40_mkmodel_find_shape(arch_sizes[i].shape), .ftype = M40_MK_F16, .dry_run = 1};
+        m40_mkmodel_stats st;
+        CHECK(d.shape && m40_mkmodel_write(&d, tmp_path("never.gguf"), &st, err, sizeof err) == 0 &&
+                  st.n_params == arch_sizes[i].params && st.n_tensors == arch_sizes[i].tensors,
+              "%s: %llu parameters, %llu tensors", arch_sizes[i].shape, (unsigned long long)st.n_params,
+              (unsigned long long)st.n_tensors);
+    }
+}
+
+/* The tiny shapes of the other architectures load as their row (arch.h) and run a greedy
+ * smoke test on the CPU: finite logits, a prompt longer than gemma2's window of 8, the
+ * same logits batched and one token at a time, and greedy picks in the vocabulary. */
+static void test_arch_shapes(void)
+{
+    static const struct {
+        const char *shape, *arch;
+        int32_t head_dim;
+        int tied;
+    } arches[] = {{"tiny-qwen3", "qwen3", 128, 0}, {"tiny-phi3", "phi3", 64, 0}, {"tiny-gemma2", "gemma2", 64, 1}};
+    enum { N = 12, GEN = 6 };
+    for (size_t a = 0; a < sizeof arches / sizeof arches[0]; a++) {
+        char fname[64], err[512];
+        snprintf(fname, sizeof fname, "%s.gguf", arches[a].shape);
+        const char *path = tmp_path(fname);
+        if (make(arches[a].shape, M40_MK_F32, 3, 0, 0, path) != 0)
+            continue;
+        m40_model *m = NULL;
+        if (m40_model_load(path, 2, &m, err, sizeof err) != 0) {
+            CHECK(0, "%s: load: %s", arches[a].shape, err);
+            continue;
+        }
+        const m40_model_params *p = m40_model_get_params(m);
+        CHECK(!strcmp(p->arch, arches[a].arch) && p->head_dim == arches[a].head_dim && p->n_vocab == 1024 &&
+                  p->tied_output == arches[a].tied,
+              "%s: arch %s, head_dim %d, tied %d", arches[a].shape, p->arch, (int)p->head_dim, p->tied_output);
+        int32_t tok[N + GEN], pos[N + GEN], slot[N + GEN] = {0};
+        for (int i = 0; i < N + GEN; i++) {
+            tok[i] = (int32_t)((i * 389 + 7) % 1024);
+            pos[i] = i;
+        }
+        uint8_t want[N];
+        memset(want, 1, sizeof want);
+        static float all[N][1024], one[1024];
+        m40_kv *kv = m40_kv_new(m, 2, 32);
+        m40_batch b = {.n = N, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+        int rc = kv ? m40_model_forward(m, kv, &b, &all[0][0], err, sizeof err) : -1;
+        CHECK(rc == 0, "%s: batched forward: %s", arches[a].shape, err);
+        int same = rc == 0, finite = 1;
+        int32_t slot1[1] = {1};
+        for (int i = 0; rc == 0 && i < N; i++) {
+            m40_batch s1 = {.n = 1, .tokens = &tok[i], .pos = &pos[i], .slot = slot1};
+            if (m40_model_forward(m, kv, &s1, one, err, sizeof err) != 0) {
+                same = 0;
+                break;
+            }
+            same &= memcmp(one, all[i], sizeof one) == 0;
+            for (int v = 0; v < 1024; v++)
+                finite &= isfinite(all[i][v]) != 0;
+        }
+        CHECK(same, "%s: one token at a time equals the batch bitwise", arches[a].shape);
+        CHECK(finite, "%s: logits finite", arches[a].shape);
+        /* greedy decode on slot 0 after the prompt: the prompt's pick, then each pick fed back */
+        int ok = rc == 0, best = 0;
+        for (int v = 1; v < 1024; v++)
+            best = all[N - 1][v] > all[N - 1][best] ? v : best;
+        tok[N] = best;
+        for (int i = N; ok && i < N + GEN; i++) {
+            int32_t pick = -1;
+            m40_batch g = {.n = 1, .tokens = &tok[i], .pos = &pos[i], .slot = slot, .argmax = &pick};
+            ok = m40_model_forward(m, kv, &g, one, err, sizeof err) == 0 && pick >= 0 && pick < 1024;
+            if (ok && i + 1 < N + GEN)
+                tok[i + 1] = pick;
+        }
+        CHECK(ok, "%s: greedy decode: %s", arches[a].shape, err);
+        m40_kv_free(kv);
+        m40_model_free(m);
+    }
 }
 
 int main(void)
@@ -374,6 +463,7 @@ int main(void)
 
     test_recipe();
     test_errors();
+    test_arch_shapes();
 
     /* nothing but finished files in the directory (no .part left), then clean up */
     DIR *d = opendir(dir);

@@ -1,0 +1,76 @@
+/* The model object and the CPU KV cache as the files of engine/model/ share them
+ * (model.c: life cycle, KV cache, forward pass; model_load.c: hyperparameters and
+ * weights as the architecture's row says). Private to engine/model/. */
+#ifndef M40_MODEL_PRIV_H
+#define M40_MODEL_PRIV_H
+
+#include <stdint.h>
+
+#include "arch.h"
+#include "gguf/gguf.h"
+#include "gpu/model_gpu.h"
+#include "model.h"
+#include "tokenizer/tokenizer.h"
+#include "util/threadpool.h"
+#include "util/tuning.h"
+
+typedef m40_matrix matrix;
+typedef m40_layer layer;
+
+struct m40_model {
+    m40_gguf *gguf;
+    m40_tokenizer *tok;
+    m40_model_params p;
+    const m40_arch *arch;         /* the table row of p.arch (arch.h) */
+    int32_t q_dim, kv_dim;
+    float *rope_freq_factors;     /* rope_freqs.weight (Llama 3.1 style), or NULL */
+
+    /* What the row and the metadata add to the llama block (1 or 0: absent). */
+    int32_t window;               /* local layers (L->local) see the last `window` positions */
+    int has_local;                /* some layer is local */
+    float local_base;             /* RoPE base of the local layers */
+    float global_scale;           /* linear RoPE factor of the other layers (1: none) */
+    float attn_scale;             /* multiplies q.k */
+    float attn_softcap;           /* q.k soft-cap (0: none) */
+    float final_softcap;          /* logits soft-cap (0: none) */
+    float embd_scale;             /* multiplies the embeddings (1: none) */
+    m40_activation act;
+
+    matrix tok_embd, output;
+    float *output_norm;
+    layer *layers;
+    m40_gpu *gpu;                 /* device >= 0: the weights on the GPU, forward runs there */
+    int device;
+    m40_tuning tuning;            /* the switches read at load (util/tuning.h) */
+
+    m40_threadpool *pool;
+    int n_threads;
+
+    /* Scratch for one forward call, grown on demand. */
+    int32_t cap_tokens;
+    float *x, *xb, *q, *k, *v, *att, *hb, *hb2;
+    float *x16;                   /* [n][max input dim]: F16-rounded matmul input, see matmul() */
+    float *rope_cos, *rope_sin;   /* [n][rope_dim/2] */
+    float *rope_cos_l, *rope_sin_l; /* the same with the local layers' base (has_local) */
+    int32_t *logit_rows;
+    float *row_buf;               /* per thread: one dequantized weight row */
+    int64_t row_buf_len;
+    float *score_buf;             /* per thread: attention scores over the context */
+    int32_t score_buf_len;
+};
+
+struct m40_kv {
+    int32_t n_slots, ctx, n_layers, kv_dim;
+    float *k, *v;                 /* [slot][layer][pos][kv_dim] (CPU) */
+    m40_gpu_kv *gpu;              /* GPU model: the paged pool instead, its memory... */
+    m40_paged_kv *pool;           /* ...and which block holds what (kv/paged_kv.h) */
+};
+
+/* Reads the hyperparameters (the row's scalars included) and every weight of m->gguf
+ * into m. -1 with err naming the problem. */
+int m40_model_read(m40_model *m, char *err, size_t errlen);
+
+/* The GPU back end's view of m's weights; extra holds what src->gemma3 points to. */
+void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src, m40_gpu_gemma3 *extra);
+
+#endif

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# libFuzzer harnesses of the parsers that read what others wrote: the GGUF reader
+# (fuzz_gguf), the Jinja lexer/parser/evaluator (fuzz_jinja), the tokenizers and the
+# streaming detokenizer (fuzz_tokenizer). Each is built with clang and ASan + UBSan
+# (every UBSan report is fatal) and runs for SECONDS (default 60) from its committed
+# seed corpus (tests/fuzz/corpus/NAME), growing a working corpus under build/fuzz.
+#   tests/fuzz/run.sh [SECONDS] [NAME ...]     (make fuzz FUZZ_SECONDS=N)
+# A crash leaves its input as build/fuzz/NAME/crash-* and the run fails. Prints one
+# "N passed, N failed, 0 skipped" line (a harness passes when it ran clean).
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+SECONDS_EACH=${1:-60}
+shift || true
+NAMES=("$@")
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(gguf jinja tokenizer)
+CC=${FUZZ_CC:-clang}
+CXX=${FUZZ_CXX:-clang++}
+out=build/fuzz
+mkdir -p "$out"
+if ! command -v "$CC" >/dev/null 2>&1; then
+    echo "no $CC: fuzzing skipped (scripts/install-deps.sh installs clang)"
+    echo "0 passed, 0 failed, 1 skipped"
+    exit 0
+fi
+SAN="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+FLAGS="-g -O1 -D_GNU_SOURCE -Iengine -Ikernels -pthread"
+SRCS=(engine/util/err.c engine/util/threadpool.c engine/gguf/gguf.c engine/gguf/gguf_writer.c
+      engine/gguf/mkmodel.c engine/tokenizer/tokenizer.c engine/tokenizer/bpe.c engine/tokenizer/spm_proto.c
+      engine/template/jinja_*.c kernels/ref/ggml_types.c kernels/ref/quant.c)
+LIBS="-ljansson -lpcre2-8 -lsentencepiece -lstdc++ -lm"
+# the engine's sources once, instrumented (a library every harness links)
+objs=()
+for f in "${SRCS[@]}"; do
+    o="$out/obj/$(echo "$f" | tr / _).o"
+    mkdir -p "$out/obj"
+    if [ ! -f "$o" ] || [ "$f" -nt "$o" ]; then
+        $CC -std=c11 $FLAGS $SAN -c "$f" -o "$o" || { echo "fuzz: cannot build $f"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+    fi
+    objs+=("$o")
+done
+o="$out/obj/spm_shim.o"
+if [ ! -f "$o" ] || [ engine/tokenizer/spm_shim.cc -nt "$o" ]; then
+    $CXX -std=c++17 $FLAGS $SAN -c engine/tokenizer/spm_shim.cc -o "$o" || { echo "0 passed, 1 failed, 0 skipped"; exit 1; }
+fi
+objs+=("$o")
+passed=0 failed=0
+for name in "${NAMES[@]}"; do
+    bin="$out/fuzz_$name"
+    # linked by the C++ driver: the SentencePiece shim's UBSan checks need its runtime
+    if ! $CC -std=c11 $FLAGS $SAN -c "tests/fuzz/fuzz_$name.c" -o "$out/obj/fuzz_$name.o" ||
+        ! $CXX $FLAGS -fsanitize=fuzzer,address,undefined "$out/obj/fuzz_$name.o" "${objs[@]}" $LIBS -o "$bin"; then
+        echo "fuzz_$name: build failed"; failed=$((failed + 1)); continue
+    fi
+    work="$out/$name"
+    mkdir -p "$work/corpus"
+    log="$work/log"
+    # -rss_limit_mb: a leak or a blow-up is a finding too; -max_len: inputs up to 64 KB
+    if (cd "$work" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+        "../fuzz_$name" -max_total_time="$SECONDS_EACH" -max_len=65536 -rss_limit_mb=2048 -timeout=10 \
+        -print_final_stats=1 corpus "$OLDPWD/tests/fuzz/corpus/$name" >"log" 2>&1); then
+        execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$')
+        echo "fuzz_$name: clean, ${execs:-?} executions in ${SECONDS_EACH} s"
+        passed=$((passed + 1))
+    else
+        echo "fuzz_$name: FAILED (input and report in $work):"
+        grep -E "ERROR|SUMMARY|runtime error|==[0-9]+==" "$log" | head -20
+        failed=$((failed + 1))
+    fi
+done
+echo "$passed passed, $failed failed, 0 skipped"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,334 @@
+/* Chat output parsing (engine/m40_chat_parse.h): crafted outputs of each tool-call
+ * convention and of <think> reasoning, fed whole and in every split into two pieces and
+ * byte by byte (streaming must give the same result as one feed); random bytes and
+ * random mixes of the markers at random chunkings never crash, and with tool parsing
+ * and reasoning splitting off the content is the input exactly. */
+#include <stdint.h>
+
+#include "check.h"
+#include "m40_chat_parse.h"
+
+/* What the pieces add up to: content, reasoning, and the calls as "name(args);". */
+typedef struct {
+    char content[4096];
+    size_t nc;
+    char reasoning[4096];
+    size_t nr;
+    char calls[4096];
+    size_t ncalls_text;
+    int ncalls;
+    int bad_index;
+} result;
+
+static void app(char *dst, size_t *n, size_t cap, const char *s, size_t len)
+{
+    if (*n + len >= cap)
+        len = cap - 1 - *n;
+    memcpy(dst + *n, s, len);
+    *n += len;
+    dst[*n] = '\0';
+}
+
+static int collect(void *ud, const m40_piece *pc)
+{
+    result *r = ud;
+    if (pc->kind == M40_PIECE_CONTENT) {
+        app(r->content, &r->nc, sizeof r->content, pc->text, pc->len);
+    } else if (pc->kind == M40_PIECE_REASONING) {
+        app(r->reasoning, &r->nr, sizeof r->reasoning, pc->text, pc->len);
+    } else {
+        if (pc->index != r->ncalls)
+            r->bad_index = 1;
+        r->ncalls++;
+        app(r->calls, &r->ncalls_text, sizeof r->calls, pc->name, strlen(pc->name));
+        app(r->calls, &r->ncalls_text, sizeof r->calls, "(", 1);
+        app(r->calls, &r->ncalls_text, sizeof r->calls, pc->arguments, strlen(pc->arguments));
+        app(r->calls, &r->ncalls_text, sizeof r->calls, ");", 2);
+    }
+    return 0;
+}
+
+/* Feeds s in pieces of the given sizes (cycled; 0 means all at once). */
+static void run(m40_tool_format f, m40_reasoning_mode m, int open, const char *s, size_t len, const size_t *sizes,
+                int n_sizes, result *r)
+{
+    memset(r, 0, sizeof *r);
+    m40_chat_parse *p = m40_chat_parse_new(f, m, open);
+    size_t i = 0;
+    int k = 0;
+    while (i < len) {
+        size_t n = n_sizes ? sizes[k++ % n_sizes] : len;
+        if (n == 0 || n > len - i)
+            n = len - i;
+        m40_chat_parse_feed(p, s + i, n, collect, r);
+        i += n;
+    }
+    m40_chat_parse_finish(p, collect, r);
+    if (m40_chat_parse_tool_calls(p) != r->ncalls)
+        r->bad_index = 1;
+    m40_chat_parse_free(p);
+}
+
+static int same(const result *a, const result *b)
+{
+    return strcmp(a->content, b->content) == 0 && strcmp(a->reasoning, b->reasoning) == 0 &&
+           strcmp(a->calls, b->calls) == 0 && a->ncalls == b->ncalls && !a->bad_index && !b->bad_index;
+}
+
+/* Checks one case whole, at every split point and byte by byte. */
+static void expect(const char *what, m40_tool_format f, m40_reasoning_mode m, int open, const char *out,
+                   const char *content, const char *reasoning, const char *calls)
+{
+    result whole, part;
+    size_t len = strlen(out);
+    run(f, m, open, out, len, NULL, 0, &whole);
+    CHECK(strcmp(whole.content, content) == 0, "%s: content [%s], want [%s]", what, whole.content, content);
+    CHECK(strcmp(whole.reasoning, reasoning) == 0, "%s: reasoning [%s], want [%s]", what, whole.reasoning,
+          reasoning);
+    CHECK(strcmp(whole.calls, calls) == 0, "%s: calls [%s], want [%s]", what, whole.calls, calls);
+    CHECK(!whole.bad_index, "%s: call indexes", what);
+    int split_ok = 1;
+    for (size_t cut = 1; cut < len; cut++) {
+        size_t sizes[2] = {cut, len};
+        run(f, m, open, out, len, sizes, 2, &part);
+        if (!same(&whole, &part)) {
+            split_ok = 0;
+            fprintf(stderr, "%s: split at %zu gives content [%s] reasoning [%s] calls [%s]\n", what, cut,
+                    part.content, part.reasoning, part.calls);
+            break;
+        }
+    }
+    CHECK(split_ok, "%s: two-piece feeds agree with one", what);
+    size_t one = 1;
+    run(f, m, open, out, len, &one, 1, &part);
+    CHECK(same(&whole, &part), "%s: byte-by-byte feed agrees (content [%s] calls [%s])", what, part.content,
+          part.calls);
+}
+
+static void test_detect(void)
+{
+    CHECK(m40_tool_format_detect("{{ '<tool_call>' }}") == M40_TOOLS_HERMES, "hermes");
+    CHECK(m40_tool_format_detect("[TOOL_CALLS] x") == M40_TOOLS_MISTRAL, "mistral");
+    CHECK(m40_tool_format_detect("<|start_header_id|> \"parameters\"") == M40_TOOLS_LLAMA3, "llama3");
+    CHECK(m40_tool_format_detect("<|python_tag|>") == M40_TOOLS_LLAMA3, "python_tag");
+    CHECK(m40_tool_format_detect("{{ messages }}") == M40_TOOLS_JSON, "fallback");
+    CHECK(m40_tool_format_detect(NULL) == M40_TOOLS_JSON, "no template");
+    CHECK(m40_template_thinks("a <think> b") && !m40_template_thinks("nothing") && !m40_template_thinks(NULL),
+          "thinks");
+    CHECK(m40_tool_format_from_name("hermes", 6) == M40_TOOLS_HERMES && m40_tool_format_from_name("none", 4) == 0 &&
+              m40_tool_format_from_name("herm", 4) == -1,
+          "names");
+    CHECK(strcmp(m40_tool_format_name(M40_TOOLS_MISTRAL), "mistral") == 0, "name of");
+}
+
+/* The shared real templates pick the parser their model family writes. */
+static void test_detect_shared(void)
+{
+    static const struct {
+        const char *file;
+        m40_tool_format f;
+        int thinks;
+    } cases[] = {
+        {"Qwen-Qwen2.5-7B-Instruct.jinja", M40_TOOLS_HERMES, 0},
+        {"NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", M40_TOOLS_HERMES, 0},
+        {"NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", M40_TOOLS_HERMES, 0},
+        {"meta-llama-Llama-3.1-8B-Instruct.jinja", M40_TOOLS_LLAMA3, 0},
+        {"meta-llama-Llama-3.2-3B-Instruct.jinja", M40_TOOLS_LLAMA3, 0},
+        {"meta-llama-Llama-3.3-70B-Instruct.jinja", M40_TOOLS_LLAMA3, 0},
+        {"mistralai-Mistral-Nemo-Instruct-2407.jinja", M40_TOOLS_MISTRAL, 0},
+        {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", M40_TOOLS_JSON, 1},
+        {"deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", M40_TOOLS_JSON, 1},
+        {"google-gemma-2-2b-it.jinja", M40_TOOLS_JSON, 0},
+    };
+    const char *shared = check_shared_dir();
+    if (!shared) {
+        SKIP("../shared absent: template detection on real templates not checked");
+        return;
+    }
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/templates/%s", shared, cases[i].file);
+        FILE *f = fopen(path, "rb");
+        if (!f) {
+            SKIP("%s not found", path);
+            continue;
+        }
+        static char src[1 << 20];
+        size_t n = fread(src, 1, sizeof src - 1, f);
+        fclose(f);
+        src[n] = '\0';
+        CHECK(m40_tool_format_detect(src) == cases[i].f, "%s: %s", cases[i].file,
+              m40_tool_format_name(m40_tool_format_detect(src)));
+        CHECK(m40_template_thinks(src) == cases[i].thinks, "%s thinks", cases[i].file);
+    }
+}
+
+static void test_hermes(void)
+{
+    const m40_tool_format H = M40_TOOLS_HERMES;
+    const m40_reasoning_mode S = M40_REASONING_SEPARATE;
+    expect("plain", H, S, 0, "Hello <b>world</b> <tool", "Hello <b>world</b> <tool", "", "");
+    expect("one call", H, S, 0,
+           "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>",
+           "", "", "get_weather({\"city\":\"Paris\",\"days\":2});");
+    expect("text then two calls", H, S, 0,
+           "Let me check.\n<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n"
+           "{\"name\": \"b\", \"arguments\": {\"x\": [1, {\"y\": \"</tool\"}]}}\n</tool_call>\n",
+           "Let me check.\n", "", "a({});b({\"x\":[1,{\"y\":\"</tool\"}]});");
+    expect("unclosed call at the end", H, S, 0, "<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": 1}}", "", "",
+           "f({\"q\":1});");
+    expect("broken call is content", H, S, 0, "<tool_call>{\"name\": \"f\", \"arg</tool_call>",
+           "<tool_call>{\"name\": \"f\", \"arg</tool_call>", "", "");
+    expect("call without name is content", H, S, 0, "<tool_call>{\"arguments\": {}}</tool_call>",
+           "<tool_call>{\"arguments\": {}}</tool_call>", "", "");
+    expect("arguments as a JSON string", H, S, 0, "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>",
+           "", "", "f({\"a\":1});");
+    expect("no arguments", H, S, 0, "<tool_call>{\"name\": \"f\"}</tool_call>", "", "", "f({});");
+    expect("think then call", H, S, 0,
+           "<think>\nI should call f.\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "",
+           "\nI should call f.\n", "f({});");
+    expect("tools off", M40_TOOLS_NONE, S, 0, "<tool_call>{\"name\": \"f\"}</tool_call>",
+           "<tool_call>{\"name\": \"f\"}</tool_call>", "", "");
+}
+
+static void test_reasoning(void)
+{
+    const m40_tool_format N = M40_TOOLS_NONE;
+    expect("qwen3 think", N, M40_REASONING_SEPARATE, 0, "<think>\nstep 1 < 2\n</think>\n\nThe answer is 3.",
+           "The answer is 3.", "\nstep 1 < 2\n", "");
+    expect("r1: prompt opened think", N, M40_REASONING_SEPARATE, 1, "hmm </thin k>\n</think>\n\nYes.", "Yes.",
+           "hmm </thin k>\n", "");
+    expect("unfinished thinking", N, M40_REASONING_SEPARATE, 1, "still thinking <", "", "still thinking <", "");
+    expect("inline keeps tags", N, M40_REASONING_INLINE, 0, "<think>a</think>b", "<think>a</think>b", "", "");
+    expect("none drops reasoning", N, M40_REASONING_NONE, 1, "a</think>  b", "b", "", "");
+    expect("empty think (enable_thinking off)", N, M40_REASONING_SEPARATE, 0, "<think>\n\n</think>\n\nHi", "Hi",
+           "\n\n", "");
+}
+
+static void test_llama3(void)
+{
+    const m40_tool_format L = M40_TOOLS_LLAMA3;
+    const m40_reasoning_mode S = M40_REASONING_SEPARATE;
+    expect("json call", L, S, 0, " {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}", "", "",
+           "get_weather({\"city\":\"Paris\"});");
+    expect("two calls with ;", L, S, 0, "{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"k\": true}}",
+           "", "", "a({});b({\"k\":true});");
+    expect("python_tag", L, S, 0, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}", "", "",
+           "f({\"x\":1});");
+    expect("text with braces", L, S, 0, "Use {x} here.", "Use {x} here.", "", "");
+    expect("json that is no call", L, S, 0, "{\"answer\": 42}", "{\"answer\": 42}", "", "");
+    expect("broken json", L, S, 0, "{\"name\": \"f\", \"parameters\": {", "{\"name\": \"f\", \"parameters\": {", "", "");
+    expect("r1 distill (llama) thinking then call", L, S, 1, "ok</think>\n{\"name\": \"f\", \"parameters\": {}}", "",
+           "ok", "f({});");
+}
+
+static void test_mistral(void)
+{
+    const m40_tool_format M = M40_TOOLS_MISTRAL;
+    const m40_reasoning_mode S = M40_REASONING_SEPARATE;
+    expect("array", M, S, 0,
+           "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"q\": \"x\"}}, {\"name\": \"b\", \"arguments\": {}}]", "",
+           "", "a({\"q\":\"x\"});b({});");
+    expect("text before", M, S, 0, "Sure. [TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {}}]", "Sure. ", "",
+           "a({});");
+    expect("[ARGS] spelling", M, S, 0, "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}", "", "",
+           "get_weather({\"city\":\"Paris\"});");
+    expect("garbage after marker", M, S, 0, "[TOOL_CALLS] nope", "[TOOL_CALLS] nope", "", "");
+    expect("a [ that is text", M, S, 0, "[1, 2] [TOOL", "[1, 2] [TOOL", "", "");
+}
+
+static void test_json(void)
+{
+    const m40_tool_format J = M40_TOOLS_JSON;
+    const m40_reasoning_mode S = M40_REASONING_SEPARATE;
+    expect("object", J, S, 0, "{\"name\": \"f\", \"arguments\": {\"a\": \"\\u00e9\"}}", "", "",
+           "f({\"a\":\"\xc3\xa9\"});"); /* UTF-8 as it is, as json.dumps(ensure_ascii=False) */
+    expect("array", J, S, 0, "[{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"parameters\": {}}]", "", "",
+           "f({});g({});");
+    expect("empty array is content", J, S, 0, "[]", "[]", "", "");
+    expect("text", J, S, 0, "  Hello", "  Hello", "", "");
+    expect("only blanks", J, S, 0, " \n", " \n", "", "");
+}
+
+/* Random bytes and random marker soup at random chunkings: no crash, every piece is
+ * reported with sane fields, and with everything off the content is the input. */
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+
+static int sane(void *ud, const m40_piece *pc)
+{
+    int *bad = ud;
+    if (pc->kind == M40_PIECE_TOOL_CALL) {
+        if (!pc->name || !pc->arguments || !pc->name[0] || pc->arguments[0] != '{')
+            (*bad)++;
+    } else if (pc->kind != M40_PIECE_CONTENT && pc->kind != M40_PIECE_REASONING) {
+        (*bad)++;
+    } else if (pc->len == 0 || !pc->text) {
+        (*bad)++;
+    }
+    return 0;
+}
+
+static void test_fuzz(void)
+{
+    static const char *const bits[] = {"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]",
+                                       "<|python_tag|>", "{", "}", "[", "]", "\"name\"", ":", "\"f\"", ",",
+                                       "\"arguments\"", "{}", "\"parameters\"", " ", "\n", ";", "[ARGS]", "<", "\"",
+                                       "\\", "x", "\xff", "\xc3\xa9", "1"};
+    int bad = 0, identity_bad = 0;
+    char buf[600];
+    for (int iter = 0; iter < 6000; iter++) {
+        size_t len = 0;
+        int n = (int)(rnd() % 40);
+        for (int k = 0; k < n && len < sizeof buf - 40; k++) {
+            if (iter % 3 == 0) {
+                buf[len++] = (char)(rnd() & 0xff);
+            } else {
+                const char *b = bits[rnd() % (sizeof bits / sizeof *bits)];
+                memcpy(buf + len, b, strlen(b));
+                len += strlen(b);
+            }
+        }
+        for (int f = 0; f <= M40_TOOLS_JSON; f++) {
+            for (int m = 0; m <= M40_REASONING_NONE; m++) {
+                m40_chat_parse *p = m40_chat_parse_new((m40_tool_format)f, (m40_reasoning_mode)m, (int)(rnd() & 1));
+                size_t i = 0;
+                while (i < len) {
+                    size_t c = 1 + rnd() % 7;
+                    if (c > len - i)
+                        c = len - i;
+                    m40_chat_parse_feed(p, buf + i, c, sane, &bad);
+                    i += c;
+                }
+                m40_chat_parse_finish(p, sane, &bad);
+                m40_chat_parse_free(p);
+            }
+        }
+        result r;
+        size_t sizes[3] = {1 + rnd() % 5, 1 + rnd() % 9, 1};
+        run(M40_TOOLS_NONE, M40_REASONING_INLINE, 0, buf, len, sizes, 3, &r);
+        if (r.nc != len || memcmp(r.content, buf, len) != 0)
+            identity_bad++;
+    }
+    CHECK(bad == 0, "%d malformed pieces", bad);
+    CHECK(identity_bad == 0, "%d outputs not passed through unchanged with parsing off", identity_bad);
+}
+
+int main(void)
+{
+    test_detect();
+    test_detect_shared();
+    test_hermes();
+    test_reasoning();
+    test_llama3();
+    test_mistral();
+    test_json();
+    test_fuzz();
+    return check_done();
+}
