@@ -180,6 +180,14 @@ typedef struct {
      * chat_template_kwargs such as enable_thinking). */
     json_t *tools;
     json_t *template_kwargs;
+    /* Constrained decoding (engine/grammar), at most one of the three (copied at submit).
+     * The output is then a sentence of the grammar: tokens it does not allow are never
+     * sampled, and the sequence ends (finish "stop") once the grammar is complete. The
+     * engine compiles it on the tokenizer thread: an invalid one is answered with an
+     * ERROR event, status 400, whose message names the problem. */
+    const char *grammar;           /* GBNF source (llama-server's "grammar" field) */
+    const char *json_schema;       /* JSON Schema text (response_format "json_schema") */
+    int json_object;               /* 1: any JSON object (response_format "json_object") */
 } m40_request_params;
 
 typedef enum {

@@ -303,6 +303,9 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     rp.ignore_eos = p.ignore_eos ? 1 : 0;
     rp.tools = p.tools;
     rp.template_kwargs = p.template_kwargs;
+    rp.grammar = p.grammar;
+    rp.json_schema = p.json_schema;
+    rp.json_object = p.json_object ? 1 : 0;
 
     seed = p.has_seed ? p.seed
                       : ((uint64_t) ngx_random() << 32) ^ (uint64_t) ngx_random();

@@ -108,6 +108,10 @@ typedef struct {
     ngx_uint_t           tool_choice;         /* NGX_HTTP_M40_TOOL_CHOICE_* */
     ngx_flag_t           parallel_tool_calls; /* default 1 */
     json_t              *template_kwargs;     /* chat_template_kwargs (owned) */
+    /* constrained decoding: at most one (compiled by the engine, errors come as 400s) */
+    char                *grammar;             /* "grammar": GBNF source */
+    char                *json_schema;         /* response_format json_schema: schema text */
+    ngx_flag_t           json_object;         /* response_format json_object */
 } ngx_http_m40_params_t;
 
 #define NGX_HTTP_M40_TOOL_CHOICE_AUTO      0

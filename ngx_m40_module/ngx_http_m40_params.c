@@ -463,6 +463,131 @@ ngx_http_m40_parse_logit_bias(ngx_http_request_t *r, json_t *root,
 }
 
 
+/* "response_format" ({"type": "text" | "json_object" | "json_schema", "json_schema":
+ * {"name", "schema", "strict"}}) and "grammar" (GBNF, as llama-server takes it). Only the
+ * shape is checked here; the engine compiles the schema or grammar off the event loop
+ * and answers a bad one with a 400 that names the problem. */
+static ngx_int_t
+ngx_http_m40_parse_format(ngx_http_request_t *r, json_t *root,
+    ngx_http_m40_params_t *p, ngx_http_m40_error_t *err)
+{
+    char        *dump;
+    size_t       len;
+    json_t      *rf, *type, *js, *schema, *v;
+    const char  *t;
+
+    v = ngx_http_m40_field(root, "grammar");
+    if (v != NULL) {
+        if (!json_is_string(v)) {
+            ngx_http_m40_bad(err, "grammar", "'grammar' must be a string");
+            return NGX_ERROR;
+        }
+        len = json_string_length(v);
+        p->grammar = ngx_pnalloc(r->pool, len + 1);
+        if (p->grammar == NULL) {
+            goto nomem;
+        }
+        ngx_memcpy(p->grammar, json_string_value(v), len);
+        p->grammar[len] = '\0';
+    }
+
+    rf = ngx_http_m40_field(root, "response_format");
+    if (rf == NULL) {
+        return NGX_OK;
+    }
+
+    type = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+    if (!json_is_string(type)) {
+        ngx_http_m40_bad(err, "response_format",
+                         "'response_format' must be an object with a string "
+                         "'type'");
+        return NGX_ERROR;
+    }
+
+    t = json_string_value(type);
+    if (ngx_strcmp(t, "text") == 0) {
+        return NGX_OK;
+    }
+
+    if (p->grammar != NULL) {
+        ngx_http_m40_bad(err, "response_format",
+                         "'response_format' together with 'grammar' is not "
+                         "supported");
+        return NGX_ERROR;
+    }
+
+    if (ngx_strcmp(t, "json_object") == 0) {
+        p->json_object = 1;
+        return NGX_OK;
+    }
+
+    if (ngx_strcmp(t, "json_schema") != 0) {
+        ngx_http_m40_bad(err, "response_format.type",
+                         "'response_format.type' must be 'text', "
+                         "'json_object' or 'json_schema'");
+        return NGX_ERROR;
+    }
+
+    js = json_object_get(rf, "json_schema");
+    if (!json_is_object(js)) {
+        ngx_http_m40_bad(err, "response_format.json_schema",
+                         "'response_format.json_schema' must be an object");
+        return NGX_ERROR;
+    }
+
+    v = json_object_get(js, "name");
+    if (v != NULL && !json_is_string(v)) {
+        ngx_http_m40_bad(err, "response_format.json_schema.name",
+                         "'response_format.json_schema.name' must be a string");
+        return NGX_ERROR;
+    }
+
+    v = json_object_get(js, "strict");
+    if (v != NULL && !json_is_null(v) && !json_is_boolean(v)) {
+        ngx_http_m40_bad(err, "response_format.json_schema.strict",
+                         "'response_format.json_schema.strict' must be a "
+                         "boolean");
+        return NGX_ERROR;
+    }
+
+    schema = ngx_http_m40_field(js, "schema");
+    if (schema == NULL) {
+        p->json_object = 1;     /* no schema: any JSON object */
+        return NGX_OK;
+    }
+
+    if (!json_is_object(schema) && !json_is_boolean(schema)) {
+        ngx_http_m40_bad(err, "response_format.json_schema.schema",
+                         "'response_format.json_schema.schema' must be an "
+                         "object");
+        return NGX_ERROR;
+    }
+
+    dump = json_dumps(schema, JSON_COMPACT | JSON_ENCODE_ANY);
+    if (dump == NULL) {
+        goto nomem;
+    }
+
+    len = ngx_strlen(dump);
+    p->json_schema = ngx_pnalloc(r->pool, len + 1);
+    if (p->json_schema != NULL) {
+        ngx_memcpy(p->json_schema, dump, len + 1);
+    }
+
+    free(dump);
+
+    if (p->json_schema != NULL) {
+        return NGX_OK;
+    }
+
+nomem:
+
+    ngx_http_m40_error_set(err, NGX_HTTP_INTERNAL_SERVER_ERROR, "server_error",
+                           NULL, NULL, "out of memory");
+    return NGX_ERROR;
+}
+
+
 ngx_int_t
 ngx_http_m40_parse_params(ngx_http_request_t *r, ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_kind_e kind, json_t *root, ngx_http_m40_params_t *p,
@@ -626,6 +751,10 @@ ngx_http_m40_parse_params(ngx_http_request_t *r, ngx_http_m40_main_conf_t *mcf,
     if (ngx_http_m40_get_bool(root, "ignore_eos", &p->ignore_eos, err)
         != NGX_OK)
     {
+        return NGX_ERROR;
+    }
+
+    if (ngx_http_m40_parse_format(r, root, p, err) != NGX_OK) {
         return NGX_ERROR;
     }
 

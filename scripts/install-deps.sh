@@ -4,7 +4,8 @@
 set -euo pipefail
 pkgs=(build-essential autoconf automake pkg-config
       libjansson-dev libpcre2-dev libsentencepiece-dev
-      nginx-dev nginx-core curl python3 python3-venv python3-jinja2 clang)
+      nginx-dev nginx-core curl python3 python3-venv python3-jinja2 clang
+      python3-jsonschema)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -29,7 +29,19 @@ static void admit(m40_engine *e, m40_request *r, int32_t slot)
     r->sampling.skip_logprob = !r->logprobs; /* only logprobs requests report it */
     s->smp = m40_sampler_new(&r->sampling, e->n_vocab);
     s->detok = m40_detok_new(e->tok);
-    if (!s->smp || !s->detok) {
+    if (r->grammar) { /* the constraint takes the compiled grammar over */
+        s->gc = m40_gconstraint_new(r->grammar, e->vocab_trie);
+        r->grammar = NULL;
+    }
+    if (s->gc && s->detok && n > 0) {
+        /* The grammar matched the tokens' bytes as they are, a leading space included, so
+         * the text must not lose SentencePiece's first space: the detokenizer starts after
+         * the prompt's last token (its text, and any incomplete UTF-8 tail, thrown away). */
+        size_t k;
+        m40_detok_push(s->detok, ids[n - 1], &k);
+        m40_detok_flush(s->detok, &k);
+    }
+    if (!s->smp || !s->detok || (r->grammar_src || r->json_schema || r->json_object ? !s->gc : 0)) {
         free(ids);
         m40_slot_clear(s);
         m40_admit_fail(e, r, 500, "out of memory creating the sampler");

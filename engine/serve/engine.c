@@ -233,6 +233,9 @@ static void request_free(m40_request *r)
     free((void *)r->sampling.logit_bias_values);
     for (int i = 0; i < r->n_stop; i++)
         free(r->stop[i]);
+    free(r->grammar_src);
+    free(r->json_schema);
+    m40_grammar_free(r->grammar);
     free(r);
 }
 
@@ -359,6 +362,8 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
         if (strlen(p->stop[i]) > M40_MAX_STOP_LEN)
             return invalid(err, errlen, "a stop string is longer than 1024 bytes");
     }
+    if ((p->grammar != NULL) + (p->json_schema != NULL) + (p->json_object != 0) > 1)
+        return invalid(err, errlen, "at most one of grammar, json_schema and json_object");
     const m40_sampler_params *sp = &p->sampling;
     if (!(sp->temperature >= 0.0f) || !isfinite(sp->temperature))
         return invalid(err, errlen, "temperature must be a finite number >= 0");
@@ -437,6 +442,10 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
         r->stop_len[i] = strlen(r->stop[i]);
         r->n_stop = i + 1;
     }
+    r->json_object = p->json_object != 0;
+    if ((p->grammar && !(r->grammar_src = dup_str(p->grammar))) ||
+        (p->json_schema && !(r->json_schema = dup_str(p->json_schema))))
+        goto nomem;
     r->t_submit = m40_now();
 
     pthread_mutex_lock(&e->mu);

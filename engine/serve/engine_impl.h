@@ -28,6 +28,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "grammar/grammar.h"
 #include "template/jinja.h"
 #include "m40_engine.h"
 #include "model/model.h"
@@ -80,6 +81,9 @@ struct m40_request {
     int n_stop;
     int logprobs;
     int ignore_eos;
+    char *grammar_src;   /* constrained decoding: at most one of these three */
+    char *json_schema;
+    int json_object;
     double t_submit;     /* monotonic seconds, for time to first token */
 
     /* Written by the tokenizer thread before it queues the request for admission,
@@ -87,6 +91,7 @@ struct m40_request {
     int32_t *ids;        /* the prompt's token ids (chat: the rendered template) */
     int32_t n_ids;
     int fallback_chat;   /* rendered by the fallback template: its end marker stops */
+    m40_grammar *grammar; /* compiled (constrain.c); moves into the slot's constraint at admission */
 
     /* Event queue, guarded by evmu: a ring of ev_cap entries from ev_head. */
     pthread_mutex_t evmu;
@@ -114,6 +119,7 @@ typedef struct {
     int32_t n_gen;       /* tokens sampled */
     int32_t next_token;  /* sampled, not yet fed through the model */
     m40_sampler *smp;
+    m40_gconstraint *gc; /* constrained decoding: the grammar's state, NULL when free-running */
     m40_detok *detok;
     char *held;          /* decoded text not yet emitted (could start a stop string) */
     size_t held_len, held_cap;
@@ -178,6 +184,10 @@ struct m40_engine {
     const char *tmpl_src;         /* its source (the override or the GGUF's string) */
     char tmpl_err[256];           /* non-empty: the model's template did not parse */
     int fallback_end_is_text;     /* the fallback's end marker is no token: stop on its text */
+    /* The vocabulary as a trie of token bytes for grammar masks: built by the tokenizer
+     * thread on the first constrained request (constrain.c), read by the engine thread
+     * only through requests handed over under mu; freed after both threads stopped. */
+    m40_token_trie *vocab_trie;
     m40_slot *slots;
     uint64_t admit_counter;
     int32_t *b_tokens, *b_pos, *b_slot;
@@ -239,6 +249,11 @@ void m40_prompt_stop(m40_engine *e);
 int m40_prompt_guard(const m40_tokenizer *tok, const m40_jinja *tmpl, const json_t *messages, const json_t *tools,
                      int add_generation_prompt, const char *bos, const char *eos, const json_t *kwargs,
                      const char *real, size_t real_len, size_t **ranges, size_t *n_ranges, char *err, size_t errlen);
+
+/* constrain.c (tokenizer thread): compiles the request's grammar, schema or json_object
+ * into r->grammar (and builds e->vocab_trie the first time). 0 (also when the request
+ * has none), or -1 with the HTTP status and message to answer with. */
+int m40_request_compile_grammar(m40_engine *e, m40_request *r, int *status, char *msg, size_t msglen);
 
 /* The engine thread, in four files by job; everything below runs on it alone.
  * engine_thread.c: an automatic max_seqs on a GPU (m40_engine.h): the sequences of

@@ -294,6 +294,8 @@ static void engine_unload(m40_engine *e)
     free(e->ready_batch);
     free(e->done_batch);
     m40_jinja_free(e->tmpl);
+    m40_token_trie_free(e->vocab_trie); /* the tokenizer thread, its builder, has stopped */
+    e->vocab_trie = NULL;
     m40_kv_free(e->kv);
     m40_model_free(e->model);
     e->slots = NULL;

@@ -15,6 +15,7 @@
 void m40_slot_clear(m40_slot *s)
 {
     m40_sampler_free(s->smp);
+    m40_gconstraint_free(s->gc);
     m40_detok_free(s->detok);
     free(s->prompt);
     free(s->held);
@@ -243,6 +244,25 @@ static size_t stop_holdback(const stop_set *st, const char *text, size_t n)
 
 /* ---------- a new token ---------- */
 
+/* A constrained sequence that no token may continue: the automaton failed (an error), or
+ * the grammar is complete and the vocabulary has no end-of-generation token (a stop). */
+static void grammar_end(m40_engine *e, int32_t i)
+{
+    m40_slot *s = &e->slots[i];
+    const char *why = m40_gconstraint_error(s->gc);
+    if (why) {
+        m40_push_error(e, s->r, 500, why);
+    } else {
+        size_t n = 0;
+        const char *txt = m40_detok_flush(s->detok, &n);
+        if (held_append(s, txt, n) != 0 || emit_held(e, s, s->held_len, 0) != 0)
+            m40_push_error(e, s->r, 500, "out of memory producing the response");
+        else
+            m40_push_done(e, s, M40_FINISH_STOP);
+    }
+    m40_slot_finish(e, i);
+}
+
 /* Handles the logits of slot i's newest position: sample (logits: the row to sample
  * from, or NULL when the model already picked `picked`), detokenize, stop strings,
  * finish conditions, events. */
@@ -251,12 +271,32 @@ void m40_sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picke
     m40_slot *s = &e->slots[i];
     m40_request *r = s->r;
     m40_sample_result res;
+    /* Constrained: what the grammar does not allow is -inf before the sampler sees the row
+     * (constrained rows always bring their logits to the host: scheduler.c's greedy_only). */
+    if (s->gc && (!logits || m40_gconstraint_apply(s->gc, logits) == 0)) {
+        grammar_end(e, i);
+        return;
+    }
     if (logits) {
         m40_sampler_sample(s->smp, logits, &res);
     } else {
         res.token = picked;
         res.logprob = NAN;
         res.n_top = 0;
+    }
+    if (s->gc && m40_gconstraint_accept(s->gc, res.token) != 0) {
+        /* only a draw's rounding at the very top can land on a banned (zero-probability)
+         * candidate: the most likely allowed token instead */
+        int32_t best = 0;
+        for (int32_t k = 1; k < e->n_vocab; k++)
+            if (logits[k] > logits[best])
+                best = k;
+        res.token = best;
+        res.n_top = 0;
+        if (m40_gconstraint_accept(s->gc, best) != 0) {
+            grammar_end(e, i);
+            return;
+        }
     }
     m40_sampler_accept(s->smp, res.token);
 
@@ -285,6 +325,8 @@ void m40_sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picke
     }
     if (eog)
         finish = M40_FINISH_STOP;
+    else if (s->gc && m40_gconstraint_done(s->gc))
+        finish = M40_FINISH_STOP; /* the grammar is complete: only end-of-generation could follow */
     else if (s->n_gen >= r->max_tokens || s->n_past >= e->ctx)
         finish = M40_FINISH_LENGTH; /* no room for another token, or the limit asked for */
     if (finish != M40_FINISH_NONE) {

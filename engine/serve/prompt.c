@@ -236,6 +236,10 @@ static void *prompt_thread_main(void *arg)
         int status = 500;
         char msg[256];
         int rc = request_tokens(e, r, &ids, &n, &status, msg, sizeof msg);
+        if (rc == 0 && (rc = m40_request_compile_grammar(e, r, &status, msg, sizeof msg)) != 0) {
+            free(ids);
+            ids = NULL;
+        }
         /* Rendered: only this thread ever read the messages (the engine's deep copy). */
         if (r->messages) {
             json_decref(r->messages);

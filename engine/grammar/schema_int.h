@@ -1,0 +1,74 @@
+/* What json_schema.c and pattern.c share: a growing string and GBNF literals. This
+ * folder's private header for the JSON Schema compiler. */
+#ifndef M40_SCHEMA_INT_H
+#define M40_SCHEMA_INT_H
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    char *s;
+    size_t n, cap;
+    int oom;
+} sbuf;
+
+static inline void sb_add(sbuf *b, const char *s, size_t n)
+{
+    if (b->oom)
+        return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 1024;
+        while (b->n + n + 1 > cap)
+            cap *= 2;
+        char *p = realloc(b->s, cap);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->s = p;
+        b->cap = cap;
+    }
+    memcpy(b->s + b->n, s, n);
+    b->n += n;
+    b->s[b->n] = 0;
+}
+static inline void sb_puts(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+static inline void sb_printf(sbuf *b, const char *fmt, ...)
+{
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n >= (int)sizeof tmp) {
+        b->oom = 1;
+        return;
+    }
+    sb_add(b, tmp, (size_t)n);
+}
+
+/* A GBNF string literal for raw bytes. */
+static inline void lit(sbuf *b, const char *s, size_t n)
+{
+    sb_puts(b, "\"");
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"' || c == '\\') {
+            char e[3] = {'\\', (char)c, 0};
+            sb_puts(b, e);
+        } else if (c < 0x20 || c == 0x7f)
+            sb_printf(b, "\\x%02X", c);
+        else
+            sb_add(b, (const char *)&c, 1);
+    }
+    sb_puts(b, "\"");
+}
+
+/* pattern.c: a JSON Schema "pattern" (a regular-expression subset) as a GBNF expression
+ * for the characters between the string's quotes, appended to e. 0, or -1 with err
+ * naming what is not supported. */
+int m40_pattern_to_gbnf(const char *re, size_t len, sbuf *e, char *err, size_t errlen);
+
+#endif
