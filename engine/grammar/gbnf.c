@@ -429,7 +429,8 @@ static int32_t extract_item(parser *ps, int32_t rule, int32_t start, m40_gelem *
     *item = malloc(sizeof **item * (size_t)(*n_item ? *n_item : 1));
     if (!*item)
         return fail(ps, "out of memory");
-    memcpy(*item, r->buf + start, sizeof **item * (size_t)*n_item);
+    if (*n_item) /* an empty rule has no buffer yet */
+        memcpy(*item, r->buf + start, sizeof **item * (size_t)*n_item);
     r->n = start;
     return 0;
 }

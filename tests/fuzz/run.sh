@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # libFuzzer harnesses of the parsers that read what others wrote: the GGUF reader
 # (fuzz_gguf), the Jinja lexer/parser/evaluator (fuzz_jinja), the tokenizers and the
-# streaming detokenizer (fuzz_tokenizer). Each is built with clang and ASan + UBSan
+# streaming detokenizer (fuzz_tokenizer), the GBNF and JSON Schema compilers with the
+# matcher and token masks behind them (fuzz_grammar). Each is built with clang and ASan + UBSan
 # (every UBSan report is fatal) and runs for SECONDS (default 60) from its committed
 # seed corpus (tests/fuzz/corpus/NAME), growing a working corpus under build/fuzz.
 #   tests/fuzz/run.sh [SECONDS] [NAME ...]     (make fuzz FUZZ_SECONDS=N)
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/../.." || exit 1
 SECONDS_EACH=${1:-60}
 shift || true
 NAMES=("$@")
-[ ${#NAMES[@]} -gt 0 ] || NAMES=(gguf jinja tokenizer)
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(gguf jinja tokenizer grammar)
 CC=${FUZZ_CC:-clang}
 CXX=${FUZZ_CXX:-clang++}
 out=build/fuzz
@@ -26,7 +27,7 @@ SAN="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
 FLAGS="-g -O1 -D_GNU_SOURCE -Iengine -Ikernels -pthread"
 SRCS=(engine/util/err.c engine/util/threadpool.c engine/gguf/gguf.c engine/gguf/gguf_writer.c
       engine/gguf/mkmodel.c engine/tokenizer/tokenizer.c engine/tokenizer/bpe.c engine/tokenizer/spm_proto.c
-      engine/template/jinja_*.c kernels/ref/ggml_types.c kernels/ref/quant.c)
+      engine/template/jinja_*.c engine/grammar/*.c kernels/ref/ggml_types.c kernels/ref/quant.c)
 LIBS="-ljansson -lpcre2-8 -lsentencepiece -lstdc++ -lm"
 # the engine's sources once, instrumented (a library every harness links)
 objs=()
