@@ -237,12 +237,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
         for (int i = tid; i < MQ_BN * (RB / 16); i += MQ_WARPS * 32) {
             const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
             const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes; /* rows past N: never written */
-            const uint8_t *src;
-            if constexpr (T == M40K_TYPE_Q6_K_G8) /* superblock c % 8 of group c / 8, then the group's d[8] */
-                src = row + 1680 * (size_t)(c >> 3) + (o < 208 ? 208 * (c & 7) + o : 1664 + (o - 208));
-            else
-                src = row + (size_t)c * RB + o;
-            mq_cp16(dst + r * RB + o, src, 16);
+            mq_cp16(dst + r * RB + o, mq_chunk_src<T>(row, c, o), 16);
         }
         mq_commit();
     };
@@ -442,11 +437,7 @@ __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restri
     for (int i = threadIdx.x; i < MQ_DQ_ROWS * (RB / 16); i += blockDim.x) {
         const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
         const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes;
-        const uint8_t *src;
-        if constexpr (T == M40K_TYPE_Q6_K_G8)
-            src = row + 1680 * (size_t)(c >> 3) + (o < 208 ? 208 * (c & 7) + o : 1664 + (o - 208));
-        else
-            src = row + (size_t)c * RB + o;
+        const uint8_t *src = mq_chunk_src<T>(row, c, o);
         *reinterpret_cast<uint4 *>(raw + r * RB + o) = __ldg(reinterpret_cast<const uint4 *>(src));
     }
     __syncthreads();

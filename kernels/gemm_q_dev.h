@@ -70,6 +70,16 @@ template <int T> struct mq_stage {
     static_assert(RB % 16 == 0, "staged chunks move in 16-byte pieces");
 };
 
+/* Where byte o of chunk c's staged row comes from in the weight row: the chunk's bytes,
+ * or for Q6_K_G8 superblock c % 8 of group c / 8 followed by the group's d[8]. */
+template <int T> __device__ __forceinline__ const uint8_t *mq_chunk_src(const uint8_t *row, int c, int o)
+{
+    if constexpr (T == M40K_TYPE_Q6_K_G8)
+        return row + 1680 * (size_t)(c >> 3) + (o < 208 ? 208 * (c & 7) + o : 1664 + (o - 208));
+    else
+        return row + (size_t)c * mq_stage<T>::RB + o;
+}
+
 __device__ __forceinline__ uint32_t mq_lds16(const uint8_t *p) { return *reinterpret_cast<const uint16_t *>(p); }
 
 /* The F16 weight of every element: w = RN(q * RN(scale) - RN(offset)), q, scale and

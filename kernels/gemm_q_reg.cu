@@ -146,12 +146,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
             for (int i = tid; i < MR_ROWS * (RB / 16); i += MQ_WARPS * 32) {
                 const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
                 const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes; /* rows past N: never written */
-                const uint8_t *src;
-                if constexpr (T == M40K_TYPE_Q6_K_G8) /* superblock c % 8 of group c / 8, then the group's d[8] */
-                    src = row + 1680 * (size_t)(c >> 3) + (o < 208 ? 208 * (c & 7) + o : 1664 + (o - 208));
-                else
-                    src = row + (size_t)c * RB + o;
-                mq_cp16(ws_ + r * WLD + o, src, 16);
+                mq_cp16(ws_ + r * WLD + o, mq_chunk_src<T>(row, c, o), 16);
             }
             uint16_t *xs = reinterpret_cast<uint16_t *>(ws_ + MR_ROWS * WLD);
             for (int i = tid; i < BM * (MQ_KC / 8); i += MQ_WARPS * 32) {

@@ -661,6 +661,34 @@ static int32_t tok_match_special(const m40_tokenizer *t, const char *text, size_
     return -1;
 }
 
+/* text cut at special pieces, the rest encoded between them. A special piece may neither
+ * start inside a protected range (n_protect pairs [protect[2k], protect[2k+1]), sorted,
+ * disjoint) nor reach into one, except a user-defined token wholly inside the range
+ * (those match in plain text too): no ranges is parse_special, one range over all of
+ * text is plain text. */
+static int tok_encode_split(const m40_tokenizer *t, const char *text, size_t len, const size_t *protect,
+                            size_t n_protect, int32_t *ids, int64_t cap, int64_t *count, char *err, size_t errlen)
+{
+    size_t start = 0, r = 0;
+    for (size_t i = 0; i < len;) {
+        while (r < n_protect && protect[2 * r + 1] <= i)
+            r++;
+        const int inside = r < n_protect && protect[2 * r] <= i;
+        const size_t limit = inside ? protect[2 * r + 1] : r < n_protect ? protect[2 * r] : len;
+        const int32_t id = tok_match_special(t, text + i, (limit < len ? limit : len) - i, !inside);
+        if (id < 0) {
+            i++;
+            continue;
+        }
+        if (tok_encode_text(t, text + start, i - start, ids, cap, count, err, errlen) != 0)
+            return -1;
+        tok_emit(ids, cap, count, id);
+        i += t->piece_len[id];
+        start = i;
+    }
+    return tok_encode_text(t, text + start, len - start, ids, cap, count, err, errlen);
+}
+
 int64_t m40_tokenize(const m40_tokenizer *t, const char *text, size_t len, int add_bos, int parse_special,
                      int32_t *ids, int64_t cap, char *err, size_t errlen)
 {
@@ -672,28 +700,15 @@ int64_t m40_tokenize(const m40_tokenizer *t, const char *text, size_t len, int a
     if (add_bos && t->bos >= 0)
         tok_emit(ids, cap, &count, t->bos);
     /* Without parse_special, SentencePiece splits user-defined pieces itself; BPE needs
-     * them split here. */
-    if ((!parse_special && t->kind == M40_TOK_SPM) || t->n_special == 0) {
-        if (tok_encode_text(t, text, len, ids, cap, &count, err, errlen) != 0)
-            return -1;
-        return count;
-    }
-    size_t start = 0;
-    for (size_t i = 0; i < len;) {
-        int32_t id = tok_match_special(t, text + i, len - i, parse_special);
-        if (id < 0) {
-            i++;
-            continue;
-        }
-        if (tok_encode_text(t, text + start, i - start, ids, cap, &count, err, errlen) != 0)
-            return -1;
-        tok_emit(ids, cap, &count, id);
-        i += t->piece_len[id];
-        start = i;
-    }
-    if (tok_encode_text(t, text + start, len - start, ids, cap, &count, err, errlen) != 0)
-        return -1;
-    return count;
+     * them split here (the whole text one protected range). */
+    int rc;
+    const size_t all[2] = {0, len};
+    if ((!parse_special && t->kind == M40_TOK_SPM) || t->n_special == 0)
+        rc = tok_encode_text(t, text, len, ids, cap, &count, err, errlen);
+    else
+        rc = tok_encode_split(t, text, len, parse_special ? NULL : all, parse_special ? 0 : 1, ids, cap, &count, err,
+                              errlen);
+    return rc != 0 ? -1 : count;
 }
 
 int64_t m40_tokenize_guarded(const m40_tokenizer *t, const char *text, size_t len, int add_bos,
@@ -707,34 +722,9 @@ int64_t m40_tokenize_guarded(const m40_tokenizer *t, const char *text, size_t le
     int64_t count = 0;
     if (add_bos && t->bos >= 0)
         tok_emit(ids, cap, &count, t->bos);
-    if (t->n_special == 0) {
-        if (tok_encode_text(t, text, len, ids, cap, &count, err, errlen) != 0)
-            return -1;
-        return count;
-    }
-    /* as m40_tokenize with parse_special, but a special piece may neither start inside
-     * a protected range nor reach into one, unless it is a user-defined token wholly
-     * inside the range (those match in plain text too) */
-    size_t start = 0, r = 0;
-    for (size_t i = 0; i < len;) {
-        while (r < n_protect && protect[2 * r + 1] <= i)
-            r++;
-        const int inside = r < n_protect && protect[2 * r] <= i;
-        const size_t limit = inside ? protect[2 * r + 1] : r < n_protect ? protect[2 * r] : len;
-        const int32_t id = tok_match_special(t, text + i, (limit < len ? limit : len) - i, !inside);
-        if (id < 0) {
-            i++;
-            continue;
-        }
-        if (tok_encode_text(t, text + start, i - start, ids, cap, &count, err, errlen) != 0)
-            return -1;
-        tok_emit(ids, cap, &count, id);
-        i += t->piece_len[id];
-        start = i;
-    }
-    if (tok_encode_text(t, text + start, len - start, ids, cap, &count, err, errlen) != 0)
-        return -1;
-    return count;
+    const int rc = t->n_special == 0 ? tok_encode_text(t, text, len, ids, cap, &count, err, errlen)
+                                     : tok_encode_split(t, text, len, protect, n_protect, ids, cap, &count, err, errlen);
+    return rc != 0 ? -1 : count;
 }
 
 int m40_tokenizer_has_control(const m40_tokenizer *t, const char *text, size_t len)
