@@ -261,6 +261,10 @@ static int repeat(jrender *r, int line, m40_jvalue seq, int64_t times, m40_jvalu
 {
     if (times < 0)
         times = 0;
+    /* an empty sequence repeated is empty however often: no loop over `times` (a
+     * 10^15-fold '' * n used to spin for ever within the size bound) */
+    if ((seq.type == M40_JV_STRING ? seq.u.s->len : seq.u.l->n) == 0)
+        times = 0;
     if (seq.type == M40_JV_STRING) {
         size_t len = seq.u.s->len;
         if (len && (uint64_t)times > r->lim.max_output / len)

@@ -375,6 +375,8 @@ static void test_hostile(void)
           "x[0, :] fails cleanly: %s", err);
     m40_jinja_free(t);
     EXPECT("{{ 'abcdef'[1:4] ~ 'xyz'[::-1] }}", NULL, "bcdzyx");
+    /* empty sequences repeated 10^15 times: empty at once (found by fuzz_jinja: a spin) */
+    EXPECT("{{ '' * 3444444444444444 }}{{ ([] * 3444444444444444) | length }}", NULL, "0");
     /* a source over 1 MiB (possible only through a GGUF file or a configured path) */
     const size_t big = ((size_t)1 << 20) + 1;
     char *huge = malloc(big + 1);
