@@ -6,8 +6,8 @@
  * (494), a request timeout (408). nginx answers them with its HTML "special response";
  * an SDK expects JSON it can parse. In a server where a location has m40_api, this
  * header/body filter pair replaces exactly those responses (nginx sets r->err_status and
- * text/html for them) by {"error": {...}} with the same status; m40's own errors and
- * every other server are left alone. */
+ * text/html for them) by {"error": {...}} with the same status; m40's own errors, the
+ * pages of the operator's error_page directives and every other server are left alone. */
 #include "ngx_http_m40_module.h"
 
 /* The responses this filter rewrites are marked by the address of their content type:
@@ -76,7 +76,8 @@ ngx_http_m40_errpage_header_filter(ngx_http_request_t *r)
 
     scf = ngx_http_get_module_srv_conf(r, ngx_http_m40_module);
 
-    if (r != r->main || scf == NULL || !scf->json_errors
+    /* r->error_page: the operator's own error_page answered it; theirs stands */
+    if (r != r->main || scf == NULL || !scf->json_errors || r->error_page
         || r->err_status < NGX_HTTP_BAD_REQUEST
         || r->headers_out.content_type.len < sizeof("text/html") - 1
         || ngx_strncmp(r->headers_out.content_type.data, "text/html",
