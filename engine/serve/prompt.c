@@ -93,6 +93,22 @@ static int ends_in_open_think(const char *text, size_t len)
     return len >= sizeof tag - 1 && memcmp(text + len - (sizeof tag - 1), tag, sizeof tag - 1) == 0;
 }
 
+/* 1 (with the 400 in msg) when a text of len bytes cannot fit the context whatever it
+ * says: every token is at most the vocabulary's longest piece, so it has at least
+ * len / that many tokens. Checked before tokenizing, so that a 10 MB prompt is refused at
+ * once instead of after seconds of work. */
+static int surely_too_long(const m40_engine *e, size_t len, char *msg, size_t msglen)
+{
+    if (len < (size_t)e->ctx)
+        return 0; /* never more tokens than bytes: no bound to find (and no scan) */
+    const size_t at_least = len / m40_tokenizer_max_piece_len(e->tok);
+    if (at_least < (size_t)e->ctx)
+        return 0;
+    snprintf(msg, msglen, "prompt has at least %zu tokens (%zu bytes) but the context size is %d", at_least, len,
+             (int)e->ctx);
+    return 1;
+}
+
 /* Renders (chat) and tokenizes the request's prompt; sets r->fallback_chat. On failure
  * returns -1 with the HTTP status and message to answer with. Reads only what is
  * immutable while the thread runs (e->tok, e->tmpl, e->tmpl_err, e->ctx) and the
@@ -155,6 +171,12 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
                 return -1;
             }
         }
+        if (surely_too_long(e, len, msg, msglen)) {
+            free(text);
+            free(guard);
+            *status = 400;
+            return -1;
+        }
         r->reasoning_open = ends_in_open_think(text, len);
         /* Template output is trusted: its control-token strings become single ids; the
          * messages' own text never does (guard: where it landed, when it holds one). */
@@ -179,6 +201,10 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
             n++;
         }
     } else {
+        if (surely_too_long(e, r->prompt_len, msg, msglen)) {
+            *status = 400;
+            return -1;
+        }
         /* User text: control-token strings stay text. */
         n = tokenize_alloc(tok, r->prompt, r->prompt_len, m40_tokenizer_add_bos(tok), 0, NULL, 0, &ids, err,
                            sizeof err);

@@ -592,6 +592,15 @@ fail:
 int m40_tokenizer_kind(const m40_tokenizer *t) { return t->kind; }
 const char *m40_tokenizer_load_warning(const m40_tokenizer *t) { return t->bpe ? m40_bpe_load_warning(t->bpe) : NULL; }
 int32_t m40_tokenizer_n_vocab(const m40_tokenizer *t) { return t->n_vocab; }
+
+size_t m40_tokenizer_max_piece_len(const m40_tokenizer *t)
+{
+    size_t m = 1;
+    for (int32_t i = 0; t && i < t->n_vocab; i++)
+        if (t->piece_len[i] > m)
+            m = t->piece_len[i];
+    return m;
+}
 int32_t m40_tokenizer_bos(const m40_tokenizer *t) { return t->bos; }
 int32_t m40_tokenizer_eos(const m40_tokenizer *t) { return t->eos; }
 int m40_tokenizer_add_bos(const m40_tokenizer *t) { return t->add_bos && t->bos >= 0; }

@@ -222,3 +222,20 @@ def test_nginx_errors_are_openai_json(base_url, name, data, status):
     assert set(e) == {"message", "type", "param", "code"} and e["code"] == f"http_{status}", (name, e)
     assert e["type"] == "invalid_request_error" and e["message"], (name, e)
     still_alive(base_url)
+
+
+def test_prompt_past_the_context_is_refused_before_tokenizing(base_url):
+    # 900 KB (under client_max_body_size): more tokens than the context whatever the
+    # text, by bytes / the longest vocabulary piece, so refused without tokenizing it
+    import time
+    big = "word " * 180000
+    t0 = time.time()
+    for path, body in (("/v1/completions", {"prompt": big, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 1})):
+        e = check_error(post(base_url, body, path=path), 400)
+        assert "at least" in e["message"] and "context size" in e["message"], e
+    assert time.time() - t0 < 10
+    # a prompt only a little too long is tokenized and refused with its exact count
+    e = check_error(post(base_url, {"prompt": "word " * 400, "max_tokens": 1}, path="/v1/completions"), 400)
+    assert "prompt has" in e["message"] and "context size" in e["message"], e
+    still_alive(base_url)
