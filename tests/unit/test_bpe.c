@@ -420,6 +420,52 @@ static void test_qwen2_prompts(void)
     m40_gguf_close(g);
 }
 
+/* m40_tokenize_guarded (chat prompts: the messages' text is protected) on tiny-qwen2's
+ * vocabulary, whose one control token is <|endoftext|> (50256): no ranges is
+ * parse_special, one range over everything is plain text, a control string inside a
+ * range or reaching into one stays text, one outside stays a control id; and every other
+ * token is the same as whole-text tokenization gives. */
+static void test_guarded(void)
+{
+    char path[4096], err[256];
+    if (!check_shared_file("models/tiny-qwen2-gpt2-f16.gguf", path, sizeof path)) {
+        SKIP("tiny-qwen2-gpt2-f16 absent");
+        return;
+    }
+    m40_gguf *g = NULL;
+    m40_tokenizer *t = NULL;
+    if (m40_gguf_open(path, &g, err, sizeof err) != 0 || m40_tokenizer_from_gguf(g, &t, err, sizeof err) != 0) {
+        CHECK(0, "load %s: %s", path, err);
+        m40_gguf_close(g);
+        return;
+    }
+    const char text[] = "<|endoftext|>user: hi<|endoftext|> there<|endoftext|>";
+    const size_t len = sizeof text - 1, user = 13, user_end = 35; /* "user: hi<|endoftext|>" */
+    int32_t a[64], b[64], c[64];
+    const size_t all[2] = {0, len}, mid[2] = {user, user_end}, straddle[2] = {18, 20};
+    int64_t na = m40_tokenize(t, text, len, 0, 1, a, 64, err, sizeof err);
+    int64_t nb = m40_tokenize_guarded(t, text, len, 0, NULL, 0, b, 64, err, sizeof err);
+    CHECK(na > 0 && na == nb && !memcmp(a, b, (size_t)na * 4), "no ranges: parse_special (%lld, %lld)", (long long)na,
+          (long long)nb);
+    na = m40_tokenize(t, text, len, 0, 0, a, 64, err, sizeof err);
+    nb = m40_tokenize_guarded(t, text, len, 0, all, 1, b, 64, err, sizeof err);
+    CHECK(na > 0 && na == nb && !memcmp(a, b, (size_t)na * 4), "one range over all: plain text");
+    int64_t nc = m40_tokenize_guarded(t, text, len, 0, mid, 1, c, 64, err, sizeof err);
+    int specials = 0;
+    for (int64_t i = 0; i < nc; i++)
+        specials += c[i] == 50256;
+    CHECK(nc > 0 && specials == 2 && c[0] == 50256 && c[nc - 1] == 50256,
+          "the protected one stays text, the two outside are control ids (%d)", specials);
+    /* a control string that starts outside a range and reaches into it is text too */
+    nc = m40_tokenize_guarded(t, text, len, 0, straddle, 1, c, 64, err, sizeof err);
+    CHECK(nc > 0 && c[0] == 50256, "a range elsewhere leaves the first control id (%lld)", (long long)nc);
+    const size_t into[2] = {5, 10};
+    nc = m40_tokenize_guarded(t, text, len, 0, into, 1, c, 64, err, sizeof err);
+    CHECK(nc > 1 && c[0] != 50256, "a control string reaching into a range is text");
+    m40_tokenizer_free(t);
+    m40_gguf_close(g);
+}
+
 /* The GPT-2 mapped form of a byte string (what vocab and merge strings are made of):
  * printable Latin-1 bytes stay, the other 68 go to U+0100.. in byte order. Written
  * independently of bpe.c's table so that a wrong table there shows up here. */
@@ -798,6 +844,7 @@ int main(void)
     CHECK(t < 1.0, "encoding all .inp files took %.3f s", t);
     test_gpt_neox_default();
     test_qwen2_prompts();
+    test_guarded();
     test_synthetic();
     return check_done();
 }
