@@ -22,6 +22,10 @@ static ngx_int_t ngx_http_m40_start(ngx_http_request_t *r,
 static ngx_int_t ngx_http_m40_collect(ngx_http_m40_ctx_t *ctx);
 static void ngx_http_m40_cleanup(void *data);
 static void ngx_http_m40_linger(ngx_event_t *ev);
+static ngx_int_t ngx_http_m40_load_wait(ngx_http_request_t *r,
+    ngx_http_m40_ctx_t *ctx);
+
+#define NGX_HTTP_M40_LOAD_POLL_MS  50
 
 
 ngx_int_t
@@ -165,6 +169,15 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     ngx_http_m40_main_conf_t  *mcf;
 
     mcf = ctx->mcf;
+
+    /* A request that arrives while the model loads (a new worker after a reload, or
+     * right after start) waits for it, up to m40_load_wait, instead of a 503. */
+    if (mcf->engine != NULL && ctx->load_waited < mcf->load_wait
+        && m40_engine_get_state(mcf->engine, err_buf, sizeof(err_buf))
+           == M40_ENGINE_LOADING)
+    {
+        return ngx_http_m40_load_wait(r, ctx);
+    }
 
     if (ngx_http_m40_body(r, &data, &len) != NGX_OK) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
@@ -411,6 +424,59 @@ failed:
     }
 
     return ngx_http_m40_send_error(r, &err);
+}
+
+
+static void
+ngx_http_m40_load_retry(ngx_event_t *ev)
+{
+    ngx_connection_t    *c;
+    ngx_http_request_t  *r;
+
+    r = ev->data;
+    c = r->connection;
+
+    ngx_http_m40_body_handler(r);
+    ngx_http_run_posted_requests(c);
+}
+
+
+static void
+ngx_http_m40_load_wait_cleanup(void *data)
+{
+    ngx_http_m40_ctx_t *ctx = data;
+
+    if (ctx->load_ev.timer_set) {
+        ngx_del_timer(&ctx->load_ev);
+    }
+}
+
+
+/* Looks at the engine again in NGX_HTTP_M40_LOAD_POLL_MS (the body stays read); a
+ * client that leaves meanwhile ends the request, and the pool's cleanup the timer. */
+static ngx_int_t
+ngx_http_m40_load_wait(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
+{
+    ngx_pool_cleanup_t  *cln;
+
+    if (ctx->load_ev.handler == NULL) {
+        cln = ngx_pool_cleanup_add(r->pool, 0);
+        if (cln == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+        cln->handler = ngx_http_m40_load_wait_cleanup;
+        cln->data = ctx;
+
+        ctx->load_ev.handler = ngx_http_m40_load_retry;
+        ctx->load_ev.data = r;
+        ctx->load_ev.log = r->connection->log;
+        r->read_event_handler = ngx_http_test_reading;
+    }
+
+    ctx->load_waited += NGX_HTTP_M40_LOAD_POLL_MS;
+    ngx_add_timer(&ctx->load_ev, NGX_HTTP_M40_LOAD_POLL_MS);
+
+    return NGX_DONE;
 }
 
 

@@ -177,6 +177,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       offsetof(ngx_http_m40_main_conf_t, threads),
       &ngx_http_m40_threads_bounds },
 
+    { ngx_string("m40_load_wait"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_msec_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, load_wait),
+      NULL },
+
     { ngx_string("m40_api"),
       NGX_HTTP_LOC_CONF|NGX_CONF_NOARGS,
       ngx_http_m40_api,
@@ -233,6 +240,7 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
 
     mcf->device = NGX_CONF_UNSET;
     mcf->ctx_size = NGX_CONF_UNSET;
+    mcf->load_wait = NGX_CONF_UNSET_MSEC;
     mcf->max_seqs = NGX_CONF_UNSET;
     mcf->max_queue = NGX_CONF_UNSET;
     mcf->max_tokens_default = NGX_CONF_UNSET;
@@ -258,6 +266,7 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     ngx_conf_init_value(mcf->ctx_size, 0);
     /* 0: the engine picks (m40_engine.h: 4 on the CPU, what the KV pool holds
      * on a GPU) and logs what it picked */
+    ngx_conf_init_msec_value(mcf->load_wait, 60000);
     ngx_conf_init_value(mcf->max_seqs, 0);
     ngx_conf_init_value(mcf->max_queue, M40_DEFAULT_MAX_QUEUE);
     if (mcf->gpu_memory_fraction < 0.0) {

@@ -49,6 +49,7 @@ typedef struct {
     ngx_str_t            chat_template_path;
     ngx_str_t            chat_template;       /* file content, NUL-terminated */
     ngx_flag_t           api_used;            /* some location has m40_api */
+    ngx_msec_t           load_wait;           /* m40_load_wait: requests wait this long for a loading model */
     ngx_uint_t           tool_parser;         /* m40_tool_format, or ..._AUTO: from the template */
     ngx_uint_t           reasoning;           /* m40_reasoning_mode */
 
@@ -179,6 +180,8 @@ struct ngx_http_m40_ctx_s {
     ngx_chain_t              *free;
     ngx_chain_t              *busy;
     ngx_event_t               linger;         /* holds off graceful shutdown */
+    ngx_event_t               load_ev;        /* m40_load_wait: the next look at a loading engine */
+    ngx_msec_t                load_waited;
 };
 
 extern ngx_module_t  ngx_http_m40_module;

@@ -4,10 +4,12 @@
  * unload. */
 #include "engine_impl.h"
 #include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
+#include "util/tuning.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* ---------- the loop's helpers ---------- */
 
@@ -135,6 +137,12 @@ static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
 static int engine_load(m40_engine *e, char *err, size_t errlen)
 {
     char merr[384];
+    m40_tuning tu;
+    m40_tuning_from_env(&tu);
+    if (tu.load_delay_ms > 0) { /* M40_TEST_LOAD_DELAY_MS: a slow load, for tests */
+        struct timespec ts = {tu.load_delay_ms / 1000, (long)(tu.load_delay_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     m40_model_options mo = {.n_threads = e->n_threads, .device = e->device < 0 ? -1 : e->device, .log_progress = 1};
     if (m40_model_load_opts(e->model_path, &mo, &e->model, merr, sizeof merr) != 0) {
         snprintf(err, errlen, "%s: %s", e->model_path, merr);

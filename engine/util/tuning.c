@@ -42,6 +42,8 @@ void m40_tuning_from_env(m40_tuning *t)
     const char *kb = getenv("M40_KV_BLOCKS");
     t->kv_blocks = kb && atoll(kb) > 0 ? atoll(kb) : 0;
     t->prefix_cache = on_unless_zero("M40_PREFIX_CACHE");
+    const char *ld = getenv("M40_TEST_LOAD_DELAY_MS");
+    t->load_delay_ms = ld && atoi(ld) > 0 ? atoi(ld) : 0;
 }
 
 int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)

@@ -36,6 +36,8 @@ typedef struct {
     int64_t kv_blocks;    /* M40_KV_BLOCKS=N: the GPU KV pool holds at most N blocks (a test
                            * seam; 0: no cap) */
     int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */
+    int32_t load_delay_ms;/* M40_TEST_LOAD_DELAY_MS=N: the engine waits N ms before it loads
+                           * its model (a test seam: a model that takes a while to load) */
 } m40_tuning;
 
 /* Reads every switch from the environment (unset or unparsable: the default). */

@@ -441,3 +441,38 @@ def test_m40_serve_usage_errors():
     assert subprocess.run([m40, "serve", "/nonexistent.gguf"], capture_output=True).returncode == 1
     r = subprocess.run([m40, "serve", harness.MODEL, "--module", "/nonexistent.so"], capture_output=True)
     assert r.returncode == 1
+
+
+def test_requests_wait_for_a_loading_model(monkeypatch):
+    # A request that arrives while the model loads (a new worker after a reload) waits
+    # for it, up to m40_load_wait (default 60 s), instead of a 503; with a short
+    # m40_load_wait it gets the 503 model_loading after that long.
+    monkeypatch.setenv("M40_TEST_LOAD_DELAY_MS", "2000")
+    for wait, want in (("", 200), ("    m40_load_wait 100ms;\n", 503)):
+        port = harness.free_port()
+        text = minimal_with(port, "    m40_threads 1;\n" + wait, "loadwait").replace(
+            "worker_processes 1;", "worker_processes 1;\nenv M40_TEST_LOAD_DELAY_MS;")
+        inst = harness.Nginx(text, "loadwait", None).start()  # no wait: the model is still loading
+        health = f"http://127.0.0.1:{port}/health"
+        deadline = time.time() + 10
+        while True:
+            try:
+                h = requests.get(health, timeout=2)
+                break
+            except requests.ConnectionError:
+                assert time.time() < deadline, "nginx never listened"
+                time.sleep(0.05)
+        assert h.json()["status"] == "loading", h.text
+        t0 = time.time()
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                          json={"messages": MSGS, "max_tokens": 2}, timeout=30)
+        assert r.status_code == want, r.text
+        try:
+            if want == 200:
+                assert r.json()["choices"][0]["message"] is not None
+            else:
+                assert r.json()["error"]["code"] == "model_loading" and time.time() - t0 < 1.5, r.text
+        finally:
+            inst.stop()
+            assert not inst.crashes()
+            inst.cleanup()
