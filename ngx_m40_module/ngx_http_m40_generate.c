@@ -160,6 +160,7 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     json_error_t               jerr;
     m40_engine_state           state;
     m40_engine_capacity        cap;
+    int32_t                    n_vocab;
     ngx_pool_cleanup_t        *cln;
     m40_submit_status          st;
     m40_request_params         rp;
@@ -226,14 +227,15 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
 
     /* token ids past the vocabulary: known only now that the model is loaded (the
      * engine refuses them too, without naming the parameter) */
+    n_vocab = p.n_bias ? m40_engine_n_vocab(mcf->engine) : 0;
     for (i = 0; i < p.n_bias; i++) {
-        if (p.bias_ids[i] >= m40_engine_n_vocab(mcf->engine)) {
+        if (p.bias_ids[i] >= n_vocab) {
             ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
                                    "invalid_request_error", "logit_bias",
                                    "invalid_value",
                                    "logit_bias token id %D is outside the "
                                    "vocabulary (0..%D)", p.bias_ids[i],
-                                   m40_engine_n_vocab(mcf->engine) - 1);
+                                   n_vocab - 1);
             goto failed;
         }
     }

@@ -100,7 +100,7 @@ static int ends_in_open_think(const char *text, size_t len)
 static int surely_too_long(const m40_engine *e, size_t len, char *msg, size_t msglen)
 {
     if (len < (size_t)e->ctx)
-        return 0; /* never more tokens than bytes: no bound to find (and no scan) */
+        return 0; /* never more tokens than bytes: no bound to find */
     const size_t at_least = len / m40_tokenizer_max_piece_len(e->tok);
     if (at_least < (size_t)e->ctx)
         return 0;

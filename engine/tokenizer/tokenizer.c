@@ -46,6 +46,7 @@ struct m40_tokenizer {
     int32_t *special;
     int32_t n_special;
     int32_t special_start[257];
+    size_t max_piece_len; /* the longest piece in bytes (at least 1) */
 };
 
 static uint64_t tok_hash(const char *s, size_t len)
@@ -205,11 +206,17 @@ static int tok_add_eog(m40_tokenizer *t, int32_t id)
     return 0;
 }
 
-/* Everything derived from pieces and types: piece index, special-token table, EOG ids. */
+/* Everything derived from pieces and types: piece index, special-token table, EOG ids,
+ * the longest piece. */
 static int tok_finish(m40_tokenizer *t, char *err, size_t errlen)
 {
     if (tok_build_hash(t, err, errlen) != 0)
         return -1;
+
+    t->max_piece_len = 1;
+    for (int32_t id = 0; id < t->n_vocab; id++)
+        if (t->piece_len[id] > t->max_piece_len)
+            t->max_piece_len = t->piece_len[id];
 
     int32_t n = 0;
     for (int32_t id = 0; id < t->n_vocab; id++)
@@ -593,14 +600,7 @@ int m40_tokenizer_kind(const m40_tokenizer *t) { return t->kind; }
 const char *m40_tokenizer_load_warning(const m40_tokenizer *t) { return t->bpe ? m40_bpe_load_warning(t->bpe) : NULL; }
 int32_t m40_tokenizer_n_vocab(const m40_tokenizer *t) { return t->n_vocab; }
 
-size_t m40_tokenizer_max_piece_len(const m40_tokenizer *t)
-{
-    size_t m = 1;
-    for (int32_t i = 0; t && i < t->n_vocab; i++)
-        if (t->piece_len[i] > m)
-            m = t->piece_len[i];
-    return m;
-}
+size_t m40_tokenizer_max_piece_len(const m40_tokenizer *t) { return t ? t->max_piece_len : 1; }
 int32_t m40_tokenizer_bos(const m40_tokenizer *t) { return t->bos; }
 int32_t m40_tokenizer_eos(const m40_tokenizer *t) { return t->eos; }
 int m40_tokenizer_add_bos(const m40_tokenizer *t) { return t->add_bos && t->bos >= 0; }

@@ -41,7 +41,7 @@ int m40_tokenizer_kind(const m40_tokenizer *t);
 const char *m40_tokenizer_load_warning(const m40_tokenizer *t);
 int32_t m40_tokenizer_n_vocab(const m40_tokenizer *t);
 /* The longest vocabulary piece in bytes as stored (at least what one token decodes to):
- * a text of n bytes tokenizes to at least n / this many tokens. Scans the vocabulary. */
+ * a text of n bytes tokenizes to at least n / this many tokens. Found once at load. */
 size_t m40_tokenizer_max_piece_len(const m40_tokenizer *t);
 int32_t m40_tokenizer_bos(const m40_tokenizer *t);     /* -1 if none */
 int32_t m40_tokenizer_eos(const m40_tokenizer *t);     /* -1 if none */

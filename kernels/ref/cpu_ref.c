@@ -290,6 +290,20 @@ static float ldh(const uint8_t *p) { return m40_fp16_to_fp32((uint16_t)(p[0] | p
 
 /* 8 elements e0 .. e0+7 of a row of type t as the GPU's m40k_group8 (kernels/quant_dev.h)
  * gives them: small integers q with one scale and one offset, w = scale * q - offset. */
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block sb from their 12 bytes sc: pairs
+ * 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins), pairs 4-7 in the nibbles
+ * of bytes 8-11 with their top 2 bits in the top bits of bytes 0-7. */
+static void ref_scale_min_k4(const uint8_t *sc, int sb, int *scv, int *mnv)
+{
+    if (sb < 4) {
+        *scv = sc[sb] & 63;
+        *mnv = sc[sb + 4] & 63;
+    } else {
+        *scv = (sc[sb + 4] & 15) | ((sc[sb - 4] >> 6) << 4);
+        *mnv = (sc[sb + 4] >> 4) | ((sc[sb] >> 6) << 4);
+    }
+}
+
 static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale, float *offset)
 {
     const uint8_t *b;
@@ -329,15 +343,8 @@ static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale
     case M40K_TYPE_Q5_K: { /* d | dmin | scales[12] | qh[32] | qs[128] */
         b = p + 176 * (size_t)(e0 >> 8);
         const int e = e0 & 255, sb = e / 32, pair = e / 64, l = e % 32;
-        const uint8_t *sc = b + 4;
         int scv, mnv;
-        if (sb < 4) {
-            scv = sc[sb] & 63;
-            mnv = sc[sb + 4] & 63;
-        } else {
-            scv = (sc[sb + 4] & 15) | ((sc[sb - 4] >> 6) << 4);
-            mnv = (sc[sb + 4] >> 4) | ((sc[sb] >> 6) << 4);
-        }
+        ref_scale_min_k4(b + 4, sb, &scv, &mnv);
         for (int i = 0; i < 8; i++) {
             const int nib = (b[48 + 32 * pair + l + i] >> (sb % 2 ? 4 : 0)) & 15;
             q[i] = (float)(nib + 16 * ((b[16 + l + i] >> sb) & 1));
@@ -377,15 +384,8 @@ static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale
     case M40K_TYPE_Q4_K: {
         b = p + 144 * (size_t)(e0 >> 8);
         const int e = e0 & 255, sb = e >> 5, c = e >> 6, l = e & 63;
-        const uint8_t *sc = b + 4;
         int scv, mnv;
-        if (sb < 4) {
-            scv = sc[sb] & 63;
-            mnv = sc[sb + 4] & 63;
-        } else {
-            scv = (sc[sb + 4] & 15) | ((sc[sb - 4] >> 6) << 4);
-            mnv = (sc[sb + 4] >> 4) | ((sc[sb] >> 6) << 4);
-        }
+        ref_scale_min_k4(b + 4, sb, &scv, &mnv);
         for (int i = 0; i < 8; i++)
             q[i] = (float)((b[16 + 32 * c + (l & 31) + i] >> (l < 32 ? 0 : 4)) & 15u);
         *scale = ldh(b) * (float)scv, *offset = ldh(b + 2) * (float)mnv;

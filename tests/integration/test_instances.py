@@ -216,7 +216,7 @@ def test_api_without_model_rejected_by_nginx_t():
 
 @pytest.mark.parametrize("directive", [
     "m40_device gpu;", "m40_max_seqs 0;", "m40_ctx_size -1;", "m40_threads many;",
-    "m40_max_tokens_default 9000;", "m40_chat_template /nonexistent.jinja;", "m40_max_queue 0;",
+    "m40_max_tokens_default 9000;", "m40_chat_template /nonexistent.jinja;", "m40_max_queue 0;", "m40_load_wait soon;",
     "m40_gpu_memory_fraction 0;", "m40_gpu_memory_fraction 1.5;", "m40_gpu_memory_fraction 0.9x;",
     "m40_gpu_memory_fraction -0.5;", "m40_prefill_budget 0;", "m40_prefill_budget 65537;",
     "m40_prefill_chunk -1;", "m40_prefill_chunk many;", "m40_itl_guard 0.5;", "m40_itl_guard on;",
