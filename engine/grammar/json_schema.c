@@ -26,28 +26,13 @@ typedef struct {
     sbuf out;            /* the rules */
     json_t *root;
     int n_rules;
-    char *err;
-    size_t errlen;
-    int failed;
+    schema_err e;        /* the first error (schema_fail) */
     int depth;
     /* $ref targets already given a rule: pointer -> rule name */
     const char *ref_ptr[256];
     char ref_rule[256][24];
     int n_refs;
 } jsg;
-
-static int jfail(jsg *c, const char *fmt, ...)
-{
-    if (!c->failed && c->err && c->errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(c->err, c->errlen, fmt, ap);
-        va_end(ap);
-    }
-    c->failed = 1;
-    return -1;
-}
-
 
 /* The shared primitives; rules nobody references are harmless. */
 static const char *PRELUDE =
@@ -103,7 +88,7 @@ static int check_keywords(jsg *c, json_t *s, const char *const *allowed)
         for (int i = 0; allowed[i] && !ok; i++)
             ok = !strcmp(k, allowed[i]);
         if (!ok)
-            return jfail(c, "unsupported JSON Schema keyword '%s'", k);
+            return schema_fail(&c->e, "unsupported JSON Schema keyword '%s'", k);
     }
     return 0;
 }
@@ -112,7 +97,7 @@ static void dump_literal(jsg *c, json_t *v, sbuf *e)
 {
     char *j = json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
     if (!j) {
-        c->failed = 1;
+        c->e.failed = 1;
         return;
     }
     lit(e, j, strlen(j));
@@ -202,10 +187,10 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
     json_t *v;
     if ((v = json_object_get(s, "minimum"))) {
         if (!json_is_number(v))
-            return jfail(c, "'minimum' must be a number");
+            return schema_fail(&c->e, "'minimum' must be a number");
         double x = json_number_value(v);
         if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
-            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
+            return schema_fail(&c->e, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k < x)
             k++;
@@ -213,10 +198,10 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
     }
     if ((v = json_object_get(s, "exclusiveMinimum"))) {
         if (!json_is_number(v))
-            return jfail(c, "'exclusiveMinimum' must be a number");
+            return schema_fail(&c->e, "'exclusiveMinimum' must be a number");
         double x = json_number_value(v);
         if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
-            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
+            return schema_fail(&c->e, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k <= x)
             k++;
@@ -225,10 +210,10 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
     }
     if ((v = json_object_get(s, "maximum"))) {
         if (!json_is_number(v))
-            return jfail(c, "'maximum' must be a number");
+            return schema_fail(&c->e, "'maximum' must be a number");
         double x = json_number_value(v);
         if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
-            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
+            return schema_fail(&c->e, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k > x)
             k--;
@@ -236,10 +221,10 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
     }
     if ((v = json_object_get(s, "exclusiveMaximum"))) {
         if (!json_is_number(v))
-            return jfail(c, "'exclusiveMaximum' must be a number");
+            return schema_fail(&c->e, "'exclusiveMaximum' must be a number");
         double x = json_number_value(v);
         if (!(x > -1e15 && x < 1e15)) /* checked before the cast: a huge double does not fit */
-            return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
+            return schema_fail(&c->e, "minimum/maximum beyond %lld are not supported", (long long)LIM);
         int64_t k = (int64_t)x;
         if ((double)k >= x)
             k--;
@@ -247,9 +232,9 @@ static int integer_range(jsg *c, json_t *s, int is_number, sbuf *e)
             hi = k;
     }
     if (lo < -LIM || hi > LIM || lo > LIM || hi < -LIM)
-        return jfail(c, "minimum/maximum beyond %lld are not supported", (long long)LIM);
+        return schema_fail(&c->e, "minimum/maximum beyond %lld are not supported", (long long)LIM);
     if (lo > hi)
-        return jfail(c, "no %s lies between minimum and maximum", is_number ? "number" : "integer");
+        return schema_fail(&c->e, "no %s lies between minimum and maximum", is_number ? "number" : "integer");
     sb_puts(e, "(");
     int any = 0;
     if (lo < 0) { /* negatives: "-" and the magnitude in [max(1, -hi), -lo] */
@@ -278,41 +263,41 @@ static int gen_string(jsg *c, json_t *s, sbuf *e)
     json_t *pat = json_object_get(s, "pattern"), *fmt = json_object_get(s, "format");
     json_t *mn = json_object_get(s, "minLength"), *mx = json_object_get(s, "maxLength");
     if ((pat || fmt) && (mn || mx))
-        return jfail(c, "minLength/maxLength together with pattern or format are not supported");
+        return schema_fail(&c->e, "minLength/maxLength together with pattern or format are not supported");
     if (pat && fmt)
-        return jfail(c, "pattern together with format is not supported");
+        return schema_fail(&c->e, "pattern together with format is not supported");
     if (pat) {
         if (!json_is_string(pat))
-            return jfail(c, "'pattern' must be a string");
+            return schema_fail(&c->e, "'pattern' must be a string");
         char perr[200];
         sb_puts(e, "\"\\\"\" ");
         if (m40_pattern_to_gbnf(json_string_value(pat), json_string_length(pat), e, perr, sizeof perr))
-            return jfail(c, "%s", perr);
+            return schema_fail(&c->e, "%s", perr);
         sb_puts(e, " \"\\\"\"");
         return 0;
     }
     if (fmt) {
         const char *f = json_string_value(fmt);
         if (!f)
-            return jfail(c, "'format' must be a string");
+            return schema_fail(&c->e, "'format' must be a string");
         const char *rule = !strcmp(f, "date") ? "date" : !strcmp(f, "time") ? "time"
                          : !strcmp(f, "date-time") ? "date \"T\" time" : !strcmp(f, "uuid") ? "uuid"
                          : !strcmp(f, "email") ? "email" : NULL;
         if (!rule)
-            return jfail(c, "unsupported JSON Schema format '%s'", f);
+            return schema_fail(&c->e, "unsupported JSON Schema format '%s'", f);
         sb_printf(e, "\"\\\"\" %s \"\\\"\"", rule);
         return 0;
     }
     if (mn || mx) {
         json_int_t lo = 0, hi = -1;
         if (mn && (!json_is_integer(mn) || (lo = json_integer_value(mn)) < 0))
-            return jfail(c, "'minLength' must be a non-negative integer");
+            return schema_fail(&c->e, "'minLength' must be a non-negative integer");
         if (mx && (!json_is_integer(mx) || (hi = json_integer_value(mx)) < 0))
-            return jfail(c, "'maxLength' must be a non-negative integer");
+            return schema_fail(&c->e, "'maxLength' must be a non-negative integer");
         if (lo > 4096 || hi > 4096)
-            return jfail(c, "minLength/maxLength above 4096 are not supported");
+            return schema_fail(&c->e, "minLength/maxLength above 4096 are not supported");
         if (hi >= 0 && hi < lo)
-            return jfail(c, "maxLength below minLength");
+            return schema_fail(&c->e, "maxLength below minLength");
         if (hi >= 0)
             sb_printf(e, "\"\\\"\" jchar1{%lld,%lld} \"\\\"\"", (long long)lo, (long long)hi);
         else
@@ -342,7 +327,7 @@ static int gen_array(jsg *c, json_t *s, sbuf *e)
         return -1;
     json_t *u = json_object_get(s, "uniqueItems");
     if (u && !json_is_false(u))
-        return jfail(c, "unsupported JSON Schema keyword 'uniqueItems'");
+        return schema_fail(&c->e, "unsupported JSON Schema keyword 'uniqueItems'");
     sbuf item = {0};
     json_t *items = json_object_get(s, "items");
     if (items) {
@@ -355,13 +340,13 @@ static int gen_array(jsg *c, json_t *s, sbuf *e)
     json_int_t lo = 0, hi = -1;
     json_t *mn = json_object_get(s, "minItems"), *mx = json_object_get(s, "maxItems");
     if (mn && (!json_is_integer(mn) || (lo = json_integer_value(mn)) < 0))
-        return free(item.s), jfail(c, "'minItems' must be a non-negative integer");
+        return free(item.s), schema_fail(&c->e, "'minItems' must be a non-negative integer");
     if (mx && (!json_is_integer(mx) || (hi = json_integer_value(mx)) < 0))
-        return free(item.s), jfail(c, "'maxItems' must be a non-negative integer");
+        return free(item.s), schema_fail(&c->e, "'maxItems' must be a non-negative integer");
     if (lo > 1000 || hi > 1000)
-        return free(item.s), jfail(c, "minItems/maxItems above 1000 are not supported");
+        return free(item.s), schema_fail(&c->e, "minItems/maxItems above 1000 are not supported");
     if (hi >= 0 && hi < lo)
-        return free(item.s), jfail(c, "maxItems below minItems");
+        return free(item.s), schema_fail(&c->e, "maxItems below minItems");
     char name[24];
     sbuf body = {0};
     sb_printf(&body, "%s", item.s ? item.s : "value");
@@ -391,16 +376,16 @@ static int gen_object(jsg *c, json_t *s, sbuf *e)
     json_t *props = json_object_get(s, "properties"), *req = json_object_get(s, "required");
     json_t *addl = json_object_get(s, "additionalProperties");
     if (props && !json_is_object(props))
-        return jfail(c, "'properties' must be an object");
+        return schema_fail(&c->e, "'properties' must be an object");
     if (req && !json_is_array(req))
-        return jfail(c, "'required' must be an array");
+        return schema_fail(&c->e, "'required' must be an array");
     if (addl && !json_is_boolean(addl) && !json_is_object(addl))
-        return jfail(c, "'additionalProperties' must be a boolean or a schema");
+        return schema_fail(&c->e, "'additionalProperties' must be a boolean or a schema");
     size_t np = props ? json_object_size(props) : 0;
     if (!np) {
         size_t nreq = req ? json_array_size(req) : 0;
         if (nreq)
-            return jfail(c, "'required' names properties that 'properties' does not declare");
+            return schema_fail(&c->e, "'required' names properties that 'properties' does not declare");
         if (addl && json_is_false(addl)) {
             sb_puts(e, "\"{\" ws \"}\"");
             return 0;
@@ -424,9 +409,9 @@ static int gen_object(jsg *c, json_t *s, sbuf *e)
     for (size_t i = 0; req && i < json_array_size(req); i++) {
         json_t *r = json_array_get(req, i);
         if (!json_is_string(r))
-            return jfail(c, "'required' must list strings");
+            return schema_fail(&c->e, "'required' must list strings");
         if (!json_object_get(props, json_string_value(r)))
-            return jfail(c, "required property '%s' is not in 'properties'", json_string_value(r));
+            return schema_fail(&c->e, "required property '%s' is not in 'properties'", json_string_value(r));
     }
     /* one rule per property: "key" ws ":" ws value */
     char (*kv)[24] = calloc(np, 24);
@@ -434,7 +419,7 @@ static int gen_object(jsg *c, json_t *s, sbuf *e)
     if (!kv || !isreq) {
         free(kv);
         free(isreq);
-        return jfail(c, "out of memory");
+        return schema_fail(&c->e, "out of memory");
     }
     size_t i = 0;
     const char *k;
@@ -457,7 +442,7 @@ static int gen_object(jsg *c, json_t *s, sbuf *e)
                 isreq[i] = 1;
         i++;
     }
-    if (c->failed) {
+    if (c->e.failed) {
         free(kv);
         free(isreq);
         return -1;
@@ -497,7 +482,7 @@ static int gen_ref(jsg *c, json_t *s, sbuf *e)
         return -1;
     const char *ref = json_string_value(json_object_get(s, "$ref"));
     if (!ref || ref[0] != '#')
-        return jfail(c, "only local '$ref's (\"#/$defs/...\") are supported");
+        return schema_fail(&c->e, "only local '$ref's (\"#/$defs/...\") are supported");
     json_t *t = c->root;
     const char *p = ref + 1;
     while (*p == '/') {
@@ -506,7 +491,7 @@ static int gen_ref(jsg *c, json_t *s, sbuf *e)
         size_t n = q ? (size_t)(q - p) : strlen(p);
         char key[256];
         if (n >= sizeof key)
-            return jfail(c, "'$ref' %s: name too long", ref);
+            return schema_fail(&c->e, "'$ref' %s: name too long", ref);
         /* JSON pointer escapes: ~1 is '/', ~0 is '~' */
         size_t kn = 0;
         for (size_t i = 0; i < n; i++) {
@@ -519,18 +504,18 @@ static int gen_ref(jsg *c, json_t *s, sbuf *e)
         key[kn] = 0;
         t = json_is_object(t) ? json_object_get(t, key) : NULL;
         if (!t)
-            return jfail(c, "'$ref' %s points to nothing", ref);
+            return schema_fail(&c->e, "'$ref' %s points to nothing", ref);
         p += n;
     }
     if (*p)
-        return jfail(c, "'$ref' %s is not a JSON pointer", ref);
+        return schema_fail(&c->e, "'$ref' %s is not a JSON pointer", ref);
     for (int i = 0; i < c->n_refs; i++)
         if (c->ref_ptr[i] == (const char *)t) {
             sb_puts(e, c->ref_rule[i]);
             return 0;
         }
     if (c->n_refs == 256)
-        return jfail(c, "too many '$ref' targets");
+        return schema_fail(&c->e, "too many '$ref' targets");
     /* name the rule before compiling it: the target may refer to itself */
     int slot = c->n_refs++;
     c->ref_ptr[slot] = (const char *)t;
@@ -563,23 +548,23 @@ static int gen_type(jsg *c, json_t *s, const char *type, sbuf *e)
         return gen_array(c, s, e);
     if (!strcmp(type, "object"))
         return gen_object(c, s, e);
-    return jfail(c, "unknown JSON Schema type '%s'", type);
+    return schema_fail(&c->e, "unknown JSON Schema type '%s'", type);
 }
 
 static int gen(jsg *c, json_t *s, sbuf *e)
 {
-    if (c->failed)
+    if (c->e.failed)
         return -1;
     if (++c->depth > 64) {
         c->depth--;
-        return jfail(c, "schema nested too deeply");
+        return schema_fail(&c->e, "schema nested too deeply");
     }
     int rc = 0;
     json_t *v;
     if (json_is_true(s) || (json_is_object(s) && json_object_size(s) == 0)) {
         sb_puts(e, "value");
     } else if (!json_is_object(s)) {
-        rc = jfail(c, json_is_false(s) ? "schema 'false' matches nothing" : "a schema must be an object or a boolean");
+        rc = schema_fail(&c->e, json_is_false(s) ? "schema 'false' matches nothing" : "a schema must be an object or a boolean");
     } else if (json_object_get(s, "$ref")) {
         rc = gen_ref(c, s, e);
     } else if ((v = json_object_get(s, "const"))) {
@@ -590,7 +575,7 @@ static int gen(jsg *c, json_t *s, sbuf *e)
         static const char *const kw[] = {"enum", "type", NULL};
         if (!(rc = check_keywords(c, s, kw))) {
             if (!json_is_array(v) || !json_array_size(v))
-                rc = jfail(c, "'enum' must be a non-empty array");
+                rc = schema_fail(&c->e, "'enum' must be a non-empty array");
             sb_puts(e, "(");
             for (size_t i = 0; !rc && i < json_array_size(v); i++) {
                 if (i)
@@ -602,10 +587,10 @@ static int gen(jsg *c, json_t *s, sbuf *e)
     } else if ((v = json_object_get(s, "anyOf")) || (v = json_object_get(s, "oneOf"))) {
         static const char *const kw[] = {"anyOf", "oneOf", NULL};
         if (json_object_get(s, "anyOf") && json_object_get(s, "oneOf"))
-            rc = jfail(c, "anyOf together with oneOf is not supported");
+            rc = schema_fail(&c->e, "anyOf together with oneOf is not supported");
         else if (!(rc = check_keywords(c, s, kw))) {
             if (!json_is_array(v) || !json_array_size(v))
-                rc = jfail(c, "'anyOf'/'oneOf' must be a non-empty array");
+                rc = schema_fail(&c->e, "'anyOf'/'oneOf' must be a non-empty array");
             sb_puts(e, "(");
             for (size_t i = 0; !rc && i < json_array_size(v); i++) {
                 if (i)
@@ -622,7 +607,7 @@ static int gen(jsg *c, json_t *s, sbuf *e)
             for (size_t i = 0; !rc && i < json_array_size(v); i++) {
                 const char *t = json_string_value(json_array_get(v, i));
                 if (!t) {
-                    rc = jfail(c, "'type' must list strings");
+                    rc = schema_fail(&c->e, "'type' must list strings");
                     break;
                 }
                 if (i)
@@ -652,7 +637,7 @@ static int gen(jsg *c, json_t *s, sbuf *e)
             }
             sb_puts(e, ")");
         } else
-            rc = jfail(c, "'type' must be a string or an array of strings");
+            rc = schema_fail(&c->e, "'type' must be a string or an array of strings");
     } else if (json_object_get(s, "properties") || json_object_get(s, "required") ||
                json_object_get(s, "additionalProperties")) {
         rc = gen_object(c, s, e);
@@ -665,13 +650,13 @@ static int gen(jsg *c, json_t *s, sbuf *e)
     }
     c->depth--;
     if (e->oom)
-        rc = jfail(c, "out of memory");
+        rc = schema_fail(&c->e, "out of memory");
     return rc ? -1 : 0;
 }
 
 char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, size_t errlen)
 {
-    jsg c = {.err = err, .errlen = errlen};
+    jsg c = {.e = {.err = err, .errlen = errlen}};
     if (err && errlen)
         err[0] = 0;
     sbuf root = {0};
@@ -694,9 +679,9 @@ char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, si
     }
     json_decref(c.root);
     free(root.s);
-    if (c.out.oom && !c.failed)
-        jfail(&c, "out of memory");
-    if (c.failed) {
+    if (c.out.oom && !c.e.failed)
+        schema_fail(&c.e, "out of memory");
+    if (c.e.failed) {
         free(c.out.s);
         return NULL;
     }

@@ -12,23 +12,7 @@
 
 #include "schema_int.h"
 
-typedef struct {
-    char *err;
-    size_t errlen;
-    int failed;
-} jsg;
-
-static int jfail(jsg *c, const char *fmt, ...)
-{
-    if (!c->failed && c->err && c->errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(c->err, c->errlen, fmt, ap);
-        va_end(ap);
-    }
-    c->failed = 1;
-    return -1;
-}
+typedef schema_err jsg; /* the pattern compiler's state is its error */
 
 /* A class member set narrowed to printable ASCII that needs no JSON escape. */
 typedef struct { uint8_t has[128]; } cset;
@@ -81,14 +65,14 @@ static int rx_atom(jsg *c, rx *r, sbuf *e, int depth)
         if (r->end - r->p >= 2 && r->p[0] == '?' && r->p[1] == ':')
             r->p += 2;
         else if (r->p < r->end && r->p[0] == '?')
-            return jfail(c, "pattern: lookaround and other (?...) groups are not supported");
+            return schema_fail(c, "pattern: lookaround and other (?...) groups are not supported");
         if (depth > 50)
-            return jfail(c, "pattern nested too deeply");
+            return schema_fail(c, "pattern nested too deeply");
         sb_puts(e, "(");
         if (rx_alt(c, r, e, depth + 1))
             return -1;
         if (r->p >= r->end || *r->p != ')')
-            return jfail(c, "pattern: missing ')'");
+            return schema_fail(c, "pattern: missing ')'");
         r->p++;
         sb_puts(e, ")");
         return 0;
@@ -106,12 +90,12 @@ static int rx_atom(jsg *c, rx *r, sbuf *e, int depth)
             int lo = (unsigned char)*r->p++;
             if (lo == '\\') {
                 if (r->p >= r->end)
-                    return jfail(c, "pattern: '\\' at the end");
+                    return schema_fail(c, "pattern: '\\' at the end");
                 char x = *r->p++;
                 if (class_escape(&s, x))
                     continue;
                 if (x == 'D' || x == 'W' || x == 'S')
-                    return jfail(c, "pattern: \\%c inside a class is not supported", x);
+                    return schema_fail(c, "pattern: \\%c inside a class is not supported", x);
                 lo = x == 'n' ? '\n' : x == 't' ? '\t' : (unsigned char)x;
             }
             int hi = lo;
@@ -120,21 +104,21 @@ static int rx_atom(jsg *c, rx *r, sbuf *e, int depth)
                 hi = (unsigned char)*r->p++;
                 if (hi == '\\') {
                     if (r->p >= r->end)
-                        return jfail(c, "pattern: '\\' at the end");
+                        return schema_fail(c, "pattern: '\\' at the end");
                     hi = (unsigned char)*r->p++;
                 }
                 if (hi < lo)
-                    return jfail(c, "pattern: character range out of order");
+                    return schema_fail(c, "pattern: character range out of order");
             }
             cset_add_range(&s, lo, hi);
         }
         if (r->p >= r->end)
-            return jfail(c, "pattern: missing ']'");
+            return schema_fail(c, "pattern: missing ']'");
         r->p++;
         size_t at = e->n;
         cset_emit(e, &s, negate);
         if (strstr(e->s + at, "\\x01"))
-            return jfail(c, "pattern: a character class with no printable ASCII character is not supported");
+            return schema_fail(c, "pattern: a character class with no printable ASCII character is not supported");
         return 0;
     }
     if (ch == '.') {
@@ -144,7 +128,7 @@ static int rx_atom(jsg *c, rx *r, sbuf *e, int depth)
     }
     if (ch == '\\') {
         if (r->p >= r->end)
-            return jfail(c, "pattern: '\\' at the end");
+            return schema_fail(c, "pattern: '\\' at the end");
         char x = *r->p++;
         cset s = {{0}};
         if (class_escape(&s, x)) {
@@ -157,17 +141,17 @@ static int rx_atom(jsg *c, rx *r, sbuf *e, int depth)
             return 0;
         }
         if (isalnum((unsigned char)x))
-            return jfail(c, "pattern: escape '\\%c' is not supported", x);
+            return schema_fail(c, "pattern: escape '\\%c' is not supported", x);
         ch = x;
     } else if (ch == '*' || ch == '+' || ch == '?' || ch == '{')
-        return jfail(c, "pattern: '%c' with nothing before it", ch);
+        return schema_fail(c, "pattern: '%c' with nothing before it", ch);
     /* a literal character, JSON-escaped where the string needs it */
     if (ch == '"')
         sb_puts(e, "\"\\\\\\\"\"");
     else if (ch == '\\')
         sb_puts(e, "\"\\\\\\\\\"");
     else if ((unsigned char)ch < 0x20)
-        return jfail(c, "pattern: control characters are not supported");
+        return schema_fail(c, "pattern: control characters are not supported");
     else
         lit(e, &ch, 1);
     return 0;
@@ -200,11 +184,11 @@ static int rx_seq(jsg *c, rx *r, sbuf *e, int depth)
                 while (r->p < r->end && *r->p != '}')
                     r->p++;
                 if (r->p >= r->end)
-                    return jfail(c, "pattern: missing '}'");
+                    return schema_fail(c, "pattern: missing '}'");
                 sb_puts(e, "{");
                 for (const char *k = s; k < r->p; k++) {
                     if (!isdigit((unsigned char)*k) && *k != ',')
-                        return jfail(c, "pattern: bad {m,n}");
+                        return schema_fail(c, "pattern: bad {m,n}");
                     sb_add(e, k, 1);
                 }
                 sb_puts(e, "}");
@@ -238,6 +222,6 @@ int m40_pattern_to_gbnf(const char *re, size_t len, sbuf *e, char *err, size_t e
     if (rx_alt(&c, &r, e, 0))
         return -1;
     if (r.p < r.end)
-        return jfail(&c, "pattern: unbalanced ')'");
-    return e->oom ? jfail(&c, "out of memory") : 0;
+        return schema_fail(&c, "pattern: unbalanced ')'");
+    return e->oom ? schema_fail(&c, "out of memory") : 0;
 }

@@ -1,4 +1,4 @@
-/* What json_schema.c and pattern.c share: a growing string and GBNF literals. This
+/* What json_schema.c and pattern.c share: a growing string, GBNF literals, the error. This
  * folder's private header for the JSON Schema compiler. */
 #ifndef M40_SCHEMA_INT_H
 #define M40_SCHEMA_INT_H
@@ -13,6 +13,26 @@ typedef struct {
     size_t n, cap;
     int oom;
 } sbuf;
+
+/* A compile's error: the first message is kept (later ones follow from it). */
+typedef struct {
+    char *err;
+    size_t errlen;
+    int failed;
+} schema_err;
+
+static inline int schema_fail(schema_err *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static inline int schema_fail(schema_err *e, const char *fmt, ...)
+{
+    if (!e->failed && e->err && e->errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->err, e->errlen, fmt, ap);
+        va_end(ap);
+    }
+    e->failed = 1;
+    return -1;
+}
 
 static inline void sb_add(sbuf *b, const char *s, size_t n)
 {
