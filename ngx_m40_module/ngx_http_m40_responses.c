@@ -419,8 +419,16 @@ ngx_http_m40_resp_tools(json_t *body, json_t *chat, ngx_http_m40_error_t *err)
             out = json_pack("{s:s,s:o}", "type", "json_schema", "json_schema",
                             fn);
 
-        } else {
+        } else if (ngx_strcmp(type, "text") == 0
+                   || ngx_strcmp(type, "json_object") == 0)
+        {
             out = json_pack("{s:s}", "type", type);
+
+        } else {
+            ngx_http_m40_bad(err, "text.format.type", "'text.format.type' must "
+                             "be \"text\", \"json_object\" or "
+                             "\"json_schema\"");
+            return NGX_ERROR;
         }
 
         if (out == NULL
