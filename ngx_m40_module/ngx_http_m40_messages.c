@@ -7,7 +7,8 @@
  * tool_choice (auto, any -> required, tool -> the named function, none;
  * disable_parallel_tool_use) the chat ones; max_tokens (required), stop_sequences,
  * temperature, top_p, top_k as they are; thinking enabled/disabled ->
- * chat_template_kwargs.enable_thinking. The answer's content blocks come from the
+ * chat_template_kwargs.enable_thinking; output_config.format (a JSON Schema) ->
+ * response_format json_schema (constrained decoding). The answer's content blocks come from the
  * output parser's pieces: reasoning -> "thinking", content -> "text", each call ->
  * "tool_use"; stop_reason end_turn, max_tokens, stop_sequence (with the string, which
  * the engine reports) or tool_use. Streaming sends Anthropic's events (message_start,
@@ -452,8 +453,9 @@ ngx_http_m40_msg_convert_request(ngx_http_m40_ctx_t *ctx, json_t *body,
     const char                *type;
     ngx_http_m40_msg_state_t  *st;
 
+    /* seed is not Anthropic's: taken for reproducible tests */
     static const char  *copied[] = { "model", "top_p", "top_k", "stream",
-                                     NULL };
+                                     "seed", NULL };
 
     st = ngx_pcalloc(ctx->request->pool, sizeof(ngx_http_m40_msg_state_t));
     if (st == NULL) {
@@ -568,6 +570,29 @@ ngx_http_m40_msg_convert_request(ngx_http_m40_ctx_t *ctx, json_t *body,
         json_object_set_new(chat, "chat_template_kwargs",
                             json_pack("{s:b}", "enable_thinking",
                                       ngx_strcmp(type, "enabled") == 0));
+    }
+
+    /* structured outputs: output_config.format {"type": "json_schema", "schema"} */
+    v = ngx_http_m40_field(ngx_http_m40_field(body, "output_config"), "format");
+    if (v != NULL) {
+        type = json_string_value(json_object_get(v, "type"));
+        m = json_object_get(v, "schema");
+        if (type == NULL || ngx_strcmp(type, "json_schema") != 0
+            || !json_is_object(m))
+        {
+            ngx_http_m40_bad(err, "output_config", "output_config.format must "
+                             "be {\"type\": \"json_schema\", \"schema\": "
+                             "{...}}");
+            goto failed;
+        }
+        if (json_object_set_new(chat, "response_format",
+                                json_pack("{s:s,s:{s:s,s:O}}", "type",
+                                          "json_schema", "json_schema", "name",
+                                          "output", "schema", m))
+            != 0)
+        {
+            goto nomem_chat;
+        }
     }
 
     if (ngx_http_m40_msg_tools(body, chat, err) != NGX_OK) {

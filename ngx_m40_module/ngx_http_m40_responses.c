@@ -273,8 +273,10 @@ ngx_http_m40_resp_item(json_t *msgs, json_t *item, size_t i,
 
         /* templates that name a tool result's function find it by the call */
         json_array_foreach(msgs, k, v) {
+            size_t  j;
+
             calls = json_object_get(v, "tool_calls");
-            json_array_foreach(calls, i, c) {
+            json_array_foreach(calls, j, c) {
                 if (json_equal(json_object_get(c, "id"), id)) {
                     json_object_set(m, "name", json_object_get(
                         json_object_get(c, "function"), "name"));

@@ -345,6 +345,23 @@ def test_messages_tool_use_round_trip(claude):
     assert again.stop_reason in ("end_turn", "max_tokens") and again.usage.input_tokens > m.usage.input_tokens
 
 
+class Verdict(pydantic.BaseModel):
+    unit: Literal["celsius", "fahrenheit"]
+    rain: bool
+    level: Literal[1, 2, 3]
+
+
+def test_messages_parse_pydantic(claude):
+    # output_config.format (what messages.parse sends) is constrained decoding. The
+    # SDK moves string and number bounds into descriptions (Anthropic's structured
+    # outputs take none), so a model of enums alone: a random model's free strings
+    # could run to max_tokens.
+    for seed in range(3):
+        m = claude.messages.parse(model=TOOL_MODEL_NAME, max_tokens=200, output_format=Verdict,
+                                  messages=[{"role": "user", "content": "Weather?"}], extra_body={"seed": seed})
+        assert isinstance(m.parsed_output, Verdict) and m.stop_reason == "end_turn", m
+
+
 MSG_BAD = [
     ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
@@ -360,6 +377,8 @@ MSG_BAD = [
     ({"max_tokens": 4, "tools": [{"name": "f"}], "messages": [{"role": "user", "content": "x"}]}, "tools"),
     ({"max_tokens": 4, "tool_choice": {"type": "sometimes"}, "messages": [{"role": "user", "content": "x"}]},
      "tool_choice"),
+    ({"max_tokens": 4, "output_config": {"format": {"type": "regex"}}, "messages": [{"role": "user", "content": "x"}]},
+     "output_config"),
 ]
 
 
