@@ -635,14 +635,14 @@ ngx_http_m40_count_request(ngx_http_m40_ctx_t *ctx, json_t *body,
 }
 
 
-/* {"type": "error", "error": {"type", "message"}}: the type from the status, as
- * Anthropic's are */
-static json_t *
-ngx_http_m40_msg_error_json(ngx_http_m40_error_t *err)
+/* Anthropic's error type of an HTTP status (also for nginx's own error pages on
+ * these paths, ngx_http_m40_errors.c). */
+const char *
+ngx_http_m40_anthropic_error_type(ngx_uint_t status)
 {
     const char  *type;
 
-    switch (err->status) {
+    switch (status) {
     case NGX_HTTP_BAD_REQUEST:
         type = "invalid_request_error";
         break;
@@ -665,12 +665,21 @@ ngx_http_m40_msg_error_json(ngx_http_m40_error_t *err)
         type = "overloaded_error";
         break;
     default:
-        type = err->status < 500 ? "invalid_request_error" : "api_error";
+        type = status < 500 ? "invalid_request_error" : "api_error";
         break;
     }
 
+    return type;
+}
+
+
+/* {"type": "error", "error": {"type", "message"}}: the type from the status */
+static json_t *
+ngx_http_m40_msg_error_json(ngx_http_m40_error_t *err)
+{
     return json_pack("{s:s,s:{s:s,s:o}}", "type", "error", "error",
-                     "type", type, "message",
+                     "type", ngx_http_m40_anthropic_error_type(err->status),
+                     "message",
                      ngx_http_m40_json_text(err->message,
                                             ngx_strlen(err->message)));
 }

@@ -4,8 +4,9 @@
  *   ngx_http_m40_module.c    directives, configuration, the per-worker engine and its
  *                            eventfd in the event loop, URI routing
  *   ngx_http_m40_params.c    request body JSON -> validated generation parameters
- *   ngx_http_m40_generate.c  /v1/chat/completions and /v1/completions: body,
- *                            submission, engine wake-ups, cleanup, JSON answers
+ *   ngx_http_m40_generate.c  the request path of every generating endpoint: body,
+ *                            (a dialect's conversion,) submission, engine wake-ups,
+ *                            cleanup; chat and completions' JSON answers
  *   ngx_http_m40_stream.c    the same as Server-Sent Events, with back pressure
  *   ngx_http_m40_output.c    JSON to buffers, response objects (usage, logprobs),
  *                            OpenAI-shaped errors, UTF-8 repair
@@ -261,6 +262,7 @@ ngx_int_t ngx_http_m40_sse_event(ngx_http_m40_sse_t *out, const char *event,
 extern const ngx_http_m40_dialect_t  ngx_http_m40_responses_dialect;
 extern const ngx_http_m40_dialect_t  ngx_http_m40_messages_dialect;
 extern const ngx_http_m40_dialect_t  ngx_http_m40_count_tokens_dialect;
+const char *ngx_http_m40_anthropic_error_type(ngx_uint_t status);
 
 /* ngx_http_m40_output.c */
 ngx_buf_t *ngx_http_m40_json_buf(ngx_pool_t *pool, json_t *json,

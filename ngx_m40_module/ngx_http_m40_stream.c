@@ -1,5 +1,7 @@
 /* Streaming answers (Server-Sent Events) for /v1/chat/completions and
- * /v1/completions.
+ * /v1/completions, and the transport of the other dialects' typed events
+ * ("event: NAME" lines; the dialect formats them and ends the stream without
+ * "[DONE]").
  *
  * Events are pulled from the engine only while the client connection can take
  * them: when nginx cannot send everything (a slow reader), pulling stops, the
@@ -363,11 +365,10 @@ static ngx_int_t
 ngx_http_m40_stream_open(ngx_http_m40_ctx_t *ctx, ngx_chain_t ***last,
     size_t *bytes)
 {
-    json_t     *first;
-    ngx_int_t   rc;
-    ngx_uint_t  i;
-
-    ngx_http_m40_sse_t  out;
+    json_t              *first;
+    ngx_int_t            rc;
+    ngx_uint_t           i;
+    ngx_http_m40_sse_t   out;
 
     rc = ngx_http_m40_stream_header(ctx);
     if (rc == NGX_ERROR || rc > NGX_OK) {

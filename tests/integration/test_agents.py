@@ -400,6 +400,13 @@ def test_messages_errors_in_anthropic_shape(base_url):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = requests.post(base_url + "/v1/messages/count_tokens", json={"messages": "x"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # nginx's own error pages too (a body over client_max_body_size)
+    r = requests.post(base_url + "/v1/messages", data=b"{" + b" " * (2 * 1024 * 1024) + b"}", timeout=60,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large", r.text
+    r = requests.post(base_url + "/v1/responses", data=b"{" + b" " * (2 * 1024 * 1024) + b"}", timeout=60,
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "http_413", r.text
     cl = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
     with pytest.raises(anthropic.BadRequestError):
         cl.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [{"type": "image",
