@@ -366,18 +366,19 @@ ngx_http_m40_msg_tools(json_t *body, json_t *chat, ngx_http_m40_error_t *err)
                 return NGX_ERROR;
             }
 
-            /* name and description are checked as the chat request's are */
-            fn = json_pack("{s:O,s:O}", "name",
+            /* name and description are checked as the chat request's are; in
+             * OpenAI's order (templates dump the definitions as they are) */
+            fn = json_pack("{s:O}", "name",
                            json_object_get(t, "name") ? json_object_get(t, "name")
-                                                      : json_null(),
-                           "parameters", v);
+                                                      : json_null());
             if (fn == NULL) {
                 goto nomem;
             }
-            v = json_object_get(t, "description");
-            if (v != NULL) {
-                json_object_set(fn, "description", v);
+            if (json_object_get(t, "description") != NULL) {
+                json_object_set(fn, "description",
+                                json_object_get(t, "description"));
             }
+            json_object_set(fn, "parameters", v);
 
             if (json_array_append_new(out, json_pack("{s:s,s:o}", "type",
                                                      "function", "function",

@@ -238,6 +238,56 @@ def test_responses_json_schema(qwen):
     jsonschema.validate(json.loads(r.output_text), WEATHER)
 
 
+def test_reasoning_items_and_thinking_blocks(instances):
+    # DeepSeek-R1's template opens <think> in the prompt: with no "</think>" in a few
+    # tokens the whole output is reasoning, a "reasoning" item / a "thinking" block.
+    _, base, cl = with_template(instances, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+    kw = dict(model=TOOL_MODEL_NAME, input="Hi", max_output_tokens=8, temperature=0)
+    r = cl.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text
+    streamed = "".join(ev.delta for ev in cl.responses.create(stream=True, **kw)
+                       if ev.type == "response.reasoning_text.delta")
+    assert streamed == r.output[0].content[0].text
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    m = claude.messages.create(model=TOOL_MODEL_NAME, max_tokens=8, extra_body=GREEDY,
+                               messages=[{"role": "user", "content": "Hi"}])
+    assert [b.type for b in m.content] == ["thinking"] and m.content[0].thinking == streamed
+    with claude.messages.stream(model=TOOL_MODEL_NAME, max_tokens=8, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": "Hi"}]) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking"] and final.content[0].thinking == streamed
+
+
+def test_conversations_render_as_chat(qwen, claude):
+    # A tool conversation in each API's spelling renders the prompt chat completions
+    # renders (which test_tools checks against jinja2): same token count.
+    from test_tools import CONVERSATION, TOOLS as CHAT_TOOLS
+    chat = qwen[1].chat.completions.create(model=TOOL_MODEL_NAME, messages=CONVERSATION, tools=CHAT_TOOLS,
+                                           max_tokens=1).usage.prompt_tokens
+    call = CONVERSATION[1]["tool_calls"][0]
+    fn = call["function"]
+    items = [CONVERSATION[0],
+             {"type": "function_call", "call_id": call["id"], "name": fn["name"], "arguments": fn["arguments"]},
+             {"type": "function_call_output", "call_id": call["id"], "output": CONVERSATION[2]["content"]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": CONVERSATION[3]["content"]}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": CONVERSATION[4]["content"]}]}]
+    flat = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
+    resp = qwen[1].responses.create(model=TOOL_MODEL_NAME, input=items, tools=flat, max_output_tokens=1)
+    assert resp.usage.input_tokens == chat
+    msgs = [CONVERSATION[0],
+            {"role": "assistant", "content": [{"type": "tool_use", "id": call["id"], "name": fn["name"],
+                                               "input": json.loads(fn["arguments"])}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"],
+                                          "content": CONVERSATION[2]["content"]}]},
+            {"role": "assistant", "content": CONVERSATION[3]["content"]},
+            CONVERSATION[4]]
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in CHAT_TOOLS]
+    assert claude.messages.count_tokens(model=TOOL_MODEL_NAME, messages=msgs, tools=tools).input_tokens == chat
+    assert claude.messages.create(model=TOOL_MODEL_NAME, max_tokens=1, messages=msgs,
+                                  tools=tools).usage.input_tokens == chat
+
+
 RESP_BAD = [
     ({}, "input"),
     ({"input": 3}, "input"),
