@@ -236,6 +236,19 @@ def test_responses_json_schema(qwen):
                                  text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER}})
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), WEATHER)
+    # the SDK's parse() and its stream helper (which checks the events' order and
+    # identities as it accumulates them)
+    p = qwen[1].responses.parse(model=TOOL_MODEL_NAME, input="Weather?", max_output_tokens=200, text_format=Weather)
+    assert isinstance(p.output_parsed, Weather)
+    with qwen[1].responses.stream(model=TOOL_MODEL_NAME, input="Weather?", max_output_tokens=200,
+                                  text_format=Weather) as s:
+        final = s.get_final_response()
+    assert isinstance(final.output_parsed, Weather)
+    with qwen[1].responses.stream(model=TOOL_MODEL_NAME, input="Weather?", max_output_tokens=200, tool_choice="required",
+                                  tools=[{"type": "function", "name": "search", "parameters": SEARCH}]) as s:
+        final = s.get_final_response()
+    assert [o.type for o in final.output] == ["function_call"]
+    jsonschema.validate(json.loads(final.output[0].arguments), SEARCH)
 
 
 def test_reasoning_items_and_thinking_blocks(instances):
@@ -450,6 +463,14 @@ def test_messages_errors_in_anthropic_shape(base_url):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = requests.post(base_url + "/v1/messages/count_tokens", json={"messages": "x"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # the engine's 400 (a schema it cannot compile), streamed: before any event
+    r = requests.post(base_url + "/v1/messages", timeout=60, json={
+        "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"name": "f", "input_schema": {"type": "object", "not": {}}}], "tool_choice": {"type": "any"}})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "'not'" in r.json()["error"]["message"]
+    r = requests.post(base_url + "/v1/responses", timeout=60, json={
+        "input": "x", "stream": True, "text": {"format": {"type": "json_schema", "name": "n", "schema": {"not": {}}}}})
+    assert r.status_code == 400 and "'not'" in r.json()["error"]["message"]
     # nginx's own error pages too (a body over client_max_body_size)
     r = requests.post(base_url + "/v1/messages", data=b"{" + b" " * (2 * 1024 * 1024) + b"}", timeout=60,
                       headers={"content-type": "application/json"})
