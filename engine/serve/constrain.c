@@ -98,6 +98,23 @@ fail:
     return NULL;
 }
 
+/* Appends the root rule to rules (taken): body, after "</think>" when the prompt left
+ * a <think> open (DeepSeek-R1's templates): the constrained answer is the answer, not
+ * reasoning, and the output parser finds the end of the thinking first. */
+static char *with_root(char *rules, int reasoning_open, const char *body, char *err, size_t errlen)
+{
+    const char *close = reasoning_open ? "\"</think>\\n\\n\" " : "";
+    size_t n = strlen(rules), m = strlen(body) + strlen(close) + 16;
+    char *out = realloc(rules, n + m);
+    if (!out) {
+        free(rules);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    snprintf(out + n, m, "root ::= %s(%s)\n", close, body);
+    return out;
+}
+
 /* GBNF for tool_choice "required" or a named function: one call (or, when parallel calls
  * are allowed, one or more) in the markup the model's template teaches and the output
  * parser reads (chat_parse.c), so the parser always finds calls. */
@@ -120,34 +137,25 @@ static char *tool_call_gbnf(const m40_request *r, char *err, size_t errlen)
     free(text);
     if (!rules)
         return NULL;
-    const char *root;
+    const char *calls;
     int par = r->tool_call_parallel;
     switch (r->tool_call_format) {
     case M40_TOOLS_HERMES:
-        root = par ? "root ::= \"<tool_call>\\n\" tool-call \"\\n</tool_call>\" (\"\\n<tool_call>\\n\" tool-call "
-                     "\"\\n</tool_call>\")*\n"
-                   : "root ::= \"<tool_call>\\n\" tool-call \"\\n</tool_call>\"\n";
+        calls = par ? "\"<tool_call>\\n\" tool-call \"\\n</tool_call>\" (\"\\n<tool_call>\\n\" tool-call "
+                      "\"\\n</tool_call>\")*"
+                    : "\"<tool_call>\\n\" tool-call \"\\n</tool_call>\"";
         break;
     case M40_TOOLS_LLAMA3: /* several calls are joined by "; " (the parser splits on ';') */
-        root = par ? "root ::= tool-call (\"; \" tool-call)*\n" : "root ::= tool-call\n";
+        calls = par ? "tool-call (\"; \" tool-call)*" : "tool-call";
         break;
     case M40_TOOLS_MISTRAL:
-        root = par ? "root ::= \"[TOOL_CALLS][\" tool-call (\", \" tool-call)* \"]\"\n"
-                   : "root ::= \"[TOOL_CALLS][\" tool-call \"]\"\n";
+        calls = par ? "\"[TOOL_CALLS][\" tool-call (\", \" tool-call)* \"]\"" : "\"[TOOL_CALLS][\" tool-call \"]\"";
         break;
     default: /* M40_TOOLS_JSON: the whole output a call, or an array of them */
-        root = par ? "root ::= tool-call | \"[\" tool-call (\", \" tool-call)* \"]\"\n" : "root ::= tool-call\n";
+        calls = par ? "tool-call | \"[\" tool-call (\", \" tool-call)* \"]\"" : "tool-call";
         break;
     }
-    size_t n = strlen(rules), m = strlen(root);
-    char *out = realloc(rules, n + m + 1);
-    if (!out) {
-        free(rules);
-        snprintf(err, errlen, "out of memory");
-        return NULL;
-    }
-    memcpy(out + n, root, m + 1);
-    return out;
+    return with_root(rules, r->reasoning_open, calls, err, errlen);
 }
 
 int m40_request_compile_grammar(m40_engine *e, m40_request *r, int *status, char *msg, size_t msglen)
@@ -164,7 +172,10 @@ int m40_request_compile_grammar(m40_engine *e, m40_request *r, int *status, char
             return -1;
         }
     } else if (!r->grammar_src) {
-        src = m40_json_schema_to_gbnf(r->json_schema, r->json_schema ? strlen(r->json_schema) : 0, err, sizeof err);
+        src = m40_json_schema_to_gbnf_rule(r->json_schema, r->json_schema ? strlen(r->json_schema) : 0, "answer", err,
+                                           sizeof err);
+        if (src)
+            src = with_root(src, r->reasoning_open, "answer", err, sizeof err);
         if (!src) {
             snprintf(msg, msglen, "invalid '%s': %.200s", field, err);
             return -1;

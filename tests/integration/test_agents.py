@@ -269,6 +269,17 @@ def test_reasoning_items_and_thinking_blocks(instances):
                                 messages=[{"role": "user", "content": "Hi"}]) as s:
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["thinking"] and final.content[0].thinking == streamed
+    # A forced call or a schema under an open <think>: the grammar closes the thinking
+    # first, so the call is a call and the JSON the answer, not reasoning.
+    r = cl.chat.completions.create(model=TOOL_MODEL_NAME, messages=MSGS, tools=TOOLS, tool_choice="required",
+                                   max_tokens=200, parallel_tool_calls=False, seed=2)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message, SCHEMAS, single=True)
+    assert not getattr(r.choices[0].message, "reasoning_content", None)
+    r = cl.chat.completions.create(model=TOOL_MODEL_NAME, messages=MSGS, max_tokens=200, seed=2,
+                                   response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "w", "schema": WEATHER}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
 
 
 def test_conversations_render_as_chat(qwen, claude):
