@@ -188,6 +188,19 @@ typedef struct {
     const char *grammar;           /* GBNF source (llama-server's "grammar" field) */
     const char *json_schema;       /* JSON Schema text (response_format "json_schema") */
     int json_object;               /* 1: any JSON object (response_format "json_object") */
+    /* tool_choice "required" or one named function (chat with tools; exclusive with the
+     * three above): the output is constrained to calls of `tools`, each one's arguments
+     * a sentence of its "parameters" schema, in the markup of this m40_tool_format
+     * (m40_chat_parse.h): Hermes "<tool_call>\n{"name": .., "arguments": ..}\n</tool_call>",
+     * Llama 3 {"name": .., "parameters": ..}, Mistral "[TOOL_CALLS][...]", bare JSON.
+     * So even a model that would never call returns a call the output parser takes.
+     * 0 (M40_TOOLS_NONE): not forced. Compiled like a grammar (400s the same way). */
+    int tool_call_format;
+    int tool_call_parallel;        /* with tool_call_format: one or more calls; 0: exactly one */
+    /* Count the prompt only: the tokenizer thread renders and tokenizes it, and the
+     * request ends there with DONE (finish "stop", prompt_tokens, no completion tokens);
+     * nothing runs through the model (Anthropic's /v1/messages/count_tokens). */
+    int count_only;
 } m40_request_params;
 
 typedef enum {
@@ -223,8 +236,10 @@ typedef struct {
     int32_t n_top;
     /* DONE */
     m40_finish finish;
-    int32_t prompt_tokens;
+    int32_t prompt_tokens;         /* on TEXT events too (known once the prompt is) */
     int32_t completion_tokens;
+    int32_t stop_matched;          /* DONE: 1 + the index of the request's stop string that
+                                    * ended the output; 0 when none did */
     /* ERROR: HTTP status to answer with (400 prompt too long, 500 internal, 503
      * engine stopping) and the message. */
     int http_status;

@@ -1,4 +1,5 @@
-/* nginx's own error pages in OpenAI's error shape, in the servers that serve m40.
+/* nginx's own error pages in OpenAI's error shape (Anthropic's on the /v1/messages
+ * paths), in the servers that serve m40.
  *
  * Some 4xx and 5xx never reach m40's handlers: a body over client_max_body_size (413),
  * a malformed request (invalid chunk size, Content-Length with chunked, a negative or
@@ -54,10 +55,40 @@ ngx_http_m40_errpage_message(ngx_uint_t status)
 }
 
 
+/* Anthropic's Messages API paths answer in Anthropic's error shape. */
+static ngx_uint_t
+ngx_http_m40_errpage_anthropic(ngx_http_request_t *r)
+{
+    static const ngx_str_t  paths[] = { ngx_string("/v1/messages"),
+                                        ngx_string("/v1/messages/count_tokens") };
+    ngx_uint_t              i;
+
+    for (i = 0; i < sizeof(paths) / sizeof(paths[0]); i++) {
+        if (r->uri.len >= paths[i].len
+            && ngx_strncmp(r->uri.data + r->uri.len - paths[i].len,
+                           paths[i].data, paths[i].len) == 0)
+        {
+            return 1;
+        }
+    }
+
+    return 0;
+}
+
+
 /* The body for status: constant texts, no escaping needed. Returns its end. */
 static u_char *
-ngx_http_m40_errpage_body(u_char *buf, size_t len, ngx_uint_t status)
+ngx_http_m40_errpage_body(ngx_http_request_t *r, u_char *buf, size_t len,
+    ngx_uint_t status)
 {
+    if (ngx_http_m40_errpage_anthropic(r)) {
+        return ngx_snprintf(buf, len,
+                            "{\"type\":\"error\",\"error\":{\"type\":\"%s\","
+                            "\"message\":\"%s\"}}\n",
+                            ngx_http_m40_anthropic_error_type(status),
+                            ngx_http_m40_errpage_message(status));
+    }
+
     return ngx_snprintf(buf, len,
                         "{\"error\":{\"message\":\"%s\",\"type\":\"%s\","
                         "\"param\":null,\"code\":\"http_%ui\"}}\n",
@@ -92,7 +123,7 @@ ngx_http_m40_errpage_header_filter(ngx_http_request_t *r)
     r->headers_out.content_type_lowcase = NULL;
     r->headers_out.charset.len = 0;
     r->headers_out.content_length_n =
-        ngx_http_m40_errpage_body(buf, sizeof(buf), r->err_status) - buf;
+        ngx_http_m40_errpage_body(r, buf, sizeof(buf), r->err_status) - buf;
     if (r->headers_out.content_length) {
         r->headers_out.content_length->hash = 0;
         r->headers_out.content_length = NULL;
@@ -132,7 +163,7 @@ ngx_http_m40_errpage_body_filter(ngx_http_request_t *r, ngx_chain_t *in)
     if (b == NULL) {
         return NGX_ERROR;
     }
-    b->last = ngx_http_m40_errpage_body(b->pos, 512, r->err_status);
+    b->last = ngx_http_m40_errpage_body(r, b->pos, 512, r->err_status);
     b->last_buf = (r == r->main) ? 1 : 0;
     b->last_in_chain = 1;
 

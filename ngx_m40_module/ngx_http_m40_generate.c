@@ -29,7 +29,8 @@ static ngx_int_t ngx_http_m40_load_wait(ngx_http_request_t *r,
 
 
 ngx_int_t
-ngx_http_m40_generate_handler(ngx_http_request_t *r, ngx_http_m40_kind_e kind)
+ngx_http_m40_generate_handler(ngx_http_request_t *r, ngx_http_m40_kind_e kind,
+    const ngx_http_m40_dialect_t *dialect)
 {
     ngx_int_t            rc;
     ngx_http_m40_ctx_t  *ctx;
@@ -41,6 +42,7 @@ ngx_http_m40_generate_handler(ngx_http_request_t *r, ngx_http_m40_kind_e kind)
 
     ctx->request = r;
     ctx->kind = kind;
+    ctx->dialect = dialect;
     ctx->mcf = ngx_http_get_module_main_conf(r, ngx_http_m40_module);
 
     ngx_http_set_ctx(r, ctx, ngx_http_m40_module);
@@ -148,6 +150,49 @@ ngx_http_m40_body(ngx_http_request_t *r, u_char **data, size_t *len)
 }
 
 
+static void
+ngx_http_m40_body_cleanup(void *data)
+{
+    ngx_http_m40_ctx_t *ctx = data;
+
+    if (ctx->body) {
+        json_decref(ctx->body);
+        ctx->body = NULL;
+    }
+}
+
+
+/* A dialect's body becomes a chat request; the body stays for the answer (echoed
+ * fields) until the request's pool goes. */
+static json_t *
+ngx_http_m40_dialect_request(ngx_http_m40_ctx_t *ctx, json_t *body,
+    ngx_http_m40_error_t *err)
+{
+    ngx_pool_cleanup_t  *cln;
+
+    cln = ngx_pool_cleanup_add(ctx->request->pool, 0);
+    if (cln == NULL) {
+        json_decref(body);
+        ngx_http_m40_error_set(err, NGX_HTTP_INTERNAL_SERVER_ERROR,
+                               "server_error", NULL, NULL, "out of memory");
+        return NULL;
+    }
+
+    cln->handler = ngx_http_m40_body_cleanup;
+    cln->data = ctx;
+    ctx->body = body;
+
+    if (!json_is_object(body)) {
+        ngx_http_m40_error_set(err, NGX_HTTP_BAD_REQUEST,
+                               "invalid_request_error", NULL, "invalid_value",
+                               "the request body must be a JSON object");
+        return NULL;
+    }
+
+    return ctx->dialect->request(ctx, body, err);
+}
+
+
 static ngx_int_t
 ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
 {
@@ -196,6 +241,13 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
                    "invalid_request_error", "invalid_json",
                    "the request body is not valid JSON: %s (line %d, "
                    "column %d)", jerr.text, jerr.line, jerr.column);
+    }
+
+    if (ctx->dialect) {
+        root = ngx_http_m40_dialect_request(ctx, root, &err);
+        if (root == NULL) {
+            return ngx_http_m40_send_error(r, &err);
+        }
     }
 
     if (ngx_http_m40_parse_params(r, mcf, ctx->kind, root, &p, &err)
@@ -256,6 +308,21 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
 
     ngx_http_m40_output_mode(ctx, &p);
 
+    if (ctx->forced_tools && (p.grammar || p.json_schema || p.json_object)) {
+        ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
+                               "invalid_request_error", "tool_choice",
+                               "invalid_value",
+                               "'tool_choice' \"required\" or a named function "
+                               "together with 'response_format' or 'grammar' is "
+                               "not supported (both constrain the output)");
+        goto failed;
+    }
+
+    if (ctx->dialect) {
+        /* the dialects' answers are built from the parser's pieces */
+        ctx->parse = 1;
+    }
+
     ctx->n = p.n;
     ctx->stream = p.stream ? 1 : 0;
     ctx->include_usage = p.include_usage ? 1 : 0;
@@ -264,8 +331,8 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     ctx->created = ngx_time();
 
     pr = (u_char *) ngx_sprintf((u_char *) ctx->id, "%s%08xD%08xD%08xD",
-                                ctx->kind == NGX_HTTP_M40_CHAT ? "chatcmpl-"
-                                                               : "cmpl-",
+                                ctx->dialect ? "" : ctx->kind == NGX_HTTP_M40_CHAT
+                                                    ? "chatcmpl-" : "cmpl-",
                                 (uint32_t) ngx_random(), (uint32_t) ngx_random(),
                                 (uint32_t) ngx_random());
     *pr = '\0';
@@ -321,6 +388,9 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     rp.grammar = p.grammar;
     rp.json_schema = p.json_schema;
     rp.json_object = p.json_object ? 1 : 0;
+    rp.tool_call_format = ctx->forced_tools ? (int) ctx->tool_format : 0;
+    rp.tool_call_parallel = p.parallel_tool_calls ? 1 : 0;
+    rp.count_only = ctx->count_only ? 1 : 0;
 
     seed = p.has_seed ? p.seed
                       : ((uint64_t) ngx_random() << 32) ^ (uint64_t) ngx_random();
@@ -566,6 +636,7 @@ ngx_http_m40_choice_done(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
     ch->finish = ev->finish;
     ch->prompt_tokens = ev->prompt_tokens;
     ch->completion_tokens = ev->completion_tokens;
+    ch->stop_matched = ev->stop_matched;
     ctx->n_done++;
 
     ngx_http_m40_choice_unregister(ctx->mcf, ch);
@@ -596,7 +667,7 @@ ngx_http_m40_event_error(ngx_http_m40_error_t *err, m40_event *ev)
 
 /* ---- non-streaming ---- */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_m40_append(ngx_http_request_t *r, u_char **buf, size_t *blen,
     size_t *bcap, const char *text, size_t len)
 {
@@ -897,6 +968,11 @@ ngx_http_m40_collect(ngx_http_m40_ctx_t *ctx)
 
     if (ctx->n_done < ctx->n) {
         return NGX_DONE;
+    }
+
+    if (ctx->dialect) {
+        ctx->finished = 1;
+        return ctx->dialect->send(ctx);
     }
 
     return ngx_http_m40_send_completion(ctx);

@@ -942,6 +942,9 @@ ngx_http_m40_engine_event(ngx_event_t *rev)
 typedef enum {
     NGX_HTTP_M40_EP_CHAT = 0,
     NGX_HTTP_M40_EP_COMPLETIONS,
+    NGX_HTTP_M40_EP_RESPONSES,
+    NGX_HTTP_M40_EP_MESSAGES,
+    NGX_HTTP_M40_EP_COUNT_TOKENS,
     NGX_HTTP_M40_EP_MODELS,
     NGX_HTTP_M40_EP_HEALTH,
     NGX_HTTP_M40_EP_METRICS
@@ -958,6 +961,12 @@ static ngx_http_m40_route_t  ngx_http_m40_routes[] = {
       NGX_HTTP_M40_EP_CHAT },
     { ngx_string("/v1/completions"), NGX_HTTP_POST,
       NGX_HTTP_M40_EP_COMPLETIONS },
+    { ngx_string("/v1/responses"), NGX_HTTP_POST,
+      NGX_HTTP_M40_EP_RESPONSES },
+    { ngx_string("/v1/messages"), NGX_HTTP_POST,
+      NGX_HTTP_M40_EP_MESSAGES },
+    { ngx_string("/v1/messages/count_tokens"), NGX_HTTP_POST,
+      NGX_HTTP_M40_EP_COUNT_TOKENS },
     { ngx_string("/v1/models"), NGX_HTTP_GET|NGX_HTTP_HEAD,
       NGX_HTTP_M40_EP_MODELS },
     { ngx_string("/health"), NGX_HTTP_GET|NGX_HTTP_HEAD,
@@ -1064,10 +1073,22 @@ ngx_http_m40_handler(ngx_http_request_t *r)
     switch (route->endpoint) {
 
     case NGX_HTTP_M40_EP_CHAT:
-        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_CHAT);
+        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_CHAT, NULL);
 
     case NGX_HTTP_M40_EP_COMPLETIONS:
-        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_COMPLETIONS);
+        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_COMPLETIONS, NULL);
+
+    case NGX_HTTP_M40_EP_RESPONSES:
+        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_CHAT,
+                                             &ngx_http_m40_responses_dialect);
+
+    case NGX_HTTP_M40_EP_MESSAGES:
+        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_CHAT,
+                                             &ngx_http_m40_messages_dialect);
+
+    case NGX_HTTP_M40_EP_COUNT_TOKENS:
+        return ngx_http_m40_generate_handler(r, NGX_HTTP_M40_CHAT,
+                                        &ngx_http_m40_count_tokens_dialect);
 
     default:
         break;

@@ -4,13 +4,18 @@
  *   ngx_http_m40_module.c    directives, configuration, the per-worker engine and its
  *                            eventfd in the event loop, URI routing
  *   ngx_http_m40_params.c    request body JSON -> validated generation parameters
- *   ngx_http_m40_generate.c  /v1/chat/completions and /v1/completions: body,
- *                            submission, engine wake-ups, cleanup, JSON answers
+ *   ngx_http_m40_generate.c  the request path of every generating endpoint: body,
+ *                            (a dialect's conversion,) submission, engine wake-ups,
+ *                            cleanup; chat and completions' JSON answers
  *   ngx_http_m40_stream.c    the same as Server-Sent Events, with back pressure
  *   ngx_http_m40_output.c    JSON to buffers, response objects (usage, logprobs),
  *                            OpenAI-shaped errors, UTF-8 repair
  *   ngx_http_m40_tools.c     tools, tool_choice, chat_template_kwargs and the tool
  *                            fields of messages; the output parser's glue
+ *   ngx_http_m40_responses.c /v1/responses (OpenAI Responses API): its request as a
+ *                            chat request, its response object and typed SSE events
+ *   ngx_http_m40_messages.c  /v1/messages and /v1/messages/count_tokens (Anthropic
+ *                            Messages API): the same, and Anthropic's error shape
  *   ngx_http_m40_info.c      /v1/models, /health, /metrics
  *   ngx_http_m40_errors.c    nginx's own error pages as OpenAI error JSON
  *
@@ -130,8 +135,36 @@ typedef struct {
 } ngx_http_m40_error_t;
 
 typedef struct ngx_http_m40_ctx_s  ngx_http_m40_ctx_t;
+typedef struct ngx_http_m40_choice_s  ngx_http_m40_choice_t;
 
+/* Where a streamed event goes: the round's output chain (ngx_http_m40_stream.c). */
 typedef struct {
+    ngx_http_m40_ctx_t      *ctx;
+    ngx_http_m40_choice_t   *ch;
+    ngx_chain_t           ***last;
+    size_t                  *bytes;
+} ngx_http_m40_sse_t;
+
+/* An API dialect beside OpenAI's chat and completions (which need none): its request
+ * becomes a chat completions request that goes through the one request path
+ * (validation, submission, output parsing); only its bytes differ. Its output always
+ * goes through the output parser (content, reasoning and tool call pieces). n is 1. */
+typedef struct {
+    const char  *name;                /* for the log */
+    /* the body -> the chat request (a new reference); NULL with err set */
+    json_t     *(*request)(ngx_http_m40_ctx_t *ctx, json_t *body,
+                           ngx_http_m40_error_t *err);
+    json_t     *(*error_json)(ngx_http_m40_error_t *err);  /* NULL: OpenAI's */
+    ngx_int_t   (*send)(ngx_http_m40_ctx_t *ctx);          /* non-streaming answer */
+    /* streaming: the opening events, each piece (ud: ngx_http_m40_sse_t), the end
+     * of the output, and an error after the headers */
+    ngx_int_t   (*open)(ngx_http_m40_sse_t *out);
+    m40_piece_cb  piece;
+    ngx_int_t   (*done)(ngx_http_m40_sse_t *out);
+    ngx_int_t   (*fail)(ngx_http_m40_sse_t *out, ngx_http_m40_error_t *err);
+} ngx_http_m40_dialect_t;
+
+struct ngx_http_m40_choice_s {
     ngx_rbtree_node_t    node;                /* key: id given to the engine */
     ngx_http_m40_ctx_t  *ctx;
     m40_request         *req;
@@ -154,7 +187,8 @@ typedef struct {
     u_char              *reasoning;           /* non-streaming: reasoning text */
     size_t               reasoning_len;
     size_t               reasoning_cap;
-} ngx_http_m40_choice_t;
+    int32_t              stop_matched;        /* the DONE event's */
+};
 
 struct ngx_http_m40_ctx_s {
     ngx_http_request_t       *request;
@@ -182,6 +216,11 @@ struct ngx_http_m40_ctx_s {
     ngx_event_t               linger;         /* holds off graceful shutdown */
     ngx_event_t               load_ev;        /* m40_load_wait: the next look at a loading engine */
     ngx_msec_t                load_waited;
+    const ngx_http_m40_dialect_t *dialect;    /* NULL: OpenAI chat or completions */
+    void                     *dstate;         /* the dialect's, in the request pool */
+    json_t                   *body;           /* a dialect's original request (echoed) */
+    unsigned                  count_only:1;   /* count_tokens: prompt only */
+    unsigned                  forced_tools:1; /* tool_choice required/named: by grammar */
 };
 
 extern ngx_module_t  ngx_http_m40_module;
@@ -204,15 +243,26 @@ void ngx_http_m40_error_set(ngx_http_m40_error_t *err, ngx_uint_t status,
 
 /* ngx_http_m40_generate.c */
 ngx_int_t ngx_http_m40_generate_handler(ngx_http_request_t *r,
-    ngx_http_m40_kind_e kind);
+    ngx_http_m40_kind_e kind, const ngx_http_m40_dialect_t *dialect);
 void ngx_http_m40_ctx_wake(ngx_http_m40_ctx_t *ctx);
 ngx_int_t ngx_http_m40_process(ngx_http_m40_ctx_t *ctx);
 void ngx_http_m40_choice_done(ngx_http_m40_ctx_t *ctx,
     ngx_http_m40_choice_t *ch, m40_event *ev);
 void ngx_http_m40_event_error(ngx_http_m40_error_t *err, m40_event *ev);
+/* Appends to a growing buffer of the request's pool. */
+ngx_int_t ngx_http_m40_append(ngx_http_request_t *r, u_char **buf,
+    size_t *blen, size_t *bcap, const char *text, size_t len);
 
 /* ngx_http_m40_stream.c */
 ngx_int_t ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx);
+ngx_int_t ngx_http_m40_sse_event(ngx_http_m40_sse_t *out, const char *event,
+    json_t *data);
+
+/* ngx_http_m40_responses.c, ngx_http_m40_messages.c */
+extern const ngx_http_m40_dialect_t  ngx_http_m40_responses_dialect;
+extern const ngx_http_m40_dialect_t  ngx_http_m40_messages_dialect;
+extern const ngx_http_m40_dialect_t  ngx_http_m40_count_tokens_dialect;
+const char *ngx_http_m40_anthropic_error_type(ngx_uint_t status);
 
 /* ngx_http_m40_output.c */
 ngx_buf_t *ngx_http_m40_json_buf(ngx_pool_t *pool, json_t *json,

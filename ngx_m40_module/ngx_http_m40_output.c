@@ -242,8 +242,9 @@ ngx_http_m40_send_error(ngx_http_request_t *r, ngx_http_m40_error_t *err)
 {
     json_t           *j;
     ngx_int_t         rc;
-    ngx_uint_t        level;
-    ngx_table_elt_t  *h;
+    ngx_uint_t           level;
+    ngx_table_elt_t     *h;
+    ngx_http_m40_ctx_t  *ctx;
 
 
     level = (err->status >= 500) ? NGX_LOG_ERR : NGX_LOG_INFO;
@@ -262,7 +263,9 @@ ngx_http_m40_send_error(ngx_http_request_t *r, ngx_http_m40_error_t *err)
         ngx_str_set(&h->value, "1");
     }
 
-    j = ngx_http_m40_error_json(err);
+    ctx = ngx_http_get_module_ctx(r, ngx_http_m40_module);
+    j = ctx && ctx->dialect && ctx->dialect->error_json
+        ? ctx->dialect->error_json(err) : ngx_http_m40_error_json(err);
     if (j == NULL) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                       "m40: cannot build an error response");

@@ -1,5 +1,7 @@
 /* Streaming answers (Server-Sent Events) for /v1/chat/completions and
- * /v1/completions.
+ * /v1/completions, and the transport of the other dialects' typed events
+ * ("event: NAME" lines; the dialect formats them and ends the stream without
+ * "[DONE]").
  *
  * Events are pulled from the engine only while the client connection can take
  * them: when nginx cannot send everything (a slow reader), pulling stops, the
@@ -60,18 +62,27 @@ ngx_http_m40_stream_header(ngx_http_m40_ctx_t *ctx)
 }
 
 
-/* Appends "data: JSON\n\n" to the chain, in a recycled buffer when one is free. */
+/* Appends "data: JSON\n\n" (after "event: NAME\n" when named) to the chain, in a
+ * recycled buffer when one is free. Takes j. */
 static ngx_int_t
-ngx_http_m40_emit(ngx_http_m40_ctx_t *ctx, json_t *j, ngx_chain_t ***last,
-    size_t *bytes)
+ngx_http_m40_emit_named(ngx_http_m40_ctx_t *ctx, const char *event, json_t *j,
+    ngx_chain_t ***last, size_t *bytes)
 {
     u_char       *start, *end;
     size_t        need, size;
     ngx_buf_t    *b;
     ngx_chain_t  *cl;
+    u_char        prefix[96];
 
     if (j == NULL) {
         return NGX_ERROR;
+    }
+
+    if (event) {
+        *ngx_snprintf(prefix, sizeof(prefix) - 1, "event: %s\ndata: ", event)
+            = '\0';
+    } else {
+        ngx_cpystrn(prefix, (u_char *) "data: ", sizeof(prefix));
     }
 
     need = json_dumpb(j, NULL, 0, JSON_COMPACT);
@@ -79,7 +90,7 @@ ngx_http_m40_emit(ngx_http_m40_ctx_t *ctx, json_t *j, ngx_chain_t ***last,
         json_decref(j);
         return NGX_ERROR;
     }
-    need += sizeof("data: \n\n") - 1;
+    need += ngx_strlen(prefix) + 2;
 
     cl = ngx_chain_get_free_buf(ctx->request->pool, &ctx->free);
     if (cl == NULL) {
@@ -109,7 +120,7 @@ ngx_http_m40_emit(ngx_http_m40_ctx_t *ctx, json_t *j, ngx_chain_t ***last,
     b->temporary = 1;
     b->tag = (ngx_buf_tag_t) &ngx_http_m40_module;
 
-    if (ngx_http_m40_json_write(j, b, "data: ", "\n\n") == 0) {
+    if (ngx_http_m40_json_write(j, b, (const char *) prefix, "\n\n") == 0) {
         json_decref(j);
         return NGX_ERROR;
     }
@@ -121,6 +132,23 @@ ngx_http_m40_emit(ngx_http_m40_ctx_t *ctx, json_t *j, ngx_chain_t ***last,
     *bytes += b->last - b->pos;
 
     return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_m40_emit(ngx_http_m40_ctx_t *ctx, json_t *j, ngx_chain_t ***last,
+    size_t *bytes)
+{
+    return ngx_http_m40_emit_named(ctx, NULL, j, last, bytes);
+}
+
+
+/* A dialect's typed event: "event: NAME" and its JSON (taken). */
+ngx_int_t
+ngx_http_m40_sse_event(ngx_http_m40_sse_t *out, const char *event, json_t *data)
+{
+    return ngx_http_m40_emit_named(out->ctx, event, data, out->last,
+                                   out->bytes);
 }
 
 
@@ -291,7 +319,21 @@ ngx_http_m40_stream_parse(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
     m40_event *ev, ngx_chain_t ***last, size_t *bytes)
 {
     ngx_int_t                     rc;
+    ngx_http_m40_sse_t            out;
     ngx_http_m40_stream_pieces_t  sp;
+
+    if (ctx->dialect) {
+        out.ctx = ctx;
+        out.ch = ch;
+        out.last = last;
+        out.bytes = bytes;
+        rc = ngx_http_m40_parser_feed(ctx, ch, ev, ctx->dialect->piece, &out);
+        if (rc == NGX_OK && ev->type == M40_EV_DONE) {
+            ngx_http_m40_choice_done(ctx, ch, ev);
+            rc = ctx->dialect->done(&out);
+        }
+        return rc;
+    }
 
     sp.ctx = ctx;
     sp.ch = ch;
@@ -323,13 +365,22 @@ static ngx_int_t
 ngx_http_m40_stream_open(ngx_http_m40_ctx_t *ctx, ngx_chain_t ***last,
     size_t *bytes)
 {
-    json_t     *first;
-    ngx_int_t   rc;
-    ngx_uint_t  i;
+    json_t              *first;
+    ngx_int_t            rc;
+    ngx_uint_t           i;
+    ngx_http_m40_sse_t   out;
 
     rc = ngx_http_m40_stream_header(ctx);
     if (rc == NGX_ERROR || rc > NGX_OK) {
         return NGX_ERROR;
+    }
+
+    if (ctx->dialect) {
+        out.ctx = ctx;
+        out.ch = &ctx->choices[0];
+        out.last = last;
+        out.bytes = bytes;
+        return ctx->dialect->open(&out);
     }
 
     for (i = 0; i < ctx->n; i++) {
@@ -395,6 +446,7 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
     m40_event                ev;
     ngx_chain_t             *out, **last, *cl;
     ngx_http_request_t      *r;
+    ngx_http_m40_sse_t       sse;
     ngx_http_m40_error_t     err;
     ngx_http_m40_choice_t   *ch;
     static u_char            done[] = "data: [DONE]\n\n";
@@ -414,6 +466,10 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
                    && m40_request_poll(ch->req, &ev))
             {
                 polled = 1;
+
+                if (ev.prompt_tokens > 0) {
+                    ch->prompt_tokens = ev.prompt_tokens;   /* for message_start */
+                }
 
                 if (!ctx->header_sent) {
                     if (ev.type == M40_EV_ERROR) {
@@ -467,6 +523,9 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
                         m40_event_clear(&ev);
                         return NGX_ERROR;
                     }
+                    if (ctx->dialect) {
+                        break;  /* done, with the dialect's closing events */
+                    }
                     ngx_http_m40_choice_done(ctx, ch, &ev);
                     rc = ngx_http_m40_emit(ctx,
                              ngx_http_m40_chunk(ctx, ch->index,
@@ -489,9 +548,18 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
                     ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
                                   "m40: generation failed mid-stream: %s",
                                   err.message);
-                    if (ngx_http_m40_emit(ctx, ngx_http_m40_error_json(&err),
-                                          &last, &bytes)
-                        != NGX_OK)
+                    if (ctx->dialect) {
+                        sse.ctx = ctx;
+                        sse.ch = ch;
+                        sse.last = &last;
+                        sse.bytes = &bytes;
+                        rc = ctx->dialect->fail(&sse, &err);
+                    } else {
+                        rc = ngx_http_m40_emit(ctx,
+                                               ngx_http_m40_error_json(&err),
+                                               &last, &bytes);
+                    }
+                    if (rc != NGX_OK)
                     {
                         m40_event_clear(&ev);
                         return NGX_ERROR;
@@ -513,7 +581,26 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
             }
         }
 
-        if (ctx->n_done == ctx->n && !ctx->finished) {
+        if (ctx->n_done == ctx->n && !ctx->finished && ctx->dialect) {
+            /* the dialect's last event is out: no [DONE] */
+            cl = ngx_alloc_chain_link(r->pool);
+            b = ngx_calloc_buf(r->pool);
+            if (cl == NULL || b == NULL) {
+                return NGX_ERROR;
+            }
+
+            b->last_buf = (r == r->main) ? 1 : 0;
+            b->last_in_chain = 1;
+            b->sync = 1;
+
+            cl->buf = b;
+            cl->next = NULL;
+            *last = cl;
+            last = &cl->next;
+
+            ctx->finished = 1;
+
+        } else if (ctx->n_done == ctx->n && !ctx->finished) {
             if (ctx->include_usage) {
                 /* the last chunk before [DONE]: no choices, the usage */
                 usage = ngx_http_m40_object(ctx,

@@ -5,11 +5,12 @@
  *
  * The definitions reach the chat template as its `tools` variable, exactly as the
  * client sent them (validated); the template decides how the model sees them.
- * tool_choice "required" and a named function are honoured as far as a template and
- * a parser can: the named function is the only one the template shows, and the
- * output is parsed as with "auto". Nothing forces the model to call until the
- * grammar engine constrains decoding: a model that answers in prose gets its prose
- * back with finish_reason "stop" (README.md says so). */
+ * tool_choice "required" and a named function are guaranteed by constrained decoding:
+ * the named function is the only one the template shows, and the engine compiles a
+ * grammar of calls to the tools shown (each call's arguments a sentence of its
+ * parameters' JSON Schema) in the markup of the request's parser (Hermes, Llama 3,
+ * Mistral or bare JSON), so even a model that would answer in prose returns a call
+ * the parser takes (engine/serve/constrain.c). */
 #include "ngx_http_m40_module.h"
 
 #include "m40_chat_parse.h"
@@ -399,6 +400,12 @@ ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
 
     ctx->parse = ctx->tool_format != M40_TOOLS_NONE
                  || ctx->reasoning != M40_REASONING_INLINE;
+
+    /* m40_tool_format none: no markup to force, the output is content */
+    ctx->forced_tools = p->tools != NULL && ctx->tool_format != M40_TOOLS_NONE
+                        && !ctx->count_only
+                        && (p->tool_choice == NGX_HTTP_M40_TOOL_CHOICE_REQUIRED
+                            || p->tool_choice == NGX_HTTP_M40_TOOL_CHOICE_NAMED);
 }
 
 

@@ -71,5 +71,9 @@ int m40_gconstraint_can_end(const m40_gconstraint *c);
  * "unsupported JSON Schema keyword 'not'". schema_json NULL: any JSON object (the
  * response_format {"type": "json_object"}). */
 char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, size_t errlen);
+/* The same with the schema's rule named `rule` instead of "root" (letters, digits, '-';
+ * not one of the prelude's names): the caller writes the root around it (forced tool
+ * calls wrap a call object in the model's markup). */
+char *m40_json_schema_to_gbnf_rule(const char *schema_json, size_t len, const char *rule, char *err, size_t errlen);
 
 #endif

@@ -656,13 +656,18 @@ static int gen(jsg *c, json_t *s, sbuf *e)
 
 char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, size_t errlen)
 {
+    return m40_json_schema_to_gbnf_rule(schema_json, len, "root", err, errlen);
+}
+
+char *m40_json_schema_to_gbnf_rule(const char *schema_json, size_t len, const char *rule, char *err, size_t errlen)
+{
     jsg c = {.e = {.err = err, .errlen = errlen}};
     if (err && errlen)
         err[0] = 0;
     sbuf root = {0};
     if (!schema_json) {
         sb_puts(&c.out, PRELUDE);
-        sb_puts(&c.out, "root ::= object\n");
+        sb_printf(&c.out, "%s ::= object\n", rule);
         return c.out.oom ? (free(c.out.s), NULL) : c.out.s;
     }
     json_error_t je;
@@ -673,7 +678,7 @@ char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, si
     }
     sb_puts(&c.out, PRELUDE);
     if (gen(&c, c.root, &root) == 0) {
-        sb_puts(&c.out, "root ::= ");
+        sb_printf(&c.out, "%s ::= ", rule);
         sb_puts(&c.out, root.s ? root.s : "value");
         sb_puts(&c.out, "\n");
     }

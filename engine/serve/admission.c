@@ -41,7 +41,7 @@ static void admit(m40_engine *e, m40_request *r, int32_t slot)
         m40_detok_push(s->detok, ids[n - 1], &k);
         m40_detok_flush(s->detok, &k);
     }
-    if (!s->smp || !s->detok || (r->grammar_src || r->json_schema || r->json_object ? !s->gc : 0)) {
+    if (!s->smp || !s->detok || (r->grammar_src || r->json_schema || r->json_object || r->tool_call_format ? !s->gc : 0)) {
         free(ids);
         m40_slot_clear(s);
         m40_admit_fail(e, r, 500, "out of memory creating the sampler");

@@ -41,16 +41,141 @@ out:
     return t;
 }
 
+/* The JSON Schema of one call object of any of the tools: {"name": <const>, <args>:
+ * <the function's parameters>} in that order (the compiler keeps schema order, and the
+ * parsers read either), with each tool's $defs hoisted to the root, where their "#/$defs/.."
+ * references point. *why names a problem (a $defs name two tools use). */
+static json_t *call_schema(const json_t *tools, const char *args_key, const char **why)
+{
+    json_t *any = json_array(), *defs = json_object();
+    json_t *root = json_pack("{s:o,s:o}", "anyOf", any, "$defs", defs);
+    size_t i;
+    json_t *t;
+    *why = "out of memory";
+    if (!root)
+        return NULL;
+    json_array_foreach(tools, i, t)
+    {
+        json_t *fn = json_object_get(t, "function");
+        json_t *name = json_object_get(fn, "name");
+        json_t *params = json_object_get(fn, "parameters");
+        if (!json_is_string(name)) {
+            *why = "a tool has no function name";
+            goto fail;
+        }
+        params = json_is_object(params) ? json_deep_copy(params) : json_pack("{s:s}", "type", "object");
+        if (!params)
+            goto fail;
+        static const char *const def_keys[] = {"$defs", "definitions"};
+        for (int k = 0; k < 2; k++) {
+            json_t *d = json_object_get(params, def_keys[k]);
+            const char *dn;
+            json_t *dv;
+            if (!json_is_object(d))
+                continue;
+            if (k == 1 && !json_object_get(root, "definitions"))
+                json_object_set_new(root, "definitions", json_object());
+            json_t *to = json_object_get(root, def_keys[k]);
+            json_object_foreach(d, dn, dv)
+            {
+                if (json_object_get(to, dn)) {
+                    json_decref(params);
+                    *why = "two tools' parameters define the same name in '$defs'";
+                    goto fail;
+                }
+                json_object_set(to, dn, dv);
+            }
+            json_object_del(params, def_keys[k]);
+        }
+        json_t *call = json_pack("{s:s,s:{s:{s:O},s:o},s:[s,s],s:b}", "type", "object", "properties", "name", "const",
+                                 name, args_key, params, "required", "name", args_key, "additionalProperties", 0);
+        if (!call || json_array_append_new(any, call) != 0)
+            goto fail;
+    }
+    return root;
+fail:
+    json_decref(root);
+    return NULL;
+}
+
+/* Appends the root rule to rules (taken): body, after "</think>" when the prompt left
+ * a <think> open (DeepSeek-R1's templates): the constrained answer is the answer, not
+ * reasoning, and the output parser finds the end of the thinking first. */
+static char *with_root(char *rules, int reasoning_open, const char *body, char *err, size_t errlen)
+{
+    const char *close = reasoning_open ? "\"</think>\\n\\n\" " : "";
+    size_t n = strlen(rules), m = strlen(body) + strlen(close) + 16;
+    char *out = realloc(rules, n + m);
+    if (!out) {
+        free(rules);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    snprintf(out + n, m, "root ::= %s(%s)\n", close, body);
+    return out;
+}
+
+/* GBNF for tool_choice "required" or a named function: one call (or, when parallel calls
+ * are allowed, one or more) in the markup the model's template teaches and the output
+ * parser reads (chat_parse.c), so the parser always finds calls. */
+static char *tool_call_gbnf(const m40_request *r, char *err, size_t errlen)
+{
+    const char *args_key = r->tool_call_format == M40_TOOLS_LLAMA3 ? "parameters" : "arguments";
+    const char *why;
+    json_t *schema = call_schema(r->tools, args_key, &why);
+    if (!schema) {
+        snprintf(err, errlen, "%s", why);
+        return NULL;
+    }
+    char *text = json_dumps(schema, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_decref(schema);
+    if (!text) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    char *rules = m40_json_schema_to_gbnf_rule(text, strlen(text), "tool-call", err, errlen);
+    free(text);
+    if (!rules)
+        return NULL;
+    const char *calls;
+    int par = r->tool_call_parallel;
+    switch (r->tool_call_format) {
+    case M40_TOOLS_HERMES:
+        calls = par ? "\"<tool_call>\\n\" tool-call \"\\n</tool_call>\" (\"\\n<tool_call>\\n\" tool-call "
+                      "\"\\n</tool_call>\")*"
+                    : "\"<tool_call>\\n\" tool-call \"\\n</tool_call>\"";
+        break;
+    case M40_TOOLS_LLAMA3: /* several calls are joined by "; " (the parser splits on ';') */
+        calls = par ? "tool-call (\"; \" tool-call)*" : "tool-call";
+        break;
+    case M40_TOOLS_MISTRAL:
+        calls = par ? "\"[TOOL_CALLS][\" tool-call (\", \" tool-call)* \"]\"" : "\"[TOOL_CALLS][\" tool-call \"]\"";
+        break;
+    default: /* M40_TOOLS_JSON: the whole output a call, or an array of them */
+        calls = par ? "tool-call | \"[\" tool-call (\", \" tool-call)* \"]\"" : "tool-call";
+        break;
+    }
+    return with_root(rules, r->reasoning_open, calls, err, errlen);
+}
+
 int m40_request_compile_grammar(m40_engine *e, m40_request *r, int *status, char *msg, size_t msglen)
 {
-    if (!r->grammar_src && !r->json_schema && !r->json_object)
+    if (!r->grammar_src && !r->json_schema && !r->json_object && !r->tool_call_format)
         return 0;
     char err[256] = "";
-    const char *field = r->grammar_src ? "grammar" : "response_format";
+    const char *field = r->grammar_src ? "grammar" : r->tool_call_format ? "tools" : "response_format";
     char *src = NULL;
     *status = 400;
-    if (!r->grammar_src) {
-        src = m40_json_schema_to_gbnf(r->json_schema, r->json_schema ? strlen(r->json_schema) : 0, err, sizeof err);
+    if (r->tool_call_format) {
+        if (!(src = tool_call_gbnf(r, err, sizeof err))) {
+            snprintf(msg, msglen, "invalid '%s' for tool_choice: %.200s", field, err);
+            return -1;
+        }
+    } else if (!r->grammar_src) {
+        src = m40_json_schema_to_gbnf_rule(r->json_schema, r->json_schema ? strlen(r->json_schema) : 0, "answer", err,
+                                           sizeof err);
+        if (src)
+            src = with_root(src, r->reasoning_open, "answer", err, sizeof err);
         if (!src) {
             snprintf(msg, msglen, "invalid '%s': %.200s", field, err);
             return -1;

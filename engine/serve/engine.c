@@ -268,6 +268,19 @@ void m40_engine_fail_request(m40_engine *e, m40_request *r, int http_status, con
     m40_engine_drop_request(e, r);
 }
 
+void m40_engine_count_done(m40_engine *e, m40_request *r, int32_t n_prompt)
+{
+    m40_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = M40_EV_DONE;
+    ev.finish = M40_FINISH_STOP;
+    ev.prompt_tokens = n_prompt;
+    ev.reasoning_open = r->reasoning_open;
+    if (m40_request_push_event(r, &ev) == 0)
+        m40_engine_notify(e, &r, 1);
+    m40_engine_drop_request(e, r);
+}
+
 void m40_engine_set_tokenize_hook(m40_engine *e, void (*fn)(void *ctx, void *user), void *ctx)
 {
     pthread_mutex_lock(&e->mu);
@@ -364,6 +377,10 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
     }
     if ((p->grammar != NULL) + (p->json_schema != NULL) + (p->json_object != 0) > 1)
         return invalid(err, errlen, "at most one of grammar, json_schema and json_object");
+    if (p->tool_call_format != 0 &&
+        (p->grammar || p->json_schema || p->json_object || !p->messages || !json_is_array(p->tools) ||
+         json_array_size(p->tools) == 0 || p->tool_call_format < 0 || p->tool_call_format > M40_TOOLS_JSON))
+        return invalid(err, errlen, "forced tool calls need tools, a known tool format and no other grammar");
     const m40_sampler_params *sp = &p->sampling;
     if (!(sp->temperature >= 0.0f) || !isfinite(sp->temperature))
         return invalid(err, errlen, "temperature must be a finite number >= 0");
@@ -443,6 +460,9 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
         r->n_stop = i + 1;
     }
     r->json_object = p->json_object != 0;
+    r->tool_call_format = p->tool_call_format;
+    r->tool_call_parallel = p->tool_call_parallel != 0;
+    r->count_only = p->count_only != 0;
     if ((p->grammar && !(r->grammar_src = dup_str(p->grammar))) ||
         (p->json_schema && !(r->json_schema = dup_str(p->json_schema))))
         goto nomem;

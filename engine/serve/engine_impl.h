@@ -30,6 +30,7 @@
 
 #include "grammar/grammar.h"
 #include "template/jinja.h"
+#include "m40_chat_parse.h"
 #include "m40_engine.h"
 #include "model/model.h"
 #include "prefill_policy.h"
@@ -84,6 +85,9 @@ struct m40_request {
     char *grammar_src;   /* constrained decoding: at most one of these three */
     char *json_schema;
     int json_object;
+    int tool_call_format;  /* tool_choice required/named: calls of `tools` in this markup */
+    int tool_call_parallel;
+    int count_only;        /* /v1/messages/count_tokens: ends after tokenizing */
     double t_submit;     /* monotonic seconds, for time to first token */
 
     /* Written by the tokenizer thread before it queues the request for admission,
@@ -113,6 +117,7 @@ typedef struct {
     int32_t *prompt;     /* prompt tokens, then the generated tokens fed so far */
     int32_t n_prompt;    /* tokens to prefill (grows when a preempted sequence recomputes) */
     int32_t n_prompt_user; /* the request's prompt length (usage) */
+    int stop_matched;      /* 1 + index of the request's stop string that ended it, else 0 */
     int32_t cap_prompt;
     int32_t n_prefilled;
     int32_t n_past;      /* tokens in the KV cache */
@@ -232,6 +237,8 @@ int32_t m40_engine_waiting_locked(const m40_engine *e);
 /* Ends a request the engine holds that never got a slot: pushes an ERROR event, lists
  * it as ready and drops the engine's reference (any thread; no lock held). */
 void m40_engine_fail_request(m40_engine *e, m40_request *r, int http_status, const char *msg);
+/* Ends a count_only request the same way (tokenizer thread): DONE with its prompt's length. */
+void m40_engine_count_done(m40_engine *e, m40_request *r, int32_t n_prompt);
 
 /* Test seam: fn(ctx, user) runs on the tokenizer thread before each request is
  * rendered and tokenized, with no lock held; a test blocks in it to hold a request

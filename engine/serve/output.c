@@ -69,6 +69,7 @@ void m40_push_done(m40_engine *e, m40_slot *s, m40_finish finish)
     ev.finish = finish;
     ev.prompt_tokens = s->n_prompt_user;
     ev.completion_tokens = s->n_gen;
+    ev.stop_matched = finish == M40_FINISH_STOP ? s->stop_matched : 0;
     ev.reasoning_open = s->r->reasoning_open;
     push_or_drop(e, s->r, &ev);
 }
@@ -147,6 +148,7 @@ static int emit_held(m40_engine *e, m40_slot *s, size_t nbytes, int drop_rest)
         memset(&ev, 0, sizeof ev);
         ev.type = M40_EV_TEXT;
         ev.reasoning_open = r->reasoning_open;
+        ev.prompt_tokens = s->n_prompt_user;
         ev.text = malloc(nbytes + 1);
         if (!ev.text)
             return -1;
@@ -214,14 +216,16 @@ static void stops_of(const m40_engine *e, const m40_slot *s, stop_set *out)
     }
 }
 
-/* Earliest stop match in held text; -1 when none. */
-static long stop_find(const stop_set *st, const char *text, size_t n)
+/* Earliest stop match in held text; -1 when none. *which: the matching string's index. */
+static long stop_find(const stop_set *st, const char *text, size_t n, int *which)
 {
     long best = -1;
     for (int i = 0; i < st->n; i++) {
         const char *p = memmem(text, n, st->s[i], st->len[i]);
-        if (p && (best < 0 || p - text < best))
+        if (p && (best < 0 || p - text < best)) {
             best = (long)(p - text);
+            *which = i;
+        }
     }
     return best;
 }
@@ -336,8 +340,11 @@ void m40_sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picke
         if (held_append(s, txt, n) != 0)
             goto nomem;
     }
-    long at = stop_find(&st, s->held ? s->held : "", s->held_len);
+    int which = 0;
+    long at = stop_find(&st, s->held ? s->held : "", s->held_len, &which);
     if (at >= 0) {
+        /* the request's own strings come first in the set (Anthropic reports which) */
+        s->stop_matched = which < r->n_stop ? which + 1 : 0;
         if (emit_held(e, s, (size_t)at, 1) != 0)
             goto nomem;
         finish = M40_FINISH_STOP;

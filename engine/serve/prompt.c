@@ -299,6 +299,16 @@ static void *prompt_thread_main(void *arg)
             pthread_mutex_lock(&e->mu);
             continue;
         }
+        if (r->count_only) {
+            /* counted: the answer is the prompt's length; no slot, no model */
+            r->phase = M40_REQ_ENGINE;
+            e->stats.queue_depth = m40_engine_waiting_locked(e);
+            pthread_mutex_unlock(&e->mu);
+            free(ids);
+            m40_engine_count_done(e, r, n);
+            pthread_mutex_lock(&e->mu);
+            continue;
+        }
         r->ids = ids;
         r->n_ids = n;
         r->phase = M40_REQ_QUEUED;

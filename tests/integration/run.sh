@@ -32,10 +32,10 @@ fi
 # Project-local virtual environment, created once and reused.
 VENV=$ROOT/.venv
 PY=$VENV/bin/python
-if ! "$PY" -c 'import openai, pytest, requests, jsonschema' 2>/dev/null; then
-    echo "setting up $VENV (openai, pytest, requests, jsonschema from PyPI)"
-    { [ -x "$PY" ] || python3 -m venv "$VENV"; } && "$VENV/bin/pip" install -q openai pytest requests jsonschema
-    if ! "$PY" -c 'import openai, pytest, requests, jsonschema' 2>/dev/null; then
+if ! "$PY" -c 'import openai, anthropic, pydantic, pytest, requests, jsonschema' 2>/dev/null; then
+    echo "setting up $VENV (openai, anthropic, pytest, requests, jsonschema from PyPI)"
+    { [ -x "$PY" ] || python3 -m venv "$VENV"; } && "$VENV/bin/pip" install -q openai anthropic pydantic pytest requests jsonschema
+    if ! "$PY" -c 'import openai, anthropic, pydantic, pytest, requests, jsonschema' 2>/dev/null; then
         echo "FAIL: cannot set up the Python environment in $VENV"
         summary 0 1 0; exit 1
     fi

@@ -1,8 +1,9 @@
 """Tool calling and reasoning on /v1/chat/completions, through the real nginx and the
 CPU engine with the official OpenAI SDK.
 
-A tiny random model cannot be made to write a tool call, so what the parsers make of
-model output is tested on crafted outputs in tests/unit/test_chat_parse.c; here:
+A tiny random model writes a tool call only when constrained decoding forces one
+(tool_choice required or named: test_agents.py), so what the parsers make of free model
+output is tested on crafted outputs in tests/unit/test_chat_parse.c; here:
   - malformed tools, tool_choice, parallel_tool_calls, chat_template_kwargs and tool
     messages get 400 with OpenAI's error JSON, naming the field;
   - a multi-turn tool conversation sent the way the SDK sends it is rendered by the

@@ -39,6 +39,7 @@ typedef struct {
     int done, n_events, n_text_events, n_logprob_tokens;
     m40_finish finish;
     int prompt_tokens, completion_tokens;
+    int stop_matched; /* DONE: 1 + the index of the stop string that ended it */
     int err_status;
     char err_msg[256];
 } job;
@@ -61,6 +62,7 @@ static inline void job_take(job *j)
             j->finish = ev.finish;
             j->prompt_tokens = ev.prompt_tokens;
             j->completion_tokens = ev.completion_tokens;
+            j->stop_matched = ev.stop_matched;
         } else {
             j->done = 1;
             j->err_status = ev.http_status;

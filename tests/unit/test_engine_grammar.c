@@ -2,13 +2,20 @@
  * under a GBNF grammar, a JSON Schema and json_object are sentences of their grammars at
  * temperature 1 over many seeds, 4 sequences at once; a grammar that is complete ends the
  * sequence (finish stop) even with ignore_eos; bad grammars and schemas are 400 ERROR
- * events naming the problem; two constraints at once are refused at submit. */
+ * events naming the problem; two constraints at once are refused at submit.
+ * Forced tool calls (tool_choice required/named): in each parser's markup the output
+ * parser finds only calls of the given tools, each one's arguments valid, one call
+ * unless parallel calls are allowed; tools' $defs are hoisted (clashing names are a
+ * 400). count_only ends after tokenizing; DONE names the stop string that matched. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "engine_jobs.h"
 #include "grammar/grammar.h"
+#include "m40_chat_parse.h"
+
+#include <jansson.h>
 
 static m40_engine *start(const char *path)
 {
@@ -87,6 +94,95 @@ static void expect_400(m40_engine *e, m40_request_params *p, const char *needle)
     m40_request_release(j.req);
 }
 
+
+/* What the output parser makes of a forced output. */
+typedef struct {
+    int calls, bad, content;
+} call_check;
+
+static int check_piece(void *ud, const m40_piece *pc)
+{
+    call_check *c = ud;
+    if (pc->kind != M40_PIECE_TOOL_CALL) {
+        for (size_t i = 0; i < pc->len; i++)
+            if (pc->text[i] != ' ' && pc->text[i] != '\n')
+                c->content = 1;
+        return 0;
+    }
+    c->calls++;
+    json_t *a = json_loads(pc->arguments, 0, NULL);
+    if (!strcmp(pc->name, "f")) {
+        json_t *n = json_object_get(a, "n");
+        c->bad += !(json_is_integer(n) && json_integer_value(n) >= 0 && json_integer_value(n) <= 9 &&
+                    json_object_size(a) == 1);
+    } else if (!strcmp(pc->name, "g")) {
+        json_t *d = json_object_get(a, "d");
+        c->bad += !(json_is_boolean(json_object_get(a, "b")) && json_is_integer(d) &&
+                    (json_integer_value(d) == 1 || json_integer_value(d) == 2));
+    } else {
+        c->bad++;
+    }
+    json_decref(a);
+    return 0;
+}
+
+static const char *const TOOLS_JSON =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"properties\":"
+    "{\"n\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":9}},\"required\":[\"n\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"g\",\"parameters\":{\"type\":\"object\",\"$defs\":{\"two\":"
+    "{\"enum\":[1,2]}},\"properties\":{\"b\":{\"type\":\"boolean\"},\"d\":{\"$ref\":\"#/$defs/two\"}},"
+    "\"required\":[\"b\",\"d\"],\"additionalProperties\":false}}}]";
+
+static void chat_params(m40_request_params *p, json_t *msgs, json_t *tools)
+{
+    memset(p, 0, sizeof *p);
+    p->messages = msgs;
+    p->tools = tools;
+    p->add_generation_prompt = 1;
+    p->max_tokens = 300;
+    m40_sampler_params_default(&p->sampling);
+    p->sampling.temperature = 1.0f;
+}
+
+static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_format fmt, int parallel)
+{
+    enum { N = 6 };
+    job jobs[N];
+    job *jp[N];
+    char err[256];
+    m40_request_params p;
+    chat_params(&p, msgs, tools);
+    p.tool_call_format = fmt;
+    p.tool_call_parallel = parallel;
+    memset(jobs, 0, sizeof jobs);
+    for (int i = 0; i < N; i++) {
+        jp[i] = &jobs[i];
+        p.sampling.seed = 77 + (uint64_t)i;
+        CHECK(m40_engine_submit(e, &p, &jobs[i], &jobs[i].req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+    }
+    CHECK(pump(e, jp, N, 120) == 0, "forced %s: timeout", m40_tool_format_name(fmt));
+    int stopped = 0;
+    for (int i = 0; i < N; i++) {
+        CHECK(!jobs[i].err_status, "forced %s: %s", m40_tool_format_name(fmt), jobs[i].err_msg);
+        /* more calls may follow with parallel ones, up to max_tokens; one call always ends */
+        CHECK(jobs[i].finish == M40_FINISH_STOP || (parallel && jobs[i].finish == M40_FINISH_LENGTH),
+              "forced %s seed %d: finish %d '%s'", m40_tool_format_name(fmt), i, (int)jobs[i].finish, jobs[i].text);
+        if (jobs[i].finish == M40_FINISH_STOP) {
+            stopped++;
+            call_check c = {0};
+            m40_chat_parse *cp = m40_chat_parse_new(fmt, M40_REASONING_INLINE, 0);
+            m40_chat_parse_feed(cp, jobs[i].text, jobs[i].len, check_piece, &c);
+            m40_chat_parse_finish(cp, check_piece, &c);
+            m40_chat_parse_free(cp);
+            CHECK(c.calls >= 1 && (parallel || c.calls == 1) && !c.bad && !c.content,
+                  "forced %s seed %d: %d calls, %d bad, content %d in '%s'", m40_tool_format_name(fmt), i, c.calls,
+                  c.bad, c.content, jobs[i].text);
+        }
+        m40_request_release(jobs[i].req);
+    }
+    CHECK(stopped > N / 2, "forced %s: only %d of %d complete", m40_tool_format_name(fmt), stopped, N);
+}
+
 int main(void)
 {
     char path[4096];
@@ -163,6 +259,93 @@ int main(void)
     job j;
     CHECK(m40_engine_submit(e, &p, &j, &j.req, err, sizeof err) == M40_SUBMIT_INVALID && strstr(err, "at most one"),
           "two constraints: %s", err);
+
+
+    /* forced tool calls in each parser's markup, one call and parallel ones */
+    json_t *msgs = json_loads("[{\"role\":\"user\",\"content\":\"Call a tool\"}]", 0, NULL);
+    json_t *tools = json_loads(TOOLS_JSON, 0, NULL);
+    CHECK(msgs && tools, "test JSON");
+    static const m40_tool_format fmts[] = {M40_TOOLS_HERMES, M40_TOOLS_LLAMA3, M40_TOOLS_MISTRAL, M40_TOOLS_JSON};
+    for (int f = 0; f < 4; f++)
+        for (int par = 0; par < 2; par++)
+            forced_calls(e, msgs, tools, fmts[f], par);
+
+    /* two tools' $defs of one name: 400; a keyword the compiler lacks: 400 naming it */
+    json_t *clash = json_loads(TOOLS_JSON, 0, NULL);
+    json_object_set_new(json_object_get(json_object_get(json_array_get(clash, 0), "function"), "parameters"), "$defs",
+                        json_pack("{s:{s:[i]}}", "two", "enum", 3));
+    m40_request_params tp;
+    chat_params(&tp, msgs, clash);
+    tp.tool_call_format = M40_TOOLS_HERMES;
+    expect_400(e, &tp, "$defs");
+    json_decref(clash);
+    json_t *unsup = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"h\",\"parameters\":"
+                               "{\"type\":\"object\",\"not\":{}}}}]", 0, NULL);
+    chat_params(&tp, msgs, unsup);
+    tp.tool_call_format = M40_TOOLS_JSON;
+    expect_400(e, &tp, "unsupported JSON Schema keyword 'not'");
+    json_decref(unsup);
+    /* forced calls need tools and no other constraint */
+    chat_params(&tp, msgs, NULL);
+    tp.tool_call_format = M40_TOOLS_HERMES;
+    CHECK(m40_engine_submit(e, &tp, &j, &j.req, err, sizeof err) == M40_SUBMIT_INVALID, "forced without tools");
+    chat_params(&tp, msgs, tools);
+    tp.tool_call_format = M40_TOOLS_HERMES;
+    tp.json_object = 1;
+    CHECK(m40_engine_submit(e, &tp, &j, &j.req, err, sizeof err) == M40_SUBMIT_INVALID, "forced with json_object");
+
+    /* count_only: the prompt's tokens, no completion, nothing but DONE */
+    {
+        job c;
+        memset(&c, 0, sizeof c);
+        job *cp = &c;
+        chat_params(&tp, msgs, NULL);
+        tp.count_only = 1;
+        CHECK(m40_engine_submit(e, &tp, &c, &c.req, err, sizeof err) == M40_SUBMIT_OK, "count submit: %s", err);
+        CHECK(pump(e, &cp, 1, 30) == 0, "count: timeout");
+        job g;
+        memset(&g, 0, sizeof g);
+        job *gp = &g;
+        chat_params(&tp, msgs, NULL);
+        tp.max_tokens = 1;
+        CHECK(m40_engine_submit(e, &tp, &g, &g.req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+        CHECK(pump(e, &gp, 1, 30) == 0, "timeout");
+        CHECK(c.finish == M40_FINISH_STOP && c.completion_tokens == 0 && c.n_text_events == 0 &&
+                  c.prompt_tokens == g.prompt_tokens && c.prompt_tokens > 0,
+              "count_only: finish %d, %d completion tokens, %d text events, %d vs %d prompt tokens", (int)c.finish,
+              c.completion_tokens, c.n_text_events, c.prompt_tokens, g.prompt_tokens);
+        m40_request_release(c.req);
+        m40_request_release(g.req);
+    }
+
+    /* the stop string that ended the output is reported (1-based), none otherwise */
+    {
+        job a, b;
+        job *ap = &a, *bp = &b;
+        memset(&a, 0, sizeof a);
+        memset(&b, 0, sizeof b);
+        params(&p, 1);
+        p.sampling.temperature = 0.0f;
+        p.max_tokens = 24;
+        CHECK(m40_engine_submit(e, &p, &a, &a.req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+        CHECK(pump(e, &ap, 1, 30) == 0, "timeout");
+        CHECK(a.stop_matched == 0, "no stop string, stop_matched %d", a.stop_matched);
+        if (a.len >= 6) {
+            char cut[3] = {a.text[a.len / 2], a.text[a.len / 2 + 1], 0};
+            const char *stops[2] = {"\x01never", cut};
+            p.stop = stops;
+            p.n_stop = 2;
+            CHECK(m40_engine_submit(e, &p, &b, &b.req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+            CHECK(pump(e, &bp, 1, 30) == 0, "timeout");
+            CHECK(b.finish == M40_FINISH_STOP && b.stop_matched == 2 && b.len == (size_t)(strstr(a.text, cut) - a.text),
+                  "stop '%s': finish %d stop_matched %d, '%s' of '%s'", cut, (int)b.finish, b.stop_matched, b.text,
+                  a.text);
+            m40_request_release(b.req);
+        }
+        m40_request_release(a.req);
+    }
+    json_decref(msgs);
+    json_decref(tools);
 
     m40_engine_destroy(e);
     return check_done();
