@@ -23,6 +23,12 @@
  * Precision: Q and P are rounded to F16 (K and V are F16 already), sums are F32: errors
  * of ~1e-3 relative to the output scale, against ~1e-6 for the SIMT kernel.
  *
+ * Key splits (m40k_attn_prefill_tc_split): a few new tokens after a long context (a
+ * long prompt in chunks, a prompt while others stream) make few (tile, KV head) blocks,
+ * each walking the whole context while most SMs idle. With n_splits > 1 blockIdx.z
+ * takes one range of whole key tiles, writes its rows' unnormalized O, max and sum to a
+ * workspace, and a second kernel merges the splits (flash-decoding's reduction).
+ *
  * Blocks map to (sequence, row tile) by a scan over q_indptr as in the SIMT kernel;
  * inside a sequence the last (most expensive, causally) tiles get the lowest block
  * numbers so they start first. The mma path is compiled for __CUDA_ARCH__ >= 800 only;
@@ -87,12 +93,28 @@ __device__ __forceinline__ uint32_t tc_pack_h2(float lo, float hi)
 }
 #endif
 
+/* (sequence, row tile) of block blockIdx.x, by a scan over q_indptr; the last (most
+ * expensive, causally) tile of a sequence first. -1: a block past the last tile. */
+__device__ __forceinline__ int tc_find_tile(const int32_t *__restrict__ q_indptr, int n_seqs, int G, int *tile_out)
+{
+    int tile = blockIdx.x;
+    for (int i = 0; i < n_seqs; i++) {
+        const int nt = ((q_indptr[i + 1] - q_indptr[i]) * G + TC_BM - 1) / TC_BM;
+        if (tile < nt) {
+            *tile_out = nt - 1 - tile;
+            return i;
+        }
+        tile -= nt;
+    }
+    return -1;
+}
+
 template <int D>
 __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
-    int n_heads, int n_kv_heads, float scale_log2, int window)
+    int n_heads, int n_kv_heads, float scale_log2, int window, int n_splits, float *__restrict__ ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int BN = tc_cfg<D>::BN, LDS = tc_cfg<D>::LDS;
@@ -104,17 +126,8 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     const int G = n_heads / n_kv_heads, kvh = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
 
-    /* find (sequence, tile) of this block; the last tile of a sequence first */
-    int s = -1, tile = blockIdx.x;
-    for (int i = 0; i < n_seqs; i++) {
-        const int nt = ((q_indptr[i + 1] - q_indptr[i]) * G + TC_BM - 1) / TC_BM;
-        if (tile < nt) {
-            s = i;
-            tile = nt - 1 - tile;
-            break;
-        }
-        tile -= nt;
-    }
+    int tile;
+    const int s = tc_find_tile(q_indptr, n_seqs, G, &tile);
     if (s < 0)
         return;
     const int q0 = q_indptr[s], nq = q_indptr[s + 1] - q0;
@@ -126,6 +139,13 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     const int first_pos = base + row0 / G, last_pos = base + (row0 + nrows - 1) / G;
     const int kv_end = min(len, last_pos + 1);
     const int kv_begin = window > 0 ? max(0, first_pos - window + 1) / BN * BN : 0;
+    /* key split blockIdx.z of n_splits: whole BN tiles of [kv_begin, kv_end) */
+    int my_begin = kv_begin, my_end = kv_end;
+    if (n_splits > 1) {
+        const int per = ((kv_end - kv_begin + BN - 1) / BN + n_splits - 1) / n_splits * BN;
+        my_begin = min(kv_end, kv_begin + (int)blockIdx.z * per);
+        my_end = min(kv_end, my_begin + per);
+    }
 
     /* Q tile: F32 -> * scale*log2(e) -> F16; rows past nrows are zeros (never written out) */
     {
@@ -173,10 +193,10 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
         o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f; /* l: this lane's partial row sums */
 
-    if (kv_begin < kv_end)
-        load_tile(Ks, kc, kv_begin);
+    if (my_begin < my_end)
+        load_tile(Ks, kc, my_begin);
     tc_cp_async_commit();
-    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {
+    for (int kv0 = my_begin; kv0 < my_end; kv0 += BN) {
         load_tile(Vs, vc, kv0);
         tc_cp_async_commit();
         tc_cp_async_wait<1>(); /* this thread's K(j) */
@@ -250,7 +270,7 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
             }
         }
         __syncthreads(); /* K(j) consumed by every warp */
-        if (kv0 + BN < kv_end)
+        if (kv0 + BN < my_end)
             load_tile(Ks, kc, kv0 + BN);
         tc_cp_async_commit(); /* possibly empty: keeps the group count uniform */
         tc_cp_async_wait<1>(); /* this thread's V(j) */
@@ -281,6 +301,24 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if (n_splits > 1) { /* this split's record of each row: O unnormalized, then m (log2 domain) and l */
+        float *rec = ws + (((size_t)blockIdx.x * n_kv_heads + kvh) * n_splits + blockIdx.z) * TC_BM * (D + 2);
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = wr0 + g + 8 * half;
+            if (r >= nrows)
+                continue;
+            float *dst = rec + (size_t)r * (D + 2);
+#pragma unroll
+            for (int i = 0; i < D / 8; i++)
+                *reinterpret_cast<float2 *>(dst + 8 * i + 2 * tig) = make_float2(o[i][2 * half], o[i][2 * half + 1]);
+            if (tig == 0) {
+                dst[D] = half ? m1 : m0;
+                dst[D + 1] = half ? l1 : l0;
+            }
+        }
+        return;
+    }
     const bool ovec = (out_stride & 1) == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -302,6 +340,51 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
         }
     }
 #endif
+}
+
+/* The key splits of attn_prefill_tc_kernel merged: per row, out = sum_s 2^(m_s - M) O_s /
+ * sum_s 2^(m_s - M) l_s with M the largest m_s (a split that saw no key has m = -inf and
+ * counts nothing; a row that saw none at all gets zeros, as the one-block kernel gives).
+ * One warp a row (blockIdx.z: rows 4z..4z+3 of the tile): lane s holds split s's max and
+ * weight (n_splits <= 32), the lanes then stride over the row's D outputs. */
+#define TC_MERGE_ROWS (TC_THREADS / 32)
+template <int D>
+__global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_merge_kernel(
+    float *__restrict__ out, int64_t out_stride, const int32_t *__restrict__ q_indptr, int n_seqs, int n_heads,
+    int n_kv_heads, int n_splits, const float *__restrict__ ws)
+{
+    const int G = n_heads / n_kv_heads, kvh = blockIdx.y, lane = threadIdx.x & 31;
+    int tile;
+    const int s = tc_find_tile(q_indptr, n_seqs, G, &tile);
+    if (s < 0)
+        return;
+    const int q0 = q_indptr[s], nq = q_indptr[s + 1] - q0;
+    const int row0 = tile * TC_BM, nrows = min(TC_BM, nq * G - row0);
+    const int r = blockIdx.z * TC_MERGE_ROWS + (threadIdx.x >> 5);
+    if (r >= nrows)
+        return;
+    const size_t split_stride = (size_t)TC_BM * (D + 2);
+    const float *x = ws + ((size_t)blockIdx.x * n_kv_heads + kvh) * n_splits * split_stride + (size_t)r * (D + 2);
+    const float m = lane < n_splits ? x[lane * split_stride + D] : -INFINITY;
+    float M = m;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float w = m == -INFINITY ? 0.0f : exp2f(m - M); /* M is finite where some m is */
+    float den = lane < n_splits ? w * x[lane * split_stride + D + 1] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        den += __shfl_xor_sync(0xffffffffu, den, o);
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    const int row = row0 + r, tok = q0 + row / G, h = kvh * G + row % G;
+    float *dst = out + (int64_t)tok * out_stride + (int64_t)h * D;
+#pragma unroll
+    for (int d0 = 0; d0 < D; d0 += 32) {
+        float num = 0.0f;
+        for (int sp = 0; sp < n_splits; sp++)
+            num = fmaf(__shfl_sync(0xffffffffu, w, sp), x[sp * split_stride + d0 + lane], num);
+        dst[d0 + lane] = num * inv;
+    }
 }
 
 /* Per device and head dim: 0 not checked yet, 1 usable, -1 not. Racing first calls
@@ -345,19 +428,82 @@ extern "C" int m40k_attn_prefill_tc_supported(int head_dim)
     }
 }
 
+/* Blocks of the grid's x dimension: an upper bound on the row tiles of all sequences
+ * (blocks past the last tile return at once). */
+static long tc_tiles(int n_rows, int n_seqs, int G) { return ((long)n_rows * G + TC_BM - 1) / TC_BM + n_seqs; }
+
 template <int D>
 static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                      int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr, const int32_t *indices,
-                     const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, cudaStream_t st)
+                     const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, int n_splits,
+                     float *ws, cudaStream_t st)
 {
     const int G = n_heads / n_kv_heads;
-    const long tiles = ((long)n_rows * G + TC_BM - 1) / TC_BM + n_seqs;
+    const long tiles = tc_tiles(n_rows, n_seqs, G);
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
     const float scale_log2 = scale * 1.4426950408889634f;
-    attn_prefill_tc_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads), TC_THREADS, tc_cfg<D>::smem, st>>>(
-        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale_log2, window);
+    attn_prefill_tc_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, (unsigned)n_splits), TC_THREADS,
+                                tc_cfg<D>::smem, st>>>(out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl,
+                                                       n_heads, n_kv_heads, scale_log2, window, n_splits, ws);
+    if (n_splits > 1)
+        attn_prefill_tc_merge_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, TC_BM / TC_MERGE_ROWS),
+                                          TC_THREADS, 0, st>>>(
+            out, os, q_indptr, n_seqs, n_heads, n_kv_heads, n_splits, ws);
     return m40k_launch_status();
+}
+
+extern "C" size_t m40k_attn_prefill_split_ws_floats(int n_rows, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                                                   int n_splits)
+{
+    if (n_splits <= 1 || n_rows <= 0 || n_seqs <= 0 || n_kv_heads <= 0 || n_heads < n_kv_heads)
+        return 0;
+    return (size_t)tc_tiles(n_rows, n_seqs, n_heads / n_kv_heads) * (size_t)n_kv_heads * (size_t)n_splits * TC_BM *
+           (size_t)(head_dim + 2);
+}
+
+extern "C" int m40k_attn_prefill_pick_splits(int n_rows, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                                             int max_len, int sm_count, size_t ws_floats)
+{
+    if (n_rows <= 0 || n_seqs <= 0 || n_kv_heads <= 0 || n_heads < n_kv_heads || sm_count <= 0)
+        return 1;
+    const long blocks = (((long)n_rows * (n_heads / n_kv_heads) + TC_BM - 1) / TC_BM) * n_kv_heads;
+    /* a full wave already: splitting only adds the merge (measured: 512 rows after 3,584
+     * keys, 256 blocks, 271 us whole, 388 us in two splits); else enough blocks for two
+     * waves, each split at least M40K_PREFILL_SPLIT_MIN keys */
+    if (blocks >= sm_count)
+        return 1;
+    long S = (2L * sm_count + blocks - 1) / blocks;
+    if (S > max_len / M40K_PREFILL_SPLIT_MIN)
+        S = max_len / M40K_PREFILL_SPLIT_MIN;
+    if (S > M40K_PREFILL_SPLIT_MAX)
+        S = M40K_PREFILL_SPLIT_MAX;
+    while (S > 1 && m40k_attn_prefill_split_ws_floats(n_rows, n_seqs, n_heads, n_kv_heads, head_dim, (int)S) > ws_floats)
+        S--;
+    return S < 1 ? 1 : (int)S;
+}
+
+extern "C" int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                          const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                          const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                          const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                          float scale, int window, int n_splits, float *ws, m40k_stream stream)
+{
+    if (n_seqs <= 0 || n_rows <= 0)
+        return 0;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0)
+        return M40K_INVALID;
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+        return M40K_INVALID;
+    if (n_splits < 1 || n_splits > M40K_PREFILL_SPLIT_MAX || (n_splits > 1 && !ws))
+        return M40K_INVALID;
+    if (!m40k_attn_prefill_tc_supported(head_dim))
+        return (int)cudaErrorNoKernelImageForDevice;
+    switch (head_dim) {
+    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, n_splits, ws, stream);
+    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, n_splits, ws, stream);
+    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, n_splits, ws, stream);
+    }
 }
 
 extern "C" int m40k_attn_prefill_tc_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -366,19 +512,9 @@ extern "C" int m40k_attn_prefill_tc_window(float *out, int64_t out_stride, const
                                            const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
                                            float scale, int window, m40k_stream stream)
 {
-    if (n_seqs <= 0 || n_rows <= 0)
-        return 0;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0)
-        return M40K_INVALID;
-    if (head_dim != 64 && head_dim != 128 && head_dim != 256)
-        return M40K_INVALID;
-    if (!m40k_attn_prefill_tc_supported(head_dim))
-        return (int)cudaErrorNoKernelImageForDevice;
-    switch (head_dim) {
-    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
-    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
-    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
-    }
+    return m40k_attn_prefill_tc_split(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
+                                      indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, 1, NULL,
+                                      stream);
 }
 
 extern "C" int m40k_attn_prefill_tc(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -391,6 +527,20 @@ extern "C" int m40k_attn_prefill_tc(float *out, int64_t out_stride, const float 
                                        indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, stream);
 }
 
+extern "C" int m40k_attn_prefill_auto_split(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                            const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                            const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                            const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                            float scale, int window, int n_splits, float *ws, m40k_stream stream)
+{
+    if (m40k_attn_prefill_tc_supported(head_dim))
+        return m40k_attn_prefill_tc_split(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
+                                          indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window,
+                                          n_splits, ws, stream);
+    return m40k_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
+                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, stream);
+}
+
 extern "C" int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                              const int32_t *q_indptr, int n_seqs, int n_rows,
                                              const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
@@ -398,12 +548,9 @@ extern "C" int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, con
                                              int n_kv_heads, int head_dim, float scale, int window,
                                              m40k_stream stream)
 {
-    if (m40k_attn_prefill_tc_supported(head_dim))
-        return m40k_attn_prefill_tc_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
-                                           indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale,
-                                           window, stream);
-    return m40k_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, stream);
+    return m40k_attn_prefill_auto_split(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
+                                        indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window,
+                                        1, NULL, stream);
 }
 
 extern "C" int m40k_attn_prefill_auto(float *out, int64_t out_stride, const float *q, int64_t q_stride,

@@ -273,6 +273,33 @@ int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q
                                   const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
                                   float scale, int window, m40k_stream stream);
 
+/* 7d. The tensor-core prefill with each block's keys split n_splits ways (1..
+ * M40K_PREFILL_SPLIT_MAX), the splits merged by a second kernel: for few new rows after a
+ * long context, where one block per (row tile, KV head) would leave SMs idle. Same
+ * results as 7c (up to F32 summation order). ws: a device buffer of
+ * m40k_attn_prefill_split_ws_floats(...) floats (NULL when n_splits is 1).
+ * m40k_attn_prefill_pick_splits: the split count for a step: 1 when the (row tile, KV
+ * head) blocks fill the sm_count SMs already, else enough blocks for two waves, each
+ * split at least M40K_PREFILL_SPLIT_MIN keys of the longest context max_len, within
+ * ws_floats of workspace. The _auto_split
+ * call falls back to the SIMT kernel (no splits) where the tensor cores do not run. */
+#define M40K_PREFILL_SPLIT_MAX 16
+#define M40K_PREFILL_SPLIT_MIN 512
+size_t m40k_attn_prefill_split_ws_floats(int n_rows, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                                         int n_splits);
+int m40k_attn_prefill_pick_splits(int n_rows, int n_seqs, int n_heads, int n_kv_heads, int head_dim, int max_len,
+                                  int sm_count, size_t ws_floats);
+int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                               const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                               const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                               const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                               int window, int n_splits, float *ws, m40k_stream stream);
+int m40k_attn_prefill_auto_split(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                 const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                 const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                 const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                 int window, int n_splits, float *ws, m40k_stream stream);
+
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
  * n < N, b < batch (1..8). W rows are K elements of w_type (F16, BF16, Q8_0, Q4_0, Q4_1,
  * Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; GGUF block layouts) packed, row bytes =

@@ -567,9 +567,9 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                    d_lpl + r0, p->n_kv_heads, hd, d_pos + r0, p->rope_dim, base, ff, p->rope_neox,
                                    g->stream));
         if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
-            CK(m40k_attn_prefill_auto_window(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
-                                             vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
-                                             scale, win, g->stream));
+            CK(m40k_attn_prefill_auto_split(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc, vc,
+                                            d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd, scale,
+                                            win, win ? sp->psplits_local : sp->psplits, g->ws, g->stream));
         if (!tuned)
             CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
                                         p->n_kv_heads, hd, scale, win, g->stream));

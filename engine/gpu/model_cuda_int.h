@@ -183,6 +183,7 @@ typedef struct {
     int tuned, splits, splits_local;
     const int32_t *d_tok, *d_pos, *d_rs, *d_qi, *d_ip, *d_lpl, *d_out, *d_idx;
     uint64_t *d_key; /* the greedy pick folded into the head (kernels.h 9c), or NULL */
+    int psplits, psplits_local; /* key splits of the prefill attention (kernels.h 7d): global, windowed layers */
 } step_plan;
 
 /* step_plan.c: the device tables and attention splits of a step whose KV blocks kv/

@@ -13,6 +13,10 @@
 #include <stdio.h>
 #include <string.h>
 
+/* The most workspace the prefill key splits may take (64 MB): the split count is
+ * lowered to fit. */
+#define M40_PREFILL_SPLIT_WS_FLOATS ((size_t)16 << 20)
+
 static int ensure_ints(m40_gpu *g, size_t n)
 {
     if (n <= g->ints_cap)
@@ -27,6 +31,21 @@ static int ensure_ints(m40_gpu *g, size_t n)
     return 0;
 }
 
+/* The attention workspace (decode splits, prefill key splits) holds need floats. */
+static int ensure_ws(m40_gpu *g, size_t need, char *err, size_t errlen)
+{
+    if (need <= g->ws_cap)
+        return 0;
+    m40_gpu_graphs_free(g);
+    if (grow_dev((void **)&g->ws, need * 4)) {
+        g->ws_cap = 0;
+        m40_set_err(err, errlen, "gpu %d: out of memory for the attention workspace", g->device);
+        return -1;
+    }
+    g->ws_cap = need;
+    return 0;
+}
+
 int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
                       size_t errlen)
 {
@@ -37,10 +56,14 @@ int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int
     m40_kv_seq *const *grp_seq = st->seq;
     /* Host tables: permuted tokens and positions, q_indptr, CSR, logit rows. */
     int32_t total_blocks = 0, max_len = 0; /* max_len: of the decoding groups */
+    int32_t pmax_len = 0;                    /* of the prefilling ones */
     for (int32_t j = 0; j < n_grp; j++) {
         total_blocks += m40_kv_seq_n_blocks(grp_seq[j]);
-        if (j < n_dec && m40_kv_seq_len(grp_seq[j]) > max_len)
-            max_len = m40_kv_seq_len(grp_seq[j]);
+        const int32_t len = m40_kv_seq_len(grp_seq[j]);
+        if (j < n_dec && len > max_len)
+            max_len = len;
+        if (j >= n_dec && len > pmax_len)
+            pmax_len = len;
     }
     /* layout: key[2] tokens[n] pos[n] row_seq[n] q_indptr[n_grp+1] indptr[n_grp+1] lpl[n_grp] out_rows[n_out]
      * indices[]; key: the greedy pick's 64-bit key (kernels.h 9c), zeroed by this copy every step */
@@ -106,15 +129,8 @@ int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int
         if (splits_local < 1)
             splits_local = 1;
         size_t need_ws = m40k_decode_workspace_floats(n_dec, p->n_heads, hd, splits > splits_local ? splits : splits_local);
-        if (need_ws > g->ws_cap) {
-            m40_gpu_graphs_free(g);
-            if (grow_dev((void **)&g->ws, need_ws * 4)) {
-                g->ws_cap = 0;
-                m40_set_err(err, errlen, "gpu %d: out of memory for the attention workspace", g->device);
-                return -1;
-            }
-            g->ws_cap = need_ws;
-        }
+        if (ensure_ws(g, need_ws, err, errlen))
+            return -1;
         /* the split counters start zeroed and every decode call leaves them so: zeroed
          * here only when (re)allocated, on the stream, before the first call uses them */
         size_t need_cnt = splits > 1 || splits_local > 1 ? m40k_decode_counter_ints(n_dec, p->n_kv_heads) : 0;
@@ -129,8 +145,25 @@ int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int
             g->att_cnt_cap = need_cnt;
         }
     }
+    /* Prefill rows after a long context: the tensor-core kernel's keys split (kernels.h
+     * 7d); the windowed layers see at most window + the chunk. The decode kernel of the
+     * same step has finished with the shared workspace when the prefill one starts. */
+    int psplits = 1, psplits_local = 1;
+    if (tuned && n_grp > n_dec && m40k_attn_prefill_tc_supported(hd)) {
+        const int32_t pn = n - n_dec, pseqs = n_grp - n_dec;
+        psplits = m40k_attn_prefill_pick_splits(pn, pseqs, p->n_heads, p->n_kv_heads, hd, pmax_len, g->sm_count,
+                                                M40_PREFILL_SPLIT_WS_FLOATS);
+        psplits_local = window > 0 && window + pn < pmax_len
+                            ? m40k_attn_prefill_pick_splits(pn, pseqs, p->n_heads, p->n_kv_heads, hd, window + pn,
+                                                            g->sm_count, M40_PREFILL_SPLIT_WS_FLOATS)
+                            : psplits;
+        const int most = psplits > psplits_local ? psplits : psplits_local;
+        if (most > 1 &&
+            ensure_ws(g, m40k_attn_prefill_split_ws_floats(pn, pseqs, p->n_heads, p->n_kv_heads, hd, most), err, errlen))
+            return -1;
+    }
     *sp = (step_plan){n, n_dec, n_grp, n_out, tuned, splits, splits_local,
-                      d_tok, d_pos, d_rs, d_qi, d_ip, d_lpl, d_out, d_idx, NULL};
+                      d_tok, d_pos, d_rs, d_qi, d_ip, d_lpl, d_out, d_idx, NULL, psplits, psplits_local};
     return 0;
 }
 

@@ -1,7 +1,8 @@
 /* Tensor-core prefill attention (kernels/attn_prefill_tc.cu) against its CPU twin
  * (m40_ref_attn_prefill_window, kernels/ref/cpu_ref.c) and the SIMT kernel on random inputs:
  * head dims 64/128/256, GQA groups 1/4/8 (and 7), new-token counts 1..513 after cached
- * prefixes 0..1000, several sequences per batch on shuffled physical blocks whose unused
+ * prefixes 0..1000 (and few rows after contexts of up to 4,000 with the keys split 2..16
+ * ways, kernels.h 7d), several sequences per batch on shuffled physical blocks whose unused
  * slots hold NaN bit patterns, odd strides, sharp softmax, sliding windows. Tolerance:
  * max abs error <= 2e-2 of the output scale (max |out|): Q and the softmax weights go
  * through F16 on the tensor cores.
@@ -130,6 +131,7 @@ struct Case {
     int window = 0;
     int q_pad = 4, o_pad = 8; /* row strides nh*hd + pad (odd pads: unaligned rows) */
     float q_amp = 2.0f;       /* q in [-amp, amp]: larger = sharper softmax */
+    std::vector<int> splits;  /* key-split counts to check (kernels.h 7d) besides the one-block kernel */
 };
 
 static void run_case(const Case &c, bool tc_ok)
@@ -194,6 +196,39 @@ static void run_case(const Case &c, bool tc_ok)
         check(e_tc <= tol && e_ts <= tol && pad_tc, w2, detail);
         snprintf(w2, sizeof w2, "auto == tc %s", what);
         check(memcmp(autov.data(), tc.data(), on * sizeof(float)) == 0, w2, "");
+        for (int S : c.splits) {
+            const size_t wsf = m40k_attn_prefill_split_ws_floats(rows, b.n_seqs, nh, c.nkv, hd, S);
+            float *dws = nullptr;
+            CK(cudaMalloc(&dws, wsf * sizeof(float) + 16));
+            CK(cudaMemset(dws, 0xFF, wsf * sizeof(float) + 16)); /* NaN: a record read before written shows */
+            CK(cudaMemset(dout, 0, on * sizeof(float)));
+            CK(m40k_attn_prefill_tc_split(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv, hd,
+                                          scale, c.window, S, dws, 0));
+            std::vector<float> sv = back(dout, on);
+            bool pad_s;
+            const double e_s = max_err(sv, ref, rows, os, width, &pad_s), e_st = max_err(sv, tc, rows, os, width, &pad_s);
+            snprintf(detail, sizeof detail, "max err %.2e vs cpu, %.2e vs one block, tol %.2e", e_s, e_st, tol);
+            snprintf(w2, sizeof w2, "tc %d key splits %s", S, what);
+            check(e_s <= tol && e_st <= 1e-3 * oscale && pad_s, w2, detail);
+            cudaFree(dws);
+        }
+        if (!c.splits.empty()) { /* the auto call with splits takes the same path */
+            const int S = c.splits.back();
+            const size_t wsf = m40k_attn_prefill_split_ws_floats(rows, b.n_seqs, nh, c.nkv, hd, S);
+            float *dws = nullptr;
+            CK(cudaMalloc(&dws, wsf * sizeof(float) + 16));
+            CK(cudaMemset(dout, 0, on * sizeof(float)));
+            CK(m40k_attn_prefill_tc_split(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv, hd,
+                                          scale, c.window, S, dws, 0));
+            std::vector<float> a = back(dout, on);
+            CK(cudaMemset(dout, 0, on * sizeof(float)));
+            CK(m40k_attn_prefill_auto_split(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv,
+                                            hd, scale, c.window, S, dws, 0));
+            std::vector<float> a2 = back(dout, on);
+            snprintf(w2, sizeof w2, "auto_split == tc_split (%d) %s", S, what);
+            check(memcmp(a.data(), a2.data(), on * sizeof(float)) == 0, w2, "");
+            cudaFree(dws);
+        }
     } else {
         snprintf(detail, sizeof detail, "max err %.2e vs cpu (simt path), tol %.2e", e_simt, tol);
         char w2[200];
@@ -250,6 +285,34 @@ static void test_prefill_tc(bool tc_ok)
         }
         run_case(c, tc_ok);
     }
+    /* key splits: few new rows after long contexts (and the one-block kernel's shapes),
+     * splits of 2..16 incl. ones with no keys (more splits than key tiles), windows */
+    {
+        const struct { int hd, G, nkv, window; std::vector<int> prefix, news, splits; } sc[] = {
+            {128, 4, 2, 0, {4000, 2500, 0}, {16, 3, 5}, {2, 3, 16}},
+            {64, 8, 1, 0, {3001, 10}, {1, 40}, {7, 16}},
+            {256, 2, 2, 0, {2047, 700}, {17, 1}, {5, 16}},
+            {128, 4, 2, 300, {4000, 1000}, {16, 100}, {4, 16}},
+            {64, 1, 2, 1, {600, 5}, {9, 2}, {3}},
+            {128, 4, 2, 0, {1000, 16}, {513, 100}, {2, 9}},
+        };
+        for (auto &x : sc) {
+            Case c;
+            c.hd = x.hd, c.G = x.G, c.nkv = x.nkv, c.window = x.window, c.prefix = x.prefix, c.news = x.news;
+            c.splits = x.splits;
+            run_case(c, tc_ok);
+        }
+        /* the picker: no split for a full chunk or a short context; two waves for a few rows */
+        const int p512 = m40k_attn_prefill_pick_splits(512, 1, 32, 8, 128, 8192, 132, (size_t)16 << 20);
+        const int p16 = m40k_attn_prefill_pick_splits(16, 1, 32, 8, 128, 8192, 132, (size_t)16 << 20);
+        const int pshort = m40k_attn_prefill_pick_splits(16, 1, 32, 8, 128, 700, 132, (size_t)16 << 20);
+        const int ptight = m40k_attn_prefill_pick_splits(16, 1, 32, 8, 128, 100000, 132,
+                                                         m40k_attn_prefill_split_ws_floats(16, 1, 32, 8, 128, 3));
+        char d[160];
+        snprintf(d, sizeof d, "512 rows at 8k: %d, 16 rows at 8k: %d, 16 rows at 700: %d, 16 rows, ws for 3: %d", p512,
+                 p16, pshort, ptight);
+        check(p512 == 1 && p16 == 16 && pshort == 1 && ptight == 3, "prefill split picker", d);
+    }
     /* argument checks match the SIMT wrapper's */
     if (tc_ok) {
         const int bad_g = m40k_attn_prefill_tc(nullptr, 0, nullptr, 0, nullptr, 1, 1, nullptr, nullptr, nullptr,
@@ -275,6 +338,8 @@ static void bench(bool tc_ok)
         {"1 seq x 512 new after 3584", 1, 3584, 512},
         {"8 seqs x 512 new", 8, 0, 512},
         {"1 seq x 4096 new", 1, 0, 4096},
+        {"1 seq x 16 new after 16384", 1, 16384, 16},
+        {"1 seq x 64 new after 94000", 1, 94000, 64},
     };
     printf("bench attn_prefill on %s: 32 heads, 8 KV heads, head_dim 128 (flops = 4*hd*heads*sum of visible tokens)\n",
            prop.name);
@@ -309,6 +374,21 @@ static void bench(bool tc_ok)
             };
             us[which] = time_us(run, 20);
         }
+        double us_split = 0;
+        int S = 1;
+        if (tc_ok) {
+            S = m40k_attn_prefill_pick_splits(b.n_rows, b.n_seqs, nh, nkv, hd, sh.prefix + sh.news,
+                                              prop.multiProcessorCount, (size_t)16 << 20);
+            if (S > 1) {
+                float *dws;
+                CK(cudaMalloc(&dws, m40k_attn_prefill_split_ws_floats(b.n_rows, b.n_seqs, nh, nkv, hd, S) * 4 + 16));
+                us_split = time_us([&] { CK(m40k_attn_prefill_tc_split(dout, os, dq, qs, dqi, b.n_seqs, b.n_rows, dkc, dvc, dip, dix, dlp, nh, nkv, hd, scale, 0, S, dws, 0)); }, 20);
+                cudaFree(dws);
+            }
+        }
+        if (us_split > 0)
+            printf("bench attn_prefill %-28s %d key splits: %8.1f us %6.1f TFLOP/s (one block a tile: %.1f us)\n",
+                   sh.name, S, us_split, flops / (us_split * 1e6), us[0]);
         const double t_tc = us[0] > 0 ? flops / (us[0] * 1e6) : 0, t_simt = flops / (us[1] * 1e6);
         printf("bench attn_prefill %-28s %6.2f GFLOP: tc %8.1f us %6.1f TFLOP/s | simt %8.1f us %6.1f TFLOP/s | "
                "tc/simt %.1fx\n",
