@@ -12,6 +12,9 @@
  *     K(j+1) while P V(j) is, so one buffer of each suffices (smem 27/51/66 KB);
  *   - S = Q K^T by mma.sync.m16n8k16 (F16 in, F32 accumulate), Q (pre-scaled by
  *     scale*log2(e), rounded to F16 once) and K fragments read with ldmatrix;
+ *   - with softcap > 0 (Gemma 2) the scores are capped on the accumulator registers
+ *     before the mask: in the log2 domain Q carries, c * tanh(s / c) of s = scale q.k
+ *     is c2 * tanh(s2 / c2) with s2 = log2(e) s and c2 = log2(e) c (a uniform branch);
  *   - online softmax on the accumulator registers (exp2, row max/sum over the 4 lanes
  *     of a quad), causal/window mask only on tiles that cross a boundary;
  *   - the accumulator layout of S is the A-operand layout of P, so P goes to F16 in
@@ -92,7 +95,7 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
-    int n_heads, int n_kv_heads, float scale_log2, int window)
+    int n_heads, int n_kv_heads, float scale_log2, int window, float softcap_log2)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int BN = tc_cfg<D>::BN, LDS = tc_cfg<D>::LDS;
@@ -202,6 +205,12 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
                     tc_mma(sc[2 * jp + 1], a, b[2], b[3]);
                 }
             }
+            if (softcap_log2 > 0.0f) /* before the mask: masked scores become -inf after it */
+#pragma unroll
+                for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        sc[j][e] = softcap_log2 * tanhf(sc[j][e] / softcap_log2);
             /* mask: token t visible to a row at p when p - window < t <= p */
             if (kv0 + BN - 1 > wfirst || (window > 0 && kv0 <= wlast - window)) {
                 const int lo0 = window > 0 ? pos0 - window : -1, lo1 = window > 0 ? pos1 - window : -1;
@@ -348,15 +357,16 @@ extern "C" int m40k_attn_prefill_tc_supported(int head_dim)
 template <int D>
 static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                      int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr, const int32_t *indices,
-                     const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, cudaStream_t st)
+                     const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, float softcap,
+                     cudaStream_t st)
 {
     const int G = n_heads / n_kv_heads;
     const long tiles = ((long)n_rows * G + TC_BM - 1) / TC_BM + n_seqs;
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * 1.4426950408889634f, softcap_log2 = softcap * 1.4426950408889634f;
     attn_prefill_tc_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads), TC_THREADS, tc_cfg<D>::smem, st>>>(
-        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale_log2, window);
+        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale_log2, window, softcap_log2);
     return m40k_launch_status();
 }
 
@@ -364,20 +374,20 @@ extern "C" int m40k_attn_prefill_tc_window(float *out, int64_t out_stride, const
                                            const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                            const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                            const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
-                                           float scale, int window, m40k_stream stream)
+                                           float scale, int window, float softcap, m40k_stream stream)
 {
     if (n_seqs <= 0 || n_rows <= 0)
         return 0;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0)
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0 || !(softcap >= 0.0f))
         return M40K_INVALID;
     if (head_dim != 64 && head_dim != 128 && head_dim != 256)
         return M40K_INVALID;
     if (!m40k_attn_prefill_tc_supported(head_dim))
         return (int)cudaErrorNoKernelImageForDevice;
     switch (head_dim) {
-    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
-    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
-    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
+    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
+    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
+    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
     }
 }
 
@@ -388,22 +398,23 @@ extern "C" int m40k_attn_prefill_tc(float *out, int64_t out_stride, const float 
                                     float scale, m40k_stream stream)
 {
     return m40k_attn_prefill_tc_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
-                                       indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, stream);
+                                       indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, 0.0f, stream);
 }
 
 extern "C" int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                              const int32_t *q_indptr, int n_seqs, int n_rows,
                                              const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                              const int32_t *indices, const int32_t *last_page_len, int n_heads,
-                                             int n_kv_heads, int head_dim, float scale, int window,
+                                             int n_kv_heads, int head_dim, float scale, int window, float softcap,
                                              m40k_stream stream)
 {
     if (m40k_attn_prefill_tc_supported(head_dim))
         return m40k_attn_prefill_tc_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
                                            indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale,
-                                           window, stream);
+                                           window, softcap, stream);
     return m40k_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, stream);
+                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap,
+                                    stream);
 }
 
 extern "C" int m40k_attn_prefill_auto(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -414,5 +425,5 @@ extern "C" int m40k_attn_prefill_auto(float *out, int64_t out_stride, const floa
 {
     return m40k_attn_prefill_auto_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
                                          indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0,
-                                         stream);
+                                         0.0f, stream);
 }

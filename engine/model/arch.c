@@ -3,6 +3,7 @@
  * (gemma3), ../shared/models/next (qwen3, phi3, gemma2, llama with key_length). */
 #include "arch.h"
 
+#include <stdio.h>
 #include <string.h>
 
 static const m40_arch arches[] = {
@@ -36,3 +37,14 @@ const m40_arch *m40_arch_find(const char *name)
 }
 
 const char *m40_arch_names(void) { return "llama, qwen2, gemma3, qwen3, phi3, gemma2"; }
+
+int m40_arch_device_ok(const m40_arch *a, int device, char *err, size_t errlen)
+{
+    /* A row whose GPU path has not been checked against its reference runs on the CPU
+     * only: refusing is better than serving quietly wrong tokens. */
+    if (device < 0 || a->gpu_validated)
+        return 0;
+    snprintf(err, errlen, "architecture '%s' runs on the CPU only in this build: its GPU path is not validated yet",
+             a->name);
+    return -1;
+}

@@ -2,7 +2,9 @@
  * (m40_ref_attn_prefill_window, kernels/ref/cpu_ref.c) and the SIMT kernel on random inputs:
  * head dims 64/128/256, GQA groups 1/4/8 (and 7), new-token counts 1..513 after cached
  * prefixes 0..1000, several sequences per batch on shuffled physical blocks whose unused
- * slots hold NaN bit patterns, odd strides, sharp softmax, sliding windows. Tolerance:
+ * slots hold NaN bit patterns, odd strides, sharp softmax, sliding windows, Gemma 2's
+ * soft-cap of the scores (with a check that the cap moves the twin's output by more
+ * than the tolerance, so that a kernel ignoring it fails). Tolerance:
  * max abs error <= 2e-2 of the output scale (max |out|): Q and the softmax weights go
  * through F16 on the tensor cores.
  *   test_attn_tc          run the comparisons; ends with "N passed, N failed, N skipped"
@@ -80,7 +82,7 @@ static void fill_cache(const Batch &b, int nkv, int hd, std::vector<uint16_t> &k
 
 /* the CPU twin, one thread per sequence (offset CSR pointers: row indices stay absolute) */
 static void cpu_prefill(float *out, int64_t os, const float *q, int64_t qs, const Batch &b, const uint16_t *kc,
-                        const uint16_t *vc, int nh, int nkv, int hd, float scale, int window)
+                        const uint16_t *vc, int nh, int nkv, int hd, float scale, int window, float softcap)
 {
     const unsigned nthr = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
     std::vector<std::thread> th;
@@ -89,7 +91,7 @@ static void cpu_prefill(float *out, int64_t os, const float *q, int64_t qs, cons
             for (int s = (int)w; s < b.n_seqs; s += (int)nthr)
                 m40_ref_attn_prefill_window(out, os, q, qs, b.q_indptr.data() + s, 1, b.n_rows, kc, vc,
                                             b.indptr.data() + s, b.indices.data(), b.lpl.data() + s, nh, nkv, hd,
-                                            scale, window);
+                                            scale, window, softcap);
         });
     for (auto &t : th)
         t.join();
@@ -130,6 +132,7 @@ struct Case {
     int window = 0;
     int q_pad = 4, o_pad = 8; /* row strides nh*hd + pad (odd pads: unaligned rows) */
     float q_amp = 2.0f;       /* q in [-amp, amp]: larger = sharper softmax */
+    float softcap = 0.0f;     /* of the scores (0: none) */
 };
 
 static void run_case(const Case &c, bool tc_ok)
@@ -145,12 +148,23 @@ static void run_case(const Case &c, bool tc_ok)
     for (auto &x : q)
         x = frand(-c.q_amp, c.q_amp);
     std::vector<float> ref(rows * os, 0.0f);
-    cpu_prefill(ref.data(), os, q.data(), qs, b, kc.data(), vc.data(), nh, c.nkv, hd, scale, c.window);
+    cpu_prefill(ref.data(), os, q.data(), qs, b, kc.data(), vc.data(), nh, c.nkv, hd, scale, c.window, c.softcap);
     double oscale = 1e-3;
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < width; i++)
             oscale = std::max(oscale, (double)fabsf(ref[r * os + i]));
     const double tol = 2e-2 * oscale;
+    if (c.softcap > 0) { /* the cap must matter at this tolerance, or the case proves nothing */
+        std::vector<float> plain(rows * os, 0.0f);
+        cpu_prefill(plain.data(), os, q.data(), qs, b, kc.data(), vc.data(), nh, c.nkv, hd, scale, c.window, 0.0f);
+        bool pad;
+        const double moved = max_err(plain, ref, rows, os, width, &pad);
+        char w[120], d[120];
+        snprintf(w, sizeof w, "soft-cap %g moves the twin's output (hd %d G %d window %d)", c.softcap, hd, c.G,
+                 c.window);
+        snprintf(d, sizeof d, "by %.2e, tol %.2e", moved, tol);
+        check(moved > 4 * tol, w, d);
+    }
 
     uint16_t *dkc = dup(kc), *dvc = dup(vc);
     int32_t *dip = dup(b.indptr), *dix = dup(b.indices), *dlp = dup(b.lpl), *dqi = dup(b.q_indptr);
@@ -162,13 +176,13 @@ static void run_case(const Case &c, bool tc_ok)
         int e;
         if (which == 0)
             e = m40k_attn_prefill_tc_window(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv,
-                                            hd, scale, c.window, 0);
+                                            hd, scale, c.window, c.softcap, 0);
         else if (which == 1)
             e = m40k_attn_prefill_window(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv, hd,
-                                         scale, c.window, 0);
+                                         scale, c.window, c.softcap, 0);
         else
             e = m40k_attn_prefill_auto_window(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh,
-                                              c.nkv, hd, scale, c.window, 0);
+                                              c.nkv, hd, scale, c.window, c.softcap, 0);
         CK(e);
         return back(dout, on);
     };
@@ -178,8 +192,8 @@ static void run_case(const Case &c, bool tc_ok)
     int maxp = 0, maxn = 0;
     for (size_t i = 0; i < c.news.size(); i++)
         maxp = std::max(maxp, c.prefix[i]), maxn = std::max(maxn, c.news[i]);
-    snprintf(what, sizeof what, "hd %d G %d nkv %d seqs %d rows %d (new <= %d, cached <= %d) window %d%s%s", hd, c.G,
-             c.nkv, b.n_seqs, rows, maxn, maxp, c.window, c.q_pad % 2 ? " odd strides" : "",
+    snprintf(what, sizeof what, "hd %d G %d nkv %d seqs %d rows %d (new <= %d, cached <= %d) window %d softcap %g%s%s",
+             hd, c.G, c.nkv, b.n_seqs, rows, maxn, maxp, c.window, c.softcap, c.q_pad % 2 ? " odd strides" : "",
              c.q_amp > 2.0f ? " sharp" : "");
     bool pad_ok;
     const double e_simt = max_err(simt, ref, rows, os, width, &pad_ok);
@@ -237,6 +251,18 @@ static void test_prefill_tc(bool tc_ok)
             Case c;
             c.hd = x.hd, c.G = x.G, c.nkv = 2, c.window = x.window;
             c.news = {513, 17, 100, 1}, c.prefix = {1000, 16, 5, 1000};
+            run_case(c, tc_ok);
+        }
+    }
+    /* Gemma 2's soft-cap of the scores, every head dim, with and without a window, odd
+     * strides and counts; q_amp 8 makes the scores reach several units, so a cap of 1.5
+     * bends them (Gemma 2's own 50 would barely move random scores) */
+    {
+        const struct { int hd, G, window; } w[] = {{64, 4, 0}, {128, 2, 37}, {256, 4, 0}, {256, 1, 100}, {128, 8, 5000}};
+        for (auto &x : w) {
+            Case c;
+            c.hd = x.hd, c.G = x.G, c.nkv = x.G == 8 ? 1 : 2, c.window = x.window, c.softcap = 1.5f, c.q_amp = 8.0f;
+            c.news = {513, 17, 100, 1}, c.prefix = {1000, 16, 5, 1000}, c.q_pad = 3, c.o_pad = 5;
             run_case(c, tc_ok);
         }
     }
