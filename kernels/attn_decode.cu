@@ -771,7 +771,8 @@ extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float
 {
     return m40k_attn_decode_rope_q8(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
                                     indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
-                                    softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters, nullptr, stream);
+                                    softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters,
+                                    nullptr, stream);
 }
 
 extern "C" int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int64_t q_stride,

@@ -366,7 +366,8 @@ static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const i
         return M40K_INVALID;
     const float scale_log2 = scale * 1.4426950408889634f, softcap_log2 = softcap * 1.4426950408889634f;
     attn_prefill_tc_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads), TC_THREADS, tc_cfg<D>::smem, st>>>(
-        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale_log2, window, softcap_log2);
+        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale_log2, window,
+        softcap_log2);
     return m40k_launch_status();
 }
 
