@@ -23,7 +23,7 @@ static const m40_arch arches[] = {
      * say, as Gemma 2 is defined), even layers local, one RoPE base. */
     {.name = "gemma2", .rope = M40_ROPE_NEOX, .sandwich_norms = 1, .act = M40_ACT_GELU_TANH,
      .embd_scale_sqrt_dim = 1, .attn_softcap = 1, .attn_softcap_default = 50.0f, .final_softcap = 1,
-     .final_softcap_default = 30.0f, .swa_period = 2, .gemma_attn_scale = 1},
+     .final_softcap_default = 30.0f, .swa_period = 2, .gemma_attn_scale = 1, .gpu_validated = 1},
 };
 
 const m40_arch *m40_arch_find(const char *name)
