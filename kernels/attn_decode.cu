@@ -28,6 +28,9 @@
  * for the whole grid, merging blocks included, before it reads `out`. The splits divide the
  * positions evenly (any token boundary). window > 0 (sliding-window layers, Gemma 3):
  * only the last `window` positions are read, and the splits divide that range.
+ * softcap > 0 (Gemma 2): the warp that runs a head's online-softmax update caps the
+ * tile's scores (c * tanh(s / c)) as it reads them, masked ones (-inf) left as they are:
+ * a uniform branch outside the unrolled score loop, nothing more held in registers.
  *
  * Few (sequence, KV head) pairs (batch 1-2) on sm_90: the splits of a pair run as one
  * thread block cluster instead (CL below: up to 16 blocks, 64-position tiles, the step's
@@ -155,7 +158,7 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride, uint16_t *kc,
     uint16_t *vc, const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices,
     const int32_t *__restrict__ last_page_len, int n_heads, int n_kv_heads, float scale, int n_splits,
-    float *__restrict__ ws, int *__restrict__ counters, int window, dec_rope rp)
+    float *__restrict__ ws, int *__restrict__ counters, int window, float softcap, dec_rope rp)
 {
     __shared__ float2 cs[ROPE ? D / 2 : 1]; /* (cos, sin) of the new token's rotation pairs */
     constexpr int TT = CL ? DEC_TT_CL : DEC_TT, TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * TT;
@@ -327,8 +330,17 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
         for (int g = tid >> 5; g < G; g += DEC_THREADS / 32) {
             const int lane = tid & 31;
             float mx = -INFINITY;
-            for (int j = lane; j < TILE; j += 32)
-                mx = fmaxf(mx, S[g][j]);
+            if (softcap > 0.0f) { /* uniform: the kernel argument */
+                for (int j = lane; j < TILE; j += 32) {
+                    const float v = S[g][j];
+                    const float c = v == -INFINITY ? v : softcap * tanhf(v / softcap);
+                    S[g][j] = c;
+                    mx = fmaxf(mx, c);
+                }
+            } else {
+                for (int j = lane; j < TILE; j += 32)
+                    mx = fmaxf(mx, S[g][j]);
+            }
             mx = m40k_warp_max(mx);
             const float m_old = m_s[g], m_new = fmaxf(m_old, mx);
             float sum = 0.0f;
@@ -608,7 +620,7 @@ template <int D, int GMAX, bool ROPE> static int dec_cluster_size(int n_splits, 
         !m40k_clusters_enabled())
         return 0;
     void (*kernel)(float *, int64_t, const float *, int64_t, uint16_t *, uint16_t *, const int32_t *,
-                   const int32_t *, const int32_t *, int, int, float, int, float *, int *, int, dec_rope) =
+                   const int32_t *, const int32_t *, int, int, float, int, float *, int *, int, float, dec_rope) =
         attn_decode_kernel<D, GMAX, ROPE, true>;
     static signed char by_dev[64]; /* per kernel instance: 0 unknown, -1 no, else the largest size */
     int dev = 0;
@@ -626,7 +638,7 @@ template <int D, int GMAX, bool ROPE> static int dec_cluster_size(int n_splits, 
 template <int D, int GMAX>
 static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uint16_t *kc, uint16_t *vc,
                          const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
-                         int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window,
+                         int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window, float cap,
                          const dec_rope *rp, cudaStream_t st)
 {
     if (rp) {
@@ -635,7 +647,7 @@ static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uin
             const int e = m40k_launch_ex(attn_decode_kernel<D, GMAX, true, true>,
                                          dim3((unsigned)C, (unsigned)n_kv_heads, (unsigned)n_seqs), dim3(DEC_THREADS),
                                          0, (unsigned)C, st, out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
-                                         n_kv_heads, scale, C, ws, cnt, window, *rp);
+                                         n_kv_heads, scale, C, ws, cnt, window, cap, *rp);
             return e ? e : m40k_launch_status();
         }
     } else {
@@ -644,55 +656,55 @@ static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uin
             const int e = m40k_launch_ex(attn_decode_kernel<D, GMAX, false, true>,
                                          dim3((unsigned)C, (unsigned)n_kv_heads, (unsigned)n_seqs), dim3(DEC_THREADS),
                                          0, (unsigned)C, st, out, os, q, qs, kc, vc, indptr, indices, lpl, n_heads,
-                                         n_kv_heads, scale, C, ws, cnt, window, dec_rope{});
+                                         n_kv_heads, scale, C, ws, cnt, window, cap, dec_rope{});
             return e ? e : m40k_launch_status();
         }
     }
     dim3 grid((unsigned)n_kv_heads, (unsigned)n_seqs, (unsigned)n_splits);
     if (rp)
         M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, true, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc,
-                        indptr, indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, *rp);
+                        indptr, indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, cap, *rp);
     else
         M40K_LAUNCH_PDL((attn_decode_kernel<D, GMAX, false, false>), grid, DEC_THREADS, 0, st, out, os, q, qs, kc, vc,
-                        indptr, indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, dec_rope{});
+                        indptr, indices, lpl, n_heads, n_kv_heads, scale, n_splits, ws, cnt, window, cap, dec_rope{});
     return m40k_launch_status();
 }
 
 template <int D>
 static int decode_group(int G, float *out, int64_t os, const float *q, int64_t qs, uint16_t *kc, uint16_t *vc,
                         const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
-                        int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window, const dec_rope *rp,
-                        cudaStream_t st)
+                        int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window, float cap,
+                        const dec_rope *rp, cudaStream_t st)
 {
     if (G == 1)
         return decode_launch<D, 1>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, cnt, window, rp, st);
+                                   n_splits, ws, cnt, window, cap, rp, st);
     if (G == 2)
         return decode_launch<D, 2>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, cnt, window, rp, st);
+                                   n_splits, ws, cnt, window, cap, rp, st);
     if (G <= 4)
         return decode_launch<D, 4>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                                   n_splits, ws, cnt, window, rp, st);
+                                   n_splits, ws, cnt, window, cap, rp, st);
     return decode_launch<D, 8>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
-                               n_splits, ws, cnt, window, rp, st);
+                               n_splits, ws, cnt, window, cap, rp, st);
 }
 
 static int decode_any(float *out, int64_t out_stride, const float *q, int64_t q_stride, uint16_t *k_cache,
                       uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len,
-                      int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale, int window, int n_splits,
-                      float *workspace, int *counters, const dec_rope *rp, m40k_stream stream)
+                      int n_seqs, int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                      int n_splits, float *workspace, int *counters, const dec_rope *rp, m40k_stream stream)
 {
     if (n_seqs <= 0)
         return 0;
     if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || n_splits < 1 || n_seqs > 65535 ||
         n_splits > 65535 || (n_splits > 1 && (!workspace || !counters || (uintptr_t)workspace % 16)) ||
-        q_stride % 4 || ((uintptr_t)q & 15) || window < 0)
+        q_stride % 4 || ((uintptr_t)q & 15) || window < 0 || !(softcap >= 0.0f))
         return M40K_INVALID;
     const int G = n_heads / n_kv_heads;
     switch (head_dim) {
-    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, rp, stream);
-    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, rp, stream);
-    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, rp, stream);
+    case 64: return decode_group<64>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, softcap, rp, stream);
+    case 128: return decode_group<128>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, softcap, rp, stream);
+    case 256: return decode_group<256>(G, out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, scale, n_splits, workspace, counters, window, softcap, rp, stream);
     default: return M40K_INVALID;
     }
 }
@@ -700,13 +712,13 @@ static int decode_any(float *out, int64_t out_stride, const float *q, int64_t q_
 extern "C" int m40k_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                        const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                        const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
-                                       int n_kv_heads, int head_dim, float scale, int window, int n_splits,
-                                       float *workspace, int *counters, m40k_stream stream)
+                                       int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                                       int n_splits, float *workspace, int *counters, m40k_stream stream)
 {
     /* the kernel writes the caches only in its RoPE variant */
     return decode_any(out, out_stride, q, q_stride, const_cast<uint16_t *>(k_cache), const_cast<uint16_t *>(v_cache),
-                      indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window, n_splits,
-                      workspace, counters, nullptr, stream);
+                      indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window, softcap,
+                      n_splits, workspace, counters, nullptr, stream);
 }
 
 extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -716,8 +728,8 @@ extern "C" int m40k_attn_decode(float *out, int64_t out_stride, const float *q, 
                                 int *counters, m40k_stream stream)
 {
     return m40k_attn_decode_window(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len,
-                                   n_seqs, n_heads, n_kv_heads, head_dim, scale, 0, n_splits, workspace, counters,
-                                   stream);
+                                   n_seqs, n_heads, n_kv_heads, head_dim, scale, 0, 0.0f, n_splits, workspace,
+                                   counters, stream);
 }
 
 /* The cluster size the RoPE variant runs a launch with (0: the workspace merge), as
@@ -753,22 +765,24 @@ extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float
                                      int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache,
                                      uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                      const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads,
-                                     int head_dim, float scale, int window, const int32_t *pos, int rot_dim, float base,
-                                     const float *freq_factors, int neox, int n_splits, float *workspace,
-                                     int *counters, m40k_stream stream)
+                                     int head_dim, float scale, int window, float softcap, const int32_t *pos,
+                                     int rot_dim, float base, const float *freq_factors, int neox, int n_splits,
+                                     float *workspace, int *counters, m40k_stream stream)
 {
     return m40k_attn_decode_rope_q8(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window, pos,
-                                    rot_dim, base, freq_factors, neox, n_splits, workspace, counters, nullptr, stream);
+                                    indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
+                                    softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters,
+                                    nullptr, stream);
 }
 
 extern "C" int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                         const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                                         uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
                                         const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
-                                        int n_kv_heads, int head_dim, float scale, int window, const int32_t *pos,
-                                        int rot_dim, float base, const float *freq_factors, int neox, int n_splits,
-                                        float *workspace, int *counters, void *out_q8, m40k_stream stream)
+                                        int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                                        const int32_t *pos, int rot_dim, float base, const float *freq_factors,
+                                        int neox, int n_splits, float *workspace, int *counters, void *out_q8,
+                                        m40k_stream stream)
 {
     if (n_seqs <= 0)
         return 0;
@@ -791,5 +805,5 @@ extern "C" int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const fl
                          (gq_blk *)out_q8,
                          n_heads * head_dim / 32};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
-                      n_kv_heads, head_dim, scale, window, n_splits, workspace, counters, &rp, stream);
+                      n_kv_heads, head_dim, scale, window, softcap, n_splits, workspace, counters, &rp, stream);
 }

@@ -10,7 +10,8 @@
  * slice of the output in registers. Tiles beyond the last row's position are skipped
  * (causality), so a chunk of n tokens after a prefix of p costs ~n*(p+n/2) work.
  * window > 0 (sliding-window layers): a row at position p sees p-window+1..p only;
- * tiles before the block's first window are skipped.
+ * tiles before the block's first window are skipped. softcap > 0 (Gemma 2): the warp
+ * that updates a row's softmax caps its scores (c * tanh(s / c)) as it reads them.
  *
  * Blocks map to (sequence, row tile) by a scan over q_indptr: the grid is sized for the
  * worst case (n_rows*G/BM + n_seqs tiles) and surplus blocks exit. */
@@ -31,7 +32,7 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
-    int n_heads, int n_kv_heads, float scale, int window)
+    int n_heads, int n_kv_heads, float scale, int window, float softcap)
 {
     constexpr int BN = pf_cfg<D>::BN, KS = pf_cfg<D>::KS;
     extern __shared__ float smem[];
@@ -140,6 +141,8 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
         __syncthreads();
         for (int r = ro; r < PF_BM; r += PF_THREADS / 32) {
             float v = lane < BN ? Ss[r * (BN + 1) + lane] : -INFINITY;
+            if (softcap > 0.0f && v != -INFINITY) /* masked scores stay -inf */
+                v = softcap * tanhf(v / softcap);
             const float mx = m40k_warp_max(v);
             const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
             /* a row that has seen only masked scores keeps m = -inf: use 0 as the shift */
@@ -196,7 +199,7 @@ template <int D>
 static int prefill_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                           int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lpl, int n_heads, int n_kv_heads, float scale,
-                          int window, cudaStream_t st)
+                          int window, float softcap, cudaStream_t st)
 {
     const size_t smem = pf_cfg<D>::smem;
     static int attr_set; /* per instantiation; setting it twice is harmless */
@@ -211,7 +214,7 @@ static int prefill_launch(float *out, int64_t os, const float *q, int64_t qs, co
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
     attn_prefill_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads), PF_THREADS, smem, st>>>(
-        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale, window);
+        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale, window, softcap);
     return m40k_launch_status();
 }
 
@@ -219,16 +222,16 @@ extern "C" int m40k_attn_prefill_window(float *out, int64_t out_stride, const fl
                                         const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                         const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                         const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
-                                        float scale, int window, m40k_stream stream)
+                                        float scale, int window, float softcap, m40k_stream stream)
 {
     if (n_seqs <= 0 || n_rows <= 0)
         return 0;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0)
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0 || !(softcap >= 0.0f))
         return M40K_INVALID;
     switch (head_dim) {
-    case 64: return prefill_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
-    case 128: return prefill_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
-    case 256: return prefill_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, stream);
+    case 64: return prefill_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
+    case 128: return prefill_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
+    case 256: return prefill_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
     default: return M40K_INVALID;
     }
 }
@@ -240,5 +243,5 @@ extern "C" int m40k_attn_prefill(float *out, int64_t out_stride, const float *q,
                                  m40k_stream stream)
 {
     return m40k_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, stream);
+                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, 0.0f, stream);
 }

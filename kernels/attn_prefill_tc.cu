@@ -12,6 +12,9 @@
  *     K(j+1) while P V(j) is, so one buffer of each suffices (smem 27/51/66 KB);
  *   - S = Q K^T by mma.sync.m16n8k16 (F16 in, F32 accumulate), Q (pre-scaled by
  *     scale*log2(e), rounded to F16 once) and K fragments read with ldmatrix;
+ *   - with softcap > 0 (Gemma 2) the scores are capped on the accumulator registers
+ *     before the mask: in the log2 domain Q carries, c * tanh(s / c) of s = scale q.k
+ *     is c2 * tanh(s2 / c2) with s2 = log2(e) s and c2 = log2(e) c (a uniform branch);
  *   - online softmax on the accumulator registers (exp2, row max/sum over the 4 lanes
  *     of a quad), causal/window mask only on tiles that cross a boundary;
  *   - the accumulator layout of S is the A-operand layout of P, so P goes to F16 in
@@ -114,7 +117,8 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
-    int n_heads, int n_kv_heads, float scale_log2, int window, int n_splits, float *__restrict__ ws)
+    int n_heads, int n_kv_heads, float scale_log2, int window, float softcap_log2, int n_splits,
+    float *__restrict__ ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int BN = tc_cfg<D>::BN, LDS = tc_cfg<D>::LDS;
@@ -222,6 +226,12 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
                     tc_mma(sc[2 * jp + 1], a, b[2], b[3]);
                 }
             }
+            if (softcap_log2 > 0.0f) /* before the mask: masked scores become -inf after it */
+#pragma unroll
+                for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        sc[j][e] = softcap_log2 * tanhf(sc[j][e] / softcap_log2);
             /* mask: token t visible to a row at p when p - window < t <= p */
             if (kv0 + BN - 1 > wfirst || (window > 0 && kv0 <= wlast - window)) {
                 const int lo0 = window > 0 ? pos0 - window : -1, lo1 = window > 0 ? pos1 - window : -1;
@@ -435,17 +445,18 @@ static long tc_tiles(int n_rows, int n_seqs, int G) { return ((long)n_rows * G +
 template <int D>
 static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                      int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr, const int32_t *indices,
-                     const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, int n_splits,
-                     float *ws, cudaStream_t st)
+                     const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, float softcap,
+                     int n_splits, float *ws, cudaStream_t st)
 {
     const int G = n_heads / n_kv_heads;
     const long tiles = tc_tiles(n_rows, n_seqs, G);
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * 1.4426950408889634f, softcap_log2 = softcap * 1.4426950408889634f;
     attn_prefill_tc_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, (unsigned)n_splits), TC_THREADS,
                                 tc_cfg<D>::smem, st>>>(out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl,
-                                                       n_heads, n_kv_heads, scale_log2, window, n_splits, ws);
+                                                       n_heads, n_kv_heads, scale_log2, window, softcap_log2, n_splits,
+                                                       ws);
     if (n_splits > 1)
         attn_prefill_tc_merge_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, TC_BM / TC_MERGE_ROWS),
                                           TC_THREADS, 0, st>>>(
@@ -487,11 +498,12 @@ extern "C" int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const 
                                           const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                           const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                           const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
-                                          float scale, int window, int n_splits, float *ws, m40k_stream stream)
+                                          float scale, int window, float softcap, int n_splits, float *ws,
+                                          m40k_stream stream)
 {
     if (n_seqs <= 0 || n_rows <= 0)
         return 0;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0)
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0 || !(softcap >= 0.0f))
         return M40K_INVALID;
     if (head_dim != 64 && head_dim != 128 && head_dim != 256)
         return M40K_INVALID;
@@ -500,9 +512,9 @@ extern "C" int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const 
     if (!m40k_attn_prefill_tc_supported(head_dim))
         return (int)cudaErrorNoKernelImageForDevice;
     switch (head_dim) {
-    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, n_splits, ws, stream);
-    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, n_splits, ws, stream);
-    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, n_splits, ws, stream);
+    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, stream);
+    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, stream);
+    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, stream);
     }
 }
 
@@ -510,11 +522,11 @@ extern "C" int m40k_attn_prefill_tc_window(float *out, int64_t out_stride, const
                                            const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                            const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                            const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
-                                           float scale, int window, m40k_stream stream)
+                                           float scale, int window, float softcap, m40k_stream stream)
 {
     return m40k_attn_prefill_tc_split(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
-                                      indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, 1, NULL,
-                                      stream);
+                                      indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap, 1,
+                                      NULL, stream);
 }
 
 extern "C" int m40k_attn_prefill_tc(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -524,33 +536,35 @@ extern "C" int m40k_attn_prefill_tc(float *out, int64_t out_stride, const float 
                                     float scale, m40k_stream stream)
 {
     return m40k_attn_prefill_tc_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
-                                       indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, stream);
+                                       indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, 0.0f, stream);
 }
 
 extern "C" int m40k_attn_prefill_auto_split(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                             const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                             const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                             const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
-                                            float scale, int window, int n_splits, float *ws, m40k_stream stream)
+                                            float scale, int window, float softcap, int n_splits, float *ws,
+                                            m40k_stream stream)
 {
     if (m40k_attn_prefill_tc_supported(head_dim))
         return m40k_attn_prefill_tc_split(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
                                           indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window,
-                                          n_splits, ws, stream);
+                                          softcap, n_splits, ws, stream);
     return m40k_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, stream);
+                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap,
+                                    stream);
 }
 
 extern "C" int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                              const int32_t *q_indptr, int n_seqs, int n_rows,
                                              const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                              const int32_t *indices, const int32_t *last_page_len, int n_heads,
-                                             int n_kv_heads, int head_dim, float scale, int window,
+                                             int n_kv_heads, int head_dim, float scale, int window, float softcap,
                                              m40k_stream stream)
 {
     return m40k_attn_prefill_auto_split(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
                                         indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window,
-                                        1, NULL, stream);
+                                        softcap, 1, NULL, stream);
 }
 
 extern "C" int m40k_attn_prefill_auto(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -561,5 +575,5 @@ extern "C" int m40k_attn_prefill_auto(float *out, int64_t out_stride, const floa
 {
     return m40k_attn_prefill_auto_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
                                          indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0,
-                                         stream);
+                                         0.0f, stream);
 }

@@ -196,14 +196,14 @@ int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_s
  * tables and the cached K/V rows before position len - 1, the first tile of which is
  * prefetched then as well (that kernel must not append to the cache). The split
  * holding position len - 1 stores it; no split reads it from the cache. The rest (splits,
- * workspace, counters, window) as m40k_attn_decode_window. Twin: m40_ref_rope and
+ * workspace, counters, window, softcap) as m40k_attn_decode_window. Twin: m40_ref_rope and
  * m40_ref_kv_append, then m40_ref_attn_decode. */
 int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
                           int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
                           const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                          int n_heads, int n_kv_heads, int head_dim, float scale, int window, const int32_t *pos,
-                          int rot_dim, float base, const float *freq_factors, int neox, int n_splits, float *workspace,
-                          int *counters, m40k_stream stream);
+                          int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                          const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
+                          int n_splits, float *workspace, int *counters, m40k_stream stream);
 /* The same, also writing out as the int8 records of m40k_quantize_q8(out, out_stride,
  * n_heads * head_dim, n_seqs, out_q8), byte for byte (out_q8 16-byte aligned), for the
  * int8 GEMV that reads them next: no quantization launch between the two. Only where
@@ -214,9 +214,9 @@ int m40k_attn_decode_q8_ok(int n_seqs, int n_heads, int n_kv_heads, int head_dim
 int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
                              int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
                              const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                             int n_heads, int n_kv_heads, int head_dim, float scale, int window, const int32_t *pos,
-                             int rot_dim, float base, const float *freq_factors, int neox, int n_splits,
-                             float *workspace, int *counters, void *out_q8, m40k_stream stream);
+                             int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                             const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
+                             int n_splits, float *workspace, int *counters, void *out_q8, m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they
@@ -230,23 +230,25 @@ int m40k_attn_prefill(float *out, int64_t out_stride, const float *q, int64_t q_
                       const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
                       int n_kv_heads, int head_dim, float scale, m40k_stream stream);
 
-/* 6b, 7b. Sliding-window variants (Gemma 3's local layers): the same kernels, but a
- * query at position p attends to positions max(0, p-window+1)..p only (window tokens,
- * itself included). window 0 means no window: m40k_attn_decode and m40k_attn_prefill
- * are these with window 0. */
+/* 6b, 7b. Sliding-window and soft-capped variants (Gemma's local layers, Gemma 2's
+ * attn_logit_softcapping): the same kernels, but a query at position p attends to
+ * positions max(0, p-window+1)..p only (window tokens, itself included), and with
+ * softcap > 0 each score s = scale * q.k becomes softcap * tanh(s / softcap) before the
+ * softmax. window 0 means no window, softcap 0 no cap (< 0 is refused):
+ * m40k_attn_decode and m40k_attn_prefill are these with window 0 and softcap 0. */
 int m40k_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride, const uint16_t *k_cache,
                             const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                             const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
-                            float scale, int window, int n_splits, float *workspace, int *counters,
+                            float scale, int window, float softcap, int n_splits, float *workspace, int *counters,
                             m40k_stream stream);
 int m40k_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                              const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                              const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
-                             int window, m40k_stream stream);
+                             int window, float softcap, m40k_stream stream);
 
 /* 7c. Prefill attention on tensor cores (kernels/attn_prefill_tc.cu): the same arguments
- * and results as m40k_attn_prefill[_window] (up to F16 rounding of Q and of the softmax
+ * and results as m40k_attn_prefill[_window] (softcap included; up to F16 rounding of Q and of the softmax
  * weights: ~1e-3 of the output scale), flash-attention-2 style with mma.sync, for
  * sm_80 and newer. m40k_attn_prefill_tc_supported(head_dim) says whether it runs on the
  * current device (sm_80+, head_dim 64/128/256, a kernel image built for sm_80+, enough
@@ -262,7 +264,7 @@ int m40k_attn_prefill_tc_window(float *out, int64_t out_stride, const float *q, 
                                 const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                 const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                 const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
-                                int window, m40k_stream stream);
+                                int window, float softcap, m40k_stream stream);
 int m40k_attn_prefill_auto(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
                            int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
@@ -271,12 +273,12 @@ int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q
                                   const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                   const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                   const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
-                                  float scale, int window, m40k_stream stream);
+                                  float scale, int window, float softcap, m40k_stream stream);
 
 /* 7d. The tensor-core prefill with each block's keys split n_splits ways (1..
  * M40K_PREFILL_SPLIT_MAX), the splits merged by a second kernel: for few new rows after a
  * long context, where one block per (row tile, KV head) would leave SMs idle. Same
- * results as 7c (up to F32 summation order). ws: a device buffer of
+ * results as 7c (softcap as there; up to F32 summation order). ws: a device buffer of
  * m40k_attn_prefill_split_ws_floats(...) floats (NULL when n_splits is 1).
  * m40k_attn_prefill_pick_splits: the split count for a step: 1 when the (row tile, KV
  * head) blocks fill the sm_count SMs already, else enough blocks for two waves, each
@@ -293,12 +295,12 @@ int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const float *q, i
                                const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
-                               int window, int n_splits, float *ws, m40k_stream stream);
+                               int window, float softcap, int n_splits, float *ws, m40k_stream stream);
 int m40k_attn_prefill_auto_split(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                  const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                  const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
-                                 int window, int n_splits, float *ws, m40k_stream stream);
+                                 int window, float softcap, int n_splits, float *ws, m40k_stream stream);
 
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
  * n < N, b < batch (1..8). W rows are K elements of w_type (F16, BF16, Q8_0, Q4_0, Q4_1,

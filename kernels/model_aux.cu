@@ -95,7 +95,7 @@ __global__ __launch_bounds__(AG_T) void attn_generic_kernel(
     float *__restrict__ out, int64_t os, const float *__restrict__ q, int64_t qs, const int32_t *__restrict__ row_seq,
     const int32_t *__restrict__ row_pos, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, int n_heads, int n_kv_heads, int hd,
-    float scale, int window)
+    float scale, int window, float softcap)
 {
     __shared__ float qv[AG_MAXD], acc[AG_MAXD], p[AG_T], red_m[AG_T / 32], red_s[AG_T / 32];
     __shared__ float m_run, l_run, alpha_s;
@@ -120,7 +120,7 @@ __global__ __launch_bounds__(AG_T) void attn_generic_kernel(
             float dsum = 0.0f;
             for (int d = 0; d < hd; d++)
                 dsum = fmaf(qv[d], m40k_h2f(kr[d]), dsum);
-            sc = dsum;
+            sc = softcap > 0.0f ? softcap * tanhf(dsum / softcap) : dsum; /* Gemma 2's q.k soft-cap */
         }
         float mx = m40k_warp_max(sc);
         if (lane == 0)
@@ -168,15 +168,17 @@ extern "C" int m40k_attn_generic_window(float *out, int64_t out_stride, const fl
                                         const int32_t *row_seq, const int32_t *row_pos, int n_rows,
                                         const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                         const int32_t *indices, int n_heads, int n_kv_heads, int head_dim, float scale,
-                                        int window, m40k_stream stream)
+                                        int window, float softcap, m40k_stream stream)
 {
     if (n_rows <= 0)
         return 0;
-    if (head_dim <= 0 || head_dim > AG_MAXD || n_kv_heads <= 0 || n_heads % n_kv_heads || window < 0)
+    if (head_dim <= 0 || head_dim > AG_MAXD || n_kv_heads <= 0 || n_heads % n_kv_heads || window < 0 ||
+        !(softcap >= 0.0f))
         return M40K_INVALID;
     dim3 grid(n_rows, n_heads);
     attn_generic_kernel<<<grid, AG_T, 0, stream>>>(out, out_stride, q, q_stride, row_seq, row_pos, k_cache, v_cache,
-                                                   indptr, indices, n_heads, n_kv_heads, head_dim, scale, window);
+                                                   indptr, indices, n_heads, n_kv_heads, head_dim, scale, window,
+                                                   softcap);
     return m40k_launch_status();
 }
 
@@ -186,7 +188,7 @@ extern "C" int m40k_attn_generic(float *out, int64_t out_stride, const float *q,
                                  int n_kv_heads, int head_dim, float scale, m40k_stream stream)
 {
     return m40k_attn_generic_window(out, out_stride, q, q_stride, row_seq, row_pos, n_rows, k_cache, v_cache, indptr,
-                                    indices, n_heads, n_kv_heads, head_dim, scale, 0, stream);
+                                    indices, n_heads, n_kv_heads, head_dim, scale, 0, 0.0f, stream);
 }
 
 /* One warp per (row, head): sum of squares by shuffles, then scale in place. */

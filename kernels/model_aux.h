@@ -43,11 +43,14 @@ int m40k_attn_generic(float *out, int64_t out_stride, const float *q, int64_t q_
                       float scale, m40k_stream stream);
 
 /* m40k_attn_generic with a sliding window: row i attends to positions
- * max(0, row_pos[i]-window+1)..row_pos[i]; window 0 = no window (m40k_attn_generic). */
+ * max(0, row_pos[i]-window+1)..row_pos[i]; window 0 = no window. softcap > 0: each score
+ * s = scale * q.k becomes softcap * tanh(s / softcap) before the softmax (Gemma 2's
+ * attn_logit_softcapping); 0 = none, < 0 refused. m40k_attn_generic is this with 0, 0. */
 int m40k_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                              const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
-                             int n_kv_heads, int head_dim, float scale, int window, m40k_stream stream);
+                             int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                             m40k_stream stream);
 
 /* Per-head RMSNorm in place (Gemma 3's Q/K norms): for row r < rows and head h <
  * n_heads, the head_dim values at x + r*x_stride + h*head_dim become

@@ -1,13 +1,16 @@
-/* The GPU back end of the llama-family forward pass (llama, qwen2) and of Gemma 3: host
- * code in C11 that drives the kernels of kernels/ through their C wrappers, plus cuBLAS.
+/* The GPU back end of the forward pass: host code in C11 that drives the kernels of
+ * kernels/ through their C wrappers, plus cuBLAS.
  *
- * Gemma 3 (src->gemma3 set; the math is model/model.c's) is the same pipeline plus:
- * the embedding scaled by sqrt(n_embd), per-head RMSNorm of Q and K after the QKV
- * product, the attention and FFN outputs RMSNorm'ed before their residual adds, GeGLU
- * (tanh) instead of SwiGLU, its own attention scale, and per layer either a global
- * layer (the file's RoPE base, linear scaling as freq factors) or a local one (the
- * local base, attention limited to the last `window` positions by the *_window
- * attention kernels; the cache keeps every position, as on the CPU).
+ * One pipeline for every row of the architecture table (the math is model/model.c's):
+ * the llama block, plus what the layer's tensors and the row's scalars (src->sc,
+ * neutral where a row lacks the feature) ask for: per-head RMSNorm of Q and K after
+ * the QKV product where the layer has Q/K norms (gemma3, qwen3), the attention and FFN
+ * outputs RMSNorm'ed before their residual adds where it has post norms (gemma2,
+ * gemma3), GeGLU (tanh) instead of SwiGLU, the embedding scale, the attention scale
+ * and q.k soft-cap, the logit soft-cap, and per layer either a global layer (the
+ * file's RoPE base, its frequency factors and linear scaling) or a local one (the
+ * local base, attention limited to the last `window` positions by the window argument
+ * of the attention kernels; the cache keeps every position, as on the CPU).
  *
  * This file: loading (every weight uploaded through pinned staging buffers, converted
  * to F16 where the kernels do not read the type) and freeing. model_cuda_fwd.c: the
@@ -437,10 +440,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     g->q_dim = src->q_dim;
     g->kv_dim = src->kv_dim;
     g->qkv_dim = src->q_dim + 2 * src->kv_dim;
-    if (src->gemma3) {
-        g->gemma3 = 1;
-        g->g3 = *src->gemma3;
-    }
+    g->sc = src->sc;
     struct cudaDeviceProp prop;
     if ((e = cudaGetDeviceProperties(&prop, device)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -555,15 +555,16 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     if (upload_vec(g, src->output_norm, p->dim, &g->output_norm, err, errlen) ||
         upload_vec(g, src->rope_freq_factors, p->rope_dim / 2, &g->rope_ff, err, errlen))
         goto fail_upload;
-    if (g->gemma3 && g->g3.global_scale != 1.0f) {
-        /* theta_i = pos * base^(-2i/d) / factor_i: linear scaling is a constant factor */
+    if (g->sc.global_scale != 1.0f) {
+        /* theta_i = pos * base^(-2i/d) / factor_i: linear scaling is a constant factor,
+         * on top of the file's factors where it has them */
         float *ff = malloc((size_t)(p->rope_dim / 2) * sizeof *ff);
         if (!ff) {
             m40_set_err(err, errlen, "out of memory");
             goto fail_upload;
         }
         for (int32_t i = 0; i < p->rope_dim / 2; i++)
-            ff[i] = g->g3.global_scale;
+            ff[i] = (src->rope_freq_factors ? src->rope_freq_factors[i] : 1.0f) * g->sc.global_scale;
         int rc = upload_vec(g, ff, p->rope_dim / 2, &g->rope_ff_global, err, errlen);
         free(ff);
         if (rc)
@@ -591,20 +592,18 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
             upload_proj(&u, gu, 2, NULL, &G->gate_up, err, errlen) ||
             upload_proj(&u, dn, 1, NULL, &G->down, err, errlen))
             goto fail_upload;
-        if ((g->gemma3 && (!L->q_norm || !L->post_attn_norm || !L->post_ffw_norm)) || !L->q_norm != !L->k_norm) {
-            m40_set_err(err, errlen, "layer %d lacks one of its Q/K norms or (gemma3) post norms", (int)l);
+        if (!L->q_norm != !L->k_norm) {
+            m40_set_err(err, errlen, "layer %d has one of its Q/K norms but not the other", (int)l);
             goto fail_upload;
         }
-        /* Per-head Q/K norms wherever the layer has them (gemma3, qwen3). */
+        /* Per-head Q/K norms and post norms wherever the layer has them, independently. */
         if (L->q_norm && (upload_vec(g, L->q_norm, p->head_dim, &G->q_norm, err, errlen) ||
                           upload_vec(g, L->k_norm, p->head_dim, &G->k_norm, err, errlen)))
             goto fail_upload;
-        if (g->gemma3) {
-            if (upload_vec(g, L->post_attn_norm, p->dim, &G->post_attn_norm, err, errlen) ||
-                upload_vec(g, L->post_ffw_norm, p->dim, &G->post_ffw_norm, err, errlen))
-                goto fail_upload;
-            G->local = L->local;
-        }
+        if ((L->post_attn_norm && upload_vec(g, L->post_attn_norm, p->dim, &G->post_attn_norm, err, errlen)) ||
+            (L->post_ffw_norm && upload_vec(g, L->post_ffw_norm, p->dim, &G->post_ffw_norm, err, errlen)))
+            goto fail_upload;
+        G->local = L->local;
         gproj *ps[] = {&G->qkv, &G->wo, &G->gate_up, &G->down};
         for (int i = 0; i < 4; i++)
             for (int j = 0; j < ps[i]->n_parts; j++) {

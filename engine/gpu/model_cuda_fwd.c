@@ -28,7 +28,7 @@
  *     (m40k_gemm_skinny_glu): one launch less there too;
  *   - only the rows that want logits go through the final norm and the head; their
  *     logits come back to the host in the caller's row order;
- *   - a decode step of one sequence whose products all take the int8 GEMV (not gemma3)
+ *   - a decode step of one sequence whose products all take the int8 GEMV (no post norms)
  *     runs without add+RMSNorm kernels after layer 0: the attention output and down
  *     projections add their product into the residual themselves and write the next
  *     product's int8 input (the records of x * norm weight, unscaled) and x's sums of
@@ -423,11 +423,13 @@ static void swap_residual(float **xc, float **xo)
 /* Whether the add + RMSNorm between producer pr (its output added into the residual) and
  * consumer cn can be folded into their GEMVs (kernels.h 8d): batch 1, pr one int8-readable
  * part of dim rows without bias, every part of cn int8-readable (the pair of
- * m40k_gemv_q8_pair_normed or single GEMVs), not gemma3 (norms of its own around the
- * products), and not turned off (M40_FUSE_NORM=0). */
-static int fold_norm_ok(const m40_gpu *g, const gproj *pr, const gmat *cn, int cn_parts, int32_t n)
+ * m40k_gemv_q8_pair_normed or single GEMVs), no post norm of pr's output (post_norm
+ * NULL: a normed output is not what the residual adds), and not turned off
+ * (M40_FUSE_NORM=0). */
+static int fold_norm_ok(const m40_gpu *g, const gproj *pr, const float *post_norm, const gmat *cn, int cn_parts,
+                        int32_t n)
 {
-    if (!g->fuse_norm || g->gemma3 || n != 1 || pr->n_parts != 1 || pr->bias || pr->rows != g->p.dim ||
+    if (!g->fuse_norm || post_norm || n != 1 || pr->n_parts != 1 || pr->bias || pr->rows != g->p.dim ||
         g->p.dim % 32 || !gemv_q8_reads(&pr->part[0]) || cn_parts == 0)
         return 0;
     for (int i = 0; i < cn_parts; i++)
@@ -506,14 +508,14 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     const int32_t *d_tok = sp->d_tok, *d_pos = sp->d_pos, *d_rs = sp->d_rs, *d_qi = sp->d_qi, *d_ip = sp->d_ip,
                   *d_lpl = sp->d_lpl, *d_out = sp->d_out, *d_idx = sp->d_idx;
     const int hd = p->head_dim;
-    const int window = g->gemma3 ? g->g3.window : 0;
-    const float scale = g->gemma3 ? g->g3.attn_scale : 1.0f / sqrtf((float)hd);
+    const int window = g->sc.window;
+    const float scale = g->sc.attn_scale, cap = g->sc.attn_softcap;
     const int64_t dim = p->dim, qkvd = g->qkv_dim, ffn = p->ffn_dim;
 
     CK(m40k_embed(g->tok_embd.data, g->tok_embd.type, g->tok_embd.rows, (int)dim, d_tok, n, g->x, M40K_TYPE_F32, dim,
                   g->stream));
-    if (g->gemma3)
-        CK(m40k_scale(g->x, (int64_t)n * dim, g->g3.embd_scale, g->stream));
+    if (g->sc.embd_scale != 1.0f)
+        CK(m40k_scale(g->x, (int64_t)n * dim, g->sc.embd_scale, g->stream));
     /* The residual stream: xc, the other buffer xo (add_norm writes xc + xd there and
      * swaps them); the layers' outputs go to xd, the normalized inputs to xb. */
     float *xc = g->x, *xo = g->x2;
@@ -526,11 +528,11 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     for (int32_t l = 0; l < p->n_layers; l++) {
         const glayer *L = &g->layers[l];
         uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
-        /* gemma3: local layers have their own RoPE base and a window; global ones the
-         * file's base, optionally linearly scaled */
-        const int win = g->gemma3 && L->local ? window : 0;
-        const float base = !g->gemma3 ? p->rope_base : L->local ? g->g3.local_base : g->g3.global_base;
-        const float *ff = !g->gemma3 ? g->rope_ff : L->local ? NULL : g->rope_ff_global;
+        /* local layers have their own RoPE base (no frequency factors) and a window;
+         * global ones the file's base and factors, optionally linearly scaled */
+        const int win = L->local ? window : 0;
+        const float base = L->local ? g->sc.local_base : p->rope_base;
+        const float *ff = L->local ? NULL : g->rope_ff_global ? g->rope_ff_global : g->rope_ff;
         /* the previous layer's FFN residual is still in xd: added here, fused with this norm
          * (and with the int8 quantization of its output when the GEMV takes that) */
         const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
@@ -542,7 +544,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                    errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
-        if (L->q_norm) { /* per-head Q/K norms before RoPE (gemma3, qwen3) */
+        if (L->q_norm) { /* per-head Q/K norms before RoPE, where the layer has them */
             CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
             CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
         }
@@ -558,7 +560,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                           m40k_attn_decode_q8_ok(n_dec, p->n_heads, p->n_kv_heads, hd, win ? splits_local : splits);
         if (tuned && n_dec > 0)
             CK(m40k_attn_decode_rope_q8(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
-                                        p->n_heads, p->n_kv_heads, hd, scale, win, d_pos, p->rope_dim, base, ff,
+                                        p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
                                         p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt,
                                         xq_wo ? g->xq : NULL, g->stream));
         if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
@@ -569,13 +571,13 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
             CK(m40k_attn_prefill_auto_split(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc, vc,
                                             d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd, scale,
-                                            win, win ? sp->psplits_local : sp->psplits, g->ws, g->stream));
+                                            win, cap, win ? sp->psplits_local : sp->psplits, g->ws, g->stream));
         if (!tuned)
             CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
-                                        p->n_kv_heads, hd, scale, win, g->stream));
+                                        p->n_kv_heads, hd, scale, win, cap, g->stream));
         const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
-        folded = fold_norm_ok(g, &L->wo, L->gate_up.part, L->gate_up.n_parts, n);
+        folded = fold_norm_ok(g, &L->wo, L->post_attn_norm, L->gate_up.part, L->gate_up.n_parts, n);
         if (folded) { /* the attention output projection adds into the residual and normalizes */
             if (!xq_wo)
                 CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
@@ -583,14 +585,14 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         } else {
             if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, 0, NULL, err, errlen))
                 return -1;
-            if (g->gemma3)
+            if (L->post_attn_norm)
                 CK(m40k_rmsnorm(g->xd, dim, L->post_attn_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                                 g->stream));
             CK(add_norm(g, &xc, &xo, L->ffn_norm, g->xb, n, xq_gu, x16_gu));
         }
         if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, folded ? &nin : NULL, err, errlen))
             return -1;
-        const int act = g->gemma3 ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
+        const int act = g->sc.act == M40_ACT_GELU_TANH ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
         /* F16 down projection on the tensor-core GEMV: it forms act(gate) * up itself */
         const gmat *dw = &L->down.part[0];
         folded = 0;
@@ -609,15 +611,15 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             /* the next layer's attention norm (the last layer: the final norm, when the
              * step's one row wants logits) folded into this projection (kernels.h 8d) */
             const int last = l + 1 == p->n_layers;
-            folded = xq_dn && (last ? out_all && fold_norm_ok(g, &L->down, &g->output, 1, n)
-                                    : fold_norm_ok(g, &L->down, g->layers[l + 1].qkv.part,
+            folded = xq_dn && (last ? out_all && fold_norm_ok(g, &L->down, L->post_ffw_norm, &g->output, 1, n)
+                                    : fold_norm_ok(g, &L->down, L->post_ffw_norm, g->layers[l + 1].qkv.part,
                                                    g->layers[l + 1].qkv.n_parts, n));
             if (folded)
                 CK(gemv_add_norm(g, &L->down, &xc, &xo, last ? g->output_norm : g->layers[l + 1].attn_norm));
             else if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, NULL, err, errlen))
                 return -1;
         }
-        if (g->gemma3)
+        if (L->post_ffw_norm)
             CK(m40k_rmsnorm(g->xd, dim, L->post_ffw_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
     }
@@ -642,8 +644,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready,
                        out_all && folded ? &nin : NULL, sp->d_key, err, errlen))
             return -1;
-        if (g->gemma3 && g->g3.logit_softcap > 0)
-            CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->g3.logit_softcap, g->stream));
+        if (g->sc.logit_softcap > 0)
+            CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->sc.logit_softcap, g->stream));
     }
     return 0;
 }
@@ -737,7 +739,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         return -1;
     /* one greedy row whose head runs on the int8 GEMV: the pick is folded into it */
     const int pick = b->argmax && n_out == 1 && g->fuse_pick && gemv_q8_reads(&g->output) &&
-                     !(g->gemma3 && g->g3.logit_softcap > 0);
+                     !(g->sc.logit_softcap > 0);
     sp.d_key = pick ? (uint64_t *)g->ints_d : NULL;
     if (run_step(g, kv, &sp, err, errlen))
         return -1;

@@ -57,9 +57,9 @@ typedef struct {
 typedef struct {
     float *attn_norm, *ffn_norm;
     gproj qkv, wo, gate_up, down;
-    float *q_norm, *k_norm;          /* per-head Q/K norms (gemma3, qwen3); NULL otherwise */
-    float *post_attn_norm, *post_ffw_norm;                   /* gemma3; NULL otherwise */
-    int local;                                               /* gemma3 sliding-window layer */
+    float *q_norm, *k_norm;          /* per-head Q/K norms where the layer has them; NULL otherwise */
+    float *post_attn_norm, *post_ffw_norm; /* norms of the attention / FFN outputs where it has them */
+    int local;                       /* sliding-window layer: g->sc.window, g->sc.local_base */
 } glayer;
 
 struct m40_gpu {
@@ -75,9 +75,10 @@ struct m40_gpu {
     int output_shared;   /* output is tok_embd's buffer */
     float *output_norm, *rope_ff;
     glayer *layers;
-    int gemma3;          /* arch gemma3: the extras below apply */
-    m40_gpu_gemma3 g3;
-    float *rope_ff_global; /* gemma3 with linear RoPE scaling: global_scale per frequency */
+    m40_gpu_scalars sc;  /* the row's scalars (model_gpu.h): neutral where the row lacks the feature */
+    /* Linear RoPE scaling (sc.global_scale != 1): the global layers' frequency factors,
+     * rope_ff (1 where absent) times global_scale; NULL otherwise (they take rope_ff) */
+    float *rope_ff_global;
     size_t weight_bytes;
 
     /* Tiled path: F16 (F32 when gemm_f32) copy of one dequantized weight. */

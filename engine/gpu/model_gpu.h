@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "kv/paged_kv.h"
+#include "model/arch.h"
 #include "model/model.h"
 #include "util/tuning.h"
 
@@ -26,21 +27,26 @@ typedef struct {
     float *bq, *bk, *bv;          /* attention biases (qwen2); NULL when absent */
     m40_matrix wq, wk, wv, wo;
     m40_matrix w_gate, w_up, w_down;
-    /* gemma3 only (NULL / 0 otherwise): per-head Q/K norms [head_dim], the norms after
-     * attention and after the FFN [dim], and whether the layer is sliding-window. */
+    /* Where the row has them (NULL otherwise): per-head Q/K norms [head_dim] (gemma3,
+     * qwen3), the norms of the attention and FFN outputs before their residual adds
+     * [dim] (gemma2, gemma3); and whether the layer is sliding-window (local). */
     float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm;
     int local;
 } m40_layer;
 
-/* The gemma3 parts of the forward pass the llama family lacks (see model/model.c; filled from the architecture table). */
+/* The model's scalars of the forward pass beyond the plain llama block, filled from the
+ * architecture table for every row; a row without the feature gets the neutral value
+ * (see model/model_load.c), so the GPU path tests values, never the architecture. */
 typedef struct {
-    int32_t window;                      /* local layers see the last `window` positions */
-    float local_base, global_base;       /* RoPE bases of local and global layers */
-    float global_scale;                  /* linear RoPE factor of the global layers (1: none) */
-    float attn_scale;                    /* multiplies q.k */
-    float embd_scale;                    /* sqrt(n_embd) */
-    float logit_softcap;                 /* 0: none */
-} m40_gpu_gemma3;
+    m40_activation act;                  /* of the gated FFN: SwiGLU or GeGLU (tanh) */
+    int32_t window;                      /* local layers see the last `window` positions (0: none is local) */
+    float local_base;                    /* RoPE base of the local layers */
+    float global_scale;                  /* linear RoPE factor of the other layers (1: none) */
+    float attn_scale;                    /* multiplies q.k (1/sqrt(head_dim) unless the row says otherwise) */
+    float attn_softcap;                  /* c * tanh(s / c) of the scaled q.k before the softmax (0: none) */
+    float embd_scale;                    /* multiplies the embeddings (1: none) */
+    float logit_softcap;                 /* of the logits (0: none) */
+} m40_gpu_scalars;
 
 /* What the GPU back end uploads (host views into the mmap'd GGUF). */
 typedef struct {
@@ -50,7 +56,7 @@ typedef struct {
     const float *output_norm;
     const float *rope_freq_factors;  /* rope_dim/2 entries or NULL */
     const m40_layer *layers;
-    const m40_gpu_gemma3 *gemma3;    /* arch gemma3: GeGLU, extra norms, windows; NULL for llama/qwen2 */
+    m40_gpu_scalars sc;
 } m40_gpu_src;
 
 typedef struct m40_gpu m40_gpu;

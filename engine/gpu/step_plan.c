@@ -113,7 +113,7 @@ int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int
     int hd = p->head_dim;
     int tuned = (hd == 64 || hd == 128 || hd == 256) && G >= 1 && G <= 8;
     int splits = 1, splits_local = 1;
-    const int window = g->gemma3 ? g->g3.window : 0;
+    const int window = g->sc.window; /* 0 where no layer is local */
     if (tuned && n_dec > 0) {
         int64_t bucket = 32;
         while (bucket < max_len)

@@ -3,6 +3,7 @@
  * (gemma3), ../shared/models/next (qwen3, phi3, gemma2, llama with key_length). */
 #include "arch.h"
 
+#include <stdio.h>
 #include <string.h>
 
 static const m40_arch arches[] = {
@@ -22,7 +23,7 @@ static const m40_arch arches[] = {
      * say, as Gemma 2 is defined), even layers local, one RoPE base. */
     {.name = "gemma2", .rope = M40_ROPE_NEOX, .sandwich_norms = 1, .act = M40_ACT_GELU_TANH,
      .embd_scale_sqrt_dim = 1, .attn_softcap = 1, .attn_softcap_default = 50.0f, .final_softcap = 1,
-     .final_softcap_default = 30.0f, .swa_period = 2, .gemma_attn_scale = 1},
+     .final_softcap_default = 30.0f, .swa_period = 2, .gemma_attn_scale = 1, .gpu_validated = 1},
 };
 
 const m40_arch *m40_arch_find(const char *name)
@@ -36,3 +37,14 @@ const m40_arch *m40_arch_find(const char *name)
 }
 
 const char *m40_arch_names(void) { return "llama, qwen2, gemma3, qwen3, phi3, gemma2"; }
+
+int m40_arch_device_ok(const m40_arch *a, int device, char *err, size_t errlen)
+{
+    /* A row whose GPU path has not been checked against its reference runs on the CPU
+     * only: refusing is better than serving quietly wrong tokens. */
+    if (device < 0 || a->gpu_validated)
+        return 0;
+    snprintf(err, errlen, "architecture '%s' runs on the CPU only in this build: its GPU path is not validated yet",
+             a->name);
+    return -1;
+}

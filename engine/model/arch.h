@@ -11,6 +11,7 @@
 #ifndef M40_ARCH_H
 #define M40_ARCH_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 typedef enum {
@@ -70,5 +71,9 @@ typedef struct {
 const m40_arch *m40_arch_find(const char *name);
 /* "llama, qwen2, ..." (static) for error messages. */
 const char *m40_arch_names(void);
+/* Whether row a may run on `device` (< 0: the CPU, always): 0, or -1 with err saying
+ * that the architecture runs on the CPU only (its row's gpu_validated is 0). Apart from
+ * the load so that the refusal stays testable while every row is validated. */
+int m40_arch_device_ok(const m40_arch *a, int device, char *err, size_t errlen);
 
 #endif

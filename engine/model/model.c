@@ -66,11 +66,8 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         m40_set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
-    /* A row whose GPU path has not been checked against its reference runs on the CPU
-     * only: refusing is better than serving quietly wrong tokens. */
-    if (device >= 0 && !m->arch->gpu_validated) {
-        m40_set_err(err, errlen, "%s: architecture '%s' runs on the CPU only in this build: its GPU path is not "
-                    "validated yet", path, m->p.arch);
+    if (m40_arch_device_ok(m->arch, device, sub, sizeof sub)) { /* before any CUDA call */
+        m40_set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
     /* LongRoPE's attention factor is folded into attn_scale, which the GPU path does not
@@ -106,8 +103,7 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
     m->device = -1;
     if (device >= 0) {
         m40_gpu_src src;
-        m40_gpu_gemma3 extra;
-        m40_model_gpu_src(m, &src, &extra);
+        m40_model_gpu_src(m, &src);
         int rc = m40_gpu_load(&src, &m->tuning, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub);
         if (rc) {
             m40_set_err(err, errlen, "%s: %s", path, sub);

@@ -402,20 +402,19 @@ static int load_weights(m40_model *m, char *err, size_t errlen)
     return load_layer_kinds(m, err, errlen);
 }
 
-/* The GPU back end's view of the weights (gpu/model_gpu.h). Rows with sandwich norms
- * take the GPU's Gemma block (GeGLU, Q/K and post norms, windows, embedding scale,
- * soft-cap), which gets its scalars as the m40_gpu_gemma3 extra. */
-void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src, m40_gpu_gemma3 *extra)
+/* The GPU back end's view of the weights (gpu/model_gpu.h) and of the row's scalars,
+ * the same for every row: a row without a feature has its neutral value here (window 0
+ * where no layer is local, soft-caps 0, embedding scale 1, attention scale 1/sqrt(head_dim)),
+ * and the GPU forward pass tests the values and the layers' tensors. */
+void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src)
 {
     *src = (m40_gpu_src){.p = &m->p, .q_dim = m->q_dim, .kv_dim = m->kv_dim, .tok_embd = &m->tok_embd,
                          .output = &m->output, .output_norm = m->output_norm,
-                         .rope_freq_factors = m->rope_freq_factors, .layers = m->layers};
-    if (m->arch->sandwich_norms) {
-        *extra = (m40_gpu_gemma3){.window = m->window, .local_base = m->local_base, .global_base = m->p.rope_base,
-                                  .global_scale = m->global_scale, .attn_scale = m->attn_scale,
-                                  .embd_scale = m->embd_scale, .logit_softcap = m->final_softcap};
-        src->gemma3 = extra;
-    }
+                         .rope_freq_factors = m->rope_freq_factors, .layers = m->layers,
+                         .sc = {.act = m->act, .window = m->has_local ? m->window : 0, .local_base = m->local_base,
+                                .global_scale = m->global_scale, .attn_scale = m->attn_scale,
+                                .attn_softcap = m->attn_softcap, .embd_scale = m->embd_scale,
+                                .logit_softcap = m->final_softcap}};
 }
 
 int m40_model_read(m40_model *m, char *err, size_t errlen)

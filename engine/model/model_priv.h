@@ -73,7 +73,7 @@ struct m40_kv {
  * into m. -1 with err naming the problem. */
 int m40_model_read(m40_model *m, char *err, size_t errlen);
 
-/* The GPU back end's view of m's weights; extra holds what src->gemma3 points to. */
-void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src, m40_gpu_gemma3 *extra);
+/* The GPU back end's view of m's weights and of its row's scalars (neutral where the row lacks one). */
+void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src);
 
 #endif

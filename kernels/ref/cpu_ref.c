@@ -138,10 +138,11 @@ void m40_ref_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int
 }
 
 /* softmax(scale * q.K[p0..n_ctx)) . V for one query head, two passes, F32 (scores in
- * double for the sum so the twin is at least as accurate as the kernel). */
+ * double for the sum so the twin is at least as accurate as the kernel); cap > 0: each
+ * score s becomes cap * tanh(s / cap) first (Gemma 2's attn_logit_softcapping). */
 static void attend_one(float *o, const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *indptr, const int32_t *indices, int s, int64_t p0, int64_t n_ctx,
-                       int n_kv_heads, int head_dim, int kvh, float scale, float *scores)
+                       int n_kv_heads, int head_dim, int kvh, float scale, float cap, float *scores)
 {
     float mx = -INFINITY;
     for (int64_t p = p0; p < n_ctx; p++) {
@@ -150,6 +151,8 @@ static void attend_one(float *o, const float *q, const uint16_t *k_cache, const 
         for (int d = 0; d < head_dim; d++)
             dot += q[d] * m40_fp16_to_fp32(k_cache[base + d]);
         scores[p] = dot * scale;
+        if (cap > 0)
+            scores[p] = cap * tanhf(scores[p] / cap);
         if (scores[p] > mx)
             mx = scores[p];
     }
@@ -178,7 +181,7 @@ static int64_t window_first(int64_t p, int window)
 void m40_ref_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                 const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                 const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
-                                int n_kv_heads, int head_dim, float scale, int window)
+                                int n_kv_heads, int head_dim, float scale, int window, float softcap)
 {
     int group = n_heads / n_kv_heads;
     for (int s = 0; s < n_seqs; s++) {
@@ -187,7 +190,7 @@ void m40_ref_attn_decode_window(float *out, int64_t out_stride, const float *q, 
         for (int h = 0; h < n_heads; h++)
             attend_one(out + s * out_stride + (int64_t)h * head_dim, q + s * q_stride + (int64_t)h * head_dim, k_cache,
                        v_cache, indptr, indices, s, window_first(len - 1, window), len, n_kv_heads, head_dim,
-                       h / group, scale, scores);
+                       h / group, scale, softcap, scores);
     }
 }
 
@@ -197,14 +200,14 @@ void m40_ref_attn_decode(float *out, int64_t out_stride, const float *q, int64_t
                          float scale)
 {
     m40_ref_attn_decode_window(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs,
-                               n_heads, n_kv_heads, head_dim, scale, 0);
+                               n_heads, n_kv_heads, head_dim, scale, 0, 0.0f);
 }
 
 void m40_ref_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                  const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                  const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
-                                 int window)
+                                 int window, float softcap)
 {
     (void)n_rows;
     int group = n_heads / n_kv_heads;
@@ -216,7 +219,7 @@ void m40_ref_attn_prefill_window(float *out, int64_t out_stride, const float *q,
             for (int h = 0; h < n_heads; h++)
                 attend_one(out + i * out_stride + (int64_t)h * head_dim, q + i * q_stride + (int64_t)h * head_dim,
                            k_cache, v_cache, indptr, indices, s, window_first(p, window), p + 1, n_kv_heads, head_dim,
-                           h / group, scale, scores);
+                           h / group, scale, softcap, scores);
         }
     }
 }
@@ -227,13 +230,13 @@ void m40_ref_attn_prefill(float *out, int64_t out_stride, const float *q, int64_
                           int n_kv_heads, int head_dim, float scale)
 {
     m40_ref_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
-                                indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0);
+                                indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, 0, 0.0f);
 }
 
 void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                  const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
-                                 int n_kv_heads, int head_dim, float scale, int window)
+                                 int n_kv_heads, int head_dim, float scale, int window, float softcap)
 {
     int group = n_heads / n_kv_heads;
     for (int i = 0; i < n_rows; i++) {
@@ -244,7 +247,7 @@ void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q,
         for (int h = 0; h < n_heads; h++)
             attend_one(out + i * out_stride + (int64_t)h * head_dim, q + i * q_stride + (int64_t)h * head_dim, k_cache,
                        v_cache, indptr, indices, row_seq[i], window_first(p, window), p + 1, n_kv_heads, head_dim,
-                       h / group, scale, scores);
+                       h / group, scale, softcap, scores);
         free(scores);
     }
 }

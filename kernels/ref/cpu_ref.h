@@ -40,20 +40,22 @@ void m40_ref_attn_prefill(float *out, int64_t out_stride, const float *q, int64_
                           int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
                           int n_kv_heads, int head_dim, float scale);
-/* Sliding-window twins (window 0 = none) and the Gemma helpers of kernels/model_aux.h. */
+/* Sliding-window, soft-capped twins (window 0 = none; softcap > 0: each scaled score s
+ * becomes softcap * tanh(s / softcap) before the softmax, 0 = none) and the Gemma
+ * helpers of kernels/model_aux.h. */
 void m40_ref_attn_decode_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                 const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                 const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
-                                int n_kv_heads, int head_dim, float scale, int window);
+                                int n_kv_heads, int head_dim, float scale, int window, float softcap);
 void m40_ref_attn_prefill_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                  const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                  const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
-                                 int window);
+                                 int window, float softcap);
 void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
                                  const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
-                                 int n_kv_heads, int head_dim, float scale, int window);
+                                 int n_kv_heads, int head_dim, float scale, int window, float softcap);
 void m40_ref_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows, float eps);
 void m40_ref_scale(float *x, int64_t n, float s);
 void m40_ref_softcap(float *x, int64_t n, float cap);

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The newer dense architectures of ../shared/models/next on the CPU (qwen3, phi3, gemma2,
 # llama with head_dim != dim/heads): m40 eval passes at the CPU tolerance, greedy m40 run
-# gives the reference's greedy text, and asking for a GPU where the architecture's GPU
-# path is not validated yet (gemma2) is refused with the message that it runs on the CPU
-# only (before any CUDA call, so also here).
+# gives the reference's greedy text, and asking for a GPU is not refused as "CPU only"
+# any more for gemma2, the last row to get a validated GPU path (here, without a GPU,
+# the load fails for that reason instead; the refusal itself is tested on rows forced
+# unvalidated in tests/unit/test_model.c, test_gpu_refusal).
 cd "$(dirname "$0")/../.." || exit 1
 source tests/cli/lib.bash
 tmp=$(mktemp -d)
@@ -39,9 +40,9 @@ for pair in tiny-gemma2-f16:gemma2; do
     model=$next/${pair%%:*}.gguf arch=${pair#*:}
     [ -f "$model" ] || continue
     "$M40" run "$model" --device 0 -p hi -n 1 >/dev/null 2>"$tmp/err"; rc=$?
-    check "$arch: run --device 0 fails" [ "$rc" -eq 1 ]
-    check "$arch: the error says it runs on the CPU only" \
-        grep -q "architecture '$arch' runs on the CPU only in this build" "$tmp/err"
+    check "$arch: run --device 0 runs or fails cleanly (rc $rc)" [ "$rc" -eq 0 -o "$rc" -eq 1 ]
+    check "$arch: run --device 0 is not refused as CPU only" \
+        bash -c '! grep -q "runs on the CPU only" "$1"' _ "$tmp/err"
 done
 
 done_tests

@@ -3,7 +3,9 @@
  * head dims 64/128/256, GQA groups 1/4/8 (and 7), new-token counts 1..513 after cached
  * prefixes 0..1000 (and few rows after contexts of up to 4,000 with the keys split 2..16
  * ways, kernels.h 7d), several sequences per batch on shuffled physical blocks whose unused
- * slots hold NaN bit patterns, odd strides, sharp softmax, sliding windows. Tolerance:
+ * slots hold NaN bit patterns, odd strides, sharp softmax, sliding windows, Gemma 2's
+ * soft-cap of the scores (with a check that the cap moves the twin's output by more
+ * than the tolerance, so that a kernel ignoring it fails). Tolerance:
  * max abs error <= 2e-2 of the output scale (max |out|): Q and the softmax weights go
  * through F16 on the tensor cores.
  *   test_attn_tc          run the comparisons; ends with "N passed, N failed, N skipped"
@@ -81,7 +83,7 @@ static void fill_cache(const Batch &b, int nkv, int hd, std::vector<uint16_t> &k
 
 /* the CPU twin, one thread per sequence (offset CSR pointers: row indices stay absolute) */
 static void cpu_prefill(float *out, int64_t os, const float *q, int64_t qs, const Batch &b, const uint16_t *kc,
-                        const uint16_t *vc, int nh, int nkv, int hd, float scale, int window)
+                        const uint16_t *vc, int nh, int nkv, int hd, float scale, int window, float softcap)
 {
     const unsigned nthr = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
     std::vector<std::thread> th;
@@ -90,7 +92,7 @@ static void cpu_prefill(float *out, int64_t os, const float *q, int64_t qs, cons
             for (int s = (int)w; s < b.n_seqs; s += (int)nthr)
                 m40_ref_attn_prefill_window(out, os, q, qs, b.q_indptr.data() + s, 1, b.n_rows, kc, vc,
                                             b.indptr.data() + s, b.indices.data(), b.lpl.data() + s, nh, nkv, hd,
-                                            scale, window);
+                                            scale, window, softcap);
         });
     for (auto &t : th)
         t.join();
@@ -132,6 +134,7 @@ struct Case {
     int q_pad = 4, o_pad = 8; /* row strides nh*hd + pad (odd pads: unaligned rows) */
     float q_amp = 2.0f;       /* q in [-amp, amp]: larger = sharper softmax */
     std::vector<int> splits;  /* key-split counts to check (kernels.h 7d) besides the one-block kernel */
+    float softcap = 0.0f;     /* of the scores (0: none) */
 };
 
 static void run_case(const Case &c, bool tc_ok)
@@ -147,12 +150,23 @@ static void run_case(const Case &c, bool tc_ok)
     for (auto &x : q)
         x = frand(-c.q_amp, c.q_amp);
     std::vector<float> ref(rows * os, 0.0f);
-    cpu_prefill(ref.data(), os, q.data(), qs, b, kc.data(), vc.data(), nh, c.nkv, hd, scale, c.window);
+    cpu_prefill(ref.data(), os, q.data(), qs, b, kc.data(), vc.data(), nh, c.nkv, hd, scale, c.window, c.softcap);
     double oscale = 1e-3;
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < width; i++)
             oscale = std::max(oscale, (double)fabsf(ref[r * os + i]));
     const double tol = 2e-2 * oscale;
+    if (c.softcap > 0) { /* the cap must matter at this tolerance, or the case proves nothing */
+        std::vector<float> plain(rows * os, 0.0f);
+        cpu_prefill(plain.data(), os, q.data(), qs, b, kc.data(), vc.data(), nh, c.nkv, hd, scale, c.window, 0.0f);
+        bool pad;
+        const double moved = max_err(plain, ref, rows, os, width, &pad);
+        char w[120], d[120];
+        snprintf(w, sizeof w, "soft-cap %g moves the twin's output (hd %d G %d window %d)", c.softcap, hd, c.G,
+                 c.window);
+        snprintf(d, sizeof d, "by %.2e, tol %.2e", moved, tol);
+        check(moved > 4 * tol, w, d);
+    }
 
     uint16_t *dkc = dup(kc), *dvc = dup(vc);
     int32_t *dip = dup(b.indptr), *dix = dup(b.indices), *dlp = dup(b.lpl), *dqi = dup(b.q_indptr);
@@ -164,13 +178,13 @@ static void run_case(const Case &c, bool tc_ok)
         int e;
         if (which == 0)
             e = m40k_attn_prefill_tc_window(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv,
-                                            hd, scale, c.window, 0);
+                                            hd, scale, c.window, c.softcap, 0);
         else if (which == 1)
             e = m40k_attn_prefill_window(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv, hd,
-                                         scale, c.window, 0);
+                                         scale, c.window, c.softcap, 0);
         else
             e = m40k_attn_prefill_auto_window(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh,
-                                              c.nkv, hd, scale, c.window, 0);
+                                              c.nkv, hd, scale, c.window, c.softcap, 0);
         CK(e);
         return back(dout, on);
     };
@@ -180,8 +194,8 @@ static void run_case(const Case &c, bool tc_ok)
     int maxp = 0, maxn = 0;
     for (size_t i = 0; i < c.news.size(); i++)
         maxp = std::max(maxp, c.prefix[i]), maxn = std::max(maxn, c.news[i]);
-    snprintf(what, sizeof what, "hd %d G %d nkv %d seqs %d rows %d (new <= %d, cached <= %d) window %d%s%s", hd, c.G,
-             c.nkv, b.n_seqs, rows, maxn, maxp, c.window, c.q_pad % 2 ? " odd strides" : "",
+    snprintf(what, sizeof what, "hd %d G %d nkv %d seqs %d rows %d (new <= %d, cached <= %d) window %d softcap %g%s%s",
+             hd, c.G, c.nkv, b.n_seqs, rows, maxn, maxp, c.window, c.softcap, c.q_pad % 2 ? " odd strides" : "",
              c.q_amp > 2.0f ? " sharp" : "");
     bool pad_ok;
     const double e_simt = max_err(simt, ref, rows, os, width, &pad_ok);
@@ -203,7 +217,7 @@ static void run_case(const Case &c, bool tc_ok)
             CK(cudaMemset(dws, 0xFF, wsf * sizeof(float) + 16)); /* NaN: a record read before written shows */
             CK(cudaMemset(dout, 0, on * sizeof(float)));
             CK(m40k_attn_prefill_tc_split(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv, hd,
-                                          scale, c.window, S, dws, 0));
+                                          scale, c.window, c.softcap, S, dws, 0));
             std::vector<float> sv = back(dout, on);
             bool pad_s;
             const double e_s = max_err(sv, ref, rows, os, width, &pad_s), e_st = max_err(sv, tc, rows, os, width, &pad_s);
@@ -219,11 +233,11 @@ static void run_case(const Case &c, bool tc_ok)
             CK(cudaMalloc(&dws, wsf * sizeof(float) + 16));
             CK(cudaMemset(dout, 0, on * sizeof(float)));
             CK(m40k_attn_prefill_tc_split(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv, hd,
-                                          scale, c.window, S, dws, 0));
+                                          scale, c.window, c.softcap, S, dws, 0));
             std::vector<float> a = back(dout, on);
             CK(cudaMemset(dout, 0, on * sizeof(float)));
             CK(m40k_attn_prefill_auto_split(dout, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh, c.nkv,
-                                            hd, scale, c.window, S, dws, 0));
+                                            hd, scale, c.window, c.softcap, S, dws, 0));
             std::vector<float> a2 = back(dout, on);
             snprintf(w2, sizeof w2, "auto_split == tc_split (%d) %s", S, what);
             check(memcmp(a.data(), a2.data(), on * sizeof(float)) == 0, w2, "");
@@ -275,6 +289,18 @@ static void test_prefill_tc(bool tc_ok)
             run_case(c, tc_ok);
         }
     }
+    /* Gemma 2's soft-cap of the scores, every head dim, with and without a window, odd
+     * strides and counts; q_amp 8 makes the scores reach several units, so a cap of 1.5
+     * bends them (Gemma 2's own 50 would barely move random scores) */
+    {
+        const struct { int hd, G, window; } w[] = {{64, 4, 0}, {128, 2, 37}, {256, 4, 0}, {256, 1, 100}, {128, 8, 5000}};
+        for (auto &x : w) {
+            Case c;
+            c.hd = x.hd, c.G = x.G, c.nkv = x.G == 8 ? 1 : 2, c.window = x.window, c.softcap = 1.5f, c.q_amp = 8.0f;
+            c.news = {513, 17, 100, 1}, c.prefix = {1000, 16, 5, 1000}, c.q_pad = 3, c.o_pad = 5;
+            run_case(c, tc_ok);
+        }
+    }
     /* many short sequences: the block-to-sequence scan */
     {
         Case c;
@@ -288,8 +314,10 @@ static void test_prefill_tc(bool tc_ok)
     /* key splits: few new rows after long contexts (and the one-block kernel's shapes),
      * splits of 2..16 incl. ones with no keys (more splits than key tiles), windows */
     {
-        const struct { int hd, G, nkv, window; std::vector<int> prefix, news, splits; } sc[] = {
+        const struct { int hd, G, nkv, window; std::vector<int> prefix, news, splits; float softcap; } sc[] = {
             {128, 4, 2, 0, {4000, 2500, 0}, {16, 3, 5}, {2, 3, 16}},
+            {128, 4, 2, 0, {3000, 900}, {16, 3}, {5, 16}, 1.5f},
+            {256, 2, 2, 100, {2000, 50}, {7, 30}, {3}, 1.5f},
             {64, 8, 1, 0, {3001, 10}, {1, 40}, {7, 16}},
             {256, 2, 2, 0, {2047, 700}, {17, 1}, {5, 16}},
             {128, 4, 2, 300, {4000, 1000}, {16, 100}, {4, 16}},
@@ -300,6 +328,8 @@ static void test_prefill_tc(bool tc_ok)
             Case c;
             c.hd = x.hd, c.G = x.G, c.nkv = x.nkv, c.window = x.window, c.prefix = x.prefix, c.news = x.news;
             c.splits = x.splits;
+            if (x.softcap > 0)
+                c.softcap = x.softcap, c.q_amp = 8.0f;
             run_case(c, tc_ok);
         }
         /* the picker: no split for a full chunk or a short context; two waves for a few rows */
@@ -382,7 +412,7 @@ static void bench(bool tc_ok)
             if (S > 1) {
                 float *dws;
                 CK(cudaMalloc(&dws, m40k_attn_prefill_split_ws_floats(b.n_rows, b.n_seqs, nh, nkv, hd, S) * 4 + 16));
-                us_split = time_us([&] { CK(m40k_attn_prefill_tc_split(dout, os, dq, qs, dqi, b.n_seqs, b.n_rows, dkc, dvc, dip, dix, dlp, nh, nkv, hd, scale, 0, S, dws, 0)); }, 20);
+                us_split = time_us([&] { CK(m40k_attn_prefill_tc_split(dout, os, dq, qs, dqi, b.n_seqs, b.n_rows, dkc, dvc, dip, dix, dlp, nh, nkv, hd, scale, 0, 0.0f, S, dws, 0)); }, 20);
                 cudaFree(dws);
             }
         }

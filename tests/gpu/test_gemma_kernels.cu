@@ -1,6 +1,8 @@
-/* Gemma 3's kernels against their CPU twins (kernels/ref/cpu_ref.c) on random inputs:
+/* Gemma's kernels against their CPU twins (kernels/ref/cpu_ref.c) on random inputs:
  *   - the sliding-window attention variants (decode with and without splits, prefill,
- *     and the shape-agnostic generic kernel), windows from 1 to longer than the context;
+ *     and the shape-agnostic generic kernel), windows from 1 to longer than the context,
+ *     each without and with Gemma 2's soft-cap of the scores (0.7: the scores here reach
+ *     about +-3, so the cap changes them well beyond the tolerance);
  *   - per-head RMSNorm, scale and logit soft-capping (kernels/model_aux.h).
  * Ends with "N passed, N failed, N skipped"; without a GPU it skips. */
 #include <cuda_runtime.h>
@@ -87,22 +89,25 @@ static void test_window_attention(void)
             const size_t n_cnt = m40k_decode_counter_ints(p.n_seqs, nkv);
             int *dcnt = dup(std::vector<int>(n_cnt, 0));
             char what[160];
+            for (float cap : {0.0f, 0.7f})
             for (int window : {0, 1, 5, 16, 33, 512, 2000}) {
                 const bool tuned = hd != 24;
                 if (tuned) {
                     /* decode: one query per sequence (the first rows of q) */
                     std::vector<float> c((size_t)p.n_seqs * os, 0.0f);
                     m40_ref_attn_decode_window(c.data(), os, q.data(), qs, kc.data(), vc.data(), p.indptr.data(),
-                                               p.indices.data(), p.lpl.data(), p.n_seqs, nh, nkv, hd, scale, window);
+                                               p.indices.data(), p.lpl.data(), p.n_seqs, nh, nkv, hd, scale, window,
+                                               cap);
                     for (int splits : {1, 3, 8, 64})
                         for (int rep = 0; rep < 2; rep++) { /* twice: the counters were reset */
                             CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
                             CK(m40k_attn_decode_window(dout, os, dq, qs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh, nkv,
-                                                       hd, scale, window, splits, splits > 1 ? dws : nullptr,
+                                                       hd, scale, window, cap, splits, splits > 1 ? dws : nullptr,
                                                        splits > 1 ? dcnt : nullptr, 0));
                             std::vector<float> g = back(dout, c.size());
-                            snprintf(what, sizeof what, "attn_decode_window hd %d G %d window %d splits %d call %d",
-                                     hd, G, window, splits, rep + 1);
+                            snprintf(what, sizeof what,
+                                     "attn_decode_window hd %d G %d window %d cap %g splits %d call %d", hd, G, window,
+                                     cap, splits, rep + 1);
                             compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
                         }
                     std::vector<int> cnt = back(dcnt, n_cnt);
@@ -113,25 +118,26 @@ static void test_window_attention(void)
                     std::vector<float> pc((size_t)nt * os, 0.0f);
                     m40_ref_attn_prefill_window(pc.data(), os, q.data(), qs, new_indptr.data(), p.n_seqs, nt,
                                                 kc.data(), vc.data(), p.indptr.data(), p.indices.data(),
-                                                p.lpl.data(), nh, nkv, hd, scale, window);
+                                                p.lpl.data(), nh, nkv, hd, scale, window, cap);
                     CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
                     CK(m40k_attn_prefill_window(dout, os, dq, qs, dni, p.n_seqs, nt, dkc, dvc, dip, dix, dlp, nh, nkv,
-                                                hd, scale, window, 0));
+                                                hd, scale, window, cap, 0));
                     std::vector<float> g = back(dout, pc.size());
-                    snprintf(what, sizeof what, "attn_prefill_window hd %d G %d window %d rows %d", hd, G, window,
-                             nt);
+                    snprintf(what, sizeof what, "attn_prefill_window hd %d G %d window %d cap %g rows %d", hd, G,
+                             window, cap, nt);
                     compare(what, g.data(), pc.data(), pc.size(), 2e-4f, 1e-3f);
                 }
                 /* generic: same rows, any head size */
                 std::vector<float> gc((size_t)nt * os, 0.0f);
                 m40_ref_attn_generic_window(gc.data(), os, q.data(), qs, row_seq.data(), row_pos.data(), nt,
                                             kc.data(), vc.data(), p.indptr.data(), p.indices.data(), nh, nkv, hd,
-                                            scale, window);
+                                            scale, window, cap);
                 CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
                 CK(m40k_attn_generic_window(dout, os, dq, qs, drs, drp, nt, dkc, dvc, dip, dix, nh, nkv, hd, scale,
-                                            window, 0));
+                                            window, cap, 0));
                 std::vector<float> g = back(dout, gc.size());
-                snprintf(what, sizeof what, "attn_generic_window hd %d G %d window %d rows %d", hd, G, window, nt);
+                snprintf(what, sizeof what, "attn_generic_window hd %d G %d window %d cap %g rows %d", hd, G, window,
+                         cap, nt);
                 compare(what, g.data(), gc.data(), gc.size(), 2e-4f, 1e-3f);
             }
             cudaFree(dq), cudaFree(dout), cudaFree(dws), cudaFree(dcnt), cudaFree(dkc), cudaFree(dvc), cudaFree(dip),

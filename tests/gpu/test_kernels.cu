@@ -574,7 +574,8 @@ static void test_attention(void)
  * byte for byte m40k_quantize_q8's of it. Head sizes 64/128/256, groups of
  * 1, 4, 8 (7 at 64), RoPE over the whole head, over 32 dims and none, normal and neox
  * pairs (neox with frequency factors), 1, 8, 16 and 64 splits (most empty for the short
- * sequences), with and without a 20-token window; lengths 1..1000 across page ends,
+ * sequences), with and without a 20-token window, with and without a soft-cap of the
+ * scores (0.7: they reach about +-2 here, so it bends them); lengths 1..1000 across page ends,
  * positions the cache's for even sequences and large random ones for odd. */
 static void test_attn_decode_rope(void)
 {
@@ -611,23 +612,25 @@ static void test_attn_decode_rope(void)
             for (int rot : {hd, 32, 0})
                 for (int neox : {0, 1})
                     for (int window : {0, 20})
+                        for (float cap : {0.0f, 0.7f})
                         for (int splits : {1, 8, 16, 64}) {
                             const float *ffp = neox ? df : nullptr;
                             uint16_t *dkc = dup(kc0), *dvc = dup(vc0), *dkc2 = dup(kc0), *dvc2 = dup(vc0);
                             float *dq2 = dup(qkv); /* the two-kernel path rotates q in place */
                             CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd,
-                                                     rs, dkc, dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, dp,
-                                                     rot, base, ffp, neox, splits, dws, dcnt, 0));
+                                                     rs, dkc, dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, cap,
+                                                     dp, rot, base, ffp, neox, splits, dws, dcnt, 0));
                             CK(m40k_kv_append_rope(dq2, rs, nh, dkc2, dvc2, dq2 + nh * hd, rs, dq2 + (nh + nkv) * hd,
                                                    rs, done, ns, ns, dip, dix, dlp, nkv, hd, dp, rot, base, ffp, neox,
                                                    0));
                             CK(m40k_attn_decode_window(dout2, os, dq2, rs, dkc2, dvc2, dip, dix, dlp, ns, nh, nkv, hd,
-                                                       scale, window, splits, dws, dcnt, 0));
+                                                       scale, window, cap, splits, dws, dcnt, 0));
                             std::vector<float> g = back(dout, (size_t)ns * os), g2 = back(dout2, (size_t)ns * os);
                             std::vector<uint16_t> gk = back(dkc, cache_elems), gv = back(dvc, cache_elems);
                             char what[128], w2[176];
-                            snprintf(what, sizeof what, "attn_decode_rope hd %d G %d rot %d neox %d window %d splits %d",
-                                     hd, G, rot, neox, window, splits);
+                            snprintf(what, sizeof what,
+                                     "attn_decode_rope hd %d G %d rot %d neox %d window %d cap %g splits %d", hd, G,
+                                     rot, neox, window, cap, splits);
                             for (int s = 0; s < ns; s++) /* the gap past each row: not written */
                                 for (int64_t j = (int64_t)nh * hd; j < os; j++)
                                     g[(size_t)s * os + j] = 0.0f, g2[(size_t)s * os + j] = 0.0f;
@@ -653,7 +656,7 @@ static void test_attn_decode_rope(void)
                             std::vector<float> c((size_t)ns * os, 0.0f);
                             m40_ref_attn_decode_window(c.data(), os, cq.data(), rs, ck.data(), cv.data(),
                                                        p.indptr.data(), p.indices.data(), p.lpl.data(), ns, nh, nkv,
-                                                       hd, scale, window);
+                                                       hd, scale, window, cap);
                             snprintf(w2, sizeof w2, "%s: vs cpu", what);
                             compare(w2, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
                             snprintf(w2, sizeof w2, "%s: v cache == cpu", what);
@@ -669,7 +672,7 @@ static void test_attn_decode_rope(void)
                                         *dxq2 = dup(std::vector<uint8_t>(xq_bytes, 0));
                                 CK(m40k_attn_decode_rope_q8(dout3, os, dqkv, rs, dqkv + nh * hd, rs,
                                                             dqkv + (nh + nkv) * hd, rs, dkc3, dvc3, dip, dix, dlp, ns,
-                                                            nh, nkv, hd, scale, window, dp, rot, base, ffp, neox,
+                                                            nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
                                                             splits, dws, dcnt, dxq, 0));
                                 CK(m40k_quantize_q8(dout3, os, nh * hd, ns, dxq2, 0));
                                 std::vector<float> g3 = back(dout3, (size_t)ns * os);
@@ -704,19 +707,22 @@ static void test_attn_decode_rope(void)
     uint16_t *ph = (uint16_t *)16;
     const int32_t *pi = (const int32_t *)16;
     check("attn_decode_rope odd rot_dim refused",
-          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 31,
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 31,
                                 10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope rot_dim > head_dim refused",
-          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 66,
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 66,
                                 10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope base 0 refused",
-          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64, 0.0f,
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64, 0.0f,
                                 nullptr, 0, 1, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope_q8 with one split refused (no cluster merge)",
-          m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64,
+          m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, (void *)ph, 0) != 0);
+    check("attn_decode_rope negative soft-cap refused",
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, -1.0f, pi, 64,
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope misaligned k refused",
-          m40k_attn_decode_rope(pf, 64, pf, 64, pf + 1, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, pi, 64,
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf + 1, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                 10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
 }
 
@@ -2103,7 +2109,7 @@ static void bench_attn_decode(void)
                 int32_t *done = dup(one), *dp = dup(pos);
                 auto fused = [&] {
                     CK(m40k_attn_decode_rope(dout, nh * hd, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs,
-                                             dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd, 0.088f, 0, dp, hd, 1e6f,
+                                             dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd, 0.088f, 0, 0.0f, dp, hd, 1e6f,
                                              nullptr, 0, pick, dws, dcnt, 0));
                 };
                 auto two = [&] {

@@ -101,9 +101,9 @@ static void test_paged_attention(void)
 
     /* sliding windows (Gemma 3's local layers) */
     static float wo[3 * NH * HD], wpo[97 * NH * HD], wgo[97 * NH * HD];
-    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 1000);
+    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 1000, 0.0f);
     CHECK(memcmp(wo, out, sizeof wo) == 0, "a window longer than the context changes decode");
-    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 1);
+    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 1, 0.0f);
     worst = 0;
     for (int s = 0; s < 3; s++)
         for (int h = 0; h < NH; h++)
@@ -111,46 +111,57 @@ static void test_paged_attention(void)
                 worst = fmax(worst, fabs(wo[(s * NH + h) * HD + j] -
                                          v[(s * 40 + lens[s] - 1) * NKV * HD + (h / G) * HD + j]));
     CHECK(worst < 1e-6, "window 1: decode = the last V: %g", worst);
-    /* window 5: decode vs naive over the last 5 positions */
-    m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 5);
-    worst = 0;
-    for (int s = 0; s < 3; s++)
-        for (int h = 0; h < NH; h++) {
-            const float *qh = q + (s * NH + h) * HD;
-            int t0 = lens[s] > 5 ? lens[s] - 5 : 0;
-            double sc[40], mx = -1e30, sum = 0;
-            for (int t = t0; t < lens[s]; t++) {
-                double d = 0;
-                for (int j = 0; j < HD; j++)
-                    d += qh[j] * k[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
-                sc[t] = d * scale;
-                mx = fmax(mx, sc[t]);
-            }
-            for (int t = t0; t < lens[s]; t++)
-                sum += sc[t] = exp(sc[t] - mx);
-            for (int j = 0; j < HD; j++) {
-                double o = 0;
+    /* window 5: decode vs naive over the last 5 positions, without and with a soft-cap
+     * (Gemma 2's attn_logit_softcapping; 0.2 is within the scores' range here, so the
+     * cap changes them) */
+    for (int capped = 0; capped < 2; capped++) {
+        const float cap = capped ? 0.2f : 0.0f;
+        m40_ref_attn_decode_window(wo, NH * HD, q, NH * HD, kc, vc, indptr, indices, lpl, 3, NH, NKV, HD, scale, 5, cap);
+        worst = 0;
+        double moved = 0; /* how far the cap moved the scores */
+        for (int s = 0; s < 3; s++)
+            for (int h = 0; h < NH; h++) {
+                const float *qh = q + (s * NH + h) * HD;
+                int t0 = lens[s] > 5 ? lens[s] - 5 : 0;
+                double sc[40], mx = -1e30, sum = 0;
+                for (int t = t0; t < lens[s]; t++) {
+                    double d = 0;
+                    for (int j = 0; j < HD; j++)
+                        d += qh[j] * k[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
+                    sc[t] = d * scale;
+                    if (cap > 0) {
+                        moved = fmax(moved, fabs(sc[t] - cap * tanh(sc[t] / cap)));
+                        sc[t] = cap * tanh(sc[t] / cap);
+                    }
+                    mx = fmax(mx, sc[t]);
+                }
                 for (int t = t0; t < lens[s]; t++)
-                    o += sc[t] * v[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
-                worst = fmax(worst, fabs(o / sum - wo[(s * NH + h) * HD + j]));
+                    sum += sc[t] = exp(sc[t] - mx);
+                for (int j = 0; j < HD; j++) {
+                    double o = 0;
+                    for (int t = t0; t < lens[s]; t++)
+                        o += sc[t] * v[(s * 40 + t) * NKV * HD + (h / G) * HD + j];
+                    worst = fmax(worst, fabs(o / sum - wo[(s * NH + h) * HD + j]));
+                }
             }
-        }
-    CHECK(worst < 1e-5, "window 5: decode vs naive: %g", worst);
-    /* prefill with window 5: last rows equal decode; generic with window 5 equals prefill */
-    m40_ref_attn_prefill_window(wpo, NH * HD, pq, NH * HD, new_indptr, 3, 97, kc, vc, indptr, indices, lpl, NH, NKV,
-                                HD, scale, 5);
-    worst = 0;
-    for (int s = 0; s < 3; s++)
-        for (int i = 0; i < NH * HD; i++)
-            worst = fmax(worst, fabs(wpo[(new_indptr[s + 1] - 1) * NH * HD + i] - wo[s * NH * HD + i]));
-    CHECK(worst < 1e-6, "window 5: prefill last row vs decode: %g", worst);
-    int32_t row_seq[97], row_pos[97];
-    for (int s = 0; s < 3; s++)
-        for (int t = new_indptr[s]; t < new_indptr[s + 1]; t++)
-            row_seq[t] = s, row_pos[t] = t - new_indptr[s];
-    m40_ref_attn_generic_window(wgo, NH * HD, pq, NH * HD, row_seq, row_pos, 97, kc, vc, indptr, indices, NH, NKV, HD,
-                                scale, 5);
-    CHECK(memcmp(wgo, wpo, sizeof wgo) == 0, "window 5: generic differs from prefill");
+        CHECK(worst < 1e-5, "window 5, cap %g: decode vs naive: %g", cap, worst);
+        CHECK(!capped || moved > 1e-3, "the cap %g moved no score (max %g): the test cannot see it", cap, moved);
+        /* prefill with window 5: last rows equal decode; generic with window 5 equals prefill */
+        m40_ref_attn_prefill_window(wpo, NH * HD, pq, NH * HD, new_indptr, 3, 97, kc, vc, indptr, indices, lpl, NH, NKV,
+                                    HD, scale, 5, cap);
+        worst = 0;
+        for (int s = 0; s < 3; s++)
+            for (int i = 0; i < NH * HD; i++)
+                worst = fmax(worst, fabs(wpo[(new_indptr[s + 1] - 1) * NH * HD + i] - wo[s * NH * HD + i]));
+        CHECK(worst < 1e-6, "window 5: prefill last row vs decode: %g", worst);
+        int32_t row_seq[97], row_pos[97];
+        for (int s = 0; s < 3; s++)
+            for (int t = new_indptr[s]; t < new_indptr[s + 1]; t++)
+                row_seq[t] = s, row_pos[t] = t - new_indptr[s];
+        m40_ref_attn_generic_window(wgo, NH * HD, pq, NH * HD, row_seq, row_pos, 97, kc, vc, indptr, indices, NH, NKV, HD,
+                                    scale, 5, cap);
+        CHECK(memcmp(wgo, wpo, sizeof wgo) == 0, "window 5, cap %g: generic differs from prefill", cap);
+    }
 }
 
 static void test_gemma_helpers(void)
