@@ -70,12 +70,6 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         m40_set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
-    /* LongRoPE's attention factor is folded into attn_scale, which the GPU path does not
-     * take for this row yet: refused there rather than wrong. */
-    if (device >= 0 && m->longrope) {
-        m40_set_err(err, errlen, "%s: LongRoPE runs on the CPU only in this build", path);
-        goto fail;
-    }
     if (m40_tokenizer_from_gguf(m->gguf, &m->tok, sub, sizeof sub) != 0) {
         m40_set_err(err, errlen, "%s: tokenizer: %s", path, sub);
         goto fail;

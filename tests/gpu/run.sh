@@ -98,6 +98,16 @@ else
     echo "test_model_gpu: no CUDA build (./configure && make), skipped"; skipped=$((skipped + 1))
 fi
 
+# 2b. LongRoPE on the GPU: the CPU's equivalences (tests/unit/test_longrope.c) on device 0
+lr_test=${M40_LONGROPE_TEST:-build/tests/test_longrope}
+if [ -x "$lr_test" ]; then
+    echo "== test_longrope --device 0"
+    "$lr_test" --device 0 2>&1 | tee "$log/longrope"
+    tally "$log/longrope"
+else
+    echo "test_longrope: not built, skipped"; skipped=$((skipped + 1))
+fi
+
 # 3. m40 eval --device 0 on every shared model with a reference
 if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
     for ref in "$M40_SHARED"/models/ref/*.json; do
