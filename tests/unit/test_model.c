@@ -67,6 +67,10 @@ static const char *const next_landed[] = {
     "tiny-qwen3-gpt2-f16", /* qwen3: per-head Q/K norms, NeoX, head_dim 32 */
     "tiny-phi3-f16",       /* phi3: fused attn_qkv and gate+up */
     "tiny-gemma2-f16",     /* gemma2: sandwich norms, GeGLU, both soft-caps, SWA */
+    "tiny-qwen3moe-f16",   /* qwen3moe: softmax router, top-2 renormalized, 3-D experts */
+    "tiny-qwen3moe-q8_0",  /* the same, experts Q8_0 */
+    "tiny-qwen3moe-q4km",  /* Q4_K/Q6_K experts, Q5_K, Q6_K tied head */
+    "tiny-gpt-oss-mxfp4",  /* gpt-oss: MXFP4 experts, sinks, SWA/full, YaRN, biases, SwiGLU-OAI */
 };
 
 static void test_next_references(void)
@@ -87,7 +91,8 @@ static void test_next_references(void)
 static void test_gpu_refusal(void)
 {
     static const char *const cpu_only[][2] = {
-        {"tiny-qwen3-gpt2-f16", "qwen3"}, {"tiny-phi3-f16", "phi3"}, {"tiny-gemma2-f16", "gemma2"}};
+        {"tiny-qwen3-gpt2-f16", "qwen3"}, {"tiny-phi3-f16", "phi3"}, {"tiny-gemma2-f16", "gemma2"},
+        {"tiny-qwen3moe-q4km", "qwen3moe"}, {"tiny-gpt-oss-mxfp4", "gpt-oss"}};
     for (size_t i = 0; i < sizeof cpu_only / sizeof cpu_only[0]; i++) {
         char rel[256], path[4096], err[512], want[128];
         snprintf(rel, sizeof rel, "models/next/%s.gguf", cpu_only[i][0]);
@@ -325,6 +330,73 @@ out:
     m40_model_free(m);
 }
 
+/* Mixtures of experts route each token on its own: a prompt prefilled in one call, one
+ * token per call, and interleaved with another slot's prompt in one call (the two
+ * routed to different experts) give the same logits. gpt-oss's long prompt (75 tokens)
+ * passes its 32-token window, so the sliding-window layers are in it. */
+static void test_moe_batching(const char *name)
+{
+    char rel[256], path[4096], rpath[4096], err[512];
+    snprintf(rel, sizeof rel, "models/next/%s.gguf", name);
+    if (!check_shared_file(rel, path, sizeof path)) {
+        SKIP("%s absent: no batching test", rel);
+        return;
+    }
+    snprintf(rel, sizeof rel, "models/next/ref/%s.json", name);
+    m40_model *m = NULL;
+    m40_ref *ref = NULL;
+    if (!check_shared_file(rel, rpath, sizeof rpath) || m40_model_load(path, 2, &m, err, sizeof err) ||
+        m40_ref_load(rpath, &ref, err, sizeof err)) {
+        CHECK(0, "%s: %s", name, err);
+        m40_model_free(m);
+        return;
+    }
+    int32_t V = m40_model_get_params(m)->n_vocab;
+    const m40_ref_prompt *A = &ref->prompts[1], *B = &ref->prompts[ref->n_prompts - 1];
+    int nA = A->n_prompt_tokens, nB = B->n_prompt_tokens, n = nA + nB;
+    float *sepA = malloc((size_t)nA * V * sizeof(float)), *sepB = malloc((size_t)nB * V * sizeof(float));
+    float *one = malloc((size_t)nB * V * sizeof(float)), *both = malloc((size_t)n * V * sizeof(float));
+    m40_kv *kvA = m40_kv_new(m, 1, 128), *kvB = m40_kv_new(m, 1, 128), *kv1 = m40_kv_new(m, 1, 128),
+           *kv2 = m40_kv_new(m, 2, 128);
+    if (!sepA || !sepB || !one || !both || !kvA || !kvB || !kv1 || !kv2 || nB > 100 || nA > 100 || nB <= 32) {
+        CHECK(0, "%s: setup (prompts of %d and %d tokens)", name, nA, nB);
+        goto out;
+    }
+    CHECK(run_all_rows(m, kvA, A->prompt_tokens, nA, 0, 0, sepA) == 0, "%s: prefill A", name);
+    CHECK(run_all_rows(m, kvB, B->prompt_tokens, nB, 0, 0, sepB) == 0, "%s: prefill B", name);
+    for (int i = 0; i < nB; i++)
+        CHECK(run_all_rows(m, kv1, B->prompt_tokens + i, 1, i, 0, one + (size_t)i * V) == 0, "%s: step %d", name, i);
+    double d = max_diff(one, sepB, (size_t)nB * V);
+    CHECK(d == 0, "%s: %d tokens one per call vs one prefill call: max |dlogit| %g", name, nB, d);
+    int32_t tok[256], pos[256], slot[256];
+    uint8_t want[256];
+    int k = 0;
+    for (int i = 0; i < nA || i < nB; i++) {
+        if (i < nA)
+            tok[k] = A->prompt_tokens[i], pos[k] = i, slot[k++] = 0;
+        if (i < nB)
+            tok[k] = B->prompt_tokens[i], pos[k] = i, slot[k++] = 1;
+    }
+    memset(want, 1, sizeof want);
+    m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+    CHECK(m40_model_forward(m, kv2, &b, both, err, sizeof err) == 0, "%s: interleaved: %s", name, err);
+    d = 0;
+    for (int i = 0; i < n; i++)
+        d = fmax(d, max_diff(both + (size_t)i * V, (slot[i] ? sepB : sepA) + (size_t)pos[i] * V, (size_t)V));
+    CHECK(d == 0, "%s: two slots interleaved in one call vs alone: max |dlogit| %g", name, d);
+out:
+    free(sepA);
+    free(sepB);
+    free(one);
+    free(both);
+    m40_kv_free(kvA);
+    m40_kv_free(kvB);
+    m40_kv_free(kv1);
+    m40_kv_free(kv2);
+    m40_ref_free(ref);
+    m40_model_free(m);
+}
+
 /* ---- load errors: stories260K rewritten with one thing broken ---- */
 
 typedef struct {
@@ -444,6 +516,8 @@ int main(void)
     test_next_references();
     test_gpu_refusal();
     test_batching();
+    test_moe_batching("tiny-qwen3moe-q4km");
+    test_moe_batching("tiny-gpt-oss-mxfp4");
     test_argmax();
     test_load_errors();
     return check_done();
