@@ -20,7 +20,8 @@ float m40_swiglu_oai(float gate, float up)
     /* fminf/fmaxf would turn a NaN into the limit; a NaN stays a NaN here, as in the
      * reference (a comparison with NaN is false). */
     float g = gate > M40_SWIGLU_OAI_LIMIT ? M40_SWIGLU_OAI_LIMIT : gate;
-    float u = up > M40_SWIGLU_OAI_LIMIT ? M40_SWIGLU_OAI_LIMIT : up < -M40_SWIGLU_OAI_LIMIT ? -M40_SWIGLU_OAI_LIMIT : up;
+    const float lim = M40_SWIGLU_OAI_LIMIT;
+    float u = up > lim ? lim : up < -lim ? -lim : up;
     return g / (1.0f + expf(-M40_SWIGLU_OAI_ALPHA * g)) * (u + 1.0f);
 }
 

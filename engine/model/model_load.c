@@ -356,7 +356,8 @@ static int load_experts(m40_model *m, int32_t l, layer *L, char *err, size_t err
     const m40_gguf_tensor *sh = m40_gguf_find_tensor(g, NAME("ffn_up_shexp.weight"));
     if (sh) {
         /* Its width is the tensor's (expert_shared_feed_forward_length is not always stored). */
-        if (sh->ne[1] == 0 || sh->ne[1] > (1 << 22) || (p->shared_ffn_dim && sh->ne[1] != (uint64_t)p->shared_ffn_dim)) {
+        if (sh->ne[1] == 0 || sh->ne[1] > (1 << 22) ||
+            (p->shared_ffn_dim && sh->ne[1] != (uint64_t)p->shared_ffn_dim)) {
             m40_set_err(err, errlen, "tensor '%s' has a bad width %llu", n, (unsigned long long)sh->ne[1]);
             return -1;
         }
