@@ -8,9 +8,13 @@
  *   x' = h + post_ffw_norm(Wdown(act(Wgate m) * Wup m)),  m = ffn_norm(h)
  *
  * each optional norm applied only where the layer has it (Q/K norms run per head over
- * head_dim), x0 = token_embd[token] * embd_scale, logits = output(output_norm(x_L)),
+ * head_dim), each bias added where the layer has it (q/k/v and, for gpt-oss, the
+ * output), a layer's learned sink logits joining its softmax where it has them, and the
+ * FFN replaced by the layer's mixture of experts where it has a router (ffn.c),
+ * x0 = token_embd[token] * embd_scale, logits = output(output_norm(x_L)),
  * soft-capped where the model caps; local (sliding-window) layers see the last `window`
- * positions and rotate with their own RoPE base. Gemma's details (the window pattern,
+ * positions and rotate with their own RoPE base; YaRN (gpt-oss) changes the angles and
+ * the magnitude of every layer's rotation (yarn_theta). Gemma's details (the window pattern,
  * the local base, the attention scale) are documented where model_load.c reads them
  * (load_row_scalars, load_layer_kinds) and in arch.c.
  *

@@ -405,6 +405,9 @@ typedef struct {
     const char *retype_tensor;     /* to Q8_1 (a GGUF type the CPU backend lacks) */
     const char *drop_key;
     const char *arch;              /* replaces general.architecture */
+    const char *flatten_tensor;    /* 3-D [a, b, c] -> 2-D [a, b * c] */
+    const char *set_u32_key;       /* set to set_u32 (UINT32) */
+    uint32_t set_u32;
 } variant;
 
 static int write_variant(const m40_gguf *g, const variant *v, const char *out, char *err, size_t errlen)
@@ -420,6 +423,8 @@ static int write_variant(const m40_gguf *g, const variant *v, const char *out, c
             continue;
         if (v->arch && !strcmp(kv->key, "general.architecture"))
             m40_gguf_writer_set_str(w, kv->key, v->arch);
+        else if (v->set_u32_key && !strcmp(kv->key, v->set_u32_key))
+            m40_gguf_writer_set_u32(w, kv->key, v->set_u32);
         else
             m40_gguf_writer_set_value(w, kv->key, &kv->value);
     }
@@ -432,6 +437,12 @@ static int write_variant(const m40_gguf *g, const variant *v, const char *out, c
         if (v->swap_dims_tensor && !strcmp(t->name, v->swap_dims_tensor)) {
             ne[0] = t->ne[1];
             ne[1] = t->ne[0];
+        }
+        if (v->flatten_tensor && !strcmp(t->name, v->flatten_tensor)) {
+            ne[1] *= ne[2];
+            ne[2] = 1;
+            m40_gguf_writer_add_tensor(w, t->name, t->type, 2, ne, t->data, t->nbytes);
+            continue;
         }
         if (v->retype_tensor && !strcmp(t->name, v->retype_tensor)) {
             uint64_t nbytes;
@@ -510,6 +521,60 @@ static void test_load_errors(void)
           "missing file: '%s'", err);
 }
 
+/* The mixture-of-experts metadata and tensors, each broken alone in tiny-gpt-oss-mxfp4:
+ * a clear error, never a crash or an out-of-bounds read. */
+static void test_moe_load_errors(void)
+{
+    char path[4096], err[512];
+    if (!check_shared_file("models/next/tiny-gpt-oss-mxfp4.gguf", path, sizeof path)) {
+        SKIP("tiny-gpt-oss-mxfp4.gguf absent: no MoE load-error tests");
+        return;
+    }
+    m40_gguf *g;
+    if (m40_gguf_open(path, &g, err, sizeof err)) {
+        CHECK(0, "%s", err);
+        return;
+    }
+    char tmpl[] = "/tmp/m40-test-model-XXXXXX";
+    int fd = mkstemp(tmpl);
+    if (fd >= 0) {
+        close(fd);
+        m40_model *m = NULL;
+        CHECK(write_variant(g, &(variant){0}, tmpl, err, sizeof err) == 0 &&
+                  m40_model_load(tmpl, 1, &m, err, sizeof err) == 0,
+              "unmodified rewrite loads: %s", err);
+        m40_model_free(m);
+        unlink(tmpl);
+    }
+    expect_load_error(g, &(variant){.drop_tensor = "blk.2.ffn_up_exps.weight"}, "blk.2.ffn_up_exps.weight",
+                      "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.0.ffn_gate_inp.weight"}, "ffn_gate_inp.weight", "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.1.ffn_down_exps.bias"}, "ffn_down_exps.bias", "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.3.attn_sinks.weight"}, "attn_sinks.weight", "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.0.attn_output.bias"}, "attn_output.bias", "missing");
+    expect_load_error(g, &(variant){.flatten_tensor = "blk.1.ffn_gate_exps.weight"}, "ffn_gate_exps.weight",
+                      "expected [64, 64, 8]");
+    expect_load_error(g, &(variant){.retype_tensor = "blk.0.ffn_down_exps.weight"}, "ffn_down_exps.weight",
+                      "not supported");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_count", .set_u32 = 4000000000u},
+                      "gpt-oss.expert_count", "out of range");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_count", .set_u32 = 1024}, "mixture of experts",
+                      "expert_count 1024");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_count", .set_u32 = 16}, "ffn_gate_inp.weight",
+                      "shape");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_used_count", .set_u32 = 9}, "mixture of experts",
+                      "expert_used_count 9");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_used_count", .set_u32 = 0}, "mixture of experts",
+                      "expert_used_count 0");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_feed_forward_length", .set_u32 = 128},
+                      "ffn_gate_exps.weight", "shape");
+    expect_load_error(g, &(variant){.drop_key = "gpt-oss.expert_count"}, "gpt-oss.expert_count", "missing");
+    expect_load_error(g, &(variant){.drop_key = "gpt-oss.rope.scaling.factor"}, "rope.scaling.factor", "missing");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.rope.scaling.original_context_length", .set_u32 = 0},
+                      "YaRN", "original_context_length 0");
+    m40_gguf_close(g);
+}
+
 int main(void)
 {
     test_all_references();
@@ -520,5 +585,6 @@ int main(void)
     test_moe_batching("tiny-gpt-oss-mxfp4");
     test_argmax();
     test_load_errors();
+    test_moe_load_errors();
     return check_done();
 }
