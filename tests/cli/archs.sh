@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The newer architectures of ../shared/models/next on the CPU (qwen3, phi3, gemma2,
 # llama with head_dim != dim/heads, and the mixtures of experts qwen3moe in F16, Q8_0 and
-# Q4_K_M and gpt-oss with MXFP4 experts): m40 eval passes at the CPU tolerance, greedy m40 run
-# gives the reference's greedy text, and asking for a GPU is refused with the message
-# that the architecture runs on the CPU only (before any CUDA call, so also here).
+# Q4_K_M and gpt-oss with MXFP4 experts): m40 eval passes at the CPU tolerance, greedy m40
+# run gives the reference's greedy text, and asking for a GPU where the architecture's GPU
+# path is not validated yet (gemma2, qwen3moe, gpt-oss) is refused with the message that it
+# runs on the CPU only (before any CUDA call, so also here).
 cd "$(dirname "$0")/../.." || exit 1
 source tests/cli/lib.bash
 tmp=$(mktemp -d)
@@ -45,8 +46,7 @@ for name in tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16 tiny-llama-hd-f16 
     check "$name: greedy text is the reference's ($want)" [ "${got#"$want"}" != "$got" ]
 done
 
-for pair in tiny-qwen3-gpt2-f16:qwen3 tiny-phi3-f16:phi3 tiny-gemma2-f16:gemma2 tiny-qwen3moe-f16:qwen3moe \
-    tiny-gpt-oss-mxfp4:gpt-oss; do
+for pair in tiny-gemma2-f16:gemma2 tiny-qwen3moe-f16:qwen3moe tiny-gpt-oss-mxfp4:gpt-oss; do
     model=$next/${pair%%:*}.gguf arch=${pair#*:}
     [ -f "$model" ] || continue
     "$M40" run "$model" --device 0 -p hi -n 1 >/dev/null 2>"$tmp/err"; rc=$?
