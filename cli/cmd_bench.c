@@ -12,7 +12,10 @@
  * The roofline (see GUIDE.md, "Performance method"): a decode step reads every weight
  * once, so steps/s can not beat bandwidth / weight bytes. The weight bytes are the sum
  * of the GGUF's tensor sizes; KV cache and activation traffic are left out, so the
- * printed fraction is an upper bound on how much of the memory system the weights use. */
+ * printed fraction is an upper bound on how much of the memory system the weights use.
+ * A mixture of experts reads only the experts its tokens chose: a step of B tokens reads
+ * the expert tensors (ffn_*_exps) in the share 1 - (1 - k/E)^B that B uniform routings
+ * of k of E experts touch on average (k/E at batch 1), and the other tensors whole. */
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -310,9 +313,22 @@ int m40_cmd_bench(int argc, char **argv)
     }
     const m40_model_params *p = m40_model_get_params(m);
     const m40_gguf *g = m40_model_gguf(m);
-    double weight_bytes = 0;
-    for (uint64_t i = 0; i < m40_gguf_n_tensors(g); i++)
-        weight_bytes += (double)m40_gguf_tensor_at(g, i)->nbytes;
+    double weight_bytes = 0, expert_bytes = 0;
+    for (uint64_t i = 0; i < m40_gguf_n_tensors(g); i++) {
+        const m40_gguf_tensor *t = m40_gguf_tensor_at(g, i);
+        if (p->n_experts > 0 && strstr(t->name, "_exps.weight"))
+            expert_bytes += (double)t->nbytes;
+        else
+            weight_bytes += (double)t->nbytes;
+    }
+    double file_weight_bytes = weight_bytes + expert_bytes, expert_share = 1.0;
+    if (p->n_experts > 0) {
+        double miss = 1.0;
+        for (long b = 0; b < o.batch; b++)
+            miss *= 1.0 - (double)p->n_experts_used / (double)p->n_experts;
+        expert_share = 1.0 - miss;
+        weight_bytes += expert_bytes * expert_share;
+    }
 
     long ctx = o.prompt_len + o.gen;
     if (ctx > INT32_MAX) {
@@ -343,8 +359,14 @@ int m40_cmd_bench(int argc, char **argv)
     printf("shape:    %d layers, dim %d, %d heads / %d kv heads x %d, ffn %d, vocab %d\n", (int)p->n_layers,
            (int)p->dim, (int)p->n_heads, (int)p->n_kv_heads, (int)p->head_dim, (int)p->ffn_dim, (int)p->n_vocab);
     printf("weights:  ");
-    print_bytes(weight_bytes);
+    print_bytes(file_weight_bytes);
     printf(" = sum of the GGUF's tensor sizes\n");
+    if (p->n_experts > 0) {
+        printf("experts:  %d of %d per token, expert ffn %d: a step of %ld tokens reads ", (int)p->n_experts_used,
+               (int)p->n_experts, (int)p->expert_ffn_dim, o.batch);
+        print_bytes(weight_bytes);
+        printf(" (%.1f%% of the expert tensors, all the others)\n", 100.0 * expert_share);
+    }
     if (on_gpu)
         printf("device:   cuda:%d (paged KV pool of %d blocks of 16 tokens)\n", m40_model_device(m),
                (int)m40_kv_pool_blocks(kv));

@@ -15,9 +15,13 @@ static void mk_usage(FILE *f)
                "OUT.gguf\n\nshapes:\n");
     for (int i = 0; m40_mkmodel_shape_at(i); i++) {
         const m40_mkmodel_shape *s = m40_mkmodel_shape_at(i);
-        fprintf(f, "  %-15s %s: dim %d, %d layers, %d/%d heads, ffn %d, vocab %d, ctx %d, rope base %g\n", s->name,
-                s->description, s->dim, s->n_layers, s->n_heads, s->n_kv_heads, s->ffn_dim, s->n_vocab, s->ctx,
-                s->rope_base);
+        char experts[96] = "";
+        if (s->n_experts)
+            snprintf(experts, sizeof experts, ", %d experts (%d used) of ffn %d", s->n_experts, s->n_experts_used,
+                     s->expert_ffn_dim);
+        fprintf(f, "  %-15s %s: dim %d, %d layers, %d/%d heads, ffn %d%s, vocab %d, ctx %d, rope base %g\n",
+                s->name, s->description, s->dim, s->n_layers, s->n_heads, s->n_kv_heads, s->ffn_dim, experts,
+                s->n_vocab, s->ctx, s->rope_base);
     }
     fprintf(f, "types: %s\n", m40_mkmodel_type_list());
 }

@@ -34,27 +34,40 @@
  * config.json and the usual GGUF conversions state (sliding window 4096 is not a
  * GGUF key the llama architecture has). */
 static const m40_mkmodel_shape shapes[] = {
-    {"tiny", "test shape: 2 layers of dim 256, GQA 4:2", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-5f, NULL, 0, 0},
-    {"tinyllama-1.1b", "TinyLlama 1.1B", 2048, 22, 32, 4, 5632, 32000, 2048, 10000.0f, 1e-5f, NULL, 0, 0},
-    {"llama-2-7b", "Llama 2 7B", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0f, 1e-5f, NULL, 0, 0},
-    {"mistral-7b", "Mistral 7B v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, 10000.0f, 1e-5f, NULL, 0, 0},
+    {"tiny", "test shape: 2 layers of dim 256, GQA 4:2", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-5f, NULL, 0, 0, 0,
+     0, 0},
+    {"tinyllama-1.1b", "TinyLlama 1.1B", 2048, 22, 32, 4, 5632, 32000, 2048, 10000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
+    {"llama-2-7b", "Llama 2 7B", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
+    {"mistral-7b", "Mistral 7B v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, 10000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
     {"llama-3-8b", "Llama 3 8B (SentencePiece-style vocabulary of its size)", 4096, 32, 32, 8, 14336, 128256,
-     8192, 500000.0f, 1e-5f, NULL, 0, 0},
+     8192, 500000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
     /* The other architectures, each with a tiny test shape for CPU smoke tests, and the
      * real sizes from their config.json (vocabularies are SentencePiece-style of the
      * real size; heads of Qwen3 and Gemma 2 are key_length wide, not dim / heads). */
     {"tiny-qwen3", "test shape: qwen3, head_dim 128 != 256 / 4", 256, 2, 4, 2, 768, 1024, 512, 1e6f, 1e-6f, "qwen3",
-     128, 0},
+     128, 0, 0, 0, 0},
     {"tiny-phi3", "test shape: phi3, fused attn_qkv and gate+up", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-5f,
-     "phi3", 0, 0},
+     "phi3", 0, 0, 0, 0, 0},
     {"tiny-gemma2", "test shape: gemma2, window 8, tied head", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-6f,
-     "gemma2", 64, 8},
-    {"qwen3-8b", "Qwen3 8B (head_dim 128)", 4096, 36, 32, 8, 12288, 151936, 40960, 1e6f, 1e-6f, "qwen3", 128, 0},
-    {"qwen3-32b", "Qwen3 32B (head_dim 128)", 5120, 64, 64, 8, 25600, 151936, 40960, 1e6f, 1e-6f, "qwen3", 128, 0},
-    {"phi-4", "Phi-4 14B (GGUF architecture phi3)", 5120, 40, 40, 10, 17920, 100352, 16384, 250000.0f, 1e-5f, "phi3",
+     "gemma2", 64, 8, 0, 0, 0},
+    {"qwen3-8b", "Qwen3 8B (head_dim 128)", 4096, 36, 32, 8, 12288, 151936, 40960, 1e6f, 1e-6f, "qwen3", 128, 0, 0,
      0, 0},
+    {"qwen3-32b", "Qwen3 32B (head_dim 128)", 5120, 64, 64, 8, 25600, 151936, 40960, 1e6f, 1e-6f, "qwen3", 128, 0, 0,
+     0, 0},
+    {"phi-4", "Phi-4 14B (GGUF architecture phi3)", 5120, 40, 40, 10, 17920, 100352, 16384, 250000.0f, 1e-5f, "phi3",
+     0, 0, 0, 0, 0},
     {"gemma2-9b", "Gemma 2 9B (head_dim 256, window 4096, tied head)", 3584, 42, 16, 8, 14336, 256000, 8192,
-     10000.0f, 1e-6f, "gemma2", 256, 4096},
+     10000.0f, 1e-6f, "gemma2", 256, 4096, 0, 0, 0},
+    /* Mixtures of experts: ffn_dim is the dense feed_forward_length the real files
+     * store (unused by these graphs); the experts' width is the last field. */
+    {"tiny-qwen3moe", "test shape: qwen3moe, 8 experts, 2 used", 256, 2, 4, 2, 768, 1024, 512, 1e6f, 1e-6f,
+     "qwen3moe", 64, 0, 8, 2, 256},
+    {"tiny-gpt-oss", "test shape: gpt-oss, window 8, 8 experts, 4 used", 256, 2, 4, 2, 256, 1024, 4096, 150000.0f,
+     1e-5f, "gpt-oss", 64, 8, 8, 4, 256},
+    {"qwen3-30b-a3b", "Qwen3-30B-A3B (128 experts, 8 used, expert ffn 768)", 2048, 48, 32, 4, 6144, 151936, 40960,
+     1e6f, 1e-6f, "qwen3moe", 128, 0, 128, 8, 768},
+    {"gpt-oss-20b", "gpt-oss-20b (32 experts, 4 used, window 128; --type MXFP4)", 2880, 24, 64, 8, 2880, 201088,
+     131072, 150000.0f, 1e-5f, "gpt-oss", 64, 128, 32, 4, 2880},
 };
 
 static const char *shape_arch(const m40_mkmodel_shape *s) { return s->arch ? s->arch : "llama"; }
@@ -83,7 +96,7 @@ static const struct {
     m40_mkmodel_ftype ft;
 } ftypes[] = {
     {"F32", M40_MK_F32}, {"F16", M40_MK_F16}, {"BF16", M40_MK_BF16}, {"Q8_0", M40_MK_Q8_0},
-    {"Q6_K", M40_MK_Q6_K}, {"Q4_K_M", M40_MK_Q4_K_M}, {"Q4_0", M40_MK_Q4_0},
+    {"Q6_K", M40_MK_Q6_K}, {"Q4_K_M", M40_MK_Q4_K_M}, {"Q4_0", M40_MK_Q4_0}, {"MXFP4", M40_MK_MXFP4},
 };
 #define N_FTYPES (sizeof ftypes / sizeof ftypes[0])
 
@@ -107,7 +120,7 @@ const char *m40_mkmodel_type_name(m40_mkmodel_ftype t)
 
 const char *m40_mkmodel_type_list(void)
 {
-    return "F32, F16, BF16, Q8_0, Q6_K, Q4_K_M, Q4_0";
+    return "F32, F16, BF16, Q8_0, Q6_K, Q4_K_M, Q4_0, MXFP4";
 }
 
 int m40_mkmodel_more_bits(int32_t layer, int32_t n_layers)
@@ -118,10 +131,11 @@ int m40_mkmodel_more_bits(int32_t layer, int32_t n_layers)
 
 uint32_t m40_mkmodel_tensor_type(m40_mkmodel_ftype ft, const char *name, int32_t n_layers)
 {
-    if (strstr(name, "norm"))
+    if (strstr(name, "norm") || strstr(name, ".bias") || strstr(name, "attn_sinks") || strstr(name, "ffn_gate_inp"))
         return M40_TYPE_F32;
     int is_output = !strcmp(name, "output.weight");
     switch (ft) {
+    case M40_MK_MXFP4: return strstr(name, "_exps.") ? M40_TYPE_MXFP4 : M40_TYPE_Q8_0;
     case M40_MK_F32: return M40_TYPE_F32;
     case M40_MK_F16: return M40_TYPE_F16;
     case M40_MK_BF16: return M40_TYPE_BF16;
@@ -134,7 +148,8 @@ uint32_t m40_mkmodel_tensor_type(m40_mkmodel_ftype ft, const char *name, int32_t
         int layer;
         char rest[64];
         if (sscanf(name, "blk.%d.%63s", &layer, rest) == 2 &&
-            (!strcmp(rest, "attn_v.weight") || !strcmp(rest, "ffn_down.weight")) &&
+            (!strcmp(rest, "attn_v.weight") || !strcmp(rest, "ffn_down.weight") ||
+             !strcmp(rest, "ffn_down_exps.weight")) &&
             m40_mkmodel_more_bits(layer, n_layers))
             return M40_TYPE_Q6_K;
         return M40_TYPE_Q4_K;
@@ -409,6 +424,7 @@ typedef struct {
     uint32_t type;
     uint32_t n_dims;
     uint64_t ne0, ne1;    /* row length, rows */
+    uint64_t ne2;         /* matrices (experts), each of ne1 rows; 1 for 1-D and 2-D */
     uint64_t row_bytes, nbytes;
     uint64_t offset;      /* within the data section */
     uint64_t name_hash;
@@ -420,8 +436,8 @@ typedef struct {
     size_t n, cap;
 } plan;
 
-static int plan_add(plan *p, const m40_mkmodel_opts *o, int32_t n_layers, const char *name, uint64_t ne0,
-                    uint64_t ne1, float std, char *err, size_t errlen)
+static int plan_add3(plan *p, const m40_mkmodel_opts *o, int32_t n_layers, const char *name, uint64_t ne0,
+                     uint64_t ne1, uint64_t ne2, float std, char *err, size_t errlen)
 {
     if (p->n == p->cap) {
         size_t cap = p->cap ? p->cap * 2 : 64;
@@ -437,9 +453,10 @@ static int plan_add(plan *p, const m40_mkmodel_opts *o, int32_t n_layers, const 
     memset(t, 0, sizeof *t);
     snprintf(t->name, sizeof t->name, "%s", name);
     t->type = m40_mkmodel_tensor_type(o->ftype, name, n_layers);
-    t->n_dims = ne1 > 1 ? 2 : 1;
+    t->n_dims = ne2 > 1 ? 3 : ne1 > 1 ? 2 : 1;
     t->ne0 = ne0;
-    t->ne1 = ne1;
+    t->ne1 = ne1 * ne2; /* the generator's rows: every matrix's, one after the other */
+    t->ne2 = ne2;
     t->std = std;
     t->name_hash = fnv1a(name);
     if (m40_type_nbytes(t->type, ne0, &t->row_bytes) != 0) {
@@ -447,16 +464,24 @@ static int plan_add(plan *p, const m40_mkmodel_opts *o, int32_t n_layers, const 
                  (unsigned long long)ne0, m40_type_name(t->type));
         return -1;
     }
-    t->nbytes = t->row_bytes * ne1;
+    t->nbytes = t->row_bytes * t->ne1;
     p->n++;
     return 0;
+}
+
+static int plan_add(plan *p, const m40_mkmodel_opts *o, int32_t n_layers, const char *name, uint64_t ne0,
+                    uint64_t ne1, float std, char *err, size_t errlen)
+{
+    return plan_add3(p, o, n_layers, name, ne0, ne1, 1, std, err, errlen);
 }
 
 static int plan_build(plan *p, const m40_mkmodel_opts *o, int32_t L, char *err, size_t errlen)
 {
     const m40_mkmodel_shape *s = o->shape;
     const char *arch = shape_arch(s);
-    int qk_norm = !strcmp(arch, "qwen3"), fused = !strcmp(arch, "phi3"), gemma = !strcmp(arch, "gemma2");
+    int qk_norm = !strcmp(arch, "qwen3") || !strcmp(arch, "qwen3moe"), fused = !strcmp(arch, "phi3"),
+        gemma = !strcmp(arch, "gemma2"), oss = !strcmp(arch, "gpt-oss"), moe = s->n_experts > 0;
+    uint64_t E = (uint64_t)s->n_experts, F = (uint64_t)s->expert_ffn_dim;
     uint64_t dim = (uint64_t)s->dim, hd = (uint64_t)shape_head_dim(s);
     uint64_t q_dim = hd * (uint64_t)s->n_heads, kv_dim = hd * (uint64_t)s->n_kv_heads, ffn = (uint64_t)s->ffn_dim;
     uint64_t vocab = (uint64_t)s->n_vocab;
@@ -469,6 +494,8 @@ static int plan_build(plan *p, const m40_mkmodel_opts *o, int32_t L, char *err, 
         return -1;
 #define BLK(suffix, ne0, ne1, std)                                                                   \
     (snprintf(n, sizeof n, "blk.%d.%s", (int)l, suffix), plan_add(p, o, L, n, ne0, ne1, std, err, errlen))
+#define BLK3(suffix, ne0, ne1, ne2, std)                                                             \
+    (snprintf(n, sizeof n, "blk.%d.%s", (int)l, suffix), plan_add3(p, o, L, n, ne0, ne1, ne2, std, err, errlen))
     for (int32_t l = 0; l < L; l++) {
         if (BLK("attn_norm.weight", dim, 1, 0.0f))
             return -1;
@@ -479,8 +506,25 @@ static int plan_build(plan *p, const m40_mkmodel_opts *o, int32_t L, char *err, 
         if (qk_norm && (BLK("attn_q_norm.weight", hd, 1, 0.0f) || BLK("attn_k_norm.weight", hd, 1, 0.0f)))
             return -1;
         if (BLK("attn_output.weight", q_dim, dim, branch_out) ||
-            (gemma && BLK("post_attention_norm.weight", dim, 1, 0.0f)) || BLK("ffn_norm.weight", dim, 1, 0.0f))
+            (gemma && BLK("post_attention_norm.weight", dim, 1, 0.0f)))
             return -1;
+        /* gpt-oss: biases everywhere, one sink logit per head, its FFN norm's name */
+        if (oss && (BLK("attn_q.bias", q_dim, 1, MK_INIT_STD) || BLK("attn_k.bias", kv_dim, 1, MK_INIT_STD) ||
+                    BLK("attn_v.bias", kv_dim, 1, MK_INIT_STD) || BLK("attn_output.bias", dim, 1, MK_INIT_STD) ||
+                    BLK("attn_sinks.weight", (uint64_t)s->n_heads, 1, 1.0f)))
+            return -1;
+        if (BLK(oss ? "post_attention_norm.weight" : "ffn_norm.weight", dim, 1, 0.0f))
+            return -1;
+        if (moe) {
+            if (BLK("ffn_gate_inp.weight", dim, E, MK_INIT_STD) ||
+                BLK3("ffn_gate_exps.weight", dim, F, E, MK_INIT_STD) ||
+                BLK3("ffn_up_exps.weight", dim, F, E, MK_INIT_STD) || BLK3("ffn_down_exps.weight", F, dim, E, branch_out))
+                return -1;
+            if (oss && (BLK("ffn_gate_inp.bias", E, 1, MK_INIT_STD) || BLK("ffn_gate_exps.bias", F, E, MK_INIT_STD) ||
+                        BLK("ffn_up_exps.bias", F, E, MK_INIT_STD) || BLK("ffn_down_exps.bias", dim, E, MK_INIT_STD)))
+                return -1;
+            continue;
+        }
         if (fused ? BLK("ffn_up.weight", dim, 2 * ffn, MK_INIT_STD)
                   : BLK("ffn_gate.weight", dim, ffn, MK_INIT_STD) || BLK("ffn_up.weight", dim, ffn, MK_INIT_STD))
             return -1;
@@ -488,6 +532,7 @@ static int plan_build(plan *p, const m40_mkmodel_opts *o, int32_t L, char *err, 
             return -1;
     }
 #undef BLK
+#undef BLK3
     return 0;
 }
 
@@ -528,10 +573,23 @@ static int build_header(bytebuf *b, const m40_mkmodel_opts *o, int32_t L, plan *
         kv_u32(&kv, AKEY("attention.key_length"), (uint32_t)s->head_dim);
         kv_u32(&kv, AKEY("attention.value_length"), (uint32_t)s->head_dim);
     }
-    if (s->window) {
+    if (s->window)
         kv_u32(&kv, AKEY("attention.sliding_window"), (uint32_t)s->window);
+    if (!strcmp(arch, "gemma2")) {
         kv_f32(&kv, AKEY("attn_logit_softcapping"), 50.0f);
         kv_f32(&kv, AKEY("final_logit_softcapping"), 30.0f);
+    }
+    if (s->n_experts) {
+        kv_u32(&kv, AKEY("expert_count"), (uint32_t)s->n_experts);
+        kv_u32(&kv, AKEY("expert_used_count"), (uint32_t)s->n_experts_used);
+        kv_u32(&kv, AKEY("expert_feed_forward_length"), (uint32_t)s->expert_ffn_dim);
+    }
+    if (!strcmp(arch, "gpt-oss")) { /* as gpt-oss-20b and -120b are published */
+        kv_str(&kv, AKEY("rope.scaling.type"), "yarn");
+        kv_f32(&kv, AKEY("rope.scaling.factor"), 32.0f);
+        kv_u32(&kv, AKEY("rope.scaling.original_context_length"), 4096);
+        kv_f32(&kv, AKEY("rope.scaling.yarn_beta_fast"), 32.0f);
+        kv_f32(&kv, AKEY("rope.scaling.yarn_beta_slow"), 1.0f);
     }
     kv_f32(&kv, AKEY("attention.layer_norm_rms_epsilon"), s->norm_eps);
     kv_f32(&kv, AKEY("rope.freq_base"), s->rope_base);
@@ -569,7 +627,9 @@ static int build_header(bytebuf *b, const m40_mkmodel_opts *o, int32_t L, plan *
         bb_le(b, t->n_dims, 4);
         bb_le(b, t->ne0, 8);
         if (t->n_dims > 1)
-            bb_le(b, t->ne1, 8);
+            bb_le(b, t->ne1 / t->ne2, 8);
+        if (t->n_dims > 2)
+            bb_le(b, t->ne2, 8);
         bb_le(b, t->type, 4);
         bb_le(b, t->offset, 8);
         off += (t->nbytes + MK_ALIGNMENT - 1) / MK_ALIGNMENT * MK_ALIGNMENT;
@@ -675,6 +735,10 @@ int m40_mkmodel_write(const m40_mkmodel_opts *o, const char *path, m40_mkmodel_s
     }
     if ((!s->head_dim && s->dim % s->n_heads) || s->n_heads % s->n_kv_heads) {
         snprintf(err, errlen, "shape %s: inconsistent head counts", s->name);
+        return -1;
+    }
+    if (o->ftype == M40_MK_MXFP4 && !s->n_experts) {
+        snprintf(err, errlen, "type MXFP4 quantizes the experts: shape %s has none", s->name);
         return -1;
     }
     int rc = -1, fd = -1;

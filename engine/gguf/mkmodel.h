@@ -1,5 +1,5 @@
 /* Synthetic GGUF models: the real tensor layout of a known model (llama, qwen3, phi3,
- * gemma2; m40_mkmodel_shape.arch), with
+ * gemma2, qwen3moe, gpt-oss; m40_mkmodel_shape.arch), with
  * random weights, a synthetic SentencePiece-style vocabulary and complete metadata.
  * They exercise loading, kernels and benchmarks at full size without downloading
  * anything; their text is of course gibberish.
@@ -30,7 +30,12 @@
  *                   the first eighth (i < n/8), the last eighth (i >= 7n/8, integer
  *                   division) and every third layer in between ((i - n/8) % 3 == 2).
  *                   For 32 layers: 0-3, 6, 9, ..., 27, 28-31 (16 of 32).
- *   Norm vectors are F32 in every type. */
+ *                   Expert tensors (ffn_*_exps) follow the same rule by their name
+ *                   (ffn_down_exps as ffn_down).
+ *   MXFP4:          the experts MXFP4, every other matrix Q8_0 (llama.cpp's MXFP4_MOE,
+ *                   as gpt-oss is published); for MoE shapes only.
+ *   Norm vectors, biases, attention sinks and the routers (ffn_gate_inp) are F32 in
+ *   every type. */
 #ifndef M40_MKMODEL_H
 #define M40_MKMODEL_H
 
@@ -55,7 +60,13 @@ typedef struct {
      * head, its sliding window and soft-caps (50, 30) in the metadata. */
     const char *arch;
     int32_t head_dim;        /* attention.key_length; 0: dim / n_heads */
-    int32_t window;          /* attention.sliding_window (gemma2) */
+    int32_t window;          /* attention.sliding_window (gemma2, gpt-oss) */
+    /* Mixtures of experts (qwen3moe, gpt-oss; 0 for dense shapes): experts per layer,
+     * used per token, and each expert's FFN width. The file then holds the router
+     * ffn_gate_inp and 3-D ffn_{gate,up,down}_exps instead of the dense FFN; gpt-oss
+     * adds q/k/v/o, router and expert biases, attn_sinks, post_attention_norm as the
+     * FFN norm, and YaRN (factor 32 over an original context of 4096) in the metadata. */
+    int32_t n_experts, n_experts_used, expert_ffn_dim;
 } m40_mkmodel_shape;
 
 /* File types; values are general.file_type (llama.cpp's llama_ftype numbering). */
@@ -67,6 +78,7 @@ typedef enum {
     M40_MK_Q4_K_M = 15,
     M40_MK_Q6_K = 18,
     M40_MK_BF16 = 32,
+    M40_MK_MXFP4 = 38, /* MXFP4_MOE */
 } m40_mkmodel_ftype;
 
 /* NULL for an unknown name. m40_mkmodel_shape_at(i) walks the table (NULL past the end). */

@@ -32,6 +32,23 @@ typedef struct {
      * [dim] (gemma2, gemma3); and whether the layer is sliding-window (local). */
     float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm;
     int local;
+    /* gpt-oss (NULL otherwise): the attention output's bias [dim] and the learned
+     * logit of each head that joins its softmax [n_heads]. */
+    float *bo, *attn_sinks;
+    /* Mixture of experts (router.data NULL for a dense layer, whose FFN is w_gate/w_up/
+     * w_down). router: ffn_gate_inp, n_experts rows of dim, and its bias [n_experts] or
+     * NULL. The 3-D ffn_{gate,up,down}_exps [cols, rows, n_experts] are stored expert
+     * after expert, so each is one matrix of n_experts * rows rows: expert e is rows
+     * [e * rows, (e + 1) * rows) (rows = expert_ffn_dim for gate/up, dim for down).
+     * Their biases, when present, are [n_experts][rows]. The shared expert (sh_gate.data
+     * NULL: none) runs on every token, scaled by sigmoid(sh_gate_inp . x) when that
+     * vector [dim] is present. */
+    m40_matrix router;
+    float *router_b;
+    m40_matrix exp_gate, exp_up, exp_down;
+    float *exp_gate_b, *exp_up_b, *exp_down_b;
+    m40_matrix sh_gate, sh_up, sh_down;
+    float *sh_gate_inp;
 } m40_layer;
 
 /* The model's scalars of the forward pass beyond the plain llama block, filled from the

@@ -1,6 +1,6 @@
 /* The architecture table (see arch.h). The rows name the reference each was checked
  * against: ../shared/models (llama, qwen2), tests/unit/test_gemma3.c and Gemma 3 270M
- * (gemma3), ../shared/models/next (qwen3, phi3, gemma2, llama with key_length). */
+ * (gemma3), ../shared/models/next (qwen3, phi3, gemma2, llama with key_length, qwen3moe, gpt-oss). */
 #include "arch.h"
 
 #include <stdio.h>
@@ -24,6 +24,16 @@ static const m40_arch arches[] = {
     {.name = "gemma2", .rope = M40_ROPE_NEOX, .sandwich_norms = 1, .act = M40_ACT_GELU_TANH,
      .embd_scale_sqrt_dim = 1, .attn_softcap = 1, .attn_softcap_default = 50.0f, .final_softcap = 1,
      .final_softcap_default = 30.0f, .swa_period = 2, .gemma_attn_scale = 1, .gpu_validated = 1},
+    /* Qwen3-MoE (30B-A3B, 235B-A22B): qwen3's attention, a softmax router whose top-k
+     * weights are renormalized, no shared experts. */
+    {.name = "qwen3moe", .rope = M40_ROPE_NEOX, .qk_norm = 1, .act = M40_ACT_SILU, .moe = 1,
+     .moe_gating = M40_GATING_SOFTMAX, .moe_norm_topk = 1},
+    /* gpt-oss (20b, 120b): q/k/v/o biases, attention sinks, even layers local (sliding
+     * window), YaRN, its FFN norm stored as post_attention_norm, router and expert
+     * biases, softmax over the chosen logits, SwiGLU-OAI. */
+    {.name = "gpt-oss", .rope = M40_ROPE_NEOX, .qkv_bias = 1, .act = M40_ACT_SWIGLU_OAI, .swa_period = 2,
+     .moe = 1, .moe_gating = M40_GATING_SOFTMAX_SELECTED, .moe_biases = 1, .attn_out_bias = 1, .attn_sinks = 1,
+     .ffn_norm_post_attention = 1, .rope_yarn = 1},
 };
 
 const m40_arch *m40_arch_find(const char *name)
@@ -36,7 +46,7 @@ const m40_arch *m40_arch_find(const char *name)
     return NULL;
 }
 
-const char *m40_arch_names(void) { return "llama, qwen2, gemma3, qwen3, phi3, gemma2"; }
+const char *m40_arch_names(void) { return "llama, qwen2, gemma3, qwen3, phi3, gemma2, qwen3moe, gpt-oss"; }
 
 int m40_arch_device_ok(const m40_arch *a, int device, char *err, size_t errlen)
 {

@@ -21,8 +21,18 @@ typedef enum {
 
 typedef enum {
     M40_ACT_SILU,      /* SwiGLU: silu(gate) * up */
-    M40_ACT_GELU_TANH  /* GeGLU with the tanh approximation (gelu_pytorch_tanh) */
+    M40_ACT_GELU_TANH, /* GeGLU with the tanh approximation (gelu_pytorch_tanh) */
+    /* gpt-oss's SwiGLU: g = min(gate, 7), u = clamp(up, -7, 7), g * sigmoid(1.702 g) * (u + 1) */
+    M40_ACT_SWIGLU_OAI
 } m40_activation;
+
+/* How a mixture of experts turns one token's router logits into the weights of its k
+ * chosen experts. The values are llama.cpp's <arch>.expert_gating_func numbering. */
+typedef enum {
+    M40_GATING_SOFTMAX = 1,         /* softmax over all experts, the k largest probabilities */
+    M40_GATING_SIGMOID = 2,         /* sigmoid of each logit, the k largest */
+    M40_GATING_SOFTMAX_SELECTED = 3 /* the k largest logits, softmax over those k only (gpt-oss) */
+} m40_gating;
 
 typedef struct {
     const char *name;          /* general.architecture */
@@ -54,10 +64,25 @@ typedef struct {
     uint8_t fused_gate_up;     /* ffn_up holds the rows of gate then up, no ffn_gate */
     /* No column for the tied head: every row takes token_embd as the head when the file
      * has no output.weight (Qwen3 0.6B-4B and 8B+ differ within one architecture). */
-    /* Mixture of experts: placeholders the MoE issue fills in (expert tensors, router
-     * order); 0 for every dense row. */
+    /* Mixture of experts (0 for every dense row): each layer's FFN is ffn_gate_inp (the
+     * router, optional bias) choosing <arch>.expert_used_count of <arch>.expert_count
+     * experts stored as 3-D ffn_{gate,up,down}_exps, each <arch>.expert_feed_forward_length
+     * wide. moe_gating and moe_norm_topk are the defaults of <arch>.expert_gating_func
+     * and <arch>.expert_weights_norm (the chosen weights divided by their sum);
+     * <arch>.expert_weights_scale (default 1) multiplies them. moe_biases: the router and
+     * the experts carry biases (required). Shared experts (ffn_*_shexp, with an optional
+     * sigmoid gate ffn_gate_inp_shexp) are taken whenever the file has them. */
     uint8_t moe;
-    uint8_t moe_softmax_after_topk;
+    m40_gating moe_gating;
+    uint8_t moe_norm_topk;
+    uint8_t moe_biases;
+    uint8_t attn_out_bias;     /* attn_output.bias required */
+    uint8_t attn_sinks;        /* attn_sinks.weight: one learned logit per head joins each softmax */
+    /* The FFN's input norm is stored as post_attention_norm (gpt-oss), not ffn_norm. */
+    uint8_t ffn_norm_post_attention;
+    /* rope.scaling.type "yarn" accepted (every layer, local ones included): factor,
+     * original_context_length, yarn_beta_fast/slow, and its magnitude scale on cos/sin. */
+    uint8_t rope_yarn;
     /* F16 products whose row count or input length is not a multiple of 4 round their
      * input to F16 first, as the reference these rows were checked against does (see
      * rounds_input_to_f16 in model.c). */

@@ -8,9 +8,13 @@
  *   x' = h + post_ffw_norm(Wdown(act(Wgate m) * Wup m)),  m = ffn_norm(h)
  *
  * each optional norm applied only where the layer has it (Q/K norms run per head over
- * head_dim), x0 = token_embd[token] * embd_scale, logits = output(output_norm(x_L)),
+ * head_dim), each bias added where the layer has it (q/k/v and, for gpt-oss, the
+ * output), a layer's learned sink logits joining its softmax where it has them, and the
+ * FFN replaced by the layer's mixture of experts where it has a router (ffn.c),
+ * x0 = token_embd[token] * embd_scale, logits = output(output_norm(x_L)),
  * soft-capped where the model caps; local (sliding-window) layers see the last `window`
- * positions and rotate with their own RoPE base. Gemma's details (the window pattern,
+ * positions and rotate with their own RoPE base; YaRN (gpt-oss) changes the angles and
+ * the magnitude of every layer's rotation (yarn_theta). Gemma's details (the window pattern,
  * the local base, the attention scale) are documented where model_load.c reads them
  * (load_row_scalars, load_layer_kinds) and in arch.c.
  *
@@ -36,6 +40,7 @@
 #include "gpu/model_gpu.h"
 #include "model_internal.h"
 #include "model_priv.h"
+#include "ffn.h"
 #include "ref/quant.h"
 #include "util/threadpool.h"
 
@@ -128,6 +133,10 @@ void m40_model_free(m40_model *m)
             free(L->k_norm);
             free(L->post_attn_norm);
             free(L->post_ffw_norm);
+            float *moe[] = {L->bo, L->attn_sinks, L->router_b, L->exp_gate_b, L->exp_up_b, L->exp_down_b,
+                            L->sh_gate_inp};
+            for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++)
+                free(moe[i]);
         }
         free(m->layers);
     }
@@ -138,10 +147,13 @@ void m40_model_free(m40_model *m)
     m40_tokenizer_free(m->tok);
     m40_gguf_close(m->gguf);
     float *bufs[] = {m->x, m->xb, m->q, m->k, m->v, m->att, m->hb, m->hb2, m->x16, m->rope_cos, m->rope_sin,
-                     m->rope_cos_l, m->rope_sin_l, m->row_buf, m->score_buf};
+                     m->rope_cos_l, m->rope_sin_l, m->row_buf, m->score_buf, m->moe_logits, m->moe_w,
+                     m->moe_in, m->moe_out};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(m->logit_rows);
+    free(m->moe_ids);
+    free(m->moe_rows);
     free(m);
 }
 
@@ -325,15 +337,6 @@ static void rmsnorm(float *out, const float *x, const float *w, int32_t dim, flo
         out[i] = x[i] * scale * w[i];
 }
 
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-/* GELU, tanh approximation (Gemma's hidden_activation gelu_pytorch_tanh). */
-static float gelu_tanh(float x)
-{
-    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
-}
-
 /* c * tanh(x / c): Gemma's soft-capping of attention scores and logits. */
 static float softcap(float x, float c) { return c * tanhf(x / c); }
 
@@ -367,8 +370,7 @@ static int rounds_input_to_f16(const m40_model *m, const matrix *w)
     return m->arch->f16_round_ragged && w->type == M40_TYPE_F16 && (w->rows % 4 != 0 || w->cols % 4 != 0);
 }
 
-/* out[t] = W x[t] (+ bias) for the n token vectors of x. */
-static void matmul(m40_model *m, const matrix *w, const float *x, int32_t n, float *out, const float *bias)
+void m40_model_matmul(m40_model *m, const matrix *w, const float *x, int32_t n, float *out, const float *bias)
 {
     if (rounds_input_to_f16(m, w)) {
         size_t len = (size_t)n * (size_t)w->cols;
@@ -381,6 +383,18 @@ static void matmul(m40_model *m, const matrix *w, const float *x, int32_t n, flo
         for (int32_t t = 0; t < n; t++)
             for (int64_t r = 0; r < w->rows; r++)
                 out[(size_t)t * (size_t)w->rows + (size_t)r] += bias[r];
+}
+
+/* YaRN's angle of dimension pair d from its unscaled angle, and the magnitude its
+ * cos and sin take (model_load.c, load_yarn): interpolated (theta * freq_scale) for the
+ * pairs below yarn_low, unchanged above yarn_high, a linear ramp between. */
+static double yarn_theta(const m40_model *m, double theta, int32_t d, float *mag)
+{
+    float span = m->yarn_high - m->yarn_low;
+    float y = ((float)d - m->yarn_low) / (span > 0.001f ? span : 0.001f);
+    double mix = 1.0 - (y < 0 ? 0 : y > 1 ? 1 : y); /* 1: extrapolate (keep theta) */
+    *mag = m->yarn_mscale;
+    return theta * m->yarn_freq_scale * (1.0 - mix) + theta * mix;
 }
 
 /* Rotates the first rope_dim dims of each head. Normal (llama): pairs (2i, 2i+1), as
@@ -426,7 +440,10 @@ static void attention_task(void *ctx, int task, int thread)
     float *score = m->score_buf + (size_t)thread * m->score_buf_len;
     float scale = m->attn_scale, cap = m->attn_softcap;
 
-    float max = -INFINITY;
+    /* A sink (gpt-oss) is one more logit in the softmax with no value behind it: it
+     * takes its share of the probability mass away from the positions. */
+    const float *sinks = m->layers[j->l].attn_sinks;
+    float max = sinks ? sinks[h] : -INFINITY;
     for (int32_t t = first; t <= pos; t++) {
         float s = m40_dot_f32(q, kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd, hd) * scale;
         if (cap > 0)
@@ -435,7 +452,7 @@ static void attention_task(void *ctx, int task, int thread)
         if (s > max)
             max = s;
     }
-    double sum = 0;
+    double sum = sinks ? expf(sinks[h] - max) : 0;
     for (int32_t t = first; t <= pos; t++) {
         score[t - first] = expf(score[t - first] - max);
         sum += score[t - first];
@@ -478,9 +495,15 @@ static int ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
 {
     const m40_model_params *p = &m->p;
     size_t nt = (size_t)m->n_threads;
+    /* the widest FFN: the dense one, an expert's or the shared expert's */
+    int64_t ffn_max = p->ffn_dim;
+    if (p->expert_ffn_dim > ffn_max)
+        ffn_max = p->expert_ffn_dim;
+    if (p->shared_ffn_dim > ffn_max)
+        ffn_max = p->shared_ffn_dim;
     if (n > m->cap_tokens) {
         size_t N = (size_t)n;
-        size_t in_max = (size_t)(p->dim > p->ffn_dim ? p->dim : p->ffn_dim);
+        size_t in_max = (size_t)(p->dim > ffn_max ? p->dim : ffn_max);
         if ((size_t)m->q_dim > in_max)
             in_max = (size_t)m->q_dim;
         int32_t *rows = realloc(m->logit_rows, N * sizeof *rows);
@@ -489,16 +512,28 @@ static int ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
         m->logit_rows = rows;
         if (grow(&m->x, N * p->dim) || grow(&m->xb, N * p->dim) || grow(&m->q, N * m->q_dim) ||
             grow(&m->k, N * m->kv_dim) || grow(&m->v, N * m->kv_dim) || grow(&m->att, N * m->q_dim) ||
-            grow(&m->hb, N * p->ffn_dim) || grow(&m->hb2, N * p->ffn_dim) || grow(&m->x16, N * in_max) ||
+            grow(&m->hb, N * (size_t)ffn_max) || grow(&m->hb2, N * (size_t)ffn_max) || grow(&m->x16, N * in_max) ||
             grow(&m->rope_cos, N * (p->rope_dim / 2)) || grow(&m->rope_sin, N * (p->rope_dim / 2)))
             return -1;
         if (m->has_local &&
             (grow(&m->rope_cos_l, N * (p->rope_dim / 2)) || grow(&m->rope_sin_l, N * (p->rope_dim / 2))))
             return -1;
+        if (p->n_experts > 0) {
+            size_t E = (size_t)p->n_experts, K = (size_t)p->n_experts_used;
+            int32_t *ids = realloc(m->moe_ids, N * K * sizeof *ids);
+            if (ids)
+                m->moe_ids = ids;
+            int32_t *rows = ids ? realloc(m->moe_rows, N * K * sizeof *rows) : NULL;
+            if (rows)
+                m->moe_rows = rows;
+            if (!ids || !rows || grow(&m->moe_logits, N * E) || grow(&m->moe_w, N * K) ||
+                grow(&m->moe_in, N * (size_t)p->dim) || grow(&m->moe_out, N * K * (size_t)p->dim))
+                return -1;
+        }
         m->cap_tokens = n;
     }
     if (!m->row_buf) {
-        int64_t len = p->dim > p->ffn_dim ? p->dim : p->ffn_dim;
+        int64_t len = p->dim > ffn_max ? p->dim : ffn_max;
         if (m->q_dim > len)
             len = m->q_dim;
         if (grow(&m->row_buf, nt * (size_t)len))
@@ -598,12 +633,18 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
                 theta /= m->rope_freq_factors[d];
             if (m->global_scale != 1.0f)
                 theta /= m->global_scale;
-            m->rope_cos[(size_t)i * half + d] = (float)cos(theta);
-            m->rope_sin[(size_t)i * half + d] = (float)sin(theta);
+            float mag = 1.0f;
+            if (m->yarn)
+                theta = yarn_theta(m, theta, d, &mag);
+            m->rope_cos[(size_t)i * half + d] = (float)cos(theta) * mag;
+            m->rope_sin[(size_t)i * half + d] = (float)sin(theta) * mag;
             if (m->has_local) {
                 double theta_l = b->pos[i] * pow(m->local_base, -2.0 * d / p->rope_dim);
-                m->rope_cos_l[(size_t)i * half + d] = (float)cos(theta_l);
-                m->rope_sin_l[(size_t)i * half + d] = (float)sin(theta_l);
+                float mag_l = 1.0f;
+                if (m->yarn)
+                    theta_l = yarn_theta(m, theta_l, d, &mag_l);
+                m->rope_cos_l[(size_t)i * half + d] = (float)cos(theta_l) * mag_l;
+                m->rope_sin_l[(size_t)i * half + d] = (float)sin(theta_l) * mag_l;
             }
         }
     }
@@ -616,9 +657,9 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         /* attention */
         for (int32_t i = 0; i < n; i++)
             rmsnorm(m->xb + i * dim, m->x + i * dim, L->attn_norm, p->dim, p->norm_eps);
-        matmul(m, &L->wq, m->xb, n, m->q, L->bq);
-        matmul(m, &L->wk, m->xb, n, m->k, L->bk);
-        matmul(m, &L->wv, m->xb, n, m->v, L->bv);
+        m40_model_matmul(m, &L->wq, m->xb, n, m->q, L->bq);
+        m40_model_matmul(m, &L->wk, m->xb, n, m->k, L->bk);
+        m40_model_matmul(m, &L->wv, m->xb, n, m->v, L->bv);
         for (int32_t i = 0; i < n; i++) {
             float *q = m->q + i * qd, *k = m->k + i * kvd;
             if (L->q_norm) /* per-head RMSNorm before RoPE (Qwen3, Gemma 3) */
@@ -637,21 +678,20 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         }
         attn_job aj = {.m = m, .kv = kv, .b = b, .l = l};
         m40_threadpool_run(m->pool, n * p->n_heads, attention_task, &aj);
-        matmul(m, &L->wo, m->att, n, m->xb, NULL);
+        m40_model_matmul(m, &L->wo, m->att, n, m->xb, L->bo);
         add_residual(m->x, m->xb, L->post_attn_norm, n, p->dim, p->norm_eps);
 
-        /* feed-forward: down(act(gate x) * up x) */
+        /* feed-forward: down(act(gate x) * up x), or the layer's mixture of experts */
         for (int32_t i = 0; i < n; i++)
             rmsnorm(m->xb + i * dim, m->x + i * dim, L->ffn_norm, p->dim, p->norm_eps);
-        matmul(m, &L->w_gate, m->xb, n, m->hb, NULL);
-        matmul(m, &L->w_up, m->xb, n, m->hb2, NULL);
-        if (m->act == M40_ACT_GELU_TANH)
-            for (size_t i = 0; i < (size_t)n * ffn; i++)
-                m->hb[i] = gelu_tanh(m->hb[i]) * m->hb2[i];
-        else
-            for (size_t i = 0; i < (size_t)n * ffn; i++)
-                m->hb[i] = silu(m->hb[i]) * m->hb2[i];
-        matmul(m, &L->w_down, m->hb, n, m->xb, NULL);
+        if (L->router.data) {
+            m40_moe_ffn(m, l, n);
+        } else {
+            m40_model_matmul(m, &L->w_gate, m->xb, n, m->hb, NULL);
+            m40_model_matmul(m, &L->w_up, m->xb, n, m->hb2, NULL);
+            m40_glu(m->act, m->hb, m->hb2, (size_t)n * ffn);
+            m40_model_matmul(m, &L->w_down, m->hb, n, m->xb, NULL);
+        }
         add_residual(m->x, m->xb, L->post_ffw_norm, n, p->dim, p->norm_eps);
     }
 
@@ -663,7 +703,7 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
     for (int32_t j = 0; j < n_out; j++)
         rmsnorm(m->xb + j * dim, m->x + (size_t)m->logit_rows[j] * dim, m->output_norm, p->dim, p->norm_eps);
     if (n_out > 0) {
-        matmul(m, &m->output, m->xb, n_out, logits, NULL);
+        m40_model_matmul(m, &m->output, m->xb, n_out, logits, NULL);
         if (m->final_softcap > 0)
             for (size_t i = 0; i < (size_t)n_out * (size_t)p->n_vocab; i++)
                 logits[i] = softcap(logits[i], m->final_softcap);

@@ -28,6 +28,9 @@ typedef struct {
     int tied_output;        /* output.weight absent: token_embd used as the head */
     uint32_t weight_type;   /* type of the majority of weights (for messages) */
     int32_t rope_dim;       /* <arch>.rope.dimension_count: leading dims of each head that are rotated */
+    /* Mixture of experts (all 0 for a dense model): experts per layer, chosen per token,
+     * the width of each expert's FFN, and of the shared expert (0: none). */
+    int32_t n_experts, n_experts_used, expert_ffn_dim, shared_ffn_dim;
 } m40_model_params;
 
 typedef struct m40_model m40_model;

@@ -19,6 +19,18 @@ const m40_gguf_tensor *m40_weight_tensor(const m40_gguf *g, const char *name, ch
 int m40_weight_matrix(const m40_gguf *g, const char *name, int64_t cols, int64_t rows, m40_matrix *out, char *err,
                       size_t errlen);
 
+/* A 3-D stack of n_experts matrices of `rows` rows of `cols` elements (GGUF ne = [cols,
+ * rows, n_experts], the experts' ffn_*_exps), checked like m40_weight_matrix and seen as
+ * one matrix of n_experts * rows rows (expert e: rows [e * rows, (e + 1) * rows)). */
+int m40_weight_experts(const m40_gguf *g, const char *name, int64_t cols, int64_t rows, int64_t n_experts,
+                       m40_matrix *out, char *err, size_t errlen);
+
+/* A 2-D tensor of n_rows rows of n_cols elements (GGUF ne = [n_cols, n_rows]; n_rows 1
+ * also accepts a 1-D tensor) converted to an owned F32 array [n_rows][n_cols]: the
+ * experts' biases. optional and absent: 0 with *out NULL. */
+int m40_weight_table(const m40_gguf *g, const char *name, int64_t n_cols, int64_t n_rows, int optional,
+                     float **out, char *err, size_t errlen);
+
 /* A 1-D tensor of n elements converted to an owned F32 array. optional and absent:
  * 0 with *out NULL. */
 int m40_weight_vector(const m40_gguf *g, const char *name, int64_t n, int optional, float **out, char *err,

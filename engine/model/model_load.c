@@ -54,6 +54,44 @@ static int get_f32(const m40_gguf *g, const char *arch, const char *suffix, int 
     return 0;
 }
 
+/* YaRN as ggml computes it (ggml_rope_yarn_corr_dims, rope_yarn): dimension pair i
+ * rotates at theta_i * freq_scale below `low`, at theta_i above `high` and at a linear
+ * mix in between; low and high are the pairs whose wavelength fits beta_fast and
+ * beta_slow rotations into the original context. */
+static float yarn_corr_dim(int32_t n_dims, int32_t n_ctx_orig, float n_rot, float base)
+{
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * (float)M_PI)) / (2.0f * logf(base));
+}
+
+static int load_yarn(m40_model *m, char *err, size_t errlen)
+{
+    const m40_gguf *g = m->gguf;
+    const char *arch = m->p.arch;
+    float factor, beta_fast, beta_slow, attn_factor;
+    int32_t orig_ctx;
+    if (get_f32(g, arch, "rope.scaling.factor", 1, 0, &factor, err, errlen) ||
+        get_u32(g, arch, "rope.scaling.original_context_length", 1, 0, &orig_ctx, err, errlen) ||
+        get_f32(g, arch, "rope.scaling.yarn_beta_fast", 0, 32.0f, &beta_fast, err, errlen) ||
+        get_f32(g, arch, "rope.scaling.yarn_beta_slow", 0, 1.0f, &beta_slow, err, errlen) ||
+        get_f32(g, arch, "rope.scaling.attn_factor", 0, 1.0f, &attn_factor, err, errlen))
+        return -1;
+    if (!(factor >= 1.0f && factor <= 1e6f) || orig_ctx <= 0 || !(beta_fast > 0 && beta_fast < 1e6f) ||
+        !(beta_slow > 0 && beta_slow < 1e6f) || !(attn_factor > 0 && attn_factor < 1e6f)) {
+        m40_set_err(err, errlen, "bad YaRN parameters: factor %g, original_context_length %d, beta_fast %g, "
+                    "beta_slow %g, attn_factor %g", factor, (int)orig_ctx, beta_fast, beta_slow, attn_factor);
+        return -1;
+    }
+    int32_t n_dims = m->p.rope_dim;
+    float low = floorf(yarn_corr_dim(n_dims, orig_ctx, beta_fast, m->p.rope_base));
+    float high = ceilf(yarn_corr_dim(n_dims, orig_ctx, beta_slow, m->p.rope_base));
+    m->yarn = 1;
+    m->yarn_freq_scale = 1.0f / factor;
+    m->yarn_low = low > 0 ? low : 0;
+    m->yarn_high = high < (float)(n_dims - 1) ? high : (float)(n_dims - 1);
+    m->yarn_mscale = attn_factor * (1.0f + 0.1f * logf(factor));
+    return 0;
+}
+
 /* RoPE: bases, the optional scaling, and how far each head is rotated. */
 static int load_rope(m40_model *m, char *err, size_t errlen)
 {
@@ -90,6 +128,9 @@ static int load_rope(m40_model *m, char *err, size_t errlen)
             m40_set_err(err, errlen, "bad %s.rope.scaling.factor %g", arch, m->global_scale);
             return -1;
         }
+    } else if (scaling && !strcmp(scaling, "yarn") && m->arch->rope_yarn) {
+        if (load_yarn(m, err, errlen))
+            return -1;
     } else if (scaling && !strcmp(scaling, "longrope") && m40_gguf_find_tensor(g, "rope_factors_long.weight")) {
         /* the factors and the attention factor: load_longrope */
     } else if (scaling && strcmp(scaling, "none") != 0) {
@@ -134,6 +175,54 @@ static int load_row_scalars(m40_model *m, char *err, size_t errlen)
     }
     m->embd_scale = a->embd_scale_sqrt_dim ? sqrtf((float)p->dim) : 1.0f;
     m->act = a->act;
+    return 0;
+}
+
+/* The mixture of experts' sizes and routing (arch.h, moe): llama.cpp's key names. */
+static int load_moe(m40_model *m, char *err, size_t errlen)
+{
+    const m40_gguf *g = m->gguf;
+    const m40_arch *a = m->arch;
+    m40_model_params *p = &m->p;
+    if (!a->moe)
+        return 0;
+    int32_t gating;
+    if (get_u32(g, p->arch, "expert_count", 1, 0, &p->n_experts, err, errlen) ||
+        get_u32(g, p->arch, "expert_used_count", 1, 0, &p->n_experts_used, err, errlen) ||
+        get_u32(g, p->arch, "expert_feed_forward_length", 0, (uint32_t)p->ffn_dim, &p->expert_ffn_dim, err,
+                errlen) ||
+        get_u32(g, p->arch, "expert_gating_func", 0, (uint32_t)a->moe_gating, &gating, err, errlen) ||
+        get_f32(g, p->arch, "expert_weights_scale", 0, 1.0f, &m->expert_scale, err, errlen))
+        return -1;
+    /* 512 experts and 64 chosen bound every real model (Qwen3: 128 and 8, gpt-oss-120b:
+     * 128 and 4, DeepSeek V3: 256 and 8) and the scratch sizes with them. */
+    if (p->n_experts < 1 || p->n_experts > 512 || p->n_experts_used < 1 || p->n_experts_used > 64 ||
+        p->n_experts_used > p->n_experts || p->expert_ffn_dim <= 0 || p->expert_ffn_dim > (1 << 22)) {
+        m40_set_err(err, errlen, "bad mixture of experts: expert_count %d, expert_used_count %d, "
+                    "expert_feed_forward_length %d", (int)p->n_experts, (int)p->n_experts_used,
+                    (int)p->expert_ffn_dim);
+        return -1;
+    }
+    if (gating < M40_GATING_SOFTMAX || gating > M40_GATING_SOFTMAX_SELECTED) {
+        m40_set_err(err, errlen, "%s.expert_gating_func %d is not supported (1 softmax, 2 sigmoid, 3 softmax over "
+                    "the chosen)", p->arch, (int)gating);
+        return -1;
+    }
+    m->gating = (m40_gating)gating;
+    /* ggml's default of 0 means "no scaling" as 1 does. */
+    if (m->expert_scale == 0.0f)
+        m->expert_scale = 1.0f;
+    if (!(m->expert_scale > 0 && m->expert_scale < 1e6f)) {
+        m40_set_err(err, errlen, "bad %s.expert_weights_scale %g", p->arch, m->expert_scale);
+        return -1;
+    }
+    char key[160];
+    snprintf(key, sizeof key, "%s.expert_weights_norm", p->arch);
+    m->norm_topk = a->moe_norm_topk;
+    if (m40_gguf_get(g, key) && m40_gguf_get_bool(g, key, &m->norm_topk) != 0) {
+        m40_set_err(err, errlen, "metadata '%s' is not a bool", key);
+        return -1;
+    }
     return 0;
 }
 
@@ -197,7 +286,7 @@ static int load_hparams(m40_model *m, char *err, size_t errlen)
         m40_set_err(err, errlen, "bad layer_norm_rms_epsilon %g", p->norm_eps);
         return -1;
     }
-    if (load_rope(m, err, errlen) || load_row_scalars(m, err, errlen))
+    if (load_rope(m, err, errlen) || load_row_scalars(m, err, errlen) || load_moe(m, err, errlen))
         return -1;
     m->q_dim = p->n_heads * p->head_dim;
     m->kv_dim = p->n_kv_heads * p->head_dim;
@@ -246,6 +335,49 @@ static int load_layer_kinds(m40_model *m, char *err, size_t errlen)
     return 0;
 }
 
+/* One block's mixture of experts (arch.h): the router, the 3-D expert tensors, the
+ * biases the row requires (or the file has), and a shared expert when present. */
+static int load_experts(m40_model *m, int32_t l, layer *L, char *err, size_t errlen)
+{
+    const m40_arch *a = m->arch;
+    m40_model_params *p = &m->p;
+    const m40_gguf *g = m->gguf;
+    int64_t E = p->n_experts, F = p->expert_ffn_dim, D = p->dim;
+    int opt = !a->moe_biases;
+    char n[96];
+#define NAME(s) (snprintf(n, sizeof n, "blk.%d.%s", (int)l, s), n)
+    if (m40_weight_matrix(g, NAME("ffn_gate_inp.weight"), D, E, &L->router, err, errlen) ||
+        m40_weight_vector(g, NAME("ffn_gate_inp.bias"), E, opt, &L->router_b, err, errlen) ||
+        m40_weight_experts(g, NAME("ffn_gate_exps.weight"), D, F, E, &L->exp_gate, err, errlen) ||
+        m40_weight_experts(g, NAME("ffn_up_exps.weight"), D, F, E, &L->exp_up, err, errlen) ||
+        m40_weight_experts(g, NAME("ffn_down_exps.weight"), F, D, E, &L->exp_down, err, errlen) ||
+        m40_weight_table(g, NAME("ffn_gate_exps.bias"), F, E, opt, &L->exp_gate_b, err, errlen) ||
+        m40_weight_table(g, NAME("ffn_up_exps.bias"), F, E, opt, &L->exp_up_b, err, errlen) ||
+        m40_weight_table(g, NAME("ffn_down_exps.bias"), D, E, opt, &L->exp_down_b, err, errlen))
+        return -1;
+    const m40_gguf_tensor *sh = m40_gguf_find_tensor(g, NAME("ffn_up_shexp.weight"));
+    if (sh) {
+        /* Its width is the tensor's (expert_shared_feed_forward_length is not always stored). */
+        if (sh->ne[1] == 0 || sh->ne[1] > (1 << 22) ||
+            (p->shared_ffn_dim && sh->ne[1] != (uint64_t)p->shared_ffn_dim)) {
+            m40_set_err(err, errlen, "tensor '%s' has a bad width %llu", n, (unsigned long long)sh->ne[1]);
+            return -1;
+        }
+        p->shared_ffn_dim = (int32_t)sh->ne[1];
+        int64_t S = p->shared_ffn_dim;
+        if (m40_weight_matrix(g, NAME("ffn_gate_shexp.weight"), D, S, &L->sh_gate, err, errlen) ||
+            m40_weight_matrix(g, NAME("ffn_up_shexp.weight"), D, S, &L->sh_up, err, errlen) ||
+            m40_weight_matrix(g, NAME("ffn_down_shexp.weight"), S, D, &L->sh_down, err, errlen) ||
+            m40_weight_vector(g, NAME("ffn_gate_inp_shexp.weight"), D, 1, &L->sh_gate_inp, err, errlen))
+            return -1;
+    } else if (p->shared_ffn_dim) {
+        m40_set_err(err, errlen, "tensor '%s' is missing (earlier layers have a shared expert)", n);
+        return -1;
+    }
+#undef NAME
+    return 0;
+}
+
 /* One block's tensors, as the row says they are stored. */
 static int load_layer(m40_model *m, int32_t l, layer *L, char *err, size_t errlen)
 {
@@ -263,7 +395,10 @@ static int load_layer(m40_model *m, int32_t l, layer *L, char *err, size_t errle
         (m40_weight_vector(g, NAME("post_attention_norm.weight"), p->dim, 0, &L->post_attn_norm, err, errlen) ||
          m40_weight_vector(g, NAME("post_ffw_norm.weight"), p->dim, 0, &L->post_ffw_norm, err, errlen)))
         return -1;
-    if (m40_weight_vector(g, NAME("ffn_norm.weight"), p->dim, 0, &L->ffn_norm, err, errlen))
+    if (m40_weight_vector(g, NAME(a->ffn_norm_post_attention ? "post_attention_norm.weight" : "ffn_norm.weight"),
+                          p->dim, 0, &L->ffn_norm, err, errlen))
+        return -1;
+    if (a->attn_sinks && m40_weight_vector(g, NAME("attn_sinks.weight"), p->n_heads, 0, &L->attn_sinks, err, errlen))
         return -1;
     if (a->fused_qkv) {
         matrix qkv;
@@ -276,9 +411,13 @@ static int load_layer(m40_model *m, int32_t l, layer *L, char *err, size_t errle
                m40_weight_matrix(g, NAME("attn_k.weight"), p->dim, m->kv_dim, &L->wk, err, errlen) ||
                m40_weight_matrix(g, NAME("attn_v.weight"), p->dim, m->kv_dim, &L->wv, err, errlen))
         return -1;
-    if (m40_weight_matrix(g, NAME("attn_output.weight"), m->q_dim, p->dim, &L->wo, err, errlen))
+    if (m40_weight_matrix(g, NAME("attn_output.weight"), m->q_dim, p->dim, &L->wo, err, errlen) ||
+        m40_weight_vector(g, NAME("attn_output.bias"), p->dim, !a->attn_out_bias, &L->bo, err, errlen))
         return -1;
-    if (a->fused_gate_up) {
+    if (a->moe) {
+        if (load_experts(m, l, L, err, errlen))
+            return -1;
+    } else if (a->fused_gate_up) {
         matrix gate_up;
         if (m40_weight_matrix(g, NAME("ffn_up.weight"), p->dim, 2 * (int64_t)p->ffn_dim, &gate_up, err, errlen))
             return -1;
@@ -287,7 +426,7 @@ static int load_layer(m40_model *m, int32_t l, layer *L, char *err, size_t errle
     } else if (m40_weight_matrix(g, NAME("ffn_gate.weight"), p->dim, p->ffn_dim, &L->w_gate, err, errlen) ||
                m40_weight_matrix(g, NAME("ffn_up.weight"), p->dim, p->ffn_dim, &L->w_up, err, errlen))
         return -1;
-    if (m40_weight_matrix(g, NAME("ffn_down.weight"), p->ffn_dim, p->dim, &L->w_down, err, errlen))
+    if (!a->moe && m40_weight_matrix(g, NAME("ffn_down.weight"), p->ffn_dim, p->dim, &L->w_down, err, errlen))
         return -1;
     /* Biases: required where the row says so, else taken when the file has them. */
     if (!a->fused_qkv &&
@@ -392,8 +531,9 @@ static int load_weights(m40_model *m, char *err, size_t errlen)
         if (load_layer(m, l, L, err, errlen))
             return -1;
         const matrix *ms[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        const matrix *es[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->exp_gate, &L->exp_up, &L->exp_down};
         for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++)
-            type_count[ms[i]->type]++;
+            type_count[(L->router.data ? es : ms)[i]->type]++;
     }
     p->weight_type = 0;
     for (uint32_t t = 0; t < M40_TYPE_COUNT; t++)

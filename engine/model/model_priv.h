@@ -38,6 +38,16 @@ struct m40_model {
     float final_softcap;          /* logits soft-cap (0: none) */
     float embd_scale;             /* multiplies the embeddings (1: none) */
     m40_activation act;
+    /* Mixture of experts (p.n_experts > 0): the gating, whether the chosen weights are
+     * divided by their sum, and the factor on them (arch.h). */
+    m40_gating gating;
+    int norm_topk;
+    float expert_scale;
+    /* YaRN (yarn set): rotation frequencies interpolated by freq_scale = 1/factor, fully
+     * below dimension pair yarn_low, not at all above yarn_high, and cos/sin multiplied by
+     * yarn_mscale = 1 + 0.1 ln(factor) (so q.k by its square), as ggml's rope_yarn. */
+    int yarn;
+    float yarn_freq_scale, yarn_low, yarn_high, yarn_mscale;
 
     matrix tok_embd, output;
     float *output_norm;
@@ -53,6 +63,11 @@ struct m40_model {
     int32_t cap_tokens;
     float *x, *xb, *q, *k, *v, *att, *hb, *hb2;
     float *x16;                   /* [n][max input dim]: F16-rounded matmul input, see matmul() */
+    /* MoE scratch (moe.c): router logits [n][n_experts], the chosen experts and their
+     * weights [n][k], the inputs gathered for one expert [n][dim], each (token, choice)
+     * output [n][k][dim], and which (token, choice) rows an expert serves [n]. */
+    float *moe_logits, *moe_w, *moe_in, *moe_out;
+    int32_t *moe_ids, *moe_rows;
     float *rope_cos, *rope_sin;   /* [n][rope_dim/2] */
     float *rope_cos_l, *rope_sin_l; /* the same with the local layers' base (has_local) */
     int32_t *logit_rows;
@@ -72,6 +87,10 @@ struct m40_kv {
 /* Reads the hyperparameters (the row's scalars included) and every weight of m->gguf
  * into m. -1 with err naming the problem. */
 int m40_model_read(m40_model *m, char *err, size_t errlen);
+
+/* out[t] = W x[t] (+ bias) for the n token vectors of x on the model's pool, with the
+ * F16 input rounding the row asks for (model.c). */
+void m40_model_matmul(m40_model *m, const m40_matrix *w, const float *x, int32_t n, float *out, const float *bias);
 
 /* The GPU back end's view of m's weights and of its row's scalars (neutral where the row lacks one). */
 void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src);

@@ -39,6 +39,28 @@ else
     skip "$model absent"
 fi
 
+# A mixture of experts: a step reads the chosen experts' share of the expert tensors
+# (2 of 8: 25% at batch 1, 1 - 0.75^2 = 43.75% at batch 2), all the other tensors.
+moe=$SHARED/models/next/tiny-qwen3moe-q8_0.gguf
+if [ -f "$moe" ]; then
+    for pair in 1:25.0 2:43.8; do
+        batch=${pair%%:*} share=${pair#*:}
+        "$M40" bench "$moe" --prompt-len 8 --batch "$batch" --gen 3 --reps 1 --warmup 0 >"$tmp/out" 2>"$tmp/err"; rc=$?
+        check "bench MoE batch $batch exits 0" [ "$rc" -eq 0 ]
+        check "bench MoE batch $batch: $share% of the expert tensors" \
+            grep -qE "^experts: +2 of 8 per token, expert ffn 64: a step of $batch tokens reads .*\($share% of the expert tensors" "$tmp/out"
+        file=$(stat -c %s "$moe")
+        line=$(grep '^result: ' "$tmp/out")
+        check "bench MoE batch $batch: weight_bytes below the file's size" python3 - "$line" "$file" <<'PY'
+import sys
+kv = dict(f.split("=", 1) for f in sys.argv[1].split()[1:])
+assert 0 < float(kv["weight_bytes"]) < int(sys.argv[2]), (kv, sys.argv[2])
+PY
+    done
+else
+    skip "$moe absent"
+fi
+
 "$M40" bench "$model" --batch 0 >/dev/null 2>"$tmp/e"; rc=$?
 check "bench --batch 0 is refused with exit 2" [ "$rc" -eq 2 ]
 "$M40" bench "$model" --warmup -1 >/dev/null 2>"$tmp/e"; rc=$?

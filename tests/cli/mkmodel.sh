@@ -61,6 +61,28 @@ check "dry run: exit 0" [ "$rc" -eq 0 ]
 check "dry run: size reported" grep -qE "llama-2-7b Q8_0, 1 layers: 12 tensors, 464531456 parameters" "$tmp/dry"
 check "dry run: nothing written" [ ! -e "$tmp/big.gguf" ]
 
+# The mixtures of experts: the real shapes' sizes, and the tiny ones written, read and
+# run greedily on the CPU (gpt-oss with MXFP4 experts).
+check "--help lists the MoE shapes" grep -qE "qwen3-30b-a3b .*128 experts \(8 used\) of ffn 768" "$tmp/help"
+"$M40" mkmodel --shape qwen3-30b-a3b --type Q4_K_M --dry-run "$tmp/big.gguf" >"$tmp/dry" 2>&1
+check "qwen3-30b-a3b: 30.5B parameters" grep -qE "48 layers: 579 tensors, 30532122624 parameters" "$tmp/dry"
+"$M40" mkmodel --shape gpt-oss-20b --type MXFP4 --dry-run "$tmp/big.gguf" >"$tmp/dry" 2>&1
+check "gpt-oss-20b: 20.9B parameters" grep -qE "24 layers: 459 tensors, 20914757184 parameters" "$tmp/dry"
+for pair in tiny-qwen3moe:Q4_K_M:qwen3moe tiny-gpt-oss:MXFP4:gpt-oss; do
+    IFS=: read -r shape type arch <<<"$pair"
+    "$M40" mkmodel --shape "$shape" --type "$type" "$tmp/$shape.gguf" >/dev/null 2>"$tmp/err"; rc=$?
+    check "$shape $type: exit 0" [ "$rc" -eq 0 ]
+    "$M40" info "$tmp/$shape.gguf" >"$tmp/info" 2>&1
+    check "$shape: info says $arch" grep -qE "^architecture: +$arch\$" "$tmp/info"
+    check "$shape: 3-D experts in $type" grep -qE "^blk\.0\.ffn_up_exps\.weight +(Q4_K|MXFP4) +256 x 256 x 8 " "$tmp/info"
+    "$M40" run "$tmp/$shape.gguf" -p "hello world" --temp 0 -n 8 --threads 2 >"$tmp/out" 2>"$tmp/err"; rc=$?
+    check "$shape: greedy run exits 0" [ "$rc" -eq 0 ]
+    check "$shape: 8 tokens generated" grep -q "generated: 8 tokens" "$tmp/err"
+done
+"$M40" mkmodel --shape tiny --type MXFP4 "$tmp/x.gguf" >/dev/null 2>"$tmp/err"; rc=$?
+check "MXFP4 on a dense shape: exit 1" [ "$rc" -eq 1 ]
+check "MXFP4 on a dense shape: says why" grep -q "shape tiny has none" "$tmp/err"
+
 "$M40" mkmodel --shape tiny --type F16 "$tmp/no/such/dir/x.gguf" >/dev/null 2>"$tmp/err"; rc=$?
 check "unwritable output: exit 1" [ "$rc" -eq 1 ]
 check "unwritable output: message names it" grep -q "no/such/dir/x.gguf" "$tmp/err"

@@ -139,7 +139,7 @@ if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
             failed=$((failed + 1)); echo "eval --device 0 next/$name FAILED:"; tail -n 20 "$log/eval"
         fi
     done
-    for name in; do # none: every row of next/ is validated
+    for name in tiny-qwen3moe-q4km tiny-gpt-oss-mxfp4; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
         if ! "$M40_BIN" eval --device 0 "$model" "$ref" >"$log/eval" 2>&1 && grep -q "runs on the CPU only" "$log/eval"; then

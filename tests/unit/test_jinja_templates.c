@@ -1,6 +1,8 @@
 /* Byte-for-byte comparison of our chat-template rendering with Python's jinja2.
  *
- * Every template in ../shared/templates/ and tests/templates/ (*.jinja) is
+ * Every template in ../shared/templates/ and tests/templates/ (*.jinja), and the
+ * tokenizer.chat_template of every GGUF in ../shared/models/ and models/next/ that has
+ * one (a model's own template, e.g. gpt-oss's harmony format), is
  * rendered over every conversation in tests/jinja/conv_*.json, by us and by
  * tests/jinja/render.py (jinja2 set up as Hugging Face's apply_chat_template sets
  * it up). A pair passes when both renderings are identical, or when both refuse
@@ -15,7 +17,10 @@
 
 #include <jansson.h>
 
+#include <unistd.h>
+
 #include "check.h"
+#include "gguf/gguf.h"
 #include "template/jinja.h"
 
 #define FIXED_NOW 1721952000 /* 2024-07-26 00:00:00 UTC, as in render.py */
@@ -62,6 +67,39 @@ static void list_dir(strlist *l, const char *dir, const char *prefix, const char
     }
     closedir(d);
     qsort(l->v + first, l->n - first, sizeof *l->v, cmp_str);
+}
+
+/* The chat templates of the GGUF files in dir, each written to tmpdir/<file>.jinja
+ * (render.py reads a file) and listed. */
+static void list_gguf_templates(strlist *l, const char *dir, const char *tmpdir)
+{
+    strlist files = {0};
+    list_dir(&files, dir, "", ".gguf");
+    for (size_t i = 0; i < files.n; i++) {
+        m40_gguf *g = NULL;
+        char err[256];
+        if (m40_gguf_open(files.v[i], &g, err, sizeof err) != 0) {
+            CHECK(0, "%s: %s", files.v[i], err);
+            continue;
+        }
+        const m40_gguf_value *v = m40_gguf_get(g, "tokenizer.chat_template");
+        if (v && v->type == M40_GGUF_STRING) {
+            const char *name = strrchr(files.v[i], '/') ? strrchr(files.v[i], '/') + 1 : files.v[i];
+            char path[4096];
+            snprintf(path, sizeof path, "%s/%s.jinja", tmpdir, name);
+            FILE *f = fopen(path, "wb");
+            int ok = f && fwrite(v->v.str.ptr, 1, v->v.str.len, f) == v->v.str.len;
+            if (f)
+                ok &= fclose(f) == 0;
+            CHECK(ok, "cannot write %s", path);
+            if (ok)
+                sl_push(l, path);
+        }
+        m40_gguf_close(g);
+    }
+    for (size_t i = 0; i < files.n; i++)
+        free(files.v[i]);
+    free(files.v);
 }
 
 static char *read_file(const char *path, size_t *len)
@@ -187,10 +225,21 @@ int main(void)
     }
     strlist tmpls = {0}, convs = {0};
     const char *shared = check_shared_dir();
+    char tmpdir[] = "/tmp/m40-gguf-templates-XXXXXX";
+    int have_tmp = mkdtemp(tmpdir) != NULL;
+    CHECK(have_tmp, "mkdtemp");
     if (shared) {
         char dir[4096];
         snprintf(dir, sizeof dir, "%s/templates", shared);
         list_dir(&tmpls, dir, "", ".jinja");
+        if (have_tmp) {
+            size_t before = tmpls.n;
+            snprintf(dir, sizeof dir, "%s/models", shared);
+            list_gguf_templates(&tmpls, dir, tmpdir);
+            snprintf(dir, sizeof dir, "%s/models/next", shared);
+            list_gguf_templates(&tmpls, dir, tmpdir);
+            printf("%zu chat templates from the GGUF files of %s/models\n", tmpls.n - before, shared);
+        }
     } else {
         SKIP("../shared absent: only the project's own templates are compared");
     }
@@ -290,8 +339,13 @@ int main(void)
     }
     printf("%d of %zu templates byte-identical to jinja2 over %zu conversations\n", all_identical_templates,
            tmpls.n, convs.n);
-    for (size_t i = 0; i < tmpls.n; i++)
+    for (size_t i = 0; i < tmpls.n; i++) {
+        if (have_tmp && !strncmp(tmpls.v[i], tmpdir, strlen(tmpdir)))
+            unlink(tmpls.v[i]);
         free(tmpls.v[i]);
+    }
+    if (have_tmp)
+        rmdir(tmpdir);
     for (size_t i = 0; i < convs.n; i++)
         free(convs.v[i]);
     free(tmpls.v);

@@ -263,6 +263,20 @@ static void test_recipe(void)
               m40_mkmodel_tensor_type(M40_MK_Q4_K_M, "token_embd.weight", 32) == M40_TYPE_Q4_K &&
               m40_mkmodel_tensor_type(M40_MK_Q4_K_M, "blk.6.attn_norm.weight", 32) == M40_TYPE_F32,
           "Q4_K_M tensor types");
+    /* the experts by the same rule; MXFP4 (MoE): experts MXFP4, other matrices Q8_0;
+     * routers, biases and sinks F32 in every type */
+    CHECK(m40_mkmodel_tensor_type(M40_MK_Q4_K_M, "blk.9.ffn_down_exps.weight", 32) == M40_TYPE_Q6_K &&
+              m40_mkmodel_tensor_type(M40_MK_Q4_K_M, "blk.7.ffn_down_exps.weight", 32) == M40_TYPE_Q4_K &&
+              m40_mkmodel_tensor_type(M40_MK_Q4_K_M, "blk.9.ffn_up_exps.weight", 32) == M40_TYPE_Q4_K &&
+              m40_mkmodel_tensor_type(M40_MK_Q4_K_M, "blk.9.ffn_gate_inp.weight", 32) == M40_TYPE_F32 &&
+              m40_mkmodel_tensor_type(M40_MK_MXFP4, "blk.0.ffn_gate_exps.weight", 24) == M40_TYPE_MXFP4 &&
+              m40_mkmodel_tensor_type(M40_MK_MXFP4, "blk.0.ffn_down_exps.weight", 24) == M40_TYPE_MXFP4 &&
+              m40_mkmodel_tensor_type(M40_MK_MXFP4, "blk.0.ffn_down_exps.bias", 24) == M40_TYPE_F32 &&
+              m40_mkmodel_tensor_type(M40_MK_MXFP4, "blk.0.attn_q.weight", 24) == M40_TYPE_Q8_0 &&
+              m40_mkmodel_tensor_type(M40_MK_MXFP4, "blk.0.attn_q.bias", 24) == M40_TYPE_F32 &&
+              m40_mkmodel_tensor_type(M40_MK_MXFP4, "blk.0.attn_sinks.weight", 24) == M40_TYPE_F32 &&
+              m40_mkmodel_tensor_type(M40_MK_MXFP4, "output.weight", 24) == M40_TYPE_Q8_0,
+          "expert tensor types");
     CHECK(m40_mkmodel_tensor_type(M40_MK_Q4_0, "output.weight", 32) == M40_TYPE_Q6_K &&
               m40_mkmodel_tensor_type(M40_MK_Q8_0, "output.weight", 32) == M40_TYPE_Q8_0,
           "output.weight types");
@@ -327,6 +341,16 @@ static void test_errors(void)
               "%s: %llu parameters", sizes[i].shape, (unsigned long long)st.n_params);
     }
     CHECK(access(tmp_path("never.gguf"), F_OK) != 0, "a dry run writes nothing");
+    /* MXFP4 quantizes experts: refused for a dense shape; gpt-oss-20b in it is the size of
+     * the published MXFP4 file (12.1 GB) */
+    m40_mkmodel_opts mx = {.shape = m40_mkmodel_find_shape("tiny"), .ftype = M40_MK_MXFP4, .dry_run = 1};
+    m40_mkmodel_stats mst;
+    CHECK(m40_mkmodel_write(&mx, tmp_path("never.gguf"), &mst, err, sizeof err) == -1 && strstr(err, "experts"),
+          "MXFP4 on a dense shape: %s", err);
+    mx.shape = m40_mkmodel_find_shape("gpt-oss-20b");
+    CHECK(mx.shape && m40_mkmodel_write(&mx, tmp_path("never.gguf"), &mst, err, sizeof err) == 0 &&
+              mst.file_bytes > 12000000000ull && mst.file_bytes < 12200000000ull,
+          "gpt-oss-20b MXFP4: %llu bytes", (unsigned long long)mst.file_bytes);
     /* the other architectures: the parameter counts their model cards state (Qwen3 8B
      * 8.19B with 6.95B outside the embeddings, Gemma 2 9B 9,241,705,984 with its tied head) */
     struct {
@@ -337,6 +361,10 @@ static void test_errors(void)
         {"qwen3-32b", 32762123264ull, 3 + 64 * 11},
         {"phi-4", 14659507200ull, 3 + 40 * 6},
         {"gemma2-9b", 9241705984ull, 2 + 42 * 11},
+        /* the model cards' totals: Qwen3-30B-A3B 30,532,122,624 (12 tensors a layer: no
+         * dense FFN); gpt-oss-20b 20,914,757,184 (19: biases and sinks) */
+        {"qwen3-30b-a3b", 30532122624ull, 3 + 48 * 12},
+        {"gpt-oss-20b", 20914757184ull, 3 + 24 * 19},
     };
     for (size_t i = 0; i < sizeof arch_sizes / sizeof arch_sizes[0]; i++) {
         m40_mkmodel_opts d = {.shape = m40_mkmodel_find_shape(arch_sizes[i].shape), .ftype = M40_MK_F16, .dry_run = 1};
@@ -349,7 +377,8 @@ static void test_errors(void)
 }
 
 /* The tiny shapes of the other architectures load as their row (arch.h) and run a greedy
- * smoke test on the CPU: finite logits, a prompt longer than gemma2's window of 8, the
+ * smoke test on the CPU (the mixtures of experts too, qwen3moe in F32 and Q4_K_M, gpt-oss
+ * with MXFP4 experts): finite logits, a prompt longer than the windows of 8, the
  * same logits batched and one token at a time, and greedy picks in the vocabulary. */
 static void test_arch_shapes(void)
 {
@@ -357,13 +386,20 @@ static void test_arch_shapes(void)
         const char *shape, *arch;
         int32_t head_dim;
         int tied;
-    } arches[] = {{"tiny-qwen3", "qwen3", 128, 0}, {"tiny-phi3", "phi3", 64, 0}, {"tiny-gemma2", "gemma2", 64, 1}};
+        m40_mkmodel_ftype ft;
+        int32_t experts, used;
+    } arches[] = {{"tiny-qwen3", "qwen3", 128, 0, M40_MK_F32, 0, 0},
+                  {"tiny-phi3", "phi3", 64, 0, M40_MK_F32, 0, 0},
+                  {"tiny-gemma2", "gemma2", 64, 1, M40_MK_F32, 0, 0},
+                  {"tiny-qwen3moe", "qwen3moe", 64, 0, M40_MK_F32, 8, 2},
+                  {"tiny-qwen3moe", "qwen3moe", 64, 0, M40_MK_Q4_K_M, 8, 2},
+                  {"tiny-gpt-oss", "gpt-oss", 64, 0, M40_MK_MXFP4, 8, 4}};
     enum { N = 12, GEN = 6 };
     for (size_t a = 0; a < sizeof arches / sizeof arches[0]; a++) {
         char fname[64], err[512];
-        snprintf(fname, sizeof fname, "%s.gguf", arches[a].shape);
+        snprintf(fname, sizeof fname, "%s-%s.gguf", arches[a].shape, m40_mkmodel_type_name(arches[a].ft));
         const char *path = tmp_path(fname);
-        if (make(arches[a].shape, M40_MK_F32, 3, 0, 0, path) != 0)
+        if (make(arches[a].shape, arches[a].ft, 3, 0, 0, path) != 0)
             continue;
         m40_model *m = NULL;
         if (m40_model_load(path, 2, &m, err, sizeof err) != 0) {
@@ -372,8 +408,10 @@ static void test_arch_shapes(void)
         }
         const m40_model_params *p = m40_model_get_params(m);
         CHECK(!strcmp(p->arch, arches[a].arch) && p->head_dim == arches[a].head_dim && p->n_vocab == 1024 &&
-                  p->tied_output == arches[a].tied,
-              "%s: arch %s, head_dim %d, tied %d", arches[a].shape, p->arch, (int)p->head_dim, p->tied_output);
+                  p->tied_output == arches[a].tied && p->n_experts == arches[a].experts &&
+                  p->n_experts_used == arches[a].used,
+              "%s: arch %s, head_dim %d, tied %d, %d experts (%d used)", arches[a].shape, p->arch, (int)p->head_dim,
+              p->tied_output, (int)p->n_experts, (int)p->n_experts_used);
         int32_t tok[N + GEN], pos[N + GEN], slot[N + GEN] = {0};
         for (int i = 0; i < N + GEN; i++) {
             tok[i] = (int32_t)((i * 389 + 7) % 1024);

@@ -68,6 +68,10 @@ static const char *const next_landed[] = {
     "tiny-qwen3-gpt2-f16", /* qwen3: per-head Q/K norms, NeoX, head_dim 32 */
     "tiny-phi3-f16",       /* phi3: fused attn_qkv and gate+up */
     "tiny-gemma2-f16",     /* gemma2: sandwich norms, GeGLU, both soft-caps, SWA */
+    "tiny-qwen3moe-f16",   /* qwen3moe: softmax router, top-2 renormalized, 3-D experts */
+    "tiny-qwen3moe-q8_0",  /* the same, experts Q8_0 */
+    "tiny-qwen3moe-q4km",  /* Q4_K/Q6_K experts, Q5_K, Q6_K tied head */
+    "tiny-gpt-oss-mxfp4",  /* gpt-oss: MXFP4 experts, sinks, SWA/full, YaRN, biases, SwiGLU-OAI */
 };
 
 static void test_next_references(void)
@@ -91,7 +95,7 @@ static void test_next_references(void)
  * load where no GPU is, for that reason). */
 static void test_gpu_refusal(void)
 {
-    static const char *const rows[] = {"llama", "qwen2", "gemma3", "qwen3", "phi3", "gemma2"};
+    static const char *const rows[] = {"llama", "qwen2", "gemma3", "qwen3", "phi3", "gemma2", "qwen3moe", "gpt-oss"};
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         const m40_arch *a = m40_arch_find(rows[i]);
         CHECK(a != NULL, "row %s in the table", rows[i]);
@@ -108,10 +112,9 @@ static void test_gpu_refusal(void)
         CHECK(m40_arch_device_ok(a, 0, err, sizeof err) == (a->gpu_validated ? 0 : -1),
               "%s as built (gpu_validated %d), device 0", rows[i], a->gpu_validated);
     }
-    static const char *const files[][2] = {{"tiny-llama-hd-f16", "llama"},
-                                           {"tiny-qwen3-gpt2-f16", "qwen3"},
-                                           {"tiny-phi3-f16", "phi3"},
-                                           {"tiny-gemma2-f16", "gemma2"}};
+    static const char *const files[][2] = {{"tiny-llama-hd-f16", "llama"},     {"tiny-qwen3-gpt2-f16", "qwen3"},
+                                           {"tiny-phi3-f16", "phi3"},          {"tiny-gemma2-f16", "gemma2"},
+                                           {"tiny-qwen3moe-q4km", "qwen3moe"}, {"tiny-gpt-oss-mxfp4", "gpt-oss"}};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         char rel[256], path[4096], err[512] = "", want[128];
         snprintf(rel, sizeof rel, "models/next/%s.gguf", files[i][0]);
@@ -356,6 +359,73 @@ out:
     m40_model_free(m);
 }
 
+/* Mixtures of experts route each token on its own: a prompt prefilled in one call, one
+ * token per call, and interleaved with another slot's prompt in one call (the two
+ * routed to different experts) give the same logits. gpt-oss's long prompt (75 tokens)
+ * passes its 32-token window, so the sliding-window layers are in it. */
+static void test_moe_batching(const char *name)
+{
+    char rel[256], path[4096], rpath[4096], err[512];
+    snprintf(rel, sizeof rel, "models/next/%s.gguf", name);
+    if (!check_shared_file(rel, path, sizeof path)) {
+        SKIP("%s absent: no batching test", rel);
+        return;
+    }
+    snprintf(rel, sizeof rel, "models/next/ref/%s.json", name);
+    m40_model *m = NULL;
+    m40_ref *ref = NULL;
+    if (!check_shared_file(rel, rpath, sizeof rpath) || m40_model_load(path, 2, &m, err, sizeof err) ||
+        m40_ref_load(rpath, &ref, err, sizeof err)) {
+        CHECK(0, "%s: %s", name, err);
+        m40_model_free(m);
+        return;
+    }
+    int32_t V = m40_model_get_params(m)->n_vocab;
+    const m40_ref_prompt *A = &ref->prompts[1], *B = &ref->prompts[ref->n_prompts - 1];
+    int nA = A->n_prompt_tokens, nB = B->n_prompt_tokens, n = nA + nB;
+    float *sepA = malloc((size_t)nA * V * sizeof(float)), *sepB = malloc((size_t)nB * V * sizeof(float));
+    float *one = malloc((size_t)nB * V * sizeof(float)), *both = malloc((size_t)n * V * sizeof(float));
+    m40_kv *kvA = m40_kv_new(m, 1, 128), *kvB = m40_kv_new(m, 1, 128), *kv1 = m40_kv_new(m, 1, 128),
+           *kv2 = m40_kv_new(m, 2, 128);
+    if (!sepA || !sepB || !one || !both || !kvA || !kvB || !kv1 || !kv2 || nB > 100 || nA > 100 || nB <= 32) {
+        CHECK(0, "%s: setup (prompts of %d and %d tokens)", name, nA, nB);
+        goto out;
+    }
+    CHECK(run_all_rows(m, kvA, A->prompt_tokens, nA, 0, 0, sepA) == 0, "%s: prefill A", name);
+    CHECK(run_all_rows(m, kvB, B->prompt_tokens, nB, 0, 0, sepB) == 0, "%s: prefill B", name);
+    for (int i = 0; i < nB; i++)
+        CHECK(run_all_rows(m, kv1, B->prompt_tokens + i, 1, i, 0, one + (size_t)i * V) == 0, "%s: step %d", name, i);
+    double d = max_diff(one, sepB, (size_t)nB * V);
+    CHECK(d == 0, "%s: %d tokens one per call vs one prefill call: max |dlogit| %g", name, nB, d);
+    int32_t tok[256], pos[256], slot[256];
+    uint8_t want[256];
+    int k = 0;
+    for (int i = 0; i < nA || i < nB; i++) {
+        if (i < nA)
+            tok[k] = A->prompt_tokens[i], pos[k] = i, slot[k++] = 0;
+        if (i < nB)
+            tok[k] = B->prompt_tokens[i], pos[k] = i, slot[k++] = 1;
+    }
+    memset(want, 1, sizeof want);
+    m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+    CHECK(m40_model_forward(m, kv2, &b, both, err, sizeof err) == 0, "%s: interleaved: %s", name, err);
+    d = 0;
+    for (int i = 0; i < n; i++)
+        d = fmax(d, max_diff(both + (size_t)i * V, (slot[i] ? sepB : sepA) + (size_t)pos[i] * V, (size_t)V));
+    CHECK(d == 0, "%s: two slots interleaved in one call vs alone: max |dlogit| %g", name, d);
+out:
+    free(sepA);
+    free(sepB);
+    free(one);
+    free(both);
+    m40_kv_free(kvA);
+    m40_kv_free(kvB);
+    m40_kv_free(kv1);
+    m40_kv_free(kv2);
+    m40_ref_free(ref);
+    m40_model_free(m);
+}
+
 /* ---- load errors: stories260K rewritten with one thing broken ---- */
 
 typedef struct {
@@ -364,6 +434,9 @@ typedef struct {
     const char *retype_tensor;     /* to Q8_1 (a GGUF type the CPU backend lacks) */
     const char *drop_key;
     const char *arch;              /* replaces general.architecture */
+    const char *flatten_tensor;    /* 3-D [a, b, c] -> 2-D [a, b * c] */
+    const char *set_u32_key;       /* set to set_u32 (UINT32) */
+    uint32_t set_u32;
 } variant;
 
 static int write_variant(const m40_gguf *g, const variant *v, const char *out, char *err, size_t errlen)
@@ -379,6 +452,8 @@ static int write_variant(const m40_gguf *g, const variant *v, const char *out, c
             continue;
         if (v->arch && !strcmp(kv->key, "general.architecture"))
             m40_gguf_writer_set_str(w, kv->key, v->arch);
+        else if (v->set_u32_key && !strcmp(kv->key, v->set_u32_key))
+            m40_gguf_writer_set_u32(w, kv->key, v->set_u32);
         else
             m40_gguf_writer_set_value(w, kv->key, &kv->value);
     }
@@ -391,6 +466,12 @@ static int write_variant(const m40_gguf *g, const variant *v, const char *out, c
         if (v->swap_dims_tensor && !strcmp(t->name, v->swap_dims_tensor)) {
             ne[0] = t->ne[1];
             ne[1] = t->ne[0];
+        }
+        if (v->flatten_tensor && !strcmp(t->name, v->flatten_tensor)) {
+            ne[1] *= ne[2];
+            ne[2] = 1;
+            m40_gguf_writer_add_tensor(w, t->name, t->type, 2, ne, t->data, t->nbytes);
+            continue;
         }
         if (v->retype_tensor && !strcmp(t->name, v->retype_tensor)) {
             uint64_t nbytes;
@@ -469,13 +550,70 @@ static void test_load_errors(void)
           "missing file: '%s'", err);
 }
 
+/* The mixture-of-experts metadata and tensors, each broken alone in tiny-gpt-oss-mxfp4:
+ * a clear error, never a crash or an out-of-bounds read. */
+static void test_moe_load_errors(void)
+{
+    char path[4096], err[512];
+    if (!check_shared_file("models/next/tiny-gpt-oss-mxfp4.gguf", path, sizeof path)) {
+        SKIP("tiny-gpt-oss-mxfp4.gguf absent: no MoE load-error tests");
+        return;
+    }
+    m40_gguf *g;
+    if (m40_gguf_open(path, &g, err, sizeof err)) {
+        CHECK(0, "%s", err);
+        return;
+    }
+    char tmpl[] = "/tmp/m40-test-model-XXXXXX";
+    int fd = mkstemp(tmpl);
+    if (fd >= 0) {
+        close(fd);
+        m40_model *m = NULL;
+        CHECK(write_variant(g, &(variant){0}, tmpl, err, sizeof err) == 0 &&
+                  m40_model_load(tmpl, 1, &m, err, sizeof err) == 0,
+              "unmodified rewrite loads: %s", err);
+        m40_model_free(m);
+        unlink(tmpl);
+    }
+    expect_load_error(g, &(variant){.drop_tensor = "blk.2.ffn_up_exps.weight"}, "blk.2.ffn_up_exps.weight",
+                      "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.0.ffn_gate_inp.weight"}, "ffn_gate_inp.weight", "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.1.ffn_down_exps.bias"}, "ffn_down_exps.bias", "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.3.attn_sinks.weight"}, "attn_sinks.weight", "missing");
+    expect_load_error(g, &(variant){.drop_tensor = "blk.0.attn_output.bias"}, "attn_output.bias", "missing");
+    expect_load_error(g, &(variant){.flatten_tensor = "blk.1.ffn_gate_exps.weight"}, "ffn_gate_exps.weight",
+                      "expected [64, 64, 8]");
+    expect_load_error(g, &(variant){.retype_tensor = "blk.0.ffn_down_exps.weight"}, "ffn_down_exps.weight",
+                      "not supported");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_count", .set_u32 = 4000000000u},
+                      "gpt-oss.expert_count", "out of range");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_count", .set_u32 = 1024}, "mixture of experts",
+                      "expert_count 1024");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_count", .set_u32 = 16}, "ffn_gate_inp.weight",
+                      "shape");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_used_count", .set_u32 = 9}, "mixture of experts",
+                      "expert_used_count 9");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_used_count", .set_u32 = 0}, "mixture of experts",
+                      "expert_used_count 0");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.expert_feed_forward_length", .set_u32 = 128},
+                      "ffn_gate_exps.weight", "shape");
+    expect_load_error(g, &(variant){.drop_key = "gpt-oss.expert_count"}, "gpt-oss.expert_count", "missing");
+    expect_load_error(g, &(variant){.drop_key = "gpt-oss.rope.scaling.factor"}, "rope.scaling.factor", "missing");
+    expect_load_error(g, &(variant){.set_u32_key = "gpt-oss.rope.scaling.original_context_length", .set_u32 = 0},
+                      "YaRN", "original_context_length 0");
+    m40_gguf_close(g);
+}
+
 int main(void)
 {
     test_all_references();
     test_next_references();
     test_gpu_refusal();
     test_batching();
+    test_moe_batching("tiny-qwen3moe-q4km");
+    test_moe_batching("tiny-gpt-oss-mxfp4");
     test_argmax();
     test_load_errors();
+    test_moe_load_errors();
     return check_done();
 }
