@@ -21,6 +21,7 @@ static const m40_type_info type_table[M40_TYPE_COUNT] = {
     [M40_TYPE_I64] = {"I64", 1, 8},
     [M40_TYPE_F64] = {"F64", 1, 8},
     [M40_TYPE_BF16] = {"BF16", 1, 2},
+    [M40_TYPE_MXFP4] = {"MXFP4", 32, 17},
 };
 
 const m40_type_info *m40_type_get(uint32_t type)

@@ -27,6 +27,7 @@ enum m40_type {
     M40_TYPE_I64 = 27,
     M40_TYPE_F64 = 28,
     M40_TYPE_BF16 = 30,
+    M40_TYPE_MXFP4 = 39, /* OCP microscaling FP4: E8M0 scale + 32 E2M1 values (gpt-oss experts) */
     M40_TYPE_COUNT = 40
 };
 

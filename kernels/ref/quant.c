@@ -185,7 +185,8 @@ static float dot_any(const float *a, const float *b, int64_t n)
  *   Q3_K (110): hmask[32] | qs[64] | scales[12] | d f16
  *   Q4_K (144): d f16 | dmin f16 | scales[12] | qs[128]
  *   Q5_K (176): d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
- *   Q6_K (210): ql[128] | qh[64] | scales[16] int8 | d f16 */
+ *   Q6_K (210): ql[128] | qh[64] | scales[16] int8 | d f16
+ *   MXFP4 (17): e u8 (E8M0) | qs[16] (E2M1 nibbles) */
 
 /* Q4_0/Q4_1: nibble j of byte j is element j, the high nibble element j+16. */
 static inline void unpack_q4(const uint8_t *qs, float *q, float offset)
@@ -300,6 +301,27 @@ static inline void unpack_q6_k(const uint8_t *ql, const uint8_t *qh, float *q)
         }
 }
 
+/* MXFP4 (OCP microscaling FP4, as ggml stores it): element j < 16 is the low nibble of
+ * qs[j], element j + 16 its high nibble (the Q4_0 order). A nibble is E2M1: sign bit 3,
+ * magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. ggml keeps them doubled as integers (0..12) and
+ * halves the scale instead, so the block scale is 2^(e - 128) rather than the spec's
+ * 2^(e - 127) and every level is an exact small integer; the products are the same.
+ * e = 255 (NaN in the OCP spec) is read as ggml reads it, 2^127. */
+static const float mxfp4_levels[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float mxfp4_scale(uint8_t e)
+{
+    return ldexpf(1.0f, (int)e - 128); /* exact: 2^-128 is a float subnormal */
+}
+
+static inline void unpack_mxfp4(const uint8_t *qs, float *q)
+{
+    for (int j = 0; j < 16; j++) {
+        q[j] = mxfp4_levels[qs[j] & 15];
+        q[j + 16] = mxfp4_levels[qs[j] >> 4];
+    }
+}
+
 /* ------------------------------------------------------------- public API */
 
 int m40_type_supported(uint32_t type)
@@ -318,6 +340,7 @@ int m40_type_supported(uint32_t type)
     case M40_TYPE_Q4_K:
     case M40_TYPE_Q5_K:
     case M40_TYPE_Q6_K:
+    case M40_TYPE_MXFP4:
         return 1;
     default:
         return 0;
@@ -442,6 +465,14 @@ void m40_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n)
             }
         }
         return;
+    case M40_TYPE_MXFP4:
+        for (int64_t b = 0; b < n / 32; b++, p += 17, dst += 32) {
+            float d = mxfp4_scale(p[0]);
+            unpack_mxfp4(p + 1, q);
+            for (int j = 0; j < 32; j++)
+                dst[j] = d * q[j];
+        }
+        return;
     default:
         memset(dst, 0, (size_t)(n > 0 ? n : 0) * sizeof(float));
         return;
@@ -563,6 +594,12 @@ float m40_dot_row(uint32_t type, const void *src, const float *x, int64_t n)
             for (int s = 0; s < 16; s++)
                 acc += (float)sc[s] * dot8(q + 16 * s, x + 16 * s, 16);
             total += d * acc;
+        }
+        return total;
+    case M40_TYPE_MXFP4:
+        for (int64_t b = 0; b < n / 32; b++, p += 17, x += 32) {
+            unpack_mxfp4(p + 1, q);
+            total += mxfp4_scale(p[0]) * dot8(q, x, 32);
         }
         return total;
     default:
@@ -835,6 +872,59 @@ static void quantize_q6_k(const float *x, uint8_t *y, int64_t nb)
     }
 }
 
+/* Nearest MXFP4 nibble to v (in units of the block scale): the magnitude by comparing
+ * with the midpoints of the levels 0, 1, 2, 3, 4, 6, 8, 12 (a tie goes to the smaller),
+ * the sign bit only for a non-zero magnitude so that 0 is always nibble 0. */
+static inline int mxfp4_nearest(float v)
+{
+    static const float mid[7] = {0.5f, 1.5f, 2.5f, 3.5f, 5.0f, 7.0f, 10.0f};
+    float a = fabsf(v);
+    int m = 0;
+    while (m < 7 && a > mid[m])
+        m++;
+    return m && v < 0 ? m | 8 : m;
+}
+
+/* Per block the scale is a power of two, so the only choice is e. With amax / 12 in
+ * [2^(k-1), 2^k), the smallest e with 12 * 2^(e-128) >= amax (every element in range) is
+ * k + 128, or k + 127 when amax / 12 is exactly 2^(k-1); one less than that trades
+ * clipping the largest for finer steps elsewhere, and k + 129 guards against the
+ * rounding of amax / 12. Each candidate is scored by its squared error and the best
+ * kept (ties: the smaller e). */
+static void quantize_mxfp4(const float *x, uint8_t *y, int64_t nb)
+{
+    for (int64_t b = 0; b < nb; b++, x += 32, y += 17) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++)
+            amax = fmaxf(amax, fabsf(x[j]));
+        memset(y, 0, 17);
+        if (!(amax > 0.0f) || !isfinite(amax))
+            continue; /* zeros (or garbage): scale 2^-128, all levels 0 */
+        int k;
+        frexpf(amax / 12.0f, &k); /* amax / 12 in [2^(k-1), 2^k) */
+        int best_e = clampi(k + 128, 0, 254);
+        double best_err = INFINITY;
+        for (int e = k + 126; e <= k + 129; e++) {
+            int ec = clampi(e, 0, 254);
+            /* x / d, not x * (1 / d): 1 / 2^-128 overflows; dividing by a power of two is exact */
+            float d = mxfp4_scale((uint8_t)ec);
+            double err = 0;
+            for (int j = 0; j < 32; j++) {
+                double r = (double)x[j] - (double)d * mxfp4_levels[mxfp4_nearest(x[j] / d)];
+                err += r * r;
+            }
+            if (err < best_err) {
+                best_err = err;
+                best_e = ec;
+            }
+        }
+        float d = mxfp4_scale((uint8_t)best_e);
+        y[0] = (uint8_t)best_e;
+        for (int j = 0; j < 16; j++)
+            y[1 + j] = (uint8_t)(mxfp4_nearest(x[j] / d) | (mxfp4_nearest(x[j + 16] / d) << 4));
+    }
+}
+
 int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n)
 {
     uint8_t *y = dst;
@@ -880,6 +970,11 @@ int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n)
         if (n % M40_QK_K)
             return -1;
         quantize_q6_k(src, y, n / M40_QK_K);
+        return 0;
+    case M40_TYPE_MXFP4:
+        if (n % 32)
+            return -1;
+        quantize_mxfp4(src, y, n / 32);
         return 0;
     default:
         return -1;

@@ -26,7 +26,7 @@ void m40_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);
 float m40_dot_row(uint32_t type, const void *src, const float *x, int64_t n);
 
 /* Quantize n floats into `type` (reference quantizers: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
- * Q6_K at least). Returns 0, or -1 for a type without a quantizer. Used by `m40 mkmodel`
+ * Q6_K, MXFP4). Returns 0, or -1 for a type without a quantizer. Used by `m40 mkmodel`
  * and by tests. */
 int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n);
 

@@ -496,6 +496,83 @@ static void test_q6_k(void)
           "Q6_K literal: %g %g %g %g", out[96], out[0], out[97], out[16]);
 }
 
+/* MXFP4, written from the OCP microscaling spec rather than ggml's doubled-integer
+ * form: a nibble is E2M1 (sign bit 3, exponent bits 2..1 with bias 1, mantissa bit 0;
+ * exponent 0 is subnormal, m * 0.5), the block's value scale is 2^(e - 127), element
+ * j < 16 the low nibble of byte j and j + 16 its high nibble. */
+static float e2m1(int nib)
+{
+    int sgn = nib >> 3, ex = (nib >> 1) & 3, m = nib & 1;
+    float mag = ex == 0 ? 0.5f * (float)m : ldexpf(1.0f + 0.5f * (float)m, ex - 1);
+    return sgn ? -mag : mag;
+}
+
+static void test_mxfp4(void)
+{
+    uint8_t blk[2 * 17];
+    float out[64], want[64];
+    int q[64];
+    const int es[2] = {rndi(110, 140), rndi(110, 140)};
+    for (int b = 0; b < 2; b++) {
+        blk[17 * b] = (uint8_t)es[b];
+        for (int i = 0; i < 32; i++)
+            q[32 * b + i] = rndi(0, 15);
+        for (int j = 0; j < 16; j++)
+            blk[17 * b + 1 + j] = (uint8_t)(q[32 * b + j] | (q[32 * b + j + 16] << 4));
+        for (int i = 0; i < 32; i++)
+            want[32 * b + i] = e2m1(q[32 * b + i]) * ldexpf(1.0f, es[b] - 127);
+    }
+    m40_dequantize_row(M40_TYPE_MXFP4, blk, out, 64);
+    expect_row("MXFP4 random nibbles, two blocks", out, want, 64);
+    CHECK(m40_type_get(M40_TYPE_MXFP4) && m40_type_get(M40_TYPE_MXFP4)->block_elems == 32 &&
+              m40_type_get(M40_TYPE_MXFP4)->block_bytes == 17 && strcmp(m40_type_name(39), "MXFP4") == 0,
+          "MXFP4 is GGUF type 39, 17 bytes per 32");
+
+    /* literals: e = 127 (scale 1); byte 0 = 0x7f: element 0 is nibble f = -6, element 16
+     * nibble 7 = +6; byte 1 = 0x92: element 1 nibble 2 = 1, element 17 nibble 9 = -0.5;
+     * nibble 8 is -0, which must read as zero */
+    memset(blk, 0, 17);
+    blk[0] = 127;
+    blk[1] = 0x7f;
+    blk[2] = 0x92;
+    blk[3] = 0x08;
+    m40_dequantize_row(M40_TYPE_MXFP4, blk, out, 32);
+    CHECK(out[0] == -6.0f && out[16] == 6.0f && out[1] == 1.0f && out[17] == -0.5f && out[2] == 0.0f &&
+              out[18] == 0.0f && out[31] == 0.0f,
+          "MXFP4 literal: %g %g %g %g %g", out[0], out[16], out[1], out[17], out[2]);
+    /* the extreme scales: e = 0 is 2^-127 (a subnormal float), e = 254 is 2^127 */
+    blk[0] = 0;
+    m40_dequantize_row(M40_TYPE_MXFP4, blk, out, 32);
+    CHECK(out[1] == 0x1p-127f && out[16] == 6.0f * 0x1p-127f, "MXFP4 e=0: %g %g", out[1], out[16]);
+    blk[0] = 254;
+    m40_dequantize_row(M40_TYPE_MXFP4, blk, out, 32);
+    CHECK(out[1] == 0x1p127f && out[17] == -0x1p126f, "MXFP4 e=254: %g %g", out[1], out[17]);
+
+    /* values that are exactly levels times a power of two come back bit for bit, with
+     * the scale the smallest that holds the largest (6 * 2^-3 here: e = 124) */
+    float x[32], y[32];
+    for (int i = 0; i < 32; i++)
+        x[i] = e2m1(rndi(0, 15)) * 0x1p-3f;
+    x[9] = -6.0f * 0x1p-3f;
+    CHECK(m40_quantize_row(M40_TYPE_MXFP4, x, blk, 32) == 0, "MXFP4 quantizes");
+    m40_dequantize_row(M40_TYPE_MXFP4, blk, y, 32);
+    expect_row("MXFP4 exact levels round trip", y, x, 32);
+    CHECK(blk[0] == 124, "MXFP4 scale byte %d, expected 124", blk[0]);
+    /* nearest level: 2.4 -> 2, 2.6 -> 3, 5.1 -> 6, 4.9 -> 4, -11 -> -12, 0.2 -> 0; 6 sets e = 127 */
+    const float in[7] = {2.4f, 2.6f, 5.1f, 4.9f, -11.0f, 0.2f, 6.0f}, exp_[7] = {2, 3, 6, 4, -12, 0, 6};
+    for (int i = 0; i < 32; i++)
+        x[i] = i < 7 ? in[i] : 0.0f;
+    x[8] = 12.0f; /* the largest: scale 2 would not do, levels step in units of 1 at e = 128 */
+    m40_quantize_row(M40_TYPE_MXFP4, x, blk, 32);
+    m40_dequantize_row(M40_TYPE_MXFP4, blk, y, 32);
+    int bad = -1;
+    for (int i = 0; i < 7; i++)
+        if (y[i] != exp_[i])
+            bad = i;
+    CHECK(blk[0] == 128 && bad < 0 && y[8] == 12.0f, "MXFP4 nearest levels: e %d, element %d is %g", blk[0],
+          bad, bad >= 0 ? y[bad] : 0.0);
+}
+
 /* ---------------------------------------------------------------- round trips */
 
 static double rel_rms(const float *a, const float *b, int64_t n)
@@ -519,7 +596,7 @@ static void test_roundtrip(void)
     } cases[] = {
         {M40_TYPE_F32, 0.0},    {M40_TYPE_F16, 5e-4},  {M40_TYPE_BF16, 4e-3}, {M40_TYPE_Q8_0, 0.01},
         {M40_TYPE_Q4_0, 0.10},  {M40_TYPE_Q4_K, 0.08}, {M40_TYPE_Q6_K, 0.02}, {M40_TYPE_Q4_1, 0.10},
-        {M40_TYPE_Q5_0, 0.05},  {M40_TYPE_Q5_1, 0.05},
+        {M40_TYPE_Q5_0, 0.05},  {M40_TYPE_Q5_1, 0.05}, {M40_TYPE_MXFP4, 0.125},
     };
     /* Gaussian data with a per-256 magnitude that varies over 3 decades, so super
      * scales and sub-block scales are both exercised. */
@@ -620,6 +697,9 @@ static void random_row(uint32_t type, uint8_t *buf, int64_t n)
     case M40_TYPE_Q6_K: offs[0] = 208; break;
     default: break;
     }
+    if (type == M40_TYPE_MXFP4) /* an E8M0 scale byte near 1 (2^-8..2^5), not up to 2^127 */
+        for (int64_t b = 0; b < nb; b++)
+            buf[b * ti->block_bytes] = (uint8_t)rndi(120, 133);
     for (int64_t b = 0; b < nb; b++)
         for (int k = 0; k < 2; k++)
             if (offs[k] >= 0)
@@ -630,7 +710,7 @@ static void test_dot(void)
 {
     static const uint32_t types[] = {M40_TYPE_F32,  M40_TYPE_F16,  M40_TYPE_BF16, M40_TYPE_Q8_0, M40_TYPE_Q4_0,
                                      M40_TYPE_Q4_1, M40_TYPE_Q5_0, M40_TYPE_Q5_1, M40_TYPE_Q2_K, M40_TYPE_Q3_K,
-                                     M40_TYPE_Q4_K, M40_TYPE_Q5_K, M40_TYPE_Q6_K};
+                                     M40_TYPE_Q4_K, M40_TYPE_Q5_K, M40_TYPE_Q6_K, M40_TYPE_MXFP4};
     static const int blocks[] = {1, 3, 7, 33};
     static uint8_t raw[33 * 256 * 4 + 1];
     static float deq[33 * 256], x[33 * 256];
@@ -668,9 +748,9 @@ static void test_supported(void)
 {
     static const uint32_t yes[] = {M40_TYPE_F32,  M40_TYPE_F16,  M40_TYPE_BF16, M40_TYPE_Q8_0, M40_TYPE_Q4_0,
                                    M40_TYPE_Q4_1, M40_TYPE_Q5_0, M40_TYPE_Q5_1, M40_TYPE_Q2_K, M40_TYPE_Q3_K,
-                                   M40_TYPE_Q4_K, M40_TYPE_Q5_K, M40_TYPE_Q6_K};
+                                   M40_TYPE_Q4_K, M40_TYPE_Q5_K, M40_TYPE_Q6_K, M40_TYPE_MXFP4};
     static const uint32_t no[] = {4, 5, M40_TYPE_Q8_1, M40_TYPE_Q8_K, M40_TYPE_I8, M40_TYPE_I32, M40_TYPE_F64,
-                                  16, 29, 39, 40, 1000, UINT32_MAX};
+                                  16, 29, 38, 40, 1000, UINT32_MAX};
     for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
         CHECK(m40_type_supported(yes[i]) == 1, "type %u should be supported", yes[i]);
     for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
@@ -821,6 +901,7 @@ int main(void)
     test_q45_k(0);
     test_q45_k(1);
     test_q6_k();
+    test_mxfp4();
     test_roundtrip();
     test_dot();
     test_real_models();
