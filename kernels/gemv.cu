@@ -461,6 +461,7 @@ extern "C" int m40k_gemv(const void *w, int w_type, int N, int K, const float *x
     case M40K_TYPE_Q3_K: return K % 256 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q3_K>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_Q5_K: return K % 256 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q5_K>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_BF16: return K % 8 ? M40K_INVALID : gemv_launch<M40K_TYPE_BF16>(w, N, K, x, x_stride, y, y_stride, batch, stream);
+    case M40K_TYPE_MXFP4: return K % 32 ? M40K_INVALID : gemv_launch<M40K_TYPE_MXFP4>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     default: return M40K_INVALID;
     }
 }
