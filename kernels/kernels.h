@@ -536,7 +536,13 @@ int m40k_moe_topk(const float *logits, int n_tokens, int n_expert, int k, int ga
  * summed in the order j = 0..k-1; n < dim; out-of-range ids contribute nothing. W_down:
  * n_expert matrices of dim x n_ff; n_ff a multiple of the block, h 16-byte aligned,
  * h_stride a multiple of 4. accumulate adds into out (the residual, or a shared expert's
- * output). Twins: m40_ref_moe_gate_up, m40_ref_moe_down. */
+ * output). Twins: m40_ref_moe_gate_up, m40_ref_moe_down.
+ * Both are launched with programmatic dependent launch where their fast kernels take the
+ * type (F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4; 16-byte aligned matrices, and rows of
+ * 16-byte multiples for F16, BF16, Q4_K): the gate/up kernel waits for the kernel before it
+ * first; the down kernel reads ids BEFORE its wait (its first weight rows load while the
+ * gate/up kernel ends), so ids must not be the output of the kernel launched just before
+ * m40k_moe_down (in the pipeline router -> top-k -> gate/up -> down they are top-k's). */
 enum { M40K_GLU_SWIGLU_OAI = 2 };
 #define M40K_OAI_ALPHA 1.702f
 #define M40K_OAI_LIMIT 7.0f

@@ -15,7 +15,7 @@
  *   table; the combine step walks each token's k results in order j = 0..k-1 again.
  * The weights are dequantized by quant_dev.h's m40k_group8, the one definition the GEMV,
  * the embedding gather and the GEMM share. */
-#include "quant_dev.h"
+#include "gemv_fast_dev.h"
 
 /* ------------------------------------------------------------------ activation */
 
@@ -400,6 +400,251 @@ __global__ __launch_bounds__(MG_WARPS * 32) void moe_down_kernel(const uint8_t *
     }
 }
 
+/* ---- the fast expert GEMV: gemv.cu's fast path (gemv_fast_dev.h) with the rows a warp
+ * takes found through ids[]. A warp keeps MF_R = 4 rows in flight (gate and up of two
+ * output rows; or one output row of 4 experts), the work a warp does being a sequence of
+ * (round, segment) units whose loads go out one unit ahead: the next round's rows load
+ * while this one's last segment is summed. Types: F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K,
+ * MXFP4 (rows 16-byte aligned for F16, BF16, Q4_K; any row for the others). */
+#define MF_R 4
+
+template <int T> struct mf_dims {
+    typedef m40k_tinfo<T> ti;
+    enum {
+        SEG = gf_cfg<T>::SEG,
+        SEGB = SEG / ti::BE * ti::BB,
+        NCH = (SEGB + 15) / 16 + 1, /* one more for a row that starts mid-chunk */
+        CH = (NCH + 31) / 32,
+        SMB = CH * 512 + 16,
+        NSC = gf_cfg<T>::NSC > 0 ? gf_cfg<T>::NSC : 1,
+    };
+};
+
+/* rows(round, q): row q of a round (NULL: none); xs(round, q): its x (F32, 16-byte
+ * aligned; SHARED_X: every row's is xs(round, 0), loaded once); end(round, d): d[q] = row
+ * q's dot product, in every lane; ready(): called once the first unit's weight loads are
+ * out, before any x is read (the PDL wait). */
+template <int T, bool SHARED_X, class RowF, class XF, class EndF, class ReadyF>
+__device__ __forceinline__ void mf_warp(int rounds, int K, RowF rows, XF xs, EndF end, ReadyF ready,
+                                        uint8_t (&sb)[MF_R][mf_dims<T>::SMB], float2 (&ssc)[MF_R][mf_dims<T>::NSC])
+{
+    typedef mf_dims<T> D;
+    typedef m40k_tinfo<T> ti;
+    constexpr int SEG = D::SEG, SEGB = D::SEGB, CH = D::CH;
+    const int lane = threadIdx.x & 31;
+    const int nseg = (K + SEG - 1) / SEG, units = rounds * nseg;
+    uint4 rg[MF_R][CH];
+    auto fetch = [&](int u) {
+        const int rd = u / nseg, sg = u % nseg;
+        const int elems = min(SEG, K - sg * SEG);
+#pragma unroll
+        for (int q = 0; q < MF_R; q++) {
+            const uint8_t *rp = rows(rd, q);
+            if (!rp)
+                continue;
+            const uintptr_t b0 = (uintptr_t)(rp + (size_t)sg * SEGB), b1 = b0 + (size_t)elems / ti::BE * ti::BB;
+            const uint4 *a0 = reinterpret_cast<const uint4 *>(b0 & ~(uintptr_t)15);
+            const int nch = (int)((((b1 + 15) & ~(uintptr_t)15) - (b0 & ~(uintptr_t)15)) / 16);
+#pragma unroll
+            for (int c = 0; c < CH; c++)
+                if (lane + 32 * c < nch)
+                    rg[q][c] = __ldcs(a0 + lane + 32 * c);
+        }
+    };
+    float acc[MF_R];
+#pragma unroll
+    for (int q = 0; q < MF_R; q++)
+        acc[q] = 0.0f;
+    if (units > 0)
+        fetch(0);
+    ready();
+    for (int u = 0; u < units; u++) {
+        const int rd = u / nseg, sg = u % nseg;
+#pragma unroll
+        for (int q = 0; q < MF_R; q++)
+#pragma unroll
+            for (int c = 0; c < CH; c++)
+                reinterpret_cast<uint4 *>(sb[q])[lane + 32 * c] = rg[q][c];
+        __syncwarp();
+        if (u + 1 < units)
+            fetch(u + 1);
+        int off[MF_R];
+#pragma unroll
+        for (int q = 0; q < MF_R; q++) {
+            const uint8_t *rp = rows(rd, q);
+            off[q] = rp ? (int)((uintptr_t)(rp + (size_t)sg * SEGB) & 15) : 0;
+        }
+        if (gf_cfg<T>::NSC > 0) {
+#pragma unroll
+            for (int q = 0; q < MF_R; q++)
+                if (rows(rd, q))
+                    gf_scales<T>(sb[q], off[q], ssc[q], lane);
+            __syncwarp();
+        }
+        const int elems = min(SEG, K - sg * SEG);
+#pragma unroll
+        for (int i = 0; i < SEG / 256; i++) {
+            const int e0 = 8 * lane + 256 * i;
+            if (e0 < elems) {
+                float4 sxa = make_float4(0, 0, 0, 0), sxb = sxa;
+                float ssx = 0.0f;
+                if (SHARED_X) {
+                    const float *xe = xs(rd, 0) + (size_t)sg * SEG + e0;
+                    sxa = __ldca(reinterpret_cast<const float4 *>(xe));
+                    sxb = __ldca(reinterpret_cast<const float4 *>(xe + 4));
+                    ssx = ((sxa.x + sxa.y) + (sxa.z + sxa.w)) + ((sxb.x + sxb.y) + (sxb.z + sxb.w));
+                }
+#pragma unroll
+                for (int q = 0; q < MF_R; q++) {
+                    if (!rows(rd, q))
+                        continue;
+                    float f[8], A, C;
+                    gf_group<T>(sb[q], off[q], ssc[q], lane, i, f, A, C);
+                    float4 xa = sxa, xb = sxb;
+                    if (!SHARED_X) {
+                        const float *xe = xs(rd, q) + (size_t)sg * SEG + e0;
+                        xa = __ldca(reinterpret_cast<const float4 *>(xe));
+                        xb = __ldca(reinterpret_cast<const float4 *>(xe + 4));
+                    }
+                    float t = f[0] * xa.x;
+                    t = fmaf(f[1], xa.y, t);
+                    t = fmaf(f[2], xa.z, t);
+                    t = fmaf(f[3], xa.w, t);
+                    t = fmaf(f[4], xb.x, t);
+                    t = fmaf(f[5], xb.y, t);
+                    t = fmaf(f[6], xb.z, t);
+                    t = fmaf(f[7], xb.w, t);
+                    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16) {
+                        acc[q] += t;
+                    } else if (T == M40K_TYPE_MXFP4) {
+                        acc[q] = fmaf(A, t, acc[q]);
+                    } else {
+                        const float sx =
+                            SHARED_X ? ssx : ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+                        acc[q] = fmaf(A, t, fmaf(C, sx, acc[q]));
+                    }
+                }
+            }
+        }
+        __syncwarp();
+        if (sg == nseg - 1) {
+            float d[MF_R];
+#pragma unroll
+            for (int q = 0; q < MF_R; q++) {
+                d[q] = m40k_warp_sum(acc[q]);
+                acc[q] = 0.0f;
+            }
+            end(rd, d);
+        }
+    }
+}
+
+template <int T>
+__global__ __launch_bounds__(MG_WARPS * 32) void moe_gate_up_fast_kernel(
+    const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, size_t row_bytes, int n_expert, int n_ff, int dim,
+    const float *__restrict__ gate_b, const float *__restrict__ up_b, int act, const float *__restrict__ x,
+    int64_t x_stride, const int32_t *__restrict__ ids, int k, float *__restrict__ h, int64_t h_stride)
+{
+    typedef mf_dims<T> D;
+    __shared__ __align__(16) uint8_t sbuf[MG_WARPS][MF_R][D::SMB];
+    __shared__ __align__(16) float2 ssc[MG_WARPS][MF_R][D::NSC];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * MG_WARPS + warp) * 2, p = blockIdx.y;
+    /* PDL: the routing (the kernel before) is complete and visible before anything is
+     * read; only then may the down projection after this kernel start (it reads ids
+     * before its own wait) */
+    m40k_grid_wait();
+    m40k_grid_launch_dependents();
+    if (n0 >= n_ff)
+        return;
+    const int e = ids[p];
+    float *hp = h + (size_t)p * h_stride;
+    if (e < 0 || e >= n_expert) {
+        if (lane < 2 && n0 + lane < n_ff)
+            hp[n0 + lane] = 0.0f;
+        return;
+    }
+    const float *xt = x + (size_t)(p / k) * x_stride;
+    const uint8_t *base[2] = {wg + ((size_t)e * n_ff + n0) * row_bytes, wu + ((size_t)e * n_ff + n0) * row_bytes};
+    const bool two = n0 + 1 < n_ff;
+    mf_warp<T, true>(
+        1, dim,
+        [&](int, int q) -> const uint8_t * { return q < 2 || two ? base[q & 1] + (q >> 1) * row_bytes : nullptr; },
+        [&](int, int) { return xt; },
+        [&](int, const float(&d)[MF_R]) {
+            if (lane == 0)
+                for (int r = 0; r < (two ? 2 : 1); r++) {
+                    const size_t bi = (size_t)e * n_ff + n0 + r;
+                    hp[n0 + r] = moe_act(act, d[2 * r] + (gate_b ? gate_b[bi] : 0.0f),
+                                         d[2 * r + 1] + (up_b ? up_b[bi] : 0.0f));
+                }
+        },
+        [] {}, sbuf[warp], ssc[warp]);
+}
+
+template <int T>
+__global__ __launch_bounds__(MG_WARPS * 32) void moe_down_fast_kernel(const uint8_t *__restrict__ wd, size_t row_bytes,
+                                                                      int n_expert, int dim, int n_ff,
+                                                                      const float *__restrict__ down_b,
+                                                                      const float *__restrict__ h, int64_t h_stride,
+                                                                      const int32_t *__restrict__ ids,
+                                                                      const float *__restrict__ weights, int k,
+                                                                      float *__restrict__ out, int64_t out_stride,
+                                                                      int accumulate)
+{
+    typedef mf_dims<T> D;
+    __shared__ __align__(16) uint8_t sbuf[MG_WARPS][MF_R][D::SMB];
+    __shared__ __align__(16) float2 ssc[MG_WARPS][MF_R][D::NSC];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n = blockIdx.x * MG_WARPS + warp, t = blockIdx.y;
+    m40k_grid_launch_dependents();
+    if (n >= dim) {
+        m40k_grid_wait();
+        return;
+    }
+    /* ids are read before the PDL wait (kernels.h 10d: not the previous kernel's output),
+     * so that the first experts' rows load while the gate/up kernel finishes */
+    int ee[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int e = j < k ? ids[(size_t)t * k + j] : -1;
+        ee[j] = e >= 0 && e < n_expert ? e : -1;
+    }
+    float sum = 0.0f;
+    mf_warp<T, false>(
+        (k + MF_R - 1) / MF_R, n_ff,
+        [&](int rd, int q) -> const uint8_t * {
+            const int j = rd * MF_R + q;
+            return j < k && ee[j] >= 0 ? wd + ((size_t)ee[j] * dim + n) * row_bytes : nullptr;
+        },
+        [&](int rd, int q) { return h + ((size_t)t * k + rd * MF_R + q) * h_stride; },
+        [&](int rd, const float(&d)[MF_R]) {
+#pragma unroll
+            for (int q = 0; q < MF_R; q++) {
+                const int j = rd * MF_R + q;
+                if (j < k && ee[j] >= 0)
+                    sum += weights[(size_t)t * k + j] * (d[q] + (down_b ? down_b[(size_t)ee[j] * dim + n] : 0.0f));
+            }
+        },
+        [] { m40k_grid_wait(); }, sbuf[warp], ssc[warp]);
+    if (lane == 0) {
+        float *o = out + (size_t)t * out_stride + n;
+        *o = accumulate ? *o + sum : sum;
+    }
+}
+
+/* The fast kernels take the type where its rows allow. */
+template <int T> static bool mf_takes(const void *w, size_t row_bytes)
+{
+    constexpr bool typed = T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
+                           T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_MXFP4;
+    if (!typed || ((uintptr_t)w & 15))
+        return false;
+    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q4_K)
+        return row_bytes % 16 == 0;
+    return true;
+}
+
 /* The types the expert GEMV reads: one list for both entries. */
 #define MG_TYPES(X)                                                                                                    \
     X(M40K_TYPE_F16, 8)                                                                                                \
@@ -415,6 +660,36 @@ __global__ __launch_bounds__(MG_WARPS * 32) void moe_down_kernel(const uint8_t *
     X(M40K_TYPE_Q5_K, 256)                                                                                             \
     X(M40K_TYPE_Q6_K, 256)                                                                                             \
     X(M40K_TYPE_MXFP4, 32)
+
+/* Launches of the fast kernels (only instantiated for their types). */
+template <int T>
+static int mg_fast_gate_up(const void *wg, const void *wu, int n_expert, int n_ff, int dim, const float *gb,
+                            const float *ub, int act, const float *x, int64_t xs, const int32_t *ids, int n_tokens,
+                            int k, float *h, int64_t hs, cudaStream_t st)
+{
+    if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
+                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_MXFP4) {
+        const size_t rb = (size_t)dim / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+        const dim3 grid((unsigned)((n_ff + 2 * MG_WARPS - 1) / (2 * MG_WARPS)), (unsigned)(n_tokens * k));
+        return m40k_launch_pdl(moe_gate_up_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wg,
+                               (const uint8_t *)wu, rb, n_expert, n_ff, dim, gb, ub, act, x, xs, ids, k, h, hs);
+    }
+    return M40K_INVALID;
+}
+template <int T>
+static int mg_fast_down(const void *wd, int n_expert, int dim, int n_ff, const float *db, const float *h, int64_t hs,
+                         const int32_t *ids, const float *w, int n_tokens, int k, float *out, int64_t os, int acc,
+                         cudaStream_t st)
+{
+    if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
+                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_MXFP4) {
+        const size_t rb = (size_t)n_ff / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+        const dim3 grid((unsigned)((dim + MG_WARPS - 1) / MG_WARPS), (unsigned)n_tokens);
+        return m40k_launch_pdl(moe_down_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wd, rb,
+                               n_expert, dim, n_ff, db, h, hs, ids, w, k, out, os, acc);
+    }
+    return M40K_INVALID;
+}
 
 extern "C" int m40k_moe_gate_up(const void *w_gate, const void *w_up, int w_type, int n_expert, int n_ff, int dim,
                                 const float *gate_b, const float *up_b, int act, const float *x, int64_t x_stride,
@@ -432,6 +707,11 @@ extern "C" int m40k_moe_gate_up(const void *w_gate, const void *w_up, int w_type
     case t:                                                                                                            \
         if (dim % be)                                                                                                  \
             return M40K_INVALID;                                                                                       \
+        if (mf_takes<t>(w_gate, (size_t)dim / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB) &&                               \
+            mf_takes<t>(w_up, (size_t)dim / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB)) {                                  \
+            return mg_fast_gate_up<t>(w_gate, w_up, n_expert, n_ff, dim, gate_b, up_b, act, x, x_stride, ids, n_tokens, \
+                                      k, h, h_stride, st);                                                             \
+        }                                                                                                              \
         moe_gate_up_kernel<t><<<dim3((unsigned)((n_ff + MG_WARPS * mg_cfg<t>::RPW - 1) / (MG_WARPS * mg_cfg<t>::RPW)), \
                                      (unsigned)(n_tokens * k)),                                                        \
                                 MG_WARPS * 32, 0, st>>>(                                                               \
@@ -459,6 +739,10 @@ extern "C" int m40k_moe_down(const void *w_down, int w_type, int n_expert, int d
     case t:                                                                                                            \
         if (n_ff % be)                                                                                                 \
             return M40K_INVALID;                                                                                       \
+        if (mf_takes<t>(w_down, (size_t)n_ff / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB)) {                              \
+            return mg_fast_down<t>(w_down, n_expert, dim, n_ff, down_b, h, h_stride, ids, weights, n_tokens, k, out,  \
+                                   out_stride, accumulate, st);                                                        \
+        }                                                                                                              \
         moe_down_kernel<t><<<grid, MG_WARPS * 32, 0, st>>>(                                                            \
             (const uint8_t *)w_down, (size_t)n_ff / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB, n_expert, dim, n_ff, down_b, \
             h, h_stride, ids, weights, k, out, out_stride, accumulate);                                                \
@@ -498,13 +782,31 @@ __global__ __launch_bounds__(GR_THREADS) void moe_group_kernel(const int32_t *__
             atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
-    if (tid == 0) {
-        int o = 0, ts = 0;
-        for (int e = 0; e < n_expert; e++) {
-            off[e] = o, tstart[e] = ts;
-            o += cnt[e], ts += (cnt[e] + bm - 1) / bm;
+    if (warp == 0) { /* exclusive scans of the counts and the tiles: 8 experts a lane */
+        int c[8], o = 0, ts = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = 8 * lane + i;
+            c[i] = e < n_expert ? cnt[e] : 0;
+            o += c[i], ts += (c[i] + bm - 1) / bm;
         }
-        off[n_expert] = o, tstart[n_expert] = ts;
+        int io = o, its = ts; /* inclusive over lanes */
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, io, d), b = __shfl_up_sync(0xffffffffu, its, d);
+            if (lane >= d)
+                io += a, its += b;
+        }
+        if (lane == 31) /* the totals */
+            off[n_expert] = io, tstart[n_expert] = its;
+        o = io - o, ts = its - ts;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int e = 8 * lane + i;
+            if (e < n_expert)
+                off[e] = o, tstart[e] = ts;
+            o += c[i], ts += (c[i] + bm - 1) / bm;
+        }
     }
     __syncthreads();
     for (int e = tid; e <= n_expert; e += GR_THREADS) {
@@ -570,11 +872,9 @@ __global__ void moe_gather_kernel(const float *__restrict__ x, int64_t x_stride,
                                   const int32_t *__restrict__ perm, int k, uint16_t *__restrict__ out16,
                                   int64_t out_stride)
 {
-    const int i = blockIdx.x, p = perm[i];
-    uint16_t *o = out16 + (size_t)i * out_stride;
-    const float *xr = p >= 0 ? x + (size_t)(p / k) * x_stride : nullptr;
-    for (int c = threadIdx.x; c < dim; c += blockDim.x)
-        o[c] = xr ? m40k_f2h(xr[c]) : (uint16_t)0;
+    const int i = blockIdx.y, p = perm[i], c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c < dim)
+        out16[(size_t)i * out_stride + c] = p >= 0 ? m40k_f2h(x[(size_t)(p / k) * x_stride + c]) : (uint16_t)0;
 }
 
 extern "C" int m40k_moe_gather_f16(const float *x, int64_t x_stride, int dim, const int32_t *perm, int n_pairs, int k,
@@ -584,7 +884,9 @@ extern "C" int m40k_moe_gather_f16(const float *x, int64_t x_stride, int dim, co
         return n_pairs < 0 || dim < 0 ? M40K_INVALID : 0;
     if (k < 1 || out_stride < dim)
         return M40K_INVALID;
-    moe_gather_kernel<<<n_pairs, 256, 0, (cudaStream_t)stream>>>(x, x_stride, dim, perm, k, out16, out_stride);
+    if (n_pairs > 65535)
+        return M40K_INVALID;
+    moe_gather_kernel<<<dim3((unsigned)((dim + 255) / 256), (unsigned)n_pairs), 256, 0, (cudaStream_t)stream>>>(x, x_stride, dim, perm, k, out16, out_stride);
     return m40k_launch_status();
 }
 
@@ -594,12 +896,12 @@ __global__ void moe_glu_sorted_kernel(int act, const float *__restrict__ gate, c
                                       const int32_t *__restrict__ perm, int n_ff, uint16_t *__restrict__ out16,
                                       int64_t out_stride)
 {
-    const int i = blockIdx.x, p = perm[i];
-    if (p < 0)
+    const int i = blockIdx.y, p = perm[i], n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < 0 || n >= n_ff)
         return;
     const int e = ids[p];
     const float *g = gate + (size_t)i * in_stride, *u = up + (size_t)i * in_stride;
-    for (int n = threadIdx.x; n < n_ff; n += blockDim.x) {
+    {
         const size_t bi = (size_t)e * n_ff + n;
         out16[(size_t)i * out_stride + n] =
             m40k_f2h(moe_act(act, g[n] + (gate_b ? gate_b[bi] : 0.0f), u[n] + (up_b ? up_b[bi] : 0.0f)));
@@ -614,7 +916,9 @@ extern "C" int m40k_moe_glu_sorted(int act, const float *gate, const float *up, 
         return n_pairs < 0 || n_ff < 0 ? M40K_INVALID : 0;
     if ((act != M40K_GLU_SILU && act != M40K_GLU_SWIGLU_OAI) || out_stride < n_ff)
         return M40K_INVALID;
-    moe_glu_sorted_kernel<<<n_pairs, 256, 0, (cudaStream_t)stream>>>(act, gate, up, in_stride, gate_b, up_b, ids, perm,
+    if (n_pairs > 65535)
+        return M40K_INVALID;
+    moe_glu_sorted_kernel<<<dim3((unsigned)((n_ff + 255) / 256), (unsigned)n_pairs), 256, 0, (cudaStream_t)stream>>>(act, gate, up, in_stride, gate_b, up_b, ids, perm,
                                                                     n_ff, out16, out_stride);
     return m40k_launch_status();
 }
@@ -624,8 +928,8 @@ __global__ void moe_combine_kernel(const float *__restrict__ y, int64_t ldy, con
                                    const float *__restrict__ down_b, int k, int dim, float *__restrict__ out,
                                    int64_t out_stride, int accumulate)
 {
-    const int t = blockIdx.x;
-    for (int n = threadIdx.x; n < dim; n += blockDim.x) {
+    const int t = blockIdx.y, n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (n < dim) {
         float s = 0.0f;
         for (int j = 0; j < k; j++) {
             const int pos = inv[(size_t)t * k + j];
@@ -648,7 +952,9 @@ extern "C" int m40k_moe_combine(const float *y, int64_t ldy, const int32_t *inv,
         return n_tokens < 0 || dim < 0 ? M40K_INVALID : 0;
     if (k < 1 || k > 8 || n_expert < 1 || ldy < dim)
         return M40K_INVALID;
-    moe_combine_kernel<<<n_tokens, 256, 0, (cudaStream_t)stream>>>(y, ldy, inv, ids, weights, down_b, k, dim, out,
+    if (n_tokens > 65535)
+        return M40K_INVALID;
+    moe_combine_kernel<<<dim3((unsigned)((dim + 127) / 128), (unsigned)n_tokens), 128, 0, (cudaStream_t)stream>>>(y, ldy, inv, ids, weights, down_b, k, dim, out,
                                                                   out_stride, accumulate);
     return m40k_launch_status();
 }
