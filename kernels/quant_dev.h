@@ -53,8 +53,9 @@ template <> struct m40k_tinfo<M40K_TYPE_MXFP4> { enum { BE = 32, BB = 17 }; };
  * built from its bits (e = 0 and 1: the subnormals 2^-128 and 2^-127). */
 __device__ __forceinline__ float m40k_mxfp4_level(uint32_t v)
 {
-    const int m = (int)__byte_perm(0x03020100u, 0x0C080604u, v & 7u) & 0xFF;
-    return (float)((v & 8u) ? -m : m);
+    /* no integer-to-float conversion (quarter rate): the 2^23 trick, then the sign bit */
+    const uint32_t m = __byte_perm(0x03020100u, 0x0C080604u, v & 7u) & 0xFFu;
+    return __uint_as_float(__float_as_uint(m40k_u8f(m)) | ((v & 8u) << 28));
 }
 __device__ __forceinline__ float m40k_e8m0_half(uint32_t e)
 {
