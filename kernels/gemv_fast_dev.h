@@ -132,18 +132,44 @@ __device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2
         A = sc[16 * i + (lane >> 1)].x;
         C = -1.5f * A;
     } else if (T == M40K_TYPE_MXFP4) {
-        /* block 8i + lane/4 of 17 bytes; its quarter lane % 4: the low nibbles of bytes
-         * 0-7 or 8-15 of qs, or the high ones */
-        const int j = 8 * i + (lane >> 2), jj = 8 * (lane & 3);
-        const int bo = off + 17 * j;
-        const uint2 v = gf_ld8(p, bo + 1 + (jj & 15));
-        const int sh = jj < 16 ? 0 : 4;
+        /* block 8i + lane/4 of 17 bytes, its qs bytes 4q .. 4q+3 (q = lane % 4): elements
+         * 4q .. 4q+3 (low nibbles: f[0..3]) and 16+4q .. 16+4q+3 (high: f[4..7]); x at
+         * gf_xoff's offsets. Each level plus 12 (0..24) as a byte from a table by byte
+         * permutes: the nibbles' low 3 bits select the magnitude from the table of positive
+         * or of negative levels, their sign bit (bit 3: PTX prmt's sign-replicate flag, on
+         * a table of 0x80 bytes) picks between the two. Then A = the scale, C = -12 A. */
+        const int j = 8 * i + (lane >> 2), bo = off + 17 * j;
+        const int a = bo + 1 + 4 * (lane & 3);
+        const uint32_t *wp = reinterpret_cast<const uint32_t *>(p + (a & ~3));
+        const uint32_t w = __funnelshift_r(wp[0], wp[1], (a & 3) * 8);
+        uint32_t u[2];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            f[k] = m40k_mxfp4_level(v.x >> (8 * k + sh));
-            f[4 + k] = m40k_mxfp4_level(v.y >> (8 * k + sh));
+        for (int h = 0; h < 2; h++) { /* nibbles 4h .. 4h+3: elements 2h, 16+2h, 2h+1, 16+2h+1 */
+            const uint32_t sel = (w >> (16 * h)) & 0xFFFFu;
+            const uint32_t pos = __byte_perm(0x0F0E0D0Cu, 0x18141210u, sel & 0x7777u);
+            const uint32_t neg = __byte_perm(0x090A0B0Cu, 0x00040608u, sel & 0x7777u);
+            uint32_t m7; /* prmt's sign-replicate mode (selector bit 3), which __byte_perm masks off */
+            asm("prmt.b32 %0, %1, %1, %2;" : "=r"(m7) : "r"(0x80808080u), "r"(sel));
+            m7 ^= 0x80808080u; /* 0x7F: negative */
+            const uint32_t m = m7 | (m7 << 1);
+            u[h] = (pos & ~m) | (neg & m);
         }
-        A = m40k_e8m0_half(p[bo]), C = 0.0f;
+        f[0] = gf_b2f_int(u[0], 0), f[1] = gf_b2f_int(u[0], 2), f[2] = gf_b2f_int(u[1], 0), f[3] = gf_b2f_int(u[1], 2);
+        f[4] = gf_b2f_int(u[0], 1), f[5] = gf_b2f_int(u[0], 3), f[6] = gf_b2f_int(u[1], 1), f[7] = gf_b2f_int(u[1], 3);
+        A = m40k_e8m0_half(p[bo]), C = -12.0f * A;
+    }
+}
+
+/* The x of lane's group i (gf_group's f[0..3] and f[4..7]): elements oa .. oa+3 and
+ * ob .. ob+3 of the segment; 8l + 256i and 4 more for every type but MXFP4. */
+template <int T> __device__ __forceinline__ void gf_xoff(int lane, int i, int &oa, int &ob)
+{
+    if (T == M40K_TYPE_MXFP4) {
+        oa = 32 * (8 * i + (lane >> 2)) + 4 * (lane & 3);
+        ob = oa + 16;
+    } else {
+        oa = 8 * lane + 256 * i;
+        ob = oa + 4;
     }
 }
 

@@ -488,10 +488,12 @@ __device__ __forceinline__ void mf_warp(int rounds, int K, RowF rows, XF xs, End
             if (e0 < elems) {
                 float4 sxa = make_float4(0, 0, 0, 0), sxb = sxa;
                 float ssx = 0.0f;
+                int oa, ob;
+                gf_xoff<T>(lane, i, oa, ob);
                 if (SHARED_X) {
-                    const float *xe = xs(rd, 0) + (size_t)sg * SEG + e0;
-                    sxa = __ldca(reinterpret_cast<const float4 *>(xe));
-                    sxb = __ldca(reinterpret_cast<const float4 *>(xe + 4));
+                    const float *xe = xs(rd, 0) + (size_t)sg * SEG;
+                    sxa = __ldca(reinterpret_cast<const float4 *>(xe + oa));
+                    sxb = __ldca(reinterpret_cast<const float4 *>(xe + ob));
                     ssx = ((sxa.x + sxa.y) + (sxa.z + sxa.w)) + ((sxb.x + sxb.y) + (sxb.z + sxb.w));
                 }
 #pragma unroll
@@ -502,9 +504,9 @@ __device__ __forceinline__ void mf_warp(int rounds, int K, RowF rows, XF xs, End
                     gf_group<T>(sb[q], off[q], ssc[q], lane, i, f, A, C);
                     float4 xa = sxa, xb = sxb;
                     if (!SHARED_X) {
-                        const float *xe = xs(rd, q) + (size_t)sg * SEG + e0;
-                        xa = __ldca(reinterpret_cast<const float4 *>(xe));
-                        xb = __ldca(reinterpret_cast<const float4 *>(xe + 4));
+                        const float *xe = xs(rd, q) + (size_t)sg * SEG;
+                        xa = __ldca(reinterpret_cast<const float4 *>(xe + oa));
+                        xb = __ldca(reinterpret_cast<const float4 *>(xe + ob));
                     }
                     float t = f[0] * xa.x;
                     t = fmaf(f[1], xa.y, t);
@@ -516,8 +518,6 @@ __device__ __forceinline__ void mf_warp(int rounds, int K, RowF rows, XF xs, End
                     t = fmaf(f[7], xb.w, t);
                     if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16) {
                         acc[q] += t;
-                    } else if (T == M40K_TYPE_MXFP4) {
-                        acc[q] = fmaf(A, t, acc[q]);
                     } else {
                         const float sx =
                             SHARED_X ? ssx : ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
