@@ -70,6 +70,7 @@ extern "C" int m40k_embed(const void *table, int table_type, int64_t n_rows, int
     case M40K_TYPE_Q3_K: return embed_launch<M40K_TYPE_Q3_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q5_K: return embed_launch<M40K_TYPE_Q5_K>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_BF16: return embed_launch<M40K_TYPE_BF16>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
+    case M40K_TYPE_MXFP4: return embed_launch<M40K_TYPE_MXFP4>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q8_0_G8:
         return embed_launch<M40K_TYPE_Q8_0_G8>(table, n_rows, dim, ids, n_ids, out, f16, out_stride, stream);
     case M40K_TYPE_Q6_K_G8:

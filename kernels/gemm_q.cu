@@ -196,11 +196,14 @@ __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_
  * buffer, barrier; otherwise multiply, barrier, store, barrier. Registers: blocks of 16
  * or 32 token rows are held to 85 a thread (three blocks an SM; they used 84-86 before
  * the bound, with no spills under it), larger ones to 128 (two). */
+/* The block's work: output tile (bx, by) of the product, split s of S (tile: its counter);
+ * mq_kernel's blocks take it from their index, the grouped kernel of the experts
+ * (mq_grouped_kernel) from its tile table. */
 template <int T, int BM, bool STAGED>
-__global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
-                                                               int K, const uint16_t *__restrict__ x, int64_t x_stride,
-                                                               int M, float *__restrict__ y, int64_t ldy, int S,
-                                                               float *ws, int *counters)
+__device__ __forceinline__ void mq_block(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K,
+                                         const uint16_t *__restrict__ x, int64_t x_stride, int M,
+                                         float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters, int bx,
+                                         int by, int s, int tile)
 {
     typedef mq_shape<BM> sh;
     typedef mq_smem<T, BM, STAGED> sm;
@@ -212,7 +215,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
     uint8_t *const raw = mq_sm + sm::TILES * (sm::W + sm::X); /* STAGED: chunk buffer b at raw + b * MQ_BN * RB */
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wn = warp % sh::WN, wm = warp / sh::WN;
-    const int n0 = blockIdx.x * MQ_BN, m0 = blockIdx.y * BM, s = blockIdx.z;
+    const int n0 = bx * MQ_BN, m0 = by * BM;
     /* the split's steps: whole chunks of 256 (the staged kernel's unit; the direct one
      * splits alike, so that both sum in the same order) */
     constexpr int unit = MQ_KC / MQ_BK;
@@ -418,8 +421,38 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(con
                     dst[(size_t)t * ld + r] = acc[mt][nt][c];
             }
     if (S > 1)
-        mq_split_end(S, N, M, n0, m0, min(MQ_BN, N - n0), min(BM, M - m0), y, ldy, ws, counters,
-                     blockIdx.y * gridDim.x + blockIdx.x);
+        mq_split_end(S, N, M, n0, m0, min(MQ_BN, N - n0), min(BM, M - m0), y, ldy, ws, counters, tile);
+}
+
+template <int T, int BM, bool STAGED>
+__global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
+                                                               int K, const uint16_t *__restrict__ x, int64_t x_stride,
+                                                               int M, float *__restrict__ y, int64_t ldy, int S,
+                                                               float *ws, int *counters)
+{
+    mq_block<T, BM, STAGED>(w, row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters, blockIdx.x, blockIdx.y,
+                            blockIdx.z, blockIdx.y * gridDim.x + blockIdx.x);
+}
+
+/* The experts' grouped product (kernels.h 10g): block (bx, i) takes tile i of the table,
+ * (expert e, its first row m0), and computes weight rows bx*128.. of expert e for the rows
+ * m0 .. m0+BM of e's group (rows offsets[e] .. offsets[e+1] of x and y) as mq_kernel's
+ * block (bx, m0/BM) of that expert's product. Entries with e outside [0, n_expert): no
+ * work (the table's unused tail). No split of K: the tiles fill the GPU. */
+template <int T, int BM, bool STAGED>
+__global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_grouped_kernel(
+    const uint8_t *__restrict__ w, size_t row_bytes, size_t expert_bytes, int n_expert, int N, int K,
+    const uint16_t *__restrict__ x, int64_t x_stride, const int32_t *__restrict__ offsets,
+    const int32_t *__restrict__ tiles, float *__restrict__ y, int64_t ldy)
+{
+    const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
+    if (e < 0 || e >= n_expert)
+        return; /* the whole block: before any barrier */
+    const int base = offsets[e], M = offsets[e + 1] - base;
+    if (m0 >= M)
+        return;
+    mq_block<T, BM, STAGED>(w + (size_t)e * expert_bytes, row_bytes, N, K, x + (size_t)base * x_stride, x_stride, M,
+                            y + (size_t)base * ldy, ldy, 1, nullptr, nullptr, blockIdx.x, m0 / BM, 0, 0);
 }
 
 /* The weights as F16, for products of many rows (prefill chunks) that multiply them with
@@ -622,7 +655,8 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     X(M40K_TYPE_Q2_K)                                                                                                  \
     X(M40K_TYPE_Q3_K)                                                                                                  \
     X(M40K_TYPE_Q5_K)                                                                                                  \
-    X(M40K_TYPE_BF16)
+    X(M40K_TYPE_BF16)                                                                                                  \
+    X(M40K_TYPE_MXFP4)
 
 extern "C" int m40k_gemm_q_supported(int w_type)
 {
@@ -687,6 +721,81 @@ extern "C" int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16
     switch (w_type) {
 #define MQ_CASE(t)                                                                                                     \
     case t: return mq_type<t>(w, N, K, x, x_stride, M, y, ldy, n_splits, workspace, counters, st);
+        MQ_TYPES(MQ_CASE)
+#undef MQ_CASE
+    default: return M40K_INVALID;
+    }
+}
+
+/* ---------------------------------------------------------------- grouped (experts) */
+
+template <int T, int BM, bool STAGED>
+static int mq_grouped_launch(const void *w, size_t rb, size_t eb, int n_expert, int N, int K, const uint16_t *x,
+                             int64_t x_stride, const int32_t *offsets, const int32_t *tiles, int max_tiles, float *y,
+                             int64_t ldy, cudaStream_t st)
+{
+    static bool done[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return M40K_INVALID;
+    if (!done[dev]) {
+        const cudaError_t e = cudaFuncSetAttribute(mq_grouped_kernel<T, BM, STAGED>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   mq_smem<T, BM, STAGED>::BYTES);
+        if (e != cudaSuccess)
+            return (int)e;
+        done[dev] = true;
+    }
+    const dim3 grid((unsigned)((N + MQ_BN - 1) / MQ_BN), (unsigned)max_tiles);
+    mq_grouped_kernel<T, BM, STAGED><<<grid, MQ_WARPS * 32, mq_smem<T, BM, STAGED>::BYTES, st>>>(
+        (const uint8_t *)w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, y, ldy);
+    return m40k_launch_status();
+}
+
+template <int T, bool STAGED>
+static int mq_grouped_bm(int bm, const void *w, size_t rb, size_t eb, int n_expert, int N, int K, const uint16_t *x,
+                         int64_t x_stride, const int32_t *offsets, const int32_t *tiles, int max_tiles, float *y,
+                         int64_t ldy, cudaStream_t st)
+{
+    switch (bm) {
+    case 16: return mq_grouped_launch<T, 16, STAGED>(w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);
+    case 32: return mq_grouped_launch<T, 32, STAGED>(w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);
+    case 64: return mq_grouped_launch<T, 64, STAGED>(w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);
+    case 128: return mq_grouped_launch<T, 128, STAGED>(w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);
+    default: return M40K_INVALID;
+    }
+}
+
+/* Staged where the shared-memory kernel would stage this matrix (K a multiple of 256, rows
+ * and every expert's matrix 16-byte aligned), direct otherwise. */
+template <int T>
+static int mq_grouped_type(const void *w, int n_expert, int N, int K, const uint16_t *x, int64_t x_stride,
+                           const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm, float *y, int64_t ldy,
+                           cudaStream_t st)
+{
+    typedef m40k_tinfo<T> ti;
+    if (K % ti::BE)
+        return M40K_INVALID;
+    const size_t rb = (size_t)K / ti::BE * ti::BB, eb = rb * (size_t)N;
+    if constexpr (mq_stage<T>::RB > 0)
+        if (K % MQ_KC == 0 && rb % 16 == 0 && ((uintptr_t)w & 15) == 0)
+            return mq_grouped_bm<T, true>(bm, w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);
+    return mq_grouped_bm<T, false>(bm, w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);
+}
+
+extern "C" int m40k_moe_gemm_q(const void *w, int w_type, int n_expert, int N, int K, const uint16_t *x,
+                               int64_t x_stride, const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm,
+                               float *y, int64_t ldy, m40k_stream stream)
+{
+    if (N <= 0 || max_tiles <= 0)
+        return N < 0 || max_tiles < 0 ? M40K_INVALID : 0;
+    if (K <= 0 || K % 8 || ((uintptr_t)x & 15) || x_stride % 8 || x_stride < K || ldy < N || n_expert <= 0 ||
+        max_tiles > 65535 || (bm != 16 && bm != 32 && bm != 64 && bm != 128))
+        return M40K_INVALID;
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (w_type) {
+#define MQ_CASE(t)                                                                                                     \
+    case t: return mq_grouped_type<t>(w, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, bm, y, ldy, st);
         MQ_TYPES(MQ_CASE)
 #undef MQ_CASE
     default: return M40K_INVALID;

@@ -35,7 +35,7 @@
  * it is dequantized in registers as small integers (no I2F: the 2^23 trick in
  * quant_dev.h) and scaled once per group: scale*sum(q*x) - offset*sum(x). Partial sums
  * are F32, reduced over the warp at the end. */
-#include "quant_dev.h"
+#include "gemv_fast_dev.h"
 
 #define GEMV_WARPS 4
 #define GEMV_SEG 1024
@@ -130,166 +130,10 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
 }
 
 /* ------------------------------------------------------------------ fast path */
+/* The fast kernel's pieces (its types' segment sizes, the group decode and the per-segment
+ * scales) are in gemv_fast_dev.h, shared with the experts' GEMV (moe.cu). */
 #define GF_WARPS 4
 #define GF_R 4
-
-template <int T> struct gf_cfg;
-template <> struct gf_cfg<M40K_TYPE_F16> { enum { SEG = 512, NSC = 0 }; };
-template <> struct gf_cfg<M40K_TYPE_BF16> { enum { SEG = 512, NSC = 0 }; };
-template <> struct gf_cfg<M40K_TYPE_Q8_0> { enum { SEG = 1024, NSC = 0 }; };
-template <> struct gf_cfg<M40K_TYPE_Q4_0> { enum { SEG = 2048, NSC = 0 }; };
-template <> struct gf_cfg<M40K_TYPE_Q4_K> { enum { SEG = 2048, NSC = 64 }; };  /* (A, C) per 32-sub-block */
-template <> struct gf_cfg<M40K_TYPE_Q6_K> { enum { SEG = 1024, NSC = 64 }; };  /* A per 16-sub-block */
-
-template <int T> struct gf_dims {
-    typedef m40k_tinfo<T> ti;
-    enum {
-        SEG = gf_cfg<T>::SEG,
-        SEGB = SEG / ti::BE * ti::BB,                              /* bytes of a full segment */
-        NCH = (SEGB + 15) / 16 + (SEGB % 16 ? 1 : 0),               /* 16-byte chunks, worst offset */
-        CH = (NCH + 31) / 32,                                       /* chunks per lane */
-        SMB = CH * 512 + 16,                                        /* + slack for 3-word reads */
-        NSC = gf_cfg<T>::NSC > 0 ? gf_cfg<T>::NSC : 1,
-    };
-};
-
-/* 8 bytes at any byte offset a of a 4-byte aligned shared buffer: 3 word loads. */
-__device__ __forceinline__ uint2 gf_ld8(const uint8_t *p, int a)
-{
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(p + (a & ~3));
-    const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
-    const int sh = (a & 3) * 8;
-    return make_uint2(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh));
-}
-/* f16 at an even byte offset a */
-__device__ __forceinline__ float gf_ldh(const uint8_t *p, int a)
-{
-    const uint32_t w = *reinterpret_cast<const uint32_t *>(p + (a & ~3));
-    return m40k_h2f((uint16_t)(w >> ((a & 2) * 8)));
-}
-/* byte j of word u, under exponent 0x3F: 1 + (mantissa byte)/128 */
-__device__ __forceinline__ float gf_b2f_one(uint32_t u, int j)
-{
-    return __int_as_float((int)__byte_perm(u, 0x3F000000u, 0x7044u | (j << 8)));
-}
-/* byte j of word u as an exact float 0..255 */
-__device__ __forceinline__ float gf_b2f_int(uint32_t u, int j)
-{
-    return __int_as_float((int)__byte_perm(u, 0x4B000000u, 0x7440u | j)) - 8388608.0f;
-}
-
-/* Decode lane `lane`'s group of segment-relative element e0 = 8*lane + 256*i of one row
- * staged at p (data starts at byte off). Output: f[8] and A, C with
- * contribution = A*sum(f*x) + C*sum(x). */
-template <int T>
-__device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2 *sc, int lane, int i, float f[8],
-                                         float &A, float &C)
-{
-    if (T == M40K_TYPE_F16) {
-        const uint4 u = *reinterpret_cast<const uint4 *>(p + 16 * lane + 512 * i); /* off == 0 */
-        m40k_unpack_h8(u, f);
-        A = 1.0f, C = 0.0f;
-    } else if (T == M40K_TYPE_BF16) { /* the top halves of floats: exact */
-        const uint4 u = *reinterpret_cast<const uint4 *>(p + 16 * lane + 512 * i); /* off == 0 */
-        const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            f[2 * k] = __uint_as_float(wd[k] << 16);
-            f[2 * k + 1] = __uint_as_float(wd[k] & 0xFFFF0000u);
-        }
-        A = 1.0f, C = 0.0f;
-    } else if (T == M40K_TYPE_Q8_0) {
-        const int j = 8 * i + (lane >> 2), jj = 8 * (lane & 3);
-        const int bo = off + 34 * j;
-        uint2 v = gf_ld8(p, bo + 2 + jj);
-        v.x ^= 0x80808080u, v.y ^= 0x80808080u;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            f[k] = gf_b2f_int(v.x, k);
-            f[4 + k] = gf_b2f_int(v.y, k);
-        }
-        const float d = gf_ldh(p, bo);
-        A = d, C = -128.0f * d;
-    } else if (T == M40K_TYPE_Q4_0) {
-        const int j = 8 * i + (lane >> 2), jj = 8 * (lane & 3);
-        const int bo = off + 18 * j;
-        const uint2 v = gf_ld8(p, bo + 2 + (jj & 15));
-        const int sh = jj < 16 ? 0 : 4;
-        const uint32_t ux = ((v.x >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
-        const uint32_t uy = ((v.y >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            f[k] = gf_b2f_one(ux, k);
-            f[4 + k] = gf_b2f_one(uy, k);
-        }
-        const float d = gf_ldh(p, bo);
-        A = 16.0f * d, C = -24.0f * d;
-    } else if (T == M40K_TYPE_Q4_K) {
-        /* block i (off == 0, 144-byte blocks stay 16-aligned); e = 8*lane */
-        const int c = lane >> 3, l = 8 * (lane & 7), sh = l < 32 ? 0 : 4;
-        const uint2 v = *reinterpret_cast<const uint2 *>(p + 144 * i + 16 + 32 * c + (l & 31));
-        const uint32_t ux = ((v.x >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
-        const uint32_t uy = ((v.y >> sh) & 0x0F0F0F0Fu) * 8u + 0x80808080u;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            f[k] = gf_b2f_one(ux, k);
-            f[4 + k] = gf_b2f_one(uy, k);
-        }
-        const float2 ac = sc[8 * i + (lane >> 2)];
-        A = ac.x, C = ac.y;
-    } else if (T == M40K_TYPE_Q6_K) {
-        const int n = lane >> 4, r = 8 * (lane & 15), k = r >> 5, l = r & 31;
-        const int bo = off + 210 * i;
-        const uint2 ql = gf_ld8(p, bo + 64 * n + l + 32 * (k & 1));
-        const uint2 qh = gf_ld8(p, bo + 128 + 32 * n + l);
-        const int shl = k < 2 ? 0 : 4, shh = 2 * k;
-        const uint32_t ux =
-            (((ql.x >> shl) & 0x0F0F0F0Fu) | (((qh.x >> shh) & 0x03030303u) << 4)) * 2u + 0x80808080u;
-        const uint32_t uy =
-            (((ql.y >> shl) & 0x0F0F0F0Fu) | (((qh.y >> shh) & 0x03030303u) << 4)) * 2u + 0x80808080u;
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            f[kk] = gf_b2f_one(ux, kk);
-            f[4 + kk] = gf_b2f_one(uy, kk);
-        }
-        A = sc[16 * i + (lane >> 1)].x;
-        C = -1.5f * A;
-    }
-}
-
-/* Per-segment scale decode (K-quants): sc[s] for every sub-block of the staged segment. */
-template <int T>
-__device__ __forceinline__ void gf_scales(const uint8_t *p, int off, float2 *sc, int lane)
-{
-    if (T == M40K_TYPE_Q4_K) {
-#pragma unroll
-        for (int idx = lane; idx < gf_cfg<T>::NSC; idx += 32) {
-            const int blk = idx >> 3, s = idx & 7;
-            const uint4 h = *reinterpret_cast<const uint4 *>(p + 144 * blk); /* off == 0 */
-            const float d = m40k_h2f((uint16_t)(h.x & 0xFFFF)), dmin = m40k_h2f((uint16_t)(h.x >> 16));
-            const int t = (s & 3) * 8;
-            const uint32_t b1 = (h.y >> t) & 0xFF, b2 = (h.z >> t) & 0xFF, b3 = (h.w >> t) & 0xFF;
-            int scv, mnv;
-            if (s < 4) {
-                scv = b1 & 63;
-                mnv = b2 & 63;
-            } else {
-                scv = (b3 & 15) | ((b1 >> 6) << 4);
-                mnv = (b3 >> 4) | ((b2 >> 6) << 4);
-            }
-            const float a = d * (float)scv, m = dmin * (float)mnv;
-            sc[idx] = make_float2(16.0f * a, -(16.0f * a + m));
-        }
-    } else if (T == M40K_TYPE_Q6_K) {
-#pragma unroll
-        for (int idx = lane; idx < gf_cfg<T>::NSC; idx += 32) {
-            const int blk = idx >> 4, t = idx & 15;
-            const uint8_t *b = p + off + 210 * blk;
-            const float d = m40k_h2f((uint16_t)(b[208] | (b[209] << 8)));
-            sc[idx] = make_float2(64.0f * d * (float)(int8_t)b[192 + t], 0.0f);
-        }
-    }
-}
 
 template <int T, int B, int MINB>
 __global__ __launch_bounds__(GF_WARPS * 32, MINB) void gemv_fast_kernel(const uint8_t *__restrict__ w, size_t row_bytes,
@@ -461,6 +305,7 @@ extern "C" int m40k_gemv(const void *w, int w_type, int N, int K, const float *x
     case M40K_TYPE_Q3_K: return K % 256 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q3_K>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_Q5_K: return K % 256 ? M40K_INVALID : gemv_launch<M40K_TYPE_Q5_K>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     case M40K_TYPE_BF16: return K % 8 ? M40K_INVALID : gemv_launch<M40K_TYPE_BF16>(w, N, K, x, x_stride, y, y_stride, batch, stream);
+    case M40K_TYPE_MXFP4: return K % 32 ? M40K_INVALID : gemv_launch<M40K_TYPE_MXFP4>(w, N, K, x, x_stride, y, y_stride, batch, stream);
     default: return M40K_INVALID;
     }
 }

@@ -50,6 +50,7 @@ enum {
     M40K_TYPE_Q5_K = 13,
     M40K_TYPE_Q6_K = 14,
     M40K_TYPE_BF16 = 30,
+    M40K_TYPE_MXFP4 = 39, /* 17 B / 32: E8M0 scale byte | 16 bytes of E2M1 nibbles (quant_dev.h) */
     /* Device-only layouts (never in a GGUF file): the same blocks regrouped by 8 so that
      * every piece the int8 GEMV reads starts 16-byte aligned (m40k_repack_g8). */
     M40K_TYPE_Q8_0_G8 = 1008,
@@ -71,7 +72,7 @@ int m40k_g8_type(int t, int64_t K);
 int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, int64_t K);
 
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
- * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or a regrouped layout (0.) (dim a
+ * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 or a regrouped layout (0.) (dim a
  * multiple of the block size: 32, or 256 for the K-quants and Q8_0_G8, 2048 for
  * Q6_K_G8); rows are dim elements packed (row bytes = dim/block*block_bytes). out_type
  * F32 or F16, row stride out_stride elements. Ids outside [0, n_rows) give zero rows. */
@@ -304,7 +305,7 @@ int m40k_attn_prefill_auto_split(float *out, int64_t out_stride, const float *q,
 
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
  * n < N, b < batch (1..8). W rows are K elements of w_type (F16, BF16, Q8_0, Q4_0, Q4_1,
- * Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; GGUF block layouts) packed, row bytes =
+ * Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 (the generic kernel); GGUF block layouts) packed, row bytes =
  * K/block*block_bytes. K a multiple of 32 (256 for the K-quants, 8 for F16 and BF16). x 16-byte aligned, x_stride a multiple of 4.
  * One warp per row: 16-byte loads staged through shared memory, dequantization in
  * registers, F32 accumulation. May read up to 15 bytes past the end of W's last row
@@ -406,7 +407,7 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
 /* 8e. Quantized GEMM on the tensor cores (kernels/gemm_q.cu) for products of 9 and more
  * token rows, decode batches and prefill chunks alike: y[t*ldy + r] = sum_k W[r][k] *
  * x[t*x_stride + k], r < N, t < M. W: rows of K elements of w_type packed (F16, Q8_0, Q4_0,
- * Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, Q8_0_G8, Q6_K_G8:
+ * Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 (direct kernel), Q8_0_G8, Q6_K_G8:
  * m40k_gemm_q_supported; BF16 values are rounded to F16), K a multiple of
  * the type's block (and of 8); any alignment. x F16, 16-byte aligned, x_stride a multiple
  * of 8. Each weight is dequantized in shared memory to F16(q * F16(scale) - F16(offset))
@@ -520,6 +521,110 @@ int m40k_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const m40
                 const int32_t *bias_indptr, const int32_t *bias_ids, const float *bias_values,
                 const int32_t *pen_indptr, const int32_t *pen_ids, const int32_t *pen_counts, int32_t *token,
                 float *logprob, int n_top, int32_t *top_ids, float *top_logprobs, m40k_stream stream);
+
+/* 10. Mixtures of experts (kernels/moe.cu, the grouped product in gemm_q.cu; twins in
+ * kernels/ref/moe_ref.c). A token t picks k of n_expert experts (k 1..8, n_expert 1..256);
+ * pair p = t*k + j is its j-th choice, ids[p] the expert and weights[p] its weight. An
+ * expert tensor holds n_expert matrices one after the other (GGUF's 3-D ffn_*_exps:
+ * expert e's matrix of N rows x K at byte e * N * row_bytes). Nothing here goes through
+ * the host: every count, offset and choice stays in device memory, so a decode step with
+ * these launches can be captured in a CUDA graph.
+ *
+ * 10a. Router logits: logits[t*n_expert + e] = sum_i wr[e*dim + i] * x[t*x_stride + i]
+ * (+ bias[e] where bias is not NULL); wr F32 (GGUF keeps ffn_gate_inp in F32), any dim. */
+int m40k_moe_router_logits(const float *wr, const float *bias, int n_expert, int dim, const float *x,
+                           int64_t x_stride, int n_tokens, float *logits, m40k_stream stream);
+/* 10b. Top-k and gating, one warp a token, from logits [n_tokens][n_expert]:
+ *   M40K_MOE_SOFTMAX:      p = softmax(logits) over all experts; the k largest logits
+ *                          (= the k largest p) chosen, weight p (Qwen3-MoE, Mixtral);
+ *   M40K_MOE_SIGMOID:      p = sigmoid(logit); chosen by p + sel_bias[e] (sel_bias may be
+ *                          NULL: 0), weight p (DeepSeek-V3 style);
+ *   M40K_MOE_SOFTMAX_TOPK: the k largest logits chosen, weights the softmax of those k
+ *                          logits (gpt-oss).
+ * Then norm != 0 divides the k weights by their sum, and every weight is multiplied by
+ * scale. Ties choose the lower expert id; NaN logits count as -inf (never chosen before a
+ * number; a softmax over nothing but -inf weighs them equally).
+ * ids[t*k + j], weights[t*k + j] in order of choice (largest first). */
+enum { M40K_MOE_SOFTMAX = 0, M40K_MOE_SIGMOID = 1, M40K_MOE_SOFTMAX_TOPK = 2 };
+int m40k_moe_topk(const float *logits, int n_tokens, int n_expert, int k, int gating, const float *sel_bias, int norm,
+                  float scale, int32_t *ids, float *weights, m40k_stream stream);
+
+/* 10c. Batch-1 (and small batch) expert GEMV, gate and up fused with the activation: for
+ * every pair p = t*k + j with e = ids[p] in [0, n_expert),
+ *   g = W_gate[e] . x_t + gate_b[e*n_ff + n],  u = W_up[e] . x_t + up_b[e*n_ff + n],
+ *   h[p*h_stride + n] = act(g, u),  n < n_ff,
+ * act M40K_GLU_SILU: silu(g) * u; M40K_GLU_SWIGLU_OAI (gpt-oss): with gc = min(g, 7),
+ * uc = clamp(u, -7, 7): gc * sigmoid(1.702 * gc) * (uc + 1). Biases may be NULL (0). A
+ * pair whose id is out of range gets a zero row. Only the chosen experts' rows are read.
+ * W_gate and W_up: the same w_type (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K, MXFP4), n_expert matrices of n_ff x dim; dim a multiple of the block
+ * (8 for F16 / BF16), x 16-byte aligned, x_stride a multiple of 4. n_tokens * k pairs.
+ * 10d. The down projection with the weighted sum over the token's experts:
+ *   out[t*out_stride + n] = (accumulate ? out[..] : 0) +
+ *       sum_{j<k} weights[t*k+j] * (W_down[e_j][n] . h[(t*k+j)*h_stride ..] + down_b[e_j*dim + n])
+ * summed in the order j = 0..k-1; n < dim; out-of-range ids contribute nothing. W_down:
+ * n_expert matrices of dim x n_ff; n_ff a multiple of the block, h 16-byte aligned,
+ * h_stride a multiple of 4. accumulate adds into out (the residual, or a shared expert's
+ * output). Twins: m40_ref_moe_gate_up, m40_ref_moe_down.
+ * Both are launched with programmatic dependent launch where their fast kernels take the
+ * type (F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4; 16-byte aligned matrices, and rows of
+ * 16-byte multiples for F16, BF16, Q4_K): the gate/up kernel waits for the kernel before it
+ * first; the down kernel reads ids BEFORE its wait (its first weight rows load while the
+ * gate/up kernel ends), so ids must not be the output of the kernel launched just before
+ * m40k_moe_down (in the pipeline router -> top-k -> gate/up -> down they are top-k's). */
+enum { M40K_GLU_SWIGLU_OAI = 2 };
+#define M40K_OAI_ALPHA 1.702f
+#define M40K_OAI_LIMIT 7.0f
+int m40k_moe_gate_up(const void *w_gate, const void *w_up, int w_type, int n_expert, int n_ff, int dim,
+                     const float *gate_b, const float *up_b, int act, const float *x, int64_t x_stride,
+                     const int32_t *ids, int n_tokens, int k, float *h, int64_t h_stride, m40k_stream stream);
+int m40k_moe_down(const void *w_down, int w_type, int n_expert, int dim, int n_ff, const float *down_b,
+                  const float *h, int64_t h_stride, const int32_t *ids, const float *weights, int n_tokens, int k,
+                  float *out, int64_t out_stride, int accumulate, m40k_stream stream);
+
+/* 10e. Batches: the pairs grouped by expert, on the GPU (one block). counts[e] = pairs
+ * choosing e; offsets[0..n_expert] their exclusive prefix sum (offsets[n_expert] = pairs
+ * with an id in range); perm[i] = the pair at sorted position i (by expert, then by pair
+ * index: stable, so the result does not depend on timing); inv[p] = the sorted position of
+ * pair p (-1 for an out-of-range id); perm[i] = -1 for i >= offsets[n_expert]. tiles: m40k_moe_max_tiles(n_pairs, n_expert, bm)
+ * entries of two int32 (expert e, first row m0 within e's group) covering every group in
+ * pieces of bm rows (16, 32, 64 or 128: the grouped product's block rows), then entries
+ * (-1, 0) to the end. All outputs device memory; n_pairs = n_tokens * k. */
+static inline int m40k_moe_max_tiles(int n_pairs, int n_expert, int bm)
+{
+    /* every non-empty group rounds up once: at most min(n_expert, n_pairs) extra tiles */
+    return n_pairs <= 0 || n_expert <= 0 || bm <= 0 ? 0 : n_pairs / bm + (n_expert < n_pairs ? n_expert : n_pairs);
+}
+int m40k_moe_group(const int32_t *ids, int n_pairs, int n_expert, int bm, int32_t *counts, int32_t *offsets,
+                   int32_t *perm, int32_t *inv, int32_t *tiles, m40k_stream stream);
+/* 10f. x of each sorted pair's token, as F16 for the grouped product:
+ * out16[i*out_stride + c] = f16(x[(perm[i] / k)*x_stride + c]), i < n_pairs, c < dim
+ * (zeros where perm[i] < 0). */
+int m40k_moe_gather_f16(const float *x, int64_t x_stride, int dim, const int32_t *perm, int n_pairs, int k,
+                        uint16_t *out16, int64_t out_stride, m40k_stream stream);
+/* 10g. The grouped quantized product, one launch for every expert: for each expert e and
+ * sorted row i in offsets[e] .. offsets[e+1],
+ *   y[i*ldy + r] = sum_c W[e][r][c] * x[i*x_stride + c],  r < N,
+ * with m40k_gemm_q's weights and sums (8e: the shared-memory kernel, staged or direct as
+ * there; its types, MXFP4 included; twin: m40_ref_gemm_q per expert). tiles / max_tiles /
+ * bm as m40k_moe_group wrote them with the same bm. x 16-byte aligned, x_stride a
+ * multiple of 8 and >= K. */
+int m40k_moe_gemm_q(const void *w, int w_type, int n_expert, int N, int K, const uint16_t *x, int64_t x_stride,
+                    const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm, float *y, int64_t ldy,
+                    m40k_stream stream);
+/* 10h. The activation between the grouped products, per sorted row i (pair p = perm[i],
+ * expert e = ids[p]): out16[i*out_stride + n] = f16(act(gate[i*in_stride + n] +
+ * gate_b[e*n_ff + n], up[i*in_stride + n] + up_b[e*n_ff + n])) (act and NULL biases as
+ * 10c), n < n_ff, i < n_pairs; rows with perm[i] < 0 untouched. */
+int m40k_moe_glu_sorted(int act, const float *gate, const float *up, int64_t in_stride, const float *gate_b,
+                        const float *up_b, const int32_t *ids, const int32_t *perm, int n_pairs, int n_ff,
+                        uint16_t *out16, int64_t out_stride, m40k_stream stream);
+/* 10i. Back to the tokens: out[t*out_stride + n] = (accumulate ? out : 0) +
+ * sum_{j<k, inv[t*k+j] >= 0} weights[t*k+j] * (y[inv[t*k+j]*ldy + n] + down_b[e_j*dim + n]),
+ * in the order j = 0..k-1, as 10d. */
+int m40k_moe_combine(const float *y, int64_t ldy, const int32_t *inv, const int32_t *ids, const float *weights,
+                     const float *down_b, int n_expert, int n_tokens, int k, int dim, float *out, int64_t out_stride,
+                     int accumulate, m40k_stream stream);
 
 #ifdef __cplusplus
 }

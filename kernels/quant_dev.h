@@ -17,6 +17,10 @@
  *                      the 5th bit of element e in bit e/32 of qh[e % 32])
  *   Q6_K (210 B / 256): ql[128] | qh[64] | scales[16] int8 | d f16
  *   BF16 (2 B / 1)
+ *   MXFP4 (17 B / 32): e u8 (E8M0) | qs[16] (E2M1 nibbles in Q4_0's order; ggml's doubled
+ *                      levels 0, 1, 2, 3, 4, 6, 8, 12 with the sign in bit 3, times
+ *                      2^(e - 128)): q the SIGNED level (-12..12), scale 2^(e - 128) and
+ *                      offset 0, the one type whose q can be negative
  * and the regrouped device layouts of kernels.h (0.): Q8_0_G8, Q6_K_G8.
  * A group of 8 (first element e0, a multiple of 8) always lies in one scale sub-block,
  * so it comes back as small integers q[8] with one scale and one offset:
@@ -42,6 +46,21 @@ template <> struct m40k_tinfo<M40K_TYPE_BF16> { enum { BE = 1, BB = 2 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K> { enum { BE = 256, BB = 210 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q8_0_G8> { enum { BE = 256, BB = 272 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K_G8> { enum { BE = 2048, BB = 1680 }; };
+template <> struct m40k_tinfo<M40K_TYPE_MXFP4> { enum { BE = 32, BB = 17 }; };
+
+/* MXFP4: nibble v as its signed doubled E2M1 level (the magnitudes 0,1,2,3 | 4,6,8,12 are
+ * the bytes of two words, picked by one byte permute), and the block scale 2^(e - 128)
+ * built from its bits (e = 0 and 1: the subnormals 2^-128 and 2^-127). */
+__device__ __forceinline__ float m40k_mxfp4_level(uint32_t v)
+{
+    /* no integer-to-float conversion (quarter rate): the 2^23 trick, then the sign bit */
+    const uint32_t m = __byte_perm(0x03020100u, 0x0C080604u, v & 7u) & 0xFFu;
+    return __uint_as_float(__float_as_uint(m40k_u8f(m)) | ((v & 8u) << 28));
+}
+__device__ __forceinline__ float m40k_e8m0_half(uint32_t e)
+{
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
 
 __device__ __forceinline__ float m40k_ldh(const uint8_t *p) { return m40k_h2f((uint16_t)(p[0] | (p[1] << 8))); }
 
@@ -167,6 +186,14 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
             q[i] = m40k_u8f(((ql[i] >> shl) & 15u) | (((qh[i] >> shh) & 3u) << 4));
         scale = m40k_ldh(dp) * (float)(int8_t)b[192 + (e >> 4)];
         offset = 32.0f * scale;
+    } else if (T == M40K_TYPE_MXFP4) {
+        const uint8_t *b = p + 17 * (e0 >> 5);
+        const int j = e0 & 31, sh = j < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_mxfp4_level((uint32_t)(b[1 + (j & 15) + i] >> sh));
+        scale = m40k_e8m0_half(b[0]);
+        offset = 0.0f;
     }
 }
 

@@ -404,6 +404,14 @@ static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale
         *scale = ldh(b + 208) * (float)(int8_t)b[192 + (e >> 4)], *offset = 32.0f * *scale;
         return;
     }
+    case M40K_TYPE_MXFP4: { /* e | qs[16]: the signed doubled E2M1 level, times 2^(e - 128) */
+        static const float lv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        b = p + 17 * (size_t)(e0 >> 5);
+        for (int i = 0; i < 8; i++)
+            q[i] = lv[(b[1 + (j & 15) + i] >> (j < 16 ? 0 : 4)) & 15u];
+        *scale = ldexpf(1.0f, (int)b[0] - 128), *offset = 0.0f;
+        return;
+    }
     default:
         abort(); /* the twin covers the GGUF types m40k_gemm_q reads */
     }

@@ -92,6 +92,33 @@ void m40_ref_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const
                     const int32_t *pen_indptr, const int32_t *pen_ids, const int32_t *pen_counts, int32_t *token,
                     float *logprob, int n_top, int32_t *top_ids, float *top_logprobs);
 
+/* Mixtures of experts (kernels.h 10; kernels/ref/moe_ref.c): the same arguments as the
+ * m40k_moe_* kernels, host pointers. Dot products in float through m40_dot_row (the GPU's
+ * order of summation differs), the grouped product through m40_ref_gemm_q per expert. */
+float m40_ref_moe_act(int act, float g, float u);
+void m40_ref_moe_router_logits(const float *wr, const float *bias, int n_expert, int dim, const float *x,
+                               int64_t x_stride, int n_tokens, float *logits);
+void m40_ref_moe_topk(const float *logits, int n_tokens, int n_expert, int k, int gating, const float *sel_bias,
+                      int norm, float scale, int32_t *ids, float *weights);
+void m40_ref_moe_gate_up(const void *w_gate, const void *w_up, int w_type, int n_expert, int n_ff, int dim,
+                         const float *gate_b, const float *up_b, int act, const float *x, int64_t x_stride,
+                         const int32_t *ids, int n_tokens, int k, float *h, int64_t h_stride);
+void m40_ref_moe_down(const void *w_down, int w_type, int n_expert, int dim, int n_ff, const float *down_b,
+                      const float *h, int64_t h_stride, const int32_t *ids, const float *weights, int n_tokens, int k,
+                      float *out, int64_t out_stride, int accumulate);
+void m40_ref_moe_group(const int32_t *ids, int n_pairs, int n_expert, int bm, int32_t *counts, int32_t *offsets,
+                       int32_t *perm, int32_t *inv, int32_t *tiles);
+void m40_ref_moe_gather_f16(const float *x, int64_t x_stride, int dim, const int32_t *perm, int n_pairs, int k,
+                            uint16_t *out16, int64_t out_stride);
+void m40_ref_moe_gemm_q(const void *w, int w_type, int n_expert, int N, int K, const uint16_t *x, int64_t x_stride,
+                        const int32_t *offsets, float *y, int64_t ldy);
+void m40_ref_moe_glu_sorted(int act, const float *gate, const float *up, int64_t in_stride, const float *gate_b,
+                            const float *up_b, const int32_t *ids, const int32_t *perm, int n_pairs, int n_ff,
+                            uint16_t *out16, int64_t out_stride);
+void m40_ref_moe_combine(const float *y, int64_t ldy, const int32_t *inv, const int32_t *ids, const float *weights,
+                         const float *down_b, int n_expert, int n_tokens, int k, int dim, float *out,
+                         int64_t out_stride, int accumulate);
+
 /* Length of sequence s in the CSR page table. */
 static inline int64_t m40_ref_seq_len(const int32_t *indptr, const int32_t *last_page_len, int s)
 {

@@ -49,7 +49,7 @@ if [ -x "$NVCC" ]; then
     (
         set -e
         objs=()
-        for f in kernels/ref/quant.c kernels/ref/ggml_types.c kernels/ref/cpu_ref.c; do
+        for f in kernels/ref/*.c; do
             o="$out/$(basename "$f" .c).o"
             $CC -std=c11 -O2 -g -D_GNU_SOURCE -Ikernels -c "$f" -o "$o"
             objs+=("$o")
