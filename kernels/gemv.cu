@@ -102,18 +102,11 @@ __global__ __launch_bounds__(GEMV_WARPS * 32) void gemv_kernel(const uint8_t *__
                 for (int b = 0; b < B; b++) {
                     const float4 xa = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0));
                     const float4 xb = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0 + 4));
-                    float sqx = q[0] * xa.x;
-                    sqx = fmaf(q[1], xa.y, sqx);
-                    sqx = fmaf(q[2], xa.z, sqx);
-                    sqx = fmaf(q[3], xa.w, sqx);
-                    sqx = fmaf(q[4], xb.x, sqx);
-                    sqx = fmaf(q[5], xb.y, sqx);
-                    sqx = fmaf(q[6], xb.z, sqx);
-                    sqx = fmaf(q[7], xb.w, sqx);
+                    const float sqx = m40k_dot8(q, xa, xb);
                     if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16) {
                         acc[b] += sqx;
                     } else {
-                        const float sx = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+                        const float sx = m40k_sum8(xa, xb);
                         acc[b] += fmaf(sc, sqx, -of * sx);
                     }
                 }
@@ -213,17 +206,10 @@ __global__ __launch_bounds__(GF_WARPS * 32, MINB) void gemv_fast_kernel(const ui
                 for (int b = 0; b < B; b++) {
                     const float4 xa = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0));
                     const float4 xb = __ldca(reinterpret_cast<const float4 *>(xs + b * x_stride + e0 + 4));
-                    const float sx = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+                    const float sx = m40k_sum8(xa, xb);
 #pragma unroll
                     for (int r = 0; r < R; r++) {
-                        float t = f[r][0] * xa.x;
-                        t = fmaf(f[r][1], xa.y, t);
-                        t = fmaf(f[r][2], xa.z, t);
-                        t = fmaf(f[r][3], xa.w, t);
-                        t = fmaf(f[r][4], xb.x, t);
-                        t = fmaf(f[r][5], xb.y, t);
-                        t = fmaf(f[r][6], xb.z, t);
-                        t = fmaf(f[r][7], xb.w, t);
+                        const float t = m40k_dot8(f[r], xa, xb);
                         if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16)
                             acc[r][b] += t;
                         else

@@ -283,18 +283,11 @@ __device__ __forceinline__ void mg_warp_dot(const uint8_t *const (&rows)[NR], co
                     m40k_group8<T>(p, e0, v, s, o);
                     const float4 xa = __ldca(reinterpret_cast<const float4 *>(x + e0));
                     const float4 xb = __ldca(reinterpret_cast<const float4 *>(x + e0 + 4));
-                    float d = v[0] * xa.x;
-                    d = fmaf(v[1], xa.y, d);
-                    d = fmaf(v[2], xa.z, d);
-                    d = fmaf(v[3], xa.w, d);
-                    d = fmaf(v[4], xb.x, d);
-                    d = fmaf(v[5], xb.y, d);
-                    d = fmaf(v[6], xb.z, d);
-                    d = fmaf(v[7], xb.w, d);
+                    const float d = m40k_dot8(v, xa, xb);
                     if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_MXFP4) {
                         acc[q] = fmaf(s, d, acc[q]); /* no offset */
                     } else {
-                        const float sx = ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+                        const float sx = m40k_sum8(xa, xb);
                         acc[q] += fmaf(s, d, -o * sx);
                     }
                 }
@@ -508,19 +501,12 @@ __device__ __forceinline__ void mf_warp(int rounds, int K, RowF rows, XF xs, End
                         xa = __ldca(reinterpret_cast<const float4 *>(xe + oa));
                         xb = __ldca(reinterpret_cast<const float4 *>(xe + ob));
                     }
-                    float t = f[0] * xa.x;
-                    t = fmaf(f[1], xa.y, t);
-                    t = fmaf(f[2], xa.z, t);
-                    t = fmaf(f[3], xa.w, t);
-                    t = fmaf(f[4], xb.x, t);
-                    t = fmaf(f[5], xb.y, t);
-                    t = fmaf(f[6], xb.z, t);
-                    t = fmaf(f[7], xb.w, t);
+                    const float t = m40k_dot8(f, xa, xb);
                     if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16) {
                         acc[q] += t;
                     } else {
                         const float sx =
-                            SHARED_X ? ssx : ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+                            SHARED_X ? ssx : m40k_sum8(xa, xb);
                         acc[q] = fmaf(A, t, fmaf(C, sx, acc[q]));
                     }
                 }

@@ -62,6 +62,25 @@ __device__ __forceinline__ float m40k_e8m0_half(uint32_t e)
     return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
 }
 
+/* A group's q[0..7] . x (x in two float4s), summed in the order every GEMV here keeps
+ * (a product, then seven fused multiply-adds), and the sum of the eight x (for the
+ * group's offset). */
+__device__ __forceinline__ float m40k_dot8(const float q[8], float4 xa, float4 xb)
+{
+    float t = q[0] * xa.x;
+    t = fmaf(q[1], xa.y, t);
+    t = fmaf(q[2], xa.z, t);
+    t = fmaf(q[3], xa.w, t);
+    t = fmaf(q[4], xb.x, t);
+    t = fmaf(q[5], xb.y, t);
+    t = fmaf(q[6], xb.z, t);
+    return fmaf(q[7], xb.w, t);
+}
+__device__ __forceinline__ float m40k_sum8(float4 xa, float4 xb)
+{
+    return ((xa.x + xa.y) + (xa.z + xa.w)) + ((xb.x + xb.y) + (xb.z + xb.w));
+}
+
 __device__ __forceinline__ float m40k_ldh(const uint8_t *p) { return m40k_h2f((uint16_t)(p[0] | (p[1] << 8))); }
 
 /* p: start of the row (or of a block-aligned piece of it); byte loads, any alignment. */
