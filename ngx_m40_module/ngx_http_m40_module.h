@@ -4,6 +4,7 @@
  *   ngx_http_m40_module.c    directives, configuration, the per-worker engine and its
  *                            eventfd in the event loop, URI routing
  *   ngx_http_m40_params.c    request body JSON -> validated generation parameters
+ *                            (the checks, tools included: engine/serve/api_params.c)
  *   ngx_http_m40_generate.c  /v1/chat/completions and /v1/completions: body,
  *                            submission, engine wake-ups, cleanup, JSON answers
  *   ngx_http_m40_stream.c    the same as Server-Sent Events, with back pressure
@@ -235,10 +236,6 @@ ngx_int_t ngx_http_m40_logprobs_add(ngx_http_m40_ctx_t *ctx,
     ngx_http_m40_choice_t *ch, json_t *lp, m40_event *ev);
 
 /* ngx_http_m40_tools.c */
-ngx_int_t ngx_http_m40_parse_tools(json_t *root, ngx_http_m40_params_t *p,
-    ngx_http_m40_error_t *err);
-ngx_int_t ngx_http_m40_message_tool_fields(json_t *m, size_t i,
-    const char *role, json_t *out, ngx_http_m40_error_t *err);
 void ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx,
     ngx_http_m40_params_t *p);
 ngx_int_t ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx,
