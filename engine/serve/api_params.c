@@ -99,11 +99,13 @@ static int get_bool(json_t *root, const char *name, int *out, m40_api_error *err
 /* ---------- messages ---------- */
 
 /* A message content: a string, or an array of {"type":"text","text":...} parts
- * joined with newlines. Returns a new JSON string. */
+ * joined with newlines. Returns a new reference to a JSON string: the request's own
+ * string when it is one (no copy: a 1 MB prompt is parsed on nginx's event loop, and
+ * every pass over it there delays every stream's tokens). */
 static json_t *flatten_content(json_t *content, size_t i, m40_api_error *err)
 {
     if (json_is_string(content))
-        return json_stringn(json_string_value(content), json_string_length(content));
+        return json_incref(content);
     if (!json_is_array(content)) {
         BAD(err, "messages", "messages[%zu].content must be a string or an array of content parts", i);
         return NULL;

@@ -725,7 +725,8 @@ def phase_stall():
             n_big += k
         pq, pl = p99(quiet), p99(loud)
         print(f"  ITL p99 of {streams} streams: quiet {pq * 1000:.2f} ms ({len(quiet)} gaps), "
-              f"while {n_big} prompts of 1 MB arrived {pl * 1000:.2f} ms ({len(loud)} gaps): {pl / pq:.2f}x")
+              f"while {n_big} prompts of 1 MB arrived {pl * 1000:.2f} ms ({len(loud)} gaps): {pl / pq:.2f}x; "
+              f"longest gap {max(quiet) * 1000:.1f} ms quiet, {max(loud) * 1000:.1f} ms loud")
         expect(len(quiet) > 100 and len(loud) > 100, "too few tokens to measure")
         crashes = s.crashes()
         expect(not crashes, "nginx logged:\n" + "\n".join(crashes[:10]))
