@@ -102,7 +102,6 @@ static int valid_utf8(const char *s, size_t n)
 typedef struct {
     char *buf; /* the texts the events carried, put together */
     size_t len, cap;
-    int parsed_out; /* a piece was not content (reasoning or a tool call) */
     int input_valid;
 } sink;
 
@@ -169,7 +168,6 @@ static int on_piece(void *ud, const m40_piece *pc)
 {
     sink *s = ud;
     if (pc->kind == M40_PIECE_TOOL_CALL) {
-        s->parsed_out = 1;
         CHECK(pc->name && pc->arguments, "a tool call without name or arguments");
         json_t *args = json_loads(pc->arguments, 0, NULL);
         CHECK(json_is_object(args), "tool call arguments are not a JSON object: %s", pc->arguments);
@@ -183,7 +181,6 @@ static int on_piece(void *ud, const m40_piece *pc)
     if (s->input_valid)
         CHECK(valid_utf8(pc->text, pc->len), "the parser cut a character: a piece of %zu bytes is not UTF-8", pc->len);
     if (pc->kind == M40_PIECE_REASONING) {
-        s->parsed_out = 1;
         emit_text(s, pc->text, pc->len, "reasoning_content");
     } else
         emit_text(s, pc->text, pc->len, "content");
@@ -237,8 +234,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (as_bytes && valid_utf8(text, len))
         CHECK(dt.len == len && (len == 0 || memcmp(dt.buf, text, len) == 0),
               "byte tokens of valid text detokenized to something else");
-    if (tools == M40_TOOLS_NONE && reasoning != M40_REASONING_NONE && !s.parsed_out)
-        /* nothing taken out: the events' content is the detokenized text */
+    /* nothing to take out (no tool format; <think> left inline, or no '<' at all and
+     * not opened by the prompt): the events' content is the detokenized text */
+    if (tools == M40_TOOLS_NONE
+        && (reasoning == M40_REASONING_INLINE || (!((mode >> 7) & 1) && !memchr(dt.buf ? dt.buf : "", '<', dt.len))))
         CHECK(s.len == dt.len && (dt.len == 0 || memcmp(s.buf, dt.buf, dt.len) == 0),
               "the events' content is not the text (%zu bytes, %zu detokenized)", s.len, dt.len);
     m40_chat_parse_free(cp);
