@@ -595,8 +595,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
             m40_set_err(err, errlen, "layer %d lacks one of its Q/K norms or (gemma3) post norms", (int)l);
             goto fail_upload;
         }
-        /* Per-head Q/K norms wherever the layer has them: gemma3, and qwen3, whose GPU
-         * path this is but which model/arch.h keeps refused until it is validated. */
+        /* Per-head Q/K norms wherever the layer has them (gemma3, qwen3). */
         if (L->q_norm && (upload_vec(g, L->q_norm, p->head_dim, &G->q_norm, err, errlen) ||
                           upload_vec(g, L->k_norm, p->head_dim, &G->k_norm, err, errlen)))
             goto fail_upload;

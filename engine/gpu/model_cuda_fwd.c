@@ -542,7 +542,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                    errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
-        if (L->q_norm) { /* per-head Q/K norms before RoPE (gemma3; qwen3, not validated yet) */
+        if (L->q_norm) { /* per-head Q/K norms before RoPE (gemma3, qwen3) */
             CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
             CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
         }

@@ -15,9 +15,9 @@ static const m40_arch arches[] = {
      .embd_scale_sqrt_dim = 1, .final_softcap = 1, .swa_period = 6, .swa_rope_base = 10000.0f,
      .rope_linear_global = 1, .gemma_attn_scale = 1, .gpu_validated = 1},
     /* Qwen3 dense: llama with per-head Q/K norms, NeoX RoPE, no biases. */
-    {.name = "qwen3", .rope = M40_ROPE_NEOX, .qk_norm = 1, .act = M40_ACT_SILU},
+    {.name = "qwen3", .rope = M40_ROPE_NEOX, .qk_norm = 1, .act = M40_ACT_SILU, .gpu_validated = 1},
     /* Phi-3 / Phi-4: fused attn_qkv and gate+up; its stored sliding_window is ignored. */
-    {.name = "phi3", .rope = M40_ROPE_NEOX, .act = M40_ACT_SILU, .fused_qkv = 1, .fused_gate_up = 1},
+    {.name = "phi3", .rope = M40_ROPE_NEOX, .act = M40_ACT_SILU, .fused_qkv = 1, .fused_gate_up = 1, .gpu_validated = 1},
     /* Gemma 2: sandwich norms, GeGLU, both soft-caps (50 and 30 when the file does not
      * say, as Gemma 2 is defined), even layers local, one RoPE base. */
     {.name = "gemma2", .rope = M40_ROPE_NEOX, .sandwich_norms = 1, .act = M40_ACT_GELU_TANH,

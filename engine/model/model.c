@@ -56,6 +56,7 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         return -1;
     }
     m40_tuning_from_env(&m->tuning);
+    m->ctx_request = opts && opts->ctx_size > 0 ? opts->ctx_size : 0;
     char sub[512];
     if (m40_gguf_open(path, &m->gguf, sub, sizeof sub) != 0) {
         m40_set_err(err, errlen, "%s: %s", path, sub);
@@ -72,6 +73,12 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
                     "validated yet", path, m->p.arch);
         goto fail;
     }
+    /* LongRoPE's attention factor is folded into attn_scale, which the GPU path does not
+     * take for this row yet: refused there rather than wrong. */
+    if (device >= 0 && m->longrope) {
+        m40_set_err(err, errlen, "%s: LongRoPE runs on the CPU only in this build", path);
+        goto fail;
+    }
     if (m40_tokenizer_from_gguf(m->gguf, &m->tok, sub, sizeof sub) != 0) {
         m40_set_err(err, errlen, "%s: tokenizer: %s", path, sub);
         goto fail;
@@ -81,6 +88,10 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
     const char *tok_warning = m40_tokenizer_load_warning(m->tok);
     if (tok_warning)
         fprintf(stderr, "m40: warning: %s: %s\n", path, tok_warning);
+    if (m->longrope && opts && opts->log_progress)
+        fprintf(stderr, "m40: %s: LongRoPE: the %s factors (a sequence's context %d, the original %d)\n", path,
+                m->longrope == 2 ? "long" : "short", (int)(m->ctx_request > 0 ? m->ctx_request : m->p.ctx_train),
+                (int)m->longrope_orig);
     if (m40_tokenizer_n_vocab(m->tok) > m->p.n_vocab) {
         m40_set_err(err, errlen, "%s: the tokenizer has %d tokens but token_embd.weight only %d rows", path,
                 (int)m40_tokenizer_n_vocab(m->tok), (int)m->p.n_vocab);

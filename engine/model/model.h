@@ -45,6 +45,7 @@ typedef struct {
     int n_threads;
     int device;
     int log_progress;
+    int32_t ctx_size; /* the context one sequence gets, 0: the model's; picks LongRoPE's factor set */
 } m40_model_options;
 int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen);
 /* -1: the CPU, else the CUDA device index the model lives on. */

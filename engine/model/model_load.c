@@ -90,6 +90,8 @@ static int load_rope(m40_model *m, char *err, size_t errlen)
             m40_set_err(err, errlen, "bad %s.rope.scaling.factor %g", arch, m->global_scale);
             return -1;
         }
+    } else if (scaling && !strcmp(scaling, "longrope") && m40_gguf_find_tensor(g, "rope_factors_long.weight")) {
+        /* the factors and the attention factor: load_longrope */
     } else if (scaling && strcmp(scaling, "none") != 0) {
         m40_set_err(err, errlen, "RoPE scaling '%s' (%s) is not supported", scaling, key);
         return -1;
@@ -297,6 +299,59 @@ static int load_layer(m40_model *m, int32_t l, layer *L, char *err, size_t errle
     return 0;
 }
 
+/* LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): two sets of per-frequency divisors, the
+ * long one for contexts past the original length (<arch>.rope.scaling.
+ * original_context_length), as llama.cpp picks them: by the context a sequence gets
+ * (m->ctx_request, the model's own when 0). Both sets are divisors like Llama 3.1's
+ * rope_freqs.weight, which wins when a file has both. <arch>.rope.scaling.attn_factor
+ * multiplies the rotated q and k (the cos/sin tables), so q.k by its square: folded
+ * into attn_scale, which the KV cache never sees. */
+static int load_longrope(m40_model *m, char *err, size_t errlen)
+{
+    const m40_gguf *g = m->gguf;
+    m40_model_params *p = &m->p;
+    float attn_factor;
+    if (get_f32(g, p->arch, "rope.scaling.attn_factor", 0, 1.0f, &attn_factor, err, errlen))
+        return -1;
+    if (!(attn_factor > 0) || attn_factor > 16.0f) {
+        m40_set_err(err, errlen, "bad %s.rope.scaling.attn_factor %g", p->arch, attn_factor);
+        return -1;
+    }
+    m->attn_scale *= attn_factor * attn_factor;
+    float *lng = NULL, *sht = NULL;
+    if (m40_weight_vector(g, "rope_factors_long.weight", p->rope_dim / 2, 1, &lng, err, errlen) ||
+        m40_weight_vector(g, "rope_factors_short.weight", p->rope_dim / 2, 1, &sht, err, errlen))
+        goto fail;
+    if (!lng != !sht) {
+        m40_set_err(err, errlen, "LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight");
+        goto fail;
+    }
+    if (!lng || m->rope_freq_factors) {
+        free(lng);
+        free(sht);
+        return 0;
+    }
+    int32_t orig;
+    if (get_u32(g, p->arch, "rope.scaling.original_context_length", 0, (uint32_t)p->ctx_train, &orig, err, errlen))
+        goto fail;
+    for (int32_t i = 0; i < p->rope_dim / 2; i++)
+        if (!(lng[i] > 0) || !(sht[i] > 0) || lng[i] > 1e6f || sht[i] > 1e6f) {
+            m40_set_err(err, errlen, "LongRoPE factor %d is %g (long) / %g (short): must be in (0, 1e6]", (int)i,
+                        lng[i], sht[i]);
+            goto fail;
+        }
+    const int32_t ctx = m->ctx_request > 0 ? m->ctx_request : p->ctx_train;
+    m->longrope = ctx > orig ? 2 : 1;
+    m->longrope_orig = orig;
+    m->rope_freq_factors = m->longrope == 2 ? lng : sht;
+    free(m->longrope == 2 ? sht : lng);
+    return 0;
+fail:
+    free(lng);
+    free(sht);
+    return -1;
+}
+
 static int load_weights(m40_model *m, char *err, size_t errlen)
 {
     m40_model_params *p = &m->p;
@@ -323,13 +378,8 @@ static int load_weights(m40_model *m, char *err, size_t errlen)
     }
     if (m40_weight_vector(m->gguf, "rope_freqs.weight", p->rope_dim / 2, 1, &m->rope_freq_factors, err, errlen))
         return -1;
-    /* LongRoPE (Phi-3 128k and Phi-3.5/4 files): the factors change the rotation with
-     * the context length and an attention factor; not implemented, so refuse. */
-    if (m40_gguf_find_tensor(m->gguf, "rope_factors_long.weight") ||
-        m40_gguf_find_tensor(m->gguf, "rope_factors_short.weight")) {
-        m40_set_err(err, errlen, "LongRoPE (rope_factors_long/short.weight) is not supported yet");
+    if (load_longrope(m, err, errlen))
         return -1;
-    }
 
     m->layers = calloc((size_t)p->n_layers, sizeof *m->layers);
     if (!m->layers) {

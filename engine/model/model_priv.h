@@ -23,7 +23,10 @@ struct m40_model {
     m40_model_params p;
     const m40_arch *arch;         /* the table row of p.arch (arch.h) */
     int32_t q_dim, kv_dim;
-    float *rope_freq_factors;     /* rope_freqs.weight (Llama 3.1 style), or NULL */
+    float *rope_freq_factors;     /* rope_freqs.weight (Llama 3.1 style), LongRoPE's chosen set, or NULL */
+    int32_t ctx_request;          /* the context a sequence gets (options.ctx_size; 0: ctx_train) */
+    int longrope;                 /* 0: no LongRoPE factors; 1: the short set; 2: the long one */
+    int32_t longrope_orig;        /* LongRoPE's original context length */
 
     /* What the row and the metadata add to the llama block (1 or 0: absent). */
     int32_t window;               /* local layers (L->local) see the last `window` positions */

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The newer dense architectures of ../shared/models/next on the CPU (qwen3, phi3, gemma2,
 # llama with head_dim != dim/heads): m40 eval passes at the CPU tolerance, greedy m40 run
-# gives the reference's greedy text, and asking for a GPU is refused with the message
-# that the architecture runs on the CPU only (before any CUDA call, so also here).
+# gives the reference's greedy text, and asking for a GPU where the architecture's GPU
+# path is not validated yet (gemma2) is refused with the message that it runs on the CPU
+# only (before any CUDA call, so also here).
 cd "$(dirname "$0")/../.." || exit 1
 source tests/cli/lib.bash
 tmp=$(mktemp -d)
@@ -34,7 +35,7 @@ for name in tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16 tiny-llama-hd-f16;
     check "$name: greedy text is the reference's ($want)" [ "${got#"$want"}" != "$got" ]
 done
 
-for pair in tiny-qwen3-gpt2-f16:qwen3 tiny-phi3-f16:phi3 tiny-gemma2-f16:gemma2; do
+for pair in tiny-gemma2-f16:gemma2; do
     model=$next/${pair%%:*}.gguf arch=${pair#*:}
     [ -f "$model" ] || continue
     "$M40" run "$model" --device 0 -p hi -n 1 >/dev/null 2>"$tmp/err"; rc=$?

@@ -117,9 +117,9 @@ fi
 # 3b. ../shared/models/next: a row the architecture table (engine/model/arch.c) marks
 #     gpu_validated runs `m40 eval --device 0 --tol 7.5e-2` (that folder's GPU bound);
 #     a row not yet validated must be refused with "runs on the CPU only". To validate
-#     one (qwen3's GPU path is written), set its gpu_validated and move it to the first list.
+#     one, set its gpu_validated and move it to the first list.
 if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
-    for name in tiny-llama-hd-f16; do
+    for name in tiny-llama-hd-f16 tiny-qwen3-gpt2-f16 tiny-phi3-f16; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
         if "$M40_BIN" eval --device 0 --tol 7.5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
@@ -128,7 +128,7 @@ if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
             failed=$((failed + 1)); echo "eval --device 0 next/$name FAILED:"; tail -n 20 "$log/eval"
         fi
     done
-    for name in tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16; do
+    for name in tiny-gemma2-f16; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
         if ! "$M40_BIN" eval --device 0 "$model" "$ref" >"$log/eval" 2>&1 && grep -q "runs on the CPU only" "$log/eval"; then
