@@ -4,14 +4,15 @@
  *   ngx_http_m40_module.c    directives, configuration, the per-worker engine and its
  *                            eventfd in the event loop, URI routing
  *   ngx_http_m40_params.c    request body JSON -> validated generation parameters
+ *                            (the checks, tools included: engine/serve/api_params.c)
  *   ngx_http_m40_generate.c  the request path of every generating endpoint: body,
  *                            (a dialect's conversion,) submission, engine wake-ups,
  *                            cleanup; chat and completions' JSON answers
  *   ngx_http_m40_stream.c    the same as Server-Sent Events, with back pressure
  *   ngx_http_m40_output.c    JSON to buffers, response objects (usage, logprobs),
  *                            OpenAI-shaped errors, UTF-8 repair
- *   ngx_http_m40_tools.c     tools, tool_choice, chat_template_kwargs and the tool
- *                            fields of messages; the output parser's glue
+ *   ngx_http_m40_tools.c     the output parser's glue (the tool fields' checks are
+ *                            in engine/serve/api_params.c)
  *   ngx_http_m40_responses.c /v1/responses (OpenAI Responses API): its request as a
  *                            chat request, its response object and typed SSE events
  *   ngx_http_m40_messages.c  /v1/messages and /v1/messages/count_tokens (Anthropic
@@ -285,10 +286,6 @@ ngx_int_t ngx_http_m40_logprobs_add(ngx_http_m40_ctx_t *ctx,
     ngx_http_m40_choice_t *ch, json_t *lp, m40_event *ev);
 
 /* ngx_http_m40_tools.c */
-ngx_int_t ngx_http_m40_parse_tools(json_t *root, ngx_http_m40_params_t *p,
-    ngx_http_m40_error_t *err);
-ngx_int_t ngx_http_m40_message_tool_fields(json_t *m, size_t i,
-    const char *role, json_t *out, ngx_http_m40_error_t *err);
 void ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx,
     ngx_http_m40_params_t *p);
 ngx_int_t ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the test suite and ends with one line "N passed, N failed, N skipped".
-#   tests/run.sh          all suites (unit, cli, integration where present)
-#   tests/run.sh unit     unit tests only
+#   tests/run.sh          all suites (unit, cli, integration, stress where present)
+#   tests/run.sh unit     unit tests only (also: cli, integration, stress)
 # Exit status non-zero when anything failed.
 set -u
 cd "$(dirname "$0")/.."
@@ -59,6 +59,18 @@ if [ "$what" = all ] || [ "$what" = integration ]; then
         tally "$log/integration" integration
         if [ $rc -ne 0 ] && ! grep -qE '^[0-9]+ passed, [1-9]' "$log/integration"; then
             failed=$((failed + 1)); broken="$broken integration(rc=$rc)"
+        fi
+    fi
+fi
+
+if [ "$what" = all ] || [ "$what" = stress ]; then
+    if [ -x tests/stress/run.sh ]; then
+        echo "== stress"
+        tests/stress/run.sh "${M40_STRESS_SCALE:-1}" >"$log/stress" 2>&1; rc=$?
+        tail -n 60 "$log/stress"
+        tally "$log/stress" stress
+        if [ $rc -ne 0 ] && ! grep -qE '^[0-9]+ passed, [1-9]' "$log/stress"; then
+            failed=$((failed + 1)); broken="$broken stress(rc=$rc)"
         fi
     fi
 fi

@@ -1,0 +1,248 @@
+/* libFuzzer harness: the streaming output path, from token bytes to Server-Sent Events.
+ *
+ * The input's text goes through what a stream's bytes go through: the engine's
+ * incremental detokenizer (pushed as single-byte tokens, <0xNN>, so that a character can
+ * be split at any byte, or as the tokenizer's own ids), the chat output parser (tool
+ * calls and <think> splitting, the format chosen by the first byte), then the module's
+ * UTF-8 repair (ngx_http_m40_json_text) and event writer (ngx_http_m40_json_write with
+ * "data: " and "\n\n", as ngx_http_m40_emit calls it). The raw bytes, cut at the points
+ * the second byte picks, also go straight to the module's side (text a submitter could
+ * get from any engine). Checked on every event:
+ *   - "data: " + one line of JSON + "\n\n", valid UTF-8, parses back;
+ *   - what the detokenizer gives out is valid UTF-8 (an incomplete tail is held, an
+ *     invalid one is U+FFFD), and for valid input the pieces put together are the input;
+ *   - a piece of valid UTF-8 passes the repair unchanged, so the events' texts put
+ *     together are the detokenized text, byte for byte, when nothing is parsed out.
+ * The module's files are built against the configured nginx tree (build/nginx). */
+#include <ngx_config.h>
+#include <ngx_core.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ngx_http_m40_module.h"
+#include "gguf/gguf.h"
+#include "gguf/mkmodel.h"
+#include "tokenizer/tokenizer.h"
+
+static m40_tokenizer *tok;
+static int32_t byte_id[256];
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc, (void)argv;
+    char err[256], path[256];
+    snprintf(path, sizeof path, "/tmp/m40-fuzz-sse-%d.gguf", (int)getpid());
+    m40_mkmodel_opts o = {0};
+    o.shape = m40_mkmodel_find_shape("tiny");
+    o.ftype = M40_MK_F32;
+    o.seed = 1;
+    o.n_threads = 1;
+    m40_gguf *g = NULL;
+    if (!o.shape || m40_mkmodel_write(&o, path, NULL, err, sizeof err) != 0 || m40_gguf_open(path, &g, err, sizeof err) != 0
+        || m40_tokenizer_from_gguf(g, &tok, err, sizeof err) != 0) {
+        fprintf(stderr, "fuzz_sse: cannot make the vocabulary: %s\n", err);
+        exit(1);
+    }
+    m40_gguf_close(g);
+    unlink(path);
+    for (int b = 0; b < 256; b++) {
+        char piece[8];
+        snprintf(piece, sizeof piece, "<0x%02X>", b);
+        byte_id[b] = m40_tokenizer_find_piece(tok, piece);
+        if (byte_id[b] < 0) {
+            fprintf(stderr, "fuzz_sse: the vocabulary has no byte token %s\n", piece);
+            exit(1);
+        }
+    }
+    return 0;
+}
+
+/* Length of the valid UTF-8 sequence at p, 0 when invalid (RFC 3629: no overlongs, no
+ * surrogates, nothing past U+10FFFF). Written apart from the module's own. */
+static size_t utf8_len(const unsigned char *p, size_t n)
+{
+    if (p[0] < 0x80)
+        return 1;
+    size_t len = p[0] >= 0xc2 && p[0] <= 0xdf ? 2 : p[0] >= 0xe0 && p[0] <= 0xef ? 3 : p[0] >= 0xf0 && p[0] <= 0xf4 ? 4 : 0;
+    if (len == 0 || n < len)
+        return 0;
+    for (size_t i = 1; i < len; i++)
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+    if ((p[0] == 0xe0 && p[1] < 0xa0) || (p[0] == 0xed && p[1] > 0x9f) || (p[0] == 0xf0 && p[1] < 0x90)
+        || (p[0] == 0xf4 && p[1] > 0x8f))
+        return 0;
+    return len;
+}
+
+static int valid_utf8(const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    for (size_t i = 0; i < n;) {
+        size_t k = utf8_len(p + i, n - i);
+        if (k == 0)
+            return 0;
+        i += k;
+    }
+    return 1;
+}
+
+#define CHECK(c, ...)                                                                                                  \
+    do {                                                                                                               \
+        if (!(c)) {                                                                                                    \
+            fprintf(stderr, "fuzz_sse: " __VA_ARGS__);                                                                 \
+            fprintf(stderr, "\n");                                                                                     \
+            abort();                                                                                                   \
+        }                                                                                                              \
+    } while (0)
+
+typedef struct {
+    char *buf; /* the texts the events carried, put together */
+    size_t len, cap;
+    int input_valid;
+} sink;
+
+static void append(sink *s, const char *p, size_t n)
+{
+    if (s->len + n + 1 > s->cap) {
+        s->cap = (s->len + n + 1) * 2;
+        s->buf = realloc(s->buf, s->cap);
+        CHECK(s->buf, "out of memory");
+    }
+    memcpy(s->buf + s->len, p, n);
+    s->len += n;
+}
+
+/* One event as the stream writer makes it: {"choices":[{"delta":{KEY:text}}]} after
+ * "data: ", then "\n\n"; returns the text the event carries (a new reference). */
+static json_t *event(json_t *text, const char *key)
+{
+    json_t *chunk = json_pack("{s:s,s:[{s:i,s:{s:O},s:n}]}", "object", "chat.completion.chunk", "choices", "index", 0,
+                              "delta", key, text, "finish_reason");
+    CHECK(chunk, "json_pack failed");
+    size_t need = json_dumpb(chunk, NULL, 0, JSON_COMPACT) + sizeof("data: \n\n") - 1;
+    u_char *mem = malloc(need);
+    CHECK(mem, "out of memory");
+    ngx_buf_t b;
+    memset(&b, 0, sizeof b);
+    b.start = b.pos = b.last = mem;
+    b.end = mem + need;
+    size_t n = ngx_http_m40_json_write(chunk, &b, "data: ", "\n\n");
+    json_decref(chunk);
+    CHECK(n == need && b.last == b.end, "event of %zu bytes, %zu expected", n, need);
+    const char *ev = (const char *)mem;
+    CHECK(memcmp(ev, "data: ", 6) == 0 && memcmp(ev + n - 2, "\n\n", 2) == 0, "event framing: %.*s", (int)n, ev);
+    CHECK(memchr(ev, '\n', n - 2) == NULL && memchr(ev, '\r', n - 2) == NULL, "a line break inside an event");
+    CHECK(valid_utf8(ev, n), "an event is not valid UTF-8: %.*s", (int)n, ev);
+    json_error_t jerr;
+    json_t *back = json_loadb(ev + 6, n - 8, JSON_ALLOW_NUL, &jerr); /* \u0000 is JSON */
+    CHECK(back, "an event does not parse: %s", jerr.text);
+    json_t *t = json_object_get(json_object_get(json_array_get(json_object_get(back, "choices"), 0), "delta"), key);
+    CHECK(json_is_string(t), "the event lost its text");
+    json_incref(t);
+    json_decref(back);
+    free(mem);
+    return t;
+}
+
+/* A text piece through the module: repair, event, and what the client reads. */
+static void emit_text(sink *s, const char *p, size_t n, const char *key)
+{
+    json_t *j = ngx_http_m40_json_text(p, n);
+    CHECK(j, "ngx_http_m40_json_text failed on %zu bytes", n);
+    json_t *got = event(j, key);
+    const char *g = json_string_value(got);
+    size_t gl = json_string_length(got);
+    if (valid_utf8(p, n))
+        CHECK(gl == n && (n == 0 || memcmp(g, p, n) == 0), "valid text of %zu bytes changed on the way (%zu)", n, gl);
+    if (!strcmp(key, "content"))
+        append(s, g, gl);
+    json_decref(got);
+    json_decref(j);
+}
+
+static int on_piece(void *ud, const m40_piece *pc)
+{
+    sink *s = ud;
+    if (pc->kind == M40_PIECE_TOOL_CALL) {
+        CHECK(pc->name && pc->arguments, "a tool call without name or arguments");
+        json_t *args = json_loads(pc->arguments, 0, NULL);
+        CHECK(json_is_object(args), "tool call arguments are not a JSON object: %s", pc->arguments);
+        json_decref(args);
+        json_t *c = ngx_http_m40_json_text(pc->name, strlen(pc->name));
+        CHECK(c, "tool call name");
+        json_decref(event(c, "name"));
+        json_decref(c);
+        return 0;
+    }
+    if (s->input_valid)
+        CHECK(valid_utf8(pc->text, pc->len), "the parser cut a character: a piece of %zu bytes is not UTF-8", pc->len);
+    if (pc->kind == M40_PIECE_REASONING) {
+        emit_text(s, pc->text, pc->len, "reasoning_content");
+    } else
+        emit_text(s, pc->text, pc->len, "content");
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 2 || size > 4096) /* one event a byte at worst: keep runs fast */
+        return 0;
+    const unsigned mode = data[0], cut = data[1];
+    const char *text = (const char *)data + 2;
+    const size_t len = size - 2;
+
+    /* 1. the raw bytes cut every (cut % 7 + 1) bytes straight into events */
+    sink raw = {0};
+    size_t step = cut % 7 + 1;
+    for (size_t i = 0; i < len; i += step)
+        emit_text(&raw, text + i, len - i < step ? len - i : step, "content");
+    free(raw.buf);
+
+    /* 2. the detokenizer, then the output parser, then the events */
+    m40_tool_format tools = (m40_tool_format)(mode % 5);
+    m40_reasoning_mode reasoning = (m40_reasoning_mode)((mode / 5) % 3);
+    m40_chat_parse *cp = m40_chat_parse_new(tools, reasoning, (mode >> 7) & 1);
+    m40_detok *d = m40_detok_new(tok);
+    CHECK(cp && d, "out of memory");
+    sink s = {0}, dt = {0};
+    s.input_valid = 1; /* the detokenizer's output must be valid whatever came in */
+    int as_bytes = (cut & 0x80) != 0;
+    int32_t ids[4096];
+    int64_t n_ids = 0;
+    if (!as_bytes) {
+        char err[128];
+        n_ids = m40_tokenize(tok, text, len, 0, 0, ids, 4096, err, sizeof err);
+        if (n_ids < 0 || n_ids > 4096)
+            as_bytes = 1;
+    }
+    size_t total = as_bytes ? len : (size_t)n_ids;
+    for (size_t i = 0; i <= total; i++) {
+        size_t k;
+        const char *out = i == total ? m40_detok_flush(d, &k)
+                                     : m40_detok_push(d, as_bytes ? byte_id[(unsigned char)text[i]] : ids[i], &k);
+        if (!k)
+            continue;
+        CHECK(out && valid_utf8(out, k), "the detokenizer gave out %zu bytes that are not UTF-8", k);
+        append(&dt, out, k);
+        CHECK(m40_chat_parse_feed(cp, out, k, on_piece, &s) == 0, "the parser failed");
+    }
+    CHECK(m40_chat_parse_finish(cp, on_piece, &s) == 0, "the parser failed at the end");
+    if (as_bytes && valid_utf8(text, len))
+        CHECK(dt.len == len && (len == 0 || memcmp(dt.buf, text, len) == 0),
+              "byte tokens of valid text detokenized to something else");
+    /* nothing to take out (no tool format; <think> left inline, or no '<' at all and
+     * not opened by the prompt): the events' content is the detokenized text */
+    if (tools == M40_TOOLS_NONE
+        && (reasoning == M40_REASONING_INLINE || (!((mode >> 7) & 1) && !memchr(dt.buf ? dt.buf : "", '<', dt.len))))
+        CHECK(s.len == dt.len && (dt.len == 0 || memcmp(s.buf, dt.buf, dt.len) == 0),
+              "the events' content is not the text (%zu bytes, %zu detokenized)", s.len, dt.len);
+    m40_chat_parse_free(cp);
+    m40_detok_free(d);
+    free(s.buf);
+    free(dt.buf);
+    return 0;
+}
