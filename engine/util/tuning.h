@@ -38,6 +38,9 @@ typedef struct {
     int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */
     int32_t load_delay_ms;/* M40_TEST_LOAD_DELAY_MS=N: the engine waits N ms before it loads
                            * its model (a test seam: a model that takes a while to load) */
+    int gpu_unvalidated;  /* M40_GPU_UNVALIDATED=1: a GPU loads an architecture whose row is not
+                           * gpu_validated (a test seam to validate it without a rebuild;
+                           * logged loudly at every such load) */
 } m40_tuning;
 
 /* Reads every switch from the environment (unset or unparsable: the default). */

@@ -6,7 +6,8 @@
 
 static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_SKINNY", "M40_CUDA_GRAPHS",
                                     "M40_WARMUP", "M40_G8", "M40_FUSE_NORM", "M40_FUSE_PICK", "M40_GEMM_Q",
-                                    "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE"};
+                                    "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE",
+                                    "M40_GPU_UNVALIDATED"};
 
 static void clear(void)
 {
@@ -24,6 +25,14 @@ int main(void)
               t.prefix_cache,
           "every on/off switch on by default");
     CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 128 && t.gemm_q_reg == 64 && t.kv_blocks == 0, "numbers' defaults");
+    CHECK(!t.gpu_unvalidated, "M40_GPU_UNVALIDATED unset: unvalidated rows refused on a GPU");
+    setenv("M40_GPU_UNVALIDATED", "yes", 1);
+    m40_tuning_from_env(&t);
+    CHECK(!t.gpu_unvalidated, "M40_GPU_UNVALIDATED takes 1 only (an opt-in test seam)");
+    setenv("M40_GPU_UNVALIDATED", "1", 1);
+    m40_tuning_from_env(&t);
+    CHECK(t.gpu_unvalidated, "M40_GPU_UNVALIDATED=1");
+    unsetenv("M40_GPU_UNVALIDATED");
 
     for (size_t i = 1; i < sizeof names / sizeof names[0]; i++)
         setenv(names[i], "0", 1);
