@@ -33,6 +33,9 @@ typedef struct {
                            * (default 128; 0: all take it) */
     int32_t gemm_q_reg;   /* M40_GEMM_Q_REG=N: products of up to N rows take the quantized
                            * GEMM's register kernel (default 64) */
+    int32_t moe_gemv_rows;/* M40_MOE_GEMV_ROWS=N: mixture-of-experts steps of up to N rows take
+                           * the expert GEMVs, larger ones the grouped products (default 8;
+                           * 0: every step grouped) */
     int64_t kv_blocks;    /* M40_KV_BLOCKS=N: the GPU KV pool holds at most N blocks (a test
                            * seam; 0: no cap) */
     int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */
