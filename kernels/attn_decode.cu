@@ -85,6 +85,7 @@ struct dec_rope {
     int rot_dim, neox;
     gq_blk *xq; /* or NULL: the cluster merge also writes out as int8 records (kernels.h 6c) */
     int xq_row; /* records a sequence row of xq */
+    const float *sinks; /* [n_heads] logits joining each head's softmax (gpt-oss), or NULL */
 };
 
 /* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
@@ -428,7 +429,9 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
             o += P[t][j];
         if (n_splits == 1) {
             const float l = l_s[g];
-            out[s * out_stride + (int64_t)h * D + d] = l > 0.0f ? o / l : 0.0f;
+            out[s * out_stride + (int64_t)h * D + d] = rp.sinks ? o * m40k_sink_norm(m_s[g], l, rp.sinks[h])
+                                                       : l > 0.0f ? o / l
+                                                                  : 0.0f;
         } else if (CL) {
             P[0][j] = o; /* row 0's word j: read above by this thread only */
         } else {
@@ -472,6 +475,8 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
                     den += e * l[r];
                     num += e * o[r];
                 }
+            if (rp.sinks)
+                return num * m40k_sink_norm(M, den, rp.sinks[kvh * G + g]);
             return den > 0.0f ? num / den : 0.0f;
         };
         float *ob = out + s * out_stride + (int64_t)kvh * G * D;
@@ -577,9 +582,10 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
             }
         }
         float *op = out + s * out_stride + (int64_t)(kvh * G + g) * D + d;
+        const float f = rp.sinks ? m40k_sink_norm(M, den, rp.sinks[kvh * G + g]) : den > 0.0f ? 1.0f / den : 0.0f;
 #pragma unroll
         for (int k = 0; k < VW; k++)
-            op[k] = den > 0.0f ? num[k] / den : 0.0f;
+            op[k] = num[k] * f;
     }
 }
 
@@ -784,6 +790,21 @@ extern "C" int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const fl
                                         int neox, int n_splits, float *workspace, int *counters, void *out_q8,
                                         m40k_stream stream)
 {
+    return m40k_attn_decode_rope_q8_sinks(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache,
+                                          indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale,
+                                          window, softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace,
+                                          counters, out_q8, nullptr, stream);
+}
+
+extern "C" int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                              const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                                              uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
+                                              const int32_t *indices, const int32_t *last_page_len, int n_seqs,
+                                              int n_heads, int n_kv_heads, int head_dim, float scale, int window,
+                                              float softcap, const int32_t *pos, int rot_dim, float base,
+                                              const float *freq_factors, int neox, int n_splits, float *workspace,
+                                              int *counters, void *out_q8, const float *sinks, m40k_stream stream)
+{
     if (n_seqs <= 0)
         return 0;
     /* m40k_kv_append_rope's refusals, and the 16-byte rows the kernel reads */
@@ -803,7 +824,8 @@ extern "C" int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const fl
                          rot_dim,
                          neox,
                          (gq_blk *)out_q8,
-                         n_heads * head_dim / 32};
+                         n_heads * head_dim / 32,
+                         sinks};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
                       n_kv_heads, head_dim, scale, window, softcap, n_splits, workspace, counters, &rp, stream);
 }

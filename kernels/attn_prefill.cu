@@ -32,7 +32,7 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
     float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
-    int n_heads, int n_kv_heads, float scale, int window, float softcap)
+    int n_heads, int n_kv_heads, float scale, int window, float softcap, const float *__restrict__ sinks)
 {
     constexpr int BN = pf_cfg<D>::BN, KS = pf_cfg<D>::KS;
     extern __shared__ float smem[];
@@ -188,7 +188,8 @@ __global__ __launch_bounds__(PF_THREADS) void attn_prefill_kernel(
         if (r >= nrows)
             continue;
         const int row = row0 + r, tok = q0 + row / G, h = kvh * G + row % G;
-        const float l = l_s[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float l = l_s[r];
+        const float inv = sinks ? m40k_sink_norm(m_s[r], l, sinks[h]) : l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
         for (int j = 0; j < DJ; j++)
             out[tok * out_stride + (int64_t)h * D + lane + 32 * j] = acc[k][j] * inv;
@@ -199,7 +200,7 @@ template <int D>
 static int prefill_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                           int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr,
                           const int32_t *indices, const int32_t *lpl, int n_heads, int n_kv_heads, float scale,
-                          int window, float softcap, cudaStream_t st)
+                          int window, float softcap, const float *sinks, cudaStream_t st)
 {
     const size_t smem = pf_cfg<D>::smem;
     static int attr_set; /* per instantiation; setting it twice is harmless */
@@ -214,7 +215,8 @@ static int prefill_launch(float *out, int64_t os, const float *q, int64_t qs, co
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
     attn_prefill_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads), PF_THREADS, smem, st>>>(
-        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale, window, softcap);
+        out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale, window, softcap,
+        sinks);
     return m40k_launch_status();
 }
 
@@ -224,14 +226,25 @@ extern "C" int m40k_attn_prefill_window(float *out, int64_t out_stride, const fl
                                         const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
                                         float scale, int window, float softcap, m40k_stream stream)
 {
+    return m40k_attn_prefill_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
+                                   indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap,
+                                   nullptr, stream);
+}
+
+extern "C" int m40k_attn_prefill_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                       const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                       const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                       const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                       float scale, int window, float softcap, const float *sinks, m40k_stream stream)
+{
     if (n_seqs <= 0 || n_rows <= 0)
         return 0;
     if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0 || !(softcap >= 0.0f))
         return M40K_INVALID;
     switch (head_dim) {
-    case 64: return prefill_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
-    case 128: return prefill_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
-    case 256: return prefill_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, stream);
+    case 64: return prefill_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, sinks, stream);
+    case 128: return prefill_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, sinks, stream);
+    case 256: return prefill_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, sinks, stream);
     default: return M40K_INVALID;
     }
 }

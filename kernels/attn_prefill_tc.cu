@@ -118,7 +118,7 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
     int n_heads, int n_kv_heads, float scale_log2, int window, float softcap_log2, int n_splits,
-    float *__restrict__ ws)
+    float *__restrict__ ws, const float *__restrict__ sinks)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int BN = tc_cfg<D>::BN, LDS = tc_cfg<D>::LDS;
@@ -335,8 +335,12 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
         const int r = wr0 + g + 8 * half;
         if (r >= nrows)
             continue;
-        const float l = half ? l1 : l0, inv = l > 0.0f ? 1.0f / l : 0.0f;
         const int row = row0 + r, tok = q0 + row / G, h = kvh * G + row % G;
+        const float l = half ? l1 : l0;
+        /* a sink's logit in the kernel's base-2 units (scores times log2(e)) */
+        const float inv = sinks ? m40k_sink_norm2(half ? m1 : m0, l, sinks[h] * 1.4426950408889634f)
+                          : l > 0.0f ? 1.0f / l
+                                     : 0.0f;
         float *dst = out + (int64_t)tok * out_stride + (int64_t)h * D + 2 * tig;
 #pragma unroll
         for (int i = 0; i < D / 8; i++) {
@@ -361,7 +365,7 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
 template <int D>
 __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_merge_kernel(
     float *__restrict__ out, int64_t out_stride, const int32_t *__restrict__ q_indptr, int n_seqs, int n_heads,
-    int n_kv_heads, int n_splits, const float *__restrict__ ws)
+    int n_kv_heads, int n_splits, const float *__restrict__ ws, const float *__restrict__ sinks)
 {
     const int G = n_heads / n_kv_heads, kvh = blockIdx.y, lane = threadIdx.x & 31;
     int tile;
@@ -385,8 +389,8 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_merge_kernel(
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         den += __shfl_xor_sync(0xffffffffu, den, o);
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
     const int row = row0 + r, tok = q0 + row / G, h = kvh * G + row % G;
+    const float inv = sinks ? m40k_sink_norm2(M, den, sinks[h] * 1.4426950408889634f) : den > 0.0f ? 1.0f / den : 0.0f;
     float *dst = out + (int64_t)tok * out_stride + (int64_t)h * D;
 #pragma unroll
     for (int d0 = 0; d0 < D; d0 += 32) {
@@ -446,7 +450,7 @@ template <int D>
 static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                      int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr, const int32_t *indices,
                      const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, float softcap,
-                     int n_splits, float *ws, cudaStream_t st)
+                     int n_splits, float *ws, const float *sinks, cudaStream_t st)
 {
     const int G = n_heads / n_kv_heads;
     const long tiles = tc_tiles(n_rows, n_seqs, G);
@@ -456,11 +460,11 @@ static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const i
     attn_prefill_tc_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, (unsigned)n_splits), TC_THREADS,
                                 tc_cfg<D>::smem, st>>>(out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl,
                                                        n_heads, n_kv_heads, scale_log2, window, softcap_log2, n_splits,
-                                                       ws);
+                                                       ws, n_splits > 1 ? nullptr : sinks);
     if (n_splits > 1)
         attn_prefill_tc_merge_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, TC_BM / TC_MERGE_ROWS),
                                           TC_THREADS, 0, st>>>(
-            out, os, q_indptr, n_seqs, n_heads, n_kv_heads, n_splits, ws);
+            out, os, q_indptr, n_seqs, n_heads, n_kv_heads, n_splits, ws, sinks);
     return m40k_launch_status();
 }
 
@@ -501,6 +505,19 @@ extern "C" int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const 
                                           float scale, int window, float softcap, int n_splits, float *ws,
                                           m40k_stream stream)
 {
+    return m40k_attn_prefill_tc_split_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
+                                            indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale,
+                                            window, softcap, n_splits, ws, nullptr, stream);
+}
+
+extern "C" int m40k_attn_prefill_tc_split_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                                const int32_t *q_indptr, int n_seqs, int n_rows,
+                                                const uint16_t *k_cache, const uint16_t *v_cache,
+                                                const int32_t *indptr, const int32_t *indices,
+                                                const int32_t *last_page_len, int n_heads, int n_kv_heads,
+                                                int head_dim, float scale, int window, float softcap, int n_splits,
+                                                float *ws, const float *sinks, m40k_stream stream)
+{
     if (n_seqs <= 0 || n_rows <= 0)
         return 0;
     if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8 || window < 0 || !(softcap >= 0.0f))
@@ -512,9 +529,9 @@ extern "C" int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const 
     if (!m40k_attn_prefill_tc_supported(head_dim))
         return (int)cudaErrorNoKernelImageForDevice;
     switch (head_dim) {
-    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, stream);
-    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, stream);
-    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, stream);
+    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
+    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
+    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
     }
 }
 
@@ -546,13 +563,26 @@ extern "C" int m40k_attn_prefill_auto_split(float *out, int64_t out_stride, cons
                                             float scale, int window, float softcap, int n_splits, float *ws,
                                             m40k_stream stream)
 {
+    return m40k_attn_prefill_auto_split_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
+                                              indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale,
+                                              window, softcap, n_splits, ws, nullptr, stream);
+}
+
+extern "C" int m40k_attn_prefill_auto_split_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                                  const int32_t *q_indptr, int n_seqs, int n_rows,
+                                                  const uint16_t *k_cache, const uint16_t *v_cache,
+                                                  const int32_t *indptr, const int32_t *indices,
+                                                  const int32_t *last_page_len, int n_heads, int n_kv_heads,
+                                                  int head_dim, float scale, int window, float softcap, int n_splits,
+                                                  float *ws, const float *sinks, m40k_stream stream)
+{
     if (m40k_attn_prefill_tc_supported(head_dim))
-        return m40k_attn_prefill_tc_split(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache,
-                                          indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window,
-                                          softcap, n_splits, ws, stream);
-    return m40k_attn_prefill_window(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap,
-                                    stream);
+        return m40k_attn_prefill_tc_split_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache,
+                                                v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, head_dim,
+                                                scale, window, softcap, n_splits, ws, sinks, stream);
+    return m40k_attn_prefill_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
+                                   indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap,
+                                   sinks, stream);
 }
 
 extern "C" int m40k_attn_prefill_auto_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,

@@ -18,6 +18,22 @@ __device__ __forceinline__ float m40k_bf2f(uint16_t h) { return __uint_as_float(
 __device__ __forceinline__ uint16_t m40k_f2h(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
 /* 0..255 to float without the (quarter-rate) integer conversion: the bits of 2^23 + v. */
+/* Attention sinks (gpt-oss): a learned logit sk per head joins the softmax with no value
+ * behind it. An online softmax that ends with max m and sum l of exp(s - m) (output o
+ * unnormalized) gives o * m40k_sink_norm(m, l, sk) instead of o / l: the denominator
+ * l + exp(sk - m), both rescaled to max(m, sk) so neither overflows. m -inf (no
+ * position seen) gives 0, as the kernels' l == 0 does. Log base e; kernels working in
+ * base 2 pass m, sk in log2 units to m40k_sink_norm2. */
+__device__ __forceinline__ float m40k_sink_norm(float m, float l, float sk)
+{
+    const float M = fmaxf(m, sk), e = expf(m - M), den = l * e + expf(sk - M);
+    return den > 0.0f ? e / den : 0.0f;
+}
+__device__ __forceinline__ float m40k_sink_norm2(float m, float l, float sk)
+{
+    const float M = fmaxf(m, sk), e = exp2f(m - M), den = l * e + exp2f(sk - M);
+    return den > 0.0f ? e / den : 0.0f;
+}
 __device__ __forceinline__ float m40k_u8f(uint32_t v) { return __int_as_float(0x4B000000 | v) - 8388608.0f; }
 
 /* One gated activation: act(g) * u, act M40K_GLU_SILU (g / (1 + e^-g)) or

@@ -218,6 +218,21 @@ int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int
                              int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
                              const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
                              int n_splits, float *workspace, int *counters, void *out_q8, m40k_stream stream);
+/* 6d. Attention sinks (gpt-oss): the _sinks calls take sinks[n_heads] (device memory,
+ * or NULL: none, then exactly the call without the suffix): head h's softmax gets one
+ * more logit, sinks[h], compared with the scaled (and soft-capped) scores as it is, with
+ * no value behind it, so out = sum_t exp(s_t) v_t / (exp(sinks[h]) + sum_t exp(s_t)).
+ * The kernels apply it where they normalize (the last split's merge), one uniform
+ * branch: nothing more in the loops. Twins: m40_ref_attn_prefill_sinks (decode rows are
+ * a prefill of one row each) and m40_ref_attn_generic_sinks. Decode: the RoPE variant
+ * only (6c; rot_dim 0 rotates nothing). */
+int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
+                                   int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache,
+                                   uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                   const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
+                                   float scale, int window, float softcap, const int32_t *pos, int rot_dim, float base,
+                                   const float *freq_factors, int neox, int n_splits, float *workspace, int *counters,
+                                   void *out_q8, const float *sinks, m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they
@@ -302,6 +317,25 @@ int m40k_attn_prefill_auto_split(float *out, int64_t out_stride, const float *q,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
                                  const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
                                  int window, float softcap, int n_splits, float *ws, m40k_stream stream);
+/* 7e. The prefill kernels with attention sinks (6d): SIMT (7b's), tensor cores with key
+ * splits (7d's), and the pick between them (7d's _auto_split). */
+int m40k_attn_prefill_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
+                            int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,
+                            int n_kv_heads, int head_dim, float scale, int window, float softcap, const float *sinks,
+                            m40k_stream stream);
+int m40k_attn_prefill_tc_split_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                     const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                     const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                     const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                     float scale, int window, float softcap, int n_splits, float *ws,
+                                     const float *sinks, m40k_stream stream);
+int m40k_attn_prefill_auto_split_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                       const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                       const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                       const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                       float scale, int window, float softcap, int n_splits, float *ws,
+                                       const float *sinks, m40k_stream stream);
 
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
  * n < N, b < batch (1..8). W rows are K elements of w_type (F16, BF16, Q8_0, Q4_0, Q4_1,

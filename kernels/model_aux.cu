@@ -95,7 +95,7 @@ __global__ __launch_bounds__(AG_T) void attn_generic_kernel(
     float *__restrict__ out, int64_t os, const float *__restrict__ q, int64_t qs, const int32_t *__restrict__ row_seq,
     const int32_t *__restrict__ row_pos, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, int n_heads, int n_kv_heads, int hd,
-    float scale, int window, float softcap)
+    float scale, int window, float softcap, const float *__restrict__ sinks)
 {
     __shared__ float qv[AG_MAXD], acc[AG_MAXD], p[AG_T], red_m[AG_T / 32], red_s[AG_T / 32];
     __shared__ float m_run, l_run, alpha_s;
@@ -160,8 +160,9 @@ __global__ __launch_bounds__(AG_T) void attn_generic_kernel(
         }
         __syncthreads();
     }
+    const float f = sinks ? m40k_sink_norm(m_run, l_run, sinks[h]) : l_run > 0.0f ? 1.0f / l_run : 0.0f;
     for (int d = tid; d < hd; d += AG_T)
-        out[(int64_t)row * os + (int64_t)h * hd + d] = l_run > 0.0f ? acc[d] / l_run : 0.0f;
+        out[(int64_t)row * os + (int64_t)h * hd + d] = acc[d] * f;
 }
 
 extern "C" int m40k_attn_generic_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -169,6 +170,16 @@ extern "C" int m40k_attn_generic_window(float *out, int64_t out_stride, const fl
                                         const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
                                         const int32_t *indices, int n_heads, int n_kv_heads, int head_dim, float scale,
                                         int window, float softcap, m40k_stream stream)
+{
+    return m40k_attn_generic_sinks(out, out_stride, q, q_stride, row_seq, row_pos, n_rows, k_cache, v_cache, indptr,
+                                   indices, n_heads, n_kv_heads, head_dim, scale, window, softcap, nullptr, stream);
+}
+
+extern "C" int m40k_attn_generic_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                       const int32_t *row_seq, const int32_t *row_pos, int n_rows,
+                                       const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *indptr,
+                                       const int32_t *indices, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                       int window, float softcap, const float *sinks, m40k_stream stream)
 {
     if (n_rows <= 0)
         return 0;
@@ -178,7 +189,7 @@ extern "C" int m40k_attn_generic_window(float *out, int64_t out_stride, const fl
     dim3 grid(n_rows, n_heads);
     attn_generic_kernel<<<grid, AG_T, 0, stream>>>(out, out_stride, q, q_stride, row_seq, row_pos, k_cache, v_cache,
                                                    indptr, indices, n_heads, n_kv_heads, head_dim, scale, window,
-                                                   softcap);
+                                                   softcap, sinks);
     return m40k_launch_status();
 }
 

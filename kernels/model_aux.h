@@ -51,6 +51,15 @@ int m40k_attn_generic_window(float *out, int64_t out_stride, const float *q, int
                              const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
                              int n_kv_heads, int head_dim, float scale, int window, float softcap,
                              m40k_stream stream);
+/* m40k_attn_generic_window with attention sinks (gpt-oss): sinks[h] (NULL: none, then
+ * exactly m40k_attn_generic_window) is one more logit in head h's softmax, compared with
+ * the scaled (and capped) scores as it is, with no value behind it:
+ * out = sum_t exp(s_t) v_t / (exp(sinks[h]) + sum_t exp(s_t)). Twin:
+ * m40_ref_attn_generic_sinks. */
+int m40k_attn_generic_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *row_seq,
+                            const int32_t *row_pos, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *indptr, const int32_t *indices, int n_heads, int n_kv_heads, int head_dim,
+                            float scale, int window, float softcap, const float *sinks, m40k_stream stream);
 
 /* Per-head RMSNorm in place (Gemma 3's Q/K norms): for row r < rows and head h <
  * n_heads, the head_dim values at x + r*x_stride + h*head_dim become

@@ -10,7 +10,12 @@
  * and q.k soft-cap, the logit soft-cap, and per layer either a global layer (the
  * file's RoPE base, its frequency factors and linear scaling) or a local one (the
  * local base, attention limited to the last `window` positions by the window argument
- * of the attention kernels; the cache keeps every position, as on the CPU).
+ * of the attention kernels; the cache keeps every position, as on the CPU); the
+ * attention output's bias and the heads' sink logits where the layer has them; YaRN as
+ * per-pair RoPE frequency factors (every layer) and its magnitude squared on the
+ * attention scale (yarn_ff); and per layer either the dense FFN or a mixture of experts
+ * (upload_moe: the router in F32, the 3-D expert tensors in their file type, MXFP4
+ * included, or F16 where the expert kernels do not read it, and their biases).
  *
  * This file: loading (every weight uploaded through pinned staging buffers, converted
  * to F16 where the kernels do not read the type) and freeing. model_cuda_fwd.c: the
@@ -109,7 +114,7 @@ static int gpu_type_native(uint32_t t)
     return t == M40_TYPE_F32 || t == M40_TYPE_F16 || t == M40_TYPE_BF16 || t == M40_TYPE_Q8_0 ||
            t == M40_TYPE_Q4_0 || t == M40_TYPE_Q4_1 || t == M40_TYPE_Q5_0 || t == M40_TYPE_Q5_1 ||
            t == M40_TYPE_Q2_K || t == M40_TYPE_Q3_K || t == M40_TYPE_Q4_K || t == M40_TYPE_Q5_K ||
-           t == M40_TYPE_Q6_K;
+           t == M40_TYPE_Q6_K || t == M40_TYPE_MXFP4;
 }
 
 /* Bytes of a matrix once on the device (converted to F16 when not native). */
@@ -349,6 +354,114 @@ static int upload_vec(m40_gpu *g, const float *v, int64_t n, float **out, char *
     return 0;
 }
 
+/* The types the expert kernels read (kernels.h 10c, 10d, 10g) and the granularity of
+ * their rows' length (the block; 8 for F16 and BF16). 0: not one of them. */
+static int64_t moe_block(int t)
+{
+    switch (t) {
+    case M40K_TYPE_F16:
+    case M40K_TYPE_BF16: return 8;
+    case M40K_TYPE_Q8_0:
+    case M40K_TYPE_Q4_0:
+    case M40K_TYPE_Q4_1:
+    case M40K_TYPE_Q5_0:
+    case M40K_TYPE_Q5_1:
+    case M40K_TYPE_MXFP4: return 32;
+    case M40K_TYPE_Q2_K:
+    case M40K_TYPE_Q3_K:
+    case M40K_TYPE_Q4_K:
+    case M40K_TYPE_Q5_K:
+    case M40K_TYPE_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+/* An expert tensor (n_experts matrices seen as one, model_gpu.h) on the device as the
+ * file has it (GGUF layout, never regrouped: the expert kernels read those layouts), or
+ * converted to F16 (as_f16: a type they do not read, or gate and up of different types,
+ * which kernels.h 10c multiplies with one type). */
+static int upload_experts(uploader *u, const m40_matrix *m, int as_f16, gmat *out, char *err, size_t errlen)
+{
+    m40_gpu *g = u->g;
+    const size_t bytes = as_f16 ? (size_t)m->rows * (size_t)m->cols * 2 : m->row_bytes * (size_t)m->rows;
+    void *buf;
+    if (dev_alloc(g, &buf, bytes, err, errlen, "expert weights"))
+        return -1;
+    *out = (gmat){.data = buf, .type = as_f16 ? M40K_TYPE_F16 : (int)m->type, .rows = m->rows, .cols = m->cols,
+                  .row_bytes = as_f16 ? (size_t)m->cols * 2 : m->row_bytes};
+    if (as_f16 ? upload_converted(u, buf, m) : upload_bytes(u, buf, m->data, bytes)) {
+        m40_set_err(err, errlen, "gpu %d: expert weight upload failed: %s", g->device, cudaGetErrorString(u->status));
+        return -1;
+    }
+    return 0;
+}
+
+/* Whether an expert tensor stays in its file type on the device (else F16). */
+static int experts_native(const m40_matrix *m) { return gpu_type_native(m->type) && moe_block((int)m->type) > 0; }
+
+/* Device bytes of an expert tensor (upload_experts). */
+static size_t experts_bytes(const m40_matrix *m, int as_f16)
+{
+    return as_f16 ? (size_t)m->rows * (size_t)m->cols * 2 : m->row_bytes * (size_t)m->rows;
+}
+
+/* The router as F32 on the device (kernels.h 10a reads F32; GGUF keeps it in F32, any
+ * other type is dequantized here). */
+static int upload_router(m40_gpu *g, const m40_matrix *m, float **out, char *err, size_t errlen)
+{
+    float *h = malloc((size_t)m->rows * (size_t)m->cols * sizeof *h);
+    if (!h) {
+        m40_set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    for (int64_t r = 0; r < m->rows; r++)
+        m40_dequantize_row(m->type, m->data + (size_t)r * m->row_bytes, h + (size_t)r * (size_t)m->cols, m->cols);
+    int rc = upload_vec(g, h, m->rows * m->cols, out, err, errlen);
+    free(h);
+    return rc;
+}
+
+/* A layer's mixture of experts: router, experts and their biases (glayer). Refuses what
+ * the expert kernels do not take, with the reason. */
+static int upload_moe(uploader *u, const m40_layer *L, int32_t l, glayer *G, char *err, size_t errlen)
+{
+    m40_gpu *g = u->g;
+    const m40_model_params *p = &g->p;
+    const int64_t E = p->n_experts, F = p->expert_ffn_dim, D = p->dim;
+    if (E > 256 || p->n_experts_used > 8) {
+        m40_set_err(err, errlen, "layer %d: %d experts, %d chosen: the GPU takes at most 256 experts and 8 chosen",
+                    (int)l, (int)E, (int)p->n_experts_used);
+        return -1;
+    }
+    if (g->sc.act != M40_ACT_SILU && g->sc.act != M40_ACT_SWIGLU_OAI) {
+        m40_set_err(err, errlen, "layer %d: the GPU's expert kernels take SwiGLU and SwiGLU-OAI only", (int)l);
+        return -1;
+    }
+    if (L->sh_gate.data) {
+        m40_set_err(err, errlen, "layer %d: shared experts (ffn_*_shexp) run on the CPU only in this build", (int)l);
+        return -1;
+    }
+    const int gu_f16 = !experts_native(&L->exp_gate) || !experts_native(&L->exp_up) ||
+                       L->exp_gate.type != L->exp_up.type;
+    const int dn_f16 = !experts_native(&L->exp_down);
+    if (upload_router(g, &L->router, &G->router, err, errlen) ||
+        upload_vec(g, L->router_b, E, &G->router_b, err, errlen) ||
+        upload_experts(u, &L->exp_gate, gu_f16, &G->exp_gate, err, errlen) ||
+        upload_experts(u, &L->exp_up, gu_f16, &G->exp_up, err, errlen) ||
+        upload_experts(u, &L->exp_down, dn_f16, &G->exp_down, err, errlen) ||
+        upload_vec(g, L->exp_gate_b, E * F, &G->exp_gate_b, err, errlen) ||
+        upload_vec(g, L->exp_up_b, E * F, &G->exp_up_b, err, errlen) ||
+        upload_vec(g, L->exp_down_b, E * D, &G->exp_down_b, err, errlen))
+        return -1;
+    /* the GEMVs' conditions (kernels.h 10c/d): rows of whole blocks, x rows 16-byte aligned */
+    if (D % moe_block(G->exp_gate.type) || F % moe_block(G->exp_down.type) || D % 4) {
+        m40_set_err(err, errlen, "layer %d: experts of %lld x %lld (types %d, %d) do not fit the GPU's expert kernels",
+                    (int)l, (long long)F, (long long)D, G->exp_gate.type, G->exp_down.type);
+        return -1;
+    }
+    return 0;
+}
+
 static void gproj_free(gproj *p)
 {
     for (int i = 0; i < p->n_parts; i++)
@@ -380,6 +493,10 @@ void m40_gpu_free(m40_gpu *g)
             gproj_free(&L->wo);
             gproj_free(&L->gate_up);
             gproj_free(&L->down);
+            void *moe[] = {L->sinks, L->router, L->router_b, L->exp_gate.data, L->exp_up.data, L->exp_down.data,
+                           L->exp_gate_b, L->exp_up_b, L->exp_down_b};
+            for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++)
+                cudaFree(moe[i]);
         }
         free(g->layers);
     }
@@ -389,11 +506,14 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->output_norm);
     cudaFree(g->rope_ff);
     cudaFree(g->rope_ff_global);
+    cudaFree(g->rope_ff_local);
     cudaFree(g->deq);
     cudaFree(g->iota);
     void *bufs[] = {g->x, g->x2, g->xd, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
                     g->logits_d, g->x16, g->xq, g->xq2, g->nss, g->ws, g->att_cnt, g->ints_d, g->pick_d,
-                    g->sk_ws, g->sk_cnt, g->mq_ws, g->mq_cnt};
+                    g->sk_ws, g->sk_cnt, g->mq_ws, g->mq_cnt, g->moe_logits, g->moe_w, g->moe_yg, g->moe_yu,
+                    g->moe_h, g->moe_yd, g->moe_ids, g->moe_counts, g->moe_offsets, g->moe_perm, g->moe_inv,
+                    g->moe_tiles, g->moe_x16, g->moe_h16};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);
@@ -407,10 +527,27 @@ void m40_gpu_free(m40_gpu *g)
     free(g);
 }
 
+/* YaRN's angle of pair d is theta * (freq_scale * (1 - mix) + mix) (model.c, yarn_theta,
+ * mix 1 above the ramp, 0 below it): the RoPE kernels' theta / factor with this factor. */
+static float yarn_ff(const m40_gpu_scalars *sc, int32_t d)
+{
+    float span = sc->yarn_high - sc->yarn_low;
+    float y = ((float)d - sc->yarn_low) / (span > 0.001f ? span : 0.001f);
+    double mix = 1.0 - (y < 0 ? 0 : y > 1 ? 1 : y);
+    return (float)(1.0 / ((double)sc->yarn_freq_scale * (1.0 - mix) + mix));
+}
+
 int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int log_progress, m40_gpu **out, char *err,
                  size_t errlen)
 {
     *out = NULL;
+    if (src->sc.yarn && src->p->rope_dim != src->p->head_dim) {
+        /* the magnitude YaRN puts on the rotated dimensions becomes the attention scale's
+         * here, which holds only when every dimension rotates */
+        m40_set_err(err, errlen, "YaRN with a partial rotation (%d of %d dimensions) runs on the CPU only",
+                    (int)src->p->rope_dim, (int)src->p->head_dim);
+        return -1;
+    }
     int n_dev = 0;
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess || device >= n_dev) {
@@ -448,6 +585,11 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         goto fail;
     }
     g->sm_count = prop.multiProcessorCount;
+    /* MoE steps of up to this many rows take the expert GEMVs (kernels.h 10c/d: each pair
+     * reads its expert's rows), larger ones the grouped products (10e-10i: each expert
+     * read once for its tokens); M40_MOE_GEMV_ROWS, default 8 (the GEMVs' batch; the
+     * crossover is not measured yet) */
+    g->moe_gemv_rows = t->moe_gemv_rows;
     {
         /* CUDA graphs for decode steps of up to this many sequences (0: off) */
         g->graph_max = t->cuda_graphs;
@@ -504,6 +646,8 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
             const m40_matrix *ms[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
             for (int i = 0; i < 7; i++)
                 params += (double)ms[i]->rows * (double)ms[i]->cols;
+            if (L->router.data) /* every expert counts: the size of the model, not of a token's work */
+                params += 3.0 * (double)L->exp_gate.rows * (double)L->exp_gate.cols;
         }
         const int forced = t->gemm != M40_GEMM_AUTO;
         g->gemm_f32 = forced ? t->gemm == M40_GEMM_F32 : params < 1e9;
@@ -523,6 +667,12 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         const m40_matrix *ms[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (int i = 0; i < 7; i++)
             u.total += dev_bytes(ms[i]);
+        if (L->router.data) {
+            const int gu_f16 = !experts_native(&L->exp_gate) || !experts_native(&L->exp_up) ||
+                               L->exp_gate.type != L->exp_up.type;
+            u.total += experts_bytes(&L->exp_gate, gu_f16) + experts_bytes(&L->exp_up, gu_f16) +
+                       experts_bytes(&L->exp_down, !experts_native(&L->exp_down));
+        }
     }
     if (log_progress)
         fprintf(stderr, "m40: gpu %d (%s, %.1f GB): uploading %.2f GB of weights (%s, %d layers)\n", device,
@@ -555,21 +705,28 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     if (upload_vec(g, src->output_norm, p->dim, &g->output_norm, err, errlen) ||
         upload_vec(g, src->rope_freq_factors, p->rope_dim / 2, &g->rope_ff, err, errlen))
         goto fail_upload;
-    if (g->sc.global_scale != 1.0f) {
+    if (g->sc.global_scale != 1.0f || g->sc.yarn) {
         /* theta_i = pos * base^(-2i/d) / factor_i: linear scaling is a constant factor,
-         * on top of the file's factors where it has them */
-        float *ff = malloc((size_t)(p->rope_dim / 2) * sizeof *ff);
+         * on top of the file's factors where it has them; YaRN's ramp one more factor per
+         * pair, for local layers too (yarn_ff) */
+        const int32_t half = p->rope_dim / 2;
+        float *ff = malloc((size_t)half * 2 * sizeof *ff), *yf = ff ? ff + half : NULL;
         if (!ff) {
             m40_set_err(err, errlen, "out of memory");
             goto fail_upload;
         }
-        for (int32_t i = 0; i < p->rope_dim / 2; i++)
-            ff[i] = (src->rope_freq_factors ? src->rope_freq_factors[i] : 1.0f) * g->sc.global_scale;
-        int rc = upload_vec(g, ff, p->rope_dim / 2, &g->rope_ff_global, err, errlen);
+        for (int32_t i = 0; i < half; i++) {
+            yf[i] = g->sc.yarn ? yarn_ff(&g->sc, i) : 1.0f;
+            ff[i] = (src->rope_freq_factors ? src->rope_freq_factors[i] : 1.0f) * g->sc.global_scale * yf[i];
+        }
+        int rc = upload_vec(g, ff, half, &g->rope_ff_global, err, errlen) ||
+                 (g->sc.yarn && upload_vec(g, yf, half, &g->rope_ff_local, err, errlen));
         free(ff);
         if (rc)
             goto fail_upload;
     }
+    if (g->sc.yarn) /* the magnitude on cos and sin of q and of k: q.k times its square */
+        g->sc.attn_scale *= g->sc.yarn_mscale * g->sc.yarn_mscale;
     g->layers = calloc((size_t)p->n_layers, sizeof *g->layers);
     if (!g->layers) {
         m40_set_err(err, errlen, "out of memory");
@@ -584,14 +741,23 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         const m40_matrix *qkv[] = {&L->wq, &L->wk, &L->wv};
         const float *qkv_b[] = {L->bq, L->bk, L->bv};
         const m40_matrix *wo[] = {&L->wo};
+        const float *wo_b[] = {L->bo};
         const m40_matrix *gu[] = {&L->w_gate, &L->w_up};
         const m40_matrix *dn[] = {&L->w_down};
         if (upload_vec(g, L->attn_norm, p->dim, &G->attn_norm, err, errlen) ||
             upload_vec(g, L->ffn_norm, p->dim, &G->ffn_norm, err, errlen) ||
-            upload_proj(&u, qkv, 3, qkv_b, &G->qkv, err, errlen) || upload_proj(&u, wo, 1, NULL, &G->wo, err, errlen) ||
-            upload_proj(&u, gu, 2, NULL, &G->gate_up, err, errlen) ||
-            upload_proj(&u, dn, 1, NULL, &G->down, err, errlen))
+            upload_proj(&u, qkv, 3, qkv_b, &G->qkv, err, errlen) || upload_proj(&u, wo, 1, wo_b, &G->wo, err, errlen) ||
+            upload_vec(g, L->attn_sinks, p->n_heads, &G->sinks, err, errlen))
             goto fail_upload;
+        /* the FFN: a mixture of experts where the layer has a router, else the dense one */
+        if (L->router.data) {
+            if (upload_moe(&u, L, l, G, err, errlen))
+                goto fail_upload;
+            g->moe = 1;
+        } else if (upload_proj(&u, gu, 2, NULL, &G->gate_up, err, errlen) ||
+                   upload_proj(&u, dn, 1, NULL, &G->down, err, errlen)) {
+            goto fail_upload;
+        }
         if (!L->q_norm != !L->k_norm) {
             m40_set_err(err, errlen, "layer %d has one of its Q/K norms but not the other", (int)l);
             goto fail_upload;
@@ -624,6 +790,9 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         if ((size_t)(g->output.rows * g->output.cols) > max_elems)
             max_elems = (size_t)(g->output.rows * g->output.cols);
     }
+    /* the expert FFN's row strides: 16-byte rows for F32 and F16 alike (kernels.h 10c-10h) */
+    g->moe_ldx = ((int64_t)p->dim + 7) / 8 * 8;
+    g->moe_ldh = ((int64_t)p->expert_ffn_dim + 7) / 8 * 8;
     if ((e = cudaStreamSynchronize(g->stream)) != cudaSuccess) {
         u.status = e;
         goto fail_cuda;

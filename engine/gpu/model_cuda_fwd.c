@@ -26,6 +26,12 @@
  *     head sizes all three separately, with a plain attention kernel. An F16 down
  *     projection on the tensor-core GEMV (1..8 rows) forms SwiGLU of its input itself
  *     (m40k_gemm_skinny_glu): one launch less there too;
+ *   - a layer with a router runs its mixture of experts instead of the dense FFN
+ *     (moe_ffn): router logits and top-k on the device, then for steps of up to 8 rows
+ *     the expert GEMVs (each pair reads its expert's rows, gate/up fused with the
+ *     activation, down with the weighted sum), above that the grouped products (pairs
+ *     sorted by expert, one quantized tensor-core GEMM launch for all experts, then
+ *     back to the tokens); no host round trip, so decode steps keep their CUDA graphs;
  *   - only the rows that want logits go through the final norm and the head; their
  *     logits come back to the host in the caller's row order;
  *   - a decode step of one sequence whose products all take the int8 GEMV (no post norms)
@@ -118,6 +124,41 @@ static size_t gpu_in_max(const m40_gpu *g)
 #define SK_WS_FLOATS ((size_t)1 << 20)
 #define MQ_WS_FLOATS ((size_t)1 << 22)
 
+/* Token rows one pass of the expert kernels takes: they index at most 65535 (token,
+ * choice) pairs a launch (kernels/moe.cu); longer steps run the layer's experts in
+ * slices of rows. */
+static int32_t moe_rows_max(const m40_gpu *g) { return 65535 / (g->p.n_experts_used > 0 ? g->p.n_experts_used : 1); }
+
+/* Device bytes of the expert FFN's scratch per token row (moe_scratch: model_cuda_int.h). */
+static size_t moe_row_bytes(const m40_gpu *g)
+{
+    const m40_model_params *p = &g->p;
+    const size_t k = (size_t)p->n_experts_used, E = (size_t)p->n_experts;
+    return 4 * E + k * (4 + 4 + 4 + 4 + 2 * (size_t)g->moe_ldx + 4 * 2 * (size_t)p->expert_ffn_dim +
+                        (4 + 2) * (size_t)g->moe_ldh + 4 * (size_t)p->dim) +
+           8 * (size_t)(E < k ? E : k) + 64;
+}
+
+/* The expert FFN's scratch for c token rows (model_cuda_int.h), contents lost. */
+static int moe_scratch(m40_gpu *g, int32_t c)
+{
+    const m40_model_params *p = &g->p;
+    if (c > moe_rows_max(g))
+        c = moe_rows_max(g);
+    const size_t N = (size_t)c, k = (size_t)p->n_experts_used, E = (size_t)p->n_experts, P = N * k;
+    const size_t tiles = (size_t)m40k_moe_max_tiles((int)P, (int)E, 16); /* bm 16: the most tiles */
+    return grow_dev((void **)&g->moe_logits, N * E * 4) || grow_dev((void **)&g->moe_w, P * 4) ||
+           grow_dev((void **)&g->moe_ids, P * 4) || grow_dev((void **)&g->moe_counts, E * 4) ||
+           grow_dev((void **)&g->moe_offsets, (E + 1) * 4) || grow_dev((void **)&g->moe_perm, P * 4) ||
+           grow_dev((void **)&g->moe_inv, P * 4) || grow_dev((void **)&g->moe_tiles, 2 * tiles * 4) ||
+           grow_dev((void **)&g->moe_x16, P * (size_t)g->moe_ldx * 2) ||
+           grow_dev((void **)&g->moe_yg, P * (size_t)p->expert_ffn_dim * 4) ||
+           grow_dev((void **)&g->moe_yu, P * (size_t)p->expert_ffn_dim * 4) ||
+           grow_dev((void **)&g->moe_h, P * (size_t)g->moe_ldh * 4) ||
+           grow_dev((void **)&g->moe_h16, P * (size_t)g->moe_ldh * 2) ||
+           grow_dev((void **)&g->moe_yd, P * (size_t)p->dim * 4);
+}
+
 size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max_rows, int32_t max_out)
 {
     const m40_model_params *p = &g->p;
@@ -136,6 +177,8 @@ size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max
     size_t att = (size_t)4 * (size_t)(g->sm_count > 0 ? g->sm_count : 132) * (size_t)(G > 0 ? G : 1) *
                      ((size_t)p->head_dim + 2) * 4 +
                  m40k_decode_counter_ints(n_slots, p->n_kv_heads) * sizeof(int);
+    if (g->moe) /* the expert FFN's scratch (moe_scratch) */
+        per_row += moe_row_bytes(g);
     size_t est = R * per_row + O * per_out + fixed + att;
     return est + est / 4 + ((size_t)256 << 20);
 }
@@ -187,7 +230,7 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             grow_dev((void **)&g->x16, N * in_max * 2) ||
             grow_dev(&g->xq, m40k_gemv_q8_ws_bytes((int)in_max, 8)) ||
             grow_dev(&g->xq2, m40k_gemv_q8_ws_bytes((int)p->dim, 1)) ||
-            grow_dev((void **)&g->nss, ((size_t)p->dim / 32 + 1) * 4))
+            grow_dev((void **)&g->nss, ((size_t)p->dim / 32 + 1) * 4) || (g->moe && moe_scratch(g, c)))
             return -1;
         free(g->perm);
         free(g->out_rows);
@@ -246,7 +289,8 @@ static int gemv_reads(int type, int64_t K)
     case M40K_TYPE_Q4_0:
     case M40K_TYPE_Q4_1:
     case M40K_TYPE_Q5_0:
-    case M40K_TYPE_Q5_1: return K % 32 == 0;
+    case M40K_TYPE_Q5_1:
+    case M40K_TYPE_MXFP4: return K % 32 == 0;
     case M40K_TYPE_Q2_K:
     case M40K_TYPE_Q3_K:
     case M40K_TYPE_Q4_K:
@@ -497,6 +541,65 @@ static int add_norm(m40_gpu *g, float **xc, float **xo, const float *w, float *o
     return e;
 }
 
+/* Whether n rows of layer L's experts take the grouped products (kernels.h 10e-10i: the
+ * pairs sorted by expert, each expert's weights read once for its rows on the quantized
+ * tensor-core GEMM) rather than the expert GEMVs (10c/d: each pair reads its expert's
+ * rows): more than moe_gemv_rows rows, where the GEMM runs (cc >= 8.0, M40_GEMM_Q) and
+ * reads both types, rows a multiple of 8 wide. */
+static int moe_grouped(const m40_gpu *g, const glayer *L, int32_t n)
+{
+    return n > g->moe_gemv_rows && g->gemm_q && m40k_gemm_q_supported(L->exp_gate.type) &&
+           m40k_gemm_q_supported(L->exp_down.type) && g->p.dim % 8 == 0 && g->p.expert_ffn_dim % 8 == 0;
+}
+
+/* Layer L's mixture of experts on the n normalized rows in g->xb, its output (the
+ * weighted sum of each row's chosen experts) into g->xd. All on the device: the router's
+ * logits, the top-k and its weights, the grouping, never the host (a decode step stays
+ * one CUDA graph). Rows beyond what one launch indexes run in slices (moe_rows_max). */
+static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, char *err, size_t errlen)
+{
+    const m40_model_params *p = &g->p;
+    const int E = p->n_experts, k = p->n_experts_used, F = p->expert_ffn_dim, D = p->dim;
+    const int act = g->sc.act == M40_ACT_SWIGLU_OAI ? M40K_GLU_SWIGLU_OAI : M40K_GLU_SILU;
+    const int gating = g->sc.gating == M40_GATING_SIGMOID           ? M40K_MOE_SIGMOID
+                       : g->sc.gating == M40_GATING_SOFTMAX_SELECTED ? M40K_MOE_SOFTMAX_TOPK
+                                                                     : M40K_MOE_SOFTMAX;
+    const int32_t slice = moe_rows_max(g);
+    for (int32_t r0 = 0; r0 < n; r0 += slice) {
+        const int32_t m = n - r0 < slice ? n - r0 : slice;
+        const int P = m * k;
+        const float *x = g->xb + (size_t)r0 * D;
+        float *out = g->xd + (size_t)r0 * D;
+        CK(m40k_moe_router_logits(L->router, L->router_b, E, D, x, D, m, g->moe_logits, g->stream));
+        CK(m40k_moe_topk(g->moe_logits, m, E, k, gating, NULL, g->sc.norm_topk, g->sc.expert_scale, g->moe_ids,
+                         g->moe_w, g->stream));
+        if (!moe_grouped(g, L, m)) {
+            CK(m40k_moe_gate_up(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
+                                L->exp_up_b, act, x, D, g->moe_ids, m, k, g->moe_h, g->moe_ldh, g->stream));
+            CK(m40k_moe_down(L->exp_down.data, L->exp_down.type, E, D, F, L->exp_down_b, g->moe_h, g->moe_ldh,
+                             g->moe_ids, g->moe_w, m, k, out, D, 0, g->stream));
+            continue;
+        }
+        /* block rows of the grouped product by the pairs an expert gets on average (as
+         * tests/gpu/test_moe.cu measures it): fewer wasted rows in each expert's last tile */
+        const int bm = P / E <= 16 ? 16 : P / E <= 32 ? 32 : 64, mt = m40k_moe_max_tiles(P, E, bm);
+        CK(m40k_moe_group(g->moe_ids, P, E, bm, g->moe_counts, g->moe_offsets, g->moe_perm, g->moe_inv, g->moe_tiles,
+                          g->stream));
+        CK(m40k_moe_gather_f16(x, D, D, g->moe_perm, P, k, g->moe_x16, g->moe_ldx, g->stream));
+        CK(m40k_moe_gemm_q(L->exp_gate.data, L->exp_gate.type, E, F, D, g->moe_x16, g->moe_ldx, g->moe_offsets,
+                           g->moe_tiles, mt, bm, g->moe_yg, F, g->stream));
+        CK(m40k_moe_gemm_q(L->exp_up.data, L->exp_up.type, E, F, D, g->moe_x16, g->moe_ldx, g->moe_offsets,
+                           g->moe_tiles, mt, bm, g->moe_yu, F, g->stream));
+        CK(m40k_moe_glu_sorted(act, g->moe_yg, g->moe_yu, F, L->exp_gate_b, L->exp_up_b, g->moe_ids, g->moe_perm, P,
+                               F, g->moe_h16, g->moe_ldh, g->stream));
+        CK(m40k_moe_gemm_q(L->exp_down.data, L->exp_down.type, E, D, F, g->moe_h16, g->moe_ldh, g->moe_offsets,
+                           g->moe_tiles, mt, bm, g->moe_yd, D, g->stream));
+        CK(m40k_moe_combine(g->moe_yd, D, g->moe_inv, g->moe_ids, g->moe_w, L->exp_down_b, E, m, k, D, out, D, 0,
+                            g->stream));
+    }
+    return 0;
+}
+
 /* Enqueues a step's device work, embedding to logits (in g->logits_d), on g->stream:
  * kernel launches and cuBLAS calls only, nothing that waits on the host, so that a
  * decode step can be captured into a CUDA graph as it is. */
@@ -532,7 +635,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
          * global ones the file's base and factors, optionally linearly scaled */
         const int win = L->local ? window : 0;
         const float base = L->local ? g->sc.local_base : p->rope_base;
-        const float *ff = L->local ? NULL : g->rope_ff_global ? g->rope_ff_global : g->rope_ff;
+        const float *ff = L->local ? g->rope_ff_local : g->rope_ff_global ? g->rope_ff_global : g->rope_ff;
         /* the previous layer's FFN residual is still in xd: added here, fused with this norm
          * (and with the int8 quantization of its output when the GEMV takes that) */
         const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
@@ -559,22 +662,23 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         const int xq_wo = tuned && n_dec == n && wants_xq(&L->wo, n) &&
                           m40k_attn_decode_q8_ok(n_dec, p->n_heads, p->n_kv_heads, hd, win ? splits_local : splits);
         if (tuned && n_dec > 0)
-            CK(m40k_attn_decode_rope_q8(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
-                                        p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
-                                        p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt,
-                                        xq_wo ? g->xq : NULL, g->stream));
+            CK(m40k_attn_decode_rope_q8_sinks(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl,
+                                              n_dec, p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos,
+                                              p->rope_dim, base, ff, p->rope_neox, win ? splits_local : splits, g->ws,
+                                              g->att_cnt, xq_wo ? g->xq : NULL, L->sinks, g->stream));
         if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
             CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
                                    v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
                                    d_lpl + r0, p->n_kv_heads, hd, d_pos + r0, p->rope_dim, base, ff, p->rope_neox,
                                    g->stream));
         if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
-            CK(m40k_attn_prefill_auto_split(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc, vc,
-                                            d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd, scale,
-                                            win, cap, win ? sp->psplits_local : sp->psplits, g->ws, g->stream));
+            CK(m40k_attn_prefill_auto_split_sinks(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
+                                                  vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
+                                                  scale, win, cap, win ? sp->psplits_local : sp->psplits, g->ws,
+                                                  L->sinks, g->stream));
         if (!tuned)
-            CK(m40k_attn_generic_window(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
-                                        p->n_kv_heads, hd, scale, win, cap, g->stream));
+            CK(m40k_attn_generic_sinks(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
+                                       p->n_kv_heads, hd, scale, win, cap, L->sinks, g->stream));
         const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
         folded = fold_norm_ok(g, &L->wo, L->post_attn_norm, L->gate_up.part, L->gate_up.n_parts, n);
@@ -590,13 +694,16 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                 g->stream));
             CK(add_norm(g, &xc, &xo, L->ffn_norm, g->xb, n, xq_gu, x16_gu));
         }
-        if (matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, folded ? &nin : NULL, err, errlen))
+        if (!L->router && matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, folded ? &nin : NULL, err, errlen))
             return -1;
         const int act = g->sc.act == M40_ACT_GELU_TANH ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
         /* F16 down projection on the tensor-core GEMV: it forms act(gate) * up itself */
         const gmat *dw = &L->down.part[0];
         folded = 0;
-        if (L->down.n_parts == 1 && !L->down.bias && skinny_reads(g, dw, n)) {
+        if (L->router) { /* the layer's mixture of experts instead (its gate_up and down are empty) */
+            if (moe_ffn(g, L, n, err, errlen))
+                return -1;
+        } else if (L->down.n_parts == 1 && !L->down.bias && skinny_reads(g, dw, n)) {
             const int S = m40k_gemm_skinny_pick_splits((int)dw->rows, (int)dw->cols, n, g->sm_count, g->sk_ws_floats,
                                                        g->sk_cnt_ints);
             CK(m40k_gemm_skinny_glu(act, (const uint16_t *)dw->data, (int)dw->rows, (int)dw->cols, g->hb, g->hb + ffn,

@@ -60,6 +60,15 @@ typedef struct {
     float *q_norm, *k_norm;          /* per-head Q/K norms where the layer has them; NULL otherwise */
     float *post_attn_norm, *post_ffw_norm; /* norms of the attention / FFN outputs where it has them */
     int local;                       /* sliding-window layer: g->sc.window, g->sc.local_base */
+    float *sinks;                    /* attention sinks [n_heads] (gpt-oss) or NULL; wo.bias: its output bias */
+    /* Mixture of experts (router NULL: a dense layer, gate_up/down): the router F32
+     * [n_experts][dim] and its bias [n_experts] or NULL; the experts' 3-D tensors as
+     * they are in the file (never regrouped: the MoE kernels read the GGUF layouts), one
+     * device type for gate and up (kernels.h 10c), and their biases [n_experts][rows]
+     * or NULL. */
+    float *router, *router_b;
+    gmat exp_gate, exp_up, exp_down;
+    float *exp_gate_b, *exp_up_b, *exp_down_b;
 } glayer;
 
 struct m40_gpu {
@@ -76,9 +85,24 @@ struct m40_gpu {
     float *output_norm, *rope_ff;
     glayer *layers;
     m40_gpu_scalars sc;  /* the row's scalars (model_gpu.h): neutral where the row lacks the feature */
-    /* Linear RoPE scaling (sc.global_scale != 1): the global layers' frequency factors,
-     * rope_ff (1 where absent) times global_scale; NULL otherwise (they take rope_ff) */
-    float *rope_ff_global;
+    /* Linear RoPE scaling (sc.global_scale != 1) or YaRN: the global layers' frequency
+     * factors, rope_ff (1 where absent) times global_scale times YaRN's; NULL otherwise
+     * (they take rope_ff). rope_ff_local: the local layers' (YaRN's alone), or NULL. */
+    float *rope_ff_global, *rope_ff_local;
+    /* Mixture of experts: some layer has a router (moe), and the scratch of its FFN,
+     * grown with cap (ensure_scratch): router logits [cap][E], the chosen experts and
+     * their weights [cap][k], the grouping (kernels.h 10e: counts [E], offsets [E+1],
+     * perm and inv [cap*k], tiles [2*max tiles at bm 16]), the sorted F16 inputs
+     * [cap*k][moe_ldx], the gate and up products [cap*k][F] each, the activation
+     * (F32 [cap*k][moe_ldh] for the GEMV path; F16 [cap*k][moe_ldh] for the grouped
+     * one) and the down products [cap*k][dim]. moe_gemv_rows: steps of up to so many
+     * rows take the expert GEMVs (kernels.h 10c/d), larger ones the grouped products. */
+    int moe;
+    int32_t moe_gemv_rows;
+    int64_t moe_ldx, moe_ldh;
+    float *moe_logits, *moe_w, *moe_yg, *moe_yu, *moe_h, *moe_yd;
+    int32_t *moe_ids, *moe_counts, *moe_offsets, *moe_perm, *moe_inv, *moe_tiles;
+    uint16_t *moe_x16, *moe_h16;
     size_t weight_bytes;
 
     /* Tiled path: F16 (F32 when gemm_f32) copy of one dequantized weight. */

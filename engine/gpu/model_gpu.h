@@ -63,6 +63,17 @@ typedef struct {
     float attn_softcap;                  /* c * tanh(s / c) of the scaled q.k before the softmax (0: none) */
     float embd_scale;                    /* multiplies the embeddings (1: none) */
     float logit_softcap;                 /* of the logits (0: none) */
+    /* Mixture of experts (layers with a router): the gating (arch.h), whether the k
+     * chosen weights are divided by their sum, and the factor on them. */
+    m40_gating gating;
+    int norm_topk;
+    float expert_scale;
+    /* YaRN (yarn 1; 0: none): each dimension pair's angle interpolated between theta and
+     * theta * yarn_freq_scale by a ramp from pair yarn_low to yarn_high, cos and sin
+     * multiplied by yarn_mscale (model.c, yarn_theta). The GPU takes the ramp as RoPE
+     * frequency factors and the magnitude as yarn_mscale^2 on the attention scale. */
+    int yarn;
+    float yarn_freq_scale, yarn_low, yarn_high, yarn_mscale;
 } m40_gpu_scalars;
 
 /* What the GPU back end uploads (host views into the mmap'd GGUF). */

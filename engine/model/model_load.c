@@ -554,7 +554,10 @@ void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src)
                          .sc = {.act = m->act, .window = m->has_local ? m->window : 0, .local_base = m->local_base,
                                 .global_scale = m->global_scale, .attn_scale = m->attn_scale,
                                 .attn_softcap = m->attn_softcap, .embd_scale = m->embd_scale,
-                                .logit_softcap = m->final_softcap}};
+                                .logit_softcap = m->final_softcap, .gating = m->gating,
+                                .norm_topk = m->norm_topk, .expert_scale = m->expert_scale, .yarn = m->yarn,
+                                .yarn_freq_scale = m->yarn_freq_scale, .yarn_low = m->yarn_low,
+                                .yarn_high = m->yarn_high, .yarn_mscale = m->yarn_mscale}};
 }
 
 int m40_model_read(m40_model *m, char *err, size_t errlen)

@@ -33,11 +33,17 @@ typedef struct {
                            * (default 128; 0: all take it) */
     int32_t gemm_q_reg;   /* M40_GEMM_Q_REG=N: products of up to N rows take the quantized
                            * GEMM's register kernel (default 64) */
+    int32_t moe_gemv_rows;/* M40_MOE_GEMV_ROWS=N: mixture-of-experts steps of up to N rows take
+                           * the expert GEMVs, larger ones the grouped products (default 8;
+                           * 0: every step grouped) */
     int64_t kv_blocks;    /* M40_KV_BLOCKS=N: the GPU KV pool holds at most N blocks (a test
                            * seam; 0: no cap) */
     int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */
     int32_t load_delay_ms;/* M40_TEST_LOAD_DELAY_MS=N: the engine waits N ms before it loads
                            * its model (a test seam: a model that takes a while to load) */
+    int gpu_unvalidated;  /* M40_GPU_UNVALIDATED=1: a GPU loads an architecture whose row is not
+                           * gpu_validated (a test seam to validate it without a rebuild;
+                           * logged loudly at every such load) */
 } m40_tuning;
 
 /* Reads every switch from the environment (unset or unparsable: the default). */

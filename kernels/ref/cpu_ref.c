@@ -142,9 +142,11 @@ void m40_ref_kv_append(uint16_t *k_cache, uint16_t *v_cache, const float *k, int
  * score s becomes cap * tanh(s / cap) first (Gemma 2's attn_logit_softcapping). */
 static void attend_one(float *o, const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                        const int32_t *indptr, const int32_t *indices, int s, int64_t p0, int64_t n_ctx,
-                       int n_kv_heads, int head_dim, int kvh, float scale, float cap, float *scores)
+                       int n_kv_heads, int head_dim, int kvh, float scale, float cap, const float *sink,
+                       float *scores)
 {
-    float mx = -INFINITY;
+    /* a sink (gpt-oss): one more logit in the softmax, with no value behind it */
+    float mx = sink ? *sink : -INFINITY;
     for (int64_t p = p0; p < n_ctx; p++) {
         size_t base = paged_index(indptr, indices, s, p, n_kv_heads, head_dim, kvh, 0);
         float dot = 0;
@@ -156,7 +158,7 @@ static void attend_one(float *o, const float *q, const uint16_t *k_cache, const 
         if (scores[p] > mx)
             mx = scores[p];
     }
-    double sum = 0;
+    double sum = sink ? expf(*sink - mx) : 0;
     for (int64_t p = p0; p < n_ctx; p++) {
         scores[p] = expf(scores[p] - mx);
         sum += scores[p];
@@ -190,7 +192,7 @@ void m40_ref_attn_decode_window(float *out, int64_t out_stride, const float *q, 
         for (int h = 0; h < n_heads; h++)
             attend_one(out + s * out_stride + (int64_t)h * head_dim, q + s * q_stride + (int64_t)h * head_dim, k_cache,
                        v_cache, indptr, indices, s, window_first(len - 1, window), len, n_kv_heads, head_dim,
-                       h / group, scale, softcap, scores);
+                       h / group, scale, softcap, NULL, scores);
     }
 }
 
@@ -209,6 +211,16 @@ void m40_ref_attn_prefill_window(float *out, int64_t out_stride, const float *q,
                                  const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
                                  int window, float softcap)
 {
+    m40_ref_attn_prefill_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr,
+                               indices, last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap, NULL);
+}
+
+void m40_ref_attn_prefill_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                int window, float softcap, const float *sinks)
+{
     (void)n_rows;
     int group = n_heads / n_kv_heads;
     for (int s = 0; s < n_seqs; s++) {
@@ -219,7 +231,7 @@ void m40_ref_attn_prefill_window(float *out, int64_t out_stride, const float *q,
             for (int h = 0; h < n_heads; h++)
                 attend_one(out + i * out_stride + (int64_t)h * head_dim, q + i * q_stride + (int64_t)h * head_dim,
                            k_cache, v_cache, indptr, indices, s, window_first(p, window), p + 1, n_kv_heads, head_dim,
-                           h / group, scale, softcap, scores);
+                           h / group, scale, softcap, sinks ? sinks + h : NULL, scores);
         }
     }
 }
@@ -238,6 +250,16 @@ void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
                                  int n_kv_heads, int head_dim, float scale, int window, float softcap)
 {
+    m40_ref_attn_generic_sinks(out, out_stride, q, q_stride, row_seq, row_pos, n_rows, k_cache, v_cache, indptr,
+                               indices, n_heads, n_kv_heads, head_dim, scale, window, softcap, NULL);
+}
+
+void m40_ref_attn_generic_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
+                                int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                                const float *sinks)
+{
     int group = n_heads / n_kv_heads;
     for (int i = 0; i < n_rows; i++) {
         int64_t p = row_pos[i];
@@ -247,7 +269,7 @@ void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q,
         for (int h = 0; h < n_heads; h++)
             attend_one(out + i * out_stride + (int64_t)h * head_dim, q + i * q_stride + (int64_t)h * head_dim, k_cache,
                        v_cache, indptr, indices, row_seq[i], window_first(p, window), p + 1, n_kv_heads, head_dim,
-                       h / group, scale, softcap, scores);
+                       h / group, scale, softcap, sinks ? sinks + h : NULL, scores);
         free(scores);
     }
 }

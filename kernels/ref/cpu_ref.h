@@ -56,6 +56,18 @@ void m40_ref_attn_generic_window(float *out, int64_t out_stride, const float *q,
                                  const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
                                  int n_kv_heads, int head_dim, float scale, int window, float softcap);
+/* The same with attention sinks (kernels.h 6d; sinks[n_heads] or NULL: none): each head's
+ * softmax has one more logit, sinks[h], with no value behind it. */
+void m40_ref_attn_prefill_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim, float scale,
+                                int window, float softcap, const float *sinks);
+void m40_ref_attn_generic_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                const int32_t *row_seq, const int32_t *row_pos, int n_rows, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices, int n_heads,
+                                int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                                const float *sinks);
 void m40_ref_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows, float eps);
 void m40_ref_scale(float *x, int64_t n, float s);
 void m40_ref_softcap(float *x, int64_t n, float cap);

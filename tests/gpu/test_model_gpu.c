@@ -31,6 +31,7 @@
 
 #include "check.h"
 #include "engine_jobs.h"
+#include "model/arch.h"
 #include "model/eval.h"
 #include "ref/ggml_types.h"
 #include "gguf/gguf_writer.h"
@@ -290,6 +291,113 @@ static void test_batched(const char *path)
     int32_t p0 = 0, s1 = 1;
     m40_batch r = {.n = 1, .tokens = toks[1], .pos = &p0, .slot = &s1};
     CHECK(m40_model_forward(m, kv, &r, out, err, sizeof err) == 0, "restart: %s", err);
+    free(out);
+    m40_kv_free(kv);
+    free(solo);
+    free(bat);
+    m40_model_free(m);
+}
+
+/* Mixtures of experts: MS sequences of different prompts (their tokens routed to
+ * different experts) prefilled in one call, rows interleaved, then MSTEPS decode steps of
+ * all of them (more rows than the expert GEMVs take: the grouped products), against
+ * each alone (its prefill grouped, its decode steps one row: the expert GEMVs). The
+ * prompts cross gpt-oss-tiny's sliding window of 32. A row whose GPU path is not
+ * validated runs only under the test seam M40_GPU_UNVALIDATED=1 (README: tuning). */
+#define MS 12
+#define MSTEPS 4
+static int moe_allowed(const char *path, const char *arch)
+{
+    const m40_arch *a = m40_arch_find(arch);
+    const char *seam = getenv("M40_GPU_UNVALIDATED");
+    if (!a || (!a->gpu_validated && !(seam && !strcmp(seam, "1")))) {
+        SKIP("%s: '%s' is not gpu_validated: run with M40_GPU_UNVALIDATED=1 to check it", path, arch);
+        return 0;
+    }
+    return 1;
+}
+
+static void test_moe_batched(const char *path)
+{
+    char err[512];
+    m40_model *m = load_on_gpu(path);
+    if (!m)
+        return;
+    const int32_t V = m40_model_get_params(m)->n_vocab;
+    int32_t lens[MS], toks[MS][64];
+    uint64_t x = 987654321;
+    for (int s = 0; s < MS; s++) {
+        lens[s] = 1 + (s * 17 + 5) % 60;
+        for (int i = 0; i < lens[s]; i++) {
+            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+            toks[s][i] = (int32_t)((x >> 33) % (uint64_t)V);
+        }
+    }
+    float *solo = malloc((size_t)MS * (MSTEPS + 1) * V * sizeof(float));
+    float *bat = malloc((size_t)MS * (MSTEPS + 1) * V * sizeof(float));
+    float *out = malloc((size_t)MS * V * sizeof(float));
+    int32_t fed[MS][MSTEPS];
+    for (int s = 0; s < MS && solo && bat && out; s++) { /* alone: prefill, then greedy decode steps */
+        m40_kv *kv = m40_kv_new(m, 1, 128);
+        int32_t pos[64], slot[64] = {0};
+        for (int i = 0; i < lens[s]; i++)
+            pos[i] = i;
+        m40_batch b = {.n = lens[s], .tokens = toks[s], .pos = pos, .slot = slot};
+        CHECK(m40_model_forward(m, kv, &b, solo + ((size_t)s * (MSTEPS + 1)) * V, err, sizeof err) == 0, "%s", err);
+        for (int t = 0; t < MSTEPS; t++) {
+            const float *l = solo + ((size_t)s * (MSTEPS + 1) + t) * V;
+            int32_t best = 0;
+            for (int32_t i = 1; i < V; i++)
+                if (l[i] > l[best])
+                    best = i;
+            fed[s][t] = best;
+            int32_t p1 = lens[s] + t, s0 = 0;
+            m40_batch d = {.n = 1, .tokens = &best, .pos = &p1, .slot = &s0};
+            CHECK(m40_model_forward(m, kv, &d, solo + ((size_t)s * (MSTEPS + 1) + t + 1) * V, err, sizeof err) == 0,
+                  "%s", err);
+        }
+        m40_kv_free(kv);
+    }
+    m40_kv *kv = m40_kv_new(m, MS, 128);
+    int32_t bt[MS * 64], bp[MS * 64], bs[MS * 64], row_of[MS], done[MS] = {0}, total = 0, n = 0;
+    uint8_t bw[MS * 64];
+    for (int s = 0; s < MS; s++)
+        total += lens[s];
+    while (n < total) /* one row of each unfinished prompt in turn, starting from the last */
+        for (int k = MS - 1; k >= 0; k--)
+            if (done[k] < lens[k]) {
+                bt[n] = toks[k][done[k]], bp[n] = done[k], bs[n] = k, bw[n] = done[k] + 1 == lens[k];
+                done[k]++, n++;
+            }
+    m40_batch b = {.n = n, .tokens = bt, .pos = bp, .slot = bs, .want_logits = bw};
+    CHECK(kv && m40_model_forward(m, kv, &b, out, err, sizeof err) == 0, "batched prefill: %s", err);
+    for (int32_t i = 0, k = 0; i < n; i++)
+        if (bw[i])
+            row_of[bs[i]] = k++;
+    for (int s = 0; s < MS; s++)
+        memcpy(bat + ((size_t)s * (MSTEPS + 1)) * V, out + (size_t)row_of[s] * V, (size_t)V * sizeof(float));
+    for (int t = 0; t < MSTEPS; t++) {
+        int32_t dt[MS], dp[MS], ds[MS];
+        uint8_t w[MS];
+        for (int j = 0; j < MS; j++) { /* the slots in another order than the prefill's */
+            int s = (j * 5 + 3) % MS;
+            dt[j] = fed[s][t], dp[j] = lens[s] + t, ds[j] = s, w[j] = 1;
+        }
+        m40_batch d = {.n = MS, .tokens = dt, .pos = dp, .slot = ds, .want_logits = w};
+        CHECK(m40_model_forward(m, kv, &d, out, err, sizeof err) == 0, "batched decode: %s", err);
+        for (int j = 0; j < MS; j++)
+            memcpy(bat + ((size_t)ds[j] * (MSTEPS + 1) + t + 1) * V, out + (size_t)j * V, (size_t)V * sizeof(float));
+    }
+    double worst = 0;
+    for (int s = 0; s < MS; s++)
+        for (int t = 0; t <= MSTEPS; t++) {
+            double dd = max_logprob_diff(solo + ((size_t)s * (MSTEPS + 1) + t) * V,
+                                         bat + ((size_t)s * (MSTEPS + 1) + t) * V, V);
+            if (dd > worst)
+                worst = dd;
+        }
+    printf("MoE batched (%d sequences) vs alone %-30s max |dlogprob| %.3g\n", MS, strrchr(path, '/') + 1, worst);
+    CHECK(worst <= 2e-2, "%s: batched differs from alone by %g", path, worst);
     free(out);
     m40_kv_free(kv);
     free(solo);
@@ -1043,6 +1151,16 @@ int main(void)
         snprintf(path, sizeof path, "%s/models/%s", shared_copy, batch_models[i]);
         test_batched(path);
         test_argmax(path);
+    }
+    static const char *const moe_models[][2] = {{"tiny-qwen3moe-f16", "qwen3moe"},
+                                                {"tiny-qwen3moe-q4km", "qwen3moe"},
+                                                {"tiny-gpt-oss-mxfp4", "gpt-oss"}};
+    for (size_t i = 0; i < sizeof moe_models / sizeof moe_models[0]; i++) {
+        snprintf(path, sizeof path, "%s/models/next/%s.gguf", shared_copy, moe_models[i][0]);
+        if (moe_allowed(path, moe_models[i][1])) {
+            test_moe_batched(path);
+            test_graphs(path); /* the expert kernels' decode steps captured in CUDA graphs */
+        }
     }
     snprintf(path, sizeof path, "%s/models/tiny-llama-q8_0.gguf", shared_copy);
     test_graphs(path);

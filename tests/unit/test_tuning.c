@@ -6,7 +6,8 @@
 
 static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_SKINNY", "M40_CUDA_GRAPHS",
                                     "M40_WARMUP", "M40_G8", "M40_FUSE_NORM", "M40_FUSE_PICK", "M40_GEMM_Q",
-                                    "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE"};
+                                    "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE",
+                                    "M40_GPU_UNVALIDATED", "M40_MOE_GEMV_ROWS"};
 
 static void clear(void)
 {
@@ -24,6 +25,15 @@ int main(void)
               t.prefix_cache,
           "every on/off switch on by default");
     CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 128 && t.gemm_q_reg == 64 && t.kv_blocks == 0, "numbers' defaults");
+    CHECK(t.moe_gemv_rows == 8, "M40_MOE_GEMV_ROWS unset: 8");
+    CHECK(!t.gpu_unvalidated, "M40_GPU_UNVALIDATED unset: unvalidated rows refused on a GPU");
+    setenv("M40_GPU_UNVALIDATED", "yes", 1);
+    m40_tuning_from_env(&t);
+    CHECK(!t.gpu_unvalidated, "M40_GPU_UNVALIDATED takes 1 only (an opt-in test seam)");
+    setenv("M40_GPU_UNVALIDATED", "1", 1);
+    m40_tuning_from_env(&t);
+    CHECK(t.gpu_unvalidated, "M40_GPU_UNVALIDATED=1");
+    unsetenv("M40_GPU_UNVALIDATED");
 
     for (size_t i = 1; i < sizeof names / sizeof names[0]; i++)
         setenv(names[i], "0", 1);
@@ -31,18 +41,21 @@ int main(void)
     CHECK(!t.pdl && !t.clusters && !t.skinny && !t.warmup && !t.g8 && !t.fuse_norm && !t.fuse_pick && !t.gemm_q &&
               !t.prefix_cache,
           "\"0\" turns each off");
-    CHECK(t.cuda_graphs == 0 && t.gemm_q_rows == 0 && t.gemm_q_reg == 0 && t.kv_blocks == 0, "numbers at 0");
+    CHECK(t.cuda_graphs == 0 && t.gemm_q_rows == 0 && t.gemm_q_reg == 0 && t.kv_blocks == 0 &&
+              t.moe_gemv_rows == 0,
+          "numbers at 0");
 
     clear();
     setenv("M40_PDL", "no", 1);
     setenv("M40_CUDA_GRAPHS", "", 1);
     setenv("M40_GEMM_Q_ROWS", "32", 1);
     setenv("M40_KV_BLOCKS", "12", 1);
+    setenv("M40_MOE_GEMV_ROWS", "3", 1);
     setenv("M40_GEMM", "f32", 1);
     m40_tuning_from_env(&t);
     CHECK(t.pdl, "a value other than \"0\" leaves a switch on");
     CHECK(t.cuda_graphs == 64, "an empty M40_CUDA_GRAPHS: the default (%d)", t.cuda_graphs);
-    CHECK(t.gemm_q_rows == 32 && t.kv_blocks == 12, "numbers read");
+    CHECK(t.gemm_q_rows == 32 && t.kv_blocks == 12 && t.moe_gemv_rows == 3, "numbers read");
     CHECK(t.gemm == M40_GEMM_F32, "f32");
     setenv("M40_CUDA_GRAPHS", "-5", 1);
     setenv("M40_KV_BLOCKS", "-5", 1);
