@@ -5,8 +5,8 @@
  * events naming the problem; two constraints at once are refused at submit.
  * Forced tool calls (tool_choice required/named): in each parser's markup the output
  * parser finds only calls of the given tools, each one's arguments valid, one call
- * unless parallel calls are allowed; tools' $defs are hoisted (clashing names are a
- * 400). count_only ends after tokenizing; DONE names the stop string that matched. */
+ * unless parallel calls are allowed (harmony: always one); tools' $defs are hoisted
+ * (clashing names are a 400; harmony compiles each tool's parameters apart). count_only ends after tokenizing; DONE names the stop string that matched. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -265,8 +265,9 @@ int main(void)
     json_t *msgs = json_loads("[{\"role\":\"user\",\"content\":\"Call a tool\"}]", 0, NULL);
     json_t *tools = json_loads(TOOLS_JSON, 0, NULL);
     CHECK(msgs && tools, "test JSON");
-    static const m40_tool_format fmts[] = {M40_TOOLS_HERMES, M40_TOOLS_LLAMA3, M40_TOOLS_MISTRAL, M40_TOOLS_JSON};
-    for (int f = 0; f < 4; f++)
+    static const m40_tool_format fmts[] = {M40_TOOLS_HERMES, M40_TOOLS_LLAMA3, M40_TOOLS_MISTRAL, M40_TOOLS_JSON,
+                                           M40_TOOLS_HARMONY};
+    for (int f = 0; f < 5; f++)
         for (int par = 0; par < 2; par++)
             forced_calls(e, msgs, tools, fmts[f], par);
 
@@ -285,6 +286,12 @@ int main(void)
     tp.tool_call_format = M40_TOOLS_JSON;
     expect_400(e, &tp, "unsupported JSON Schema keyword 'not'");
     json_decref(unsup);
+    /* harmony writes the name into a header and a grammar literal: OpenAI's characters only */
+    json_t *quoted = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"a\\\" b\"}}]", 0, NULL);
+    chat_params(&tp, msgs, quoted);
+    tp.tool_call_format = M40_TOOLS_HARMONY;
+    expect_400(e, &tp, "function name");
+    json_decref(quoted);
     /* forced calls need tools and no other constraint */
     chat_params(&tp, msgs, NULL);
     tp.tool_call_format = M40_TOOLS_HERMES;
