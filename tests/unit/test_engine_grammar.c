@@ -144,7 +144,7 @@ static void chat_params(m40_request_params *p, json_t *msgs, json_t *tools)
     p->sampling.temperature = 1.0f;
 }
 
-static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_format fmt, int parallel)
+static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_format fmt, int parallel, int greedy)
 {
     enum { N = 6 };
     job jobs[N];
@@ -154,6 +154,8 @@ static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_fo
     chat_params(&p, msgs, tools);
     p.tool_call_format = fmt;
     p.tool_call_parallel = parallel;
+    if (greedy)
+        p.sampling.temperature = 0.0f; /* the model's own argmax path is not for constrained rows */
     memset(jobs, 0, sizeof jobs);
     for (int i = 0; i < N; i++) {
         jp[i] = &jobs[i];
@@ -269,7 +271,9 @@ int main(void)
                                            M40_TOOLS_HARMONY};
     for (int f = 0; f < 5; f++)
         for (int par = 0; par < 2; par++)
-            forced_calls(e, msgs, tools, fmts[f], par);
+            forced_calls(e, msgs, tools, fmts[f], par, 0);
+    forced_calls(e, msgs, tools, M40_TOOLS_HERMES, 0, 1);
+    forced_calls(e, msgs, tools, M40_TOOLS_HARMONY, 0, 1);
 
     /* two tools' $defs of one name: 400; a keyword the compiler lacks: 400 naming it */
     json_t *clash = json_loads(TOOLS_JSON, 0, NULL);
