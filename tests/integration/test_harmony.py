@@ -11,9 +11,10 @@ them as it reads gpt-oss's own marker tokens (which decode to the same text):
     message.tool_calls with the tool's name and arguments valid for its schema,
     finish_reason tool_calls, streamed as delta.tool_calls the same;
   - without a grammar the random output has no markup: it is all content;
-  - a tool conversation sent the way the SDK sends it renders exactly as Python's jinja2
-    renders it (the prompt's token count from `usage` against jinja2's text tokenized
-    by `m40 tokenize`)."""
+  - a tool conversation sent the way the SDK sends it (content null on a tool-call turn,
+    its analysis as reasoning_content) renders exactly as Python's jinja2 renders it
+    (the prompt's token count from `usage` against jinja2's text tokenized by `m40
+    tokenize`), the analysis reaching the template as `thinking`."""
 import datetime
 import json
 import os
@@ -132,13 +133,13 @@ def test_forced_tool_call(instances, choice):
 CONVERSATION = [
     {"role": "system", "content": "Use the tools when they help."},
     {"role": "user", "content": "Weather in Paris for two days?"},
-    {"role": "assistant", "content": None, "tool_calls": [
+    {"role": "assistant", "content": None, "reasoning_content": "I need the forecast.", "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": [21, 19], \"sky\": \"clear\"}"},
     {"role": "assistant", "content": "Clear, 21 \u00b0C then 19 \u00b0C."},
     {"role": "user", "content": "And what time is it?"},
-    {"role": "assistant", "content": "Checking the clock.", "tool_calls": [
+    {"role": "assistant", "content": None, "reasoning_content": "The clock tool.", "tool_calls": [
         {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
     {"role": "tool", "tool_call_id": "call_2", "content": "12:00"},
 ]
@@ -172,6 +173,12 @@ def test_tool_conversation_renders_as_jinja2(instances, tmp_path):
     if datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d") != day:
         pytest.skip("the date changed during the request")
     assert r.usage.prompt_tokens == jinja2_tokens(CONVERSATION, TOOLS, day, tmp_path)
+    # the last call's analysis is in the prompt (the template keeps it while no answer
+    # follows): without it the prompt is shorter
+    bare = [dict(m) for m in CONVERSATION]
+    del bare[6]["reasoning_content"]
+    r2 = cl.chat.completions.create(model=NAME, messages=bare, tools=TOOLS, max_tokens=1)
+    assert r2.usage.prompt_tokens < r.usage.prompt_tokens
     # and without tools: the developer block has no namespace then
     plain = cl.chat.completions.create(model=NAME, messages=MSGS, max_tokens=1)
     assert plain.usage.prompt_tokens == jinja2_tokens(MSGS, None, day, tmp_path)
