@@ -23,22 +23,32 @@ typedef enum {
                            * several joined by ';'), or <|python_tag|> then such JSON */
     M40_TOOLS_MISTRAL,    /* Mistral: [TOOL_CALLS][{"name":..,"arguments":{..}}, ...] */
     M40_TOOLS_JSON,       /* fallback: the whole output a JSON call object or array of them */
+    M40_TOOLS_HARMONY,    /* gpt-oss harmony channels: the whole output is messages
+                           * "<|channel|>analysis<|message|>..<|end|>" (reasoning),
+                           * "<|start|>assistant<|channel|>final<|message|>.." (content),
+                           * "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}"
+                           * (a call; the recipient may also stand before <|channel|>); ended
+                           * by <|end|>, <|return|>, <|call|> or the end of the output. The
+                           * channels are the output's structure, so this parser also runs
+                           * for requests without tools (and splits reasoning by itself). */
 } m40_tool_format;
 
-/* What happens to "<think>...</think>". */
+/* What happens to "<think>...</think>" (harmony: to the analysis channel; INLINE gives
+ * its messages to the content, markup and all). */
 typedef enum {
     M40_REASONING_SEPARATE = 0, /* reasoning pieces, apart from the content */
     M40_REASONING_INLINE,       /* left in the content, tags and all (no splitting) */
     M40_REASONING_NONE,         /* dropped */
 } m40_reasoning_mode;
 
-/* The convention a chat template's text shows ("<tool_call>", "[TOOL_CALLS]",
- * "<|python_tag|>" or Llama 3's header tokens with "parameters"); M40_TOOLS_JSON when
- * it shows none (or src is NULL). */
+/* The convention a chat template's text shows ("<|channel|>" for harmony, "<tool_call>",
+ * "[TOOL_CALLS]", "<|python_tag|>" or Llama 3's header tokens with "parameters");
+ * M40_TOOLS_JSON when it shows none (or src is NULL). */
 m40_tool_format m40_tool_format_detect(const char *src);
-/* 1 when the template knows "<think>" or "</think>" (Qwen3, DeepSeek-R1 distills). */
+/* 1 when the template knows "<think>" or "</think>" (Qwen3, DeepSeek-R1 distills) or
+ * harmony's analysis channel (gpt-oss). */
 int m40_template_thinks(const char *src);
-/* "hermes", "llama3", "mistral", "json", "none" <-> the enum; -1 when unknown. */
+/* "hermes", "llama3", "mistral", "json", "harmony", "none" <-> the enum; -1 when unknown. */
 int m40_tool_format_from_name(const char *name, size_t len);
 const char *m40_tool_format_name(m40_tool_format f);
 

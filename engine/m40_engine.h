@@ -192,7 +192,9 @@ typedef struct {
      * three above): the output is constrained to calls of `tools`, each one's arguments
      * a sentence of its "parameters" schema, in the markup of this m40_tool_format
      * (m40_chat_parse.h): Hermes "<tool_call>\n{"name": .., "arguments": ..}\n</tool_call>",
-     * Llama 3 {"name": .., "parameters": ..}, Mistral "[TOOL_CALLS][...]", bare JSON.
+     * Llama 3 {"name": .., "parameters": ..}, Mistral "[TOOL_CALLS][...]", bare JSON,
+     * harmony "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}"
+     * (one call; tool names of letters, digits, '_' and '-' only, else 400).
      * So even a model that would never call returns a call the output parser takes.
      * 0 (M40_TOOLS_NONE): not forced. Compiled like a grammar (400s the same way). */
     int tool_call_format;

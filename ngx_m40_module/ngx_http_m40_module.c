@@ -62,6 +62,7 @@ static ngx_conf_enum_t  ngx_http_m40_tool_parsers[] = {
     { ngx_string("llama3"), M40_TOOLS_LLAMA3 },
     { ngx_string("mistral"), M40_TOOLS_MISTRAL },
     { ngx_string("json"), M40_TOOLS_JSON },
+    { ngx_string("harmony"), M40_TOOLS_HARMONY },
     { ngx_string("off"), M40_TOOLS_NONE },
     { ngx_null_string, 0 }
 };

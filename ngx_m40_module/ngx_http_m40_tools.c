@@ -10,7 +10,7 @@
  * the named function is the only one the template shows, and the engine compiles a
  * grammar of calls to the tools shown (each call's arguments a sentence of its
  * parameters' JSON Schema) in the markup of the request's parser (Hermes, Llama 3,
- * Mistral or bare JSON), so even a model that would answer in prose returns a call
+ * Mistral, harmony or bare JSON), so even a model that would answer in prose returns a call
  * the parser takes (engine/serve/constrain.c). */
 #include "ngx_http_m40_module.h"
 
@@ -22,6 +22,7 @@ void
 ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
 {
     const char                *tmpl;
+    ngx_uint_t                 fmt;
     ngx_http_m40_main_conf_t  *mcf;
 
     mcf = ctx->mcf;
@@ -35,10 +36,13 @@ ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
 
     tmpl = m40_engine_chat_template(mcf->engine);
 
-    if (p->tools != NULL) {
-        ctx->tool_format = mcf->tool_parser != NGX_HTTP_M40_TOOL_PARSER_AUTO
-                           ? mcf->tool_parser
-                           : (ngx_uint_t) m40_tool_format_detect(tmpl);
+    fmt = mcf->tool_parser != NGX_HTTP_M40_TOOL_PARSER_AUTO
+          ? mcf->tool_parser : (ngx_uint_t) m40_tool_format_detect(tmpl);
+
+    /* Harmony's channels are the whole output's structure, not only its calls:
+     * they are parsed with or without tools. */
+    if (p->tools != NULL || fmt == M40_TOOLS_HARMONY) {
+        ctx->tool_format = fmt;
     }
 
     /* Only templates that think get their output split: elsewhere a literal

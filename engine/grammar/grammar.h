@@ -75,5 +75,10 @@ char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, si
  * not one of the prelude's names): the caller writes the root around it (forced tool
  * calls wrap a call object in the model's markup). */
 char *m40_json_schema_to_gbnf_rule(const char *schema_json, size_t len, const char *rule, char *err, size_t errlen);
+/* n schemas at once, schema i as rule rules[i] (one prelude, no rule name twice): the
+ * harmony format names the function outside its arguments, so each tool's parameters
+ * need a rule of their own. A NULL schema is any JSON object. */
+char *m40_json_schema_to_gbnf_rules(const char *const *schemas, const size_t *lens, const char *const *rules, int n,
+                                    char *err, size_t errlen);
 
 #endif

@@ -661,29 +661,41 @@ char *m40_json_schema_to_gbnf(const char *schema_json, size_t len, char *err, si
 
 char *m40_json_schema_to_gbnf_rule(const char *schema_json, size_t len, const char *rule, char *err, size_t errlen)
 {
+    return m40_json_schema_to_gbnf_rules(&schema_json, &len, &rule, 1, err, errlen);
+}
+
+char *m40_json_schema_to_gbnf_rules(const char *const *schemas, const size_t *lens, const char *const *rules, int n,
+                                    char *err, size_t errlen)
+{
     jsg c = {.e = {.err = err, .errlen = errlen}};
     if (err && errlen)
         err[0] = 0;
-    sbuf root = {0};
-    if (!schema_json) {
-        sb_puts(&c.out, PRELUDE);
-        sb_printf(&c.out, "%s ::= object\n", rule);
-        return c.out.oom ? (free(c.out.s), NULL) : c.out.s;
-    }
-    json_error_t je;
-    c.root = json_loadb(schema_json, len, JSON_DECODE_ANY, &je);
-    if (!c.root) {
-        snprintf(err, errlen, "schema is not valid JSON: %s", je.text);
-        return NULL;
-    }
     sb_puts(&c.out, PRELUDE);
-    if (gen(&c, c.root, &root) == 0) {
-        sb_printf(&c.out, "%s ::= ", rule);
-        sb_puts(&c.out, root.s ? root.s : "value");
-        sb_puts(&c.out, "\n");
+    for (int i = 0; i < n && !c.e.failed; i++) {
+        if (!schemas[i]) {
+            sb_printf(&c.out, "%s ::= object\n", rules[i]);
+            continue;
+        }
+        json_error_t je;
+        c.root = json_loadb(schemas[i], lens[i], JSON_DECODE_ANY, &je);
+        if (!c.root) {
+            free(c.out.s);
+            snprintf(err, errlen, "schema is not valid JSON: %s", je.text);
+            return NULL;
+        }
+        /* $ref targets are nodes of this root: the next schema's may reuse the addresses
+         * (the rule counter goes on, so no name repeats) */
+        c.n_refs = 0;
+        sbuf root = {0};
+        if (gen(&c, c.root, &root) == 0) {
+            sb_printf(&c.out, "%s ::= ", rules[i]);
+            sb_puts(&c.out, root.s ? root.s : "value");
+            sb_puts(&c.out, "\n");
+        }
+        json_decref(c.root);
+        c.root = NULL;
+        free(root.s);
     }
-    json_decref(c.root);
-    free(root.s);
     if (c.out.oom && !c.e.failed)
         schema_fail(&c.e, "out of memory");
     if (c.e.failed) {

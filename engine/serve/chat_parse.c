@@ -11,14 +11,37 @@
  * Calls are parsed all or nothing: a block that does not parse as calls goes back
  * out as content with its markup, which is what vLLM's parsers do. Arguments are
  * re-serialized compactly from the parsed object, so what the client gets is always
- * one valid JSON object text. */
+ * one valid JSON object text.
+ *
+ * Harmony (gpt-oss) has no free text at all: its output is messages, each a header
+ * ("<|channel|>NAME", a recipient " to=functions.NAME", a content type) up to
+ * "<|message|>", then a body up to <|end|>, <|return|> or <|call|>. Three more states:
+ *   H_INIT  between messages: decides, on as few bytes as it must, whether a header
+ *           starts here (<|start|>, <|channel|>, or " to=" right after the prompt's
+ *           "<|start|>assistant"); anything else is content;
+ *   H_HEAD  the header, held until "<|message|>" (it is short; a header that grows past
+ *           HEAD_MAX, or meets an end marker first, was no header and goes out as content);
+ *   H_BODY  the body: the analysis channel streams as reasoning, final and commentary
+ *           as content, a call to functions.NAME is held and parsed at its end marker
+ *           (all or nothing, like the others); a header we do not know (another
+ *           recipient, another channel) streams as content with its markup, so nothing
+ *           the model wrote is lost. The end markers are gone from the text when the
+ *           tokenizer makes <|return|> and <|call|> end the generation (real gpt-oss
+ *           files); the end of the output closes the last message then. */
 #include "m40_chat_parse.h"
 
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { S_TEXT, S_THINK, S_CALL, S_REST };
+enum { S_TEXT, S_THINK, S_CALL, S_REST, S_H_INIT, S_H_HEAD, S_H_BODY };
+
+/* Harmony body kinds. */
+enum { HB_CONTENT, HB_REASONING, HB_CALL, HB_RAW };
+
+/* A harmony header longer than this without "<|message|>" is no header. Real ones are
+ * "<|channel|>commentary to=functions.NAME <|constrain|>json" with NAME <= 64. */
+#define HEAD_MAX 256
 
 struct m40_chat_parse {
     m40_tool_format tools;
@@ -31,6 +54,12 @@ struct m40_chat_parse {
     int content_started;     /* non-whitespace content went out */
     int skip_ws;             /* drop whitespace before the next content (after </think>) */
     int after_call;          /* a call went out: whitespace-only content between calls is dropped */
+    /* harmony */
+    int h_kind;              /* H_BODY: HB_* */
+    int h_first;             /* H_INIT: still at the start of the output */
+    char *h_head;            /* H_HEAD: the opener consumed ("<|start|>" or ""); H_BODY: the
+                              * whole header as written (for content when it is no call) */
+    char h_name[72];         /* HB_CALL: the function's name */
 };
 
 static const char THINK_OPEN[] = "<think>";
@@ -39,11 +68,20 @@ static const char HERMES_OPEN[] = "<tool_call>";
 static const char HERMES_CLOSE[] = "</tool_call>";
 static const char MISTRAL_OPEN[] = "[TOOL_CALLS]";
 static const char PYTHON_TAG[] = "<|python_tag|>";
+static const char H_START[] = "<|start|>";
+static const char H_CHANNEL[] = "<|channel|>";
+static const char H_MESSAGE[] = "<|message|>";
+static const char H_END[] = "<|end|>";
+static const char H_RETURN[] = "<|return|>";
+static const char H_CALL[] = "<|call|>";
 
 m40_tool_format m40_tool_format_detect(const char *src)
 {
     if (!src)
         return M40_TOOLS_JSON;
+    /* first: gpt-oss's template also mentions other conventions' words in its docs */
+    if (strstr(src, H_CHANNEL))
+        return M40_TOOLS_HARMONY;
     if (strstr(src, HERMES_OPEN))
         return M40_TOOLS_HERMES;
     if (strstr(src, MISTRAL_OPEN))
@@ -56,10 +94,10 @@ m40_tool_format m40_tool_format_detect(const char *src)
 int m40_template_thinks(const char *src)
 {
     /* R1 distills' templates only strip "</think>" from history; their prompt opens it. */
-    return src && (strstr(src, THINK_OPEN) != NULL || strstr(src, THINK_CLOSE) != NULL);
+    return src && (strstr(src, THINK_OPEN) != NULL || strstr(src, THINK_CLOSE) != NULL || strstr(src, H_CHANNEL) != NULL);
 }
 
-static const char *const format_names[] = {"none", "hermes", "llama3", "mistral", "json"};
+static const char *const format_names[] = {"none", "hermes", "llama3", "mistral", "json", "harmony"};
 
 int m40_tool_format_from_name(const char *name, size_t len)
 {
@@ -82,6 +120,10 @@ m40_chat_parse *m40_chat_parse_new(m40_tool_format tools, m40_reasoning_mode rea
     p->tools = tools;
     p->reasoning = reasoning;
     p->state = reasoning != M40_REASONING_INLINE && reasoning_open ? S_THINK : S_TEXT;
+    if (tools == M40_TOOLS_HARMONY) {
+        p->state = S_H_INIT; /* harmony has no <think>: reasoning_open means nothing here */
+        p->h_first = 1;
+    }
     return p;
 }
 
@@ -90,6 +132,7 @@ void m40_chat_parse_free(m40_chat_parse *p)
     if (!p)
         return;
     free(p->buf);
+    free(p->h_head);
     free(p);
 }
 
@@ -314,9 +357,261 @@ static const char *tool_opener(const m40_chat_parse *p)
     }
 }
 
+/* ---- harmony (gpt-oss) ---- */
+
+/* Ends of a body: the three end markers (consumed), then the starts of a next header
+ * (left for H_INIT). */
+static const char *const H_BODY_ENDS[] = {H_END, H_RETURN, H_CALL, H_START, H_CHANNEL};
+/* What ends a header: <|message|>, or (no header after all) a marker no header holds. */
+static const char *const H_HEAD_BREAKS[] = {H_MESSAGE, H_START, H_END, H_RETURN, H_CALL};
+/* What starts one: the last two only at the output's start, where the prompt has just
+ * written "<|start|>assistant" and the recipient may come before the channel. */
+static const char *const H_OPENERS[] = {H_START, H_CHANNEL, " to=", "to="};
+
+/* The earliest of k markers in s[0..n) (its index into *which), or -1. */
+static long find_any(const char *s, size_t n, const char *const *markers, int k, int *which)
+{
+    long best = -1;
+    for (int i = 0; i < k; i++) {
+        long j = find(s, n, markers[i]);
+        if (j >= 0 && (best < 0 || j < best)) {
+            best = j;
+            *which = i;
+        }
+    }
+    return best;
+}
+
+static size_t partial_any(const char *s, size_t n, const char *const *markers, int k)
+{
+    size_t keep = 0;
+    for (int i = 0; i < k; i++) {
+        size_t t = partial_tail(s, n, markers[i]);
+        if (t > keep)
+            keep = t;
+    }
+    return keep;
+}
+
+/* h_head = a[0..na) b[0..nb) c (c NUL-terminated); -1 out of memory. */
+static int set_head(m40_chat_parse *p, const char *a, size_t na, const char *b, size_t nb, const char *c)
+{
+    size_t nc = strlen(c);
+    char *h = malloc(na + nb + nc + 1);
+    if (!h)
+        return -1;
+    memcpy(h, a, na);
+    memcpy(h + na, b, nb);
+    memcpy(h + na + nb, c, nc + 1);
+    free(p->h_head);
+    p->h_head = h;
+    return 0;
+}
+
+static size_t word_end(const char *h, size_t i, size_t n)
+{
+    while (i < n && h[i] != ' ' && h[i] != '<')
+        i++;
+    return i;
+}
+
+/* The kind of body a header h[0..n) announces (after_start: it follows <|start|>, so
+ * the author's name comes first), and for a call the function's name into h_name.
+ * Words: "<|channel|>NAME", "to=RECIPIENT", "<|constrain|>TYPE", a bare content type. */
+static int h_classify(m40_chat_parse *p, const char *h, size_t n, int after_start)
+{
+    size_t i = 0, e;
+    const char *chan = NULL, *to = NULL;
+    size_t nchan = 0, nto = 0;
+    if (after_start) {
+        /* only the assistant's messages are the answer; a model writing another
+         * author's turn (a tool's result) has gone astray: show it as it is */
+        e = word_end(h, 0, n);
+        if (e != 9 || memcmp(h, "assistant", 9) != 0)
+            return HB_RAW;
+        i = e;
+    }
+    while (i < n) {
+        if (h[i] == ' ') {
+            i++;
+        } else if (n - i >= sizeof H_CHANNEL - 1 && memcmp(h + i, H_CHANNEL, sizeof H_CHANNEL - 1) == 0) {
+            if (chan)
+                return HB_RAW;
+            i += sizeof H_CHANNEL - 1;
+            e = word_end(h, i, n);
+            chan = h + i;
+            nchan = e - i;
+            i = e;
+        } else if (n - i >= 3 && memcmp(h + i, "to=", 3) == 0) {
+            if (to)
+                return HB_RAW;
+            i += 3;
+            e = word_end(h, i, n);
+            to = h + i;
+            nto = e - i;
+            i = e;
+        } else if (n - i >= 13 && memcmp(h + i, "<|constrain|>", 13) == 0) {
+            i = word_end(h, i + 13, n);
+        } else if (h[i] == '<') {
+            return HB_RAW; /* a marker headers do not hold */
+        } else {
+            i = word_end(h, i, n); /* a content type ("json") */
+        }
+    }
+    if (to) {
+        size_t nn = nto - 10;
+        if (nto <= 10 || memcmp(to, "functions.", 10) != 0 || nn >= sizeof p->h_name)
+            return HB_RAW; /* a built-in tool (browser, python) we do not serve */
+        for (size_t k = 10; k < nto; k++)
+            if (!(to[k] == '_' || to[k] == '-' || (to[k] >= '0' && to[k] <= '9') || (to[k] >= 'a' && to[k] <= 'z') ||
+                  (to[k] >= 'A' && to[k] <= 'Z')))
+                return HB_RAW;
+        memcpy(p->h_name, to + 10, nn);
+        p->h_name[nn] = '\0';
+        return HB_CALL;
+    }
+    if (nchan == 8 && memcmp(chan, "analysis", 8) == 0)
+        return p->reasoning == M40_REASONING_INLINE ? HB_RAW : HB_REASONING;
+    /* commentary without a recipient: a preamble the user is meant to see */
+    if ((nchan == 5 && memcmp(chan, "final", 5) == 0) || (nchan == 10 && memcmp(chan, "commentary", 10) == 0))
+        return HB_CONTENT;
+    return HB_RAW;
+}
+
+/* A call's body s[0..n) (ended by `end`, "" at the output's end): a call when it is
+ * one JSON object, else content with its header and end marker. */
+static int h_emit_call(m40_chat_parse *p, const char *s, size_t n, const char *end, m40_piece_cb cb, void *ud)
+{
+    json_t *args = json_loadb(s, n, 0, NULL);
+    char *text = json_is_object(args) ? json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+    json_decref(args);
+    int rc;
+    if (text) {
+        m40_piece pc = {.kind = M40_PIECE_TOOL_CALL, .index = p->n_calls++, .name = p->h_name, .arguments = text};
+        rc = cb(ud, &pc);
+        free(text);
+        p->after_call = 1;
+        return rc;
+    }
+    p->after_call = 0;
+    if ((rc = emit_text(p, M40_PIECE_CONTENT, p->h_head, strlen(p->h_head), cb, ud)) != 0 ||
+        (rc = emit_text(p, M40_PIECE_CONTENT, s, n, cb, ud)) != 0)
+        return rc;
+    return emit_text(p, M40_PIECE_CONTENT, end, strlen(end), cb, ud);
+}
+
+/* Body text that is no message of a header: content as written, end markers and all. */
+static void h_raw_body(m40_chat_parse *p)
+{
+    free(p->h_head);
+    p->h_head = NULL;
+    p->h_kind = HB_RAW;
+    p->state = S_H_BODY;
+}
+
+static int run_harmony(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
+{
+    int rc, w = 0;
+    for (;;) {
+        if (p->state == S_H_INIT) {
+            if (p->len == 0)
+                return 0;
+            int started = 0, pending = 0;
+            for (int i = 0; i < (p->h_first ? 4 : 2) && !started; i++) {
+                size_t m = strlen(H_OPENERS[i]), k = p->len < m ? p->len : m;
+                if (memcmp(p->buf, H_OPENERS[i], k) != 0)
+                    continue;
+                if (k < m) {
+                    pending = 1;
+                    continue;
+                }
+                const char *opener = i == 0 ? H_START : "";
+                if (set_head(p, opener, strlen(opener), "", 0, "") != 0)
+                    return -1;
+                consume(p, i == 0 ? m : 0);
+                p->state = S_H_HEAD;
+                started = 1;
+            }
+            if (!started && pending && !final)
+                return 0;
+            p->h_first = 0;
+            if (!started)
+                h_raw_body(p);
+            continue;
+        }
+        if (p->state == S_H_HEAD) {
+            /* Decided on the first HEAD_MAX + |<|message|>| bytes only, so that how the
+             * text was chunked never changes the answer. */
+            size_t win = p->len < HEAD_MAX + sizeof H_MESSAGE - 1 ? p->len : HEAD_MAX + sizeof H_MESSAGE - 1;
+            long j = find_any(p->buf, win, H_HEAD_BREAKS, 5, &w);
+            if (j >= 0 && w == 0) {
+                int kind = h_classify(p, p->buf, (size_t)j, p->h_head[0] != '\0');
+                if (set_head(p, p->h_head, strlen(p->h_head), p->buf, (size_t)j, H_MESSAGE) != 0)
+                    return -1;
+                consume(p, (size_t)j + sizeof H_MESSAGE - 1);
+                p->h_kind = kind;
+                p->state = S_H_BODY;
+                if (kind == HB_RAW && (rc = emit_text(p, M40_PIECE_CONTENT, p->h_head, strlen(p->h_head), cb, ud)) != 0)
+                    return rc;
+                continue;
+            }
+            size_t n;
+            if (j >= 0)
+                n = (size_t)j; /* an end marker or <|start|> before any <|message|> */
+            else if (final)
+                n = p->len;
+            else if (win == HEAD_MAX + sizeof H_MESSAGE - 1)
+                n = win - partial_any(p->buf, win, H_HEAD_BREAKS, 5);
+            else
+                return 0;
+            /* no header after all: what was held is content, markup and all */
+            if ((rc = emit_text(p, M40_PIECE_CONTENT, p->h_head, strlen(p->h_head), cb, ud)) != 0)
+                return rc;
+            rc = emit_text(p, M40_PIECE_CONTENT, p->buf, n, cb, ud);
+            consume(p, n);
+            h_raw_body(p);
+            if (rc != 0)
+                return rc;
+            continue;
+        }
+        /* S_H_BODY */
+        long j = find_any(p->buf, p->len, H_BODY_ENDS, 5, &w);
+        const char *end = j >= 0 && w < 3 ? H_BODY_ENDS[w] : "";
+        if (p->h_kind == HB_CALL) {
+            if (j < 0 && !final)
+                return 0;
+            size_t n = j >= 0 ? (size_t)j : p->len;
+            rc = h_emit_call(p, p->buf, n, end, cb, ud);
+            consume(p, n + strlen(end));
+            p->state = S_H_INIT;
+            if (rc != 0)
+                return rc;
+            continue;
+        }
+        m40_piece_kind kind = p->h_kind == HB_REASONING ? M40_PIECE_REASONING : M40_PIECE_CONTENT;
+        if (j >= 0) {
+            if ((rc = emit_text(p, kind, p->buf, (size_t)j, cb, ud)) != 0)
+                return rc;
+            /* a raw body keeps its end marker: it is text, not structure we read */
+            if (p->h_kind == HB_RAW && (rc = emit_text(p, M40_PIECE_CONTENT, end, strlen(end), cb, ud)) != 0)
+                return rc;
+            consume(p, (size_t)j + strlen(end));
+            p->state = S_H_INIT;
+            continue;
+        }
+        size_t keep = final ? 0 : partial_any(p->buf, p->len, H_BODY_ENDS, 5);
+        if ((rc = emit_text(p, kind, p->buf, p->len - keep, cb, ud)) != 0)
+            return rc;
+        consume(p, p->len - keep);
+        return 0;
+    }
+}
+
 static int run(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
 {
     int rc;
+    if (p->tools == M40_TOOLS_HARMONY)
+        return run_harmony(p, final, cb, ud);
     for (;;) {
         if (p->state == S_THINK) {
             long i = find(p->buf, p->len, THINK_CLOSE);

@@ -115,11 +115,97 @@ static char *with_root(char *rules, int reasoning_open, const char *body, char *
     return out;
 }
 
+/* Harmony (gpt-oss): a call is a message whose header names the function, then its
+ * arguments, so the name is outside the JSON and each tool's parameters get a rule of
+ * their own (args-K). The recipient stands in the channel's header or before the channel
+ * (gpt-oss writes both; the parser reads both), the content type optional, as llama.cpp's
+ * grammar for gpt-oss has it. No analysis message first: a free-text rule would let a model
+ * think until max_tokens. Always one call: gpt-oss ends its turn at <|call|>, so several
+ * calls are never one output (parallel_tool_calls changes nothing). The output needs no
+ * <|call|>: the sequence ends where the grammar does. */
+static char *harmony_call_gbnf(const m40_request *r, char *err, size_t errlen)
+{
+    size_t n = json_array_size(r->tools), i;
+    char **texts = calloc(n + 1, sizeof *texts);
+    char **names = calloc(n + 1, sizeof *names);
+    size_t *lens = calloc(n + 1, sizeof *lens);
+    char *rules = NULL, *out = NULL;
+    size_t cap = 256, len = 0;
+    if (!texts || !names || !lens)
+        goto oom;
+    for (i = 0; i < n; i++) {
+        json_t *fn = json_object_get(json_array_get(r->tools, i), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        json_t *params = json_object_get(fn, "parameters");
+        if (!name || !name[0]) {
+            snprintf(err, errlen, "a tool has no function name");
+            goto fail;
+        }
+        /* the name goes into a GBNF literal and a harmony header: OpenAI's characters only */
+        for (const char *c = name; *c; c++)
+            if (!(*c == '_' || *c == '-' || (*c >= '0' && *c <= '9') || (*c >= 'a' && *c <= 'z') ||
+                  (*c >= 'A' && *c <= 'Z'))) {
+                snprintf(err, errlen, "function name '%.64s' has characters other than letters, digits, '_', '-'",
+                         name);
+                goto fail;
+            }
+        cap += 2 * strlen(name) + 160; /* its call rule and its place in root */
+        if (!(names[i] = malloc(32)))
+            goto oom;
+        snprintf(names[i], 32, "args-%zu", i);
+        if (json_is_object(params)) {
+            if (!(texts[i] = json_dumps(params, JSON_COMPACT | JSON_PRESERVE_ORDER)))
+                goto oom;
+            lens[i] = strlen(texts[i]);
+        }
+    }
+    rules = m40_json_schema_to_gbnf_rules((const char *const *)texts, lens, (const char *const *)names, (int)n, err,
+                                          errlen);
+    if (!rules)
+        goto fail;
+    cap += strlen(rules);
+    if (!(out = malloc(cap)))
+        goto oom;
+    len = (size_t)snprintf(out, cap,
+                           "%sh-chan ::= \"<|channel|>\" \"commentary\"\n"
+                           "h-type ::= (\" <|constrain|>json\" | \" json\")?\n",
+                           rules);
+    for (i = 0; i < n; i++) {
+        const char *name = json_string_value(json_object_get(json_object_get(json_array_get(r->tools, i), "function"), "name"));
+        len += (size_t)snprintf(out + len, cap - len,
+                                "call-%zu ::= (h-chan \" to=functions.%s\" | \" to=functions.%s\" h-chan) h-type "
+                                "\"<|message|>\" args-%zu\n",
+                                i, name, name, i);
+    }
+    len += (size_t)snprintf(out + len, cap - len, "root ::=");
+    for (i = 0; i < n; i++)
+        len += (size_t)snprintf(out + len, cap - len, "%s call-%zu", i ? " |" : "", i);
+    snprintf(out + len, cap - len, "\n");
+    goto done;
+oom:
+    snprintf(err, errlen, "out of memory");
+fail:
+    free(out);
+    out = NULL;
+done:
+    for (i = 0; texts && names && i < n; i++) {
+        free(texts[i]);
+        free(names[i]);
+    }
+    free(texts);
+    free(names);
+    free(lens);
+    free(rules);
+    return out;
+}
+
 /* GBNF for tool_choice "required" or a named function: one call (or, when parallel calls
  * are allowed, one or more) in the markup the model's template teaches and the output
  * parser reads (chat_parse.c), so the parser always finds calls. */
 static char *tool_call_gbnf(const m40_request *r, char *err, size_t errlen)
 {
+    if (r->tool_call_format == M40_TOOLS_HARMONY)
+        return harmony_call_gbnf(r, err, errlen);
     const char *args_key = r->tool_call_format == M40_TOOLS_LLAMA3 ? "parameters" : "arguments";
     const char *why;
     json_t *schema = call_schema(r->tools, args_key, &why);

@@ -379,7 +379,7 @@ m40_submit_status m40_engine_submit(m40_engine *e, const m40_request_params *p, 
         return invalid(err, errlen, "at most one of grammar, json_schema and json_object");
     if (p->tool_call_format != 0 &&
         (p->grammar || p->json_schema || p->json_object || !p->messages || !json_is_array(p->tools) ||
-         json_array_size(p->tools) == 0 || p->tool_call_format < 0 || p->tool_call_format > M40_TOOLS_JSON))
+         json_array_size(p->tools) == 0 || p->tool_call_format < 0 || p->tool_call_format > M40_TOOLS_HARMONY))
         return invalid(err, errlen, "forced tool calls need tools, a known tool format and no other grammar");
     const m40_sampler_params *sp = &p->sampling;
     if (!(sp->temperature >= 0.0f) || !isfinite(sp->temperature))

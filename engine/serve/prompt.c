@@ -132,21 +132,27 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
             int32_t bos = m40_tokenizer_bos(tok), eos = m40_tokenizer_eos(tok);
             const char *bos_s = bos >= 0 ? m40_tokenizer_piece(tok, bos) : NULL;
             const char *eos_s = eos >= 0 ? m40_tokenizer_piece(tok, eos) : NULL;
-            /* Arguments as objects first (most templates), as the client's text when the
-             * template refuses them (template/chat_args.c). */
-            json_t *objs = m40_chat_arguments_as_objects(r->messages);
+            /* gpt-oss's template wants its analysis as `thinking` and no null content
+             * (template/chat_args.c); then arguments as objects first (most templates), as
+             * the client's text when the template refuses them. */
+            json_t *hm = m40_tool_format_detect(e->tmpl_src) == M40_TOOLS_HARMONY
+                             ? m40_chat_harmony_messages(r->messages)
+                             : NULL;
+            const json_t *msgs = hm ? hm : r->messages;
+            json_t *objs = m40_chat_arguments_as_objects(msgs);
             const json_t *used = objs;
             int rc = -1;
             if (objs)
                 rc = m40_chat_template_render_parsed(e->tmpl, objs, r->tools, r->add_generation_prompt, bos_s,
                                                      eos_s, r->template_kwargs, NULL, &text, &len, err, sizeof err);
             if (rc != 0) {
-                used = r->messages;
-                rc = m40_chat_template_render_parsed(e->tmpl, r->messages, r->tools, r->add_generation_prompt, bos_s,
-                                                     eos_s, r->template_kwargs, NULL, &text, &len, err, sizeof err);
+                used = msgs;
+                rc = m40_chat_template_render_parsed(e->tmpl, msgs, r->tools, r->add_generation_prompt, bos_s, eos_s,
+                                                     r->template_kwargs, NULL, &text, &len, err, sizeof err);
             }
             if (rc != 0) {
                 json_decref(objs);
+                json_decref(hm);
                 /* raise_exception() in templates rejects the conversation itself. */
                 *status = 400;
                 snprintf(msg, msglen, "chat template: %.230s", err);
@@ -157,6 +163,7 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
             rc = m40_prompt_guard(tok, e->tmpl, used, r->tools, r->add_generation_prompt, bos_s, eos_s,
                                   r->template_kwargs, text, len, &guard, &n_guard, err, sizeof err);
             json_decref(objs);
+            json_decref(hm);
             if (rc != 0) {
                 free(text);
                 *status = 400;

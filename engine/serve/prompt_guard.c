@@ -76,7 +76,8 @@ static int replace_text(json_t *obj, const char *key, guard_texts *t)
 }
 
 /* A deep copy of messages with every message text (string content, the text of content
- * parts, name, reasoning_content, string tool-call arguments) a placeholder; copies of
+ * parts, name, reasoning_content and its harmony copy thinking, string tool-call
+ * arguments) a placeholder; copies of
  * the texts in t. */
 static json_t *with_placeholders(const json_t *messages, guard_texts *t)
 {
@@ -97,6 +98,8 @@ static json_t *with_placeholders(const json_t *messages, guard_texts *t)
             rc = replace_text(m, "name", t);
         if (rc == 0)
             rc = replace_text(m, "reasoning_content", t);
+        if (rc == 0) /* harmony's copy of reasoning_content (template/chat_args.c) */
+            rc = replace_text(m, "thinking", t);
         json_array_foreach(json_object_get(m, "tool_calls"), k, c)
         {
             json_t *f = json_object_get(c, "function");

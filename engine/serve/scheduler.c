@@ -59,10 +59,11 @@
 static int greedy_only(const m40_request *r)
 {
     const m40_sampler_params *p = &r->sampling;
-    /* a grammar masks the logits on the host: constrained rows always bring theirs back */
+    /* a grammar masks the logits on the host: constrained rows always bring theirs back
+     * (forced tool calls too: without their logits such a row ended at once, no token) */
     return (p->temperature <= 0.0f || p->top_k == 1) && p->n_logit_bias == 0 && p->repetition_penalty == 1.0f &&
            p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !r->logprobs && !r->grammar_src &&
-           !r->json_schema && !r->json_object;
+           !r->json_schema && !r->json_object && !r->tool_call_format;
 }
 
 static void batch_add(m40_engine *e, int32_t *n, int32_t tok, int32_t pos, int32_t slot, int want)

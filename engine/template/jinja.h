@@ -133,6 +133,14 @@ int m40_chat_template_render(const char *template_src, const json_t *messages,
  * (or out of memory): then render messages as they are. chat_args.c says why the
  * caller falls back to the text when a template refuses the objects. */
 json_t *m40_chat_arguments_as_objects(const json_t *messages);
+/* gpt-oss's (harmony) template reads an assistant's analysis from `thinking` and tests
+ * `"<|channel|>..." in message.content`, which a null content fails; OpenAI clients send
+ * the analysis back as reasoning_content and a tool-call turn's content as null. A deep
+ * copy for that template, as llama.cpp prepares it: on assistant turns with tool_calls, a
+ * null content is left out, and reasoning_content becomes `thinking` when the turn has
+ * none and no content (the template refuses both at once). NULL when nothing changes (or
+ * out of memory): render messages as they are. */
+json_t *m40_chat_harmony_messages(const json_t *messages);
 
 /* Same with an already parsed template (the engine parses once per model). */
 int m40_chat_template_render_parsed(const m40_jinja *t, const json_t *messages,

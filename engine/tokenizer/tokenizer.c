@@ -39,6 +39,8 @@ struct m40_tokenizer {
     int dummy_prefix;   /* SPM: text starts with the ▁ prefix, stripped when decoding */
     int32_t *eog;
     int n_eog;
+    int32_t rendered[8]; /* control tokens that decode to their text (harmony's markers) */
+    int n_rendered;
     /* find_piece: open addressing table of ids, hcap a power of two */
     int32_t *hash;
     uint64_t hcap;
@@ -206,6 +208,40 @@ static int tok_add_eog(m40_tokenizer *t, int32_t id)
     return 0;
 }
 
+static int32_t tok_control(const m40_tokenizer *t, const char *piece)
+{
+    int32_t id = m40_tokenizer_find_piece(t, piece);
+    return id >= 0 && t->types[id] == M40_TOKEN_CONTROL ? id : -1;
+}
+
+/* o200k_harmony (gpt-oss): an assistant turn is several messages (analysis, then the
+ * answer or a call), each closed by <|end|>, and the turn ends at <|return|> (answer
+ * given) or <|call|> (a tool is to run). So where both are control tokens, <|end|> is no
+ * end of generation and those two are, as llama.cpp has it; and the markers of a
+ * message's header and end decode to their text, so that the output parser
+ * (m40_chat_parse.h, harmony) sees the channels, and grammars can force them. They stay
+ * control tokens for encoding: typed in a message they are text, never structure. */
+static int tok_harmony(m40_tokenizer *t)
+{
+    int32_t ret = tok_control(t, "<|return|>"), call = tok_control(t, "<|call|>"), end = tok_control(t, "<|end|>");
+    if (ret < 0 || call < 0 || end < 0 || tok_control(t, "<|channel|>") < 0)
+        return 0;
+    for (int i = 0; i < t->n_eog; i++)
+        if (t->eog[i] == end) {
+            t->eog[i] = t->eog[--t->n_eog];
+            break;
+        }
+    if (tok_add_eog(t, ret) || tok_add_eog(t, call))
+        return -1;
+    static const char *const shown[] = {"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"};
+    for (size_t i = 0; i < sizeof shown / sizeof *shown; i++) {
+        int32_t id = tok_control(t, shown[i]);
+        if (id >= 0)
+            t->rendered[t->n_rendered++] = id;
+    }
+    return 0;
+}
+
 /* Everything derived from pieces and types: piece index, special-token table, EOG ids,
  * the longest piece. */
 static int tok_finish(m40_tokenizer *t, char *err, size_t errlen)
@@ -256,6 +292,8 @@ static int tok_finish(m40_tokenizer *t, char *err, size_t errlen)
         if (id >= 0 && t->types[id] == M40_TOKEN_CONTROL && tok_add_eog(t, id))
             goto oom;
     }
+    if (tok_harmony(t) != 0)
+        goto oom;
     return 0;
 oom:
     snprintf(err, errlen, "out of memory for the end-of-generation ids");
@@ -779,8 +817,11 @@ int m40_token_to_bytes(const m40_tokenizer *t, int32_t id, int render_special, c
     uint32_t len;
     const char *p = tok_piece(t, id, &len);
     int type = t->types[id];
-    if (type == M40_TOKEN_CONTROL)
+    if (type == M40_TOKEN_CONTROL) {
+        for (int i = 0; i < t->n_rendered && !render_special; i++)
+            render_special = t->rendered[i] == id;
         return render_special ? tok_copy_out(buf, cap, p, len) : 0;
+    }
     if (type == M40_TOKEN_UNKNOWN && id == t->unk && t->kind == M40_TOK_SPM)
         return render_special ? tok_copy_out(buf, cap, p, len)
                               : tok_copy_out(buf, cap, M40_SPM_UNK_SURFACE, sizeof M40_SPM_UNK_SURFACE - 1);

@@ -47,7 +47,8 @@ int32_t m40_tokenizer_bos(const m40_tokenizer *t);     /* -1 if none */
 int32_t m40_tokenizer_eos(const m40_tokenizer *t);     /* -1 if none */
 int m40_tokenizer_add_bos(const m40_tokenizer *t);     /* tokenizer.ggml.add_bos_token, or the family default */
 int m40_tokenizer_token_type(const m40_tokenizer *t, int32_t id);
-/* 1 for ids that end generation (eos, eot, <|im_end|>, <end_of_turn>, ...). */
+/* 1 for ids that end generation (eos, eot, <|im_end|>, <end_of_turn>, ...; in a harmony
+ * vocabulary (gpt-oss) <|return|> and <|call|>, not <|end|>). */
 int m40_tokenizer_is_eog(const m40_tokenizer *t, int32_t id);
 /* Id of an exact piece string (e.g. "<|im_end|>"), or -1. */
 int32_t m40_tokenizer_find_piece(const m40_tokenizer *t, const char *piece);
@@ -77,7 +78,9 @@ int64_t m40_tokenize_guarded(const m40_tokenizer *t, const char *text, size_t le
 int m40_tokenizer_has_control(const m40_tokenizer *t, const char *text, size_t len);
 
 /* Bytes of one token as it appears in decoded text (SPM: "▁" -> " ", <0xNN> -> byte;
- * BPE: byte-level mapping undone; control tokens -> "" unless render_special).
+ * BPE: byte-level mapping undone; control tokens -> "" unless render_special, except
+ * harmony's message markers <|start|> <|channel|> <|message|> <|constrain|> <|end|>,
+ * which are the structure of gpt-oss's output and decode to their text).
  * Returns the byte count (may exceed cap: nothing beyond cap is written). */
 int m40_token_to_bytes(const m40_tokenizer *t, int32_t id, int render_special, char *buf, int cap);
 

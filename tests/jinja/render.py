@@ -16,7 +16,9 @@ as HF passes), add_generation_prompt, bos_token, eos_token, extra (optional obje
 of further template variables), openai (optional: the messages are as an OpenAI
 client sends them, tool_calls[].function.arguments JSON text; rendered as vLLM
 does, with the arguments as objects, and as the text when the template refuses
-the objects: what m40's request path does, engine/template/chat_args.c)."""
+the objects: what m40's request path does, engine/template/chat_args.c; for a
+harmony template, containing "<|channel|>", reasoning_content becomes thinking and
+a null content goes first, as harmony_messages says)."""
 import copy
 import json
 import sys
@@ -83,6 +85,24 @@ def arguments_as_objects(messages):
     return out if any_ else None
 
 
+def harmony_messages(messages):
+    """engine/template/chat_args.c's m40_chat_harmony_messages: for gpt-oss's template, on
+    assistant turns with tool_calls a null content goes, and reasoning_content becomes
+    thinking where there is none and no content. None when nothing changes."""
+    out, any_ = copy.deepcopy(messages), False
+    for m in out:
+        if m.get("role") != "assistant" or not isinstance(m.get("tool_calls"), list) or not m["tool_calls"]:
+            continue
+        r, c = m.get("reasoning_content"), m.get("content", None)
+        if isinstance(r, str) and r and "thinking" not in m and not (isinstance(c, str) and c):
+            m["thinking"] = r
+            any_ = True
+        if "content" in m and m["content"] is None:
+            del m["content"]
+            any_ = True
+    return out if any_ else None
+
+
 def main():
     if len(sys.argv) < 3:
         sys.stderr.write(__doc__)
@@ -115,7 +135,9 @@ def main():
                 bos_token=conv.get("bos_token", ""),
                 eos_token=conv.get("eos_token", ""),
             )
-            objs = arguments_as_objects(conv["messages"]) if conv.get("openai") else None
+            if conv.get("openai") and "<|channel|>" in source:
+                variables["messages"] = harmony_messages(conv["messages"]) or conv["messages"]
+            objs = arguments_as_objects(variables["messages"]) if conv.get("openai") else None
             if objs is not None:
                 try:
                     data = template.render(**dict(variables, messages=objs)).encode("utf-8")

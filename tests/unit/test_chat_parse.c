@@ -119,6 +119,28 @@ static void test_detect(void)
               m40_tool_format_from_name("herm", 4) == -1,
           "names");
     CHECK(strcmp(m40_tool_format_name(M40_TOOLS_MISTRAL), "mistral") == 0, "name of");
+    CHECK(m40_tool_format_detect("{{ '<|start|>assistant<|channel|>final<|message|>' }} <tool_call>") ==
+              M40_TOOLS_HARMONY,
+          "harmony (before the others' words)");
+    CHECK(m40_template_thinks("<|channel|>analysis"), "harmony thinks");
+    CHECK(m40_tool_format_from_name("harmony", 7) == M40_TOOLS_HARMONY &&
+              strcmp(m40_tool_format_name(M40_TOOLS_HARMONY), "harmony") == 0,
+          "harmony name");
+}
+
+/* Our harmony-style template (tests/templates) is detected as harmony. */
+static void test_detect_harmony_template(void)
+{
+    FILE *f = fopen("tests/templates/harmony-style.jinja", "rb");
+    if (!f) {
+        SKIP("tests/templates/harmony-style.jinja not found (run from the repository root)");
+        return;
+    }
+    static char src[1 << 16];
+    size_t n = fread(src, 1, sizeof src - 1, f);
+    fclose(f);
+    src[n] = '\0';
+    CHECK(m40_tool_format_detect(src) == M40_TOOLS_HARMONY && m40_template_thinks(src), "harmony-style.jinja");
 }
 
 /* The shared real templates pick the parser their model family writes. */
@@ -250,6 +272,80 @@ static void test_json(void)
     expect("only blanks", J, S, 0, " \n", " \n", "", "");
 }
 
+/* gpt-oss harmony: the output starts right after the prompt's "<|start|>assistant". The
+ * real tokenizer ends generation at <|return|> and <|call|> (absent then); a vocabulary
+ * without those tokens writes them as text (present). */
+static void test_harmony(void)
+{
+    const m40_tool_format X = M40_TOOLS_HARMONY;
+    const m40_reasoning_mode S = M40_REASONING_SEPARATE;
+    static const char A[] = "<|channel|>analysis<|message|>";
+    static const char F[] = "<|start|>assistant<|channel|>final<|message|>";
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%sThe user wants 2+2 < 5.<|end|>%sIt is 4.", A, F);
+    expect("analysis then final", X, S, 0, buf, "It is 4.", "The user wants 2+2 < 5.", "");
+    snprintf(buf, sizeof buf, "%sT<|end|>%sA<|return|>", A, F);
+    expect("final with <|return|> as text", X, S, 0, buf, "A", "T", "");
+    expect("none drops analysis", X, M40_REASONING_NONE, 0, buf, "A", "", "");
+    expect("inline keeps analysis with its markup", X, M40_REASONING_INLINE, 0, buf,
+           "<|channel|>analysis<|message|>T<|end|>A", "", "");
+    expect("final only", X, S, 0, "<|channel|>final<|message|>Hi <|there", "Hi <|there", "", "");
+    expect("call, recipient in the channel", X, S, 0,
+           "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\", "
+           "\"days\": 2}<|call|>",
+           "", "", "get_weather({\"city\":\"Paris\",\"days\":2});");
+    snprintf(buf, sizeof buf,
+             "%sNeed the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+             "<|constrain|>json<|message|>{\"city\":\"a<b\"}",
+             A);
+    expect("analysis then call ended by <|call|> as a token (absent)", X, S, 0, buf, "", "Need the weather.",
+           "get_weather({\"city\":\"a<b\"});");
+    expect("recipient before the channel (right after the prompt)", X, S, 0,
+           " to=functions.now<|channel|>commentary json<|message|>{}<|call|>", "", "", "now({});");
+    snprintf(buf, sizeof buf,
+             "%sx<|end|><|start|>assistant to=functions.f<|channel|>commentary json<|message|>{\"a\": [1]}<|call|>", A);
+    expect("recipient in the role after <|start|>", X, S, 0, buf, "", "x", "f({\"a\":[1]});");
+    expect("preamble then call", X, S, 0,
+           "<|channel|>commentary<|message|>Checking the clock.<|end|><|start|>assistant<|channel|>commentary "
+           "to=functions.now <|constrain|>json<|message|>{}",
+           "Checking the clock.", "", "now({});");
+    expect("two calls (text-form markers)", X, S, 0,
+           "<|channel|>commentary to=functions.a <|constrain|>json<|message|>{}<|call|><|start|>assistant<|channel|>"
+           "commentary to=functions.b <|constrain|>json<|message|>{\"k\": true}<|call|>",
+           "", "", "a({});b({\"k\":true});");
+    expect("bad arguments are content with their markup", X, S, 0,
+           "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{oops<|call|>",
+           "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{oops<|call|>", "", "");
+    expect("arguments not an object are content", X, S, 0,
+           "<|channel|>commentary to=functions.f<|message|>[1]",
+           "<|channel|>commentary to=functions.f<|message|>[1]", "", "");
+    expect("a built-in tool's call is content", X, S, 0,
+           "<|channel|>analysis to=browser.search <|constrain|>json<|message|>{\"q\": 1}<|call|>",
+           "<|channel|>analysis to=browser.search <|constrain|>json<|message|>{\"q\": 1}<|call|>", "", "");
+    expect("bad function name is content", X, S, 0, "<|channel|>commentary to=functions.a/b<|message|>{}",
+           "<|channel|>commentary to=functions.a/b<|message|>{}", "", "");
+    expect("unknown channel is content", X, S, 0, "<|channel|>secret<|message|>x<|end|>",
+           "<|channel|>secret<|message|>x<|end|>", "", "");
+    expect("another author's turn is content", X, S, 0,
+           "<|start|>functions.f to=assistant<|channel|>commentary<|message|>\"r\"<|end|>",
+           "<|start|>functions.f to=assistant<|channel|>commentary<|message|>\"r\"<|end|>", "", "");
+    expect("plain text", X, S, 0, "Hello <|world|> to=x", "Hello <|world|> to=x", "", "");
+    expect("text that starts like a recipient", X, S, 0, " tomorrow", " tomorrow", "", "");
+    expect("header without <|message|>", X, S, 0, "<|channel|>final no message", "<|channel|>final no message", "",
+           "");
+    expect("header broken by an end marker", X, S, 0, "<|channel|>analysis<|end|>rest",
+           "<|channel|>analysis<|end|>rest", "", "");
+    expect("unfinished analysis (length)", X, S, 0, "<|channel|>analysis<|message|>still <|en", "", "still <|en",
+           "");
+    expect("stray end marker is kept", X, S, 0, "a<|end|>b", "a<|end|>b", "", "");
+    char big[600];
+    int n = snprintf(big, sizeof big, "<|channel|>");
+    for (int i = 0; i < 300; i++)
+        big[n++] = 'x';
+    snprintf(big + n, sizeof big - (size_t)n, "<|message|>hi");
+    expect("a header longer than any is content", X, S, 0, big, big, "", "");
+}
+
 /* Random bytes and random marker soup at random chunkings: no crash, every piece is
  * reported with sane fields, and with everything off the content is the input. */
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -280,8 +376,10 @@ static void test_fuzz(void)
     static const char *const bits[] = {"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]",
                                        "<|python_tag|>", "{", "}", "[", "]", "\"name\"", ":", "\"f\"", ",",
                                        "\"arguments\"", "{}", "\"parameters\"", " ", "\n", ";", "[ARGS]", "<", "\"",
-                                       "\\", "x", "\xff", "\xc3\xa9", "1"};
-    int bad = 0, identity_bad = 0;
+                                       "\\", "x", "\xff", "\xc3\xa9", "1", "<|start|>", "assistant",
+                                       "<|channel|>", "analysis", "final", "commentary", " to=functions.f",
+                                       "<|constrain|>json", "<|message|>", "<|end|>", "<|return|>", "<|call|>"};
+    int bad = 0, identity_bad = 0, harmony_split_bad = 0;
     char buf[600];
     for (int iter = 0; iter < 6000; iter++) {
         size_t len = 0;
@@ -295,7 +393,7 @@ static void test_fuzz(void)
                 len += strlen(b);
             }
         }
-        for (int f = 0; f <= M40_TOOLS_JSON; f++) {
+        for (int f = 0; f <= M40_TOOLS_HARMONY; f++) {
             for (int m = 0; m <= M40_REASONING_NONE; m++) {
                 m40_chat_parse *p = m40_chat_parse_new((m40_tool_format)f, (m40_reasoning_mode)m, (int)(rnd() & 1));
                 size_t i = 0;
@@ -310,6 +408,15 @@ static void test_fuzz(void)
                 m40_chat_parse_free(p);
             }
         }
+        /* harmony holds more than the others (headers, calls): any chunking agrees */
+        for (int m = 0; m <= M40_REASONING_NONE; m++) {
+            result whole, part;
+            size_t cs[3] = {1 + rnd() % 5, 1 + rnd() % 13, 1};
+            run(M40_TOOLS_HARMONY, (m40_reasoning_mode)m, 0, buf, len, NULL, 0, &whole);
+            run(M40_TOOLS_HARMONY, (m40_reasoning_mode)m, 0, buf, len, cs, 3, &part);
+            if (!same(&whole, &part))
+                harmony_split_bad++;
+        }
         result r;
         size_t sizes[3] = {1 + rnd() % 5, 1 + rnd() % 9, 1};
         run(M40_TOOLS_NONE, M40_REASONING_INLINE, 0, buf, len, sizes, 3, &r);
@@ -317,6 +424,7 @@ static void test_fuzz(void)
             identity_bad++;
     }
     CHECK(bad == 0, "%d malformed pieces", bad);
+    CHECK(harmony_split_bad == 0, "%d harmony outputs parsed differently when chunked", harmony_split_bad);
     CHECK(identity_bad == 0, "%d outputs not passed through unchanged with parsing off", identity_bad);
 }
 
@@ -329,6 +437,8 @@ int main(void)
     test_llama3();
     test_mistral();
     test_json();
+    test_detect_harmony_template();
+    test_harmony();
     test_fuzz();
     return check_done();
 }

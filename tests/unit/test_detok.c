@@ -7,6 +7,7 @@
 
 #include "check.h"
 #include "gguf/gguf.h"
+#include "gguf/gguf_writer.h"
 #include "tokenizer/tokenizer.h"
 
 #define FFFD "\xef\xbf\xbd"
@@ -296,12 +297,126 @@ static void test_bpe(void)
     m40_tokenizer_free(t);
 }
 
+/* A byte-level BPE vocabulary (the 256 GPT-2 byte symbols, no merges) plus control
+ * tokens, built in memory. */
+static m40_tokenizer *harmony_vocab(const char *const *specials, int n_specials)
+{
+    static char sym[256][4];
+    const char *toks[300];
+    int32_t types[300];
+    int n = 0;
+    unsigned next = 256;
+    for (int b = 0; b < 256; b++) {
+        /* GPT-2's bytes_to_unicode: printable bytes are themselves, the rest 256, 257, ... */
+        int printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
+        unsigned cp = printable ? (unsigned)b : next++;
+        if (cp < 0x80) {
+            sym[b][0] = (char)cp;
+            sym[b][1] = 0;
+        } else {
+            sym[b][0] = (char)(0xC0 | (cp >> 6));
+            sym[b][1] = (char)(0x80 | (cp & 0x3F));
+            sym[b][2] = 0;
+        }
+        toks[n] = sym[b];
+        types[n++] = M40_TOKEN_NORMAL;
+    }
+    for (int i = 0; i < n_specials; i++) {
+        toks[n] = specials[i];
+        types[n++] = M40_TOKEN_CONTROL;
+    }
+    m40_gguf_writer *w = m40_gguf_writer_new();
+    m40_gguf_writer_set_str(w, "general.architecture", "gpt-oss");
+    m40_gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2");
+    m40_gguf_writer_set_str(w, "tokenizer.ggml.pre", "gpt-4o");
+    m40_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", toks, (uint64_t)n);
+    m40_gguf_writer_set_arr_i32(w, "tokenizer.ggml.token_type", types, (uint64_t)n);
+    const char *merges[1] = {"a b"};
+    m40_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges", merges, 0);
+    m40_gguf_writer_set_u32(w, "tokenizer.ggml.eos_token_id", 256); /* the first special */
+    void *mem = NULL;
+    size_t size = 0;
+    char err[512];
+    m40_gguf *g = NULL;
+    m40_tokenizer *t = NULL;
+    if (m40_gguf_writer_write_mem(w, &mem, &size, err, sizeof err) != 0 || m40_gguf_open_mem(mem, size, &g, err, sizeof err) != 0 ||
+        m40_tokenizer_from_gguf(g, &t, err, sizeof err) != 0) {
+        CHECK(0, "harmony vocabulary: %s", err);
+        t = NULL;
+    }
+    if (g)
+        m40_gguf_close(g);
+    free(mem);
+    m40_gguf_writer_free(w);
+    return t;
+}
+
+static void decode(m40_tokenizer *t, const int32_t *ids, int n, char *out, size_t cap)
+{
+    m40_detok *d = m40_detok_new(t);
+    size_t len = 0, k;
+    out[0] = 0;
+    for (int i = 0; i < n; i++) {
+        const char *s = m40_detok_push(d, ids[i], &k);
+        if (s && len + k < cap) {
+            memcpy(out + len, s, k);
+            len += k;
+        }
+    }
+    const char *s = m40_detok_flush(d, &k);
+    if (s && len + k < cap) {
+        memcpy(out + len, s, k);
+        len += k;
+    }
+    out[len] = 0;
+    m40_detok_free(d);
+}
+
+/* gpt-oss's vocabulary: the turn ends at <|return|> or <|call|>, not at <|end|> (which
+ * closes the analysis message before the answer); the header and end markers decode to
+ * their text for the output parser, and still are no text in encoding; other
+ * vocabularies keep <|end|> as an end (Phi-3) and render no control token. */
+static void test_harmony_vocab(void)
+{
+    static const char *const sp[] = {"<|return|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>",
+                                     "<|constrain|>", "<|endoftext|>"};
+    m40_tokenizer *t = harmony_vocab(sp, 8);
+    if (!t)
+        return;
+    int32_t ret = 256, start = 257, chan = 258, msg = 259, end = 260, call = 261, cons = 262;
+    CHECK(m40_tokenizer_is_eog(t, ret) && m40_tokenizer_is_eog(t, call) && !m40_tokenizer_is_eog(t, end) &&
+              !m40_tokenizer_is_eog(t, chan) && !m40_tokenizer_is_eog(t, 'a'),
+          "harmony: <|return|> and <|call|> end generation, <|end|> does not");
+    int32_t ids[] = {chan, 'a', msg, 'x', end, start, 'b', chan, 'f', cons, 'j', msg, '{', '}', call, ret};
+    char out[256];
+    decode(t, ids, (int)(sizeof ids / sizeof *ids), out, sizeof out);
+    CHECK(strcmp(out, "<|channel|>a<|message|>x<|end|><|start|>b<|channel|>f<|constrain|>j<|message|>{}") == 0,
+          "harmony markers decode to text, <|call|> and <|return|> to nothing: [%s]", out);
+    char err[256];
+    int32_t enc[64];
+    int64_t n = m40_tokenize(t, "<|channel|>", 11, 0, 0, enc, 64, err, sizeof err);
+    CHECK(n == 11, "typed in user text, <|channel|> stays text (%lld ids)", (long long)n);
+    n = m40_tokenize(t, "<|channel|>", 11, 0, 1, enc, 64, err, sizeof err);
+    CHECK(n == 1 && enc[0] == chan, "in the template's markup it is the token");
+    m40_tokenizer_free(t);
+
+    static const char *const phi[] = {"<|endoftext|>", "<|end|>", "<|channel|>", "<|return|>"};
+    t = harmony_vocab(phi, 4);
+    if (!t)
+        return;
+    CHECK(m40_tokenizer_is_eog(t, 257) && !m40_tokenizer_is_eog(t, 259), "without <|call|>: <|end|> ends (Phi-3)");
+    decode(t, (const int32_t[]){258, 'a', 257}, 3, out, sizeof out);
+    CHECK(strcmp(out, "a") == 0, "without harmony no control token decodes to text: [%s]", out);
+    m40_tokenizer_free(t);
+}
+
 int main(void)
 {
     size_t n = 1;
     CHECK(m40_detok_new(NULL) == NULL, "detok_new(NULL)");
     CHECK(m40_detok_push(NULL, 1, &n) == NULL && n == 0, "push on NULL");
     m40_detok_free(NULL);
+    test_harmony_vocab();
     if (!check_shared_dir())
         SKIP("shared fixtures absent: ../shared/tokenizer vocabularies needed");
     test_spm();

@@ -5,8 +5,8 @@
  * events naming the problem; two constraints at once are refused at submit.
  * Forced tool calls (tool_choice required/named): in each parser's markup the output
  * parser finds only calls of the given tools, each one's arguments valid, one call
- * unless parallel calls are allowed; tools' $defs are hoisted (clashing names are a
- * 400). count_only ends after tokenizing; DONE names the stop string that matched. */
+ * unless parallel calls are allowed (harmony: always one); tools' $defs are hoisted
+ * (clashing names are a 400; harmony compiles each tool's parameters apart). count_only ends after tokenizing; DONE names the stop string that matched. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -144,7 +144,7 @@ static void chat_params(m40_request_params *p, json_t *msgs, json_t *tools)
     p->sampling.temperature = 1.0f;
 }
 
-static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_format fmt, int parallel)
+static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_format fmt, int parallel, int greedy)
 {
     enum { N = 6 };
     job jobs[N];
@@ -154,6 +154,8 @@ static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_fo
     chat_params(&p, msgs, tools);
     p.tool_call_format = fmt;
     p.tool_call_parallel = parallel;
+    if (greedy)
+        p.sampling.temperature = 0.0f; /* the model's own argmax path is not for constrained rows */
     memset(jobs, 0, sizeof jobs);
     for (int i = 0; i < N; i++) {
         jp[i] = &jobs[i];
@@ -265,10 +267,13 @@ int main(void)
     json_t *msgs = json_loads("[{\"role\":\"user\",\"content\":\"Call a tool\"}]", 0, NULL);
     json_t *tools = json_loads(TOOLS_JSON, 0, NULL);
     CHECK(msgs && tools, "test JSON");
-    static const m40_tool_format fmts[] = {M40_TOOLS_HERMES, M40_TOOLS_LLAMA3, M40_TOOLS_MISTRAL, M40_TOOLS_JSON};
-    for (int f = 0; f < 4; f++)
+    static const m40_tool_format fmts[] = {M40_TOOLS_HERMES, M40_TOOLS_LLAMA3, M40_TOOLS_MISTRAL, M40_TOOLS_JSON,
+                                           M40_TOOLS_HARMONY};
+    for (int f = 0; f < 5; f++)
         for (int par = 0; par < 2; par++)
-            forced_calls(e, msgs, tools, fmts[f], par);
+            forced_calls(e, msgs, tools, fmts[f], par, 0);
+    forced_calls(e, msgs, tools, M40_TOOLS_HERMES, 0, 1);
+    forced_calls(e, msgs, tools, M40_TOOLS_HARMONY, 0, 1);
 
     /* two tools' $defs of one name: 400; a keyword the compiler lacks: 400 naming it */
     json_t *clash = json_loads(TOOLS_JSON, 0, NULL);
@@ -285,6 +290,12 @@ int main(void)
     tp.tool_call_format = M40_TOOLS_JSON;
     expect_400(e, &tp, "unsupported JSON Schema keyword 'not'");
     json_decref(unsup);
+    /* harmony writes the name into a header and a grammar literal: OpenAI's characters only */
+    json_t *quoted = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"a\\\" b\"}}]", 0, NULL);
+    chat_params(&tp, msgs, quoted);
+    tp.tool_call_format = M40_TOOLS_HARMONY;
+    expect_400(e, &tp, "function name");
+    json_decref(quoted);
     /* forced calls need tools and no other constraint */
     chat_params(&tp, msgs, NULL);
     tp.tool_call_format = M40_TOOLS_HERMES;

@@ -217,8 +217,34 @@ static const char *base(const char *p)
     return s ? s + 1 : p;
 }
 
+/* m40_chat_harmony_messages on its own: what changes, what does not. */
+static void test_harmony_messages(void)
+{
+    json_t *plain = json_loads("[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\",\"content\":null,"
+                               "\"reasoning_content\":\"r\"}]", 0, NULL);
+    CHECK(m40_chat_harmony_messages(plain) == NULL, "no tool-call turn: nothing changes");
+    json_t *m = json_loads("[{\"role\":\"assistant\",\"content\":null,\"reasoning_content\":\"why\",\"tool_calls\":[{}]},"
+                           "{\"role\":\"assistant\",\"content\":\"said\",\"reasoning_content\":\"r\",\"tool_calls\":[{}]},"
+                           "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{}]}]", 0, NULL);
+    json_t *h = m40_chat_harmony_messages(m);
+    CHECK(h && json_array_size(h) == 3, "changed copy");
+    if (h) {
+        json_t *a = json_array_get(h, 0), *b = json_array_get(h, 1), *c = json_array_get(h, 2);
+        CHECK(!json_object_get(a, "content") && !strcmp(json_string_value(json_object_get(a, "thinking")), "why"),
+              "null content goes, reasoning_content becomes thinking");
+        CHECK(!json_object_get(b, "thinking") && json_is_string(json_object_get(b, "content")),
+              "with content no thinking (the template refuses both)");
+        CHECK(!json_object_get(c, "content") && !json_object_get(c, "thinking"), "null content goes alone");
+        CHECK(json_is_null(json_object_get(json_array_get(m, 0), "content")), "the original is untouched");
+    }
+    json_decref(h);
+    json_decref(m);
+    json_decref(plain);
+}
+
 int main(void)
 {
+    test_harmony_messages();
     if (system("python3 -c 'import jinja2' >/dev/null 2>&1") != 0) {
         SKIP("python3 with jinja2 not available: no reference renderings");
         return check_done();
@@ -287,9 +313,13 @@ int main(void)
             if (parsed) {
                 json_t *agp = json_object_get(conv, "add_generation_prompt");
                 json_t *msgs = json_object_get(conv, "messages");
-                /* OpenAI-shaped messages: as engine/serve/prompt.c renders them */
-                json_t *objs = json_is_true(json_object_get(conv, "openai")) ? m40_chat_arguments_as_objects(msgs)
-                                                                             : NULL;
+                /* OpenAI-shaped messages: as engine/serve/prompt.c renders them (harmony
+                 * templates get reasoning_content as thinking, no null content first) */
+                int openai = json_is_true(json_object_get(conv, "openai"));
+                json_t *hm = openai && strstr(src, "<|channel|>") ? m40_chat_harmony_messages(msgs) : NULL;
+                if (hm)
+                    msgs = hm;
+                json_t *objs = openai ? m40_chat_arguments_as_objects(msgs) : NULL;
                 for (int pass = objs ? 0 : 1; pass < 2 && !ok; pass++) {
                     free(out);
                     out = NULL;
@@ -300,6 +330,7 @@ int main(void)
                              &lim, &out, &olen, err, sizeof err) == 0;
                 }
                 json_decref(objs);
+                json_decref(hm);
             } else {
                 snprintf(err, sizeof err, "%s", perr);
             }

@@ -223,6 +223,44 @@ int main(int argc, char **argv)
         m40_gmatch_free(m);
         m40_grammar_free(g);
     }
+    /* several schemas in one grammar (harmony's forced calls): each rule is its own
+     * schema, $refs resolve within their own root, no rule is defined twice */
+    {
+        const char *sch[3] = {"{\"$defs\":{\"d\":{\"enum\":[1,2]}},\"type\":\"object\",\"properties\":{\"x\":"
+                              "{\"$ref\":\"#/$defs/d\"}},\"required\":[\"x\"],\"additionalProperties\":false}",
+                              "{\"$defs\":{\"d\":{\"type\":\"string\"}},\"type\":\"object\",\"properties\":{\"y\":"
+                              "{\"$ref\":\"#/$defs/d\"}},\"required\":[\"y\"],\"additionalProperties\":false}",
+                              NULL};
+        size_t lens[3] = {strlen(sch[0]), strlen(sch[1]), 0};
+        const char *names[3] = {"a0", "a1", "a2"};
+        char err[256];
+        char *src = m40_json_schema_to_gbnf_rules(sch, lens, names, 3, err, sizeof err);
+        CHECK(src != NULL, "rules: %s", err);
+        static const char *const roots[] = {"root ::= \"A\" a0\n", "root ::= \"B\" a1\n", "root ::= \"C\" a2\n"};
+        static const char *const yes[] = {"A{\"x\": 2}", "B{\"y\": \"s\"}", "C{\"z\": [1]}"};
+        static const char *const no[] = {"A{\"x\": \"s\"}", "B{\"y\": 2}", "C[1]"};
+        for (int k = 0; k < 3 && src; k++) {
+            size_t n = strlen(src) + strlen(roots[k]) + 1;
+            char *full = malloc(n);
+            snprintf(full, n, "%s%s", src, roots[k]);
+            m40_grammar *g = m40_grammar_parse(full, strlen(full), err, sizeof err);
+            CHECK(g != NULL, "rules %d do not parse: %s", k, err);
+            if (g) {
+                m40_gmatch *m = m40_gmatch_new(g);
+                CHECK(m40_gmatch_full(m, yes[k], strlen(yes[k])), "rule %d accepts %s", k, yes[k]);
+                CHECK(!m40_gmatch_full(m, no[k], strlen(no[k])), "rule %d rejects %s", k, no[k]);
+                m40_gmatch_free(m);
+                m40_grammar_free(g);
+            }
+            free(full);
+        }
+        free(src);
+        const char *bad[1] = {"{\"type\": "};
+        size_t bl = strlen(bad[0]);
+        src = m40_json_schema_to_gbnf_rules(bad, &bl, names, 1, err, sizeof err);
+        CHECK(!src && strstr(err, "not valid JSON"), "rules: bad schema: %s", err);
+        free(src);
+    }
     /* json_object: any object, nothing else */
     char err[256];
     m40_grammar *g = compile(NULL, err, sizeof err);
