@@ -4,7 +4,8 @@
  * Writes a small nginx.conf into a fresh temporary directory (pid file, temp paths
  * and the config live there; the error log goes to stderr) and execs nginx in the
  * foreground, so Ctrl-C and SIGTERM reach nginx's master directly. The module is
- * build/ngx_http_m40_module.so beside this binary unless --module says otherwise. */
+ * build/ngx_http_m40_module.so beside this binary unless --module says otherwise.
+ * The chat page (m40_ui) is on at "/" beside the API unless --no-ui. */
 #include <errno.h>
 #include <limits.h>
 #include <pwd.h>
@@ -41,6 +42,7 @@ static void serve_usage(FILE *f)
             "  --itl-guard F|off\n"
             "                  while sequences decode, a step with prompt tokens takes at\n"
             "                  most F times a decode-only step (default off)\n"
+            "  --no-ui         no chat page at / (the API alone)\n"
             "  --module PATH   ngx_http_m40_module.so (default: beside the m40 binary)\n"
             "  --nginx PATH    nginx binary (default " SERVE_DEFAULT_NGINX ")\n"
             "  --user USER     user of the worker process when started as root\n"
@@ -99,12 +101,17 @@ int m40_cmd_serve(int argc, char **argv)
     const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL, *max_queue = NULL;
     const char *mem_fraction = NULL, *prefill_budget = NULL, *prefill_chunk = NULL, *itl_guard = NULL;
     const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL;
+    int ui = 1;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             serve_usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--no-ui")) {
+            ui = 0;
+            continue;
         }
         if (a[0] == '-' && a[1] == '-') {
             if (i + 1 >= argc) {
@@ -311,9 +318,10 @@ int m40_cmd_serve(int argc, char **argv)
     for (size_t i = 0; i < sizeof given / sizeof given[0]; i++)
         if (given[i].value)
             fprintf(f, "    %s %s;\n", given[i].directive, given[i].value);
-    fprintf(f, "\n    server {\n        listen %s%s%s:%s;\n        location / {\n            m40_api;\n"
+    fprintf(f, "\n    server {\n        listen %s%s%s:%s;\n        location / {\n            m40_api;\n%s"
                "        }\n    }\n}\n",
-            strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port);
+            strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port,
+            ui ? "            m40_ui on;\n" : "");
     if (fclose(f) != 0) {
         fprintf(stderr, "m40 serve: writing %s: %s\n", conf, strerror(errno));
         return 1;
@@ -321,6 +329,9 @@ int m40_cmd_serve(int argc, char **argv)
 
     fprintf(stderr, "m40 serve: http://%s%s%s:%s/v1 (config %s)\n", strchr(host, ':') ? "[" : "", host,
             strchr(host, ':') ? "]" : "", port, conf);
+    if (ui)
+        fprintf(stderr, "m40 serve: chat page at http://%s%s%s:%s/\n", strchr(host, ':') ? "[" : "", host,
+                strchr(host, ':') ? "]" : "", port);
     fflush(stderr);
 
     char *const nargv[] = {(char *)nginx, "-p", dir, "-c", conf, "-e", "stderr", NULL};

@@ -196,6 +196,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       0,
       NULL },
 
+    { ngx_string("m40_ui"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_http_m40_ui,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
       ngx_null_command
 };
 
@@ -338,6 +345,7 @@ ngx_http_m40_create_loc_conf(ngx_conf_t *cf)
     }
 
     lcf->api = NGX_CONF_UNSET;
+    lcf->ui = NGX_CONF_UNSET;
 
     return lcf;
 }
@@ -352,6 +360,7 @@ ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
     /* Not inherited: like proxy_pass, m40_api installs the content handler of
      * the location it appears in only. */
     ngx_conf_init_value(conf->api, 0);
+    ngx_conf_init_value(conf->ui, 0);
     (void) prev;
 
     return NGX_CONF_OK;
@@ -1021,7 +1030,17 @@ ngx_http_m40_handler(ngx_http_request_t *r)
     ngx_str_t                  model_id;
     ngx_uint_t                 i;
     ngx_http_m40_route_t      *route;
+    ngx_http_m40_loc_conf_t   *lcf;
     ngx_http_m40_main_conf_t  *mcf;
+
+    /* m40_ui in this location too: the page at the location's URI */
+    lcf = ngx_http_get_module_loc_conf(r, ngx_http_m40_module);
+    if (lcf->ui) {
+        rc = ngx_http_m40_ui_serve(r);
+        if (rc != NGX_DECLINED) {
+            return rc;
+        }
+    }
 
     mcf = ngx_http_get_module_main_conf(r, ngx_http_m40_module);
     mcf->http_requests++;

@@ -72,6 +72,7 @@ typedef struct {
 
 typedef struct {
     ngx_flag_t           api;
+    ngx_flag_t           ui;                  /* m40_ui: the chat page */
 } ngx_http_m40_loc_conf_t;
 
 typedef struct {
@@ -234,6 +235,10 @@ void ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
 
 /* ngx_http_m40_errors.c */
 ngx_int_t ngx_http_m40_errors_init(ngx_conf_t *cf);
+
+/* ngx_http_m40_ui.c: the m40_ui directive and the chat page */
+char *ngx_http_m40_ui(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
+ngx_int_t ngx_http_m40_ui_serve(ngx_http_request_t *r);
 
 /* ngx_http_m40_params.c */
 ngx_int_t ngx_http_m40_parse_params(ngx_http_request_t *r,

@@ -5,7 +5,8 @@ set -euo pipefail
 pkgs=(build-essential autoconf automake pkg-config
       libjansson-dev libpcre2-dev libsentencepiece-dev
       nginx-dev nginx-core curl python3 python3-venv python3-jinja2 clang
-      python3-jsonschema)
+      python3-jsonschema
+      chromium chromium-driver python3-selenium)   # the chat page's browser test
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
