@@ -102,6 +102,7 @@ def main():
 
         # stop: a new chat on a slow connection, stopped while it streams
         q("#new-chat").click()
+        q("#settings-toggle").click()     # closed again after the reload
         q("#max_tokens").clear()
         q("#max_tokens").send_keys("200")
         d.set_network_conditions(offline=False, latency=5, download_throughput=1500, upload_throughput=1 << 20)
@@ -113,7 +114,7 @@ def main():
         wait.until(lambda _: js("return document.body.dataset.busy") == "0")
         d.delete_network_conditions()
         stats = q(".msg.assistant .stats").text
-        assert stats.endswith("(stopped)"), stats
+        assert re.fullmatch(r"\d+ tokens?(, [\d.]+ tokens/s)?, first token after [\d.]+ s \(stopped\)", stats), stats
         text = q(".msg.assistant .content").text
         time.sleep(1.0)
         assert q(".msg.assistant .content").text == text
