@@ -131,6 +131,11 @@ def main():
         assert len(saved["conversations"]) == 1
         d.save_screenshot(os.path.join(OUT, "chat-stopped.png"))
         print("screenshot:", os.path.join(OUT, "chat-stopped.png"), flush=True)
+        # what another version of the page left in localStorage does not break this one
+        js("localStorage.setItem('m40.chat.v1', '{\"conversations\": [1, {\"id\": \"x\"}], \"current\": \"x\"}')")
+        d.refresh()
+        wait.until(lambda _: js("return [...document.querySelectorAll('#model option')].map(o => o.value)") == [MODEL])
+        assert not d.find_elements(By.CSS_SELECTOR, "#conversations li, .msg")
         logs = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
         assert not logs, logs
         print("ui_browser: all checks passed")
