@@ -168,7 +168,7 @@ def browser_missing():
     return None
 
 
-def test_ui_in_chromium(ui_server, request):
+def run_browser(request, base, model, *mode):
     why = browser_missing()
     if why:
         pytest.skip(why)
@@ -176,9 +176,34 @@ def test_ui_in_chromium(ui_server, request):
                            "ui")
     os.makedirs(out_dir, exist_ok=True)
     r = subprocess.run([SYSTEM_PYTHON, os.path.join(os.path.dirname(__file__), "ui_browser.py"),
-                        ui_server + "/", MODEL_NAME, out_dir], capture_output=True, text=True, timeout=300)
+                        base + "/", model, out_dir] + list(mode), capture_output=True, text=True, timeout=300)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     for line in r.stdout.splitlines():
         if line.startswith("screenshot:") and reporter:
-            reporter.write_line("test_ui_in_chromium " + line)
+            reporter.write_line(request.node.name + " " + line)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ui_in_chromium(ui_server, request):
+    run_browser(request, ui_server, MODEL_NAME)
+
+
+def test_ui_reasoning_in_chromium(instances, request):
+    """DeepSeek-R1's template opens <think> in the prompt: the whole short answer is
+    reasoning_content, which the page shows collapsed."""
+    template = os.path.join(harness.SHARED, "templates", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+    model = os.path.join(harness.SHARED, "models", "tiny-qwen2-gpt2-f16.gguf")
+    for p in (template, model):
+        if not os.path.exists(p):
+            pytest.skip(f"{p} not found")
+    if browser_missing():
+        pytest.skip(browser_missing())
+    port = harness.free_port()
+    text = example("minimal.conf").replace(
+        "    m40_model /var/lib/m40/models/model.gguf;",
+        f"    m40_model /var/lib/m40/models/model.gguf;\n    m40_chat_template {template};").replace(
+        "            m40_api;\n", "            m40_api;\n            m40_ui on;\n")
+    assert "m40_ui on;" in text and "m40_chat_template" in text
+    text = harness.render(text, harness.make_workdir("ui-r1"), {"127.0.0.1:8080": f"127.0.0.1:{port}"}, model=model)
+    instances(text, "ui-r1", port)
+    run_browser(request, f"http://127.0.0.1:{port}", "tiny-qwen2-gpt2-f16", "reasoning")

@@ -2,7 +2,9 @@
 
 Run by test_ui.py with Debian's /usr/bin/python3 (python3-selenium is a Debian
 package, outside the tests' virtual environment):
-    ui_browser.py PAGE_URL MODEL OUT_DIR
+    ui_browser.py PAGE_URL MODEL OUT_DIR [reasoning]
+With "reasoning" (a server whose template opens <think>): the answer's reasoning is in
+a collapsed <details> and equals the API's reasoning_content. Without:
 Sends a message, waits for the streamed answer in the page and compares it with the
 API's own answer (temperature 0), checks the tokens/s line, the markdown renderer on
 hostile input, a reload (the conversation comes back from localStorage), the stop
@@ -22,15 +24,46 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 URL, MODEL, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+MODE = sys.argv[4] if len(sys.argv) > 4 else "chat"
 PROMPT = "Once upon a time"
 
 
-def api_answer(max_tokens):
+def api_message(max_tokens):
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
                        "temperature": 0, "max_tokens": max_tokens}).encode()
     req = urllib.request.Request(URL + "v1/chat/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
-        return json.load(r)["choices"][0]["message"]["content"]
+        return json.load(r)["choices"][0]["message"]
+
+
+def api_answer(max_tokens):
+    return api_message(max_tokens)["content"]
+
+
+def reasoning(d, wait, q, js):
+    q("#settings-toggle").click()
+    q("#temperature").send_keys("0")
+    q("#max_tokens").send_keys("12")
+    q("#input").send_keys(PROMPT)
+    q("#send").click()
+    wait.until(lambda _: js("return document.body.dataset.busy") == "0"
+               and q(".msg.assistant .stats").text != "")
+    expected = api_message(12)
+    assert expected.get("reasoning_content"), expected
+    det = q(".msg.assistant details.reasoning")
+    assert det.is_displayed() and det.get_attribute("open") is None      # collapsed
+    saved = js("return JSON.parse(localStorage.getItem('m40.chat.v1'))")
+    assert saved["conversations"][0]["messages"][1]["reasoning"] == expected["reasoning_content"]
+    q(".msg.assistant details.reasoning summary").click()
+    assert det.get_attribute("open") is not None
+    # textContent: exactly what came, whitespace included (a tiny model's text may be little else)
+    shown = js("return arguments[0].textContent", q(".msg.assistant details.reasoning .text"))
+    assert shown == expected["reasoning_content"], (shown, expected)
+    assert q(".msg.assistant .content").text == ""
+    shot = os.path.join(OUT, "chat-reasoning.png")
+    d.save_screenshot(shot)
+    print("screenshot:", shot, flush=True)
+    print("ui_browser: reasoning checks passed")
 
 
 def main():
@@ -47,6 +80,8 @@ def main():
     try:
         d.get(URL)
         wait.until(lambda _: js("return [...document.querySelectorAll('#model option')].map(o => o.value)") == [MODEL])
+        if MODE == "reasoning":
+            return reasoning(d, wait, q, js)
         assert js("return document.body.dataset.busy") == "0"
         assert not q("#stop").is_enabled()
 
