@@ -172,6 +172,7 @@ check "list: nothing that failed" bash -c "! grep -qE 'badsum|junk' '$tmp/list'"
 "$M40" info org/multi:q8_0 >/dev/null 2>&1; check "info ORG/REPO:QUANT" [ $? -eq 0 ]
 "$M40" info tiny-Q4_0 >/dev/null 2>&1; check "info FILE (no .gguf)" [ $? -eq 0 ]
 "$M40" info org/drop >/dev/null 2>&1; check "info ORG/REPO (one model there)" [ $? -eq 0 ]
+"$M40" tokenize org/multi/tiny-Q4_0 "hello" >/dev/null 2>&1; check "tokenize ORG/REPO/FILE" [ $? -eq 0 ]
 "$M40" info org/multi >/dev/null 2>"$tmp/err"; rc=$?
 check "info ORG/REPO (several): exit 1" [ $rc -ne 0 ]
 check "info ORG/REPO (several): ambiguous" grep -q "ambiguous" "$tmp/err"
