@@ -10,6 +10,7 @@ Behaviours the tests need, by repository:
   ORG/private*   401 without "Authorization: Bearer secret"
   ORG/badsum*    the file list and X-Linked-ETag give a wrong sha256
   ORG/drop*      the first download of each file sends half of it and drops the connection
+  ORG/slow*      files trickle out (16 KiB every 20 ms), for interrupting a pull
 Every request is appended to LOG as "METHOD PATH RANGE AUTH" (one line each).
 The port chosen is written to PORTFILE. Revisions other than "main" are 404."""
 import hashlib
@@ -19,6 +20,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import urllib.parse
 
 ROOT, PORTFILE, LOG = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -134,6 +136,12 @@ class Hub(http.server.BaseHTTPRequestHandler):
                 self.wfile.flush()
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True
+                return
+            if parts[2].startswith("slow"):
+                for i in range(0, len(body), 16384):
+                    self.wfile.write(body[i:i + 16384])
+                    self.wfile.flush()
+                    time.sleep(0.02)
                 return
             self.wfile.write(body)
             return

@@ -17,7 +17,7 @@ if ! command -v python3 >/dev/null; then
 fi
 
 hub=$tmp/hub
-mkdir -p "$hub"/org/{multi/sub,split,private,badsum,drop,junk}
+mkdir -p "$hub"/org/{multi/sub,split,private,badsum,drop,junk,slow}
 mk() { "$M40" mkmodel --shape tiny --type "$1" --seed "${3:-1}" "$2" >/dev/null 2>"$tmp/mk.err" || cat "$tmp/mk.err"; }
 mk Q8_0 "$hub/org/multi/tiny-Q8_0.gguf"
 mk Q4_0 "$hub/org/multi/tiny-Q4_0.gguf"
@@ -28,6 +28,7 @@ mk Q4_0 "$hub/org/split/big-00002-of-00002.gguf" 2
 mk Q8_0 "$hub/org/private/p-Q8_0.gguf"
 mk Q8_0 "$hub/org/badsum/b-Q8_0.gguf"
 mk F16 "$hub/org/drop/d-F16.gguf"
+mk F16 "$hub/org/slow/s-F16.gguf"
 head -c 200000 /dev/urandom >"$hub/org/junk/notgguf-Q8_0.gguf"
 
 python3 tests/cli/hub.py "$hub" "$tmp/port" "$tmp/log" 2>"$tmp/hub.err" &
@@ -95,6 +96,22 @@ check "dropped connection: exit 0 ($(tail -1 "$tmp/err"))" [ $rc -eq 0 ]
 check "dropped connection: two requests" [ "$(cdn_gets org/drop/d-F16.gguf)" -eq 2 ]
 check "dropped connection: the second with Range" grep -qE "^GET /cdn/org/drop/d-F16.gguf bytes=[1-9][0-9]*- " "$tmp/log"
 check "dropped connection: the file is whole" same "$store/org/drop/d-F16.gguf" "$hub/org/drop/d-F16.gguf"
+
+# ---- interrupted (killed), then pulled again: the .partial is resumed ----
+"$M40" pull org/slow >/dev/null 2>"$tmp/err" &
+ppid=$!
+part=$store/org/slow/s-F16.gguf.partial
+for _ in $(seq 200); do [ "$(stat -c %s "$part" 2>/dev/null || echo 0)" -ge 100000 ] && break; sleep 0.05; done
+kill -TERM $ppid  # (a background job of a script ignores SIGINT)
+wait $ppid; rc=$?
+have=$(stat -c %s "$part" 2>/dev/null || echo 0)
+check "interrupted: the pull failed" [ $rc -ne 0 ]
+check "interrupted: part of the file is kept ($have bytes)" [ "$have" -gt 0 -a "$have" -lt "$(stat -c %s "$hub/org/slow/s-F16.gguf")" ]
+check "interrupted: the file does not count" [ ! -e "$store/org/slow/s-F16.gguf" ]
+"$M40" pull org/slow >/dev/null 2>"$tmp/err"; rc=$?
+check "pulled again: exit 0 ($(tail -1 "$tmp/err"))" [ $rc -eq 0 ]
+check "pulled again: from where it stopped" grep -qE "^GET /cdn/org/slow/s-F16.gguf bytes=${have}- " "$tmp/log"
+check "pulled again: the file is whole" same "$store/org/slow/s-F16.gguf" "$hub/org/slow/s-F16.gguf"
 
 # ---- what must not count as present ----
 "$M40" pull org/badsum >/dev/null 2>"$tmp/err"; rc=$?
