@@ -17,7 +17,7 @@ if ! command -v python3 >/dev/null; then
 fi
 
 hub=$tmp/hub
-mkdir -p "$hub"/org/{multi/sub,split,private,badsum,drop,junk,slow}
+mkdir -p "$hub"/org/{multi/sub,split,private,badsum,drop,junk,slow,full}
 mk() { "$M40" mkmodel --shape tiny --type "$1" --seed "${3:-1}" "$2" >/dev/null 2>"$tmp/mk.err" || cat "$tmp/mk.err"; }
 mk Q8_0 "$hub/org/multi/tiny-Q8_0.gguf"
 mk Q4_0 "$hub/org/multi/tiny-Q4_0.gguf"
@@ -29,6 +29,7 @@ mk Q8_0 "$hub/org/private/p-Q8_0.gguf"
 mk Q8_0 "$hub/org/badsum/b-Q8_0.gguf"
 mk F16 "$hub/org/drop/d-F16.gguf"
 mk F16 "$hub/org/slow/s-F16.gguf"
+mk Q8_0 "$hub/org/full/f-Q8_0.gguf"
 head -c 200000 /dev/urandom >"$hub/org/junk/notgguf-Q8_0.gguf"
 
 python3 tests/cli/hub.py "$hub" "$tmp/port" "$tmp/log" 2>"$tmp/hub.err" &
@@ -122,6 +123,18 @@ check "wrong checksum: nothing left" [ -z "$(find "$store/org/badsum" -type f 2>
 check "not a GGUF: exit 1" [ $rc -eq 1 ]
 check "not a GGUF: said" grep -q "not a valid GGUF" "$tmp/err"
 check "not a GGUF: nothing left" [ -z "$(find "$store/org/junk" -type f 2>/dev/null)" ]
+
+# a full disk: the .partial is /dev/full, where every write fails with ENOSPC
+if [ -w /dev/full ]; then
+    mkdir -p "$store/org/full" && ln -s /dev/full "$store/org/full/f-Q8_0.gguf.partial"
+    "$M40" pull org/full >/dev/null 2>"$tmp/err"; rc=$?
+    check "disk full: exit 1" [ $rc -eq 1 ]
+    check "disk full: said, with what to do" grep -q "No space left on device (the disk is full: free some space and run m40 pull again" "$tmp/err"
+    check "disk full: the file does not count" [ ! -e "$store/org/full/f-Q8_0.gguf" ]
+    rm -rf "$store/org/full"
+else
+    skip "/dev/full absent: no disk-full test"
+fi
 
 # ---- hub errors ----
 "$M40" pull org/nothere >/dev/null 2>"$tmp/err"; rc=$?
