@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -115,6 +116,7 @@ static int run_nginx(const char *nginx, char *const nargv[], const char *dir)
         sigaddset(&block, forwarded[i]);
     /* no signal between fork and the handlers may end m40 before nginx has its pid */
     sigprocmask(SIG_BLOCK, &block, &old);
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0) {
         fprintf(stderr, "m40 serve: fork: %s\n", strerror(errno));
@@ -123,6 +125,11 @@ static int run_nginx(const char *nginx, char *const nargv[], const char *dir)
         return 1;
     }
     if (pid == 0) {
+        /* m40 killed outright (SIGKILL) must not leave nginx serving on: its master then
+         * gets SIGTERM (the temporary directory stays, as nothing is left to remove it) */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent)
+            _exit(1); /* it died before prctl */
         sigprocmask(SIG_SETMASK, &old, NULL);
         execv(nginx, nargv);
         fprintf(stderr, "m40 serve: exec %s: %s\n", nginx, strerror(errno));

@@ -236,6 +236,16 @@ wait $spid; rc=$?
 check "serve: SIGTERM reaches nginx" [ "$(cat "$tmp/signal" 2>/dev/null)" = TERM ]
 check "serve: exit 0 after nginx's" [ $rc -eq 0 ]
 check "serve: its temporary folder is removed after a signal" [ -z "$(ls -A "$tmp/t")" ]
+rm -f "$tmp/signal" "$tmp/served.conf"
+FAKE_WAIT=1 TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --nginx "$tmp/fake-nginx" --module "$tmp/fake-nginx" >/dev/null 2>"$tmp/err" &
+spid=$!
+for _ in $(seq 50); do [ -s "$tmp/served.conf" ] && break; sleep 0.1; done
+sleep 0.3
+kill -KILL $spid
+wait $spid 2>/dev/null
+for _ in $(seq 50); do [ -s "$tmp/signal" ] && break; sleep 0.1; done
+check "serve: killed outright, nginx still gets SIGTERM" [ "$(cat "$tmp/signal" 2>/dev/null)" = TERM ]
+rm -rf "$tmp/t"/*
 
 # ---- m40 rm ----
 "$M40" rm org/multi:q8_0 >"$tmp/out" 2>"$tmp/err"; rc=$?
