@@ -38,10 +38,11 @@
  *
  * r1 is the chunk's matmul rows, r2 its attention work (each token attends every
  * earlier one: at 94k context a prompt token's attention costs several times its
- * matmuls), r3 the chunk's critical path: the prefill attention kernels give one thread
- * block a run of query rows of one KV head and no split of the keys, so a small chunk
- * at a long context leaves most of the GPU idle while one block walks the whole cache;
- * shrinking such a chunk saves little time and loses much progress. r0 is what any
+ * matmuls), r3 the chunk's critical path: a prefill attention block walks the cache for
+ * a run of query rows of one KV head, so a small chunk at a long context keeps few SMs
+ * busy; the tensor-core kernel's key splits (kernels/kernels.h 7d) spread that walk
+ * over up to 16 blocks, which makes r3 small where they run (sm_80+, head dims
+ * 64/128/256) and leaves it large elsewhere; the fit finds which. r0 is what any
  * step with prompt tokens costs on top (plain launches instead of a decode step's CUDA
  * graph, the prefill kernels).
  *
@@ -59,10 +60,11 @@
  * of the recent predictions, so that it bounds the steps' 99th percentile, not their
  * mean. One guarded step in four halves the first chunk (not below the floor): without
  * that the guard's own choices keep the chunk size constant and the fits could never
- * tell a per-token cost from a fixed one. And where even the floor is predicted
- * over the target (a long context with today's kernels), the guard cannot help the
- * streams and only slows the prompt: it then takes the chunk where the proportional part
- * at least equals the fixed part, losing at most half the prompt's rate. */
+ * tell a per-token cost from a fixed one. And where even the floor is predicted over
+ * the target (a long context where the attention cannot be split), the guard cannot
+ * help the streams and only slows the prompt: it then takes the chunk where the
+ * proportional part at least equals the fixed part, losing at most half the prompt's
+ * rate. */
 #ifndef M40_PREFILL_POLICY_H
 #define M40_PREFILL_POLICY_H
 
