@@ -15,7 +15,7 @@ import pytest
 import requests
 
 import harness
-from conftest import example
+from conftest import MODEL_NAME, example
 
 THREAD_MIN = 64 * 1024      # NGX_HTTP_M40_JSON_THREAD_MIN
 MSGS = [{"role": "user", "content": "Once upon a time"}]
@@ -25,7 +25,7 @@ REQUESTS = {
     "/v1/chat/completions": {"messages": MSGS, "max_tokens": 6, "temperature": 0},
     "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0},
     "/v1/responses": {"input": "Once upon a time", "max_output_tokens": 6, "temperature": 0},
-    "/v1/messages": {"model": "x", "messages": MSGS, "max_tokens": 6, "temperature": 0},
+    "/v1/messages": {"model": MODEL_NAME, "messages": MSGS, "max_tokens": 6, "temperature": 0},
 }
 
 
