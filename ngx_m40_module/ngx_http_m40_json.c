@@ -92,12 +92,12 @@ ngx_http_m40_json_init(ngx_cycle_t *cycle)
     }
 
     if (pthread_mutex_init(&jp->mu, NULL) != 0) {
-        goto failed;
+        goto failed_mutex;
     }
 
     if (pthread_cond_init(&jp->cv, NULL) != 0) {
         pthread_mutex_destroy(&jp->mu);
-        goto failed;
+        goto failed_mutex;
     }
 
     jp->conn = ngx_http_m40_eventfd_add(jp->efd, ngx_http_m40_json_event, jp,
@@ -125,6 +125,13 @@ ngx_http_m40_json_init(ngx_cycle_t *cycle)
     jp->running = 1;
 
     return NGX_OK;
+
+failed_mutex:
+
+    ngx_log_error(NGX_LOG_ALERT, cycle->log, 0,
+                  "m40: cannot create the JSON thread's mutex: large request "
+                  "bodies are parsed on the event loop");
+    goto failed;
 
 failed_sync:
 

@@ -204,3 +204,40 @@ def test_client_leaves_while_body_is_parsed(instances):
     # one job leaked would be its 6 MB body or its 6 MB of JSON
     assert rss1 - rss0 < 4096, f"worker RSS grew by {rss1 - rss0} kB"
     assert worker_of(inst) == pid
+
+
+def test_reload_while_bodies_are_parsed(instances):
+    # reloads while 2 MB bodies are in flight: every one is answered (an old worker waits
+    # for the parse and the generation it leads to), and the old workers exit (the JSON
+    # thread is joined, nothing hangs)
+    import signal
+    import threading
+    port = harness.free_port()
+    inst = instances(minimal_with(port, "    m40_threads 1;\n    client_max_body_size 16m;\n", "bigreload"),
+                     "bigreload", port)
+    base = f"http://127.0.0.1:{port}"
+    data = padded(dict(REQUESTS["/v1/chat/completions"], max_tokens=2), 2 * 1024 * 1024)
+    statuses = []
+
+    def client():
+        for _ in range(6):
+            statuses.append(post(base, "/v1/chat/completions", data).status_code)
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        time.sleep(0.4)
+        inst.proc.send_signal(signal.SIGHUP)
+    for t in threads:
+        t.join(120)
+    assert statuses == [200] * 24, statuses
+    # the old workers go (a worker that got its QUIT may not be retitled "shutting
+    # down" yet: wait for one worker of any title)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        out = subprocess.run(["ps", "--ppid", str(inst.proc.pid), "-o", "args="],
+                             capture_output=True, text=True).stdout
+        if out.count("worker process") == 1 and "shutting down" not in out:
+            break
+        time.sleep(0.2)
+    assert out.count("worker process") == 1 and "shutting down" not in out, out
