@@ -12,4 +12,8 @@ int m40_cmd_serve(int argc, char **argv) __attribute__((weak));
 int m40_cmd_bench(int argc, char **argv) __attribute__((weak));
 
 int m40_cmd_mkmodel(int argc, char **argv) __attribute__((weak));
+int m40_cmd_pull(int argc, char **argv) __attribute__((weak));
+int m40_cmd_list(int argc, char **argv) __attribute__((weak));
+int m40_cmd_rm(int argc, char **argv) __attribute__((weak));
+int m40_cmd_ps(int argc, char **argv) __attribute__((weak));
 #endif

@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "store.h"
 #include "ref/ggml_types.h"
 #include "model/model.h"
 #include "sample_hd.h" /* m40k_argmax: the greedy pick as the GPU makes it */
@@ -304,7 +305,8 @@ int m40_cmd_bench(int argc, char **argv)
     if (prc >= 0)
         return prc;
 
-    char err[512];
+    char err[512], stored[PATH_MAX];
+    o.model_path = m40_model_arg("bench", o.model_path, stored, sizeof stored);
     m40_model *m = NULL;
     m40_model_options mo = {.n_threads = (int)o.threads, .device = (int)o.device, .log_progress = 1};
     if (m40_model_load_opts(o.model_path, &mo, &m, err, sizeof err)) {

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "store.h"
 #include "model/eval.h"
 #include "model/model.h"
 
@@ -96,7 +97,8 @@ int m40_cmd_eval(int argc, char **argv)
     }
     m40_model *m = NULL;
     m40_model_options mo = {.n_threads = (int)threads, .device = (int)device};
-    if (m40_model_load_opts(paths[0], &mo, &m, err, sizeof err)) {
+    char stored[PATH_MAX];
+    if (m40_model_load_opts(m40_model_arg("eval", paths[0], stored, sizeof stored), &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 eval: %s\n", err);
         m40_ref_free(ref);
         return 1;

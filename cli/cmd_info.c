@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "store.h"
 #include "ref/ggml_types.h"
 #include "gguf/gguf.h"
 
@@ -155,7 +156,8 @@ int m40_cmd_info(int argc, char **argv)
         fprintf(stderr, "usage: m40 info MODEL\n");
         return 2;
     }
-    const char *path = argv[1];
+    char stored[PATH_MAX];
+    const char *path = m40_model_arg("info", argv[1], stored, sizeof stored);
     char err[512];
     m40_gguf *g;
     if (m40_gguf_open(path, &g, err, sizeof err)) {

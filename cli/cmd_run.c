@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "store.h"
 #include "model/model.h"
 #include "serve/sampler.h"
 #include "tokenizer/tokenizer.h"
@@ -107,7 +108,8 @@ int m40_cmd_run(int argc, char **argv)
         return 2;
     }
 
-    char err[512];
+    char err[512], stored[PATH_MAX];
+    model_path = m40_model_arg("run", model_path, stored, sizeof stored);
     m40_model *m = NULL;
     m40_model_options mo = {.n_threads = (int)threads, .device = (int)device, .log_progress = 1};
     if (m40_model_load_opts(model_path, &mo, &m, err, sizeof err)) {

@@ -2,20 +2,29 @@
  * nginx.conf by hand.
  *
  * Writes a small nginx.conf into a fresh temporary directory (pid file, temp paths
- * and the config live there; the error log goes to stderr) and execs nginx in the
- * foreground, so Ctrl-C and SIGTERM reach nginx's master directly. The module is
- * build/ngx_http_m40_module.so beside this binary unless --module says otherwise. */
+ * and the config live there; the error log goes to stderr) and runs nginx in the
+ * foreground as a child: the signals m40 gets (Ctrl-C, SIGTERM, SIGHUP for a reload...)
+ * are passed on to nginx's master, and once it exits the directory is removed, so that
+ * servers started and stopped leave nothing in /tmp. The module is
+ * build/ngx_http_m40_module.so beside this binary unless --module says otherwise.
+ * MODEL is a path or a name of the model store (m40 list). */
+#define _XOPEN_SOURCE 700
 #include <errno.h>
+#include <ftw.h>
 #include <limits.h>
 #include <pwd.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cli.h"
 #include "m40_engine.h" /* M40_MAX_PREFILL_TOKENS */
+#include "store.h"
 
 #define SERVE_DEFAULT_NGINX "/usr/sbin/nginx"
 
@@ -76,6 +85,73 @@ static int is_number(const char *s, long lo, long hi)
     errno = 0;
     long v = strtol(s, &end, 10);
     return *s && !*end && errno == 0 && v >= lo && v <= hi;
+}
+
+static volatile sig_atomic_t nginx_pid;
+
+/* Passed on to nginx's master, which decides what each means (nginx's own signals). */
+static void forward_signal(int sig)
+{
+    if (nginx_pid > 0)
+        kill((pid_t)nginx_pid, sig);
+}
+
+static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw)
+{
+    (void)st;
+    (void)ftw;
+    if ((type == FTW_DP ? rmdir(path) : unlink(path)) != 0 && errno != ENOENT)
+        fprintf(stderr, "m40 serve: removing %s: %s\n", path, strerror(errno));
+    return 0;
+}
+
+/* Runs nginx with nargv until it exits, then removes dir. Returns nginx's exit status
+ * (128 + N when a signal N ended it). */
+static int run_nginx(const char *nginx, char *const nargv[], const char *dir)
+{
+    sigset_t block, old;
+    static const int forwarded[] = {SIGINT, SIGTERM, SIGQUIT, SIGHUP, SIGUSR1, SIGUSR2, SIGWINCH};
+    sigemptyset(&block);
+    for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
+        sigaddset(&block, forwarded[i]);
+    /* no signal between fork and the handlers may end m40 before nginx has its pid */
+    sigprocmask(SIG_BLOCK, &block, &old);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "m40 serve: fork: %s\n", strerror(errno));
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+        return 1;
+    }
+    if (pid == 0) {
+        /* m40 killed outright (SIGKILL) must not leave nginx serving on: its master then
+         * gets SIGTERM (the temporary directory stays, as nothing is left to remove it) */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent)
+            _exit(1); /* it died before prctl */
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        execv(nginx, nargv);
+        fprintf(stderr, "m40 serve: exec %s: %s\n", nginx, strerror(errno));
+        _exit(127);
+    }
+    nginx_pid = pid;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = forward_signal;
+    sa.sa_flags = SA_RESTART;
+    for (size_t i = 0; i < sizeof forwarded / sizeof forwarded[0]; i++)
+        sigaction(forwarded[i], &sa, NULL);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    if (WIFSIGNALED(status)) {
+        fprintf(stderr, "m40 serve: nginx exited on signal %d\n", WTERMSIG(status));
+        return 128 + WTERMSIG(status);
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
 }
 
 static int module_beside_binary(char *out, size_t outlen)
@@ -207,8 +283,9 @@ int m40_cmd_serve(int argc, char **argv)
         return 2;
     }
 
-    char model_abs[PATH_MAX];
+    char model_abs[PATH_MAX], stored[PATH_MAX];
     struct stat st;
+    model = m40_model_arg("serve", model, stored, sizeof stored);
     if (!realpath(model, model_abs) || stat(model_abs, &st) != 0 || !S_ISREG(st.st_mode)) {
         fprintf(stderr, "m40 serve: %s: %s\n", model, errno ? strerror(errno) : "not a regular file");
         return 1;
@@ -258,6 +335,7 @@ int m40_cmd_serve(int argc, char **argv)
     FILE *f = fopen(conf, "w");
     if (!f) {
         fprintf(stderr, "m40 serve: %s: %s\n", conf, strerror(errno));
+        nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
         return 1;
     }
 
@@ -316,6 +394,7 @@ int m40_cmd_serve(int argc, char **argv)
             strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port);
     if (fclose(f) != 0) {
         fprintf(stderr, "m40 serve: writing %s: %s\n", conf, strerror(errno));
+        nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
         return 1;
     }
 
@@ -324,7 +403,5 @@ int m40_cmd_serve(int argc, char **argv)
     fflush(stderr);
 
     char *const nargv[] = {(char *)nginx, "-p", dir, "-c", conf, "-e", "stderr", NULL};
-    execv(nginx, nargv);
-    fprintf(stderr, "m40 serve: exec %s: %s\n", nginx, strerror(errno));
-    return 1;
+    return run_nginx(nginx, nargv, dir);
 }

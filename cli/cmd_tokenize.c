@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "store.h"
 #include "gguf/gguf.h"
 #include "tokenizer/tokenizer.h"
 
@@ -104,7 +105,8 @@ int m40_cmd_tokenize(int argc, char **argv)
     }
     if (argc - i != 2)
         return tokenize_usage();
-    const char *model = argv[i], *arg = argv[i + 1];
+    char stored[PATH_MAX];
+    const char *model = m40_model_arg("tokenize", argv[i], stored, sizeof stored), *arg = argv[i + 1];
 
     char err[512] = "";
     m40_tokenizer *tok = NULL;

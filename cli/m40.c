@@ -15,6 +15,10 @@ static const struct {
     {"eval", m40_cmd_eval, "eval [--tol X] MODEL REF.json      teacher-forced comparison with reference logprobs"},
     {"serve", m40_cmd_serve, "serve MODEL [--port N] [--device D] [--name NAME]   OpenAI-compatible HTTP server (nginx)"},
     {"bench", m40_cmd_bench, "bench MODEL [--prompt-len N] [--gen N] [--batch B] [--reps N]   prefill/decode tokens/s and roofline"},
+    {"pull", m40_cmd_pull, "pull ORG/REPO[:QUANT] | ORG/REPO/FILE.gguf [--revision REV]   fetch a GGUF model from the hub into the store"},
+    {"list", m40_cmd_list, "list                               the models of the store: name, size, architecture, quantization, context"},
+    {"rm", m40_cmd_rm, "rm NAME...                         remove models from the store"},
+    {"ps", m40_cmd_ps, "ps [URL]                           what a running server holds: device, memory, sequences"},
     {"mkmodel", m40_cmd_mkmodel, "mkmodel --shape NAME --type TYPE [--seed S] [--layers N] OUT.gguf   synthetic model with random weights"},
 };
 

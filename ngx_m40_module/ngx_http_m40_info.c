@@ -4,7 +4,9 @@
  * that answers (with worker_processes 1, the whole server). */
 #include "ngx_http_m40_module.h"
 
+#include <fcntl.h>
 #include <math.h>
+#include <unistd.h>
 
 
 /* GET /v1/models (id NULL) or /v1/models/{id}. */
@@ -56,6 +58,82 @@ ngx_http_m40_models_handler(ngx_http_request_t *r, ngx_str_t *id)
     json_decref(root);
 
     return rc;
+}
+
+
+/* The resident memory of this worker process in bytes (the CPU engine's weights that
+ * were touched, its KV cache and everything else), or -1: /proc/self/statm. */
+static double
+ngx_http_m40_resident_bytes(void)
+{
+    int      fd;
+    char     buf[128];
+    ssize_t  n;
+    long     size, resident;
+
+    fd = open("/proc/self/statm", O_RDONLY);
+    if (fd == -1) {
+        return -1;
+    }
+
+    n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+
+    if (n <= 0) {
+        return -1;
+    }
+
+    buf[n] = '\0';
+
+    if (sscanf(buf, "%ld %ld", &size, &resident) != 2) {
+        return -1;
+    }
+
+    return (double) resident * (double) ngx_pagesize;
+}
+
+
+/* What `m40 ps` shows of a ready engine: where it runs, the memory it holds and how
+ * busy it is. memory_bytes on a GPU is the card's memory in use once the engine's KV
+ * cache was allocated (other processes on the card included); on the CPU, the worker's
+ * resident memory. */
+static void
+ngx_http_m40_health_usage(json_t *root, m40_engine *engine)
+{
+    char                  device[32];
+    double                mem;
+    m40_engine_stats      s;
+    m40_engine_capacity   cap;
+
+    if (m40_engine_get_capacity(engine, &cap) != 0) {
+        return;
+    }
+
+    m40_engine_get_stats(engine, &s);
+
+    if (cap.device >= 0) {
+        ngx_snprintf((u_char *) device, sizeof(device) - 1, "cuda:%d%Z",
+                     cap.device);
+        mem = cap.gpu_in_use + cap.kv_bytes;
+
+    } else {
+        ngx_cpystrn((u_char *) device, (u_char *) "cpu", sizeof(device));
+        mem = ngx_http_m40_resident_bytes();
+    }
+
+    json_object_set_new(root, "device", json_string(device));
+    if (mem >= 0) {
+        json_object_set_new(root, "memory_bytes",
+                            json_integer((json_int_t) mem));
+    }
+    json_object_set_new(root, "ctx_size", json_integer(cap.ctx));
+    json_object_set_new(root, "max_seqs", json_integer(cap.max_seqs));
+    json_object_set_new(root, "running", json_integer(s.running));
+    json_object_set_new(root, "queued", json_integer(s.queue_depth));
+    json_object_set_new(root, "kv_tokens_used",
+                        json_integer(s.kv_tokens_used));
+    json_object_set_new(root, "kv_tokens_total",
+                        json_integer(s.kv_tokens_total));
 }
 
 
@@ -112,6 +190,10 @@ ngx_http_m40_health_handler(ngx_http_request_t *r)
     json_object_set_new(root, "model",
                         json_stringn((const char *) mcf->model_name.data,
                                      mcf->model_name.len));
+
+    if (state == M40_ENGINE_READY) {
+        ngx_http_m40_health_usage(root, mcf->engine);
+    }
 
     rc = ngx_http_m40_send_json(r, status, root);
     json_decref(root);

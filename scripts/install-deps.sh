@@ -3,7 +3,7 @@
 # Does nothing (and needs no network) when everything is already installed.
 set -euo pipefail
 pkgs=(build-essential autoconf automake pkg-config
-      libjansson-dev libpcre2-dev libsentencepiece-dev
+      libjansson-dev libpcre2-dev libsentencepiece-dev libcurl4-openssl-dev
       nginx-dev nginx-core curl python3 python3-venv python3-jinja2 clang
       python3-jsonschema)
 missing=()

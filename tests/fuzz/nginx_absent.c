@@ -49,3 +49,8 @@ u_char *ngx_vslprintf(u_char *buf, u_char *last, const char *fmt, va_list args)
     absent("ngx_vslprintf");
     return buf;
 }
+
+/* The module object: ngx_http_m40_send_error reads the request's module context through
+ * it (the Anthropic error shape of /v1/messages). Never reached by the harness, like the
+ * functions above; zeroed, as nginx's own would be before its init. */
+ngx_module_t ngx_http_m40_module;

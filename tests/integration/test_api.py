@@ -17,7 +17,12 @@ def chat(client, model, **kw):
 def test_health(base_url, model):
     r = requests.get(base_url + "/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ready", "model": model}
+    h = r.json()
+    assert {k: h[k] for k in ("status", "model")} == {"status": "ready", "model": model}
+    # once ready, what `m40 ps` shows (README, Endpoints)
+    assert set(h) == {"status", "model", "device", "memory_bytes", "ctx_size", "max_seqs", "running", "queued",
+                      "kv_tokens_used", "kv_tokens_total"}, h
+    assert h["device"] == "cpu" or h["device"].startswith("cuda:"), h
 
 
 def test_models_list(client, model):

@@ -113,7 +113,7 @@ def test_unknown_endpoint_404(base_url):
     check_error(requests.post(base_url + "/v2/chat", data=b"{}"), 404)
 
 
-def test_prompt_too_long(client, base_url):
+def test_prompt_too_long(client, base_url, model):
     long_text = "Once upon a time there was a little dog. " * 400
     r = post(base_url, {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4})
     e = check_error(r, 400)
@@ -123,7 +123,7 @@ def test_prompt_too_long(client, base_url):
     r = post(base_url, {"prompt": long_text, "max_tokens": 4}, "/v1/completions")
     check_error(r, 400)
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": long_text}])
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": long_text}])
     still_alive(base_url)
 
 

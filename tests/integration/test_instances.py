@@ -419,11 +419,23 @@ def test_m40_serve():
         assert [m.id for m in client.models.list().data] == ["served"]
         r = client.chat.completions.create(model="served", messages=MSGS, max_tokens=4)
         assert r.choices[0].message.content is not None
+        # what `m40 ps` reads: where the model runs, its memory, its sequences
+        h = requests.get(base + "/health").json()
+        assert h["device"] == "cpu" and h["memory_bytes"] > 0 and h["ctx_size"] > 0, h
+        assert h["max_seqs"] >= 1 and h["running"] == 0 and h["queued"] == 0, h
+        assert 0 < h["kv_tokens_total"] and 0 <= h["kv_tokens_used"] <= h["kv_tokens_total"], h
+        ps = subprocess.run([m40, "ps", base], capture_output=True, text=True, timeout=30)
+        assert ps.returncode == 0, ps.stderr
+        row = ps.stdout.splitlines()[1].split()
+        assert row[:3] == ["served", "ready", "cpu"] and row[5] == "0/%d" % h["max_seqs"], ps.stdout
+        assert row[-1] == str(h["ctx_size"]), ps.stdout
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=15) is not None
         out = proc.stdout.read().decode()
         assert "m40 serve: http://127.0.0.1:%d/v1" % port in out
         assert "exited on signal" not in out
+        # its temporary directory (config, pid file, nginx's temp folders) is gone
+        assert glob.glob(os.path.join(workdir, "m40-serve-*")) == [], os.listdir(workdir)
     finally:
         if proc.poll() is None:
             proc.kill()
