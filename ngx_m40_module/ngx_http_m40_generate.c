@@ -220,6 +220,13 @@ ngx_http_m40_json_parsed(ngx_http_m40_json_job_t *job)
     }
     ctx->json_parsed = 1;
 
+    if (job->read_err) {
+        ngx_log_error(NGX_LOG_ERR, c->log, job->read_err,
+                      "m40: reading the request body (%uz bytes) from its temp "
+                      "file failed", job->len);
+        ctx->json_failed = 1;
+    }
+
     if (ctx->linger.timer_set) {
         ngx_del_timer(&ctx->linger);
     }
@@ -235,6 +242,8 @@ static ngx_int_t
 ngx_http_m40_json_wait(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx,
     size_t len)
 {
+    ngx_buf_t                *b;
+    ngx_chain_t              *cl;
     ngx_pool_cleanup_t       *cln;
     ngx_http_m40_json_job_t  *job;
 
@@ -243,7 +252,21 @@ ngx_http_m40_json_wait(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx,
         return NGX_DECLINED;
     }
 
-    if (ngx_http_m40_body_copy(r, job->data) != NGX_OK) {
+    /* A body past client_body_buffer_size is one buffer of its temp file: the thread
+     * reads it. Anything else is copied here. */
+    cl = r->request_body->bufs;
+    b = cl->buf;
+
+    if (cl->next == NULL && !ngx_buf_in_memory(b) && b->in_file && b->file
+        && (size_t) (b->file_last - b->file_pos) == len)
+    {
+        job->fd = fcntl(b->file->fd, F_DUPFD_CLOEXEC, 0);
+        job->file_pos = b->file_pos;
+    }
+
+    if (job->fd == NGX_INVALID_FILE
+        && ngx_http_m40_body_copy(r, job->data) != NGX_OK)
+    {
         ngx_http_m40_json_job_free(job);
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
@@ -352,6 +375,10 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
            == M40_ENGINE_LOADING)
     {
         return ngx_http_m40_load_wait(r, ctx);
+    }
+
+    if (ctx->json_parsed && ctx->json_failed) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;      /* logged */
     }
 
     if (ctx->json_parsed) {

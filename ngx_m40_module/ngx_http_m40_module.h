@@ -147,6 +147,11 @@ struct ngx_http_m40_json_job_s {
     ngx_http_m40_json_job_t  *next;
     u_char                   *data;       /* malloc'd copy of the body */
     size_t                    len;
+    /* a body in a temp file is read by the thread, through a dup of its fd (the
+     * request's pool closes the file when the request ends): -1 when data is filled */
+    ngx_fd_t                  fd;
+    off_t                     file_pos;
+    int                       read_err;   /* errno of that read (no JSON then) */
     json_t                   *root;       /* the result, or NULL and err */
     json_error_t              err;
     /* on the event loop once parsed, unless cancelled; may take root */
@@ -250,6 +255,7 @@ struct ngx_http_m40_ctx_s {
     json_t                   *json_root;      /* its result, until start takes it */
     json_error_t              json_err;       /* its error when json_root is NULL */
     unsigned                  json_parsed:1;  /* json_root/json_err hold the body's parse */
+    unsigned                  json_failed:1;  /* the thread could not read the body */
     unsigned                  count_only:1;   /* count_tokens: prompt only */
     unsigned                  forced_tools:1; /* tool_choice required/named: by grammar */
 };
