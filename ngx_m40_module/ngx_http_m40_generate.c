@@ -1,8 +1,10 @@
 /* POST /v1/chat/completions and /v1/completions: the request's life, and the
  * non-streaming answer (streaming: ngx_http_m40_stream.c).
  *
- * Life of a request: the body is read (memory or temp file), validated, and n engine
- * requests are submitted (one per choice, seeds seed+i). The HTTP request then waits
+ * Life of a request: the body is read (memory or temp file), parsed (a large one on
+ * the JSON thread, ngx_http_m40_json.c: the request waits for it and start is entered
+ * again with the result), validated, and n engine requests are submitted (one per
+ * choice, seeds seed+i). The HTTP request then waits
  * (NGX_DONE) until the engine's eventfd says a choice has events:
  *   - non-streaming: every event is pulled at once and accumulated; the response is
  *     sent when the last choice is done;
@@ -73,21 +75,15 @@ ngx_http_m40_body_handler(ngx_http_request_t *r)
 }
 
 
-/* The whole body as one contiguous block: in memory, in a temp file, or both. */
-static ngx_int_t
-ngx_http_m40_body(ngx_http_request_t *r, u_char **data, size_t *len)
+/* The body's size: in memory, in a temp file, or both. */
+static off_t
+ngx_http_m40_body_size(ngx_http_request_t *r)
 {
-    u_char       *p;
-    off_t         size, total;
-    ssize_t       n;
-    ngx_buf_t    *b;
+    off_t         total;
     ngx_chain_t  *cl;
 
-    *data = NULL;
-    *len = 0;
-
     if (r->request_body == NULL || r->request_body->bufs == NULL) {
-        return NGX_OK;
+        return 0;
     }
 
     total = 0;
@@ -95,24 +91,18 @@ ngx_http_m40_body(ngx_http_request_t *r, u_char **data, size_t *len)
         total += ngx_buf_size(cl->buf);
     }
 
-    if (total == 0) {
-        return NGX_OK;
-    }
+    return total;
+}
 
-    b = r->request_body->bufs->buf;
-    if (ngx_buf_in_memory(b) && ngx_buf_size(b) == total) {
-        *data = b->pos;
-        *len = (size_t) total;
-        return NGX_OK;
-    }
 
-    p = ngx_pnalloc(r->pool, (size_t) total);
-    if (p == NULL) {
-        return NGX_ERROR;
-    }
-
-    *data = p;
-    *len = (size_t) total;
+/* The body copied to p, which has room for all of it. */
+static ngx_int_t
+ngx_http_m40_body_copy(ngx_http_request_t *r, u_char *p)
+{
+    off_t         size;
+    ssize_t       n;
+    ngx_buf_t    *b;
+    ngx_chain_t  *cl;
 
     for (cl = r->request_body->bufs; cl; cl = cl->next) {
         b = cl->buf;
@@ -147,6 +137,166 @@ ngx_http_m40_body(ngx_http_request_t *r, u_char **data, size_t *len)
     }
 
     return NGX_OK;
+}
+
+
+/* The whole body as one contiguous block. */
+static ngx_int_t
+ngx_http_m40_body(ngx_http_request_t *r, u_char **data, size_t *len)
+{
+    off_t        total;
+    ngx_buf_t   *b;
+
+    *data = NULL;
+    *len = 0;
+
+    total = ngx_http_m40_body_size(r);
+    if (total == 0) {
+        return NGX_OK;
+    }
+
+    b = r->request_body->bufs->buf;
+    if (ngx_buf_in_memory(b) && ngx_buf_size(b) == total) {
+        *data = b->pos;
+        *len = (size_t) total;
+        return NGX_OK;
+    }
+
+    *data = ngx_pnalloc(r->pool, (size_t) total);
+    if (*data == NULL) {
+        return NGX_ERROR;
+    }
+
+    *len = (size_t) total;
+
+    return ngx_http_m40_body_copy(r, *data);
+}
+
+
+/* ---- large bodies: their JSON is parsed on the JSON thread (ngx_http_m40_json.c) */
+
+static void
+ngx_http_m40_json_wait_cleanup(void *data)
+{
+    ngx_http_m40_ctx_t *ctx = data;
+
+    if (ctx->json_job) {
+        ngx_log_error(NGX_LOG_INFO, ctx->request->connection->log, 0,
+                      "m40: the request ended while its body of %uz bytes "
+                      "was being parsed", ctx->json_job->len);
+        ngx_http_m40_json_cancel(ctx->json_job);
+        ctx->json_job = NULL;
+    }
+
+    if (ctx->json_root) {
+        json_decref(ctx->json_root);
+        ctx->json_root = NULL;
+    }
+
+    if (ctx->linger.timer_set) {
+        ngx_del_timer(&ctx->linger);
+    }
+}
+
+
+/* On the event loop: the body is parsed; start goes on from there, the way a request
+ * that waited for a loading model resumes. */
+static void
+ngx_http_m40_json_parsed(ngx_http_m40_json_job_t *job)
+{
+    ngx_connection_t    *c;
+    ngx_http_m40_ctx_t  *ctx;
+    ngx_http_request_t  *r;
+
+    ctx = job->ctx;
+    r = ctx->request;
+    c = r->connection;
+
+    ctx->json_job = NULL;
+    ctx->json_root = job->root;
+    job->root = NULL;
+    if (ctx->json_root == NULL) {
+        ctx->json_err = job->err;
+    }
+    ctx->json_parsed = 1;
+
+    if (job->read_err) {
+        ngx_log_error(NGX_LOG_ERR, c->log, job->read_err,
+                      "m40: reading the request body (%uz bytes) from its temp "
+                      "file failed", job->len);
+        ctx->json_failed = 1;
+    }
+
+    if (ctx->linger.timer_set) {
+        ngx_del_timer(&ctx->linger);
+    }
+
+    ngx_http_m40_body_handler(r);
+    ngx_http_run_posted_requests(c);
+}
+
+
+/* NGX_DONE: the body went to the JSON thread and the request waits for it;
+ * NGX_DECLINED: the thread does not run (or no memory for the copy), parse inline. */
+static ngx_int_t
+ngx_http_m40_json_wait(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx,
+    size_t len)
+{
+    ngx_buf_t                *b;
+    ngx_chain_t              *cl;
+    ngx_pool_cleanup_t       *cln;
+    ngx_http_m40_json_job_t  *job;
+
+    job = ngx_http_m40_json_job_create(len, r->connection->log);
+    if (job == NULL) {
+        return NGX_DECLINED;
+    }
+
+    /* A body past client_body_buffer_size is one buffer of its temp file: the thread
+     * reads it. Anything else is copied here. */
+    cl = r->request_body->bufs;
+    b = cl->buf;
+
+    if (cl->next == NULL && !ngx_buf_in_memory(b) && b->in_file && b->file
+        && (size_t) (b->file_last - b->file_pos) == len)
+    {
+        job->fd = fcntl(b->file->fd, F_DUPFD_CLOEXEC, 0);
+        job->file_pos = b->file_pos;
+    }
+
+    if (job->fd == NGX_INVALID_FILE
+        && ngx_http_m40_body_copy(r, job->data) != NGX_OK)
+    {
+        ngx_http_m40_json_job_free(job);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        ngx_http_m40_json_job_free(job);
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cln->handler = ngx_http_m40_json_wait_cleanup;
+    cln->data = ctx;
+
+    job->handler = ngx_http_m40_json_parsed;
+    job->ctx = ctx;
+    ctx->json_job = job;
+
+    /* a client that leaves ends the request, whose cleanup cancels the job; a
+     * graceful shutdown waits for the parse (as for a generation) */
+    r->read_event_handler = ngx_http_test_reading;
+
+    ctx->linger.handler = ngx_http_m40_linger;
+    ctx->linger.data = ctx;
+    ctx->linger.log = r->connection->log;
+    ctx->linger.cancelable = 0;
+    ngx_add_timer(&ctx->linger, NGX_HTTP_M40_LINGER_MS);
+
+    ngx_http_m40_json_submit(job);
+
+    return NGX_DONE;
 }
 
 
@@ -197,9 +347,11 @@ static ngx_int_t
 ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
 {
     char                       err_buf[256];
+    off_t                      size;
     u_char                    *data, *pr;
     size_t                     len;
     json_t                    *root;
+    ngx_int_t                  rc;
     uint64_t                   seed;
     ngx_uint_t                 i;
     json_error_t               jerr;
@@ -225,17 +377,41 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
         return ngx_http_m40_load_wait(r, ctx);
     }
 
-    if (ngx_http_m40_body(r, &data, &len) != NGX_OK) {
-        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    if (ctx->json_parsed && ctx->json_failed) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;      /* logged */
     }
 
-    if (len == 0) {
-        return ngx_http_m40_send_simple_error(r, NGX_HTTP_BAD_REQUEST,
-                   "invalid_request_error", "invalid_json",
-                   "the request body is empty (a JSON object is expected)");
+    if (ctx->json_parsed) {
+        /* parsed on the JSON thread: the root (or the error) is ours now */
+        ctx->json_parsed = 0;
+        root = ctx->json_root;
+        ctx->json_root = NULL;
+        jerr = ctx->json_err;
+
+    } else {
+        size = ngx_http_m40_body_size(r);
+
+        if (size == 0) {
+            return ngx_http_m40_send_simple_error(r, NGX_HTTP_BAD_REQUEST,
+                       "invalid_request_error", "invalid_json",
+                       "the request body is empty (a JSON object is "
+                       "expected)");
+        }
+
+        if (size >= NGX_HTTP_M40_JSON_THREAD_MIN) {
+            rc = ngx_http_m40_json_wait(r, ctx, (size_t) size);
+            if (rc != NGX_DECLINED) {
+                return rc;
+            }
+        }
+
+        if (ngx_http_m40_body(r, &data, &len) != NGX_OK) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        root = json_loadb((const char *) data, len, 0, &jerr);
     }
 
-    root = json_loadb((const char *) data, len, 0, &jerr);
     if (root == NULL) {
         return ngx_http_m40_send_simple_error(r, NGX_HTTP_BAD_REQUEST,
                    "invalid_request_error", "invalid_json",

@@ -733,27 +733,18 @@ ngx_http_m40_init_process(ngx_cycle_t *cycle)
         return NGX_OK;
     }
 
-    c = ngx_get_connection(m40_engine_event_fd(mcf->engine), cycle->log);
+    c = ngx_http_m40_eventfd_add(m40_engine_event_fd(mcf->engine),
+                                 ngx_http_m40_engine_event, mcf, "engine's",
+                                 cycle->log);
     if (c == NULL) {
-        ngx_log_error(NGX_LOG_EMERG, cycle->log, 0,
-                      "m40: no free connection for the engine's eventfd");
-        goto failed;
-    }
-
-    c->data = mcf;
-    c->read->handler = ngx_http_m40_engine_event;
-    c->read->log = cycle->log;
-    c->write->log = cycle->log;
-
-    if (ngx_handle_read_event(c->read, 0) != NGX_OK) {
-        ngx_log_error(NGX_LOG_EMERG, cycle->log, 0,
-                      "m40: cannot add the engine's eventfd to the event loop");
-        c->fd = (ngx_socket_t) -1;
-        ngx_free_connection(c);
         goto failed;
     }
 
     mcf->event_conn = c;
+
+    /* large request bodies are parsed off the event loop (ngx_http_m40_json.c);
+     * without its thread they are parsed inline */
+    (void) ngx_http_m40_json_init(cycle);
 
     if (ec.device < 0) {
         ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
@@ -791,15 +782,12 @@ ngx_http_m40_exit_process(ngx_cycle_t *cycle)
         return;
     }
 
+    ngx_http_m40_json_exit(cycle);
+
     c = mcf->event_conn;
     if (c) {
-        if (c->read->active) {
-            ngx_del_event(c->read, NGX_READ_EVENT, 0);
-        }
-
         /* The engine owns and closes the fd. */
-        c->fd = (ngx_socket_t) -1;
-        ngx_free_connection(c);
+        ngx_http_m40_eventfd_del(c);
         mcf->event_conn = NULL;
     }
 
@@ -905,8 +893,6 @@ ngx_http_m40_engine_event(ngx_event_t *rev)
 {
     int                        i, n;
     void                      *users[NGX_HTTP_M40_READY_BATCH];
-    ssize_t                    rn;
-    uint64_t                   counter;
     ngx_connection_t          *c;
     ngx_http_m40_choice_t     *ch;
     ngx_http_m40_main_conf_t  *mcf;
@@ -918,25 +904,7 @@ ngx_http_m40_engine_event(ngx_event_t *rev)
         ngx_http_m40_log_load(mcf, rev->log);
     }
 
-    /* Drain the eventfd first: a notification written after this read makes the
-     * fd readable again, so none is lost. */
-    for ( ;; ) {
-        rn = read(c->fd, &counter, sizeof(counter));
-        if (rn == (ssize_t) sizeof(counter)) {
-            continue;
-        }
-
-        if (rn == -1 && ngx_errno != NGX_EAGAIN && ngx_errno != NGX_EINTR) {
-            ngx_log_error(NGX_LOG_ALERT, rev->log, ngx_errno,
-                          "m40: read() from the engine eventfd failed");
-        }
-
-        if (rn == -1 && ngx_errno == NGX_EINTR) {
-            continue;
-        }
-
-        break;
-    }
+    ngx_http_m40_eventfd_drain(rev);
 
     do {
         n = m40_engine_ready(mcf->engine, users, NGX_HTTP_M40_READY_BATCH);
@@ -954,10 +922,7 @@ ngx_http_m40_engine_event(ngx_event_t *rev)
 
     } while (n == NGX_HTTP_M40_READY_BATCH);
 
-    if (ngx_handle_read_event(rev, 0) != NGX_OK) {
-        ngx_log_error(NGX_LOG_ALERT, rev->log, 0,
-                      "m40: cannot re-arm the engine eventfd");
-    }
+    ngx_http_m40_eventfd_rearm(rev);
 }
 
 

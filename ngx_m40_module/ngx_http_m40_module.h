@@ -19,6 +19,10 @@
  *                            Messages API): the same, and Anthropic's error shape
  *   ngx_http_m40_info.c      /v1/models, /health, /metrics
  *   ngx_http_m40_errors.c    nginx's own error pages as OpenAI error JSON
+ *   ngx_http_m40_json.c      large request bodies' JSON parsed on a thread of the
+ *                            worker, off the event loop
+ *   ngx_http_m40_eventfd.c   an eventfd as a pseudo connection in the event loop
+ *                            (the engine's and the JSON thread's wake-ups)
  *
  * The engine (engine/m40_engine.h) runs its own thread per worker; nothing here
  * blocks on it. */
@@ -136,6 +140,33 @@ typedef struct {
     char                 message[512];
 } ngx_http_m40_error_t;
 
+/* A request body parsed on the JSON thread (ngx_http_m40_json.c). The thread owns
+ * data until it has parsed it; the event loop owns everything else. */
+typedef struct ngx_http_m40_json_job_s  ngx_http_m40_json_job_t;
+
+struct ngx_http_m40_json_job_s {
+    ngx_http_m40_json_job_t  *next;
+    u_char                   *data;       /* malloc'd copy of the body */
+    size_t                    len;
+    /* a body in a temp file is read by the thread, through a dup of its fd (the
+     * request's pool closes the file when the request ends): -1 when data is filled */
+    ngx_fd_t                  fd;
+    off_t                     file_pos;
+    int                       read_err;   /* errno of that read (no JSON then) */
+    json_t                   *root;       /* the result, or NULL and err */
+    json_error_t              err;
+    /* on the event loop once parsed, unless cancelled; may take root */
+    void                    (*handler)(ngx_http_m40_json_job_t *job);
+    void                     *ctx;
+    ngx_uint_t                state;      /* under the thread's mutex */
+    unsigned                  cancelled:1;
+};
+
+/* Bodies this large or larger go to the JSON thread; smaller ones are parsed inline,
+ * where a thread's round trip would cost more than the parse (jansson: about 10 ms
+ * of CPU for 1 MB, so 64 KB is well under a millisecond). */
+#define NGX_HTTP_M40_JSON_THREAD_MIN  (64 * 1024)
+
 typedef struct ngx_http_m40_ctx_s  ngx_http_m40_ctx_t;
 typedef struct ngx_http_m40_choice_s  ngx_http_m40_choice_t;
 
@@ -221,6 +252,11 @@ struct ngx_http_m40_ctx_s {
     const ngx_http_m40_dialect_t *dialect;    /* NULL: OpenAI chat or completions */
     void                     *dstate;         /* the dialect's, in the request pool */
     json_t                   *body;           /* a dialect's original request (echoed) */
+    ngx_http_m40_json_job_t  *json_job;       /* the body being parsed on the JSON thread */
+    json_t                   *json_root;      /* its result, until start takes it */
+    json_error_t              json_err;       /* its error when json_root is NULL */
+    unsigned                  json_parsed:1;  /* json_root/json_err hold the body's parse */
+    unsigned                  json_failed:1;  /* the thread could not read the body */
     unsigned                  count_only:1;   /* count_tokens: prompt only */
     unsigned                  forced_tools:1; /* tool_choice required/named: by grammar */
 };
@@ -232,6 +268,28 @@ ngx_int_t ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
 void ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
+
+/* ngx_http_m40_eventfd.c */
+ngx_connection_t *ngx_http_m40_eventfd_add(int fd, ngx_event_handler_pt handler,
+    void *data, const char *what, ngx_log_t *log);
+void ngx_http_m40_eventfd_drain(ngx_event_t *rev);
+void ngx_http_m40_eventfd_rearm(ngx_event_t *rev);
+void ngx_http_m40_eventfd_del(ngx_connection_t *c);
+
+/* ngx_http_m40_json.c */
+ngx_int_t ngx_http_m40_json_init(ngx_cycle_t *cycle);
+void ngx_http_m40_json_exit(ngx_cycle_t *cycle);
+/* A job with room for len bytes of body in data; NULL when the thread does not run
+ * (the caller parses inline) or without memory. */
+ngx_http_m40_json_job_t *ngx_http_m40_json_job_create(size_t len, ngx_log_t *log);
+/* Queues a job (data, handler and ctx set). The handler runs on the event loop once
+ * it is parsed, unless it was cancelled; this file frees the job afterwards. */
+void ngx_http_m40_json_submit(ngx_http_m40_json_job_t *job);
+/* A job that was never submitted, or one the caller got back. */
+void ngx_http_m40_json_job_free(ngx_http_m40_json_job_t *job);
+/* The request is gone: the job's result is freed when it comes, unparsed if it has
+ * not started. */
+void ngx_http_m40_json_cancel(ngx_http_m40_json_job_t *job);
 
 /* ngx_http_m40_errors.c */
 ngx_int_t ngx_http_m40_errors_init(ngx_conf_t *cf);
