@@ -32,31 +32,7 @@ static void check(const char *what, bool ok)
 }
 
 /* ---------------------------------------------------------------- paged cache fixture */
-struct Paged {
-    int n_seqs, n_blocks;
-    std::vector<int32_t> indptr, indices, lpl;
-};
-static Paged make_paged(const std::vector<int> &lens)
-{
-    Paged p;
-    p.n_seqs = (int)lens.size();
-    p.indptr.push_back(0);
-    int total = 0;
-    for (int l : lens) {
-        int pages = (l + M40K_PAGE - 1) / M40K_PAGE;
-        total += pages;
-        p.indptr.push_back(total);
-        p.lpl.push_back(l - (pages - 1) * M40K_PAGE);
-    }
-    p.n_blocks = total + 3;
-    std::vector<int32_t> perm(p.n_blocks);
-    for (int i = 0; i < p.n_blocks; i++)
-        perm[i] = i;
-    for (int i = p.n_blocks - 1; i > 0; i--)
-        std::swap(perm[i], perm[rnd32() % (i + 1)]);
-    p.indices.assign(perm.begin(), perm.begin() + total);
-    return p;
-}
+#include "paged_fixture.h"
 
 static void test_window_attention(void)
 {
@@ -65,7 +41,7 @@ static void test_window_attention(void)
         for (int G : {1, 4}) {
             const int nkv = 2, nh = nkv * G;
             const float scale = 0.0625f;
-            Paged p = make_paged(lens);
+            Paged p = make_paged(lens, 3);
             const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
             std::vector<uint16_t> kc(cache_elems), vc(cache_elems);
             for (size_t i = 0; i < cache_elems; i++)

@@ -449,33 +449,7 @@ static void test_add_rmsnorm_to(void)
 }
 
 /* ---------------------------------------------------------------- paged cache fixture */
-struct Paged {
-    int n_seqs, n_blocks;
-    std::vector<int32_t> indptr, indices, lpl, lens;
-};
-/* sequences of the given lengths; physical blocks shuffled over a pool with spares */
-static Paged make_paged(const std::vector<int> &lens)
-{
-    Paged p;
-    p.n_seqs = (int)lens.size();
-    p.lens = lens;
-    p.indptr.push_back(0);
-    int total = 0;
-    for (int l : lens) {
-        int pages = (l + M40K_PAGE - 1) / M40K_PAGE;
-        total += pages;
-        p.indptr.push_back(total);
-        p.lpl.push_back(l - (pages - 1) * M40K_PAGE);
-    }
-    p.n_blocks = total + 5;
-    std::vector<int32_t> perm(p.n_blocks);
-    for (int i = 0; i < p.n_blocks; i++)
-        perm[i] = i;
-    for (int i = p.n_blocks - 1; i > 0; i--)
-        std::swap(perm[i], perm[rnd32() % (i + 1)]);
-    p.indices.assign(perm.begin(), perm.begin() + total);
-    return p;
-}
+#include "paged_fixture.h"
 
 /* ---------------------------------------------------------------- 5-7. kv append, attention */
 static void test_attention(void)
