@@ -41,6 +41,14 @@ tally() { # adds the last "N passed, N failed, N skipped" line of a log
     [ $# -ge 6 ] && skipped=$((skipped + $5))
 }
 log=$(mktemp -d)
+# One `m40 eval --device 0` against its reference, counted: eval_one LABEL TOL MODEL REF
+eval_one() {
+    if "$M40_BIN" eval --device 0 --tol "$2" "$3" "$4" >"$log/eval" 2>&1; then
+        passed=$((passed + 1)); echo "eval --device 0 $1: $(tail -n 1 "$log/eval")"
+    else
+        failed=$((failed + 1)); echo "eval --device 0 $1 FAILED:"; tail -n 20 "$log/eval"
+    fi
+}
 trap 'rm -rf "$log"' EXIT
 
 # 1. kernels
@@ -115,11 +123,7 @@ if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
         name=$(basename "$ref" .json)
         model="$M40_SHARED/models/$name.gguf"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
-        if "$M40_BIN" eval --device 0 --tol 5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
-            passed=$((passed + 1)); echo "eval --device 0 $name: $(tail -n 1 "$log/eval")"
-        else
-            failed=$((failed + 1)); echo "eval --device 0 $name FAILED:"; tail -n 20 "$log/eval"
-        fi
+        eval_one "$name" 5e-2 "$model" "$ref"
     done
 else
     echo "m40 eval --device 0: no $M40_BIN or no references, skipped"; skipped=$((skipped + 1))
@@ -133,11 +137,7 @@ if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
     for name in tiny-llama-hd-f16 tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
-        if "$M40_BIN" eval --device 0 --tol 7.5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
-            passed=$((passed + 1)); echo "eval --device 0 next/$name: $(tail -n 1 "$log/eval")"
-        else
-            failed=$((failed + 1)); echo "eval --device 0 next/$name FAILED:"; tail -n 20 "$log/eval"
-        fi
+        eval_one "next/$name" 7.5e-2 "$model" "$ref"
     done
     for name in tiny-qwen3moe-q4km tiny-gpt-oss-mxfp4; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
@@ -163,11 +163,7 @@ if [ "${M40_GPU_UNVALIDATED:-}" = 1 ] && [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/
     for name in tiny-qwen3moe-f16 tiny-qwen3moe-q8_0 tiny-qwen3moe-q4km tiny-gpt-oss-mxfp4; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
-        if "$M40_BIN" eval --device 0 --tol 7.5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
-            passed=$((passed + 1)); echo "eval --device 0 next/$name (M40_GPU_UNVALIDATED=1): $(tail -n 1 "$log/eval")"
-        else
-            failed=$((failed + 1)); echo "eval --device 0 next/$name (M40_GPU_UNVALIDATED=1) FAILED:"; tail -n 20 "$log/eval"
-        fi
+        eval_one "next/$name (M40_GPU_UNVALIDATED=1)" 7.5e-2 "$model" "$ref"
     done
 else
     echo "MoE evals on the GPU (3c): set M40_GPU_UNVALIDATED=1 to run them, skipped"; skipped=$((skipped + 1))
@@ -189,11 +185,7 @@ if [ -z "$syn_dir" ] && [ -f models-cache/gemma-3-270m-q4_k_m.gguf ] && [ -x .ve
         { echo "gemma3 synthetic model: build failed"; tail -5 "$log/g3syn"; failed=$((failed + 1)); syn_dir=; }
 fi
 if [ -n "$syn_dir" ] && [ -x "$M40_BIN" ]; then
-    if "$M40_BIN" eval --device 0 --tol 5e-2 "$syn_dir/SYN.gguf" "$syn_dir/REF.json" >"$log/eval" 2>&1; then
-        passed=$((passed + 1)); echo "eval --device 0 gemma3 synthetic: $(tail -n 1 "$log/eval")"
-    else
-        failed=$((failed + 1)); echo "eval --device 0 gemma3 synthetic FAILED:"; tail -n 20 "$log/eval"
-    fi
+    eval_one "gemma3 synthetic" 5e-2 "$syn_dir/SYN.gguf" "$syn_dir/REF.json"
 else
     echo "gemma3 synthetic: no models-cache/ model with .venv-models (scripts/fetch-gemma3.sh --ref) and no M40_G3_SYN, skipped"
     skipped=$((skipped + 1))
