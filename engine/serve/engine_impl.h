@@ -205,6 +205,7 @@ struct m40_engine {
     m40_step_shape shape;         /* what the current batch carries, for that model */
     m40_plan_info plan_info;
     float *logits;
+    float *step_logits;           /* where the step's rows are: logits, or the GPU's pinned buffer */
     /* Helper threads of a GPU engine's steps (scheduler.c, created at the first step that
      * needs them): the grammar masks of constrained rows computed while the GPU runs
      * the forward pass, then every sampled row's pick (m40_sequence_pick) in parallel. */

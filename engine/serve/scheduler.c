@@ -103,7 +103,8 @@ static void pick_task(void *ctx, int task, int thread)
     (void)thread;
     m40_engine *e = ctx;
     int32_t k = e->pick_rows[task];
-    e->pick_rc[task] = m40_sequence_pick(e, e->row_slot[k], e->logits + (size_t)k * (size_t)e->n_vocab, &e->pick_res[task]);
+    e->pick_rc[task] =
+        m40_sequence_pick(e, e->row_slot[k], e->step_logits + (size_t)k * (size_t)e->n_vocab, &e->pick_res[task]);
 }
 
 /* Starts the constrained rows' masks on the helper threads (the caller then runs the
@@ -322,7 +323,8 @@ void m40_run_step(m40_engine *e)
         n = build_batch(e, &rows);
         if (n == 0)
             return;
-        m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
+        m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want,
+                       .logits_at = &e->step_logits};
         int greedy = rows > 0;
         for (int32_t k = 0; k < rows && greedy; k++)
             greedy = greedy_only(e->slots[e->row_slot[k]].r);
@@ -396,7 +398,7 @@ void m40_run_step(m40_engine *e)
     } else {
         for (int32_t k = 0; k < rows; k++)
             if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
-                m40_sequence_advance(e, e->row_slot[k], picked ? NULL : e->logits + (size_t)k * (size_t)e->n_vocab,
+                m40_sequence_advance(e, e->row_slot[k], picked ? NULL : e->step_logits + (size_t)k * (size_t)e->n_vocab,
                                      picked ? e->picks[k] : -1);
     }
     m40_step_flush(e);
