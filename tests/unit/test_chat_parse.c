@@ -8,7 +8,9 @@
 #include "check.h"
 #include "m40_chat_parse.h"
 
-/* What the pieces add up to: content, reasoning, and the calls as "name(args);". */
+/* What the pieces add up to: content, reasoning, and the calls as "name(args);".
+ * Incremental runs also join each call's TOOL_ARGS and check them against its
+ * TOOL_CALL (bad_index counts any disorder). */
 typedef struct {
     char content[4096];
     size_t nc;
@@ -18,6 +20,12 @@ typedef struct {
     size_t ncalls_text;
     int ncalls;
     int bad_index;
+    int incremental;
+    int open;           /* a TOOL_BEGIN without its TOOL_CALL yet */
+    int begun;          /* TOOL_BEGINs */
+    char args[4096];    /* the open call's TOOL_ARGS joined */
+    size_t na;
+    char name[256];
 } result;
 
 static void app(char *dst, size_t *n, size_t cap, const char *s, size_t len)
@@ -36,9 +44,25 @@ static int collect(void *ud, const m40_piece *pc)
         app(r->content, &r->nc, sizeof r->content, pc->text, pc->len);
     } else if (pc->kind == M40_PIECE_REASONING) {
         app(r->reasoning, &r->nr, sizeof r->reasoning, pc->text, pc->len);
+    } else if (pc->kind == M40_PIECE_TOOL_BEGIN) {
+        if (!r->incremental || r->open || pc->index != r->begun || !pc->name || !pc->name[0])
+            r->bad_index = 1;
+        r->begun++;
+        r->open = 1;
+        r->na = 0;
+        r->args[0] = '\0';
+        snprintf(r->name, sizeof r->name, "%s", pc->name ? pc->name : "");
+    } else if (pc->kind == M40_PIECE_TOOL_ARGS) {
+        if (!r->incremental || !r->open || pc->index != r->begun - 1 || pc->len == 0)
+            r->bad_index = 1;
+        app(r->args, &r->na, sizeof r->args, pc->text, pc->len);
     } else {
         if (pc->index != r->ncalls)
             r->bad_index = 1;
+        if (r->incremental && (!r->open || pc->index != r->begun - 1 || strcmp(r->args, pc->arguments) != 0 ||
+                               strcmp(r->name, pc->name) != 0))
+            r->bad_index = 1; /* the streamed call is not the call */
+        r->open = 0;
         r->ncalls++;
         app(r->calls, &r->ncalls_text, sizeof r->calls, pc->name, strlen(pc->name));
         app(r->calls, &r->ncalls_text, sizeof r->calls, "(", 1);
@@ -49,11 +73,15 @@ static int collect(void *ud, const m40_piece *pc)
 }
 
 /* Feeds s in pieces of the given sizes (cycled; 0 means all at once). */
+static int incremental_runs; /* run() asks for TOOL_BEGIN and TOOL_ARGS */
+
 static void run(m40_tool_format f, m40_reasoning_mode m, int open, const char *s, size_t len, const size_t *sizes,
                 int n_sizes, result *r)
 {
     memset(r, 0, sizeof *r);
     m40_chat_parse *p = m40_chat_parse_new(f, m, open);
+    r->incremental = incremental_runs;
+    m40_chat_parse_incremental(p, incremental_runs);
     size_t i = 0;
     int k = 0;
     while (i < len) {
@@ -64,7 +92,7 @@ static void run(m40_tool_format f, m40_reasoning_mode m, int open, const char *s
         i += n;
     }
     m40_chat_parse_finish(p, collect, r);
-    if (m40_chat_parse_tool_calls(p) != r->ncalls)
+    if (m40_chat_parse_tool_calls(p) != r->ncalls || r->open || (r->incremental && r->begun != r->ncalls))
         r->bad_index = 1;
     m40_chat_parse_free(p);
 }
@@ -103,6 +131,21 @@ static void expect(const char *what, m40_tool_format f, m40_reasoning_mode m, in
     run(f, m, open, out, len, &one, 1, &part);
     CHECK(same(&whole, &part), "%s: byte-by-byte feed agrees (content [%s] calls [%s])", what, part.content,
           part.calls);
+    /* streamed calls: the same, at every cut, their pieces in order and adding up */
+    incremental_runs = 1;
+    split_ok = 1;
+    for (size_t cut = 0; cut < len; cut++) {
+        size_t sizes[2] = {cut ? cut : 1, cut ? len : 1};
+        run(f, m, open, out, len, sizes, 2, &part);
+        if (!same(&whole, &part)) {
+            split_ok = 0;
+            fprintf(stderr, "%s: incremental, split at %zu: content [%s] calls [%s] bad %d\n", what, cut,
+                    part.content, part.calls, part.bad_index);
+            break;
+        }
+    }
+    incremental_runs = 0;
+    CHECK(split_ok, "%s: incremental feeds (two pieces, byte by byte) agree with one", what);
 }
 
 static void test_detect(void)
@@ -263,8 +306,8 @@ static void test_json(void)
 {
     const m40_tool_format J = M40_TOOLS_JSON;
     const m40_reasoning_mode S = M40_REASONING_SEPARATE;
-    expect("object", J, S, 0, "{\"name\": \"f\", \"arguments\": {\"a\": \"\\u00e9\"}}", "", "",
-           "f({\"a\":\"\xc3\xa9\"});"); /* UTF-8 as it is, as json.dumps(ensure_ascii=False) */
+    expect("object", J, S, 0, "{\"name\": \"f\", \"arguments\": {\"a\": \"\\u00e9\", \"b\": \"\xc3\xa9\"}}", "", "",
+           "f({\"a\":\"\\u00e9\",\"b\":\"\xc3\xa9\"});"); /* strings as the model wrote them */
     expect("array", J, S, 0, "[{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"parameters\": {}}]", "", "",
            "f({});g({});");
     expect("empty array is content", J, S, 0, "[]", "[]", "", "");
@@ -346,6 +389,141 @@ static void test_harmony(void)
     expect("a header longer than any is content", X, S, 0, big, big, "", "");
 }
 
+/* s[0..n) without the blanks between JSON tokens (what a call's arguments are). */
+static size_t minify(const char *s, size_t n, char *out)
+{
+    size_t k = 0;
+    int in_str = 0, esc = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (in_str) {
+            out[k++] = c;
+            if (esc)
+                esc = 0;
+            else if (c == '\\')
+                esc = 1;
+            else if (c == '"')
+                in_str = 0;
+        } else if (c != ' ' && c != '\n' && c != '\t' && c != '\r') {
+            out[k++] = c;
+            in_str = c == '"';
+        }
+    }
+    out[k] = '\0';
+    return k;
+}
+
+/* A call's arguments stream as they are written: fed byte by byte, once the name and
+ * two bytes of the arguments are in, the TOOL_ARGS so far are exactly the arguments
+ * written so far (nothing waits for the call's end); the name comes first, once. */
+static void expect_streaming(const char *what, m40_tool_format f, const char *out, const char *args_text,
+                             const char *name)
+{
+    size_t len = strlen(out);
+    const char *a = strstr(out, args_text);
+    if (!a) {
+        CHECK(0, "%s: bad case", what);
+        return;
+    }
+    size_t from = (size_t)(a - out), to = from + strlen(args_text);
+    char want[1024], final_args[1024];
+    minify(args_text, strlen(args_text), final_args);
+    result r;
+    memset(&r, 0, sizeof r);
+    r.incremental = 1;
+    m40_chat_parse *p = m40_chat_parse_new(f, M40_REASONING_SEPARATE, 0);
+    m40_chat_parse_incremental(p, 1);
+    int lagged = 0, early = 0;
+    for (size_t i = 0; i < len; i++) {
+        m40_chat_parse_feed(p, out + i, 1, collect, &r);
+        size_t fed = i + 1;
+        if (fed <= from) {
+            early += r.begun != 0;
+            continue;
+        }
+        size_t w = minify(out + from, (fed < to ? fed : to) - from, want);
+        if (w >= 2 && (r.begun != 1 || strcmp(r.args, want) != 0 || strcmp(r.name, name) != 0)) {
+            if (!lagged)
+                fprintf(stderr, "%s: after %zu bytes streamed [%s], written [%s]\n", what, fed, r.args, want);
+            lagged++;
+        }
+    }
+    m40_chat_parse_finish(p, collect, &r);
+    m40_chat_parse_free(p);
+    CHECK(early == 0 && lagged == 0 && !r.bad_index && r.ncalls == 1 && strcmp(r.args, final_args) == 0,
+          "%s: the arguments stream as written (%d early, %d behind, %d calls)", what, early, lagged, r.ncalls);
+}
+
+static void test_streaming(void)
+{
+    const char *args = "{\"city\": \"Paris\", \"days\": [1, 2.50, -3e+2], \"ok\": true, \"q\": {\"x\": null, "
+                       "\"s\": \"a\\\"b\\u00e9 \\n\"}}";
+    char buf[1024];
+    snprintf(buf, sizeof buf, "Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": %s}\n</tool_call>", args);
+    expect_streaming("hermes", M40_TOOLS_HERMES, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "{\"name\": \"get_weather\", \"parameters\": %s}", args);
+    expect_streaming("llama3 json", M40_TOOLS_LLAMA3, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": %s}", args);
+    expect_streaming("llama3 python_tag", M40_TOOLS_LLAMA3, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": %s, \"id\": \"abc123xyz\"}]",
+             args);
+    expect_streaming("mistral", M40_TOOLS_MISTRAL, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "[TOOL_CALLS]get_weather[ARGS]%s", args);
+    expect_streaming("mistral [ARGS]", M40_TOOLS_MISTRAL, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "[{\"name\": \"get_weather\", \"arguments\": %s}]", args);
+    expect_streaming("json fallback", M40_TOOLS_JSON, buf, args, "get_weather");
+    snprintf(buf, sizeof buf,
+             "<|channel|>analysis<|message|>Weather.<|end|><|start|>assistant<|channel|>commentary "
+             "to=functions.get_weather <|constrain|>json<|message|>%s<|call|>",
+             args);
+    expect_streaming("harmony", M40_TOOLS_HARMONY, buf, args, "get_weather");
+}
+
+/* What streaming changed: a call is decided at its start, so later trouble cuts it
+ * short instead of turning it into content; numbers and strings are the model's. */
+static void test_calls_cut_short(void)
+{
+    const m40_reasoning_mode S = M40_REASONING_SEPARATE;
+    expect("max_tokens inside the arguments", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": \"Par", "", "", "f({\"q\":\"Par);");
+    expect("broken inside the arguments", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": 1,, }}</tool_call>after", "after", "",
+           "f({\"q\":1,);"); /* as far as it was valid */
+    expect("junk after the call's object is dropped", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {}}}\n</tool_call>", "", "", "f({});");
+    expect("second object no call: dropped", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {}} {\"x\": 1}</tool_call>", "", "", "f({});");
+    expect("name after the arguments", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"arguments\": {\"a\": 1}, \"name\": \"f\"}</tool_call>", "", "", "f({\"a\":1});");
+    expect("name with an escape", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"g\\u0065t\", \"arguments\": {}}</tool_call>", "", "", "get({});");
+    expect("name not a string", M40_TOOLS_HERMES, S, 0, "<tool_call>{\"name\": 1, \"arguments\": {}}</tool_call>",
+           "<tool_call>{\"name\": 1, \"arguments\": {}}</tool_call>", "", "");
+    expect("arguments an array", M40_TOOLS_HERMES, S, 0, "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>",
+           "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>", "", "");
+    expect("arguments null", M40_TOOLS_HERMES, S, 0, "<tool_call>{\"name\": \"f\", \"arguments\": null}</tool_call>",
+           "", "", "f({});");
+    expect("numbers as written", M40_TOOLS_JSON, S, 0,
+           "{\"name\": \"f\", \"arguments\": {\"a\": 1.0, \"b\": 1e5, \"c\": 12345678901234567890}}", "", "",
+           "f({\"a\":1.0,\"b\":1e5,\"c\":12345678901234567890});");
+    expect("text after llama3 calls is content", M40_TOOLS_LLAMA3, S, 0,
+           "{\"name\": \"f\", \"parameters\": {}}; {\"name\": \"g\", \"parameters\": {\"k\": 1}}\nDone.",
+           "Done.", "", "f({});g({\"k\":1});");
+    expect("mistral: several [ARGS] calls", M40_TOOLS_MISTRAL, S, 0,
+           "[TOOL_CALLS]a[ARGS]{\"x\": 1}[TOOL_CALLS]b[ARGS]{}", "", "", "a({\"x\":1});b({});");
+    expect("mistral: [ARGS] not an object", M40_TOOLS_MISTRAL, S, 0, "[TOOL_CALLS]a[ARGS]1",
+           "[TOOL_CALLS]a[ARGS]1", "", "");
+    expect("harmony: cut inside the arguments", M40_TOOLS_HARMONY, S, 0,
+           "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": [1, ", "", "", "f({\"a\":[1,);");
+    expect("harmony: junk after the object is dropped", M40_TOOLS_HARMONY, S, 0,
+           "<|channel|>commentary to=functions.f<|message|>{} x<|call|><|start|>assistant<|channel|>final<|message|>ok",
+           "ok", "", "f({});");
+    char deep[200];
+    memset(deep, '[', 150);
+    deep[150] = '\0';
+    expect("nesting deeper than the reader's stack is no call", M40_TOOLS_JSON, S, 0, deep, deep, "", "");
+}
+
 /* Random bytes and random marker soup at random chunkings: no crash, every piece is
  * reported with sane fields, and with everything off the content is the input. */
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -408,14 +586,27 @@ static void test_fuzz(void)
                 m40_chat_parse_free(p);
             }
         }
-        /* harmony holds more than the others (headers, calls): any chunking agrees */
-        for (int m = 0; m <= M40_REASONING_NONE; m++) {
-            result whole, part;
-            size_t cs[3] = {1 + rnd() % 5, 1 + rnd() % 13, 1};
-            run(M40_TOOLS_HARMONY, (m40_reasoning_mode)m, 0, buf, len, NULL, 0, &whole);
-            run(M40_TOOLS_HARMONY, (m40_reasoning_mode)m, 0, buf, len, cs, 3, &part);
-            if (!same(&whole, &part))
-                harmony_split_bad++;
+        /* any chunking agrees, and streamed calls add up to the calls (every format) */
+        for (int f = 1; f <= M40_TOOLS_HARMONY; f++) {
+            for (int m = 0; m <= M40_REASONING_NONE; m++) {
+                result whole, part;
+                size_t cs[3] = {1 + rnd() % 5, 1 + rnd() % 13, 1};
+                int open = (int)(rnd() & 1);
+                run((m40_tool_format)f, (m40_reasoning_mode)m, open, buf, len, NULL, 0, &whole);
+                incremental_runs = 1;
+                run((m40_tool_format)f, (m40_reasoning_mode)m, open, buf, len, cs, 3, &part);
+                incremental_runs = 0;
+                if (!same(&whole, &part)) {
+                    if (!harmony_split_bad) {
+                        fprintf(stderr, "format %d mode %d open %d sizes %zu %zu: [", f, m, open, cs[0], cs[1]);
+                        fwrite(buf, 1, len, stderr);
+                        fprintf(stderr, "]\nwhole [%s][%s][%s] part [%s][%s][%s] bad %d\n", whole.content,
+                                whole.reasoning, whole.calls, part.content, part.reasoning, part.calls,
+                                part.bad_index);
+                    }
+                    harmony_split_bad++;
+                }
+            }
         }
         result r;
         size_t sizes[3] = {1 + rnd() % 5, 1 + rnd() % 9, 1};
@@ -424,7 +615,8 @@ static void test_fuzz(void)
             identity_bad++;
     }
     CHECK(bad == 0, "%d malformed pieces", bad);
-    CHECK(harmony_split_bad == 0, "%d harmony outputs parsed differently when chunked", harmony_split_bad);
+    CHECK(harmony_split_bad == 0, "%d outputs parsed differently when chunked (or streamed calls not the calls)",
+          harmony_split_bad);
     CHECK(identity_bad == 0, "%d outputs not passed through unchanged with parsing off", identity_bad);
 }
 
@@ -439,6 +631,8 @@ int main(void)
     test_json();
     test_detect_harmony_template();
     test_harmony();
+    test_streaming();
+    test_calls_cut_short();
     test_fuzz();
     return check_done();
 }
