@@ -73,6 +73,10 @@ ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
         if (ch->parser == NULL) {
             return NGX_ERROR;
         }
+
+        /* streamed: a call's name as soon as it is known, then its arguments
+         * as they are written (the same calls either way) */
+        m40_chat_parse_incremental(ch->parser, ctx->stream);
     }
 
     if (ev->type == M40_EV_DONE) {
@@ -85,8 +89,9 @@ ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
 }
 
 
-/* A tool call of the response: {"id", "type", "function": {"name", "arguments"}};
- * the id is "call_" and 24 random letters and digits, as OpenAI's look. */
+/* A tool call of the response: {"id", "type", "function": {"name", "arguments"}}
+ * (arguments "" for a call that has just begun: TOOL_BEGIN); the id is "call_" and
+ * 24 random letters and digits, as OpenAI's look. */
 json_t *
 ngx_http_m40_tool_call_json(const m40_piece *pc, ngx_flag_t with_index)
 {
@@ -103,7 +108,8 @@ ngx_http_m40_tool_call_json(const m40_piece *pc, ngx_flag_t with_index)
     id[29] = '\0';
 
     c = json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", id, "type", "function",
-                  "function", "name", pc->name, "arguments", pc->arguments);
+                  "function", "name", pc->name,
+                  "arguments", pc->arguments ? pc->arguments : "");
     if (c != NULL && with_index) {
         json_object_set_new(c, "index", json_integer(pc->index));
     }

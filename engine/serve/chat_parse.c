@@ -360,22 +360,36 @@ static int call_start(m40_chat_parse *p, m40_piece_cb cb, void *ud)
     return cb(ud, &pc);
 }
 
-/* The arguments read since the last flush. */
-static int flush_args(m40_chat_parse *p, m40_piece_cb cb, void *ud)
+/* n less a UTF-8 character s[0..n) ends inside of (a fragment must be text a client
+ * can decode: the rest of the character comes with the next). */
+static size_t utf8_whole(const char *s, size_t n)
 {
-    if (!p->sc.committed || p->args_sent == p->args_len)
+    for (size_t k = 1; k <= 3 && k <= n; k++) {
+        unsigned char c = (unsigned char)s[n - k];
+        if ((c & 0xc0) == 0x80)
+            continue; /* a continuation byte: look further back */
+        size_t need = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
+        return need > k ? n - k : n;
+    }
+    return n;
+}
+
+/* The arguments read since the last flush (all: the call ends; else whole
+ * characters only). */
+static int flush_args(m40_chat_parse *p, int all, m40_piece_cb cb, void *ud)
+{
+    size_t end = all ? p->args_len : utf8_whole(p->args, p->args_len);
+    if (!p->sc.committed || end <= p->args_sent)
         return 0;
-    m40_piece pc = {.kind = M40_PIECE_TOOL_ARGS,
-                    .index = p->sc.index,
-                    .text = p->args + p->args_sent,
-                    .len = p->args_len - p->args_sent};
-    p->args_sent = p->args_len;
+    m40_piece pc = {
+        .kind = M40_PIECE_TOOL_ARGS, .index = p->sc.index, .text = p->args + p->args_sent, .len = end - p->args_sent};
+    p->args_sent = end;
     return p->incremental ? cb(ud, &pc) : 0;
 }
 
 static int call_end(m40_chat_parse *p, m40_piece_cb cb, void *ud)
 {
-    int rc = flush_args(p, cb, ud);
+    int rc = flush_args(p, 1, cb, ud);
     call_scan *s = &p->sc;
     s->committed = 0;
     s->in_call = s->in_args = 0;
@@ -809,7 +823,7 @@ static int scan_block(m40_chat_parse *p, const char *blk, size_t n, int final, i
         if ((rc = maybe_commit(p, cb, ud)) != 0)
             return rc;
     }
-    return flush_args(p, cb, ud);
+    return flush_args(p, 0, cb, ud);
 }
 
 /* The block blk[0..n) ended (its closer, or the output's end): an open call ends
