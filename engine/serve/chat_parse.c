@@ -4,14 +4,12 @@
  *   TEXT   content; scans for the markers that switch state ("<think>", the format's
  *          tool-call opener) and holds back a tail that could be the start of one;
  *   THINK  reasoning until "</think>" (its tail held the same way);
- *   CALL   Hermes: one call's JSON until "</tool_call>", then TEXT again;
- *   REST   everything to the end is one block of calls (Llama 3 JSON, python_tag,
- *          Mistral, the JSON fallback): parsed at the finish, since none of these
- *          formats has a closing marker to parse at earlier.
- * Calls are parsed all or nothing: a block that does not parse as calls goes back
- * out as content with its markup, which is what vLLM's parsers do. Arguments are
- * re-serialized compactly from the parsed object, so what the client gets is always
- * one valid JSON object text.
+ *   CALL   Hermes: call JSON until "</tool_call>" (its partial tail held), then TEXT;
+ *   REST   Llama 3 JSON, python_tag, Mistral, the JSON fallback: calls until the end
+ *          or, once calls went out, until text that starts none (then TEXT again).
+ * Both read their block byte by byte as it comes (see "calls, read byte by byte"),
+ * so a call's name and arguments stream as they are written; a block whose first
+ * call does not parse goes back out as content with its markup, as vLLM's parsers do.
  *
  * Harmony (gpt-oss) has no free text at all: its output is messages, each a header
  * ("<|channel|>NAME", a recipient " to=functions.NAME", a content type) up to
@@ -22,8 +20,9 @@
  *   H_HEAD  the header, held until "<|message|>" (it is short; a header that grows past
  *           HEAD_MAX, or meets an end marker first, was no header and goes out as content);
  *   H_BODY  the body: the analysis channel streams as reasoning, final and commentary
- *           as content, a call to functions.NAME is held and parsed at its end marker
- *           (all or nothing, like the others); a header we do not know (another
+ *           as content, a call to functions.NAME streams its arguments object as the
+ *           others' calls do (content with its header if it is no object); a header
+ *           we do not know (another
  *           recipient, another channel) streams as content with its markup, so nothing
  *           the model wrote is lost. The end markers are gone from the text when the
  *           tokenizer makes <|return|> and <|call|> end the generation (real gpt-oss
