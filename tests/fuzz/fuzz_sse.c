@@ -248,8 +248,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(raw.buf);
 
     /* 2. the detokenizer, then the output parser, then the events */
-    m40_tool_format tools = (m40_tool_format)(mode % 5);
-    m40_reasoning_mode reasoning = (m40_reasoning_mode)((mode / 5) % 3);
+    m40_tool_format tools = (m40_tool_format)(mode % 6); /* harmony (5) too */
+    m40_reasoning_mode reasoning = (m40_reasoning_mode)((mode / 6) % 3);
     m40_chat_parse *cp = m40_chat_parse_new(tools, reasoning, (mode >> 7) & 1);
     m40_detok *d = m40_detok_new(tok);
     CHECK(cp && d, "out of memory");
