@@ -9,13 +9,18 @@ engine with the official SDKs, which accumulate the deltas:
     response.function_call_arguments.delta, then .done and output_item.done whose
     arguments are the deltas joined, as is the completed response's item;
   - /v1/messages: content_block_start (tool_use, input {}), several input_json_delta
-    events, content_block_stop; the joined partial_json is the non-streamed input.
+    events, content_block_stop; the joined partial_json is the non-streamed input;
+  - the openai SDK's chat stream helper, which parses the arguments after each fragment
+    (partial JSON) and a strict pydantic tool's at the end.
 The models are tiny and random; tool_choice forces a call (constrained decoding), and
 each schema has enough to write that the arguments take many tokens."""
 import json
+from typing import Literal
 
 import anthropic
 import jsonschema
+import openai
+import pydantic
 import pytest
 
 import test_harmony
@@ -164,10 +169,9 @@ def test_messages_input_json_streams(instances):
     kw = dict(model=TOOL_MODEL_NAME, max_tokens=200, tools=tools, messages=[{"role": "user", "content": "Lamps."}],
               tool_choice={"type": "tool", "name": "order"}, extra_body={"seed": 5, "temperature": 1})
     full = [b for b in claude.messages.create(**kw).content if b.type == "tool_use"]
-    events, partial = [], []
+    partial = []
     with claude.messages.stream(**kw) as s:
         for ev in s:
-            events.append(ev.type)
             if ev.type == "content_block_start" and ev.content_block.type == "tool_use":
                 assert ev.content_block.name == "order" and ev.content_block.input == {}
             if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
@@ -178,3 +182,35 @@ def test_messages_input_json_streams(instances):
     assert json.loads("".join(partial)) == use[0].input == full[0].input
     assert final.stop_reason == "tool_use"
     jsonschema.validate(use[0].input, ORDER)
+
+
+class Order(pydantic.BaseModel):
+    item: str = pydantic.Field(min_length=6, max_length=10)
+    count: int = pydantic.Field(ge=100, le=99999)
+    express: bool
+    note: Literal["leave at the door", "call on arrival"]
+
+
+def test_sdk_stream_helper_parses_each_prefix(instances):
+    # The SDK's chat stream helper parses the arguments after every fragment (partial
+    # JSON) and, for a strict pydantic tool, into the model at the end: each prefix
+    # must be a JSON prefix and the whole an Order.
+    _, _, cl = with_template(instances, "Qwen-Qwen2.5-7B-Instruct.jinja")
+    tool = openai.pydantic_function_tool(Order, name="order")
+    deltas, snapshots = [], []
+    with cl.chat.completions.stream(model=TOOL_MODEL_NAME, messages=MSGS, tools=[tool], temperature=1, seed=3,
+                                    max_tokens=200, tool_choice={"type": "function", "function": {"name": "order"}},
+                                    parallel_tool_calls=False) as s:
+        for ev in s:
+            if ev.type == "tool_calls.function.arguments.delta":
+                deltas.append(ev.arguments_delta)
+                snapshots.append(ev.parsed_arguments)
+            if ev.type == "tool_calls.function.arguments.done":
+                done = ev
+        final = s.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert len(deltas) >= 3 and "".join(deltas) == call.function.arguments == done.arguments
+    assert isinstance(call.function.parsed_arguments, Order) and isinstance(done.parsed_arguments, Order)
+    # the partial parses grow: each snapshot's keys are a prefix of the next one's
+    keys = [list(p or {}) for p in snapshots]
+    assert all(a == b[:len(a)] for a, b in zip(keys, keys[1:])) and keys[-1] == list(Order.model_fields)
