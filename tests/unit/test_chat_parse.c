@@ -560,6 +560,102 @@ static int sane(void *ud, const m40_piece *pc)
     return 0;
 }
 
+/* A random JSON value (objects and arrays nest to depth 3) appended at *n. */
+static void gen_value(char *b, size_t *n, size_t cap, int depth)
+{
+    static const char *const scalars[] = {"0", "-12", "3.25", "1e-7", "true", "false", "null", "\"\"",
+                                          "\"Paris\"", "\"a\\\"b\"", "\"\\u00e9\\n\"", "\"\xc3\xa9\xe2\x82\xac\"",
+                                          "\"x y\""};
+    if (*n + 64 > cap)
+        return;
+    uint32_t r = rnd() % 8;
+    if (depth < 3 && r < 3) {
+        int k = (int)(rnd() % 4), obj = r < 2;
+        b[(*n)++] = obj ? '{' : '[';
+        for (int i = 0; i < k && *n + 64 < cap; i++) {
+            if (i)
+                *n += (size_t)snprintf(b + *n, cap - *n, rnd() & 1 ? ", " : ",");
+            if (obj)
+                *n += (size_t)snprintf(b + *n, cap - *n, "\"k%d\":%s", i, rnd() & 1 ? " " : "");
+            gen_value(b, n, cap, depth + 1);
+        }
+        b[(*n)++] = obj ? '}' : ']';
+    } else {
+        *n += (size_t)snprintf(b + *n, cap - *n, "%s", scalars[rnd() % (sizeof scalars / sizeof *scalars)]);
+    }
+    b[*n] = '\0';
+}
+
+/* A model's answer with calls in format f: text, calls with random arguments, text;
+ * sometimes cut short or with a byte changed (*intact 0). Returns its length; want
+ * gets the calls as result.calls spells them. */
+static size_t gen_calls(m40_tool_format f, char *b, size_t cap, char *want, size_t want_cap, int *intact)
+{
+    size_t n = 0, w = 0, a0;
+    want[0] = '\0';
+    int calls = 1 + (int)(rnd() % 3);
+    if (f == M40_TOOLS_HERMES && rnd() % 2)
+        n += (size_t)snprintf(b, cap, "Let me see.\n");
+    if (f == M40_TOOLS_MISTRAL)
+        n += (size_t)snprintf(b + n, cap - n, "[TOOL_CALLS]%s", rnd() % 2 ? "[" : "");
+    if (f == M40_TOOLS_LLAMA3 && rnd() % 2)
+        n += (size_t)snprintf(b + n, cap - n, "<|python_tag|>");
+    if (f == M40_TOOLS_JSON && calls > 1)
+        n += (size_t)snprintf(b + n, cap - n, "[");
+    int mistral_array = f == M40_TOOLS_MISTRAL && b[n - 1] == '[';
+    for (int c = 0; c < calls && n + 200 < cap; c++) {
+        if (f == M40_TOOLS_HARMONY) {
+            n += (size_t)snprintf(b + n, cap - n, "%s<|channel|>commentary to=functions.f%d <|constrain|>json<|message|>",
+                                  c ? "<|start|>assistant" : "", c);
+            a0 = n;
+            b[n++] = '{';
+            n += (size_t)snprintf(b + n, cap - n, "\"a\": ");
+            gen_value(b, &n, cap, 1);
+            b[n++] = '}';
+            w += (size_t)snprintf(want + w, want_cap - w, "f%d(", c);
+            w += minify(b + a0, n - a0, want + w);
+            w += (size_t)snprintf(want + w, want_cap - w, ");");
+            n += (size_t)snprintf(b + n, cap - n, "<|call|>");
+            continue;
+        }
+        if (f == M40_TOOLS_HERMES)
+            n += (size_t)snprintf(b + n, cap - n, "<tool_call>\n");
+        else if (c && f == M40_TOOLS_LLAMA3)
+            n += (size_t)snprintf(b + n, cap - n, "; ");
+        else if (c && (f == M40_TOOLS_JSON || mistral_array))
+            n += (size_t)snprintf(b + n, cap - n, ", ");
+        else if (c && f == M40_TOOLS_MISTRAL)
+            n += (size_t)snprintf(b + n, cap - n, "[TOOL_CALLS]");
+        if (f == M40_TOOLS_MISTRAL && !mistral_array) {
+            n += (size_t)snprintf(b + n, cap - n, "f%d[ARGS]{\"a\": ", c);
+        } else {
+            n += (size_t)snprintf(b + n, cap - n, "{\"name\": \"f%d\", \"%s\": {\"a\": ", c,
+                                  f == M40_TOOLS_LLAMA3 ? "parameters" : "arguments");
+        }
+        a0 = n;
+        gen_value(b, &n, cap, 1);
+        w += (size_t)snprintf(want + w, want_cap - w, "f%d({\"a\":", c);
+        w += minify(b + a0, n - a0, want + w);
+        w += (size_t)snprintf(want + w, want_cap - w, "});");
+        n += (size_t)snprintf(b + n, cap - n, "}%s", f == M40_TOOLS_MISTRAL && !mistral_array ? "" : "}");
+        if (f == M40_TOOLS_HERMES)
+            n += (size_t)snprintf(b + n, cap - n, "\n</tool_call>\n");
+    }
+    if (f == M40_TOOLS_JSON && calls > 1)
+        n += (size_t)snprintf(b + n, cap - n, "]");
+    if (mistral_array)
+        n += (size_t)snprintf(b + n, cap - n, "]");
+    if (rnd() % 3 == 0 && n + 20 < cap)
+        n += (size_t)snprintf(b + n, cap - n, "%s", f == M40_TOOLS_HARMONY ? "<|start|>assistant<|channel|>final<|message|>ok" : "\nDone.");
+    uint32_t r = rnd() % 4;
+    *intact = r > 1;
+    if (r == 0)
+        n = rnd() % (n + 1); /* max_tokens */
+    else if (r == 1)
+        b[rnd() % n] = "{}[]\",:x \\<"[rnd() % 12]; /* a model's slip */
+    return n;
+}
+
 static void test_fuzz(void)
 {
     static const char *const bits[] = {"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]",
@@ -567,13 +663,39 @@ static void test_fuzz(void)
                                        "\"arguments\"", "{}", "\"parameters\"", " ", "\n", ";", "[ARGS]", "<", "\"",
                                        "\\", "x", "\xff", "\xc3\xa9", "1", "<|start|>", "assistant",
                                        "<|channel|>", "analysis", "final", "commentary", " to=functions.f",
-                                       "<|constrain|>json", "<|message|>", "<|end|>", "<|return|>", "<|call|>"};
-    int bad = 0, identity_bad = 0, harmony_split_bad = 0;
-    char buf[600];
+                                       "<|constrain|>json", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                                       /* the call reader's states: numbers, literals, escapes, names */
+                                       "\"name\": \"f\", \"arguments\": {", "true", "nul", "l", "-", "0",
+                                       "1.5e-3", "e", ".", "\\u00e9", "\\n", "\\", "\t", "\xe2\x82", "\xac",
+                                       "{\"name\": \"g\", \"parameters\": ", "get_weather[ARGS]"};
+    int bad = 0, identity_bad = 0, harmony_split_bad = 0, calls_bad = 0, calls_checked = 0;
+    char buf[1200];
     for (int iter = 0; iter < 6000; iter++) {
         size_t len = 0;
         int n = (int)(rnd() % 40);
-        for (int k = 0; k < n && len < sizeof buf - 40; k++) {
+        if (iter % 4 == 3) {
+            /* calls as models write them: with the format's parser, intact ones are read
+             * exactly (arguments = their text without blanks), whatever the chunking */
+            char want[1200];
+            int intact;
+            m40_tool_format gf = (m40_tool_format)(1 + iter / 4 % M40_TOOLS_HARMONY);
+            len = gen_calls(gf, buf, sizeof buf, want, sizeof want, &intact);
+            if (intact) {
+                result r;
+                size_t cs[2] = {1 + rnd() % 4, 1 + rnd() % 9};
+                incremental_runs = 1;
+                run(gf, M40_REASONING_SEPARATE, 0, buf, len, cs, 2, &r);
+                incremental_runs = 0;
+                if (strcmp(r.calls, want) != 0 || r.bad_index) {
+                    if (!calls_bad)
+                        fprintf(stderr, "format %d: [%.*s]\ncalls [%s]\nwant  [%s]\n", (int)gf, (int)len, buf, r.calls,
+                                want);
+                    calls_bad++;
+                }
+                calls_checked++;
+            }
+        }
+        for (int k = 0; k < n && len < sizeof buf - 40 && iter % 4 != 3; k++) {
             if (iter % 3 == 0) {
                 buf[len++] = (char)(rnd() & 0xff);
             } else {
@@ -628,6 +750,8 @@ static void test_fuzz(void)
     CHECK(bad == 0, "%d malformed pieces", bad);
     CHECK(harmony_split_bad == 0, "%d outputs parsed differently when chunked (or streamed calls not the calls)",
           harmony_split_bad);
+    CHECK(calls_bad == 0 && calls_checked > 500, "%d of %d well-formed generated outputs' calls misread", calls_bad,
+          calls_checked);
     CHECK(identity_bad == 0, "%d outputs not passed through unchanged with parsing off", identity_bad);
 }
 
