@@ -276,8 +276,9 @@ static int emit_text(m40_chat_parse *p, m40_piece_kind kind, const char *s, size
  *
  * A block is decided at its first call: until then nothing goes out, and if the first
  * object is no call ({"answer": 42}, no name, arguments neither object, string nor
- * null) or the JSON breaks, the whole block goes back out as content with its markup,
- * as vLLM does with a call that does not parse. After one call went out the block is
+ * null) or the JSON breaks, the block goes back out as content with its markup, as
+ * vLLM does with a call that does not parse: what was read of it at once, the rest as
+ * the text it is (release_text). After one call went out the block is
  * calls: what breaks a call later ends it with its arguments as far as they were
  * valid (as OpenAI's are when max_tokens cuts a call) and the rest of the block is
  * dropped; where the markup has no closer (Llama 3, Mistral, bare JSON), text after a
@@ -825,6 +826,19 @@ static int scan_block(m40_chat_parse *p, const char *blk, size_t n, int final, i
     return flush_args(p, 0, cb, ud);
 }
 
+/* The block turned out to be no call (D_TEXT): what was read of it goes out as content
+ * at once, its opener first, and the caller goes on with the rest as text (nothing is
+ * held that can no longer be markup). */
+static int release_text(m40_chat_parse *p, const char *open, m40_piece_cb cb, void *ud)
+{
+    size_t n = p->sc.pos;
+    int rc;
+    if ((rc = emit_text(p, M40_PIECE_CONTENT, open, strlen(open), cb, ud)) == 0)
+        rc = emit_text(p, M40_PIECE_CONTENT, p->buf, n, cb, ud);
+    consume(p, n);
+    return rc;
+}
+
 /* The block blk[0..n) ended (its closer, or the output's end): an open call ends
  * there (cut short); an undecided block, or one that was no call, is content with
  * its markup. */
@@ -1067,6 +1081,14 @@ static int run_harmony(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
             size_t n = j >= 0 ? (size_t)j : final ? p->len : p->len - partial_any(p->buf, p->len, H_BODY_ENDS, 5), tail;
             if ((rc = scan_block(p, p->buf, n, j >= 0 || final, 0, cb, ud, &tail)) != 0)
                 return rc;
+            if (p->sc.dec == D_TEXT) {
+                /* no object: the message is content as written, header and all */
+                rc = release_text(p, p->h_head, cb, ud);
+                h_raw_body(p);
+                if (rc != 0)
+                    return rc;
+                continue;
+            }
             if (j < 0 && !final)
                 return 0;
             rc = finish_block(p, p->h_head, p->buf, n, end, cb, ud);
@@ -1123,6 +1145,14 @@ static int run(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
             size_t n = i >= 0 ? (size_t)i : final ? p->len : p->len - partial_tail(p->buf, p->len, HERMES_CLOSE), tail;
             if ((rc = scan_block(p, p->buf, n, i >= 0 || final, 0, cb, ud, &tail)) != 0)
                 return rc;
+            if (p->sc.dec == D_TEXT) {
+                /* no call: content, and the rest (its closer too) is text again */
+                rc = release_text(p, HERMES_OPEN, cb, ud);
+                p->state = S_TEXT;
+                if (rc != 0)
+                    return rc;
+                continue;
+            }
             if (i < 0 && !final)
                 return 0;
             rc = finish_block(p, HERMES_OPEN, p->buf, n, i >= 0 ? HERMES_CLOSE : "", cb, ud);
@@ -1141,6 +1171,15 @@ static int run(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
                 consume(p, tail);
                 p->state = S_TEXT;
                 p->content_started = 1;
+                continue;
+            }
+            if (p->sc.dec == D_TEXT) {
+                /* no call ({"answer": 42}): content, and the rest is text again */
+                rc = release_text(p, p->rest_marker, cb, ud);
+                p->state = S_TEXT;
+                p->content_started = 1;
+                if (rc != 0)
+                    return rc;
                 continue;
             }
             if (!final)

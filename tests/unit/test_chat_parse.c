@@ -490,6 +490,38 @@ static void test_streaming(void)
     expect_streaming("harmony", M40_TOOLS_HARMONY, buf, args, "get_weather");
 }
 
+/* Markup that turned out to be no call is not held to the block's end: fed byte by
+ * byte, once `seen` bytes are in the content so far is `out`'s first `shown` bytes. */
+static void expect_released(const char *what, m40_tool_format f, const char *out, size_t seen, size_t shown)
+{
+    result r;
+    memset(&r, 0, sizeof r);
+    m40_chat_parse *p = m40_chat_parse_new(f, M40_REASONING_SEPARATE, 0);
+    for (size_t i = 0; i < seen; i++)
+        m40_chat_parse_feed(p, out + i, 1, collect, &r);
+    CHECK(r.nc == shown && memcmp(r.content, out, shown) == 0, "%s: after %zu bytes the content is [%s]", what, seen,
+          r.content);
+    m40_chat_parse_feed(p, out + seen, strlen(out) - seen, collect, &r);
+    m40_chat_parse_finish(p, collect, &r);
+    m40_chat_parse_free(p);
+    CHECK(strcmp(r.content, out) == 0 && r.ncalls == 0, "%s: all content at the end [%s]", what, r.content);
+}
+
+static void test_released(void)
+{
+    const char *j = "{\"answer\": 42} and then a long explanation";
+    expect_released("json answer", M40_TOOLS_JSON, j, strlen("{\"answer\": 42} and"), strlen("{\"answer\": 42} and"));
+    expect_released("llama3 json answer", M40_TOOLS_LLAMA3, j, strlen("{\"answer\": 42}"), strlen("{\"answer\": 42}"));
+    const char *h = "<tool_call>oops, no JSON here</tool_call> bye";
+    expect_released("hermes no JSON", M40_TOOLS_HERMES, h, strlen("<tool_call>oops, no"),
+                    strlen("<tool_call>oops, no"));
+    const char *m = "[TOOL_CALLS] nope, just text";
+    expect_released("mistral no call", M40_TOOLS_MISTRAL, m, strlen("[TOOL_CALLS] nope, just"),
+                    strlen("[TOOL_CALLS] nope, just"));
+    const char *x = "<|channel|>commentary to=functions.f<|message|>not json at all";
+    expect_released("harmony no object", M40_TOOLS_HARMONY, x, strlen(x) - 3, strlen(x) - 3);
+}
+
 /* What streaming changed: a call is decided at its start, so later trouble cuts it
  * short instead of turning it into content; numbers and strings are the model's. */
 static void test_calls_cut_short(void)
@@ -767,6 +799,7 @@ int main(void)
     test_detect_harmony_template();
     test_harmony();
     test_streaming();
+    test_released();
     test_calls_cut_short();
     test_fuzz();
     return check_done();
