@@ -1,7 +1,11 @@
 /* Chat output parsing (engine/m40_chat_parse.h): crafted outputs of each tool-call
  * convention and of <think> reasoning, fed whole and in every split into two pieces and
- * byte by byte (streaming must give the same result as one feed); random bytes and
- * random mixes of the markers at random chunkings never crash, and with tool parsing
+ * byte by byte (streaming must give the same result as one feed), also with calls
+ * streamed (TOOL_BEGIN, TOOL_ARGS..., TOOL_CALL in order, the fragments adding up to the
+ * arguments); arguments stream as they are written (nothing waits for a call's end) and
+ * text that is no call is not held; random bytes, random mixes of the markers and
+ * generated calls (cut short, or with a byte changed) at random chunkings never crash and
+ * agree with one feed, intact generated calls are read exactly, and with tool parsing
  * and reasoning splitting off the content is the input exactly. */
 #include <stdint.h>
 
