@@ -272,7 +272,9 @@ static int emit_text(m40_chat_parse *p, m40_piece_kind kind, const char *s, size
  * are the model's text without the blanks between tokens (strings are kept as
  * written, escapes and all); a streamed call and the same call not streamed are the
  * same bytes, since both are this one pass. Only bytes that could still be markup (a
- * closing marker's start) are held.
+ * closing marker's start) are held, and a character's first bytes until its last. A
+ * call whose arguments are no object as written (a JSON string holding one, as some
+ * models write, null, or absent) goes out whole when its object ends.
  *
  * A block is decided at its first call: until then nothing goes out, and if the first
  * object is no call ({"answer": 42}, no name, arguments neither object, string nor
