@@ -56,6 +56,11 @@ const uint32_t *m40_gconstraint_mask(m40_gconstraint *c);
 /* Sets the logits of disallowed tokens to -INFINITY. Returns the number still allowed
  * (0: nothing can follow, the caller ends the sequence). */
 int32_t m40_gconstraint_apply(m40_gconstraint *c, float *logits);
+/* The greedy pick among the allowed tokens, without writing the row: the id whose logit
+ * is largest (lowest id on ties; the order of m40k_argmax, sample_hd.h), -1 when nothing
+ * is allowed or every allowed logit is NaN. The same token as m40_gconstraint_apply
+ * followed by m40k_argmax wherever some allowed logit is above -inf. */
+int32_t m40_gconstraint_argmax(m40_gconstraint *c, const float *logits);
 /* Advances by a sampled token. 0, or -1 when the token was not allowed (state unchanged). */
 int m40_gconstraint_accept(m40_gconstraint *c, int32_t token);
 /* The output so far is complete and nothing but end-of-generation may follow. */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "grammar_int.h"
+#include "sample_hd.h" /* m40k_argmax_key: the greedy order shared with the samplers */
 
 #define MAX_CACHED_MASKS 1024 /* past this the cache is dropped whole (masks are recomputable) */
 
@@ -257,6 +258,35 @@ int32_t m40_gconstraint_apply(m40_gconstraint *c, float *logits)
         }
     }
     return allowed;
+}
+
+int32_t m40_gconstraint_argmax(m40_gconstraint *c, const float *logits)
+{
+    const uint32_t *mask = m40_gconstraint_mask(c);
+    if (!mask)
+        return -1;
+    const int32_t n = c->t->n_vocab;
+    uint64_t best = 0;
+    for (int32_t w = 0; w < c->words; w++) {
+        uint32_t m = mask[w];
+        const int32_t base = w * 32;
+        if (m == 0xffffffffu && base + 32 <= n) { /* inside strings: every token of the word */
+            for (int32_t id = base; id < base + 32; id++) {
+                uint64_t k = m40k_argmax_key(logits[id], id);
+                best = k > best ? k : best;
+            }
+            continue;
+        }
+        while (m) {
+            int32_t id = base + __builtin_ctz(m);
+            m &= m - 1;
+            if (id >= n)
+                break;
+            uint64_t k = m40k_argmax_key(logits[id], id);
+            best = k > best ? k : best;
+        }
+    }
+    return best ? m40k_argmax_key_id(best) : -1;
 }
 
 int m40_gconstraint_accept(m40_gconstraint *c, int32_t token)

@@ -270,6 +270,18 @@ static void grammar_end(m40_engine *e, int32_t i)
 int m40_sequence_pick(m40_engine *e, int32_t i, float *logits, m40_sample_result *res)
 {
     m40_slot *s = &e->slots[i];
+    if (s->gc && m40_sampler_plain_greedy(s->smp)) {
+        /* greedy under a grammar: the best allowed token straight from the mask's words
+         * (no -inf pass over the row, no second pass for the argmax) */
+        int32_t t = m40_gconstraint_argmax(s->gc, logits);
+        if (t < 0 || m40_gconstraint_accept(s->gc, t) != 0)
+            return -1;
+        res->token = t;
+        res->logprob = NAN;
+        res->n_top = 0;
+        m40_sampler_accept(s->smp, t);
+        return 0;
+    }
     /* Constrained: what the grammar does not allow is -inf before the sampler sees the row
      * (constrained rows always bring their logits to the host: scheduler.c's greedy_only). */
     if (s->gc && m40_gconstraint_apply(s->gc, logits) == 0)

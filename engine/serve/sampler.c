@@ -328,6 +328,13 @@ static int32_t sample_truncated(m40_sampler *s, const float *logits)
     return c[n - 1].id; /* rounding left r at the very top */
 }
 
+int m40_sampler_plain_greedy(const m40_sampler *s)
+{
+    const m40_sampler_params *p = &s->p;
+    return (p->temperature <= 0.0f || p->top_k == 1) && p->n_logit_bias == 0 && !s->penalties_on &&
+           p->skip_logprob && p->n_top_logprobs <= 0;
+}
+
 void m40_sampler_sample(m40_sampler *s, float *logits, m40_sample_result *out)
 {
     const m40_sampler_params *p = &s->p;

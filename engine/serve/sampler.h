@@ -30,5 +30,9 @@ void m40_sampler_accept(m40_sampler *s, int32_t token);
  * lowest id on ties, and no random number is drawn. Same seed and same inputs give the
  * same token sequence. Does not accept the token: call m40_sampler_accept for it. */
 void m40_sampler_sample(m40_sampler *s, float *logits, m40_sample_result *out);
+/* m40_sampler_sample would take the plain argmax of the row as it is (greedy, no logit
+ * bias, no penalties, no logprobs wanted): a caller may pick the token its own way (the
+ * grammar's masked argmax) and report logprob NaN, no alternatives. */
+int m40_sampler_plain_greedy(const m40_sampler *s);
 
 #endif

@@ -7,6 +7,7 @@
 
 #include "check.h"
 #include "grammar/grammar.h"
+#include "sample_hd.h"
 
 static uint64_t rng = 88172645463325252ull;
 static uint32_t rnd(void)
@@ -222,7 +223,7 @@ static void test_masks(void)
         ptrs[i] = vbytes[i];
     m40_token_trie *trie = m40_token_trie_new(NV, ptrs, vlens, veog);
     CHECK(trie != NULL, "trie");
-    int steps = 0, mismatches = 0;
+    int steps = 0, mismatches = 0, argmax_agree = 0, argmax_rows = 0;
     for (size_t gi = 0; gi < sizeof mask_grammars / sizeof *mask_grammars; gi++) {
         for (int walk = 0; walk < 30; walk++) {
             char err[256];
@@ -250,6 +251,24 @@ static void test_masks(void)
                 }
                 steps++;
                 float logits[NV];
+                /* the masked argmax against apply + argmax on random rows (ties, -inf and
+                 * NaN among them), then apply's count on a row of zeros */
+                for (int id = 0; id < NV; id++) {
+                    uint32_t r = rnd() % 16;
+                    logits[id] = r == 0 ? NAN : r == 1 ? -INFINITY : (float)(int)(rnd() % 7) - 3.0f;
+                }
+                float masked[NV];
+                memcpy(masked, logits, sizeof masked);
+                int32_t fused = m40_gconstraint_argmax(c, logits);
+                int any = 0;
+                if (m40_gconstraint_apply(c, masked) > 0)
+                    for (int id = 0; id < NV; id++)
+                        any |= ((mask[id >> 5] >> (id & 31)) & 1) && masked[id] > -INFINITY;
+                if (any)
+                    argmax_agree += fused == m40k_argmax(masked, NV);
+                else
+                    argmax_agree += fused == -1 || !(logits[fused] > -INFINITY);
+                argmax_rows++;
                 for (int id = 0; id < NV; id++)
                     logits[id] = 0;
                 CHECK(m40_gconstraint_apply(c, logits) == na, "apply count");
@@ -287,6 +306,8 @@ static void test_masks(void)
             m40_grammar_free(g2);
         }
     }
+    CHECK(argmax_rows > 0 && argmax_agree == argmax_rows, "masked argmax: %d of %d rows as apply + argmax",
+          argmax_agree, argmax_rows);
     CHECK(mismatches == 0, "masks differ from brute force in %d token decisions over %d steps", mismatches,
           steps);
     CHECK(steps > 500, "steps %d", steps);
