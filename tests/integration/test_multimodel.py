@@ -327,3 +327,43 @@ def test_config_accepts_every_parameter(tiny_models):
     assert r.returncode == 0, r.stderr
     # kv_share on the CPU is a warning, not an error
     assert "kv_share of \"one\" has no effect on the cpu" in r.stderr, r.stderr
+
+
+def test_killed_worker_counts_kept(tiny_models):
+    # a worker that dies without exiting (SIGKILL) leaves its slot: the next answer
+    # notices the pid is gone and moves its counts to the model's retired sum, so the
+    # totals stay exact and the gauges and worker counts are the live engines'. Not
+    # the instances fixture: this instance logs the crash on purpose.
+    port = harness.free_port()
+    base = f"http://127.0.0.1:{port}"
+    a, b = tiny_models
+    inst = harness.Nginx(conf(port, [f"{a} name=alpha", f"{b} name=beta"]), "multikill",
+                         f"{base}/health").start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            answers = list(ex.map(lambda i: chat(base, ("alpha", "beta")[i % 2], max_tokens=2), range(40)))
+        assert all(r.status_code == 200 for r in answers)
+        pids = {r.headers["X-Worker"] for r in answers}
+        assert len(pids) == 2
+        victim = int(sorted(pids)[0])
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                h = requests.get(base + "/health", timeout=5)
+                if h.status_code == 200 and all(m["workers"] == 2 for m in h.json()["models"]):
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("no respawned worker: " + inst.log()[-2000:])
+        for _ in range(20):
+            m, pid = metrics(base)
+            assert int(pid) != victim
+            assert m['m40_requests_total{model="alpha"}'] == 20 and m['m40_requests_total{model="beta"}'] == 20, m
+            assert m["m40_requests_total"] == 40
+        assert "exited on signal 9" in inst.log()
+    finally:
+        inst.stop()
+        inst.cleanup()
