@@ -474,9 +474,17 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
             json_decref(root);
             return ngx_http_m40_send_error(r, &err);
         }
+
+        if (ngx_http_m40_model_use(r, ctx->model) != NGX_OK) {
+            json_decref(root);
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
     }
 
     model = ctx->model;
+
+    /* keep_alive: an unloaded model loads (room permitting, m40_max_resident) */
+    ngx_http_m40_model_load(model);
 
     /* A request that arrives while its model loads (a new worker after a reload, or
      * right after start, or a model that waits for another on its GPU) waits for it,
@@ -484,9 +492,22 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     if (ctx->load_waited < mcf->load_wait
         && ngx_http_m40_model_state(model, NULL, 0) == M40_ENGINE_LOADING)
     {
+        if (!ctx->load_waiting) {
+            ctx->load_waiting = 1;
+            ctx->load_since = ngx_current_msec;
+            model->mc.load_waits++;
+        }
+
         ctx->json_root = root;
         ctx->json_parsed = 1;
         return ngx_http_m40_load_wait(r, ctx);
+    }
+
+    if (ctx->load_waiting) {        /* the wait shows in /metrics */
+        ctx->load_waiting = 0;
+        model->mc.load_wait_seconds +=
+                            (double) (ngx_current_msec - ctx->load_since) / 1000.0;
+        ngx_http_m40_shm_publish(model);
     }
 
     if (ctx->dialect) {

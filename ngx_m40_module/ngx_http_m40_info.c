@@ -14,7 +14,8 @@
 
 
 /* A model's state over every worker: failed when one engine failed, loading while
- * one is still loading (or waits for its GPU), else ready. */
+ * one is still loading (or waits for its GPU), ready when one is loaded, else unloaded
+ * (keep_alive). */
 static const char *
 ngx_http_m40_agg_state_name(ngx_http_m40_agg_t *agg)
 {
@@ -22,11 +23,16 @@ ngx_http_m40_agg_state_name(ngx_http_m40_agg_t *agg)
         return "failed";
     }
 
-    if (agg->loading || agg->pending || agg->ready == 0) {
+    if (agg->loading || agg->pending) {
         return "loading";
     }
 
-    return "ready";
+    if (agg->ready) {
+        return "ready";
+    }
+
+    /* keep_alive: loaded by its next request */
+    return agg->unloaded ? "unloaded" : "loading";
 }
 
 
@@ -370,10 +376,12 @@ ngx_http_m40_metrics_row(void *data, const u_char *name, size_t len,
     total->agg.loading += agg->loading;
     total->agg.ready += agg->ready;
     total->agg.failed += agg->failed;
+    total->agg.unloaded += agg->unloaded;
+    ngx_http_m40_mc_add(&total->agg.mc, &agg->mc);
 }
 
 
-/* 0 loading, 1 ready, 2 failed; -1: no engine at all */
+/* 0 loading, 1 ready, 2 failed, 3 unloaded; -1: no engine at all */
 static ngx_int_t
 ngx_http_m40_agg_state_value(ngx_http_m40_agg_t *agg)
 {
@@ -381,7 +389,8 @@ ngx_http_m40_agg_state_value(ngx_http_m40_agg_t *agg)
         return -1;
     }
 
-    return agg->failed ? 2 : (agg->loading || agg->pending) ? 0 : 1;
+    return agg->failed ? 2 : (agg->loading || agg->pending) ? 0
+           : agg->ready ? 1 : 3;
 }
 
 
@@ -392,7 +401,10 @@ typedef enum {
     NGX_HTTP_M40_DBL,
     NGX_HTTP_M40_STATE,           /* from the engines' states */
     NGX_HTTP_M40_HIT_RATIO,
-    NGX_HTTP_M40_KV_RATIO
+    NGX_HTTP_M40_KV_RATIO,
+    NGX_HTTP_M40_MC_U64,          /* ngx_http_m40_mcounters_t's */
+    NGX_HTTP_M40_MC_DBL,
+    NGX_HTTP_M40_LOADED           /* engines loaded or loading */
 } ngx_http_m40_mkind_e;
 
 typedef struct {
@@ -407,9 +419,25 @@ typedef struct {
 
 static ngx_http_m40_family_t  ngx_http_m40_families[] = {
     { "m40_engine_state", "gauge",
-      "0 loading, 1 ready, 2 failed (-1: no engine); of a model: failed when "
-      "a worker's engine failed, loading while one loads; unlabelled: the same "
-      "over every model", NGX_HTTP_M40_STATE, 0 },
+      "0 loading, 1 ready, 2 failed, 3 unloaded (keep_alive; -1: no engine); "
+      "of a model: failed when a worker's engine failed, loading while one "
+      "loads; unlabelled: the same over every model", NGX_HTTP_M40_STATE, 0 },
+    { "m40_engines_loaded", "gauge",
+      "Engines loaded or loading (one per model and worker, less those "
+      "keep_alive unloaded or that failed)", NGX_HTTP_M40_LOADED, 0 },
+    { "m40_model_loads_total", "counter",
+      "Engines started (at start, after a reload, and each load keep_alive or "
+      "m40_max_resident caused)", NGX_HTTP_M40_MC_U64,
+      offsetof(ngx_http_m40_mcounters_t, loads) },
+    { "m40_model_unloads_total", "counter",
+      "Engines unloaded (keep_alive, m40_max_resident)", NGX_HTTP_M40_MC_U64,
+      offsetof(ngx_http_m40_mcounters_t, unloads) },
+    { "m40_model_load_waits_total", "counter",
+      "Requests that waited for their model to load", NGX_HTTP_M40_MC_U64,
+      offsetof(ngx_http_m40_mcounters_t, load_waits) },
+    { "m40_model_load_wait_seconds_total", "counter",
+      "Time those requests waited (counted when the model was there)",
+      NGX_HTTP_M40_MC_DBL, offsetof(ngx_http_m40_mcounters_t, load_wait_seconds) },
     { "m40_requests_total", "counter",
       "Generation requests admitted by the engines",
       NGX_HTTP_M40_U64, ngx_http_m40_off(requests_total) },
@@ -502,6 +530,21 @@ ngx_http_m40_family(u_char *p, u_char *end, ngx_http_m40_family_t *f,
         case NGX_HTTP_M40_STATE:
             p = ngx_slprintf(p, end, "%i\n",
                              ngx_http_m40_agg_state_value(&rows[i].agg));
+            break;
+
+        case NGX_HTTP_M40_LOADED:
+            p = ngx_slprintf(p, end, "%ui\n", rows[i].agg.ready
+                             + rows[i].agg.loading + rows[i].agg.pending);
+            break;
+
+        case NGX_HTTP_M40_MC_U64:
+            p = ngx_slprintf(p, end, "%uL\n",
+                             *(uint64_t *) ((u_char *) &rows[i].agg.mc + f->off));
+            break;
+
+        case NGX_HTTP_M40_MC_DBL:
+            p = ngx_slprintf(p, end, "%.6f\n",
+                             *(double *) ((u_char *) &rows[i].agg.mc + f->off));
             break;
 
         default:

@@ -32,6 +32,8 @@ static ngx_int_t ngx_http_m40_start_engine(ngx_cycle_t *cycle,
     ngx_http_m40_model_t *m);
 static void ngx_http_m40_start_pending(ngx_cycle_t *cycle,
     ngx_http_m40_main_conf_t *mcf);
+static void ngx_http_m40_idle(ngx_event_t *ev);
+static void ngx_http_m40_load_waiting(ngx_http_m40_main_conf_t *mcf);
 static char *ngx_http_m40_device(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 static char *ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd,
@@ -199,6 +201,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       offsetof(ngx_http_m40_main_conf_t, load_wait),
       NULL },
 
+    { ngx_string("m40_max_resident"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, max_resident),
+      &ngx_http_m40_non_negative },
+
     { ngx_string("m40_api"),
       NGX_HTTP_LOC_CONF|NGX_CONF_NOARGS,
       ngx_http_m40_api,
@@ -280,6 +289,7 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->itl_guard = -2.0;
     mcf->tool_parser = NGX_CONF_UNSET_UINT;
     mcf->reasoning = NGX_CONF_UNSET_UINT;
+    mcf->max_resident = NGX_CONF_UNSET_UINT;
 
     return mcf;
 }
@@ -308,6 +318,7 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     }
     ngx_conf_init_uint_value(mcf->tool_parser, NGX_HTTP_M40_TOOL_PARSER_AUTO);
     ngx_conf_init_uint_value(mcf->reasoning, M40_REASONING_SEPARATE);
+    ngx_conf_init_uint_value(mcf->max_resident, 0);
 
     ngx_conf_init_value(mcf->max_tokens_default, 256);
     ngx_conf_init_value(mcf->max_tokens_limit, 4096);
@@ -684,6 +695,22 @@ ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                    != NGX_OK)
             {
                 return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("keep_alive")) {
+            if (v.len == 3 && ngx_strncasecmp(v.data, (u_char *) "off", 3) == 0) {
+                m->keep_alive = 0;
+            } else {
+                m->keep_alive = ngx_parse_time(&v, 0);
+                if (m->keep_alive == (ngx_msec_t) NGX_ERROR
+                    || m->keep_alive < 1000)
+                {
+                    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                       "invalid m40_model parameter \"%V\": "
+                                       "a time of 1s or more (e.g. 5m) or "
+                                       "\"off\" expected", &value[i]);
+                    return NGX_CONF_ERROR;
+                }
             }
 
         } else if (ngx_http_m40_is("tool_parser")) {
@@ -1068,7 +1095,19 @@ ngx_http_m40_init_process(ngx_cycle_t *cycle)
     for (i = 0; i < mcf->models.nelts; i++) {
         models[i].mcf = mcf;
         models[i].engine = NULL;
-        models[i].engine_status = NGX_HTTP_M40_ENGINE_PENDING;
+        /* keep_alive: loaded by its first request, as Ollama does */
+        models[i].engine_status = models[i].keep_alive
+                                  ? NGX_HTTP_M40_ENGINE_UNLOADED
+                                  : NGX_HTTP_M40_ENGINE_PENDING;
+        models[i].active = 0;
+        models[i].last_used = 0;
+        ngx_memzero(&models[i].idle_ev, sizeof(ngx_event_t));
+        models[i].idle_ev.handler = ngx_http_m40_idle;
+        models[i].idle_ev.data = &models[i];
+        models[i].idle_ev.log = cycle->log;
+        models[i].idle_ev.cancelable = 1;      /* no reason to hold a shutdown */
+        ngx_memzero(&models[i].base, sizeof(m40_engine_stats));
+        ngx_memzero(&models[i].mc, sizeof(ngx_http_m40_mcounters_t));
         models[i].event_conn = NULL;
         models[i].load_logged = 0;
         models[i].slot = NULL;
@@ -1142,6 +1181,7 @@ ngx_http_m40_start_engine(ngx_cycle_t *cycle, ngx_http_m40_model_t *m)
 
     m->event_conn = c;
     m->engine_status = NGX_HTTP_M40_ENGINE_STARTED;
+    m->mc.loads++;
 
     if (ec.device < 0) {
         ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
@@ -1213,6 +1253,7 @@ ngx_http_m40_model_state(ngx_http_m40_model_t *model, char *err, size_t errlen)
     switch (model->engine_status) {
 
     case NGX_HTTP_M40_ENGINE_PENDING:
+    case NGX_HTTP_M40_ENGINE_UNLOADED:     /* for a request: loading for it */
         return M40_ENGINE_LOADING;
 
     case NGX_HTTP_M40_ENGINE_STARTED:
@@ -1226,6 +1267,194 @@ ngx_http_m40_model_state(ngx_http_m40_model_t *model, char *err, size_t errlen)
         }
         return M40_ENGINE_FAILED;
     }
+}
+
+
+void
+ngx_http_m40_model_stats(ngx_http_m40_model_t *m, m40_engine_stats *s)
+{
+    if (m->engine) {
+        m40_engine_get_stats(m->engine, s);
+    } else {
+        ngx_memzero(s, sizeof(m40_engine_stats));
+    }
+
+    ngx_http_m40_stats_add(s, &m->base, 0);
+}
+
+
+/* keep_alive: the engine goes, its counters stay (in base). Nothing uses it: the
+ * requests that did have released their engine requests (their pools' cleanups ran
+ * before the one that let go of the model). */
+static void
+ngx_http_m40_model_unload(ngx_http_m40_model_t *m, const char *why)
+{
+    m40_engine_stats  s;
+
+    m40_engine_get_stats(m->engine, &s);
+    ngx_http_m40_stats_add(&m->base, &s, 0);
+
+    if (m->event_conn) {
+        ngx_http_m40_eventfd_del(m->event_conn);
+        m->event_conn = NULL;
+    }
+
+    /* joins the engine's threads: an idle engine's are waiting, so this is short */
+    m40_engine_destroy(m->engine);
+    m->engine = NULL;
+    m->engine_status = NGX_HTTP_M40_ENGINE_UNLOADED;
+    m->load_logged = 0;
+    m->mc.unloads++;
+
+    if (m->idle_ev.timer_set) {
+        ngx_del_timer(&m->idle_ev);
+    }
+
+    ngx_http_m40_shm_publish(m);
+
+    ngx_log_error(NGX_LOG_NOTICE, ngx_cycle->log, 0,
+                  "m40: worker %ui unloaded \"%V\" (%s)", ngx_worker,
+                  &m->model_name, why);
+}
+
+
+static void
+ngx_http_m40_idle(ngx_event_t *ev)
+{
+    ngx_http_m40_model_t *m = ev->data;
+
+    if (m->active || m->engine_status != NGX_HTTP_M40_ENGINE_STARTED) {
+        return;         /* in use again; its last request re-arms the timer */
+    }
+
+    if (m40_engine_get_state(m->engine, NULL, 0) == M40_ENGINE_LOADING) {
+        ngx_add_timer(ev, m->keep_alive);
+        return;
+    }
+
+    ngx_http_m40_model_unload(m, "idle for its keep_alive");
+}
+
+
+/* Loads an unloaded model, first unloading the least recently used idle one when
+ * m40_max_resident engines are loaded already; without one it stays unloaded (its
+ * requests try again while they wait). */
+void
+ngx_http_m40_model_load(ngx_http_m40_model_t *m)
+{
+    ngx_uint_t                 i, resident;
+    ngx_http_m40_model_t      *models, *lru;
+    ngx_http_m40_main_conf_t  *mcf;
+
+    if (m->engine_status != NGX_HTTP_M40_ENGINE_UNLOADED) {
+        return;
+    }
+
+    mcf = m->mcf;
+    models = mcf->models.elts;
+
+    for ( ;; ) {
+        resident = 0;
+        lru = NULL;
+
+        for (i = 0; i < mcf->models.nelts; i++) {
+            if (models[i].engine_status == NGX_HTTP_M40_ENGINE_PENDING
+                || models[i].engine_status == NGX_HTTP_M40_ENGINE_STARTED)
+            {
+                resident++;
+
+                /* only one that can load again later: a keep_alive model */
+                if (models[i].keep_alive && models[i].active == 0
+                    && models[i].engine_status == NGX_HTTP_M40_ENGINE_STARTED
+                    && m40_engine_get_state(models[i].engine, NULL, 0)
+                       != M40_ENGINE_LOADING
+                    && (lru == NULL || models[i].last_used < lru->last_used))
+                {
+                    lru = &models[i];
+                }
+            }
+        }
+
+        if (mcf->max_resident == 0 || resident < mcf->max_resident) {
+            break;
+        }
+
+        if (lru == NULL) {
+            return;         /* all in use: wait */
+        }
+
+        ngx_http_m40_model_unload(lru, "the least recently used, for another "
+                                  "model (m40_max_resident)");
+    }
+
+    m->engine_status = NGX_HTTP_M40_ENGINE_PENDING;
+    ngx_http_m40_start_pending((ngx_cycle_t *) ngx_cycle, mcf);
+    ngx_http_m40_shm_publish(m);
+}
+
+
+static void
+ngx_http_m40_model_release(void *data)
+{
+    ngx_http_m40_model_t *m = data;
+
+    m->active--;
+    m->last_used = ngx_current_msec;
+
+    if (m->active == 0 && m->keep_alive
+        && m->engine_status == NGX_HTTP_M40_ENGINE_STARTED)
+    {
+        ngx_add_timer(&m->idle_ev, m->keep_alive);
+    }
+
+    /* a model that waits for room may have it now */
+    if (m->active == 0 && m->mcf->max_resident) {
+        ngx_http_m40_load_waiting(m->mcf);
+    }
+}
+
+
+static void
+ngx_http_m40_load_waiting(ngx_http_m40_main_conf_t *mcf)
+{
+    ngx_uint_t             i;
+    ngx_http_m40_model_t  *models;
+
+    models = mcf->models.elts;
+
+    for (i = 0; i < mcf->models.nelts; i++) {
+        if (models[i].engine_status == NGX_HTTP_M40_ENGINE_UNLOADED
+            && models[i].active)
+        {
+            ngx_http_m40_model_load(&models[i]);
+        }
+    }
+}
+
+
+ngx_int_t
+ngx_http_m40_model_use(ngx_http_request_t *r, ngx_http_m40_model_t *m)
+{
+    ngx_pool_cleanup_t  *cln;
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NGX_ERROR;
+    }
+
+    cln->handler = ngx_http_m40_model_release;
+    cln->data = m;
+
+    m->active++;
+    m->last_used = ngx_current_msec;
+
+    if (m->idle_ev.timer_set) {
+        ngx_del_timer(&m->idle_ev);
+    }
+
+    ngx_http_m40_model_load(m);
+
+    return NGX_OK;
 }
 
 

@@ -53,6 +53,16 @@ typedef struct ngx_http_m40_shm_slot_s  ngx_http_m40_shm_slot_t;
 #define NGX_HTTP_M40_ENGINE_PENDING  0      /* not created yet */
 #define NGX_HTTP_M40_ENGINE_STARTED  1      /* engine != NULL: its own state says more */
 #define NGX_HTTP_M40_ENGINE_NONE     2      /* could not be created (logged) */
+#define NGX_HTTP_M40_ENGINE_UNLOADED 3      /* keep_alive: not loaded until a request */
+
+/* What the module counts of a model beside the engine's statistics (the loads that
+ * keep_alive and m40_max_resident cause, and the requests that waited for one). */
+typedef struct {
+    uint64_t             loads;               /* engines started */
+    uint64_t             unloads;             /* engines unloaded after keep_alive */
+    uint64_t             load_waits;          /* requests that waited for a load */
+    double               load_wait_seconds;   /* the time they waited */
+} ngx_http_m40_mcounters_t;
 
 /* One m40_model: its settings (each unset one takes the http block's m40_* directive)
  * and, per worker, its engine. */
@@ -75,9 +85,15 @@ typedef struct {
     ngx_str_t            chat_template;       /* file content, NUL-terminated */
     ngx_uint_t           tool_parser;
     ngx_uint_t           reasoning;
+    ngx_msec_t           keep_alive;          /* 0: loaded at start, never unloaded */
 
     /* Per worker (set in init_process, after fork). */
     ngx_http_m40_main_conf_t *mcf;
+    ngx_uint_t           active;              /* requests routed to it, not ended */
+    ngx_msec_t           last_used;           /* when the last one ended (LRU) */
+    ngx_event_t          idle_ev;             /* keep_alive: unloads it when it fires */
+    m40_engine_stats     base;                /* counters of its engines unloaded before */
+    ngx_http_m40_mcounters_t  mc;
     m40_engine          *engine;
     ngx_uint_t           engine_status;       /* NGX_HTTP_M40_ENGINE_* */
     ngx_int_t            worker_device;       /* the device of this worker's engine */
@@ -105,6 +121,7 @@ struct ngx_http_m40_main_conf_s {
     ngx_msec_t           load_wait;           /* m40_load_wait: requests wait this long for a loading model */
     ngx_uint_t           tool_parser;         /* m40_tool_format, or ..._AUTO: from the template */
     ngx_uint_t           reasoning;           /* m40_reasoning_mode */
+    ngx_uint_t           max_resident;        /* m40_max_resident; 0: no limit */
     ngx_shm_zone_t      *shm_zone;            /* the metrics zone (ngx_http_m40_shm.c) */
 
     /* Per worker (set in init_process, after fork). */
@@ -290,6 +307,8 @@ struct ngx_http_m40_ctx_s {
     ngx_event_t               linger;         /* holds off graceful shutdown */
     ngx_event_t               load_ev;        /* m40_load_wait: the next look at a loading engine */
     ngx_msec_t                load_waited;
+    ngx_msec_t                load_since;     /* when it began to wait for its model */
+    unsigned                  load_waiting:1;
     const ngx_http_m40_dialect_t *dialect;    /* NULL: OpenAI chat or completions */
     void                     *dstate;         /* the dialect's, in the request pool */
     json_t                   *body;           /* a dialect's original request (echoed) */
@@ -312,6 +331,14 @@ ngx_http_m40_model_t *ngx_http_m40_model_find(ngx_http_m40_main_conf_t *mcf,
  * not created yet (PENDING: loading) or could not be (failed) too. */
 m40_engine_state ngx_http_m40_model_state(ngx_http_m40_model_t *model,
     char *err, size_t errlen);
+/* A request is routed to the model (NGX_OK; NGX_ERROR without memory): it stays in use
+ * until the request ends, and an unloaded one (keep_alive) starts loading when
+ * m40_max_resident leaves room. */
+ngx_int_t ngx_http_m40_model_use(ngx_http_request_t *r, ngx_http_m40_model_t *m);
+/* An unloaded model that waits for room (m40_max_resident): tries again. */
+void ngx_http_m40_model_load(ngx_http_m40_model_t *m);
+/* The engine's statistics with the counters of its unloaded predecessors. */
+void ngx_http_m40_model_stats(ngx_http_m40_model_t *m, m40_engine_stats *s);
 ngx_int_t ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
 void ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
@@ -413,8 +440,9 @@ void ngx_http_m40_parser_free(ngx_http_m40_choice_t *ch);
 /* A model's engines over every worker, for /metrics, /health and /v1/models. */
 typedef struct {
     m40_engine_stats     s;                   /* counters summed, gauges summed */
-    ngx_uint_t           engines;             /* live engines (one per worker) */
-    ngx_uint_t           pending, loading, ready, failed;
+    ngx_http_m40_mcounters_t  mc;
+    ngx_uint_t           engines;             /* live slots (one per worker) */
+    ngx_uint_t           pending, loading, ready, failed, unloaded;
 } ngx_http_m40_agg_t;
 
 ngx_int_t ngx_http_m40_shm_add(ngx_conf_t *cf, ngx_http_m40_main_conf_t *mcf);
@@ -432,6 +460,8 @@ void ngx_http_m40_shm_collect(ngx_http_m40_main_conf_t *mcf,
 /* to += s: the counters, and the gauges too when gauges is set. */
 void ngx_http_m40_stats_add(m40_engine_stats *to, const m40_engine_stats *s,
     ngx_flag_t gauges);
+void ngx_http_m40_mc_add(ngx_http_m40_mcounters_t *to,
+    const ngx_http_m40_mcounters_t *mc);
 /* One model's sum; the engines of this worker that are not in the zone (a full
  * zone) are counted from their own state. */
 void ngx_http_m40_shm_model(ngx_http_m40_model_t *model, ngx_http_m40_agg_t *agg);

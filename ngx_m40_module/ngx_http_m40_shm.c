@@ -26,14 +26,16 @@ struct ngx_http_m40_shm_slot_s {
     ngx_pid_t            pid;         /* 0: free (changed under the mutex) */
     size_t               name_len;
     u_char               name[NGX_HTTP_M40_NAME_MAX];
-    ngx_int_t            state;       /* -1: pending, else m40_engine_state */
+    ngx_int_t            state;       /* -1: pending, 3: unloaded, else m40_engine_state */
     m40_engine_stats     s;
+    ngx_http_m40_mcounters_t  mc;
 };
 
 typedef struct {
     size_t               name_len;    /* 0: free */
     u_char               name[NGX_HTTP_M40_NAME_MAX];
     m40_engine_stats     s;           /* counters only */
+    ngx_http_m40_mcounters_t  mc;
 } ngx_http_m40_shm_retired_t;
 
 typedef struct {
@@ -126,9 +128,23 @@ ngx_http_m40_shm_state(ngx_http_m40_model_t *model)
     case NGX_HTTP_M40_ENGINE_STARTED:
         return m40_engine_get_state(model->engine, NULL, 0);
 
+    case NGX_HTTP_M40_ENGINE_UNLOADED:
+        return 3;
+
     default:
         return M40_ENGINE_FAILED;
     }
+}
+
+
+void
+ngx_http_m40_mc_add(ngx_http_m40_mcounters_t *to,
+    const ngx_http_m40_mcounters_t *mc)
+{
+    to->loads += mc->loads;
+    to->unloads += mc->unloads;
+    to->load_waits += mc->load_waits;
+    to->load_wait_seconds += mc->load_wait_seconds;
 }
 
 
@@ -164,6 +180,7 @@ ngx_http_m40_shm_attach(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf)
 
         slot = &sh->slots[j];
         ngx_memzero(&slot->s, sizeof(m40_engine_stats));
+        ngx_memzero(&slot->mc, sizeof(ngx_http_m40_mcounters_t));
         slot->name_len = models[i].model_name.len;
         ngx_memcpy(slot->name, models[i].model_name.data, slot->name_len);
         slot->state = ngx_http_m40_shm_state(&models[i]);
@@ -199,9 +216,8 @@ ngx_http_m40_shm_publish(ngx_http_m40_model_t *model)
     ngx_memory_barrier();
 
     slot->state = ngx_http_m40_shm_state(model);
-    if (model->engine) {
-        m40_engine_get_stats(model->engine, &slot->s);
-    }
+    ngx_http_m40_model_stats(model, &slot->s);
+    slot->mc = model->mc;
 
     ngx_memory_barrier();
     (void) ngx_atomic_fetch_add(&slot->seq, 1);
@@ -211,7 +227,7 @@ ngx_http_m40_shm_publish(ngx_http_m40_model_t *model)
 /* A consistent copy of a slot (its owner may be writing it). */
 static void
 ngx_http_m40_shm_read(ngx_http_m40_shm_slot_t *slot, m40_engine_stats *s,
-    ngx_int_t *state)
+    ngx_http_m40_mcounters_t *mc, ngx_int_t *state)
 {
     ngx_uint_t    tries;
     ngx_atomic_t  seq;
@@ -220,6 +236,7 @@ ngx_http_m40_shm_read(ngx_http_m40_shm_slot_t *slot, m40_engine_stats *s,
         seq = slot->seq;
         ngx_memory_barrier();
         ngx_memcpy(s, &slot->s, sizeof(m40_engine_stats));
+        *mc = slot->mc;
         *state = slot->state;
         ngx_memory_barrier();
 
@@ -298,6 +315,9 @@ ngx_http_m40_agg_state(ngx_http_m40_agg_t *agg, ngx_int_t state)
     case M40_ENGINE_READY:
         agg->ready++;
         break;
+    case 3:
+        agg->unloaded++;
+        break;
     default:
         agg->failed++;
         break;
@@ -309,7 +329,7 @@ ngx_http_m40_agg_state(ngx_http_m40_agg_t *agg, ngx_int_t state)
  * free. Without room for another name the counters are lost (logged). */
 static void
 ngx_http_m40_shm_retire(ngx_http_m40_shm_t *sh, ngx_http_m40_shm_slot_t *slot,
-    const m40_engine_stats *s, ngx_log_t *log)
+    const m40_engine_stats *s, const ngx_http_m40_mcounters_t *mc, ngx_log_t *log)
 {
     ngx_uint_t                   i;
     ngx_http_m40_shm_retired_t  *r, *free_r;
@@ -344,12 +364,14 @@ ngx_http_m40_shm_retire(ngx_http_m40_shm_t *sh, ngx_http_m40_shm_slot_t *slot,
     }
 
     ngx_memzero(&r->s, sizeof(m40_engine_stats));
+    ngx_memzero(&r->mc, sizeof(ngx_http_m40_mcounters_t));
     ngx_memcpy(r->name, slot->name, slot->name_len);
     r->name_len = slot->name_len;
 
 found:
 
     ngx_http_m40_stats_add(&r->s, s, 0);
+    ngx_http_m40_mc_add(&r->mc, mc);
     slot->pid = 0;
 }
 
@@ -380,7 +402,7 @@ ngx_http_m40_shm_detach(ngx_http_m40_main_conf_t *mcf)
          * the slot, so its own copy is the current one */
         ngx_http_m40_shm_publish(&models[i]);
         ngx_http_m40_shm_retire(sh, models[i].slot, &models[i].slot->s,
-                                ngx_cycle->log);
+                                &models[i].slot->mc, ngx_cycle->log);
         models[i].slot = NULL;
     }
 
@@ -422,6 +444,7 @@ ngx_http_m40_shm_reap(ngx_http_m40_shm_t *sh)
     ngx_uint_t                i;
     m40_engine_stats          s;
     ngx_http_m40_shm_slot_t  *slot;
+    ngx_http_m40_mcounters_t  mc;
 
     for (i = 0; i < NGX_HTTP_M40_SHM_SLOTS; i++) {
         slot = &sh->slots[i];
@@ -431,8 +454,8 @@ ngx_http_m40_shm_reap(ngx_http_m40_shm_t *sh)
         }
 
         if (kill(slot->pid, 0) == -1 && ngx_errno == NGX_ESRCH) {
-            ngx_http_m40_shm_read(slot, &s, &state);
-            ngx_http_m40_shm_retire(sh, slot, &s, ngx_cycle->log);
+            ngx_http_m40_shm_read(slot, &s, &mc, &state);
+            ngx_http_m40_shm_retire(sh, slot, &s, &mc, ngx_cycle->log);
         }
     }
 }
@@ -447,6 +470,7 @@ ngx_http_m40_shm_sum(ngx_http_m40_shm_t *sh, const u_char *name, size_t len,
     ngx_uint_t                   i;
     m40_engine_stats             s;
     ngx_http_m40_shm_slot_t     *slot;
+    ngx_http_m40_mcounters_t     mc;
     ngx_http_m40_shm_retired_t  *r;
 
     for (i = 0; i < NGX_HTTP_M40_SHM_SLOTS; i++) {
@@ -458,8 +482,9 @@ ngx_http_m40_shm_sum(ngx_http_m40_shm_t *sh, const u_char *name, size_t len,
             continue;
         }
 
-        ngx_http_m40_shm_read(slot, &s, &state);
+        ngx_http_m40_shm_read(slot, &s, &mc, &state);
         ngx_http_m40_stats_add(&agg->s, &s, 1);
+        ngx_http_m40_mc_add(&agg->mc, &mc);
         ngx_http_m40_agg_state(agg, state);
     }
 
@@ -468,6 +493,7 @@ ngx_http_m40_shm_sum(ngx_http_m40_shm_t *sh, const u_char *name, size_t len,
 
         if (r->name_len == len && ngx_memcmp(r->name, name, len) == 0) {
             ngx_http_m40_stats_add(&agg->s, &r->s, 0);
+            ngx_http_m40_mc_add(&agg->mc, &r->mc);
         }
     }
 }
@@ -484,11 +510,9 @@ ngx_http_m40_local_sum(ngx_http_m40_model_t *model, ngx_http_m40_agg_t *agg)
         return;
     }
 
-    if (model->engine) {
-        m40_engine_get_stats(model->engine, &s);
-        ngx_http_m40_stats_add(&agg->s, &s, 1);
-    }
-
+    ngx_http_m40_model_stats(model, &s);
+    ngx_http_m40_stats_add(&agg->s, &s, 1);
+    ngx_http_m40_mc_add(&agg->mc, &model->mc);
     ngx_http_m40_agg_state(agg, ngx_http_m40_shm_state(model));
 }
 

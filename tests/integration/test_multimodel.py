@@ -310,6 +310,8 @@ def nginx_t(text):
     (["{a} name="], 'invalid m40_model parameter "name="'),
     (["{a} chat_template=/nonexistent.jinja"], '/nonexistent.jinja'),
     (["{a} name=" + "n" * 128], "longer than 127 bytes"),
+    (["{a} keep_alive=500ms"], 'invalid m40_model parameter "keep_alive=500ms"'),
+    (["{a} keep_alive=soon"], 'invalid m40_model parameter "keep_alive=soon"'),
 ])
 def test_config_errors(tiny_models, models, message):
     a, b = tiny_models
@@ -322,8 +324,8 @@ def test_config_accepts_every_parameter(tiny_models):
     r = nginx_t(conf(harness.free_port(), [
         f"{a} name=one device=cpu ctx_size=128 max_seqs=2 max_queue=8 threads=1 kv_share=0.5 "
         "gpu_memory_fraction=0.8 tool_parser=hermes reasoning=none prefill_chunk=64 prefill_budget=128 "
-        "itl_guard=off",
-        f"{b} name=two device=0 itl_guard=2"]))
+        "itl_guard=off keep_alive=5m",
+        f"{b} name=two device=0 itl_guard=2 keep_alive=off"], extra="    m40_max_resident 1;\n"))
     assert r.returncode == 0, r.stderr
     # kv_share on the CPU is a warning, not an error
     assert "kv_share of \"one\" has no effect on the cpu" in r.stderr, r.stderr
@@ -367,3 +369,84 @@ def test_killed_worker_counts_kept(tiny_models):
     finally:
         inst.stop()
         inst.cleanup()
+
+
+def wait_for(pred, timeout=30, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def state_of(base, name):
+    return {m["id"]: m["state"] for m in requests.get(base + "/v1/models", timeout=10).json()["data"]}[name]
+
+
+def test_keep_alive_unloads_and_reloads(instances, tiny_models):
+    # beta (keep_alive=1s) is loaded by its first request, which waits for it, and
+    # unloaded after 1 s idle; its counters run on over the unload
+    port = harness.free_port()
+    base = f"http://127.0.0.1:{port}"
+    a, b = tiny_models
+    inst = instances(conf(port, [f"{a} name=alpha", f"{b} name=beta keep_alive=1s"], workers=1), "keepalive", port)
+    assert state_of(base, "beta") == "unloaded"
+    h = requests.get(base + "/health", timeout=10)
+    assert h.status_code == 200 and [m["status"] for m in h.json()["models"]] == ["ready", "unloaded"], h.text
+    m, _ = metrics(base)
+    assert m['m40_engines_loaded{model="beta"}'] == 0 and m['m40_engine_state{model="beta"}'] == 3
+    assert m['m40_model_loads_total{model="beta"}'] == 0
+    r1 = chat(base, "beta")
+    assert r1.status_code == 200 and r1.json()["model"] == "beta", r1.text
+    m, _ = metrics(base)
+    assert m['m40_engines_loaded{model="beta"}'] == 1 and m['m40_model_loads_total{model="beta"}'] == 1
+    assert m['m40_model_load_waits_total{model="beta"}'] == 1
+    assert m['m40_model_load_wait_seconds_total{model="beta"}'] > 0
+    assert state_of(base, "beta") == "ready"
+    t0 = time.time()
+    wait_for(lambda: state_of(base, "beta") == "unloaded", 10, "beta to unload")
+    assert time.time() - t0 > 0.5                   # not before its keep_alive
+    assert "unloaded \"beta\" (idle for its keep_alive)" in inst.log()
+    m, _ = metrics(base)
+    assert m['m40_model_unloads_total{model="beta"}'] == 1 and m['m40_engines_loaded{model="beta"}'] == 0
+    assert m['m40_requests_total{model="beta"}'] == 1      # kept over the unload
+    r2 = chat(base, "beta")
+    assert r2.status_code == 200
+    assert r2.json()["choices"][0]["message"]["content"] == r1.json()["choices"][0]["message"]["content"]
+    m, _ = metrics(base)
+    assert m['m40_requests_total{model="beta"}'] == 2 and m['m40_model_loads_total{model="beta"}'] == 2
+    assert m['m40_model_load_waits_total{model="beta"}'] == 2
+    # alpha never waited and stays loaded
+    assert m['m40_model_load_waits_total{model="alpha"}'] == 0 and state_of(base, "alpha") == "ready"
+
+
+def test_max_resident_unloads_the_least_recently_used(instances, tiny_models):
+    port = harness.free_port()
+    base = f"http://127.0.0.1:{port}"
+    a, b = tiny_models
+    instances(conf(port, [f"{a} name=alpha keep_alive=1h", f"{b} name=beta keep_alive=1h"], workers=1,
+                   extra="    m40_max_resident 1;\n"), "resident", port)
+    assert chat(base, "alpha").status_code == 200
+    assert (state_of(base, "alpha"), state_of(base, "beta")) == ("ready", "unloaded")
+    assert chat(base, "beta").status_code == 200
+    assert (state_of(base, "alpha"), state_of(base, "beta")) == ("unloaded", "ready")
+    # beta is busy with a long answer: alpha's request waits for it to end, then beta goes
+    def timed(model, n):
+        r = chat(base, model, n)
+        return r, time.time()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        long = ex.submit(timed, "beta", 400)
+        wait_for(lambda: metrics(base)[0]["m40_running_sequences"] == 1, 30, "beta to run")
+        short = ex.submit(timed, "alpha", 2)
+        (rl, tl), (rs, ts) = long.result(), short.result()
+    assert rl.status_code == 200 and rs.status_code == 200, (rl.text, rs.text)
+    assert rl.json()["usage"]["completion_tokens"] == 400
+    assert ts > tl          # alpha could load only once beta's answer was over
+    m, _ = metrics(base)
+    assert m["m40_engines_loaded"] == 1
+    assert m['m40_model_unloads_total{model="alpha"}'] == 1 and m['m40_model_unloads_total{model="beta"}'] == 1
+    assert m['m40_model_loads_total{model="alpha"}'] == 2 and m['m40_model_loads_total{model="beta"}'] == 1
+    assert (state_of(base, "alpha"), state_of(base, "beta")) == ("ready", "unloaded")
