@@ -450,3 +450,22 @@ def test_max_resident_unloads_the_least_recently_used(instances, tiny_models):
     assert m['m40_model_unloads_total{model="alpha"}'] == 1 and m['m40_model_unloads_total{model="beta"}'] == 1
     assert m['m40_model_loads_total{model="alpha"}'] == 2 and m['m40_model_loads_total{model="beta"}'] == 1
     assert (state_of(base, "alpha"), state_of(base, "beta")) == ("ready", "unloaded")
+
+
+def test_conf_example_two_models(instances, tiny_models):
+    # conf/two-models.conf as it is, with this run's paths and port
+    port = harness.free_port()
+    base = f"http://127.0.0.1:{port}"
+    a, b = tiny_models
+    with open(os.path.join(harness.ROOT, "conf", "two-models.conf")) as f:
+        text = f.read()
+    text = harness.render(text, harness.make_workdir("twoconf"), {
+        "127.0.0.1:8080": f"127.0.0.1:{port}", "/var/lib/m40/models/base.gguf": b}, model=a)
+    instances(text, "twoconf", port)
+    assert [(m["id"], m["state"]) for m in requests.get(base + "/v1/models", timeout=10).json()["data"]] \
+        == [("chat", "ready"), ("base", "unloaded")]
+    assert chat(base).json()["model"] == "chat"
+    r = chat(base, "base")
+    assert r.status_code == 200 and r.json()["model"] == "base"
+    assert state_of(base, "base") == "ready"
+    assert requests.get(base + "/v1/models/base", timeout=10).json()["max_model_len"] == 2048
