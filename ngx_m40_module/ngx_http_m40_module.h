@@ -1,8 +1,9 @@
 /* ngx_http_m40_module: nginx side of m40 (shared declarations).
  *
  * Files:
- *   ngx_http_m40_module.c    directives, configuration, the per-worker engine and its
- *                            eventfd in the event loop, URI routing
+ *   ngx_http_m40_module.c    directives, configuration, URI routing
+ *   ngx_http_m40_engines.c   a worker's engines (one per m40_model): start, GPU load
+ *                            order, keep_alive and m40_max_resident, eventfds
  *   ngx_http_m40_params.c    request body JSON -> validated generation parameters
  *                            (the checks, tools included: engine/serve/api_params.c)
  *   ngx_http_m40_generate.c  the request path of every generating endpoint: body,
@@ -327,6 +328,11 @@ extern ngx_module_t  ngx_http_m40_module;
 /* The model of that name; NULL when none has it. */
 ngx_http_m40_model_t *ngx_http_m40_model_find(ngx_http_m40_main_conf_t *mcf,
     const u_char *name, size_t len);
+
+
+/* ngx_http_m40_engines.c */
+void ngx_http_m40_engines_init(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf);
+void ngx_http_m40_engines_exit(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf);
 /* Loading, ready or failed as m40_engine_state, for an engine of this worker that is
  * not created yet (PENDING: loading) or could not be (failed) too. */
 m40_engine_state ngx_http_m40_model_state(ngx_http_m40_model_t *model,
