@@ -140,7 +140,7 @@ ngx_http_m40_start_engine(ngx_cycle_t *cycle, ngx_http_m40_model_t *m)
 
 
 /* The pending engines whose GPU has no engine loading any more: the first such of
- * each GPU starts (one that cannot start lets the next one go). */
+ * each GPU starts (one that cannot start lets the next one go). The CPU's all start. */
 static void
 ngx_http_m40_start_pending(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf)
 {
@@ -155,13 +155,15 @@ ngx_http_m40_start_pending(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf)
             continue;
         }
 
+        /* busy: another model loads on this GPU (a later one too: keep_alive
+         * loads come in any order), or an earlier one waits to */
         busy = 0;
-        for (j = 0; models[i].worker_device >= 0 && j < i; j++) {
-            if (models[j].worker_device != models[i].worker_device) {
+        for (j = 0; models[i].worker_device >= 0 && j < mcf->models.nelts; j++) {
+            if (j == i || models[j].worker_device != models[i].worker_device) {
                 continue;
             }
 
-            if (models[j].engine_status == NGX_HTTP_M40_ENGINE_PENDING
+            if ((models[j].engine_status == NGX_HTTP_M40_ENGINE_PENDING && j < i)
                 || (models[j].engine_status == NGX_HTTP_M40_ENGINE_STARTED
                     && m40_engine_get_state(models[j].engine, NULL, 0)
                        == M40_ENGINE_LOADING))

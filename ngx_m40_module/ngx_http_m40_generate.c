@@ -859,6 +859,12 @@ ngx_http_m40_cleanup(void *data)
     if (ctx->linger.timer_set) {
         ngx_del_timer(&ctx->linger);
     }
+
+    /* a release from the queue is counted now (cancelled): every worker's /metrics
+     * is to see it */
+    if (ctx->model) {
+        ngx_http_m40_shm_publish(ctx->model);
+    }
 }
 
 

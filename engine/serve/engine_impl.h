@@ -150,6 +150,8 @@ struct m40_engine {
     float gpu_memory_fraction;
     float kv_share;               /* GPU: share of the pool's room (0: all of it) */
     int64_t kv_keep_bytes;        /* GPU: kept out of that room for later models */
+    int stats_wake;               /* engine thread: wake the submitter after the step's
+                                   * statistics (a change no event carries) */
     int32_t n_threads;
     m40_prefill_policy prefill;   /* budget, chunk, floor, guard (0: off); set at create */
     int prefill_budget_auto;

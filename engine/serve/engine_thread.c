@@ -413,6 +413,10 @@ void *m40_engine_thread_main(void *arg)
         m40_admit_queued(e);
         m40_run_step(e);
         m40_stats_publish(e);
+        if (e->stats_wake) {
+            e->stats_wake = 0;
+            m40_engine_wake(e);
+        }
         e->tstats.schedule_seconds += m40_now() - t0 - (e->tstats.forward_seconds + e->tstats.sample_seconds - busy0);
     }
     /* The tokenizer thread first: it answers what waits for it, and whatever it had

@@ -469,3 +469,45 @@ def test_conf_example_two_models(instances, tiny_models):
     assert r.status_code == 200 and r.json()["model"] == "base"
     assert state_of(base, "base") == "ready"
     assert requests.get(base + "/v1/models/base", timeout=10).json()["max_model_len"] == 2048
+
+
+def test_cancellations_counted_across_workers(two):
+    # a stream left mid-way: its cancellation and freed slot show in the other worker's
+    # /metrics too. No event goes to anybody then, so the engine wakes its worker after
+    # the step that cancelled it, and the worker copies its counters; without that the
+    # other worker would report the sequence as running until the owner itself answers
+    # a /metrics (which copies them too). So the round counts only when the first
+    # answer after the cancellation comes from the other worker.
+    import socket
+    base, _ = two
+    port = int(base.rsplit(":", 1)[1])
+    body = json.dumps({"model": "alpha", "messages": MSGS, "max_tokens": 500, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    conclusive = 0
+    for _ in range(12):
+        before, _ = metrics(base)
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(req)
+        s.settimeout(60)
+        head = b""
+        while b"data: " not in head:
+            head += s.recv(4096)
+        owner = re.search(rb"X-Worker: (\d+)", head).group(1).decode()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()                        # reset after the first token: the client is gone
+        time.sleep(0.5)                  # the engine's next step has cancelled it
+        m, who = metrics(base)
+        if who != owner:
+            conclusive += 1
+            assert m["m40_running_sequences"] == 0 and m["m40_kv_usage_ratio"] == 0, (owner, who, m)
+            assert m['m40_requests_cancelled_total{model="alpha"}'] \
+                - before['m40_requests_cancelled_total{model="alpha"}'] == 1
+        for _ in range(6):               # and so does everybody after
+            m, _ = metrics(base)
+            assert m["m40_running_sequences"] == 0 and m["m40_queue_depth"] == 0 and m["m40_kv_usage_ratio"] == 0
+            assert m['m40_requests_cancelled_total{model="alpha"}'] \
+                - before['m40_requests_cancelled_total{model="alpha"}'] == 1
+        if conclusive >= 2:
+            break
+    assert conclusive >= 2, "the other worker never answered first"
