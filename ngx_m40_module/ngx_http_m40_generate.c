@@ -370,11 +370,11 @@ ngx_http_m40_route(ngx_http_m40_main_conf_t *mcf, json_t *root,
         return m;
     }
 
+    /* the message is written below: the name as JSON gave it (it may hold
+     * anything, NULs included), then the served ones */
     ngx_http_m40_error_set(err, NGX_HTTP_NOT_FOUND, "invalid_request_error",
-                           "model", "model_not_found",
-                           "The model '%s' does not exist", "");
+                           "model", "model_not_found", "%s", "");
 
-    /* the name as JSON gave it (it may hold anything), then the served ones */
     p = (u_char *) err->message;
     last = p + sizeof(err->message) - 1;
     p = ngx_slprintf(p, last, "The model '%*s' does not exist (this server "
