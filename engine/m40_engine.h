@@ -49,6 +49,12 @@ typedef struct {
                                     * M40_DEFAULT_ITL_GUARD (off); negative: no guard (the budget alone) */
     float gpu_memory_fraction;     /* GPU: share of the card's memory this engine may fill, (0, 1];
                                     * 0: the KV pool's default, 0.90 */
+    /* GPU, several models on one card (m40_model ... kv_share=): the KV pool takes kv_share
+     * of the room it could take alone (gpu_memory_fraction of the card less what is in use
+     * and the activation reserve), after kv_keep_bytes are set aside for what loads after
+     * it (the weights of later models on the card). 0 (both): the whole room, as alone. */
+    float kv_share;                /* [0, 1]; 0: 1 */
+    int64_t kv_keep_bytes;         /* >= 0 */
 } m40_engine_config;
 
 /* Defaults of the configuration's zeros.

@@ -86,6 +86,12 @@ ngx_http_m40_eventfd_del(ngx_connection_t *c)
         ngx_del_event(c->read, NGX_READ_EVENT, 0);
     }
 
+    /* with accept_mutex on, a readable fd's event waits in the posted queue: an
+     * engine unloaded meanwhile (keep_alive) must not have it run */
+    if (c->read->posted) {
+        ngx_delete_posted_event(c->read);
+    }
+
     c->fd = (ngx_socket_t) -1;
     ngx_free_connection(c);
 }

@@ -19,6 +19,8 @@
 #define NGX_HTTP_M40_LINGER_MS    60000
 
 static void ngx_http_m40_body_handler(ngx_http_request_t *r);
+static ngx_http_m40_model_t *ngx_http_m40_route(ngx_http_m40_main_conf_t *mcf,
+    json_t *root, ngx_http_m40_error_t *err);
 static ngx_int_t ngx_http_m40_start(ngx_http_request_t *r,
     ngx_http_m40_ctx_t *ctx);
 static ngx_int_t ngx_http_m40_collect(ngx_http_m40_ctx_t *ctx);
@@ -343,6 +345,52 @@ ngx_http_m40_dialect_request(ngx_http_m40_ctx_t *ctx, json_t *body,
 }
 
 
+/* The model a request names in its "model" field; the first (default) model when it
+ * names none (or a "model" that is not a string, which the parameters' checks then
+ * refuse). NULL and a 404 in err for a name no m40_model has. */
+static ngx_http_m40_model_t *
+ngx_http_m40_route(ngx_http_m40_main_conf_t *mcf, json_t *root,
+    ngx_http_m40_error_t *err)
+{
+    u_char                *p, *last;
+    json_t                *v;
+    ngx_uint_t             i;
+    ngx_http_m40_model_t  *models, *m;
+
+    models = mcf->models.elts;
+
+    v = json_is_object(root) ? json_object_get(root, "model") : NULL;
+    if (!json_is_string(v)) {
+        return &models[0];
+    }
+
+    m = ngx_http_m40_model_find(mcf, (u_char *) json_string_value(v),
+                                json_string_length(v));
+    if (m) {
+        return m;
+    }
+
+    /* the message is written below: the name as JSON gave it (it may hold
+     * anything, NULs included), then the served ones */
+    ngx_http_m40_error_set(err, NGX_HTTP_NOT_FOUND, "invalid_request_error",
+                           "model", "model_not_found", "%s", "");
+
+    p = (u_char *) err->message;
+    last = p + sizeof(err->message) - 1;
+    p = ngx_slprintf(p, last, "The model '%*s' does not exist (this server "
+                     "serves ", ngx_min(json_string_length(v), 128),
+                     json_string_value(v));
+    for (i = 0; i < mcf->models.nelts; i++) {
+        p = ngx_slprintf(p, last, "%s'%V'", i ? ", " : "",
+                         &models[i].model_name);
+    }
+    p = ngx_slprintf(p, last, ")");
+    *p = '\0';
+
+    return NULL;
+}
+
+
 static ngx_int_t
 ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
 {
@@ -361,21 +409,13 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     ngx_pool_cleanup_t        *cln;
     m40_submit_status          st;
     m40_request_params         rp;
-    ngx_http_m40_error_t       err;
+    ngx_http_m40_error_t       err, derr;
     ngx_http_m40_params_t      p;
     ngx_http_m40_choice_t     *ch;
+    ngx_http_m40_model_t      *model;
     ngx_http_m40_main_conf_t  *mcf;
 
     mcf = ctx->mcf;
-
-    /* A request that arrives while the model loads (a new worker after a reload, or
-     * right after start) waits for it, up to m40_load_wait, instead of a 503. */
-    if (mcf->engine != NULL && ctx->load_waited < mcf->load_wait
-        && m40_engine_get_state(mcf->engine, err_buf, sizeof(err_buf))
-           == M40_ENGINE_LOADING)
-    {
-        return ngx_http_m40_load_wait(r, ctx);
-    }
 
     if (ctx->json_parsed && ctx->json_failed) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;      /* logged */
@@ -419,6 +459,57 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
                    "column %d)", jerr.text, jerr.line, jerr.column);
     }
 
+    /* the "model" field chooses the engine (every dialect has it at the top) */
+    if (ctx->model == NULL) {
+        ctx->model = ngx_http_m40_route(mcf, root, &err);
+        if (ctx->model == NULL) {
+            /* a dialect's own 400s come first, as they did when the model was
+             * checked after the conversion (with one model) */
+            if (ctx->dialect) {
+                root = ngx_http_m40_dialect_request(ctx, root, &derr);
+                if (root == NULL) {
+                    return ngx_http_m40_send_error(r, &derr);
+                }
+            }
+            json_decref(root);
+            return ngx_http_m40_send_error(r, &err);
+        }
+
+        if (ngx_http_m40_model_use(r, ctx->model) != NGX_OK) {
+            json_decref(root);
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+    }
+
+    model = ctx->model;
+
+    /* keep_alive: an unloaded model loads (room permitting, m40_max_resident) */
+    ngx_http_m40_model_load(model);
+
+    /* A request that arrives while its model loads (a new worker after a reload, or
+     * right after start, or a model that waits for another on its GPU) waits for it,
+     * up to m40_load_wait, instead of a 503. The parsed body waits with it. */
+    if (ctx->load_waited < mcf->load_wait
+        && ngx_http_m40_model_state(model, NULL, 0) == M40_ENGINE_LOADING)
+    {
+        if (!ctx->load_waiting) {
+            ctx->load_waiting = 1;
+            ctx->load_since = ngx_current_msec;
+            model->mc.load_waits++;
+        }
+
+        ctx->json_root = root;
+        ctx->json_parsed = 1;
+        return ngx_http_m40_load_wait(r, ctx);
+    }
+
+    if (ctx->load_waiting) {        /* the wait shows in /metrics */
+        ctx->load_waiting = 0;
+        model->mc.load_wait_seconds +=
+                            (double) (ngx_current_msec - ctx->load_since) / 1000.0;
+        ngx_http_m40_shm_publish(model);
+    }
+
     if (ctx->dialect) {
         root = ngx_http_m40_dialect_request(ctx, root, &err);
         if (root == NULL) {
@@ -426,21 +517,13 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
         }
     }
 
-    if (ngx_http_m40_parse_params(r, mcf, ctx->kind, root, &p, &err)
+    if (ngx_http_m40_parse_params(r, mcf, model, ctx->kind, root, &p, &err)
         != NGX_OK)
     {
         goto failed;
     }
 
-    if (mcf->engine == NULL) {
-        ngx_http_m40_error_set(&err, NGX_HTTP_SERVICE_UNAVAILABLE,
-                               "server_error", NULL, "model_failed",
-                               "the model could not be started (see the "
-                               "error log)");
-        goto failed;
-    }
-
-    state = m40_engine_get_state(mcf->engine, err_buf, sizeof(err_buf));
+    state = ngx_http_m40_model_state(model, err_buf, sizeof(err_buf));
     if (state != M40_ENGINE_READY) {
         ngx_http_m40_error_set(&err, NGX_HTTP_SERVICE_UNAVAILABLE,
                                "server_error", NULL,
@@ -455,7 +538,7 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
 
     /* token ids past the vocabulary: known only now that the model is loaded (the
      * engine refuses them too, without naming the parameter) */
-    n_vocab = p.n_bias ? m40_engine_n_vocab(mcf->engine) : 0;
+    n_vocab = p.n_bias ? m40_engine_n_vocab(model->engine) : 0;
     for (i = 0; i < p.n_bias; i++) {
         if (p.bias_ids[i] >= n_vocab) {
             ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
@@ -471,7 +554,7 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
     /* n choices enter the waiting queue together, before any of them gets a slot: more
      * than the queue holds could never all be admitted, so it is the request that is
      * wrong (400), not the load (429, which a retry could get past) */
-    if (p.n > 1 && m40_engine_get_capacity(mcf->engine, &cap) == 0
+    if (p.n > 1 && m40_engine_get_capacity(model->engine, &cap) == 0
         && p.n > (ngx_uint_t) cap.max_queue)
     {
         ngx_http_m40_error_set(&err, NGX_HTTP_BAD_REQUEST,
@@ -591,8 +674,13 @@ ngx_http_m40_start(ngx_http_request_t *r, ngx_http_m40_ctx_t *ctx)
 
         rp.sampling.seed = seed + i;
 
-        st = m40_engine_submit(mcf->engine, &rp, (void *) (uintptr_t) ch->node.key,
+        st = m40_engine_submit(model->engine, &rp,
+                               (void *) (uintptr_t) ch->node.key,
                                &ch->req, err_buf, sizeof(err_buf));
+
+        /* admitted or refused, the engine has counted it: every worker's
+         * /metrics is to see it at once */
+        ngx_http_m40_shm_publish(model);
 
         switch (st) {
 
@@ -697,6 +785,11 @@ ngx_http_m40_load_wait_cleanup(void *data)
     if (ctx->load_ev.timer_set) {
         ngx_del_timer(&ctx->load_ev);
     }
+
+    if (ctx->json_root) {       /* the body of a request that left while it waited */
+        json_decref(ctx->json_root);
+        ctx->json_root = NULL;
+    }
 }
 
 
@@ -765,6 +858,12 @@ ngx_http_m40_cleanup(void *data)
 
     if (ctx->linger.timer_set) {
         ngx_del_timer(&ctx->linger);
+    }
+
+    /* a release from the queue is counted now (cancelled): every worker's /metrics
+     * is to see it */
+    if (ctx->model) {
+        ngx_http_m40_shm_publish(ctx->model);
     }
 }
 

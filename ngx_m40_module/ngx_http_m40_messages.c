@@ -812,8 +812,8 @@ ngx_http_m40_msg_send(ngx_http_m40_ctx_t *ctx)
 
     root = json_pack("{s:s,s:s,s:s,s:s%,s:o,s:s,s:o,s:{s:i,s:i}}",
                      "id", (char *) id, "type", "message", "role", "assistant",
-                     "model", (const char *) ctx->mcf->model_name.data,
-                     (size_t) ctx->mcf->model_name.len,
+                     "model", (const char *) ctx->model->model_name.data,
+                     (size_t) ctx->model->model_name.len,
                      "content", content,
                      "stop_reason", reason,
                      "stop_sequence", seq,
@@ -881,8 +881,8 @@ ngx_http_m40_msg_open(ngx_http_m40_sse_t *out)
             json_pack("{s:{s:s,s:s,s:s,s:s%,s:[],s:n,s:n,s:{s:i,s:i}}}",
                       "message", "id", (char *) id, "type", "message",
                       "role", "assistant",
-                      "model", (const char *) out->ctx->mcf->model_name.data,
-                      (size_t) out->ctx->mcf->model_name.len,
+                      "model", (const char *) out->ctx->model->model_name.data,
+                      (size_t) out->ctx->model->model_name.len,
                       "content", "stop_reason", "stop_sequence",
                       "usage", "input_tokens", (int) out->ch->prompt_tokens,
                       "output_tokens", 0))

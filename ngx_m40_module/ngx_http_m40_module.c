@@ -1,13 +1,8 @@
-/* ngx_http_m40_module: directives, configuration, the per-worker engine and the
- * routing of API requests.
+/* ngx_http_m40_module: directives, configuration, the process hooks and the routing
+ * of API requests.
  *
- * Every worker process owns one engine (one model instance on one device). The
- * engine's eventfd is registered in the worker's event loop as a pseudo connection;
- * when it becomes readable, the worker asks the engine which requests have news and
- * lets each of them pull its events (ngx_http_m40_generate.c). Engine requests are
- * known to the engine by a numeric id, looked up in a red-black tree, so that a
- * notification for a request that has just gone away is ignored instead of touching
- * freed memory. */
+ * Every worker process owns one engine per m40_model (ngx_http_m40_engines.c); a
+ * request's "model" field chooses among them (the first is the default). */
 #include "ngx_http_m40_module.h"
 
 #if (NGX_LINUX)
@@ -22,6 +17,11 @@ static char *ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent,
     void *child);
 static char *ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
+static ngx_int_t ngx_http_m40_models_merge(ngx_conf_t *cf,
+    ngx_http_m40_main_conf_t *mcf);
+static ngx_int_t ngx_http_m40_read_template(ngx_conf_t *cf, ngx_str_t *path,
+    ngx_str_t *out);
+static ngx_int_t ngx_http_m40_parse_double(ngx_str_t *v, double *f);
 static char *ngx_http_m40_device(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 static char *ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd,
@@ -33,7 +33,6 @@ static char *ngx_http_m40_itl_guard(ngx_conf_t *cf, ngx_command_t *cmd,
 static char *ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
 static ngx_int_t ngx_http_m40_init_process(ngx_cycle_t *cycle);
 static void ngx_http_m40_exit_process(ngx_cycle_t *cycle);
-static void ngx_http_m40_engine_event(ngx_event_t *rev);
 static ngx_int_t ngx_http_m40_handler(ngx_http_request_t *r);
 
 
@@ -78,7 +77,7 @@ static ngx_conf_enum_t  ngx_http_m40_reasoning_modes[] = {
 static ngx_command_t  ngx_http_m40_commands[] = {
 
     { ngx_string("m40_model"),
-      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE12,
+      NGX_HTTP_MAIN_CONF|NGX_CONF_1MORE,
       ngx_http_m40_model,
       NGX_HTTP_MAIN_CONF_OFFSET,
       0,
@@ -189,6 +188,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       offsetof(ngx_http_m40_main_conf_t, load_wait),
       NULL },
 
+    { ngx_string("m40_max_resident"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, max_resident),
+      &ngx_http_m40_non_negative },
+
     { ngx_string("m40_api"),
       NGX_HTTP_LOC_CONF|NGX_CONF_NOARGS,
       ngx_http_m40_api,
@@ -250,6 +256,12 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
         return NULL;
     }
 
+    if (ngx_array_init(&mcf->models, cf->pool, 2, sizeof(ngx_http_m40_model_t))
+        != NGX_OK)
+    {
+        return NULL;
+    }
+
     mcf->device = NGX_CONF_UNSET;
     mcf->ctx_size = NGX_CONF_UNSET;
     mcf->load_wait = NGX_CONF_UNSET_MSEC;
@@ -264,6 +276,7 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->itl_guard = -2.0;
     mcf->tool_parser = NGX_CONF_UNSET_UINT;
     mcf->reasoning = NGX_CONF_UNSET_UINT;
+    mcf->max_resident = NGX_CONF_UNSET_UINT;
 
     return mcf;
 }
@@ -292,16 +305,7 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     }
     ngx_conf_init_uint_value(mcf->tool_parser, NGX_HTTP_M40_TOOL_PARSER_AUTO);
     ngx_conf_init_uint_value(mcf->reasoning, M40_REASONING_SEPARATE);
-
-    if (mcf->prefill_chunk > 0 && mcf->prefill_budget > 0
-        && mcf->prefill_chunk > mcf->prefill_budget)
-    {
-        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
-                           "m40_prefill_chunk %i is larger than "
-                           "m40_prefill_budget %i: a sequence gets at most "
-                           "the budget in a step",
-                           mcf->prefill_chunk, mcf->prefill_budget);
-    }
+    ngx_conf_init_uint_value(mcf->max_resident, 0);
 
     ngx_conf_init_value(mcf->max_tokens_default, 256);
     ngx_conf_init_value(mcf->max_tokens_limit, 4096);
@@ -315,14 +319,113 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
         return NGX_CONF_ERROR;
     }
 
-    if (mcf->api_used && mcf->model_path.len == 0) {
+    if (mcf->api_used && mcf->models.nelts == 0) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "\"m40_api\" is used but no \"m40_model\" is set "
                            "in the http block");
         return NGX_CONF_ERROR;
     }
 
+    if (mcf->models.nelts == 0) {
+        return NGX_CONF_OK;
+    }
+
+    if (ngx_http_m40_models_merge(cf, mcf) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (ngx_http_m40_shm_add(cf, mcf) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
     return NGX_CONF_OK;
+}
+
+
+/* Each model's unset settings from the http block's, and the GPU memory plan of the
+ * models that share a card (m40_engine.h, kv_share): models on one GPU load in the
+ * order of the configuration, each after the weights of those before it; the weights
+ * of those after it (their files' sizes, which is what they upload, near enough) are
+ * set aside first, and by default the room left is shared equally: 1/N for the first
+ * of N, 1/(N-1) for the next, the whole rest for the last. */
+static ngx_int_t
+ngx_http_m40_models_merge(ngx_conf_t *cf, ngx_http_m40_main_conf_t *mcf)
+{
+    ngx_uint_t             i, j, later;
+    ngx_http_m40_model_t  *models, *m;
+
+    models = mcf->models.elts;
+
+    for (i = 0; i < mcf->models.nelts; i++) {
+        m = &models[i];
+
+        ngx_conf_merge_value(m->device, NGX_CONF_UNSET, mcf->device);
+        ngx_conf_merge_value(m->ctx_size, NGX_CONF_UNSET, mcf->ctx_size);
+        ngx_conf_merge_value(m->max_seqs, NGX_CONF_UNSET, mcf->max_seqs);
+        ngx_conf_merge_value(m->max_queue, NGX_CONF_UNSET, mcf->max_queue);
+        ngx_conf_merge_value(m->threads, NGX_CONF_UNSET, mcf->threads);
+        ngx_conf_merge_value(m->prefill_chunk, NGX_CONF_UNSET,
+                             mcf->prefill_chunk);
+        ngx_conf_merge_value(m->prefill_budget, NGX_CONF_UNSET,
+                             mcf->prefill_budget);
+        ngx_conf_merge_uint_value(m->tool_parser, NGX_CONF_UNSET_UINT,
+                                  mcf->tool_parser);
+        ngx_conf_merge_uint_value(m->reasoning, NGX_CONF_UNSET_UINT,
+                                  mcf->reasoning);
+
+        if (m->gpu_memory_fraction < 0.0) {
+            m->gpu_memory_fraction = mcf->gpu_memory_fraction;
+        }
+
+        if (m->itl_guard < -1.5) {
+            m->itl_guard = mcf->itl_guard;
+        }
+
+        if (m->chat_template.data == NULL) {
+            m->chat_template = mcf->chat_template;
+        }
+
+        if (m->prefill_chunk > 0 && m->prefill_budget > 0
+            && m->prefill_chunk > m->prefill_budget)
+        {
+            ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                               "m40_prefill_chunk %i is larger than "
+                               "m40_prefill_budget %i for \"%V\": a sequence "
+                               "gets at most the budget in a step",
+                               m->prefill_chunk, m->prefill_budget,
+                               &m->model_name);
+        }
+    }
+
+    for (i = 0; i < mcf->models.nelts; i++) {
+        m = &models[i];
+        m->kv_keep_bytes = 0;
+
+        if (m->device < 0) {
+            if (m->kv_share >= 0.0) {
+                ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                                   "kv_share of \"%V\" has no effect on the "
+                                   "cpu (each sequence has its own cache)",
+                                   &m->model_name);
+            }
+            m->kv_share = 0.0;
+            continue;
+        }
+
+        later = 0;
+        for (j = i + 1; j < mcf->models.nelts; j++) {
+            if (models[j].device == m->device) {
+                later++;
+                m->kv_keep_bytes += (int64_t) models[j].file_size;
+            }
+        }
+
+        if (m->kv_share < 0.0) {
+            m->kv_share = 1.0 / (double) (later + 1);
+        }
+    }
+
+    return NGX_OK;
 }
 
 
@@ -367,75 +470,328 @@ ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
 }
 
 
-/* m40_model PATH [name=NAME] */
+/* A parameter's number: the whole of v, from min to max. */
+static ngx_int_t
+ngx_http_m40_param_int(ngx_conf_t *cf, ngx_str_t *param, ngx_str_t *v,
+    ngx_int_t min, ngx_int_t max, ngx_int_t *out)
+{
+    ngx_int_t  n;
+
+    n = ngx_atoi(v->data, v->len);
+    if (n == NGX_ERROR || n < min || n > max) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid m40_model parameter \"%V\": a number "
+                           "from %i to %i expected", param, min, max);
+        return NGX_ERROR;
+    }
+
+    *out = n;
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_m40_param_enum(ngx_conf_t *cf, ngx_str_t *param, ngx_str_t *v,
+    ngx_conf_enum_t *e, ngx_uint_t *out)
+{
+    for ( /* void */ ; e->name.len; e++) {
+        if (e->name.len == v->len
+            && ngx_strncasecmp(e->name.data, v->data, v->len) == 0)
+        {
+            *out = e->value;
+            return NGX_OK;
+        }
+    }
+
+    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                       "invalid m40_model parameter \"%V\"", param);
+    return NGX_ERROR;
+}
+
+
+/* m40_model PATH [name=NAME] [device=cpu|N] [ctx_size=N] [max_seqs=N] [max_queue=N]
+ *     [threads=N] [kv_share=F] [gpu_memory_fraction=F] [chat_template=PATH]
+ *     [tool_parser=P] [reasoning=R] [prefill_chunk=N] [prefill_budget=N]
+ *     [itl_guard=F|off]
+ * May appear several times: the first model is the default (requests without a
+ * "model" field). A parameter left out takes the http block's directive of the same
+ * name (m40_device, m40_ctx_size, ...). */
 static char *
 ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_m40_main_conf_t *mcf = conf;
 
-    u_char           *p, *base, *end;
-    ngx_str_t        *value;
-    ngx_file_info_t   fi;
-
-    if (mcf->model_path.data) {
-        return "is duplicate";
-    }
+    u_char                *p, *base, *end;
+    double                 f;
+    ngx_int_t              n;
+    ngx_str_t             *value, v, path;
+    ngx_uint_t             i;
+    ngx_file_info_t        fi;
+    ngx_http_m40_model_t  *m, *other;
 
     value = cf->args->elts;
 
-    mcf->model_path = value[1];
-    if (ngx_conf_full_name(cf->cycle, &mcf->model_path, 1) != NGX_OK) {
+    m = ngx_array_push(&mcf->models);
+    if (m == NULL) {
         return NGX_CONF_ERROR;
     }
 
-    if (ngx_file_info(mcf->model_path.data, &fi) == NGX_FILE_ERROR) {
+    ngx_memzero(m, sizeof(ngx_http_m40_model_t));
+    m->index = mcf->models.nelts - 1;
+    m->device = NGX_CONF_UNSET;
+    m->ctx_size = NGX_CONF_UNSET;
+    m->max_seqs = NGX_CONF_UNSET;
+    m->max_queue = NGX_CONF_UNSET;
+    m->threads = NGX_CONF_UNSET;
+    m->prefill_chunk = NGX_CONF_UNSET;
+    m->prefill_budget = NGX_CONF_UNSET;
+    m->gpu_memory_fraction = -1.0;
+    m->kv_share = -1.0;
+    m->itl_guard = -2.0;
+    m->tool_parser = NGX_CONF_UNSET_UINT;
+    m->reasoning = NGX_CONF_UNSET_UINT;
+
+    m->model_path = value[1];
+    if (ngx_conf_full_name(cf->cycle, &m->model_path, 1) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (ngx_file_info(m->model_path.data, &fi) == NGX_FILE_ERROR) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, ngx_errno,
-                           ngx_file_info_n " \"%V\" failed", &mcf->model_path);
+                           ngx_file_info_n " \"%V\" failed", &m->model_path);
         return NGX_CONF_ERROR;
     }
 
     if (!ngx_is_file(&fi)) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "m40_model \"%V\" is not a regular file",
-                           &mcf->model_path);
+                           &m->model_path);
         return NGX_CONF_ERROR;
     }
 
-    if (cf->args->nelts == 3) {
-        if (value[2].len <= 5
-            || ngx_strncmp(value[2].data, "name=", 5) != 0)
+    m->file_size = ngx_file_size(&fi);
+
+    for (i = 2; i < cf->args->nelts; i++) {
+        p = ngx_strlchr(value[i].data, value[i].data + value[i].len, '=');
+        if (p == NULL || p == value[i].data) {
+            goto invalid;
+        }
+
+        v.data = p + 1;
+        v.len = value[i].data + value[i].len - v.data;
+
+#define ngx_http_m40_is(s)                                                    \
+        ((size_t) (p - value[i].data) == sizeof(s) - 1                        \
+         && ngx_strncmp(value[i].data, s, sizeof(s) - 1) == 0)
+
+        if (ngx_http_m40_is("name")) {
+            if (v.len == 0) {
+                goto invalid;
+            }
+            m->model_name = v;      /* NUL-terminated: the argument's end */
+
+        } else if (ngx_http_m40_is("device")) {
+            if (v.len == 3 && ngx_strncasecmp(v.data, (u_char *) "cpu", 3) == 0) {
+                m->device = -1;
+            } else if (ngx_http_m40_param_int(cf, &value[i], &v, 0, 1024,
+                                              &m->device) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("ctx_size")) {
+            if (ngx_http_m40_param_int(cf, &value[i], &v, 0, 0x7fffffff,
+                                       &m->ctx_size) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("max_seqs")) {
+            if (ngx_http_m40_param_int(cf, &value[i], &v, 1, 0x7fffffff,
+                                       &m->max_seqs) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("max_queue")) {
+            if (ngx_http_m40_param_int(cf, &value[i], &v, 1, 0x7fffffff,
+                                       &m->max_queue) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("threads")) {
+            if (ngx_http_m40_param_int(cf, &value[i], &v, 0, 1024,
+                                       &m->threads) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("prefill_chunk")
+                   || ngx_http_m40_is("prefill_budget"))
         {
-            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "invalid parameter \"%V\"", &value[2]);
+            if (ngx_http_m40_param_int(cf, &value[i], &v, 1,
+                                       M40_MAX_PREFILL_TOKENS, &n) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+            if (value[i].data[8] == 'c') {
+                m->prefill_chunk = n;
+            } else {
+                m->prefill_budget = n;
+            }
+
+        } else if (ngx_http_m40_is("kv_share")
+                   || ngx_http_m40_is("gpu_memory_fraction"))
+        {
+            if (ngx_http_m40_parse_double(&v, &f) != NGX_OK
+                || !(f > 0.0 && f <= 1.0))
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid m40_model parameter \"%V\": a "
+                                   "number greater than 0 and at most 1 "
+                                   "expected", &value[i]);
+                return NGX_CONF_ERROR;
+            }
+            if (value[i].data[0] == 'k') {
+                m->kv_share = f;
+            } else {
+                m->gpu_memory_fraction = f;
+            }
+
+        } else if (ngx_http_m40_is("itl_guard")) {
+            if (v.len == 3 && ngx_strncasecmp(v.data, (u_char *) "off", 3) == 0) {
+                m->itl_guard = -1.0;
+            } else if (ngx_http_m40_parse_double(&v, &f) != NGX_OK
+                       || !(f >= 1.0 && f <= 100.0))
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid m40_model parameter \"%V\": a "
+                                   "number from 1 to 100 or \"off\" expected",
+                                   &value[i]);
+                return NGX_CONF_ERROR;
+            } else {
+                m->itl_guard = f;
+            }
+
+        } else if (ngx_http_m40_is("chat_template")) {
+            path = v;
+            if (v.len == 0
+                || ngx_conf_full_name(cf->cycle, &path, 1) != NGX_OK
+                || ngx_http_m40_read_template(cf, &path, &m->chat_template)
+                   != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("keep_alive")) {
+            if (v.len == 3 && ngx_strncasecmp(v.data, (u_char *) "off", 3) == 0) {
+                m->keep_alive = 0;
+            } else {
+                m->keep_alive = ngx_parse_time(&v, 0);
+                if (m->keep_alive == (ngx_msec_t) NGX_ERROR
+                    || m->keep_alive < 1000)
+                {
+                    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                       "invalid m40_model parameter \"%V\": "
+                                       "a time of 1s or more (e.g. 5m) or "
+                                       "\"off\" expected", &value[i]);
+                    return NGX_CONF_ERROR;
+                }
+            }
+
+        } else if (ngx_http_m40_is("tool_parser")) {
+            if (ngx_http_m40_param_enum(cf, &value[i], &v,
+                                        ngx_http_m40_tool_parsers,
+                                        &m->tool_parser) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("reasoning")) {
+            if (ngx_http_m40_param_enum(cf, &value[i], &v,
+                                        ngx_http_m40_reasoning_modes,
+                                        &m->reasoning) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else {
+            goto invalid;
+        }
+
+#undef ngx_http_m40_is
+    }
+
+    if (m->model_name.len == 0) {
+        /* Default public name: the file name without its directory and ".gguf". */
+        end = m->model_path.data + m->model_path.len;
+        base = m->model_path.data;
+        for (p = base; p < end; p++) {
+            if (*p == '/') {
+                base = p + 1;
+            }
+        }
+
+        if (end - base > 5
+            && ngx_strncasecmp(end - 5, (u_char *) ".gguf", 5) == 0)
+        {
+            end -= 5;
+        }
+
+        m->model_name.len = end - base;
+        m->model_name.data = ngx_pnalloc(cf->pool, m->model_name.len + 1);
+        if (m->model_name.data == NULL) {
             return NGX_CONF_ERROR;
         }
-
-        mcf->model_name.len = value[2].len - 5;
-        mcf->model_name.data = value[2].data + 5;   /* NUL-terminated */
-        return NGX_CONF_OK;
+        ngx_cpystrn(m->model_name.data, base, m->model_name.len + 1);
     }
 
-    /* Default public name: the file name without its directory and ".gguf". */
-    end = mcf->model_path.data + mcf->model_path.len;
-    base = mcf->model_path.data;
-    for (p = base; p < end; p++) {
-        if (*p == '/') {
-            base = p + 1;
+    if (m->model_name.len >= NGX_HTTP_M40_NAME_MAX) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "the model name \"%V\" is longer than %d bytes",
+                           &m->model_name, NGX_HTTP_M40_NAME_MAX - 1);
+        return NGX_CONF_ERROR;
+    }
+
+    other = ngx_http_m40_model_find(mcf, m->model_name.data,
+                                    m->model_name.len);
+    if (other != m) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "duplicate model name \"%V\" (give one of the "
+                           "m40_model directives another name=)",
+                           &m->model_name);
+        return NGX_CONF_ERROR;
+    }
+
+    return NGX_CONF_OK;
+
+invalid:
+
+    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0, "invalid m40_model parameter "
+                       "\"%V\"", &value[i]);
+    return NGX_CONF_ERROR;
+}
+
+
+ngx_http_m40_model_t *
+ngx_http_m40_model_find(ngx_http_m40_main_conf_t *mcf, const u_char *name,
+    size_t len)
+{
+    ngx_uint_t             i;
+    ngx_http_m40_model_t  *models;
+
+    models = mcf->models.elts;
+
+    for (i = 0; i < mcf->models.nelts; i++) {
+        if (models[i].model_name.len == len
+            && ngx_memcmp(models[i].model_name.data, name, len) == 0)
+        {
+            return &models[i];
         }
     }
 
-    if (end - base > 5 && ngx_strncasecmp(end - 5, (u_char *) ".gguf", 5) == 0) {
-        end -= 5;
-    }
-
-    mcf->model_name.len = end - base;
-    mcf->model_name.data = ngx_pnalloc(cf->pool, mcf->model_name.len + 1);
-    if (mcf->model_name.data == NULL) {
-        return NGX_CONF_ERROR;
-    }
-    ngx_cpystrn(mcf->model_name.data, base, mcf->model_name.len + 1);
-
-    return NGX_CONF_OK;
+    return NULL;
 }
 
 
@@ -566,10 +922,7 @@ ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_m40_main_conf_t *mcf = conf;
 
-    off_t        size;
-    ssize_t      n;
-    ngx_str_t   *value;
-    ngx_file_t   file;
+    ngx_str_t  *value, path;
 
     if (mcf->chat_template.data) {
         return "is duplicate";
@@ -577,20 +930,36 @@ ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     value = cf->args->elts;
 
-    mcf->chat_template_path = value[1];
-    if (ngx_conf_full_name(cf->cycle, &mcf->chat_template_path, 1) != NGX_OK) {
+    path = value[1];
+    if (ngx_conf_full_name(cf->cycle, &path, 1) != NGX_OK) {
         return NGX_CONF_ERROR;
     }
 
+    if (ngx_http_m40_read_template(cf, &path, &mcf->chat_template) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+/* A chat template file's content, NUL-terminated, in the configuration's pool. */
+static ngx_int_t
+ngx_http_m40_read_template(ngx_conf_t *cf, ngx_str_t *path, ngx_str_t *out)
+{
+    off_t        size;
+    ssize_t      n;
+    ngx_file_t   file;
+
     ngx_memzero(&file, sizeof(ngx_file_t));
-    file.name = mcf->chat_template_path;
+    file.name = *path;
     file.log = cf->log;
 
     file.fd = ngx_open_file(file.name.data, NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
     if (file.fd == NGX_INVALID_FILE) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, ngx_errno,
                            ngx_open_file_n " \"%V\" failed", &file.name);
-        return NGX_CONF_ERROR;
+        return NGX_ERROR;
     }
 
     if (ngx_fd_info(file.fd, &file.info) == NGX_FILE_ERROR) {
@@ -607,28 +976,29 @@ ngx_http_m40_chat_template(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         goto failed;
     }
 
-    mcf->chat_template.data = ngx_pnalloc(cf->pool, (size_t) size + 1);
-    if (mcf->chat_template.data == NULL) {
+    out->data = ngx_pnalloc(cf->pool, (size_t) size + 1);
+    if (out->data == NULL) {
         goto failed;
     }
 
-    n = ngx_read_file(&file, mcf->chat_template.data, (size_t) size, 0);
+    n = ngx_read_file(&file, out->data, (size_t) size, 0);
     if (n != size) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            ngx_read_file_n " \"%V\" returned only %z bytes",
                            &file.name, n);
+        out->data = NULL;
         goto failed;
     }
 
-    mcf->chat_template.len = (size_t) size;
-    mcf->chat_template.data[size] = '\0';
+    out->len = (size_t) size;
+    out->data[size] = '\0';
 
     if (ngx_close_file(file.fd) == NGX_FILE_ERROR) {
         ngx_log_error(NGX_LOG_ALERT, cf->log, ngx_errno,
                       ngx_close_file_n " \"%V\" failed", &file.name);
     }
 
-    return NGX_CONF_OK;
+    return NGX_OK;
 
 failed:
 
@@ -637,7 +1007,7 @@ failed:
                       ngx_close_file_n " \"%V\" failed", &file.name);
     }
 
-    return NGX_CONF_ERROR;
+    return NGX_ERROR;
 }
 
 
@@ -670,14 +1040,11 @@ ngx_http_m40_api(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 }
 
 
-/* ---- per-worker engine ---- */
+/* ---- per-worker engines (ngx_http_m40_engines.c) ---- */
 
 static ngx_int_t
 ngx_http_m40_init_process(ngx_cycle_t *cycle)
 {
-    char                       err[512];
-    ngx_connection_t          *c;
-    m40_engine_config          ec;
     ngx_http_m40_main_conf_t  *mcf;
 
     if (ngx_process != NGX_PROCESS_WORKER && ngx_process != NGX_PROCESS_SINGLE) {
@@ -699,70 +1066,12 @@ ngx_http_m40_init_process(ngx_cycle_t *cycle)
     }
 
     mcf = ngx_http_cycle_get_module_main_conf(cycle, ngx_http_m40_module);
-    if (mcf == NULL || mcf->model_path.len == 0) {
+    if (mcf == NULL || mcf->models.nelts == 0) {
         return NGX_OK;
     }
 
-    ngx_rbtree_init(&mcf->choices, &mcf->choices_sentinel,
-                    ngx_rbtree_insert_value);
-    mcf->next_id = 1;
-    mcf->start_time = ngx_time();
+    ngx_http_m40_engines_init(cycle, mcf);
 
-    ngx_memzero(&ec, sizeof(m40_engine_config));
-    ec.model_path = (const char *) mcf->model_path.data;
-    ec.model_name = (const char *) mcf->model_name.data;
-    ec.device = mcf->device < 0 ? -1 : (int) (mcf->device + ngx_worker);
-    ec.ctx_size = (int32_t) mcf->ctx_size;
-    ec.max_seqs = (int32_t) mcf->max_seqs;
-    ec.max_queue = (int32_t) mcf->max_queue;
-    ec.n_threads = (int32_t) mcf->threads;
-    ec.gpu_memory_fraction = (float) mcf->gpu_memory_fraction;
-    ec.prefill_chunk = (int32_t) mcf->prefill_chunk;
-    ec.prefill_budget = (int32_t) mcf->prefill_budget;
-    ec.itl_guard = (float) mcf->itl_guard;
-    ec.chat_template = mcf->chat_template.len
-                       ? (const char *) mcf->chat_template.data : NULL;
-
-    err[0] = '\0';
-    if (m40_engine_create(&ec, &mcf->engine, err, sizeof(err)) != 0) {
-        /* The worker keeps serving: /health reports "failed", generation 503. */
-        ngx_log_error(NGX_LOG_EMERG, cycle->log, 0,
-                      "m40: cannot start the engine for \"%V\": %s",
-                      &mcf->model_path, err);
-        mcf->engine = NULL;
-        return NGX_OK;
-    }
-
-    c = ngx_http_m40_eventfd_add(m40_engine_event_fd(mcf->engine),
-                                 ngx_http_m40_engine_event, mcf, "engine's",
-                                 cycle->log);
-    if (c == NULL) {
-        goto failed;
-    }
-
-    mcf->event_conn = c;
-
-    /* large request bodies are parsed off the event loop (ngx_http_m40_json.c);
-     * without its thread they are parsed inline */
-    (void) ngx_http_m40_json_init(cycle);
-
-    if (ec.device < 0) {
-        ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
-                      "m40: worker %ui loading \"%V\" as \"%V\" on the cpu",
-                      ngx_worker, &mcf->model_path, &mcf->model_name);
-    } else {
-        ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
-                      "m40: worker %ui loading \"%V\" as \"%V\" on gpu %d",
-                      ngx_worker, &mcf->model_path, &mcf->model_name,
-                      ec.device);
-    }
-
-    return NGX_OK;
-
-failed:
-
-    m40_engine_destroy(mcf->engine);
-    mcf->engine = NULL;
     return NGX_OK;
 }
 
@@ -770,7 +1079,6 @@ failed:
 static void
 ngx_http_m40_exit_process(ngx_cycle_t *cycle)
 {
-    ngx_connection_t          *c;
     ngx_http_m40_main_conf_t  *mcf;
 
     if (cycle->conf_ctx[ngx_http_module.index] == NULL) {
@@ -778,151 +1086,15 @@ ngx_http_m40_exit_process(ngx_cycle_t *cycle)
     }
 
     mcf = ngx_http_cycle_get_module_main_conf(cycle, ngx_http_m40_module);
-    if (mcf == NULL || mcf->engine == NULL) {
+    if (mcf == NULL || mcf->models.nelts == 0) {
         return;
     }
 
-    ngx_http_m40_json_exit(cycle);
-
-    c = mcf->event_conn;
-    if (c) {
-        /* The engine owns and closes the fd. */
-        ngx_http_m40_eventfd_del(c);
-        mcf->event_conn = NULL;
-    }
-
-    m40_engine_destroy(mcf->engine);
-    mcf->engine = NULL;
-}
-
-
-ngx_int_t
-ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
-    ngx_http_m40_choice_t *ch)
-{
-    ch->node.key = mcf->next_id++;
-    ngx_rbtree_insert(&mcf->choices, &ch->node);
-    ch->in_tree = 1;
-
-    return NGX_OK;
-}
-
-
-void
-ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
-    ngx_http_m40_choice_t *ch)
-{
-    if (ch->in_tree) {
-        ngx_rbtree_delete(&mcf->choices, &ch->node);
-        ch->in_tree = 0;
-    }
-}
-
-
-static ngx_http_m40_choice_t *
-ngx_http_m40_choice_lookup(ngx_http_m40_main_conf_t *mcf, ngx_rbtree_key_t key)
-{
-    ngx_rbtree_node_t  *node, *sentinel;
-
-    node = mcf->choices.root;
-    sentinel = mcf->choices.sentinel;
-
-    while (node != sentinel) {
-        if (key < node->key) {
-            node = node->left;
-            continue;
-        }
-
-        if (key > node->key) {
-            node = node->right;
-            continue;
-        }
-
-        return (ngx_http_m40_choice_t *) node;
-    }
-
-    return NULL;
-}
-
-
-/* Once the engine has loaded (the eventfd is written when it becomes READY or
- * FAILED): what it sized, or why it failed. */
-static void
-ngx_http_m40_log_load(ngx_http_m40_main_conf_t *mcf, ngx_log_t *log)
-{
-    char                   line[768];
-    m40_engine_state       state;
-    m40_engine_capacity    cap;
-
-    state = m40_engine_get_state(mcf->engine, line, sizeof(line));
-
-    if (state == M40_ENGINE_FAILED) {
-        ngx_log_error(NGX_LOG_ERR, log, 0, "m40: \"%V\" failed to load: %s",
-                      &mcf->model_path, line);
-        mcf->load_logged = 1;
+    if (ngx_process != NGX_PROCESS_WORKER && ngx_process != NGX_PROCESS_SINGLE) {
         return;
     }
 
-    if (state != M40_ENGINE_READY
-        || m40_engine_get_capacity(mcf->engine, &cap) != 0)
-    {
-        return;
-    }
-
-    mcf->load_logged = 1;
-
-    m40_engine_capacity_line(&cap, line, sizeof(line));
-    ngx_log_error(NGX_LOG_NOTICE, log, 0, "m40: \"%V\" ready; %s",
-                  &mcf->model_name, line);
-
-    if (cap.full_ctx_seqs < 1) {
-        ngx_log_error(NGX_LOG_WARN, log, 0,
-                      "m40: the KV cache holds %L tokens, less than one "
-                      "sequence of the full context (%d tokens): longer "
-                      "sequences end early; lower m40_ctx_size or raise "
-                      "m40_gpu_memory_fraction",
-                      (int64_t) cap.kv_tokens, (int) cap.ctx);
-    }
-}
-
-
-#define NGX_HTTP_M40_READY_BATCH  64
-
-static void
-ngx_http_m40_engine_event(ngx_event_t *rev)
-{
-    int                        i, n;
-    void                      *users[NGX_HTTP_M40_READY_BATCH];
-    ngx_connection_t          *c;
-    ngx_http_m40_choice_t     *ch;
-    ngx_http_m40_main_conf_t  *mcf;
-
-    c = rev->data;
-    mcf = c->data;
-
-    if (!mcf->load_logged) {
-        ngx_http_m40_log_load(mcf, rev->log);
-    }
-
-    ngx_http_m40_eventfd_drain(rev);
-
-    do {
-        n = m40_engine_ready(mcf->engine, users, NGX_HTTP_M40_READY_BATCH);
-
-        for (i = 0; i < n; i++) {
-            /* Looked up again for each id: waking one request may finish (and
-             * free) the request that a later id belongs to. */
-            ch = ngx_http_m40_choice_lookup(mcf, (ngx_rbtree_key_t) users[i]);
-            if (ch == NULL) {
-                continue;
-            }
-
-            ngx_http_m40_ctx_wake(ch->ctx);
-        }
-
-    } while (n == NGX_HTTP_M40_READY_BATCH);
-
-    ngx_http_m40_eventfd_rearm(rev);
+    ngx_http_m40_engines_exit(cycle, mcf);
 }
 
 
@@ -1008,7 +1180,7 @@ ngx_http_m40_handler(ngx_http_request_t *r)
     }
 
     mcf = ngx_http_get_module_main_conf(r, ngx_http_m40_module);
-    mcf->http_requests++;
+    ngx_http_m40_shm_count_http(mcf);
 
     /* GET /v1/models/{id} */
     model_id.len = 0;

@@ -1,8 +1,9 @@
 /* ngx_http_m40_module: nginx side of m40 (shared declarations).
  *
  * Files:
- *   ngx_http_m40_module.c    directives, configuration, the per-worker engine and its
- *                            eventfd in the event loop, URI routing
+ *   ngx_http_m40_module.c    directives, configuration, URI routing
+ *   ngx_http_m40_engines.c   a worker's engines (one per m40_model): start, GPU load
+ *                            order, keep_alive and m40_max_resident, eventfds
  *   ngx_http_m40_params.c    request body JSON -> validated generation parameters
  *                            (the checks, tools included: engine/serve/api_params.c)
  *   ngx_http_m40_generate.c  the request path of every generating endpoint: body,
@@ -18,14 +19,16 @@
  *   ngx_http_m40_messages.c  /v1/messages and /v1/messages/count_tokens (Anthropic
  *                            Messages API): the same, and Anthropic's error shape
  *   ngx_http_m40_info.c      /v1/models, /health, /metrics
+ *   ngx_http_m40_shm.c       the metrics zone: every worker's engines' counters and
+ *                            states in shared memory, summed by model
  *   ngx_http_m40_errors.c    nginx's own error pages as OpenAI error JSON
  *   ngx_http_m40_json.c      large request bodies' JSON parsed on a thread of the
  *                            worker, off the event loop
  *   ngx_http_m40_eventfd.c   an eventfd as a pseudo connection in the event loop
  *                            (the engine's and the JSON thread's wake-ups)
  *
- * The engine (engine/m40_engine.h) runs its own thread per worker; nothing here
- * blocks on it. */
+ * Each m40_model has an engine (engine/m40_engine.h) in every worker, with its own
+ * thread; nothing here blocks on it. */
 #ifndef NGX_HTTP_M40_MODULE_H
 #define NGX_HTTP_M40_MODULE_H
 
@@ -42,9 +45,67 @@
 #define NGX_HTTP_M40_MAX_STOP  4
 #define NGX_HTTP_M40_TOOL_PARSER_AUTO  99
 
+typedef struct ngx_http_m40_main_conf_s  ngx_http_m40_main_conf_t;
+typedef struct ngx_http_m40_shm_slot_s  ngx_http_m40_shm_slot_t;
+
+/* Where a model's engine is in this worker. Engines on one GPU load one after the
+ * other (each one's KV share is taken from what the earlier ones left), so a later one
+ * can be PENDING while an earlier one loads. */
+#define NGX_HTTP_M40_ENGINE_PENDING  0      /* not created yet */
+#define NGX_HTTP_M40_ENGINE_STARTED  1      /* engine != NULL: its own state says more */
+#define NGX_HTTP_M40_ENGINE_NONE     2      /* could not be created (logged) */
+#define NGX_HTTP_M40_ENGINE_UNLOADED 3      /* keep_alive: not loaded until a request */
+
+/* What the module counts of a model beside the engine's statistics (the loads that
+ * keep_alive and m40_max_resident cause, and the requests that waited for one). */
+typedef struct {
+    uint64_t             loads;               /* engines started */
+    uint64_t             unloads;             /* engines unloaded after keep_alive */
+    uint64_t             load_waits;          /* requests that waited for a load */
+    double               load_wait_seconds;   /* the time they waited */
+} ngx_http_m40_mcounters_t;
+
+/* One m40_model: its settings (each unset one takes the http block's m40_* directive)
+ * and, per worker, its engine. */
 typedef struct {
     ngx_str_t            model_path;
     ngx_str_t            model_name;
+    ngx_uint_t           index;               /* in mcf->models; 0: the default */
+    off_t                file_size;           /* the GGUF's: later models' weights, roughly */
+    ngx_int_t            device;              /* -1: CPU, else base GPU index */
+    ngx_int_t            ctx_size;
+    ngx_int_t            max_seqs;
+    ngx_int_t            max_queue;
+    ngx_int_t            threads;
+    double               gpu_memory_fraction; /* -1: unset; 0: the engine's default */
+    double               kv_share;            /* -1: unset; then equal parts (README) */
+    int64_t              kv_keep_bytes;       /* the weights of later models on the GPU */
+    ngx_int_t            prefill_chunk;
+    ngx_int_t            prefill_budget;
+    double               itl_guard;           /* -2: unset; -1: off; 0: the engine's default */
+    ngx_str_t            chat_template;       /* file content, NUL-terminated */
+    ngx_uint_t           tool_parser;
+    ngx_uint_t           reasoning;
+    ngx_msec_t           keep_alive;          /* 0: loaded at start, never unloaded */
+
+    /* Per worker (set in init_process, after fork). */
+    ngx_http_m40_main_conf_t *mcf;
+    ngx_uint_t           active;              /* requests routed to it, not ended */
+    ngx_msec_t           last_used;           /* when the last one ended (LRU) */
+    ngx_event_t          idle_ev;             /* keep_alive: unloads it when it fires */
+    m40_engine_stats     base;                /* counters of its engines unloaded before */
+    ngx_http_m40_mcounters_t  mc;
+    m40_engine          *engine;
+    ngx_uint_t           engine_status;       /* NGX_HTTP_M40_ENGINE_* */
+    ngx_int_t            worker_device;       /* the device of this worker's engine */
+    ngx_connection_t    *event_conn;          /* the engine's eventfd in the event loop */
+    ngx_flag_t           load_logged;         /* READY or FAILED has been logged */
+    ngx_http_m40_shm_slot_t *slot;            /* its counters in the metrics zone */
+} ngx_http_m40_model_t;
+
+struct ngx_http_m40_main_conf_s {
+    ngx_array_t          models;              /* of ngx_http_m40_model_t; [0] the default */
+    /* The http block's m40_* settings: every model's that it does not set itself. */
     ngx_int_t            device;              /* -1: CPU, else base GPU index */
     ngx_int_t            ctx_size;
     ngx_int_t            max_seqs;
@@ -56,23 +117,20 @@ typedef struct {
     ngx_int_t            prefill_chunk;       /* 0: the engine's default */
     ngx_int_t            prefill_budget;      /* 0: automatic (the engine's) */
     double               itl_guard;           /* -2: unset; -1: off; 0: the engine's default */
-    ngx_str_t            chat_template_path;
     ngx_str_t            chat_template;       /* file content, NUL-terminated */
     ngx_flag_t           api_used;            /* some location has m40_api */
     ngx_msec_t           load_wait;           /* m40_load_wait: requests wait this long for a loading model */
     ngx_uint_t           tool_parser;         /* m40_tool_format, or ..._AUTO: from the template */
     ngx_uint_t           reasoning;           /* m40_reasoning_mode */
+    ngx_uint_t           max_resident;        /* m40_max_resident; 0: no limit */
+    ngx_shm_zone_t      *shm_zone;            /* the metrics zone (ngx_http_m40_shm.c) */
 
     /* Per worker (set in init_process, after fork). */
-    m40_engine          *engine;
-    ngx_connection_t    *event_conn;          /* the engine's eventfd in the event loop */
-    ngx_flag_t           load_logged;         /* READY or FAILED has been logged */
-    ngx_rbtree_t         choices;             /* live engine requests by id */
+    ngx_rbtree_t         choices;             /* live engine requests by id (all engines) */
     ngx_rbtree_node_t    choices_sentinel;
     ngx_rbtree_key_t     next_id;
     time_t               start_time;
-    ngx_atomic_uint_t    http_requests;       /* API requests seen by this worker */
-} ngx_http_m40_main_conf_t;
+};
 
 typedef struct {
     ngx_flag_t           api;
@@ -226,6 +284,7 @@ struct ngx_http_m40_choice_s {
 struct ngx_http_m40_ctx_s {
     ngx_http_request_t       *request;
     ngx_http_m40_main_conf_t *mcf;
+    ngx_http_m40_model_t     *model;          /* the request's "model" (NULL: not known yet) */
     ngx_http_m40_kind_e       kind;
     ngx_http_m40_choice_t    *choices;
     ngx_uint_t                n;
@@ -249,6 +308,8 @@ struct ngx_http_m40_ctx_s {
     ngx_event_t               linger;         /* holds off graceful shutdown */
     ngx_event_t               load_ev;        /* m40_load_wait: the next look at a loading engine */
     ngx_msec_t                load_waited;
+    ngx_msec_t                load_since;     /* when it began to wait for its model */
+    unsigned                  load_waiting:1;
     const ngx_http_m40_dialect_t *dialect;    /* NULL: OpenAI chat or completions */
     void                     *dstate;         /* the dialect's, in the request pool */
     json_t                   *body;           /* a dialect's original request (echoed) */
@@ -264,6 +325,26 @@ struct ngx_http_m40_ctx_s {
 extern ngx_module_t  ngx_http_m40_module;
 
 /* ngx_http_m40_module.c */
+/* The model of that name; NULL when none has it. */
+ngx_http_m40_model_t *ngx_http_m40_model_find(ngx_http_m40_main_conf_t *mcf,
+    const u_char *name, size_t len);
+
+
+/* ngx_http_m40_engines.c */
+void ngx_http_m40_engines_init(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf);
+void ngx_http_m40_engines_exit(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf);
+/* Loading, ready or failed as m40_engine_state, for an engine of this worker that is
+ * not created yet (PENDING: loading) or could not be (failed) too. */
+m40_engine_state ngx_http_m40_model_state(ngx_http_m40_model_t *model,
+    char *err, size_t errlen);
+/* A request is routed to the model (NGX_OK; NGX_ERROR without memory): it stays in use
+ * until the request ends, and an unloaded one (keep_alive) starts loading when
+ * m40_max_resident leaves room. */
+ngx_int_t ngx_http_m40_model_use(ngx_http_request_t *r, ngx_http_m40_model_t *m);
+/* An unloaded model that waits for room (m40_max_resident): tries again. */
+void ngx_http_m40_model_load(ngx_http_m40_model_t *m);
+/* The engine's statistics with the counters of its unloaded predecessors. */
+void ngx_http_m40_model_stats(ngx_http_m40_model_t *m, m40_engine_stats *s);
 ngx_int_t ngx_http_m40_choice_register(ngx_http_m40_main_conf_t *mcf,
     ngx_http_m40_choice_t *ch);
 void ngx_http_m40_choice_unregister(ngx_http_m40_main_conf_t *mcf,
@@ -300,7 +381,8 @@ ngx_int_t ngx_http_m40_ui_serve(ngx_http_request_t *r);
 
 /* ngx_http_m40_params.c */
 ngx_int_t ngx_http_m40_parse_params(ngx_http_request_t *r,
-    ngx_http_m40_main_conf_t *mcf, ngx_http_m40_kind_e kind, json_t *root,
+    ngx_http_m40_main_conf_t *mcf, ngx_http_m40_model_t *model,
+    ngx_http_m40_kind_e kind, json_t *root,
     ngx_http_m40_params_t *p, ngx_http_m40_error_t *err);
 void ngx_http_m40_error_set(ngx_http_m40_error_t *err, ngx_uint_t status,
     const char *type, const char *param, const char *code, const char *fmt, ...);
@@ -355,6 +437,40 @@ ngx_int_t ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx,
     ngx_http_m40_choice_t *ch, m40_event *ev, m40_piece_cb cb, void *ud);
 json_t *ngx_http_m40_tool_call_json(const m40_piece *pc, ngx_flag_t with_index);
 void ngx_http_m40_parser_free(ngx_http_m40_choice_t *ch);
+
+/* ngx_http_m40_shm.c */
+#define NGX_HTTP_M40_SHM_SLOTS   512      /* engines of all workers, reloads included */
+#define NGX_HTTP_M40_SHM_NAMES   64       /* model names whose retired counters are kept */
+#define NGX_HTTP_M40_NAME_MAX    128
+
+/* A model's engines over every worker, for /metrics, /health and /v1/models. */
+typedef struct {
+    m40_engine_stats     s;                   /* counters summed, gauges summed */
+    ngx_http_m40_mcounters_t  mc;
+    ngx_uint_t           engines;             /* live slots (one per worker) */
+    ngx_uint_t           pending, loading, ready, failed, unloaded;
+} ngx_http_m40_agg_t;
+
+ngx_int_t ngx_http_m40_shm_add(ngx_conf_t *cf, ngx_http_m40_main_conf_t *mcf);
+void ngx_http_m40_shm_attach(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf);
+void ngx_http_m40_shm_publish(ngx_http_m40_model_t *model);
+void ngx_http_m40_shm_detach(ngx_http_m40_main_conf_t *mcf);
+void ngx_http_m40_shm_count_http(ngx_http_m40_main_conf_t *mcf);
+uint64_t ngx_http_m40_shm_http_requests(ngx_http_m40_main_conf_t *mcf);
+/* Every model name the zone knows (the configured ones first, then those of older
+ * configurations' engines still counted): calls cb with each one's sum. */
+typedef void (*ngx_http_m40_agg_cb)(void *data, const u_char *name, size_t len,
+    ngx_http_m40_agg_t *agg);
+void ngx_http_m40_shm_collect(ngx_http_m40_main_conf_t *mcf,
+    ngx_http_m40_agg_cb cb, void *data);
+/* to += s: the counters, and the gauges too when gauges is set. */
+void ngx_http_m40_stats_add(m40_engine_stats *to, const m40_engine_stats *s,
+    ngx_flag_t gauges);
+void ngx_http_m40_mc_add(ngx_http_m40_mcounters_t *to,
+    const ngx_http_m40_mcounters_t *mc);
+/* One model's sum; the engines of this worker that are not in the zone (a full
+ * zone) are counted from their own state. */
+void ngx_http_m40_shm_model(ngx_http_m40_model_t *model, ngx_http_m40_agg_t *agg);
 
 /* ngx_http_m40_info.c */
 ngx_int_t ngx_http_m40_models_handler(ngx_http_request_t *r, ngx_str_t *id);

@@ -349,8 +349,8 @@ ngx_http_m40_object(ngx_http_m40_ctx_t *ctx, const char *object,
                      "id", ctx->id,
                      "object", object,
                      "created", (json_int_t) ctx->created,
-                     "model", (const char *) ctx->mcf->model_name.data,
-                     (size_t) ctx->mcf->model_name.len,
+                     "model", (const char *) ctx->model->model_name.data,
+                     (size_t) ctx->model->model_name.len,
                      "choices", choices);
 }
 

@@ -39,8 +39,8 @@ ngx_http_m40_pool_str(ngx_pool_t *pool, const char *s, char **out)
 
 ngx_int_t
 ngx_http_m40_parse_params(ngx_http_request_t *r, ngx_http_m40_main_conf_t *mcf,
-    ngx_http_m40_kind_e kind, json_t *root, ngx_http_m40_params_t *p,
-    ngx_http_m40_error_t *err)
+    ngx_http_m40_model_t *model, ngx_http_m40_kind_e kind, json_t *root,
+    ngx_http_m40_params_t *p, ngx_http_m40_error_t *err)
 {
     ngx_uint_t      i;
     m40_api_error   e;
@@ -50,8 +50,8 @@ ngx_http_m40_parse_params(ngx_http_request_t *r, ngx_http_m40_main_conf_t *mcf,
     ngx_memzero(p, sizeof(ngx_http_m40_params_t));
     p->kind = kind;
 
-    lim.model_name = (const char *) mcf->model_name.data;
-    lim.model_name_len = mcf->model_name.len;
+    lim.model_name = (const char *) model->model_name.data;
+    lim.model_name_len = model->model_name.len;
     lim.max_tokens_default = mcf->max_tokens_default;
     lim.max_tokens_limit = mcf->max_tokens_limit;
 

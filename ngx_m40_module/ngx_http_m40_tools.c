@@ -59,20 +59,20 @@ ngx_http_m40_mistral_ids(json_t *messages)
 void
 ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
 {
-    const char                *tmpl;
-    ngx_uint_t                 fmt;
-    ngx_http_m40_main_conf_t  *mcf;
+    const char            *tmpl;
+    ngx_uint_t             fmt;
+    ngx_http_m40_model_t  *m;
 
-    mcf = ctx->mcf;
+    m = ctx->model;
     ctx->tool_format = M40_TOOLS_NONE;
     ctx->reasoning = M40_REASONING_INLINE;
     ctx->parallel_tool_calls = p->parallel_tool_calls ? 1 : 0;
 
-    if (ctx->kind != NGX_HTTP_M40_CHAT || mcf->engine == NULL) {
+    if (ctx->kind != NGX_HTTP_M40_CHAT || m == NULL || m->engine == NULL) {
         return;
     }
 
-    tmpl = m40_engine_chat_template(mcf->engine);
+    tmpl = m40_engine_chat_template(m->engine);
 
     if (p->messages != NULL
         && m40_tool_format_detect(tmpl) == M40_TOOLS_MISTRAL)
@@ -80,8 +80,8 @@ ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
         ngx_http_m40_mistral_ids(p->messages);
     }
 
-    fmt = mcf->tool_parser != NGX_HTTP_M40_TOOL_PARSER_AUTO
-          ? mcf->tool_parser : (ngx_uint_t) m40_tool_format_detect(tmpl);
+    fmt = m->tool_parser != NGX_HTTP_M40_TOOL_PARSER_AUTO
+          ? m->tool_parser : (ngx_uint_t) m40_tool_format_detect(tmpl);
 
     /* Harmony's channels are the whole output's structure, not only its calls:
      * they are parsed with or without tools. */
@@ -92,7 +92,7 @@ ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
     /* Only templates that think get their output split: elsewhere a literal
      * "<think>" in an answer stays an answer. */
     if (m40_template_thinks(tmpl)) {
-        ctx->reasoning = mcf->reasoning;
+        ctx->reasoning = m->reasoning;
     }
 
     ctx->parse = ctx->tool_format != M40_TOOLS_NONE

@@ -74,6 +74,10 @@ void m40_cancel_released(m40_engine *e)
         if (e->slots[i].r && e->slots[i].cancel)
             m40_slot_finish(e, i); /* no event: nobody is listening */
     m40_step_flush(e);
+    /* no event tells the submitter, but its copy of the statistics (every worker's
+     * /metrics) is to show the cancellation and the freed slots: a wake-up once the
+     * step's statistics are out (engine_thread.c) */
+    e->stats_wake = 1;
 }
 
 /* The oldest queued request, taken off the queue and now the engine's (NULL when the

@@ -530,6 +530,10 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
         snprintf(err, errlen, "gpu_memory_fraction must be in (0, 1] (0 for the default)");
         return -1;
     }
+    if (!(cfg->kv_share >= 0.0f && cfg->kv_share <= 1.0f) || cfg->kv_keep_bytes < 0) {
+        snprintf(err, errlen, "kv_share must be in (0, 1] (0 for the whole room) and kv_keep_bytes >= 0");
+        return -1;
+    }
     m40_engine *e = calloc(1, sizeof *e);
     if (!e) {
         snprintf(err, errlen, "out of memory");
@@ -548,6 +552,8 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
     e->max_seqs_cfg = cfg->max_seqs;
     e->max_queue = cfg->max_queue > 0 ? cfg->max_queue : M40_DEFAULT_MAX_QUEUE;
     e->gpu_memory_fraction = cfg->gpu_memory_fraction; /* 0: the KV pool's default */
+    e->kv_share = cfg->kv_share;
+    e->kv_keep_bytes = cfg->kv_keep_bytes;
     e->n_threads = cfg->n_threads;
     /* The chunk caps one sequence and the budget all of them: a chunk beyond the budget
      * could never be taken, so it is cut to it. */

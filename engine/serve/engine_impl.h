@@ -148,6 +148,10 @@ struct m40_engine {
     int32_t max_seqs;             /* the engine thread's, set at load (slots) */
     int32_t max_queue;
     float gpu_memory_fraction;
+    float kv_share;               /* GPU: share of the pool's room (0: all of it) */
+    int64_t kv_keep_bytes;        /* GPU: kept out of that room for later models */
+    int stats_wake;               /* engine thread: wake the submitter after the step's
+                                   * statistics (a change no event carries) */
     int32_t n_threads;
     m40_prefill_policy prefill;   /* budget, chunk, floor, guard (0: off); set at create */
     int prefill_budget_auto;
@@ -304,6 +308,9 @@ void m40_push_error(m40_engine *e, m40_request *r, int http_status, const char *
 void m40_push_done(m40_engine *e, m40_slot *s, m40_finish finish);
 /* Notifies the requests that got events this step, then drops finished ones. */
 void m40_step_flush(m40_engine *e);
+/* engine_thread.c: the engine thread's statistics into e->stats (under e->mu), what
+ * m40_engine_get_stats reads. */
+void m40_stats_publish(m40_engine *e);
 /* The two halves of m40_sequence_advance, for steps that pick several rows' tokens at
  * once on the engine's helper threads (scheduler.c): m40_sequence_pick masks (grammar),
  * samples and lets the grammar take the token, touching only slot i's own sampler and

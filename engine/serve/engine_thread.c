@@ -23,7 +23,7 @@ static int32_t n_active(const m40_engine *e)
     return n;
 }
 
-static void stats_publish(m40_engine *e)
+void m40_stats_publish(m40_engine *e)
 {
     int64_t used = 0;
     int32_t running = 0;
@@ -101,6 +101,39 @@ static int kv_size(m40_engine *e, int32_t ctx, char *err, size_t errlen)
         snprintf(err, errlen, "cannot allocate the KV cache for %d sequences of %d tokens: %s", (int)slots, (int)ctx,
                  kerr);
         return -1;
+    }
+    if (gpu && ((e->kv_share > 0.0f && e->kv_share < 1.0f) || e->kv_keep_bytes > 0)) {
+        /* Several models on one card: the pool just made shows the room (the pool
+         * sizes itself from the card's free memory, which only allocating tells);
+         * this model's share of it, less what later models' weights need, is a cap
+         * on the tokens, and the pool is made again under it. */
+        m40_kv_pool_info pi;
+        m40_kv_get_pool_info(e->kv, &pi);
+        const int32_t nb = m40_kv_pool_blocks(e->kv);
+        const double block_bytes = nb > 0 ? pi.pool / (double)nb : 0.0;
+        const double room = (double)pi.fraction * pi.total - pi.in_use - pi.reserve;
+        const double share = e->kv_share > 0.0f ? (double)e->kv_share : 1.0;
+        const double want = share * (room - (double)e->kv_keep_bytes);
+        const int64_t want_blocks = block_bytes > 0.0 && want > 0.0 ? (int64_t)(want / block_bytes) : 0;
+        if (want_blocks < 1) {
+            snprintf(err, errlen,
+                     "no room for this model's KV share: %.2f of %.2f GiB less %.2f GiB kept for the models "
+                     "loaded after it on the card",
+                     share, room / 1073741824.0, (double)e->kv_keep_bytes / 1073741824.0);
+            m40_kv_free(e->kv);
+            e->kv = NULL;
+            return -1;
+        }
+        if (want_blocks < nb) {
+            m40_kv_free(e->kv);
+            ko.max_tokens = want_blocks * bs;
+            e->kv = m40_kv_new_opts(e->model, slots, ctx, &ko, kerr, sizeof kerr);
+            if (!e->kv) {
+                snprintf(err, errlen, "cannot allocate the KV cache share for %d sequences of %d tokens: %s",
+                         (int)slots, (int)ctx, kerr);
+                return -1;
+            }
+        }
     }
     m40_engine_capacity c;
     memset(&c, 0, sizeof c);
@@ -353,7 +386,7 @@ static void engine_shutdown(m40_engine *e)
             break;
         m40_admit_fail(e, r, 503, "the engine is stopping");
     }
-    stats_publish(e);
+    m40_stats_publish(e);
 }
 
 /* The engine could not start: what was loaded goes, the state says FAILED with why. */
@@ -397,7 +430,11 @@ void *m40_engine_thread_main(void *arg)
         m40_cancel_released(e);
         m40_admit_queued(e);
         m40_run_step(e);
-        stats_publish(e);
+        m40_stats_publish(e);
+        if (e->stats_wake) {
+            e->stats_wake = 0;
+            m40_engine_wake(e);
+        }
         e->tstats.schedule_seconds += m40_now() - t0 - (e->tstats.forward_seconds + e->tstats.sample_seconds - busy0);
     }
     /* The tokenizer thread first: it answers what waits for it, and whatever it had

@@ -74,9 +74,13 @@ void m40_push_done(m40_engine *e, m40_slot *s, m40_finish finish)
     push_or_drop(e, s->r, &ev);
 }
 
-/* Flushes the step's notifications, then drops the references of finished requests. */
+/* Flushes the step's notifications, then drops the references of finished requests.
+ * The statistics are published first: whoever sees an event (a worker that then
+ * copies the counters for every worker's /metrics) finds the tokens it carries counted. */
 void m40_step_flush(m40_engine *e)
 {
+    if (e->n_ready_batch > 0)
+        m40_stats_publish(e);
     m40_engine_notify(e, e->ready_batch, e->n_ready_batch);
     e->n_ready_batch = 0;
     for (int32_t i = 0; i < e->n_done_batch; i++)

@@ -297,8 +297,10 @@ static void *prompt_thread_main(void *arg)
             e->stats.queue_depth = m40_engine_waiting_locked(e);
             pthread_mutex_unlock(&e->mu);
             free(ids);
-            if (released)
+            if (released) {
                 m40_engine_drop_request(e, r); /* nobody listens: no event */
+                m40_engine_wake(e);            /* but the counters changed */
+            }
             else if (rc != 0)
                 m40_engine_fail_request(e, r, status, msg);
             else

@@ -21,7 +21,10 @@ def test_health(base_url, model):
     assert {k: h[k] for k in ("status", "model")} == {"status": "ready", "model": model}
     # once ready, what `m40 ps` shows (README, Endpoints)
     assert set(h) == {"status", "model", "device", "memory_bytes", "ctx_size", "max_seqs", "running", "queued",
-                      "kv_tokens_used", "kv_tokens_total"}, h
+                      "kv_tokens_used", "kv_tokens_total", "workers", "workers_ready", "models"}, h
+    # one model: "models" holds the same object (but its own "models")
+    assert len(h["models"]) == 1 and h["models"][0] == {k: v for k, v in h.items() if k != "models"}
+    assert h["workers"] == h["workers_ready"] >= 1
     assert h["device"] == "cpu" or h["device"].startswith("cuda:"), h
 
 
