@@ -270,10 +270,14 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
     if (n_out > g->cap_out) {
         int32_t c = n_out < 8 ? 8 : n_out;
         cudaFreeHost(g->logits_h);
+        cudaFreeHost(g->samp_h);
         g->logits_h = NULL;
+        g->samp_h = NULL;
         if (grow_dev((void **)&g->xg, (size_t)c * p->dim * 4) ||
             grow_dev((void **)&g->logits_d, (size_t)c * p->n_vocab * 4) || grow_dev((void **)&g->pick_d, (size_t)c * 8) ||
-            cudaHostAlloc((void **)&g->logits_h, (size_t)c * p->n_vocab * 4, cudaHostAllocDefault) != cudaSuccess)
+            grow_dev((void **)&g->samp_d, (size_t)c * sizeof *g->samp_d) ||
+            cudaHostAlloc((void **)&g->logits_h, (size_t)c * p->n_vocab * 4, cudaHostAllocDefault) != cudaSuccess ||
+            cudaHostAlloc((void **)&g->samp_h, (size_t)c * sizeof *g->samp_h, cudaHostAllocDefault) != cudaSuccess)
             return -1;
         g->cap_out = c;
     }
@@ -845,7 +849,7 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     if (m40_gpu_plan_step(g, m40_paged_kv_step(kv->pool), b, n_out, &sp, err, errlen))
         return -1;
     /* one greedy row whose head runs on the int8 GEMV: the pick is folded into it */
-    const int pick = b->argmax && n_out == 1 && g->fuse_pick && gemv_q8_reads(&g->output) &&
+    const int pick = b->argmax && !b->sample && n_out == 1 && g->fuse_pick && gemv_q8_reads(&g->output) &&
                      !(g->sc.logit_softcap > 0);
     sp.d_key = pick ? (uint64_t *)g->ints_d : NULL;
     if (run_step(g, kv, &sp, err, errlen))
@@ -853,6 +857,14 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     if (n_out > 0) {
         if (pick) {
             CK(cudaMemcpyAsync(g->logits_h, sp.d_key, 8, cudaMemcpyDeviceToHost, g->stream));
+        } else if (b->argmax && b->sample) { /* each row drawn on the device: n_out ids come back */
+            for (int32_t k = 0; k < n_out; k++)
+                m40_row_sample_params(&b->sample[k], &g->samp_h[k]);
+            CK(cudaMemcpyAsync(g->samp_d, g->samp_h, (size_t)n_out * sizeof *g->samp_d, cudaMemcpyHostToDevice,
+                               g->stream));
+            CK(m40k_sample(g->logits_d, p->n_vocab, n_out, p->n_vocab, g->samp_d, NULL, NULL, NULL, NULL, NULL, NULL,
+                           g->pick_d, (float *)(g->pick_d + g->cap_out), 0, NULL, NULL, g->stream));
+            CK(cudaMemcpyAsync(g->logits_h, g->pick_d, (size_t)n_out * 4, cudaMemcpyDeviceToHost, g->stream));
         } else if (b->argmax) { /* greedy on the device: n_out ids come back instead of the rows */
             CK(m40k_sample_greedy(g->logits_d, p->n_vocab, n_out, p->n_vocab, g->pick_d,
                                   (float *)(g->pick_d + g->cap_out), 0, NULL, NULL, g->stream));

@@ -152,6 +152,8 @@ struct m40_gpu {
     size_t ints_cap;
     float *logits_h;
     int32_t *pick_d; /* greedy picks: cap_out ids, then cap_out logprobs */
+    /* the rows' sampling parameters (m40_batch.sample), cap_out of them: staged, uploaded */
+    m40k_sample_params *samp_h, *samp_d;
     /* CUDA graphs of decode steps of up to graph_max sequences (M40_CUDA_GRAPHS; 0: off).
      * Every graph bakes in the scratch pointers above: any regrow drops them all. */
     int graph_max;

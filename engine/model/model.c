@@ -37,6 +37,7 @@
 #include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
 #include "kv/paged_kv.h"
 #include "sample_hd.h" /* m40k_argmax */
+#include "ref/cpu_ref.h"  /* m40_ref_sample: the GPU's draw on the CPU */
 #include "gpu/model_gpu.h"
 #include "model_internal.h"
 #include "model_priv.h"
@@ -612,8 +613,16 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         for (int32_t i = 0; i < b->n; i++)
             n_out += b->want_logits ? b->want_logits[i] != 0 : i == b->n - 1;
         for (int32_t k = 0; k < n_out; k++) {
-            const float *row = logits + (size_t)k * (size_t)p->n_vocab;
-            b->argmax[k] = m40k_argmax(row, p->n_vocab); /* as the GPU picks */
+            float *row = logits + (size_t)k * (size_t)p->n_vocab;
+            if (b->sample) { /* the GPU's draw, by its twin */
+                m40k_sample_params sp;
+                m40_row_sample_params(&b->sample[k], &sp);
+                float lp;
+                m40_ref_sample(row, p->n_vocab, 1, p->n_vocab, &sp, NULL, NULL, NULL, NULL, NULL, NULL, &b->argmax[k],
+                               &lp, 0, NULL, NULL);
+            } else {
+                b->argmax[k] = m40k_argmax(row, p->n_vocab); /* as the GPU picks */
+            }
         }
         return 0;
     }
@@ -717,4 +726,16 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
                 logits[i] = softcap(logits[i], m->final_softcap);
     }
     return 0;
+}
+
+void m40_row_sample_params(const m40_row_sample *r, m40k_sample_params *out)
+{
+    memset(out, 0, sizeof *out);
+    out->temperature = r->temperature;
+    out->top_k = r->top_k;
+    out->top_p = r->top_p;
+    out->min_p = r->min_p;
+    out->repetition_penalty = 1.0f;
+    out->seed = r->seed;
+    out->step = r->step;
 }

@@ -166,10 +166,24 @@ void m40_kv_prefix_forget(m40_kv *kv);
  * lowest id on ties) goes to argmax[k] for the k-th row instead: on the GPU only those
  * ids leave the device and logits is not written; on the CPU logits is still used as
  * scratch (and holds the rows).
+ * With sample set as well as argmax, row k's token is drawn with sample[k]'s parameters
+ * instead of taken as its argmax (kernels.h 9b: temperature, top-k, top-p, min-p, a
+ * counter-based draw from (seed, step); temperature <= 0 is the argmax): on the GPU by
+ * m40k_sample without the logits leaving the device, on the CPU by its twin
+ * m40_ref_sample, so both pick the same token from the same logits.
  * With logits_at set (and argmax not), *logits_at tells where the rows are: logits, or
  * on a GPU the model's own pinned buffer that the device copied them into (no second
  * copy of n_out x n_vocab floats into logits, which is then not written). That buffer is
  * the caller's to read and write until the model's next forward call. */
+typedef struct {
+    float temperature; /* <= 0: the argmax */
+    int32_t top_k;     /* <= 0: off */
+    float top_p;       /* >= 1: off */
+    float min_p;       /* <= 0: off */
+    uint64_t seed;
+    uint64_t step;     /* the sequence's tokens drawn so far: the draw's counter */
+} m40_row_sample;
+
 typedef struct {
     int32_t n;
     const int32_t *tokens;
@@ -178,6 +192,7 @@ typedef struct {
     const uint8_t *want_logits; /* NULL: only the last token of the batch */
     int32_t *argmax;            /* NULL: logits wanted */
     float **logits_at;          /* NULL: the rows are copied into logits */
+    const m40_row_sample *sample; /* with argmax: each row's draw (NULL: the argmax) */
 } m40_batch;
 
 /* M40_FORWARD_NO_BLOCKS (-2, GPU only): the KV pool lacks the blocks this batch needs;

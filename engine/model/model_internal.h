@@ -56,4 +56,10 @@ struct m40_threadpool;
 void m40_cpu_matmul(struct m40_threadpool *pool, int n_threads, float *row_buf, size_t row_buf_len,
                     const m40_matrix *w, const float *x, int32_t n, float *out);
 
+/* A batch row's sampling parameters (model.h) as the sampling kernel and its twin take
+ * them (kernels.h 9b): no penalties, repetition 1. */
+#include "kernels.h"
+#include "model/model.h"
+void m40_row_sample_params(const m40_row_sample *r, m40k_sample_params *out);
+
 #endif

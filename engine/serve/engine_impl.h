@@ -210,6 +210,8 @@ struct m40_engine {
     m40_plan_info plan_info;
     float *logits;
     float *step_logits;           /* where the step's rows are: logits, or the GPU's pinned buffer */
+    m40_row_sample *row_sample;   /* the rows' draws when the GPU samples them (scheduler.c) */
+    int gpu_sample;               /* M40_GPU_SAMPLE (tuning.h): 0 keeps every draw on the host */
     /* Helper threads of a GPU engine's steps (scheduler.c, created at the first step that
      * needs them): the grammar masks of constrained rows computed while the GPU runs
      * the forward pass, then every sampled row's pick (m40_sequence_pick) in parallel. */

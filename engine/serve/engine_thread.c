@@ -174,6 +174,7 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
     char merr[384];
     m40_tuning tu;
     m40_tuning_from_env(&tu);
+    e->gpu_sample = tu.gpu_sample;
     if (tu.pick_threads >= 0) {
         e->pick_threads = tu.pick_threads;
     } else if (e->device >= 0) {
@@ -243,6 +244,7 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
     e->plan = malloc((size_t)e->max_seqs * sizeof *e->plan);
     m40_step_cost_init(&e->cost);
     e->logits = malloc((size_t)e->max_seqs * (size_t)e->n_vocab * sizeof *e->logits);
+    e->row_sample = malloc((size_t)e->max_seqs * sizeof *e->row_sample); /* NULL: draws stay on the host */
     e->ready_batch = malloc((size_t)e->max_seqs * sizeof *e->ready_batch);
     e->done_batch = malloc((size_t)e->max_seqs * sizeof *e->done_batch);
     if (!e->slots || !e->b_tokens || !e->b_pos || !e->b_slot || !e->b_want || !e->row_slot || !e->picks || !e->take ||
@@ -343,6 +345,8 @@ static void engine_unload(m40_engine *e)
     free(e->take);
     free(e->plan);
     free(e->logits);
+    free(e->row_sample);
+    e->row_sample = NULL;
     m40_threadpool_free(e->pick_pool);
     e->pick_pool = NULL;
     free(e->pick_rows);

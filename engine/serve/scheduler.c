@@ -66,6 +66,7 @@
  * both on its thread (its forward pass already has every core) unless M40_PICK_THREADS
  * asks for helpers (the tests do, to run this path without a GPU). */
 enum { PICK_MIN_ROWS = 4 }; /* fewer rows' picks stay on the engine thread: waking helpers costs more */
+enum { GPU_SAMPLE_MIN_ROWS = 8 };
 
 static int pick_pool_ready(m40_engine *e)
 {
@@ -142,6 +143,18 @@ static int greedy_only(const m40_request *r)
     return (p->temperature <= 0.0f || p->top_k == 1) && p->n_logit_bias == 0 && p->repetition_penalty == 1.0f &&
            p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !r->logprobs && !r->grammar_src &&
            !r->json_schema && !r->json_object && !r->tool_call_format;
+}
+
+/* A request whose draw the GPU can make itself (m40_batch.sample: temperature, top-k,
+ * top-p, min-p and the seed): nothing the device sampler does not do (logit bias,
+ * penalties, a grammar) and no logprobs to report. A step whose rows are all such (or
+ * greedy_only) brings back only the picks, not 64 rows of logits to sample on the host. */
+static int device_sampleable(const m40_request *r)
+{
+    const m40_sampler_params *p = &r->sampling;
+    return p->n_logit_bias == 0 && p->repetition_penalty == 1.0f && p->presence_penalty == 0.0f &&
+           p->frequency_penalty == 0.0f && !r->logprobs && !r->grammar_src && !r->json_schema && !r->json_object &&
+           !r->tool_call_format;
 }
 
 static void batch_add(m40_engine *e, int32_t *n, int32_t tok, int32_t pos, int32_t slot, int want)
@@ -325,10 +338,26 @@ void m40_run_step(m40_engine *e)
             return;
         m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want,
                        .logits_at = &e->step_logits};
-        int greedy = rows > 0;
-        for (int32_t k = 0; k < rows && greedy; k++)
-            greedy = greedy_only(e->slots[e->row_slot[k]].r);
-        b.argmax = greedy ? e->picks : NULL;
+        /* the device's draw costs ~0.45 ms a step however few rows (one block a row over
+         * the vocabulary: BENCHMARKS.md, sixteenth session), the host's ~0.05 ms a row on
+         * the helper threads: fewer rows than GPU_SAMPLE_MIN_ROWS stay on the host */
+        int greedy = rows > 0, drawn = rows >= GPU_SAMPLE_MIN_ROWS && e->device >= 0 && e->gpu_sample && e->row_sample;
+        for (int32_t k = 0; k < rows && (greedy || drawn); k++) {
+            const m40_slot *s = &e->slots[e->row_slot[k]];
+            greedy = greedy && greedy_only(s->r);
+            drawn = drawn && device_sampleable(s->r);
+        }
+        if (!greedy && drawn) { /* every row drawn on the device (M40_GPU_SAMPLE) */
+            for (int32_t k = 0; k < rows; k++) {
+                const m40_slot *s = &e->slots[e->row_slot[k]];
+                const m40_sampler_params *sp = &s->r->sampling;
+                e->row_sample[k] = (m40_row_sample){.temperature = sp->temperature, .top_k = sp->top_k,
+                                                    .top_p = sp->top_p, .min_p = sp->min_p, .seed = sp->seed,
+                                                    .step = (uint64_t)s->n_gen};
+            }
+            b.sample = e->row_sample;
+        }
+        b.argmax = greedy || drawn ? e->picks : NULL;
         t0 = m40_now();
         int masking = !greedy && masks_start(e, rows);
         /* kv/ says first whether the step's new positions fit (and takes their blocks) */

@@ -44,6 +44,7 @@ typedef struct {
     int32_t pick_threads; /* M40_PICK_THREADS=N: helper threads of the engine's steps (grammar
                            * masks during the forward pass, the rows' picks; 0: none); unset
                            * (-1): half the CPUs, 2..8, on a GPU engine, none on the CPU one */
+    int gpu_sample;       /* M40_GPU_SAMPLE=0: every sampled (not greedy) row's draw on the host */
     int gpu_unvalidated;  /* M40_GPU_UNVALIDATED=1: a GPU loads an architecture whose row is not
                            * gpu_validated (a test seam to validate it without a rebuild;
                            * logged loudly at every such load) */

@@ -38,6 +38,8 @@
 #include "ref/quant.h"
 #include "m40_engine.h"
 #include "model/model.h"
+#include "model/model_internal.h" /* m40_row_sample_params */
+#include "ref/cpu_ref.h"           /* m40_ref_sample */
 #include "tokenizer/tokenizer.h"
 
 
@@ -147,6 +149,7 @@ static m40_model *load_on_gpu(const char *path)
 
 /* forward with b.argmax: the picks equal the argmax of the logits a plain forward returns
  * (3 interleaved prompts, then a decode step), and no logits buffer is needed. */
+static int sampled_rows;
 static void test_argmax(const char *path)
 {
     char err[512];
@@ -160,10 +163,16 @@ static void test_argmax(const char *path)
         tok[i] = (int32_t)((i * 7919u + 13u) % (uint32_t)V);
         slot[i] = i % 3, pos[i] = i / 3, want[i] = i >= 27;
     }
-    float *logits = malloc((size_t)3 * V * sizeof *logits);
-    int32_t picks[3] = {-1, -1, -1}, want_ids[3];
-    m40_kv *a = m40_kv_new(m, 3, 64), *b2 = m40_kv_new(m, 3, 64);
-    for (int step = 0; step < 2 && logits && a && b2; step++) {
+    float *logits = malloc((size_t)3 * V * sizeof *logits), *row = malloc((size_t)V * sizeof *row);
+    int32_t picks[3] = {-1, -1, -1}, want_ids[3], drawn[3];
+    m40_kv *a = m40_kv_new(m, 3, 64), *b2 = m40_kv_new(m, 3, 64), *c3 = m40_kv_new(m, 3, 64);
+    /* m40_batch.sample: the device's draws equal the CPU twin's (m40_ref_sample) on the
+     * same logits, bit for bit (kernels.h 9b) */
+    const m40_row_sample rs[3] = {{.temperature = 0.8f, .top_p = 0.95f, .seed = 11},
+                                  {.temperature = 1.3f, .top_k = 40, .top_p = 1.0f, .min_p = 0.02f, .seed = 12},
+                                  {.temperature = 0.0f, .top_p = 1.0f, .seed = 13}};
+    m40_row_sample rstep[3];
+    for (int step = 0; step < 2 && logits && row && a && b2 && c3; step++) {
         int n = step == 0 ? 30 : 3;
         m40_batch full = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = step == 0 ? want : NULL};
         if (step == 1) {
@@ -184,10 +193,29 @@ static void test_argmax(const char *path)
         CHECK(picks[0] == want_ids[0] && picks[1] == want_ids[1] && picks[2] == want_ids[2],
               "%s step %d: device picks %d %d %d, argmax of the logits %d %d %d", path, step, picks[0], picks[1],
               picks[2], want_ids[0], want_ids[1], want_ids[2]);
+        m40_batch draw = full;
+        draw.argmax = drawn;
+        for (int k = 0; k < 3; k++)
+            rstep[k] = rs[k], rstep[k].step = (uint64_t)(step * 7 + k);
+        draw.sample = rstep;
+        CHECK(m40_model_forward(m, c3, &draw, NULL, err, sizeof err) == 0, "sample forward: %s", err);
+        for (int k = 0; k < 3; k++) {
+            m40k_sample_params sp;
+            m40_row_sample_params(&rstep[k], &sp);
+            memcpy(row, logits + (size_t)k * V, (size_t)V * sizeof *row);
+            int32_t want_tok = -1;
+            float lp;
+            m40_ref_sample(row, V, 1, V, &sp, NULL, NULL, NULL, NULL, NULL, NULL, &want_tok, &lp, 0, NULL, NULL);
+            CHECK(drawn[k] == want_tok, "%s step %d row %d (T %g): device drew %d, the twin %d", path, step, k,
+                  (double)rstep[k].temperature, drawn[k], want_tok);
+            sampled_rows++;
+        }
     }
     free(logits);
+    free(row);
     m40_kv_free(a);
     m40_kv_free(b2);
+    m40_kv_free(c3);
     m40_model_free(m);
 }
 
@@ -1263,6 +1291,7 @@ int main(void)
         test_batched(path);
         test_argmax(path);
     }
+    printf("device draws (m40_batch.sample): %d rows, each equal to the CPU twin's\n", sampled_rows);
     static const char *const moe_models[][2] = {{"tiny-qwen3moe-f16", "qwen3moe"},
                                                 {"tiny-qwen3moe-q4km", "qwen3moe"},
                                                 {"tiny-gpt-oss-mxfp4", "gpt-oss"}};
