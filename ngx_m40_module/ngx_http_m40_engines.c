@@ -520,6 +520,14 @@ ngx_http_m40_engine_event(ngx_event_t *rev)
     do {
         n = m40_engine_ready(m->engine, users, NGX_HTTP_M40_READY_BATCH);
 
+        /* The counters before the wake-ups: waking a request may send its last bytes at
+         * once, and its client may ask another worker's /metrics next. The engine
+         * publishes its statistics before it hands out events, so this copy holds
+         * every token of the events just taken. */
+        if (n > 0) {
+            ngx_http_m40_shm_publish(m);
+        }
+
         for (i = 0; i < n; i++) {
             /* Looked up again for each id: waking one request may finish (and
              * free) the request that a later id belongs to. */
@@ -533,7 +541,7 @@ ngx_http_m40_engine_event(ngx_event_t *rev)
 
     } while (n == NGX_HTTP_M40_READY_BATCH);
 
-    /* the counters of what was just handed out, for every worker's /metrics */
+    /* and after them: what the wake-ups themselves changed (requests finished here) */
     ngx_http_m40_shm_publish(m);
 
     ngx_http_m40_eventfd_rearm(rev);
