@@ -1,0 +1,238 @@
+/* The x86 SIMD kernels of the fast CPU path, written once and compiled twice: by
+ * cpu_dot_avx2.c (AVX2: u8 x s8 products through maddubs + madd) and by
+ * cpu_dot_avx512.c (AVX-512 VNNI on 256-bit vectors: vpdpbusd). The includer defines
+ *   X86_TARGET   the target attribute string (so the build needs no -march flag and the
+ *                binary runs on any x86-64; the dispatch in cpu_dot.c checks the CPU),
+ *   X86_NAME(n)  the kernel's name in this instance,
+ *   x86_dot32    u8 x s8 -> 8 int32 lanes, each the sum of 4 adjacent products.
+ * The twins are the portable kernels of cpu_dot.c: the same integers per block, the F32
+ * sums in another order (8 lanes per block, added across blocks, reduced at the end). */
+#include <immintrin.h>
+#include <string.h>
+
+#include "cpu_dot.h"
+#include "ref/ggml_types.h"
+
+#define X86_FN static inline __attribute__((target(X86_TARGET), always_inline))
+#define X86_KERNEL static __attribute__((target(X86_TARGET)))
+
+X86_FN float x86_f16(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+X86_FN float x86_hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* acc += scale * (F32) int32 lanes */
+X86_FN __m256 x86_acc(__m256 acc, float scale, __m256i p)
+{
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+}
+
+/* 16 bytes of nibbles into 32 levels: the low nibbles first (elements 0..15), the high
+ * nibbles after (16..31), the order of Q4_0/Q4_1/Q5_0/Q5_1. */
+X86_FN __m256i x86_nibbles(const uint8_t *qs)
+{
+    __m128i v = _mm_loadu_si128((const __m128i *)(const void *)qs);
+    const __m128i m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* Bit i of qh as 0x10 in byte i (Q5_0/Q5_1's 5th bit). */
+X86_FN __m256i x86_bit5(const uint8_t *qh4)
+{
+    uint32_t qh;
+    memcpy(&qh, qh4, sizeof qh);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                    _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                       0x0303030303030303LL));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    b = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x10));
+}
+
+X86_FN __m256i x86_loadq(const m40_xq *x) { return _mm256_loadu_si256((const __m256i *)(const void *)x->q); }
+
+X86_KERNEL float X86_NAME(q8_0)(const uint8_t *w, const m40_xq *x, int64_t K)
+{
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++, w += 34) {
+        __m256i qw = _mm256_loadu_si256((const __m256i *)(const void *)(w + 2));
+        /* |w| (unsigned) times x with w's sign */
+        __m256i p = x86_dot32(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(x86_loadq(&x[b]), qw));
+        acc = x86_acc(acc, x86_f16(w) * x[b].d, p);
+    }
+    return x86_hsum(acc);
+}
+
+/* Q4_0 (five 0, min 0), Q4_1 (min 1), Q5_0 (five 1), Q5_1 (both): the block's bytes
+ * are d | [m] | [qh] | qs. */
+X86_FN float x86_q4q5(const uint8_t *w, const m40_xq *x, int64_t K, int five, int min)
+{
+    const int64_t bytes = 18 + (five ? 4 : 0) + (min ? 2 : 0);
+    const int qs_off = 2 + (five ? 4 : 0) + (min ? 2 : 0), qh_off = min ? 4 : 2;
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0.0f;
+    for (int64_t b = 0; b < K / 32; b++, w += bytes) {
+        __m256i u = x86_nibbles(w + qs_off);
+        if (five)
+            u = _mm256_or_si256(u, x86_bit5(w + qh_off));
+        float d = x86_f16(w);
+        acc = x86_acc(acc, d * x[b].d, x86_dot32(u, x86_loadq(&x[b])));
+        corr += (min ? x86_f16(w + 2) : d) * x[b].s;
+    }
+    float s = x86_hsum(acc);
+    return min ? s + corr : s - (five ? 16.0f : 8.0f) * corr;
+}
+
+X86_KERNEL float X86_NAME(q4_0)(const uint8_t *w, const m40_xq *x, int64_t K) { return x86_q4q5(w, x, K, 0, 0); }
+X86_KERNEL float X86_NAME(q4_1)(const uint8_t *w, const m40_xq *x, int64_t K) { return x86_q4q5(w, x, K, 0, 1); }
+X86_KERNEL float X86_NAME(q5_0)(const uint8_t *w, const m40_xq *x, int64_t K) { return x86_q4q5(w, x, K, 1, 0); }
+X86_KERNEL float X86_NAME(q5_1)(const uint8_t *w, const m40_xq *x, int64_t K) { return x86_q4q5(w, x, K, 1, 1); }
+
+/* Q4_K (five 0) and Q5_K: sub-block 2c + h takes the low (h 0) or high nibbles of
+ * qs[32c..32c+32), Q5_K bit 2c + h of qh[l] as the 5th bit (cpu_dot.c, dot_qk_k). */
+X86_FN float x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t K, int five)
+{
+    const int64_t bytes = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0.0f;
+    for (int64_t b = 0; b < K / M40_QK_K; b++, w += bytes, x += 8) {
+        float d = x86_f16(w), dmin = x86_f16(w + 2);
+        const uint8_t *s = w + 4, *qs = w + (five ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 4; j++) {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+            sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+            mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+        }
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(const void *)(w + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * c));
+            __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(2 << (2 * c)));
+                const __m256i h5 = _mm256_set1_epi8(0x10);
+                u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), h5));
+                u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), h5));
+            }
+            const m40_xq *x0 = &x[2 * c], *x1 = &x[2 * c + 1];
+            acc = x86_acc(acc, d * (float)sc[2 * c] * x0->d, x86_dot32(u0, x86_loadq(x0)));
+            acc = x86_acc(acc, d * (float)sc[2 * c + 1] * x1->d, x86_dot32(u1, x86_loadq(x1)));
+            corr += dmin * ((float)mn[2 * c] * x0->s + (float)mn[2 * c + 1] * x1->s);
+        }
+    }
+    return x86_hsum(acc) - corr;
+}
+
+X86_KERNEL float X86_NAME(q4_k)(const uint8_t *w, const m40_xq *x, int64_t K) { return x86_qk_k(w, x, K, 0); }
+X86_KERNEL float X86_NAME(q5_k)(const uint8_t *w, const m40_xq *x, int64_t K) { return x86_qk_k(w, x, K, 1); }
+
+/* Q6_K: quarter k of half n is activation block 4n + k (cpu_dot.c, dot_q6_k); maddubs
+ * then madd with the two 16-element scales (int16 lanes 0..7 and 8..15) in both
+ * instances, since the scales differ within a block of 32. Levels <= 63 and |x| <= 127
+ * keep maddubs' int16 pairs from saturating. */
+X86_KERNEL float X86_NAME(q6_k)(const uint8_t *w, const m40_xq *x, int64_t K)
+{
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0.0f;
+    for (int64_t b = 0; b < K / M40_QK_K; b++, w += 210, x += 8) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = x86_f16(w + 208);
+        int ci = 0;
+        for (int n = 0; n < 2; n++) {
+            __m256i A = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n));
+            __m256i B = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n + 32));
+            __m256i H = _mm256_loadu_si256((const __m256i *)(const void *)(w + 128 + 32 * n));
+            __m256i u[4];
+            u[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(3)), 4));
+            u[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(0x0c)), 2));
+            u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                   _mm256_and_si256(H, _mm256_set1_epi8(0x30)));
+            u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                   _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8((char)0xc0)), 2));
+            for (int k = 0; k < 4; k++) {
+                int jb = 4 * n + k;
+                const m40_xq *xb = &x[jb];
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * jb + 1]), _mm_set1_epi16(sc[2 * jb]));
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], x86_loadq(xb)), scv);
+                float dd = d * xb->d;
+                acc = x86_acc(acc, dd, p);
+                ci = sc[2 * jb] * xb->h[0] + sc[2 * jb + 1] * xb->h[1];
+                corr += dd * (float)(32 * ci);
+            }
+        }
+    }
+    return x86_hsum(acc) - corr;
+}
+
+X86_KERNEL float X86_NAME(f16)(const uint8_t *w, const float *x, int64_t K)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+#define F16_AT(o) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(w + 2 * (i + (o)))))
+    for (; i + 32 <= K; i += 32) {
+        a0 = _mm256_fmadd_ps(F16_AT(0), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(F16_AT(8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(F16_AT(16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(F16_AT(24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= K; i += 8)
+        a0 = _mm256_fmadd_ps(F16_AT(0), _mm256_loadu_ps(x + i), a0);
+#undef F16_AT
+    float s = x86_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < K; i++)
+        s += x86_f16(w + 2 * i) * x[i];
+    return s;
+}
+
+X86_KERNEL float X86_NAME(f32)(const uint8_t *w, const float *x, int64_t K)
+{
+    const float *f = (const float *)(const void *)w;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= K; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= K; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_loadu_ps(x + i), a0);
+    float s = x86_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < K; i++)
+        s += f[i] * x[i];
+    return s;
+}
+
+static m40_dot_q_fn X86_NAME(table_q)(uint32_t type)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0: return X86_NAME(q8_0);
+    case M40_TYPE_Q4_0: return X86_NAME(q4_0);
+    case M40_TYPE_Q4_1: return X86_NAME(q4_1);
+    case M40_TYPE_Q5_0: return X86_NAME(q5_0);
+    case M40_TYPE_Q5_1: return X86_NAME(q5_1);
+    case M40_TYPE_Q4_K: return X86_NAME(q4_k);
+    case M40_TYPE_Q5_K: return X86_NAME(q5_k);
+    case M40_TYPE_Q6_K: return X86_NAME(q6_k);
+    default: return NULL;
+    }
+}
+
+static m40_dot_f_fn X86_NAME(table_f)(uint32_t type)
+{
+    return type == M40_TYPE_F16 ? X86_NAME(f16) : type == M40_TYPE_F32 ? X86_NAME(f32) : NULL;
+}
