@@ -182,6 +182,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       offsetof(ngx_http_m40_main_conf_t, threads),
       &ngx_http_m40_threads_bounds },
 
+    { ngx_string("m40_cpu_exact"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_FLAG,
+      ngx_conf_set_flag_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, cpu_exact),
+      NULL },
+
     { ngx_string("m40_load_wait"),
       NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_msec_slot,
@@ -258,6 +265,7 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->max_tokens_default = NGX_CONF_UNSET;
     mcf->max_tokens_limit = NGX_CONF_UNSET;
     mcf->threads = NGX_CONF_UNSET;
+    mcf->cpu_exact = NGX_CONF_UNSET;
     mcf->gpu_memory_fraction = -1.0;
     mcf->prefill_chunk = NGX_CONF_UNSET;
     mcf->prefill_budget = NGX_CONF_UNSET;
@@ -306,6 +314,7 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     ngx_conf_init_value(mcf->max_tokens_default, 256);
     ngx_conf_init_value(mcf->max_tokens_limit, 4096);
     ngx_conf_init_value(mcf->threads, 0);
+    ngx_conf_init_value(mcf->cpu_exact, 0);
 
     if (mcf->max_tokens_default > mcf->max_tokens_limit) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
@@ -716,6 +725,7 @@ ngx_http_m40_init_process(ngx_cycle_t *cycle)
     ec.max_seqs = (int32_t) mcf->max_seqs;
     ec.max_queue = (int32_t) mcf->max_queue;
     ec.n_threads = (int32_t) mcf->threads;
+    ec.cpu_fast = !mcf->cpu_exact;
     ec.gpu_memory_fraction = (float) mcf->gpu_memory_fraction;
     ec.prefill_chunk = (int32_t) mcf->prefill_chunk;
     ec.prefill_budget = (int32_t) mcf->prefill_budget;

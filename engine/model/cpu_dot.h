@@ -41,17 +41,24 @@ const char *m40_cpu_isa_name(int isa);
  * F16 and F32 rows take the F32 activations x instead (xq unused). */
 typedef float (*m40_dot_q_fn)(const uint8_t *w, const m40_xq *xq, int64_t K);
 typedef float (*m40_dot_f_fn)(const uint8_t *w, const float *x, int64_t K);
+/* The same row against 4 tokens at once (prefill): out[t] = dot(w, xq + t * x_stride),
+ * t < 4, each the same bits as the one-token kernel of that isa gives. */
+typedef void (*m40_dot_q4_fn)(const uint8_t *w, const m40_xq *xq, int64_t x_stride, int64_t K, float *out);
 
 /* The kernel of `type` for `isa`; NULL when that type has no fast kernel (the caller
  * keeps the exact path) or the isa is not compiled in / not run by this CPU. Quantized
  * types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; float types: F16 (and F32). */
 m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa);
 m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa);
+/* The 4-token kernel of `type` for `isa` (SIMD isas only; NULL otherwise). */
+m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa);
 
 /* The per-ISA tables (cpu_dot_avx2.c, cpu_dot_avx512.c); NULL entries where absent. */
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type);
+m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type);
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type);
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type);
+m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type);
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type);
 
 #endif

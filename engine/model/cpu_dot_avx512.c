@@ -20,11 +20,13 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
 #include "cpu_dot_x86.h"
 
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { return avx512_table_q(type); }
+m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { return avx512_table_q4(type); }
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { return avx512_table_f(type); }
 
 #else
 
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { (void)type; return NULL; }
+m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { (void)type; return NULL; }
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { (void)type; return NULL; }
 
 #endif

@@ -549,6 +549,7 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
     e->max_queue = cfg->max_queue > 0 ? cfg->max_queue : M40_DEFAULT_MAX_QUEUE;
     e->gpu_memory_fraction = cfg->gpu_memory_fraction; /* 0: the KV pool's default */
     e->n_threads = cfg->n_threads;
+    e->cpu_fast = cfg->cpu_fast;
     /* The chunk caps one sequence and the budget all of them: a chunk beyond the budget
      * could never be taken, so it is cut to it. */
     int32_t chunk = cfg->prefill_chunk > 0 ? cfg->prefill_chunk : M40_DEFAULT_PREFILL_CHUNK;

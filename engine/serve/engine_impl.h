@@ -149,6 +149,7 @@ struct m40_engine {
     int32_t max_queue;
     float gpu_memory_fraction;
     int32_t n_threads;
+    int cpu_fast;
     m40_prefill_policy prefill;   /* budget, chunk, floor, guard (0: off); set at create */
     int prefill_budget_auto;
 

@@ -117,7 +117,7 @@ static void test_kernels(void)
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         const tinfo *t = &types[ti];
         int isq = t->block > 1;
-        int bad_twin = 0, bad_exact = 0, n_cases = 0, n_simd = 0;
+        int bad_twin = 0, bad_exact = 0, n_cases = 0, n_simd = 0, bad_x4 = 0, n_x4 = 0;
         double worst_twin = 0, worst_exact = 0;
         for (size_t kb = 0; kb < sizeof nblocks / sizeof nblocks[0]; kb++) {
             /* K-quants: super-blocks; 32-blocks: blocks; floats: odd lengths too */
@@ -172,6 +172,28 @@ static void test_kernels(void)
                         v = k(w, x, K);
                     }
                     n_simd++;
+                    if (isq && m40_dot_q4_kernel(t->type, s) && K / 32 >= 1) {
+                        /* the 4-token kernel: the one-token kernel's bits for each token */
+                        m40_xq *x4 = malloc((size_t)(K / 32) * 4 * sizeof *x4);
+                        float *xt = malloc((size_t)K * sizeof *xt), o4[4];
+                        for (int tk = 0; tk < 4; tk++) {
+                            if (tk == 0)
+                                memcpy(x4, xq, (size_t)(K / 32) * sizeof *x4);
+                            else {
+                                random_x(xt, K);
+                                m40_xq_quantize(xt, K, x4 + (K / 32) * tk);
+                            }
+                        }
+                        m40_dot_q4_kernel(t->type, s)(w, x4, K / 32, K, o4);
+                        for (int tk = 0; tk < 4; tk++) {
+                            float one = m40_dot_q_kernel(t->type, s)(w, x4 + (K / 32) * tk, K);
+                            if (memcmp(&one, &o4[tk], sizeof one))
+                                bad_x4++;
+                        }
+                        n_x4++;
+                        free(x4);
+                        free(xt);
+                    }
                     double es = fabs(v - twin), tols = 2e-5 * mag + 1e-30;
                     if (es > tols) {
                         if (bad_twin < 3)
@@ -193,6 +215,10 @@ static void test_kernels(void)
               bad_exact, n_cases);
         CHECK(bad_twin == 0, "%s: %d of %d SIMD products differ from the twin", m40_type_name(t->type), bad_twin,
               n_simd);
+        CHECK(bad_x4 == 0, "%s: %d 4-token products differ from the one-token kernel's bits (%d calls)",
+              m40_type_name(t->type), bad_x4, n_x4);
+        if (isa > M40_ISA_PORTABLE && isq)
+            CHECK(n_x4 > 0, "%s: no 4-token kernel ran", m40_type_name(t->type));
         if (isa > M40_ISA_PORTABLE && t->type != M40_TYPE_F32)
             CHECK(n_simd > 0, "%s: no SIMD kernel ran on a CPU with %s", m40_type_name(t->type),
                   m40_cpu_isa_name(isa));
