@@ -15,12 +15,14 @@
 #include "ref/ggml_types.h"
 #include "ref/quant.h"
 
-void m40_xq_quantize(const float *x, int64_t K, m40_xq *out)
+static void xq_quantize_portable(const float *x, int64_t K, m40_xq *out)
 {
     for (int64_t b = 0; b < K / 32; b++, x += 32) {
         float amax = 0.0f;
-        for (int i = 0; i < 32; i++)
-            amax = fmaxf(amax, fabsf(x[i]));
+        for (int i = 0; i < 32; i++) {
+            float a = fabsf(x[i]);
+            amax = a > amax ? a : amax;
+        }
         float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int sum_lo = 0, sum_hi = 0;
         m40_xq *r = &out[b];
@@ -245,6 +247,42 @@ m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa)
     case M40_ISA_AVX2: return m40_dot_q_avx2(type);
     case M40_ISA_AVX512VNNI: return m40_dot_q_avx512(type);
     default: return portable_q(type);
+    }
+}
+
+m40_xq_quantize_fn m40_xq_quantize_isa(int isa)
+{
+    if (isa < 0 || isa > m40_cpu_isa())
+        return NULL;
+    switch (isa) {
+    case M40_ISA_AVX2: return m40_xq_quantize_avx2();
+    case M40_ISA_AVX512VNNI: return m40_xq_quantize_avx512();
+    default: return xq_quantize_portable;
+    }
+}
+
+void m40_xq_quantize(const float *x, int64_t K, m40_xq *out)
+{
+    static m40_xq_quantize_fn fn; /* benign race: every thread finds the same one */
+    if (!fn)
+        fn = m40_xq_quantize_isa(m40_cpu_isa());
+    fn(x, K, out);
+}
+
+static void axpy_portable(float *y, float a, const float *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        y[i] += a * x[i];
+}
+
+m40_axpy_fn m40_axpy_kernel(int isa)
+{
+    if (isa < 0 || isa > m40_cpu_isa())
+        return NULL;
+    switch (isa) {
+    case M40_ISA_AVX2: return m40_axpy_avx2();
+    case M40_ISA_AVX512VNNI: return m40_axpy_avx512();
+    default: return axpy_portable;
     }
 }
 

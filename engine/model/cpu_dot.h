@@ -27,8 +27,12 @@ typedef struct m40_xq {
     int16_t h[2];
 } m40_xq;
 
-/* x[0..K) (K a multiple of 32) into K/32 records. */
+/* x[0..K) (K a multiple of 32) into K/32 records: d = max|x| / 127, q = x * (1 / d)
+ * rounded to nearest even. m40_xq_quantize: the widest isa's quantizer (the same
+ * records bit for bit as m40_xq_quantize_isa(M40_ISA_PORTABLE)). */
+typedef void (*m40_xq_quantize_fn)(const float *x, int64_t K, m40_xq *out);
 void m40_xq_quantize(const float *x, int64_t K, m40_xq *out);
+m40_xq_quantize_fn m40_xq_quantize_isa(int isa); /* NULL: not on this CPU */
 
 /* Instruction sets, widest last. */
 enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_COUNT };
@@ -53,7 +57,15 @@ m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa);
 /* The 4-token kernel of `type` for `isa` (SIMD isas only; NULL otherwise). */
 m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa);
 
+/* y[i] += a * x[i], i < n, for `isa` (NULL where absent; the portable one is plain C). */
+typedef void (*m40_axpy_fn)(float *y, float a, const float *x, int64_t n);
+m40_axpy_fn m40_axpy_kernel(int isa);
+
 /* The per-ISA tables (cpu_dot_avx2.c, cpu_dot_avx512.c); NULL entries where absent. */
+m40_xq_quantize_fn m40_xq_quantize_avx2(void);
+m40_axpy_fn m40_axpy_avx2(void);
+m40_axpy_fn m40_axpy_avx512(void);
+m40_xq_quantize_fn m40_xq_quantize_avx512(void);
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type);
 m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type);
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type);

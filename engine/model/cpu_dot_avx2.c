@@ -19,12 +19,16 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
 
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { return avx2_table_q(type); }
 m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { return avx2_table_q4(type); }
+m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return avx2_quantize; }
+m40_axpy_fn m40_axpy_avx2(void) { return avx2_axpy; }
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { return avx2_table_f(type); }
 
 #else
 
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { (void)type; return NULL; }
 m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { (void)type; return NULL; }
+m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return NULL; }
+m40_axpy_fn m40_axpy_avx2(void) { return NULL; }
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { (void)type; return NULL; }
 
 #endif

@@ -21,12 +21,16 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
 
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { return avx512_table_q(type); }
 m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { return avx512_table_q4(type); }
+m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return avx512_quantize; }
+m40_axpy_fn m40_axpy_avx512(void) { return avx512_axpy; }
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { return avx512_table_f(type); }
 
 #else
 
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { (void)type; return NULL; }
 m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { (void)type; return NULL; }
+m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return NULL; }
+m40_axpy_fn m40_axpy_avx512(void) { return NULL; }
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { (void)type; return NULL; }
 
 #endif

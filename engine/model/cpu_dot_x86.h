@@ -284,6 +284,62 @@ X86_KERNEL float X86_NAME(f32)(const uint8_t *w, const float *x, int64_t K)
     return s;
 }
 
+/* m40_xq_quantize's twin (cpu_dot.c), the same records bit for bit: the same amax, the
+ * same d = amax / 127 and id = 1 / d, x * id rounded to nearest even (cvtps, the default
+ * rounding mode, as nearbyintf) and clamped to +-127. */
+X86_KERNEL void X86_NAME(quantize)(const float *x, int64_t K, m40_xq *out)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++, x += 32) {
+        __m256 v[4], m;
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+        }
+        /* int32 -> int8 in element order: packs work within 128-bit lanes, so the
+         * permute puts the lanes back in order */
+        __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        m40_xq *r = &out[b];
+        _mm256_storeu_si256((__m256i *)(void *)r->q, p8);
+        /* the integer sums of each half */
+        __m256i s32 = _mm256_add_epi32(q[0], q[1]), t32 = _mm256_add_epi32(q[2], q[3]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t32), _mm256_extracti128_si256(t32, 1));
+        s4 = _mm_hadd_epi32(s4, t4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        int lo = _mm_cvtsi128_si32(s4), hi = _mm_extract_epi32(s4, 1);
+        r->d = d;
+        r->s = d * (float)(lo + hi);
+        r->h[0] = (int16_t)lo;
+        r->h[1] = (int16_t)hi;
+    }
+}
+
+/* y[i] += a * x[i] (the fast path's attention: probabilities times V rows). */
+X86_KERNEL void X86_NAME(axpy)(float *y, float a, const float *x, int64_t n)
+{
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++)
+        y[i] += a * x[i];
+}
+
 static m40_dot_q_fn X86_NAME(table_q)(uint32_t type)
 {
     switch (type) {

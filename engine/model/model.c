@@ -107,6 +107,10 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
     }
     m->n_threads = m40_threadpool_size(m->pool);
     m->fast = opts && opts->cpu_fast && device < 0;
+    if (m->fast) {
+        m->attn_dot = m40_dot_f_kernel(M40_TYPE_F32, m40_cpu_isa()); /* NULL without AVX2 */
+        m->attn_axpy = m->attn_dot ? m40_axpy_kernel(m40_cpu_isa()) : NULL;
+    }
     m->device = -1;
     if (device >= 0) {
         m40_gpu_src src;
@@ -499,7 +503,8 @@ static void attention_task(void *ctx, int task, int thread)
     const float *sinks = m->layers[j->l].attn_sinks;
     float max = sinks ? sinks[h] : -INFINITY;
     for (int32_t t = first; t <= pos; t++) {
-        float s = m40_dot_f32(q, kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd, hd) * scale;
+        const float *krow = kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd;
+        float s = (m->attn_dot ? m->attn_dot((const uint8_t *)krow, q, hd) : m40_dot_f32(q, krow, hd)) * scale;
         if (cap > 0)
             s = softcap(s, cap);
         score[t - first] = s;
@@ -516,6 +521,10 @@ static void attention_task(void *ctx, int task, int thread)
     for (int32_t t = first; t <= pos; t++) {
         const float *v = kv_row(j->kv, j->kv->v, slot, j->l, t) + (size_t)kvh * hd;
         float w = score[t - first] * inv;
+        if (m->attn_axpy) {
+            m->attn_axpy(out, w, v, hd);
+            continue;
+        }
         for (int32_t d = 0; d < hd; d++)
             out[d] += w * v[d];
     }

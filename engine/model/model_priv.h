@@ -59,6 +59,10 @@ struct m40_model {
     m40_threadpool *pool;
     int n_threads;
     int fast;                     /* the fast CPU path (options.cpu_fast): cpu_matmul_fast.h */
+    /* the fast path's attention: q.k through the F32 FMA dot and p * V through axpy
+     * (cpu_dot.h); NULL on the exact path, whose attention is the reference's */
+    float (*attn_dot)(const uint8_t *k, const float *q, int64_t n);
+    void (*attn_axpy)(float *y, float a, const float *x, int64_t n);
 
     /* Scratch for one forward call, grown on demand. */
     int32_t cap_tokens;

@@ -107,6 +107,24 @@ static void test_quantizer(void)
         }
     }
     CHECK(bad == 0, "%d quantizer elements or records out of bound", bad);
+    /* every isa's quantizer writes the portable one's records bit for bit */
+    int isa = m40_cpu_isa(), differ = 0, runs = 0;
+    float xs[32 * 13];
+    m40_xq a[13], b[13];
+    for (int s = M40_ISA_PORTABLE + 1; s <= isa; s++)
+        for (int rep = 0; rep < 300; rep++) {
+            random_x(xs, 32 * 13);
+            if (rep % 7 == 0) /* ties: halves of the step */
+                for (int i = 0; i < 32; i++)
+                    xs[i] = (float)(i - 16) * 0.5f;
+            memset(a, 0, sizeof a);
+            memset(b, 0, sizeof b);
+            m40_xq_quantize_isa(M40_ISA_PORTABLE)(xs, 32 * 13, a);
+            m40_xq_quantize_isa(s)(xs, 32 * 13, b);
+            differ += memcmp(a, b, sizeof a) != 0;
+            runs++;
+        }
+    CHECK(differ == 0, "%d of %d SIMD quantizations differ from the portable one", differ, runs);
 }
 
 static void test_kernels(void)
@@ -224,6 +242,28 @@ static void test_kernels(void)
                   m40_cpu_isa_name(isa));
         printf("%-5s %3d products, %3d SIMD: worst twin/exact %.3f of its bound, SIMD/twin %.3f\n",
                m40_type_name(t->type), n_cases, n_simd, worst_exact, worst_twin);
+    }
+    /* axpy: every isa against the plain loop (one FMA per element: within 1 ulp of
+     * the product's rounding) */
+    {
+        float y0[77], y1[77], xv[77];
+        int bad_axpy = 0;
+        for (int s = M40_ISA_PORTABLE; s <= isa; s++)
+            for (int rep = 0; rep < 50; rep++) {
+                int n = 1 + (int)(rnd() % 77);
+                float a = urand() * 2 - 1;
+                for (int i = 0; i < n; i++) {
+                    y0[i] = y1[i] = urand() * 4 - 2;
+                    xv[i] = urand() * 4 - 2;
+                }
+                m40_axpy_kernel(s)(y1, a, xv, n);
+                for (int i = 0; i < n; i++) {
+                    y0[i] += a * xv[i];
+                    if (fabsf(y0[i] - y1[i]) > 1e-6f * (fabsf(y0[i]) + fabsf(a * xv[i])) + 1e-30f)
+                        bad_axpy++;
+                }
+            }
+        CHECK(bad_axpy == 0, "%d axpy elements differ", bad_axpy);
     }
     /* types without a fast kernel keep the exact path */
     uint32_t none[] = {M40_TYPE_Q2_K, M40_TYPE_Q3_K, M40_TYPE_BF16, M40_TYPE_MXFP4};
