@@ -79,10 +79,13 @@ X86_FN __m256i x86_loadq(const m40_xq *x) { return _mm256_loadu_si256((const __m
  * kernel, so a product is the same bits whichever of the two computed it (batched and
  * unbatched outputs agree). */
 #define X86_NT_MAX 4
+/* (the token loops are unrolled: acc[] and corr[] then live in registers, not on the
+ * stack, where each block's update would wait on a store) */
 
 X86_FN void x86_q8_0(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int nt, float *out)
 {
     __m256 acc[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++)
         acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 32; b++, w += 34) {
@@ -90,11 +93,13 @@ X86_FN void x86_q8_0(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
         __m256i qw = _mm256_loadu_si256((const __m256i *)(const void *)(w + 2));
         __m256i aw = _mm256_sign_epi8(qw, qw); /* |w| (unsigned) times x with w's sign */
         float d = x86_f16(w);
+        _Pragma("GCC unroll 4")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + b];
             acc[t] = x86_acc(acc[t], d * xb->d, x86_dot32(aw, _mm256_sign_epi8(x86_loadq(xb), qw)));
         }
     }
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++)
         out[t] = x86_hsum(acc[t]);
 }
@@ -107,6 +112,7 @@ X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
     const int qs_off = 2 + (five ? 4 : 0) + (min ? 2 : 0), qh_off = min ? 4 : 2;
     __m256 acc[X86_NT_MAX];
     float corr[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++) {
         acc[t] = _mm256_setzero_ps();
         corr[t] = 0.0f;
@@ -117,12 +123,14 @@ X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
         if (five)
             u = _mm256_or_si256(u, x86_bit5(w + qh_off));
         float d = x86_f16(w), m = min ? x86_f16(w + 2) : d;
+        _Pragma("GCC unroll 4")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + b];
             acc[t] = x86_acc(acc[t], d * xb->d, x86_dot32(u, x86_loadq(xb)));
             corr[t] += m * xb->s;
         }
     }
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++) {
         float s = x86_hsum(acc[t]);
         out[t] = min ? s + corr[t] : s - (five ? 16.0f : 8.0f) * corr[t];
@@ -137,6 +145,7 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[X86_NT_MAX];
     float corr[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++) {
         acc[t] = _mm256_setzero_ps();
         corr[t] = 0.0f;
@@ -163,6 +172,7 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
                 u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), h5));
             }
             float d0 = d * (float)sc[2 * c], d1 = d * (float)sc[2 * c + 1];
+            _Pragma("GCC unroll 4")
             for (int t = 0; t < nt; t++) {
                 const m40_xq *x0 = &x[t * xs + 8 * b + 2 * c], *x1 = x0 + 1;
                 acc[t] = x86_acc(acc[t], d0 * x0->d, x86_dot32(u0, x86_loadq(x0)));
@@ -171,6 +181,7 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
             }
         }
     }
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++)
         out[t] = x86_hsum(acc[t]) - corr[t];
 }
@@ -184,6 +195,7 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[X86_NT_MAX];
     float corr[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++) {
         acc[t] = _mm256_setzero_ps();
         corr[t] = 0.0f;
@@ -207,6 +219,7 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
             for (int k = 0; k < 4; k++) {
                 int jb = 4 * n + k;
                 __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * jb + 1]), _mm_set1_epi16(sc[2 * jb]));
+                _Pragma("GCC unroll 4")
                 for (int t = 0; t < nt; t++) {
                     const m40_xq *xb = &x[t * xs + 8 * b + jb];
                     __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], x86_loadq(xb)), scv);
@@ -218,6 +231,7 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
             }
         }
     }
+    _Pragma("GCC unroll 4")
     for (int t = 0; t < nt; t++)
         out[t] = x86_hsum(acc[t]) - corr[t];
 }
