@@ -6,7 +6,10 @@
  *   - the portable twin against the exact product (the dequantized row times the F32
  *     x, kernels/ref/quant.h) within the quantization bound of cpu_dot.h;
  *   - the threaded, tiled matmul over odd row and token counts against the per-row
- *     kernel, bit for bit, and one group of three matrices of one input. */
+ *     kernel, bit for bit, and one group of three matrices of one input;
+ *   - a model on the fast path (shared tiny quantized models): a batch of 70 tokens
+ *     gives the logits of the same tokens fed one by one, bit for bit (4-token kernels,
+ *     the pool's quantization and the one-token kernels agree). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,6 +17,7 @@
 #include "check.h"
 #include "model/cpu_dot.h"
 #include "model/cpu_matmul_fast.h"
+#include "model/model.h"
 #include "ref/ggml_types.h"
 #include "ref/quant.h"
 #include "util/threadpool.h"
@@ -336,10 +340,58 @@ static void test_matmul(void)
     m40_threadpool_free(pool);
 }
 
+static void test_model_batched(const char *rel)
+{
+    char path[4096], err[512];
+    if (!check_shared_file(rel, path, sizeof path)) {
+        SKIP("%s absent", rel);
+        return;
+    }
+    m40_model_options o = {.n_threads = 2, .device = -1, .cpu_fast = 1};
+    m40_model *m = NULL;
+    if (m40_model_load_opts(path, &o, &m, err, sizeof err)) {
+        CHECK(0, "load %s: %s", rel, err);
+        return;
+    }
+    CHECK(!strncmp(m40_model_cpu_path(m), "fast", 4), "%s: path %s", rel, m40_model_cpu_path(m));
+    const int n = 70;
+    const int32_t V = m40_model_get_params(m)->n_vocab;
+    m40_kv *kv = m40_kv_new(m, 2, 128);
+    float *all = malloc(sizeof *all * (size_t)V * n), *one = malloc(sizeof *one * (size_t)V);
+    int32_t tok[70], pos[70], slot[70];
+    uint8_t want[70];
+    for (int i = 0; i < n; i++) {
+        tok[i] = (int32_t)(rnd() % (uint32_t)V);
+        pos[i] = i;
+        slot[i] = 0;
+        want[i] = 1;
+    }
+    m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+    int rc = kv && all && one ? m40_model_forward(m, kv, &b, all, err, sizeof err) : -1;
+    CHECK(rc == 0, "%s: batch forward: %s", rel, err);
+    int differ = 0;
+    for (int i = 0; rc == 0 && i < n; i++) {
+        int32_t s1 = 1;
+        m40_batch b1 = {.n = 1, .tokens = &tok[i], .pos = &pos[i], .slot = &s1};
+        rc = m40_model_forward(m, kv, &b1, one, err, sizeof err);
+        differ += rc == 0 && memcmp(one, all + (size_t)i * V, sizeof *one * (size_t)V) != 0;
+    }
+    CHECK(rc == 0 && differ == 0, "%s: %d of %d rows differ between the batch and one by one (%s)", rel, differ, n,
+          rc ? err : "");
+    free(all);
+    free(one);
+    m40_kv_free(kv);
+    m40_model_free(m);
+}
+
 int main(void)
 {
     test_quantizer();
     test_kernels();
     test_matmul();
+    test_model_batched("models/tiny-llama-q4km.gguf");
+    test_model_batched("models/tiny-llama-q4_0.gguf");
+    test_model_batched("models/tiny-llama-q8_0.gguf");
+    test_model_batched("models/next/tiny-qwen3moe-q4km.gguf");
     return check_done();
 }
