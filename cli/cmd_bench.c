@@ -64,7 +64,7 @@ static void bench_usage(FILE *f)
             "  --gpu-time        also time each decode step's device work with CUDA events and print\n"
             "                    it beside the wall time (the difference: host work and launch gaps)\n"
             "  --exact           CPU: the exact F32 reference products (as m40 eval) instead of the fast\n"
-            "                    int8 path\n",
+            "                    int16 path\n",
             BENCH_DEFAULT_BANDWIDTH_GBS);
 }
 

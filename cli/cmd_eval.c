@@ -18,7 +18,7 @@ static void eval_usage(FILE *f)
                "  --tol X      largest allowed |delta logprob| (default 1e-3)\n"
                "  --threads N  CPU threads (default: all)\n"
                "  --device D   cpu (default) or a CUDA device index; the GPU path is expected within 5e-2\n"
-               "  --fast       CPU: measure the fast int8 path (run, bench and serve use it) instead of\n"
+               "  --fast       CPU: measure the fast int16 path (run, bench and serve use it) instead of\n"
                "               the exact F32 reference; set --tol to the fast path's (BENCHMARKS.md)\n");
 }
 

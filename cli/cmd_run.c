@@ -24,7 +24,7 @@ static void run_usage(FILE *f)
                "  --threads N  CPU threads (default: all)\n"
                "  --device D   cpu (default) or a CUDA device index\n"
                "  --exact      CPU: the exact F32 reference products (as m40 eval) instead of the\n"
-               "               fast int8 path\n");
+               "               fast int16 path\n");
 }
 
 static double now_s(void)

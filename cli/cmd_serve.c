@@ -53,7 +53,7 @@ static void serve_usage(FILE *f)
             "                  most F times a decode-only step (default off)\n"
             "  --no-ui         no chat page at / (the API alone)\n"
             "  --exact         CPU: the exact F32 reference products (m40_cpu_exact on) instead\n"
-            "                  of the fast int8 path\n"
+            "                  of the fast int16 path\n"
             "  --module PATH   ngx_http_m40_module.so (default: beside the m40 binary)\n"
             "  --nginx PATH    nginx binary (default " SERVE_DEFAULT_NGINX ")\n"
             "  --user USER     user of the worker process when started as root\n"

@@ -3,7 +3,7 @@
  * of kernel by the CPU's instruction set (cpu_dot.h).
  *
  * Each kernel forms, per block of 32 weights, the integer dot product of the weights'
- * levels with the activations' int8 values, times the weight's scale and the block's
+ * levels with the activations' int16 values, times the weight's scale and the block's
  * activation scale; offsets and mins come off once per block through the record's sums
  * (cpu_dot.h). The SIMD kernels compute the same integers and differ only in the order
  * of the F32 sums. */
@@ -23,14 +23,14 @@ static void xq_quantize_portable(const float *x, int64_t K, m40_xq *out)
             float a = fabsf(x[i]);
             amax = a > amax ? a : amax;
         }
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int sum_lo = 0, sum_hi = 0;
         m40_xq *r = &out[b];
         for (int i = 0; i < 32; i++) {
-            /* |x * id| <= 127 up to one rounding; the clamp keeps that rounding in range */
+            /* |x * id| <= 32767 up to one rounding; the clamp keeps that rounding in range */
             float v = nearbyintf(x[i] * id);
-            int q = v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v;
-            r->q[i] = (int8_t)q;
+            int q = v > 32767.0f ? 32767 : v < -32767.0f ? -32767 : (int)v;
+            r->q[i] = (int16_t)q;
             if (i < 16)
                 sum_lo += q;
             else
@@ -38,8 +38,8 @@ static void xq_quantize_portable(const float *x, int64_t K, m40_xq *out)
         }
         r->d = d;
         r->s = d * (float)(sum_lo + sum_hi);
-        r->h[0] = (int16_t)sum_lo;
-        r->h[1] = (int16_t)sum_hi;
+        r->h[0] = sum_lo;
+        r->h[1] = sum_hi;
     }
 }
 
@@ -54,7 +54,7 @@ static inline uint32_t rd32(const uint8_t *p)
 
 /* Q4_0/Q4_1 level j: low nibble of qs[j] (j < 16), high nibble of qs[j - 16]; Q5 adds
  * bit j of qh as the 5th bit. */
-static inline int nib_dot(const uint8_t *qs, uint32_t qh, const int8_t *q)
+static inline int nib_dot(const uint8_t *qs, uint32_t qh, const int16_t *q)
 {
     int s = 0;
     for (int j = 0; j < 16; j++) {
@@ -171,13 +171,15 @@ static float dot_q6_k(const uint8_t *w, const m40_xq *x, int64_t K)
         const int8_t *sc = (const int8_t *)(w + 192);
         float d = f16(w + 208);
         for (int jb = 0; jb < 8; jb++) {
-            int n = jb / 4, k = jb % 4, s[2] = {0, 0};
+            int n = jb / 4, k = jb % 4;
+            int64_t s[2] = {0, 0};
             for (int l = 0; l < 32; l++) {
                 uint8_t a = ql[64 * n + l + 32 * (k & 1)], h = qh[32 * n + l];
                 int v = (k < 2 ? a & 15 : a >> 4) | (((h >> (2 * k)) & 3) << 4);
                 s[l / 16] += v * x[jb].q[l];
             }
-            int sumi = sc[2 * jb] * (s[0] - 32 * x[jb].h[0]) + sc[2 * jb + 1] * (s[1] - 32 * x[jb].h[1]);
+            /* |sumi| reaches 127 * 16 * 95 * 32767 * 2: int64 */
+            int64_t sumi = sc[2 * jb] * (s[0] - 32 * (int64_t)x[jb].h[0]) + sc[2 * jb + 1] * (s[1] - 32 * (int64_t)x[jb].h[1]);
             acc += d * x[jb].d * (float)sumi;
         }
     }

@@ -1,5 +1,5 @@
-/* The AVX2 instance of the x86 kernels (cpu_dot_x86.h): u8 x s8 products by maddubs
- * (int16 pairs) and madd with ones (int32 quads). Built with a target attribute, not
+/* The AVX2 instance of the x86 kernels (cpu_dot_x86.h): int16 products summed in pairs
+ * by pmaddwd, two of them added (int32 quads). Built with a target attribute, not
  * -mavx2: cpu_dot.c calls it only on a CPU that has AVX2, FMA and F16C. */
 #include "cpu_dot.h"
 
@@ -10,9 +10,11 @@
 
 #include <immintrin.h>
 
-static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot32(__m256i u, __m256i s)
+static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dotw(__m256i lo, __m256i hi,
+                                                                              const int16_t *q)
 {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(const void *)q)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(const void *)(q + 16))));
 }
 
 #include "cpu_dot_x86.h"

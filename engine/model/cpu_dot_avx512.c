@@ -1,5 +1,5 @@
-/* The AVX-512 VNNI instance of the x86 kernels (cpu_dot_x86.h): u8 x s8 products summed
- * four at a time into int32 by one vpdpbusd, on 256-bit vectors (AVX512VL), which keeps
+/* The AVX-512 VNNI instance of the x86 kernels (cpu_dot_x86.h): int16 products summed
+ * in pairs into int32 by vpdpwssd, on 256-bit vectors (AVX512VL), which keeps
  * the core out of the 512-bit frequency licence and the kernels shared with AVX2. Built
  * with a target attribute: cpu_dot.c calls it only on a CPU that has AVX512VL, AVX512BW
  * and AVX512_VNNI (and AVX2, FMA, F16C). */
@@ -12,9 +12,11 @@
 
 #include <immintrin.h>
 
-static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot32(__m256i u, __m256i s)
+static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dotw(__m256i lo, __m256i hi,
+                                                                              const int16_t *q)
 {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    __m256i a = _mm256_dpwssd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)(const void *)q));
+    return _mm256_dpwssd_epi32(a, hi, _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
 }
 
 #include "cpu_dot_x86.h"

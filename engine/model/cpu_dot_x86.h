@@ -1,10 +1,11 @@
 /* The x86 SIMD kernels of the fast CPU path, written once and compiled twice: by
- * cpu_dot_avx2.c (AVX2: u8 x s8 products through maddubs + madd) and by
- * cpu_dot_avx512.c (AVX-512 VNNI on 256-bit vectors: vpdpbusd). The includer defines
+ * cpu_dot_avx2.c (AVX2: int16 products through pmaddwd) and by cpu_dot_avx512.c
+ * (AVX-512 VNNI on 256-bit vectors: vpdpwssd). The includer defines
  *   X86_TARGET   the target attribute string (so the build needs no -march flag and the
  *                binary runs on any x86-64; the dispatch in cpu_dot.c checks the CPU),
  *   X86_NAME(n)  the kernel's name in this instance,
- *   x86_dot32    u8 x s8 -> 8 int32 lanes, each the sum of 4 adjacent products.
+ *   x86_dotw     (lo, hi, q): the 16-bit weights lo (elements 0..15) and hi (16..31)
+ *                times the record's int16 q -> 8 int32 lanes, each the sum of 4 products.
  * The twins are the portable kernels of cpu_dot.c: the same integers per block, the F32
  * sums in another order (8 lanes per block, added across blocks, reduced at the end). */
 #include <immintrin.h>
@@ -71,7 +72,12 @@ X86_FN void x86_prefetch(const uint8_t *w, int bytes)
         _mm_prefetch((const char *)(w + X86_PF + o), _MM_HINT_T0);
 }
 
-X86_FN __m256i x86_loadq(const m40_xq *x) { return _mm256_loadu_si256((const __m256i *)(const void *)x->q); }
+/* 32 unsigned 8-bit levels widened to 16 bits: elements 0..15 and 16..31. */
+X86_FN void x86_widen(__m256i u, __m256i *lo, __m256i *hi)
+{
+    *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+    *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
+}
 
 /* Each quantized kernel is written once for NT tokens (1 or 4) of one weight row: the
  * weights are loaded and unpacked once per block and met by every token's record
@@ -90,13 +96,13 @@ X86_FN void x86_q8_0(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
         acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 32; b++, w += 34) {
         x86_prefetch(w, 34);
-        __m256i qw = _mm256_loadu_si256((const __m256i *)(const void *)(w + 2));
-        __m256i aw = _mm256_sign_epi8(qw, qw); /* |w| (unsigned) times x with w's sign */
+        __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 2)));
+        __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 18)));
         float d = x86_f16(w);
         _Pragma("GCC unroll 4")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + b];
-            acc[t] = x86_acc(acc[t], d * xb->d, x86_dot32(aw, _mm256_sign_epi8(x86_loadq(xb), qw)));
+            acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
         }
     }
     _Pragma("GCC unroll 4")
@@ -122,11 +128,13 @@ X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
         __m256i u = x86_nibbles(w + qs_off);
         if (five)
             u = _mm256_or_si256(u, x86_bit5(w + qh_off));
+        __m256i lo, hi;
+        x86_widen(u, &lo, &hi);
         float d = x86_f16(w), m = min ? x86_f16(w + 2) : d;
         _Pragma("GCC unroll 4")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + b];
-            acc[t] = x86_acc(acc[t], d * xb->d, x86_dot32(u, x86_loadq(xb)));
+            acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
             corr[t] += m * xb->s;
         }
     }
@@ -171,12 +179,15 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
                 u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), h5));
                 u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), h5));
             }
+            __m256i lo0, hi0, lo1, hi1;
+            x86_widen(u0, &lo0, &hi0);
+            x86_widen(u1, &lo1, &hi1);
             float d0 = d * (float)sc[2 * c], d1 = d * (float)sc[2 * c + 1];
             _Pragma("GCC unroll 4")
             for (int t = 0; t < nt; t++) {
                 const m40_xq *x0 = &x[t * xs + 8 * b + 2 * c], *x1 = x0 + 1;
-                acc[t] = x86_acc(acc[t], d0 * x0->d, x86_dot32(u0, x86_loadq(x0)));
-                acc[t] = x86_acc(acc[t], d1 * x1->d, x86_dot32(u1, x86_loadq(x1)));
+                acc[t] = x86_acc(acc[t], d0 * x0->d, x86_dotw(lo0, hi0, x0->q));
+                acc[t] = x86_acc(acc[t], d1 * x1->d, x86_dotw(lo1, hi1, x1->q));
                 corr[t] += dmin * ((float)mn[2 * c] * x0->s + (float)mn[2 * c + 1] * x1->s);
             }
         }
@@ -186,10 +197,11 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
         out[t] = x86_hsum(acc[t]) - corr[t];
 }
 
-/* Q6_K: quarter k of half n is activation block 4n + k (cpu_dot.c, dot_q6_k); maddubs
- * then madd with the two 16-element scales (int16 lanes 0..7 and 8..15) in both
- * instances, since the scales differ within a block of 32. Levels <= 63 and |x| <= 127
- * keep maddubs' int16 pairs from saturating. */
+/* Q6_K: quarter k of half n is activation block 4n + k (cpu_dot.c, dot_q6_k). The two
+ * halves of 16 have their own scales: each widened half is multiplied by its scale in
+ * 16 bits (63 * 127 fits) before the product, so one int32 lane sums 4 products of at
+ * most 8001 * 32767 (1.05e9, no overflow); the -32 of the levels comes off through the
+ * half sums, in F32. */
 X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int nt, float *out)
 {
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -218,15 +230,17 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
                                    _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8((char)0xc0)), 2));
             for (int k = 0; k < 4; k++) {
                 int jb = 4 * n + k;
-                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * jb + 1]), _mm_set1_epi16(sc[2 * jb]));
+                __m256i lo, hi;
+                x86_widen(u[k], &lo, &hi);
+                lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(sc[2 * jb]));
+                hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(sc[2 * jb + 1]));
                 _Pragma("GCC unroll 4")
                 for (int t = 0; t < nt; t++) {
                     const m40_xq *xb = &x[t * xs + 8 * b + jb];
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], x86_loadq(xb)), scv);
                     float dd = d * xb->d;
-                    acc[t] = x86_acc(acc[t], dd, p);
-                    int ci = sc[2 * jb] * xb->h[0] + sc[2 * jb + 1] * xb->h[1];
-                    corr[t] += dd * (float)(32 * ci);
+                    acc[t] = x86_acc(acc[t], dd, x86_dotw(lo, hi, xb->q));
+                    int ci = sc[2 * jb] * xb->h[0] + sc[2 * jb + 1] * xb->h[1]; /* <= 1.4e8 */
+                    corr[t] += dd * (32.0f * (float)ci);
                 }
             }
         }
@@ -299,8 +313,8 @@ X86_KERNEL float X86_NAME(f32)(const uint8_t *w, const float *x, int64_t K)
 }
 
 /* m40_xq_quantize's twin (cpu_dot.c), the same records bit for bit: the same amax, the
- * same d = amax / 127 and id = 1 / d, x * id rounded to nearest even (cvtps, the default
- * rounding mode, as nearbyintf) and clamped to +-127. */
+ * same d = amax / 32767 and id = 1 / d, x * id rounded to nearest even (as nearbyintf
+ * in the default rounding mode) and clamped to +-32767. */
 X86_KERNEL void X86_NAME(quantize)(const float *x, int64_t K, m40_xq *out)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -314,21 +328,21 @@ X86_KERNEL void X86_NAME(quantize)(const float *x, int64_t K, m40_xq *out)
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         float amax = _mm_cvtss_f32(h);
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         __m256 vid = _mm256_set1_ps(id);
-        const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+        const __m256 lim = _mm256_set1_ps(32767.0f), nlim = _mm256_set1_ps(-32767.0f);
         __m256i q[4];
         for (int i = 0; i < 4; i++) {
             __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
         }
-        /* int32 -> int8 in element order: packs work within 128-bit lanes, so the
-         * permute puts the lanes back in order */
-        __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        /* int32 -> int16 in element order: packs works within 128-bit lanes, so the
+         * permute puts the 64-bit quarters back in order */
+        __m256i p16a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+        __m256i p16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
         m40_xq *r = &out[b];
-        _mm256_storeu_si256((__m256i *)(void *)r->q, p8);
+        _mm256_storeu_si256((__m256i *)(void *)r->q, p16a);
+        _mm256_storeu_si256((__m256i *)(void *)(r->q + 16), p16b);
         /* the integer sums of each half */
         __m256i s32 = _mm256_add_epi32(q[0], q[1]), t32 = _mm256_add_epi32(q[2], q[3]);
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
@@ -338,8 +352,8 @@ X86_KERNEL void X86_NAME(quantize)(const float *x, int64_t K, m40_xq *out)
         int lo = _mm_cvtsi128_si32(s4), hi = _mm_extract_epi32(s4, 1);
         r->d = d;
         r->s = d * (float)(lo + hi);
-        r->h[0] = (int16_t)lo;
-        r->h[1] = (int16_t)hi;
+        r->h[0] = lo;
+        r->h[1] = hi;
     }
 }
 

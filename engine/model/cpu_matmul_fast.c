@@ -6,7 +6,7 @@
  * waking the pool costs more than it. Within a chunk, tiles of TILE_ROWS weight rows
  * (a few KB of quantized weights, kept in L1) meet every token of the batch before the
  * next tile is read: a prefill of n tokens reads the weights from memory once, and the
- * activations' records (n * K/32 * 44 bytes) stream from L2. */
+ * activations' records (n * K/32 * 80 bytes) stream from L2. */
 #include "cpu_matmul_fast.h"
 
 #include "ref/ggml_types.h"

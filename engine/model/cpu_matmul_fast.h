@@ -1,4 +1,4 @@
-/* The fast CPU path's weight products (cpu_matmul_fast.c): int8 activations against the
+/* The fast CPU path's weight products (cpu_matmul_fast.c): int16 activations against the
  * quantized weight blocks, F16 and F32 weights through FMA (cpu_dot.h), rows split
  * over the thread pool. Private to engine/model/. */
 #ifndef M40_CPU_MATMUL_FAST_H
@@ -15,7 +15,7 @@ struct m40_threadpool;
 #define M40_FAST_MAX_GROUP 4
 
 /* 1 when the fast path multiplies w on this CPU (else the caller takes the exact path):
- * *quantized says whether it reads the int8 records (else the F32 input). */
+ * *quantized says whether it reads the int16 records (else the F32 input). */
 int m40_fast_supported(const m40_matrix *w, int *quantized);
 
 /* The records of the n inputs x [n][K] (K a multiple of 32) into xq [n][K/32], the

@@ -408,7 +408,7 @@ static void add_bias(const matrix *w, int32_t n, float *out, const float *bias)
                 out[(size_t)t * (size_t)w->rows + (size_t)r] += bias[r];
 }
 
-/* The fast path quantizes x once for every matrix of the group that reads int8
+/* The fast path quantizes x once for every matrix of the group that reads int16
  * records and runs the supported ones in one pool run; a type without a fast kernel
  * (Q2_K, Q3_K, BF16, MXFP4) takes the exact product. The F16 input rounding of
  * rounds_input_to_f16 is the reference's and stays on the exact path: the fast path
@@ -573,7 +573,7 @@ static int ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
         if (!rows)
             return -1;
         m->logit_rows = rows;
-        if (m->fast) { /* the int8 records of the widest matmul input */
+        if (m->fast) { /* the int16 records of the widest matmul input */
             struct m40_xq *xq = realloc(m->xq, N * ((in_max + 31) / 32) * sizeof *xq);
             if (!xq)
                 return -1;

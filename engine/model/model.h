@@ -52,7 +52,7 @@ typedef struct {
     /* CPU backend only. 0 (the default, and m40_model_load's): the exact F32 reference
      * (dequantized weights times F32 activations), the one `m40 eval` and the tests
      * compare with the shared references. 1: the fast path (cpu_matmul_fast.h):
-     * activations quantized to int8 per block of 32 against the quantized weights,
+     * activations quantized to int16 per block of 32 against the quantized weights,
      * F16 weights through F16C/FMA; types without a fast kernel keep the exact path. */
     int cpu_fast;
 } m40_model_options;
