@@ -11,7 +11,7 @@
 
 static void mk_usage(FILE *f)
 {
-    fprintf(f, "usage: m40 mkmodel --shape NAME --type TYPE [--seed S] [--layers N] [--threads N] [--dry-run] "
+    fprintf(f, "usage: m40 mkmodel --shape NAME --type TYPE [--seed S] [--layers N] [--threads N] [--quick] [--dry-run] "
                "OUT.gguf\n\nshapes:\n");
     for (int i = 0; m40_mkmodel_shape_at(i); i++) {
         const m40_mkmodel_shape *s = m40_mkmodel_shape_at(i);
@@ -24,6 +24,8 @@ static void mk_usage(FILE *f)
                 s->n_vocab, s->ctx, s->rope_base);
     }
     fprintf(f, "types: %s\n", m40_mkmodel_type_list());
+    fprintf(f, "--quick: Q4_K and Q6_K scales fitted at one candidate step instead of the search (several\n"
+               "times faster, a little less accurate): large shapes for speed runs, not for accuracy tests\n");
 }
 
 /* Whole decimal number in [lo, hi]; -1 otherwise. */
@@ -52,7 +54,7 @@ int m40_cmd_mkmodel(int argc, char **argv)
 {
     const char *shape_name = NULL, *type_name = NULL, *out = NULL;
     uint64_t seed = 1, layers = 0, threads = 0;
-    int dry_run = 0;
+    int dry_run = 0, quick = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -61,6 +63,10 @@ int m40_cmd_mkmodel(int argc, char **argv)
         }
         if (!strcmp(a, "--dry-run")) {
             dry_run = 1;
+            continue;
+        }
+        if (!strcmp(a, "--quick")) {
+            quick = 1;
             continue;
         }
         int takes = !strcmp(a, "--shape") || !strcmp(a, "--type") || !strcmp(a, "--seed") ||
@@ -119,7 +125,7 @@ int m40_cmd_mkmodel(int argc, char **argv)
     }
 
     m40_mkmodel_opts o = {.shape = shape, .ftype = ft, .seed = seed, .n_layers = (int32_t)layers,
-                          .n_threads = (int)threads, .dry_run = dry_run};
+                          .n_threads = (int)threads, .dry_run = dry_run, .quick = quick};
     m40_mkmodel_stats st;
     char err[512];
     if (m40_mkmodel_write(&o, out, &st, err, sizeof err) != 0) {

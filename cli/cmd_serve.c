@@ -358,13 +358,18 @@ int m40_cmd_serve(int argc, char **argv)
     put_quoted2(f, dir, "/nginx.pid");
     fprintf(f, ";\nerror_log stderr notice;\n");
     /* nginx hands its workers an empty environment (TZ aside): the engine's tuning
-     * switches reach the worker only through env directives */
-    static const char *const pass_env[] = {"M40_GEMM",        "M40_PDL",    "M40_CLUSTER",   "M40_SKINNY",
-                                           "M40_CUDA_GRAPHS", "M40_WARMUP", "M40_G8",        "M40_FUSE_NORM",
-                                           "M40_FUSE_PICK",   "M40_GEMM_Q", "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "CUDA_VISIBLE_DEVICES"};
-    for (size_t i = 0; i < sizeof pass_env / sizeof pass_env[0]; i++)
-        if (getenv(pass_env[i]))
-            fprintf(f, "env %s;\n", pass_env[i]);
+     * switches (every M40_* variable, engine/util/tuning.c) and CUDA_VISIBLE_DEVICES
+     * reach the worker only through env directives. Names of other characters than
+     * [A-Z0-9_] are not passed (they could not be switches, and would need quoting). */
+    for (char **e = environ; e && *e; e++) {
+        const char *eq = strchr(*e, '=');
+        size_t n = eq ? (size_t)(eq - *e) : 0;
+        int ok = n > 0 && n < 128 && (!strncmp(*e, "M40_", 4) || (n == 20 && !strncmp(*e, "CUDA_VISIBLE_DEVICES", 20)));
+        for (size_t i = 0; ok && i < n; i++)
+            ok = ((*e)[i] >= 'A' && (*e)[i] <= 'Z') || ((*e)[i] >= '0' && (*e)[i] <= '9') || (*e)[i] == '_';
+        if (ok)
+            fprintf(f, "env %.*s;\n", (int)n, *e);
+    }
     if (user_buf[0]) {
         fprintf(f, "user ");
         put_quoted(f, user_buf);

@@ -6,10 +6,13 @@
  *
  * The submitter feeds the text of each TEXT event as it arrives and gets pieces back
  * at once: content and reasoning as soon as no marker can start in them, a tool call
- * when it is complete (its markup never reaches the content). Text that could be the
- * start of a marker is held until the next feed or the finish. Output that looks like
- * a tool call but does not parse as one comes back as content, markup and all, as vLLM
- * does: a model's bad call is the client's to see, not ours to hide. */
+ * as it is written (with m40_chat_parse_incremental: its name as soon as it is known,
+ * then its arguments' text as it comes) and whole when it ends; its markup never
+ * reaches the content. Text that could be the start of a marker is held until the next
+ * feed or the finish. Output that looks like a tool call but whose first call does not
+ * parse comes back as content, markup and all, as vLLM does: a model's bad call is the
+ * client's to see, not ours to hide. How the text is cut into feeds changes nothing
+ * but where the pieces split. */
 #ifndef M40_CHAT_PARSE_H
 #define M40_CHAT_PARSE_H
 
@@ -55,16 +58,23 @@ const char *m40_tool_format_name(m40_tool_format f);
 typedef enum {
     M40_PIECE_CONTENT = 1,
     M40_PIECE_REASONING,
-    M40_PIECE_TOOL_CALL,
+    M40_PIECE_TOOL_CALL,  /* a call, complete: it ends the call */
+    M40_PIECE_TOOL_BEGIN, /* incremental only: a call starts (index, name) */
+    M40_PIECE_TOOL_ARGS,  /* incremental only: the next bytes of its arguments (index, text) */
 } m40_piece_kind;
 
+/* A call's pieces come together, nothing between them: TOOL_BEGIN, TOOL_ARGS..., then
+ * TOOL_CALL, whose arguments are exactly the TOOL_ARGS texts joined. */
 typedef struct {
     m40_piece_kind kind;
-    const char *text;      /* CONTENT, REASONING: bytes (not NUL-terminated) */
+    const char *text;      /* CONTENT, REASONING, TOOL_ARGS: bytes (not NUL-terminated) */
     size_t len;
-    int index;             /* TOOL_CALL: 0, 1, ... in output order */
-    const char *name;      /* TOOL_CALL: NUL-terminated */
-    const char *arguments; /* TOOL_CALL: a JSON object's text, NUL-terminated ("{}" if absent) */
+    int index;             /* TOOL_*: 0, 1, ... in output order */
+    const char *name;      /* TOOL_BEGIN, TOOL_CALL: NUL-terminated */
+    const char *arguments; /* TOOL_CALL: the arguments' JSON text, NUL-terminated: the model's
+                            * object without blanks between tokens ("{}" if absent); only a call
+                            * cut short (max_tokens, or JSON that broke inside it) ends with
+                            * the arguments as far as they were valid, as OpenAI's do */
 } m40_piece;
 
 /* Called for each piece; pointers are valid only during the call. Nonzero stops the
@@ -81,6 +91,9 @@ void m40_chat_parse_free(m40_chat_parse *p);
 int m40_chat_parse_feed(m40_chat_parse *p, const char *text, size_t len, m40_piece_cb cb, void *ud);
 /* End of output: flushes what was held (an unclosed call is parsed as it is). */
 int m40_chat_parse_finish(m40_chat_parse *p, m40_piece_cb cb, void *ud);
+/* on: also TOOL_BEGIN and TOOL_ARGS pieces (streaming); off (the default): TOOL_CALL
+ * only. Either way the same calls with the same arguments. */
+void m40_chat_parse_incremental(m40_chat_parse *p, int on);
 /* Tool calls emitted so far. */
 int m40_chat_parse_tool_calls(const m40_chat_parse *p);
 

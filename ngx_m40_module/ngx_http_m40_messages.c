@@ -29,6 +29,7 @@
 #define NGX_HTTP_M40_BLOCK_NONE      0
 #define NGX_HTTP_M40_BLOCK_TEXT      1
 #define NGX_HTTP_M40_BLOCK_THINKING  2
+#define NGX_HTTP_M40_BLOCK_TOOL_USE  3
 
 typedef struct {
     ngx_uint_t   n_blocks;        /* content blocks started */
@@ -954,40 +955,52 @@ ngx_http_m40_msg_delta(ngx_http_m40_sse_t *out, ngx_uint_t kind,
 }
 
 
+/* A tool_use block streamed as the call is written: content_block_start (input {})
+ * when its name is known, an input_json_delta for each fragment of its arguments,
+ * content_block_stop at its end. */
 static ngx_int_t
 ngx_http_m40_msg_call(ngx_http_m40_sse_t *out, const m40_piece *pc)
 {
-    json_t                    *call, *block;
+    json_t                    *call, *block, *t;
     ngx_uint_t                 index;
     ngx_http_m40_msg_state_t  *st;
 
     st = out->ctx->dstate;
 
-    if (ngx_http_m40_msg_close_block(out) != NGX_OK) {
-        return NGX_ERROR;
+    if (pc->kind == M40_PIECE_TOOL_BEGIN) {
+        if (ngx_http_m40_msg_close_block(out) != NGX_OK) {
+            return NGX_ERROR;
+        }
+
+        call = ngx_http_m40_tool_call_json(pc, 0);
+        block = call ? ngx_http_m40_tool_use(call, 0) : NULL;
+        json_decref(call);
+
+        index = st->n_blocks++;
+        st->open = NGX_HTTP_M40_BLOCK_TOOL_USE;
+
+        return ngx_http_m40_msg_event(out, "content_block_start",
+                   block == NULL ? NULL
+                   : json_pack("{s:I,s:o}", "index", (json_int_t) index,
+                               "content_block", block));
     }
 
-    call = ngx_http_m40_tool_call_json(pc, 0);
-    block = call ? ngx_http_m40_tool_use(call, 0) : NULL;
-    json_decref(call);
-
-    index = st->n_blocks++;
-
-    if (ngx_http_m40_msg_event(out, "content_block_start",
-            json_pack("{s:I,s:o}", "index", (json_int_t) index,
-                      "content_block", block))
-        != NGX_OK
-        || ngx_http_m40_msg_event(out, "content_block_delta",
-               json_pack("{s:I,s:{s:s,s:s}}", "index", (json_int_t) index,
-                         "delta", "type", "input_json_delta",
-                         "partial_json", pc->arguments))
-           != NGX_OK)
-    {
-        return NGX_ERROR;
+    if (st->open != NGX_HTTP_M40_BLOCK_TOOL_USE) {
+        return NGX_ERROR;   /* the parser gives a call's pieces in order */
     }
 
-    return ngx_http_m40_msg_event(out, "content_block_stop",
-               json_pack("{s:I}", "index", (json_int_t) index));
+    if (pc->kind == M40_PIECE_TOOL_ARGS) {
+        t = ngx_http_m40_json_text(pc->text, pc->len);
+
+        return ngx_http_m40_msg_event(out, "content_block_delta",
+                   t == NULL ? NULL
+                   : json_pack("{s:I,s:{s:s,s:o}}",
+                               "index", (json_int_t) (st->n_blocks - 1),
+                               "delta", "type", "input_json_delta",
+                               "partial_json", t));
+    }
+
+    return ngx_http_m40_msg_close_block(out);   /* TOOL_CALL: the end */
 }
 
 
@@ -1031,11 +1044,13 @@ ngx_http_m40_msg_piece(void *ud, const m40_piece *pc)
                                       pc->len) == NGX_OK ? 0 : -1;
 
     default:
-        if (!out->ctx->parallel_tool_calls && out->ch->n_tool_calls > 0) {
+        if (!out->ctx->parallel_tool_calls && pc->index > 0) {
             return 0;   /* disable_parallel_tool_use: the first call only */
         }
-        out->ch->n_tool_calls++;
-        st->blank_len = 0;
+        if (pc->kind == M40_PIECE_TOOL_BEGIN) {
+            out->ch->n_tool_calls++;
+            st->blank_len = 0;
+        }
         return ngx_http_m40_msg_call(out, pc) == NGX_OK ? 0 : -1;
     }
 }

@@ -37,6 +37,9 @@ typedef struct {
                                      blanks around calls make no message */
     size_t       blank_len;
     size_t       blank_cap;
+    json_t      *call;            /* the call being streamed (its tool_call JSON) */
+    char         call_item[64];   /* its item id */
+    ngx_uint_t   call_index;      /* its output_index */
 } ngx_http_m40_resp_state_t;
 
 
@@ -51,6 +54,11 @@ ngx_http_m40_resp_cleanup(void *data)
     if (st->output) {
         json_decref(st->output);
         st->output = NULL;
+    }
+
+    if (st->call) {
+        json_decref(st->call);
+        st->call = NULL;
     }
 }
 
@@ -1049,56 +1057,77 @@ ngx_http_m40_resp_text_delta(ngx_http_m40_sse_t *out, ngx_uint_t kind,
 }
 
 
+/* A function call streamed as it is written: output_item.added (arguments "") when
+ * its name is known, function_call_arguments.delta for each fragment of its
+ * arguments, and at its end function_call_arguments.done and output_item.done with
+ * the whole arguments (the deltas joined). */
 static ngx_int_t
 ngx_http_m40_resp_call(ngx_http_m40_sse_t *out, const m40_piece *pc)
 {
-    char                        id[64];
-    json_t                     *call, *item, *args;
-    ngx_uint_t                  index;
+    json_t                     *item, *args;
     ngx_http_m40_resp_state_t  *st;
 
     st = out->ctx->dstate;
 
-    if (ngx_http_m40_resp_close_item(out) != NGX_OK) {
-        return NGX_ERROR;
+    if (pc->kind == M40_PIECE_TOOL_BEGIN) {
+        if (ngx_http_m40_resp_close_item(out) != NGX_OK) {
+            return NGX_ERROR;
+        }
+
+        json_decref(st->call);
+        st->call_index = json_array_size(st->output);
+        ngx_http_m40_item_id(out->ctx, "fc", st->call_item,
+                             sizeof(st->call_item), st->call_index);
+
+        st->call = ngx_http_m40_tool_call_json(pc, 0);
+        item = st->call ? ngx_http_m40_call_item(st->call_item, "in_progress",
+                                                 st->call, 0)
+                        : NULL;
+
+        return ngx_http_m40_resp_event(out, "response.output_item.added",
+                   item == NULL ? NULL
+                   : json_pack("{s:I,s:o}", "output_index",
+                               (json_int_t) st->call_index, "item", item));
     }
 
-    index = json_array_size(st->output);
-    ngx_http_m40_item_id(out->ctx, "fc", id, sizeof(id), index);
-
-    call = ngx_http_m40_tool_call_json(pc, 0);
-    if (call == NULL) {
-        return NGX_ERROR;
+    if (st->call == NULL) {
+        return NGX_ERROR;   /* the parser gives a call's pieces in order */
     }
 
-    item = ngx_http_m40_call_item(id, "in_progress", call, 0);
-    if (item == NULL
-        || ngx_http_m40_resp_event(out, "response.output_item.added",
-               json_pack("{s:I,s:o}", "output_index", (json_int_t) index,
-                         "item", item))
-           != NGX_OK)
-    {
-        json_decref(call);
-        return NGX_ERROR;
+    if (pc->kind == M40_PIECE_TOOL_ARGS) {
+        args = ngx_http_m40_json_text(pc->text, pc->len);
+
+        return ngx_http_m40_resp_event(out,
+                   "response.function_call_arguments.delta",
+                   args == NULL ? NULL
+                   : json_pack("{s:s,s:I,s:o}", "item_id", st->call_item,
+                               "output_index", (json_int_t) st->call_index,
+                               "delta", args));
     }
 
+    /* TOOL_CALL: the end */
     args = json_string(pc->arguments);
-    item = ngx_http_m40_call_item(id, "completed", call, 1);
-    json_decref(call);
+    if (args == NULL
+        || json_object_set(json_object_get(st->call, "function"), "arguments",
+                           args) != 0)
+    {
+        json_decref(args);
+        return NGX_ERROR;
+    }
 
-    if (args == NULL || item == NULL
-        || ngx_http_m40_resp_event(out, "response.function_call_arguments.delta",
-               json_pack("{s:s,s:I,s:O}", "item_id", id,
-                         "output_index", (json_int_t) index, "delta", args))
-           != NGX_OK
+    item = ngx_http_m40_call_item(st->call_item, "completed", st->call, 1);
+    json_decref(st->call);
+    st->call = NULL;
+
+    if (item == NULL
         || ngx_http_m40_resp_event(out, "response.function_call_arguments.done",
-               json_pack("{s:s,s:I,s:O,s:s}", "item_id", id,
-                         "output_index", (json_int_t) index,
+               json_pack("{s:s,s:I,s:O,s:s}", "item_id", st->call_item,
+                         "output_index", (json_int_t) st->call_index,
                          "arguments", args, "name", pc->name))
            != NGX_OK
         || ngx_http_m40_resp_event(out, "response.output_item.done",
-               json_pack("{s:I,s:O}", "output_index", (json_int_t) index,
-                         "item", item))
+               json_pack("{s:I,s:O}", "output_index",
+                         (json_int_t) st->call_index, "item", item))
            != NGX_OK
         || json_array_append(st->output, item) != 0)
     {
@@ -1155,11 +1184,13 @@ ngx_http_m40_resp_piece(void *ud, const m40_piece *pc)
                ? 0 : -1;
 
     default:
-        if (!out->ctx->parallel_tool_calls && out->ch->n_tool_calls > 0) {
+        if (!out->ctx->parallel_tool_calls && pc->index > 0) {
             return 0;   /* parallel_tool_calls false: the first call only */
         }
-        out->ch->n_tool_calls++;
-        st->blank_len = 0;
+        if (pc->kind == M40_PIECE_TOOL_BEGIN) {
+            out->ch->n_tool_calls++;
+            st->blank_len = 0;
+        }
         return ngx_http_m40_resp_call(out, pc) == NGX_OK ? 0 : -1;
     }
 }

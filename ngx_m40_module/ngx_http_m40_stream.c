@@ -237,9 +237,11 @@ ngx_http_m40_text_chunk(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
 
 
 /* Output parser pieces of a streaming chat choice, as chunks: content and
- * reasoning_content deltas, and each tool call as two: its index, id, type and
- * name (arguments ""), then its arguments. The event's logprobs ride on the first
- * chunk it produces (or an empty delta when the parser held everything back). */
+ * reasoning_content deltas, and each tool call as OpenAI streams one: its index,
+ * id, type and name (arguments "") as soon as the name is known, then its
+ * arguments' fragments as they are written (index and function.arguments). The
+ * event's logprobs ride on the first chunk it produces (or an empty delta when the
+ * parser held everything back). */
 typedef struct {
     ngx_http_m40_ctx_t     *ctx;
     ngx_http_m40_choice_t  *ch;
@@ -279,7 +281,7 @@ ngx_http_m40_stream_piece(void *ud, const m40_piece *pc)
 
     ch = sp->ch;
 
-    if (pc->kind != M40_PIECE_TOOL_CALL) {
+    if (pc->kind == M40_PIECE_CONTENT || pc->kind == M40_PIECE_REASONING) {
         text = ngx_http_m40_json_text(pc->text, pc->len);
         return ngx_http_m40_piece_emit(sp, text == NULL ? NULL
                    : json_pack("{s:o}", pc->kind == M40_PIECE_CONTENT
@@ -287,30 +289,38 @@ ngx_http_m40_stream_piece(void *ud, const m40_piece *pc)
                                text)) == NGX_OK ? 0 : -1;
     }
 
-    if (!sp->ctx->parallel_tool_calls && ch->n_tool_calls > 0) {
+    if (!sp->ctx->parallel_tool_calls && pc->index > 0) {
         return 0;   /* parallel_tool_calls false: the first call only */
     }
 
-    c = ngx_http_m40_tool_call_json(pc, 0);
-    if (c == NULL) {
-        return -1;
+    switch (pc->kind) {
+
+    case M40_PIECE_TOOL_BEGIN:
+        c = ngx_http_m40_tool_call_json(pc, 0);
+        if (c == NULL) {
+            return -1;
+        }
+        json_object_set_new(c, "index",
+                            json_integer((json_int_t) ch->n_tool_calls));
+        json_object_set_new(json_object_get(c, "function"), "arguments",
+                            json_string(""));
+        ch->n_tool_calls++;
+
+        return ngx_http_m40_piece_emit(sp, json_pack("{s:[o]}", "tool_calls", c))
+               == NGX_OK ? 0 : -1;
+
+    case M40_PIECE_TOOL_ARGS:
+        text = ngx_http_m40_json_text(pc->text, pc->len);
+        c = text == NULL ? NULL
+            : json_pack("{s:[{s:I,s:{s:o}}]}", "tool_calls", "index",
+                        (json_int_t) ch->n_tool_calls - 1, "function",
+                        "arguments", text);
+
+        return ngx_http_m40_piece_emit(sp, c) == NGX_OK ? 0 : -1;
+
+    default:
+        return 0;   /* TOOL_CALL: the call's end; its pieces went out */
     }
-    json_object_set_new(c, "index", json_integer((json_int_t) ch->n_tool_calls));
-    json_object_set_new(json_object_get(c, "function"), "arguments",
-                        json_string(""));
-
-    if (ngx_http_m40_piece_emit(sp, json_pack("{s:[o]}", "tool_calls", c))
-        != NGX_OK)
-    {
-        return -1;
-    }
-
-    c = json_pack("{s:[{s:I,s:{s:s}}]}", "tool_calls", "index",
-                  (json_int_t) ch->n_tool_calls, "function", "arguments",
-                  pc->arguments);
-    ch->n_tool_calls++;
-
-    return ngx_http_m40_piece_emit(sp, c) == NGX_OK ? 0 : -1;
 }
 
 

@@ -17,6 +17,44 @@
 #include "m40_chat_parse.h"
 
 
+/* Mistral's templates take only tool call ids of 9 characters (they raise "Tool call
+ * IDs should be alphanumeric strings with length 9!" otherwise), while the ids we,
+ * OpenAI and Anthropic give out are longer: as vLLM does for Mistral models, a longer
+ * id is cut to its last 9 characters, in an assistant's tool_calls and in the tool
+ * result alike, so that a conversation goes back in as it came out. */
+static void
+ngx_http_m40_mistral_ids(json_t *messages)
+{
+    size_t       i, k, len;
+    json_t      *m, *c, *id, *cut;
+    const char  *s;
+
+    json_array_foreach(messages, i, m) {
+        id = json_object_get(m, "tool_call_id");
+        s = json_string_value(id);
+        len = json_string_length(id);
+        if (s != NULL && len > 9) {
+            cut = json_string(s + len - 9);   /* NULL if it cuts a character */
+            if (cut != NULL) {
+                json_object_set_new(m, "tool_call_id", cut);
+            }
+        }
+
+        json_array_foreach(json_object_get(m, "tool_calls"), k, c) {
+            id = json_object_get(c, "id");
+            s = json_string_value(id);
+            len = json_string_length(id);
+            if (s != NULL && len > 9) {
+                cut = json_string(s + len - 9);
+                if (cut != NULL) {
+                    json_object_set_new(c, "id", cut);
+                }
+            }
+        }
+    }
+}
+
+
 /* Decides once per request how its output is parsed. */
 void
 ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
@@ -35,6 +73,12 @@ ngx_http_m40_output_mode(ngx_http_m40_ctx_t *ctx, ngx_http_m40_params_t *p)
     }
 
     tmpl = m40_engine_chat_template(mcf->engine);
+
+    if (p->messages != NULL
+        && m40_tool_format_detect(tmpl) == M40_TOOLS_MISTRAL)
+    {
+        ngx_http_m40_mistral_ids(p->messages);
+    }
 
     fmt = mcf->tool_parser != NGX_HTTP_M40_TOOL_PARSER_AUTO
           ? mcf->tool_parser : (ngx_uint_t) m40_tool_format_detect(tmpl);
@@ -73,6 +117,10 @@ ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
         if (ch->parser == NULL) {
             return NGX_ERROR;
         }
+
+        /* streamed: a call's name as soon as it is known, then its arguments
+         * as they are written (the same calls either way) */
+        m40_chat_parse_incremental(ch->parser, ctx->stream);
     }
 
     if (ev->type == M40_EV_DONE) {
@@ -85,8 +133,9 @@ ngx_http_m40_parser_feed(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
 }
 
 
-/* A tool call of the response: {"id", "type", "function": {"name", "arguments"}};
- * the id is "call_" and 24 random letters and digits, as OpenAI's look. */
+/* A tool call of the response: {"id", "type", "function": {"name", "arguments"}}
+ * (arguments "" for a call that has just begun: TOOL_BEGIN); the id is "call_" and
+ * 24 random letters and digits, as OpenAI's look. */
 json_t *
 ngx_http_m40_tool_call_json(const m40_piece *pc, ngx_flag_t with_index)
 {
@@ -103,7 +152,8 @@ ngx_http_m40_tool_call_json(const m40_piece *pc, ngx_flag_t with_index)
     id[29] = '\0';
 
     c = json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", id, "type", "function",
-                  "function", "name", pc->name, "arguments", pc->arguments);
+                  "function", "name", pc->name,
+                  "arguments", pc->arguments ? pc->arguments : "");
     if (c != NULL && with_index) {
         json_object_set_new(c, "index", json_integer(pc->index));
     }

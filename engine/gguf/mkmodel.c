@@ -655,6 +655,7 @@ typedef struct {
     const plan *p;
     const chunk *chunks;
     uint64_t seed;
+    int quick; /* m40_quantize_row_quick */
     int fd;
     uint64_t data_start;
     float **fbuf;
@@ -682,7 +683,7 @@ static void gen_chunk(void *ctx, int task, int thread)
             row_rng(&rng, j->seed, t->name_hash, c->row0 + r);
             fill_normal(&rng, row, (int64_t)t->ne0, t->std);
         }
-        m40_quantize_row(t->type, row, y + r * t->row_bytes, (int64_t)t->ne0);
+        (j->quick ? m40_quantize_row_quick : m40_quantize_row)(t->type, row, y + r * t->row_bytes, (int64_t)t->ne0);
     }
     size_t len = (size_t)(c->n_rows * t->row_bytes), done = 0;
     off_t pos = (off_t)(j->data_start + t->offset + c->row0 * t->row_bytes);
@@ -849,6 +850,7 @@ int m40_mkmodel_write(const m40_mkmodel_opts *o, const char *path, m40_mkmodel_s
     job.p = &p;
     job.chunks = chunks;
     job.seed = o->seed;
+    job.quick = o->quick;
     job.fd = fd;
     job.data_start = hdr.len;
     m40_threadpool_run(pool, (int)n_chunks, gen_chunk, &job);

@@ -103,6 +103,7 @@ typedef struct {
     int32_t n_layers; /* <= 0: the shape's */
     int n_threads;    /* <= 0: every online CPU */
     int dry_run;      /* lay the file out and report its size, write nothing */
+    int quick;        /* K-quants by m40_quantize_row_quick (--quick): large shapes for speed runs */
 } m40_mkmodel_opts;
 
 typedef struct {

@@ -876,6 +876,8 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         uint64_t key;
         memcpy(&key, g->logits_h, sizeof key);
         b->argmax[0] = m40k_argmax_key_id(key);
+    } else if (n_out > 0 && !b->argmax && b->logits_at) {
+        *b->logits_at = g->logits_h; /* the caller reads the pinned rows where they landed */
     } else if (n_out > 0)
         memcpy(b->argmax ? (void *)b->argmax : (void *)logits, g->logits_h,
                b->argmax ? (size_t)n_out * 4 : (size_t)n_out * p->n_vocab * 4);

@@ -27,13 +27,13 @@ static const m40_arch arches[] = {
     /* Qwen3-MoE (30B-A3B, 235B-A22B): qwen3's attention, a softmax router whose top-k
      * weights are renormalized, no shared experts. */
     {.name = "qwen3moe", .rope = M40_ROPE_NEOX, .qk_norm = 1, .act = M40_ACT_SILU, .moe = 1,
-     .moe_gating = M40_GATING_SOFTMAX, .moe_norm_topk = 1},
+     .moe_gating = M40_GATING_SOFTMAX, .moe_norm_topk = 1, .gpu_validated = 1},
     /* gpt-oss (20b, 120b): q/k/v/o biases, attention sinks, even layers local (sliding
      * window), YaRN, its FFN norm stored as post_attention_norm, router and expert
      * biases, softmax over the chosen logits, SwiGLU-OAI. */
     {.name = "gpt-oss", .rope = M40_ROPE_NEOX, .qkv_bias = 1, .act = M40_ACT_SWIGLU_OAI, .swa_period = 2,
      .moe = 1, .moe_gating = M40_GATING_SOFTMAX_SELECTED, .moe_biases = 1, .attn_out_bias = 1, .attn_sinks = 1,
-     .ffn_norm_post_attention = 1, .rope_yarn = 1},
+     .ffn_norm_post_attention = 1, .rope_yarn = 1, .gpu_validated = 1},
 };
 
 const m40_arch *m40_arch_find(const char *name)

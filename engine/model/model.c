@@ -652,6 +652,8 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
     const m40_model_params *p = &m->p;
     if (check_batch(m, kv, b, err, errlen))
         return -1;
+    if (b->logits_at)
+        *b->logits_at = logits; /* a GPU may point it at its own buffer instead */
     if (m->gpu || kv->gpu) {
         if (!m->gpu || !kv->gpu) {
             m40_set_err(err, errlen, "the KV cache and the model live on different devices");

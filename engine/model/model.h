@@ -174,7 +174,11 @@ void m40_kv_prefix_forget(m40_kv *kv);
  * thread pool). With argmax set, each logits row's greedy token (its largest logit,
  * lowest id on ties) goes to argmax[k] for the k-th row instead: on the GPU only those
  * ids leave the device and logits is not written; on the CPU logits is still used as
- * scratch (and holds the rows). */
+ * scratch (and holds the rows).
+ * With logits_at set (and argmax not), *logits_at tells where the rows are: logits, or
+ * on a GPU the model's own pinned buffer that the device copied them into (no second
+ * copy of n_out x n_vocab floats into logits, which is then not written). That buffer is
+ * the caller's to read and write until the model's next forward call. */
 typedef struct {
     int32_t n;
     const int32_t *tokens;
@@ -182,6 +186,7 @@ typedef struct {
     const int32_t *slot;
     const uint8_t *want_logits; /* NULL: only the last token of the batch */
     int32_t *argmax;            /* NULL: logits wanted */
+    float **logits_at;          /* NULL: the rows are copied into logits */
 } m40_batch;
 
 /* M40_FORWARD_NO_BLOCKS (-2, GPU only): the KV pool lacks the blocks this batch needs;

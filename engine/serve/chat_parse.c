@@ -4,14 +4,12 @@
  *   TEXT   content; scans for the markers that switch state ("<think>", the format's
  *          tool-call opener) and holds back a tail that could be the start of one;
  *   THINK  reasoning until "</think>" (its tail held the same way);
- *   CALL   Hermes: one call's JSON until "</tool_call>", then TEXT again;
- *   REST   everything to the end is one block of calls (Llama 3 JSON, python_tag,
- *          Mistral, the JSON fallback): parsed at the finish, since none of these
- *          formats has a closing marker to parse at earlier.
- * Calls are parsed all or nothing: a block that does not parse as calls goes back
- * out as content with its markup, which is what vLLM's parsers do. Arguments are
- * re-serialized compactly from the parsed object, so what the client gets is always
- * one valid JSON object text.
+ *   CALL   Hermes: call JSON until "</tool_call>" (its partial tail held), then TEXT;
+ *   REST   Llama 3 JSON, python_tag, Mistral, the JSON fallback: calls until the end
+ *          or, once calls went out, until text that starts none (then TEXT again).
+ * Both read their block byte by byte as it comes (see "calls, read byte by byte"),
+ * so a call's name and arguments stream as they are written; a block whose first
+ * call does not parse goes back out as content with its markup, as vLLM's parsers do.
  *
  * Harmony (gpt-oss) has no free text at all: its output is messages, each a header
  * ("<|channel|>NAME", a recipient " to=functions.NAME", a content type) up to
@@ -22,8 +20,9 @@
  *   H_HEAD  the header, held until "<|message|>" (it is short; a header that grows past
  *           HEAD_MAX, or meets an end marker first, was no header and goes out as content);
  *   H_BODY  the body: the analysis channel streams as reasoning, final and commentary
- *           as content, a call to functions.NAME is held and parsed at its end marker
- *           (all or nothing, like the others); a header we do not know (another
+ *           as content, a call to functions.NAME streams its arguments object as the
+ *           others' calls do (content with its header if it is no object); a header
+ *           we do not know (another
  *           recipient, another channel) streams as content with its markup, so nothing
  *           the model wrote is lost. The end markers are gone from the text when the
  *           tokenizer makes <|return|> and <|call|> end the generation (real gpt-oss
@@ -43,6 +42,27 @@ enum { HB_CONTENT, HB_REASONING, HB_CALL, HB_RAW };
  * "<|channel|>commentary to=functions.NAME <|constrain|>json" with NAME <= 64. */
 #define HEAD_MAX 256
 
+/* The call markup being read (see "calls, read byte by byte" below). */
+typedef struct {
+    int dec;                /* D_*: what the block turned out to be */
+    int item;               /* I_*: what is being read */
+    int single;             /* one bare arguments object and nothing else (harmony) */
+    size_t pos;             /* bytes of the block read */
+    int rc;                 /* a callback's nonzero value */
+    /* the JSON reader */
+    int js, num, hex, lit_i, str_key, depth;
+    const char *lit;
+    size_t str_start;
+    char stack[128];
+    /* the call being read */
+    int call_depth;         /* depth of a call object's members (1, or 2 in an array) */
+    int in_call, key, val, name_ok, name_bad, args_kind, in_args, args_depth, args_done;
+    int committed;          /* it went out (M40_PIECE_TOOL_BEGIN) */
+    int index;
+    size_t astr_start, astr_end;   /* arguments written as a JSON string: its body */
+    size_t mname_start, mname_end; /* Mistral's "name[ARGS]": the name */
+} call_scan;
+
 struct m40_chat_parse {
     m40_tool_format tools;
     m40_reasoning_mode reasoning;
@@ -53,13 +73,23 @@ struct m40_chat_parse {
     int n_calls;
     int content_started;     /* non-whitespace content went out */
     int skip_ws;             /* drop whitespace before the next content (after </think>) */
-    int after_call;          /* a call went out: whitespace-only content between calls is dropped */
+    int after_call;          /* a call went out: blanks after it are held in pend, dropped if
+                              * another call or the end comes next, else they go out with the
+                              * content that follows (so chunking cannot change the answer) */
+    char *pend;
+    size_t pend_len, pend_cap;
     /* harmony */
     int h_kind;              /* H_BODY: HB_* */
     int h_first;             /* H_INIT: still at the start of the output */
     char *h_head;            /* H_HEAD: the opener consumed ("<|start|>" or ""); H_BODY: the
                               * whole header as written (for content when it is no call) */
     char h_name[72];         /* HB_CALL: the function's name */
+    /* calls */
+    int incremental;         /* TOOL_BEGIN and TOOL_ARGS pieces wanted */
+    call_scan sc;
+    char *args;              /* the call's arguments so far (NUL-terminated) */
+    size_t args_len, args_cap, args_sent;
+    char call_name[256];
 };
 
 static const char THINK_OPEN[] = "<think>";
@@ -133,7 +163,14 @@ void m40_chat_parse_free(m40_chat_parse *p)
         return;
     free(p->buf);
     free(p->h_head);
+    free(p->args);
+    free(p->pend);
     free(p);
+}
+
+void m40_chat_parse_incremental(m40_chat_parse *p, int on)
+{
+    p->incremental = on;
 }
 
 int m40_chat_parse_tool_calls(const m40_chat_parse *p)
@@ -191,8 +228,31 @@ static int emit_text(m40_chat_parse *p, m40_piece_kind kind, const char *s, size
     if (kind == M40_PIECE_REASONING && p->reasoning == M40_REASONING_NONE)
         return 0;
     if (kind == M40_PIECE_CONTENT) {
-        if (p->after_call && all_ws(s, n))
-            return 0;
+        if (p->after_call) {
+            if (all_ws(s, n)) {
+                if (p->pend_len + n > p->pend_cap) {
+                    size_t cap = p->pend_cap ? p->pend_cap : 64;
+                    while (cap < p->pend_len + n)
+                        cap *= 2;
+                    char *b = realloc(p->pend, cap);
+                    if (!b)
+                        return -1;
+                    p->pend = b;
+                    p->pend_cap = cap;
+                }
+                memcpy(p->pend + p->pend_len, s, n);
+                p->pend_len += n;
+                return 0;
+            }
+            p->after_call = 0;
+            if (p->pend_len) {
+                m40_piece blanks = {.kind = kind, .text = p->pend, .len = p->pend_len};
+                int rc;
+                p->pend_len = 0;
+                if ((rc = cb(ud, &blanks)) != 0)
+                    return rc;
+            }
+        }
         if (!all_ws(s, n))
             p->content_started = 1;
     }
@@ -200,147 +260,605 @@ static int emit_text(m40_chat_parse *p, m40_piece_kind kind, const char *s, size
     return cb(ud, &pc);
 }
 
-/* One call object -> appended to calls as {"name": string, "arguments": string}. */
-static int add_call(json_t *calls, json_t *obj)
+/* ---- calls, read byte by byte ----
+ *
+ * A block of call markup (Hermes' body, everything after Llama 3's or Mistral's opener
+ * or a bare JSON answer, a harmony call's body) is read by a small JSON reader one
+ * byte at a time, so that a call's arguments reach the client while they are written:
+ * the call goes out (its name: M40_PIECE_TOOL_BEGIN) as soon as its name is known and
+ * its arguments object has two significant bytes ("{}" or '{' and what follows it:
+ * enough to tell a call from "{oops"), then each byte of the arguments as it is read
+ * (M40_PIECE_TOOL_ARGS), then the whole call (M40_PIECE_TOOL_CALL). The arguments
+ * are the model's text without the blanks between tokens (strings are kept as
+ * written, escapes and all); a streamed call and the same call not streamed are the
+ * same bytes, since both are this one pass. Only bytes that could still be markup (a
+ * closing marker's start) are held, and a character's first bytes until its last. A
+ * call whose arguments are no object as written (a JSON string holding one, as some
+ * models write, null, or absent) goes out whole when its object ends.
+ *
+ * A block is decided at its first call: until then nothing goes out, and if the first
+ * object is no call ({"answer": 42}, no name, arguments neither object, string nor
+ * null) or the JSON breaks, the block goes back out as content with its markup, as
+ * vLLM does with a call that does not parse: what was read of it at once, the rest as
+ * the text it is (release_text). After one call went out the block is
+ * calls: what breaks a call later ends it with its arguments as far as they were
+ * valid (as OpenAI's are when max_tokens cuts a call) and the rest of the block is
+ * dropped; where the markup has no closer (Llama 3, Mistral, bare JSON), text after a
+ * finished call goes on as content. */
+
+#define MAX_DEPTH 128
+
+enum { D_UNDECIDED, D_CALLS, D_TEXT, D_DROP };
+/* What the block reader is in: between calls, a JSON call object or array of them,
+ * Mistral's "name[ARGS]" name, an arguments object whose call is already named. */
+enum { I_BETWEEN, I_JSON, I_MNAME, I_BARE };
+/* The JSON reader's states. */
+enum { J_VALUE, J_OBJ0, J_KEY, J_COLON, J_AFTER, J_ARR0, J_STR, J_ESC, J_HEX, J_NUM, J_LIT };
+/* Members of a call object. */
+enum { K_OTHER, K_NAME, K_ARGS };
+/* What its arguments member held. */
+enum { A_NONE, A_OBJECT, A_STRING, A_NULL, A_OTHER };
+/* Number states (JSON's grammar); the odd ones are complete numbers. */
+enum { N_MINUS = 0, N_ZERO = 1, N_DOT = 2, N_INT = 3, N_E = 4, N_FRAC = 5, N_ESIGN = 6, N_EXP = 7 };
+
+enum { LX_OK, LX_BAD, LX_DONE, LX_CB };
+
+static int is_name_char(unsigned char c)
 {
-    json_t *name = json_object_get(obj, "name");
-    if (!json_is_object(obj) || !json_is_string(name) || json_string_length(name) == 0)
-        return -1;
-    json_t *args = json_object_get(obj, "arguments");
-    if (!args)
-        args = json_object_get(obj, "parameters");
-    char *text;
-    if (!args || json_is_null(args)) {
-        text = strdup("{}");
-    } else if (json_is_object(args)) {
-        text = json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER);
-    } else if (json_is_string(args)) {
-        /* Some models write the arguments as a JSON string already; accept it only
-         * when it holds an object, so the client always gets one. */
-        json_t *inner = json_loadb(json_string_value(args), json_string_length(args), 0, NULL);
-        int ok = json_is_object(inner);
-        text = ok ? json_dumps(inner, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
-        json_decref(inner);
-        if (!ok)
+    return c == '_' || c == '-' || c == '.' || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+}
+
+static void sc_reset(m40_chat_parse *p, int item, int single)
+{
+    memset(&p->sc, 0, sizeof p->sc);
+    p->sc.item = item;
+    p->sc.single = single;
+    p->args_len = p->args_sent = 0;
+}
+
+/* A call object (or a named bare arguments object) starts. */
+static void call_begin(m40_chat_parse *p, int named)
+{
+    call_scan *s = &p->sc;
+    s->in_call = 1;
+    s->key = s->val = K_OTHER;
+    s->name_ok = named;
+    s->name_bad = 0;
+    s->args_kind = A_NONE;
+    s->in_args = s->args_done = s->committed = 0;
+    p->args_len = p->args_sent = 0;
+}
+
+static int args_put(m40_chat_parse *p, const char *s, size_t n)
+{
+    if (p->args_len + n + 1 > p->args_cap) {
+        size_t cap = p->args_cap ? p->args_cap : 128;
+        while (cap < p->args_len + n + 1)
+            cap *= 2;
+        char *a = realloc(p->args, cap);
+        if (!a)
             return -1;
-    } else {
-        return -1;
+        p->args = a;
+        p->args_cap = cap;
     }
-    if (!text)
-        return -1;
-    json_t *c = json_pack("{s:s,s:s}", "name", json_string_value(name), "arguments", text);
-    free(text);
-    if (!c || json_array_append_new(calls, c) != 0)
-        return -1;
+    memcpy(p->args + p->args_len, s, n);
+    p->args_len += n;
+    p->args[p->args_len] = '\0';
     return 0;
 }
 
-/* s[0..n): JSON values (objects, or arrays of objects), separated by whitespace or ';'.
- * Returns the calls, or NULL when anything in it is not a call. */
-static json_t *parse_calls(const char *s, size_t n)
+/* The call goes out: its index and name. */
+static int call_start(m40_chat_parse *p, m40_piece_cb cb, void *ud)
 {
-    json_t *calls = json_array();
-    size_t i = 0;
-    if (!calls)
-        return NULL;
-    for (;;) {
-        while (i < n && (is_ws(s[i]) || s[i] == ';'))
-            i++;
-        if (i == n)
-            break;
-        json_error_t jerr;
-        json_t *v = json_loadb(s + i, n - i, JSON_DISABLE_EOF_CHECK | JSON_DECODE_ANY, &jerr);
-        if (!v)
-            goto fail;
-        int bad = 0;
-        if (json_is_array(v)) {
-            size_t k;
-            json_t *el;
-            if (json_array_size(v) == 0)
-                bad = 1;
-            json_array_foreach(v, k, el) if (!bad && add_call(calls, el) != 0) bad = 1;
-        } else {
-            bad = add_call(calls, v) != 0;
-        }
+    call_scan *s = &p->sc;
+    s->committed = 1;
+    s->index = p->n_calls++;
+    s->dec = D_CALLS;
+    p->after_call = 1;
+    p->pend_len = 0; /* blanks between calls are no answer */
+    if (!p->incremental)
+        return 0;
+    m40_piece pc = {.kind = M40_PIECE_TOOL_BEGIN, .index = s->index, .name = p->call_name};
+    return cb(ud, &pc);
+}
+
+/* n less a UTF-8 character s[0..n) ends inside of (a fragment must be text a client
+ * can decode: the rest of the character comes with the next). */
+static size_t utf8_whole(const char *s, size_t n)
+{
+    for (size_t k = 1; k <= 3 && k <= n; k++) {
+        unsigned char c = (unsigned char)s[n - k];
+        if ((c & 0xc0) == 0x80)
+            continue; /* a continuation byte: look further back */
+        size_t need = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
+        return need > k ? n - k : n;
+    }
+    return n;
+}
+
+/* The arguments read since the last flush (all: the call ends; else whole
+ * characters only). */
+static int flush_args(m40_chat_parse *p, int all, m40_piece_cb cb, void *ud)
+{
+    size_t end = all ? p->args_len : utf8_whole(p->args, p->args_len);
+    if (!p->sc.committed || end <= p->args_sent)
+        return 0;
+    m40_piece pc = {
+        .kind = M40_PIECE_TOOL_ARGS, .index = p->sc.index, .text = p->args + p->args_sent, .len = end - p->args_sent};
+    p->args_sent = end;
+    return p->incremental ? cb(ud, &pc) : 0;
+}
+
+static int call_end(m40_chat_parse *p, m40_piece_cb cb, void *ud)
+{
+    int rc = flush_args(p, 1, cb, ud);
+    call_scan *s = &p->sc;
+    s->committed = 0;
+    s->in_call = s->in_args = 0;
+    if (rc != 0)
+        return rc;
+    if (p->args_len == 0 && args_put(p, "", 0) != 0)
+        return -1;
+    m40_piece pc = {.kind = M40_PIECE_TOOL_CALL, .index = s->index, .name = p->call_name, .arguments = p->args};
+    return cb(ud, &pc);
+}
+
+/* What the reader met is no call: the block is content if nothing went out yet,
+ * else an open call ends here and the rest of the block is dropped. */
+static int not_call(m40_chat_parse *p, m40_piece_cb cb, void *ud)
+{
+    int rc = p->sc.committed ? call_end(p, cb, ud) : 0;
+    p->sc.dec = p->sc.dec == D_UNDECIDED ? D_TEXT : D_DROP;
+    return rc;
+}
+
+static int maybe_commit(m40_chat_parse *p, m40_piece_cb cb, void *ud)
+{
+    call_scan *s = &p->sc;
+    if (s->committed || !s->in_call || !s->name_ok || s->name_bad || s->args_kind != A_OBJECT || p->args_len < 2)
+        return 0;
+    return call_start(p, cb, ud);
+}
+
+/* blk[a..b) is a JSON string's body (escapes as written): decoded into dst. */
+static int decode_string(const char *blk, size_t a, size_t b, char *dst, size_t cap)
+{
+    if (memchr(blk + a, '\\', b - a) == NULL) {
+        if (b - a >= cap || memchr(blk + a, '\0', b - a))
+            return -1;
+        memcpy(dst, blk + a, b - a);
+        dst[b - a] = '\0';
+        return 0;
+    }
+    json_t *v = json_loadb(blk + a - 1, b - a + 2, JSON_DECODE_ANY | JSON_ALLOW_NUL, NULL);
+    int ok = json_is_string(v) && json_string_length(v) < cap && !memchr(json_string_value(v), '\0', json_string_length(v));
+    if (ok)
+        memcpy(dst, json_string_value(v), json_string_length(v) + 1);
+    json_decref(v);
+    return ok ? 0 : -1;
+}
+
+/* A call object (or bare arguments) ended and nothing went out yet: a call if it has
+ * a name and arguments that are an object, a string holding one (some models write
+ * that), null or absent. */
+static int call_resolve(m40_chat_parse *p, const char *blk, m40_piece_cb cb, void *ud)
+{
+    call_scan *s = &p->sc;
+    if (s->committed)
+        return call_end(p, cb, ud);
+    int ok = s->name_ok && !s->name_bad && p->call_name[0];
+    if (ok && s->args_kind == A_OBJECT) {
+        ok = s->args_done;
+    } else if (ok && s->args_kind == A_STRING) {
+        json_t *v = json_loadb(blk + s->astr_start - 1, s->astr_end - s->astr_start + 2, JSON_DECODE_ANY, NULL);
+        json_t *inner = json_is_string(v) ? json_loadb(json_string_value(v), json_string_length(v), 0, NULL) : NULL;
+        char *text = json_is_object(inner) ? json_dumps(inner, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
         json_decref(v);
-        if (bad || jerr.position <= 0)
-            goto fail;
-        i += (size_t)jerr.position;
+        json_decref(inner);
+        p->args_len = 0;
+        ok = text && args_put(p, text, strlen(text)) == 0;
+        free(text);
+    } else if (ok && (s->args_kind == A_NONE || s->args_kind == A_NULL)) {
+        p->args_len = 0;
+        ok = args_put(p, "{}", 2) == 0;
+    } else {
+        ok = 0;
     }
-    if (json_array_size(calls) == 0)
-        goto fail;
-    return calls;
-fail:
-    json_decref(calls);
-    return NULL;
+    if (!ok) {
+        s->in_call = 0;
+        return not_call(p, cb, ud);
+    }
+    int rc = call_start(p, cb, ud);
+    return rc != 0 ? rc : call_end(p, cb, ud);
 }
 
-/* Mistral's newer spelling: name[ARGS]{...} after [TOOL_CALLS]. */
-static json_t *parse_mistral_args(const char *s, size_t n)
+/* A value starts with c at the reader's depth (before an opening bracket is pushed). */
+static int value_begin(m40_chat_parse *p, unsigned char c)
 {
-    long a = find(s, n, "[ARGS]");
-    if (a <= 0)
-        return NULL;
-    size_t nl = (size_t)a;
-    while (nl > 0 && is_ws(s[nl - 1]))
-        nl--;
-    size_t st = 0;
-    while (st < nl && is_ws(s[st]))
-        st++;
-    if (st == nl)
-        return NULL;
-    for (size_t i = st; i < nl; i++)
-        if (!(s[i] == '_' || s[i] == '-' || s[i] == '.' || (s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'z') ||
-              (s[i] >= 'A' && s[i] <= 'Z')))
-            return NULL;
-    json_t *args = json_loadb(s + a + 6, n - (size_t)a - 6, 0, NULL);
-    if (!json_is_object(args)) {
-        json_decref(args);
-        return NULL;
-    }
-    json_t *obj = json_object();
-    json_t *calls = json_array();
-    json_object_set_new(obj, "name", json_stringn(s + st, nl - st));
-    json_object_set_new(obj, "arguments", args);
-    if (!calls || add_call(calls, obj) != 0) {
-        json_decref(calls);
-        calls = NULL;
-    }
-    json_decref(obj);
-    return calls;
-}
-
-/* Emits s[0..n) as calls, or (not calls) as content with its markup around it. */
-static int emit_block(m40_chat_parse *p, const char *open, const char *s, size_t n, const char *close, m40_piece_cb cb,
-                      void *ud)
-{
-    json_t *calls = parse_calls(s, n);
-    if (!calls && p->tools == M40_TOOLS_MISTRAL)
-        calls = parse_mistral_args(s, n);
-    if (calls) {
-        size_t k;
-        json_t *c;
-        int rc = 0;
-        json_array_foreach(calls, k, c)
-        {
-            m40_piece pc = {.kind = M40_PIECE_TOOL_CALL,
-                            .index = p->n_calls++,
-                            .name = json_string_value(json_object_get(c, "name")),
-                            .arguments = json_string_value(json_object_get(c, "arguments"))};
-            if ((rc = cb(ud, &pc)) != 0)
-                break;
+    call_scan *s = &p->sc;
+    int d = s->depth;
+    if (s->item == I_BARE) {
+        if (d == 0) {
+            if (c != '{')
+                return LX_BAD;
+            s->args_kind = A_OBJECT;
+            s->in_args = 1;
+            s->args_depth = 1;
         }
-        json_decref(calls);
-        p->after_call = 1;
-        return rc;
+        return LX_OK;
     }
+    if (d == 0) {
+        if (c == '{') {
+            s->call_depth = 1;
+            call_begin(p, 0);
+        } else if (c == '[') {
+            s->call_depth = 2;
+        } else {
+            return LX_BAD;
+        }
+    } else if (d == 1 && s->call_depth == 2 && !s->in_call) {
+        if (c != '{')
+            return LX_BAD;
+        call_begin(p, 0);
+    } else if (d == s->call_depth && s->in_call) {
+        if (s->key == K_NAME && !s->name_ok) {
+            if (c == '"')
+                s->val = K_NAME;
+            else
+                s->name_bad = 1;
+        } else if (s->key == K_ARGS && s->args_kind == A_NONE) {
+            s->args_kind = c == '{' ? A_OBJECT : c == '"' ? A_STRING : c == 'n' ? A_NULL : A_OTHER;
+            if (c == '{') {
+                s->in_args = 1;
+                s->args_depth = d + 1;
+                p->args_len = p->args_sent = 0;
+            } else if (c == '"') {
+                s->val = K_ARGS;
+            }
+        }
+        s->key = K_OTHER;
+    }
+    return LX_OK;
+}
+
+/* A string ended: blk[str_start..pos - 1) is its body. */
+static void string_end(m40_chat_parse *p, const char *blk)
+{
+    call_scan *s = &p->sc;
+    size_t a = s->str_start, b = s->pos - 1;
+    if (!s->in_call || s->item != I_JSON || s->depth != s->call_depth)
+        return;
+    if (s->str_key) {
+        size_t n = b - a;
+        s->key = n == 4 && memcmp(blk + a, "name", 4) == 0                                              ? K_NAME
+                 : (n == 9 && memcmp(blk + a, "arguments", 9) == 0) || (n == 10 && memcmp(blk + a, "parameters", 10) == 0) ? K_ARGS
+                                                                                                         : K_OTHER;
+    } else if (s->val == K_NAME) {
+        if (decode_string(blk, a, b, p->call_name, sizeof p->call_name) == 0 && p->call_name[0])
+            s->name_ok = 1;
+        else
+            s->name_bad = 1;
+        s->val = K_OTHER;
+    } else if (s->val == K_ARGS) {
+        s->astr_start = a;
+        s->astr_end = b;
+        s->val = K_OTHER;
+    }
+}
+
+/* A container closed (the reader's depth is already the outer one). */
+static int container_end(m40_chat_parse *p, const char *blk, unsigned char c, m40_piece_cb cb, void *ud)
+{
+    call_scan *s = &p->sc;
     int rc;
-    p->after_call = 0; /* markup that failed to parse is content, even between calls */
-    if ((rc = emit_text(p, M40_PIECE_CONTENT, open, strlen(open), cb, ud)) != 0 ||
-        (rc = emit_text(p, M40_PIECE_CONTENT, s, n, cb, ud)) != 0 ||
-        (rc = emit_text(p, M40_PIECE_CONTENT, close, strlen(close), cb, ud)) != 0)
-        return rc;
+    if (s->in_args && s->depth == s->args_depth - 1) {
+        s->in_args = 0;
+        s->args_done = 1;
+        if (s->item == I_BARE) {
+            if ((rc = maybe_commit(p, cb, ud)) != 0)
+                return rc;
+            return call_resolve(p, blk, cb, ud);
+        }
+    }
+    if (s->item == I_JSON && s->in_call && c == '}' && s->depth == s->call_depth - 1)
+        return call_resolve(p, blk, cb, ud);
     return 0;
+}
+
+static int num_step(int st, unsigned char c)
+{
+    int digit = c >= '0' && c <= '9';
+    switch (st) {
+    case -1:
+        return c == '-' ? N_MINUS : c == '0' ? N_ZERO : digit ? N_INT : -1;
+    case N_MINUS:
+        return c == '0' ? N_ZERO : digit ? N_INT : -1;
+    case N_ZERO:
+    case N_INT:
+        if (digit && st == N_INT)
+            return N_INT;
+        return c == '.' ? N_DOT : (c == 'e' || c == 'E') ? N_E : -1;
+    case N_DOT:
+        return digit ? N_FRAC : -1;
+    case N_FRAC:
+        return digit ? N_FRAC : (c == 'e' || c == 'E') ? N_E : -1;
+    case N_E:
+        return (c == '+' || c == '-') ? N_ESIGN : digit ? N_EXP : -1;
+    case N_ESIGN:
+    case N_EXP:
+        return digit ? N_EXP : -1;
+    }
+    return -1;
+}
+
+/* A scalar or container value is complete. */
+static int value_end(m40_chat_parse *p)
+{
+    p->sc.js = J_AFTER;
+    return p->sc.depth == 0 ? LX_DONE : LX_OK;
+}
+
+/* One byte of JSON at blk[pos]: LX_OK (read), LX_DONE (read, and a top-level value
+ * ended), LX_BAD (not JSON, or not the shape of calls), LX_CB (a callback's nonzero
+ * value, in p->sc.rc). */
+static int lex(m40_chat_parse *p, const char *blk, m40_piece_cb cb, void *ud)
+{
+    call_scan *s = &p->sc;
+    unsigned char c = (unsigned char)blk[s->pos];
+    char ch = (char)c;
+    int st, rc;
+    switch (s->js) {
+    case J_STR:
+        if (c < 0x20)
+            return LX_BAD;
+        if (s->in_args && args_put(p, &ch, 1) != 0)
+            goto oom;
+        s->pos++;
+        if (c == '\\') {
+            s->js = J_ESC;
+        } else if (c == '"') {
+            string_end(p, blk);
+            if (s->str_key) {
+                s->js = J_COLON;
+                return LX_OK;
+            }
+            return value_end(p);
+        }
+        return LX_OK;
+    case J_ESC:
+        if (!strchr("\"\\/bfnrtu", ch) || c == 0)
+            return LX_BAD;
+        s->js = c == 'u' ? J_HEX : J_STR;
+        s->hex = 4;
+        goto take;
+    case J_HEX:
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')))
+            return LX_BAD;
+        if (--s->hex == 0)
+            s->js = J_STR;
+        goto take;
+    case J_LIT:
+        if (c != (unsigned char)s->lit[s->lit_i])
+            return LX_BAD;
+        s->lit_i++;
+        if (s->in_args && args_put(p, &ch, 1) != 0)
+            goto oom;
+        s->pos++;
+        return s->lit[s->lit_i] == '\0' ? value_end(p) : LX_OK;
+    case J_NUM:
+        st = num_step(s->num, c);
+        if (st >= 0) {
+            s->num = st;
+            goto take;
+        }
+        if (!(s->num & 1))
+            return LX_BAD; /* "-", "1.", "1e": not a number yet */
+        if ((rc = value_end(p)) != LX_OK)
+            return rc; /* (a number never stands alone at the top) */
+        return lex(p, blk, cb, ud);
+    default:
+        break;
+    }
+    if (is_ws(ch)) {
+        s->pos++;
+        return LX_OK;
+    }
+    switch (s->js) {
+    case J_COLON:
+        if (c != ':')
+            return LX_BAD;
+        s->js = J_VALUE;
+        goto take;
+    case J_OBJ0:
+    case J_KEY:
+        if (c == '}' && s->js == J_OBJ0)
+            goto close;
+        if (c != '"')
+            return LX_BAD;
+        s->js = J_STR;
+        s->str_key = 1;
+        s->str_start = s->pos + 1;
+        goto take;
+    case J_AFTER:
+        if (c == ',') {
+            s->js = s->stack[s->depth - 1] == '{' ? J_KEY : J_VALUE;
+            goto take;
+        }
+        if ((c == '}' || c == ']') && s->stack[s->depth - 1] == (c == '}' ? '{' : '['))
+            goto close;
+        return LX_BAD;
+    case J_ARR0:
+        if (c == ']')
+            goto close;
+        /* fall through */
+    default: /* J_VALUE */
+        if ((rc = value_begin(p, c)) != LX_OK)
+            return rc;
+        if (c == '{' || c == '[') {
+            if (s->depth == MAX_DEPTH)
+                return LX_BAD;
+            s->stack[s->depth++] = ch;
+            s->js = c == '{' ? J_OBJ0 : J_ARR0;
+        } else if (c == '"') {
+            s->js = J_STR;
+            s->str_key = 0;
+            s->str_start = s->pos + 1;
+        } else if ((st = num_step(-1, c)) >= 0) {
+            s->js = J_NUM;
+            s->num = st;
+        } else if (c == 't' || c == 'f' || c == 'n') {
+            s->js = J_LIT;
+            s->lit = c == 't' ? "true" : c == 'f' ? "false" : "null";
+            s->lit_i = 1;
+        } else {
+            return LX_BAD;
+        }
+        goto take;
+    }
+take:
+    if (s->in_args && args_put(p, &ch, 1) != 0)
+        goto oom;
+    s->pos++;
+    return LX_OK;
+close:
+    if (s->in_args && args_put(p, &ch, 1) != 0)
+        goto oom;
+    s->pos++;
+    s->depth--;
+    if ((rc = container_end(p, blk, c, cb, ud)) != 0) {
+        s->rc = rc;
+        return LX_CB;
+    }
+    return value_end(p);
+oom:
+    s->rc = -1;
+    return LX_CB;
+}
+
+/* Reads the block blk[pos..n) (final: nothing more will follow n). rest: the markup
+ * has no closer, so after finished calls a byte that starts none is where text
+ * begins: *tail is set to it (else to (size_t)-1). */
+static int scan_block(m40_chat_parse *p, const char *blk, size_t n, int final, int rest, m40_piece_cb cb, void *ud,
+                      size_t *tail)
+{
+    call_scan *s = &p->sc;
+    int rc;
+    *tail = (size_t)-1;
+    while (s->pos < n && (s->dec == D_UNDECIDED || s->dec == D_CALLS)) {
+        unsigned char c = (unsigned char)blk[s->pos];
+        if (s->item == I_BETWEEN) {
+            if (is_ws((char)c) || (c == ';' && !s->single)) {
+                s->pos++;
+                continue;
+            }
+            if (p->tools == M40_TOOLS_MISTRAL && c == '[' && !s->single) {
+                size_t m = sizeof MISTRAL_OPEN - 1, k = n - s->pos < m ? n - s->pos : m;
+                if (memcmp(blk + s->pos, MISTRAL_OPEN, k) == 0) {
+                    if (k < m && !final)
+                        break; /* could still be the next call's marker */
+                    if (k == m) {
+                        s->pos += m;
+                        continue;
+                    }
+                }
+            }
+            if ((c == '{' || c == '[') && !s->single) {
+                s->item = I_JSON;
+                s->js = J_VALUE;
+            } else if (p->tools == M40_TOOLS_MISTRAL && is_name_char(c) && !s->single) {
+                s->item = I_MNAME;
+                s->mname_start = s->pos++;
+                s->mname_end = 0;
+                continue;
+            } else if (s->dec == D_CALLS && rest) {
+                *tail = s->pos;
+                return 0;
+            } else {
+                if ((rc = not_call(p, cb, ud)) != 0)
+                    return rc;
+                continue;
+            }
+        }
+        if (s->item == I_MNAME) {
+            /* Mistral's newer spelling: name[ARGS]{...} */
+            if (is_name_char(c) && !s->mname_end) {
+                s->pos++;
+                continue;
+            }
+            if (is_ws((char)c)) {
+                if (!s->mname_end)
+                    s->mname_end = s->pos;
+                s->pos++;
+                continue;
+            }
+            size_t m = 6, k = n - s->pos < m ? n - s->pos : m;
+            if (c == '[' && memcmp(blk + s->pos, "[ARGS]", k) == 0) {
+                if (k < m && !final)
+                    break;
+                size_t e = s->mname_end ? s->mname_end : s->pos;
+                if (k == m && e - s->mname_start < sizeof p->call_name) {
+                    memcpy(p->call_name, blk + s->mname_start, e - s->mname_start);
+                    p->call_name[e - s->mname_start] = '\0';
+                    s->pos += m;
+                    s->item = I_BARE;
+                    s->js = J_VALUE;
+                    call_begin(p, 1);
+                    continue;
+                }
+            }
+            if ((rc = not_call(p, cb, ud)) != 0)
+                return rc;
+            continue;
+        }
+        int r = lex(p, blk, cb, ud);
+        if (r == LX_CB)
+            return s->rc;
+        if (r == LX_BAD) {
+            if ((rc = not_call(p, cb, ud)) != 0)
+                return rc;
+            continue;
+        }
+        if (r == LX_DONE) {
+            s->item = I_BETWEEN;
+            s->in_call = 0;
+        }
+        if ((rc = maybe_commit(p, cb, ud)) != 0)
+            return rc;
+    }
+    return flush_args(p, 0, cb, ud);
+}
+
+/* The block turned out to be no call (D_TEXT): what was read of it goes out as content
+ * at once, its opener first, and the caller goes on with the rest as text (nothing is
+ * held that can no longer be markup). */
+static int release_text(m40_chat_parse *p, const char *open, m40_piece_cb cb, void *ud)
+{
+    size_t n = p->sc.pos;
+    int rc;
+    if ((rc = emit_text(p, M40_PIECE_CONTENT, open, strlen(open), cb, ud)) == 0)
+        rc = emit_text(p, M40_PIECE_CONTENT, p->buf, n, cb, ud);
+    consume(p, n);
+    return rc;
+}
+
+/* The block blk[0..n) ended (its closer, or the output's end): an open call ends
+ * there (cut short); an undecided block, or one that was no call, is content with
+ * its markup. */
+static int finish_block(m40_chat_parse *p, const char *open, const char *blk, size_t n, const char *close,
+                        m40_piece_cb cb, void *ud)
+{
+    int rc;
+    if (p->sc.committed && (rc = call_end(p, cb, ud)) != 0)
+        return rc;
+    if (p->sc.dec == D_CALLS || p->sc.dec == D_DROP) {
+        p->after_call = 1;
+        return 0;
+    }
+    /* markup that failed to parse is content, even between calls */
+    if ((rc = emit_text(p, M40_PIECE_CONTENT, open, strlen(open), cb, ud)) != 0 ||
+        (rc = emit_text(p, M40_PIECE_CONTENT, blk, n, cb, ud)) != 0)
+        return rc;
+    return emit_text(p, M40_PIECE_CONTENT, close, strlen(close), cb, ud);
 }
 
 static const char *tool_opener(const m40_chat_parse *p)
@@ -478,28 +996,6 @@ static int h_classify(m40_chat_parse *p, const char *h, size_t n, int after_star
     return HB_RAW;
 }
 
-/* A call's body s[0..n) (ended by `end`, "" at the output's end): a call when it is
- * one JSON object, else content with its header and end marker. */
-static int h_emit_call(m40_chat_parse *p, const char *s, size_t n, const char *end, m40_piece_cb cb, void *ud)
-{
-    json_t *args = json_loadb(s, n, 0, NULL);
-    char *text = json_is_object(args) ? json_dumps(args, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
-    json_decref(args);
-    int rc;
-    if (text) {
-        m40_piece pc = {.kind = M40_PIECE_TOOL_CALL, .index = p->n_calls++, .name = p->h_name, .arguments = text};
-        rc = cb(ud, &pc);
-        free(text);
-        p->after_call = 1;
-        return rc;
-    }
-    p->after_call = 0;
-    if ((rc = emit_text(p, M40_PIECE_CONTENT, p->h_head, strlen(p->h_head), cb, ud)) != 0 ||
-        (rc = emit_text(p, M40_PIECE_CONTENT, s, n, cb, ud)) != 0)
-        return rc;
-    return emit_text(p, M40_PIECE_CONTENT, end, strlen(end), cb, ud);
-}
-
 /* Body text that is no message of a header: content as written, end markers and all. */
 static void h_raw_body(m40_chat_parse *p)
 {
@@ -551,6 +1047,11 @@ static int run_harmony(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
                 consume(p, (size_t)j + sizeof H_MESSAGE - 1);
                 p->h_kind = kind;
                 p->state = S_H_BODY;
+                if (kind == HB_CALL) {
+                    memcpy(p->call_name, p->h_name, sizeof p->h_name);
+                    sc_reset(p, I_BARE, 1);
+                    call_begin(p, 1);
+                }
                 if (kind == HB_RAW && (rc = emit_text(p, M40_PIECE_CONTENT, p->h_head, strlen(p->h_head), cb, ud)) != 0)
                     return rc;
                 continue;
@@ -578,10 +1079,21 @@ static int run_harmony(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
         long j = find_any(p->buf, p->len, H_BODY_ENDS, 5, &w);
         const char *end = j >= 0 && w < 3 ? H_BODY_ENDS[w] : "";
         if (p->h_kind == HB_CALL) {
+            /* the arguments object, read as it comes; an end marker's start is held */
+            size_t n = j >= 0 ? (size_t)j : final ? p->len : p->len - partial_any(p->buf, p->len, H_BODY_ENDS, 5), tail;
+            if ((rc = scan_block(p, p->buf, n, j >= 0 || final, 0, cb, ud, &tail)) != 0)
+                return rc;
+            if (p->sc.dec == D_TEXT) {
+                /* no object: the message is content as written, header and all */
+                rc = release_text(p, p->h_head, cb, ud);
+                h_raw_body(p);
+                if (rc != 0)
+                    return rc;
+                continue;
+            }
             if (j < 0 && !final)
                 return 0;
-            size_t n = j >= 0 ? (size_t)j : p->len;
-            rc = h_emit_call(p, p->buf, n, end, cb, ud);
+            rc = finish_block(p, p->h_head, p->buf, n, end, cb, ud);
             consume(p, n + strlen(end));
             p->state = S_H_INIT;
             if (rc != 0)
@@ -632,10 +1144,20 @@ static int run(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
         }
         if (p->state == S_CALL) {
             long i = find(p->buf, p->len, HERMES_CLOSE);
+            size_t n = i >= 0 ? (size_t)i : final ? p->len : p->len - partial_tail(p->buf, p->len, HERMES_CLOSE), tail;
+            if ((rc = scan_block(p, p->buf, n, i >= 0 || final, 0, cb, ud, &tail)) != 0)
+                return rc;
+            if (p->sc.dec == D_TEXT) {
+                /* no call: content, and the rest (its closer too) is text again */
+                rc = release_text(p, HERMES_OPEN, cb, ud);
+                p->state = S_TEXT;
+                if (rc != 0)
+                    return rc;
+                continue;
+            }
             if (i < 0 && !final)
                 return 0;
-            size_t n = i >= 0 ? (size_t)i : p->len;
-            rc = emit_block(p, HERMES_OPEN, p->buf, n, i >= 0 ? HERMES_CLOSE : "", cb, ud);
+            rc = finish_block(p, HERMES_OPEN, p->buf, n, i >= 0 ? HERMES_CLOSE : "", cb, ud);
             consume(p, i >= 0 ? n + sizeof HERMES_CLOSE - 1 : n);
             p->state = S_TEXT;
             if (rc != 0)
@@ -643,9 +1165,28 @@ static int run(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
             continue;
         }
         if (p->state == S_REST) {
+            size_t tail;
+            if ((rc = scan_block(p, p->buf, p->len, final, 1, cb, ud, &tail)) != 0)
+                return rc;
+            if (tail != (size_t)-1) {
+                /* the calls ended and text follows: it is content (and may open more) */
+                consume(p, tail);
+                p->state = S_TEXT;
+                p->content_started = 1;
+                continue;
+            }
+            if (p->sc.dec == D_TEXT) {
+                /* no call ({"answer": 42}): content, and the rest is text again */
+                rc = release_text(p, p->rest_marker, cb, ud);
+                p->state = S_TEXT;
+                p->content_started = 1;
+                if (rc != 0)
+                    return rc;
+                continue;
+            }
             if (!final)
                 return 0;
-            rc = emit_block(p, p->rest_marker, p->buf, p->len, "", cb, ud);
+            rc = finish_block(p, p->rest_marker, p->buf, p->len, "", cb, ud);
             consume(p, p->len);
             return rc;
         }
@@ -670,6 +1211,7 @@ static int run(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
                 consume(p, j);
                 p->state = S_REST;
                 p->rest_marker = "";
+                sc_reset(p, I_BETWEEN, 0);
                 continue;
             }
         }
@@ -696,9 +1238,11 @@ static int run(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
                 p->state = S_THINK;
             } else if (marker == HERMES_OPEN) {
                 p->state = S_CALL;
+                sc_reset(p, I_BETWEEN, 0);
             } else {
                 p->state = S_REST;
                 p->rest_marker = marker;
+                sc_reset(p, I_BETWEEN, 0);
             }
             continue;
         }

@@ -206,6 +206,17 @@ struct m40_engine {
     m40_step_shape shape;         /* what the current batch carries, for that model */
     m40_plan_info plan_info;
     float *logits;
+    float *step_logits;           /* where the step's rows are: logits, or the GPU's pinned buffer */
+    /* Helper threads of a GPU engine's steps (scheduler.c, created at the first step that
+     * needs them): the grammar masks of constrained rows computed while the GPU runs
+     * the forward pass, then every sampled row's pick (m40_sequence_pick) in parallel. */
+    struct m40_threadpool *pick_pool;
+    int pick_threads;             /* M40_PICK_THREADS, or the default for the device (tuning.h) */
+    int pick_pool_failed;
+    int32_t *pick_rows;           /* the step's rows handed to the pool */
+    int32_t n_pick_rows;
+    int *pick_rc;
+    m40_sample_result *pick_res;
     m40_request **ready_batch;    /* requests that got events this step */
     int32_t n_ready_batch;
     m40_request **done_batch;     /* requests whose engine reference goes after notify */
@@ -294,6 +305,14 @@ void m40_push_error(m40_engine *e, m40_request *r, int http_status, const char *
 void m40_push_done(m40_engine *e, m40_slot *s, m40_finish finish);
 /* Notifies the requests that got events this step, then drops finished ones. */
 void m40_step_flush(m40_engine *e);
+/* The two halves of m40_sequence_advance, for steps that pick several rows' tokens at
+ * once on the engine's helper threads (scheduler.c): m40_sequence_pick masks (grammar),
+ * samples and lets the grammar take the token, touching only slot i's own sampler and
+ * constraint (so distinct slots may run it concurrently); 0, or -1 when no token may
+ * follow. m40_sequence_commit (the engine thread only) does the rest with that result:
+ * detokenize, stop strings, finish conditions, events. */
+int m40_sequence_pick(m40_engine *e, int32_t i, float *logits, m40_sample_result *res);
+void m40_sequence_commit(m40_engine *e, int32_t i, int pick_rc, const m40_sample_result *res);
 /* Slot i's newest logits (or the token the model `picked` when logits is NULL):
  * sample, detokenize, stop strings, finish conditions, events. */
 void m40_sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picked);

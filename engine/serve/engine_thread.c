@@ -3,11 +3,13 @@
  * publish the statistics after each, and on stop answer everything still waiting and
  * unload. */
 #include "engine_impl.h"
+#include "util/threadpool.h"
 #include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
 #include "util/tuning.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 #include <time.h>
 
@@ -139,6 +141,14 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
     char merr[384];
     m40_tuning tu;
     m40_tuning_from_env(&tu);
+    if (tu.pick_threads >= 0) {
+        e->pick_threads = tu.pick_threads;
+    } else if (e->device >= 0) {
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        e->pick_threads = ncpu >= 4 ? (int)(ncpu / 2 < 8 ? ncpu / 2 : 8) : 2;
+    } else {
+        e->pick_threads = 0;
+    }
     if (tu.load_delay_ms > 0) { /* M40_TEST_LOAD_DELAY_MS: a slow load, for tests */
         struct timespec ts = {tu.load_delay_ms / 1000, (long)(tu.load_delay_ms % 1000) * 1000000L};
         nanosleep(&ts, NULL);
@@ -300,6 +310,14 @@ static void engine_unload(m40_engine *e)
     free(e->take);
     free(e->plan);
     free(e->logits);
+    m40_threadpool_free(e->pick_pool);
+    e->pick_pool = NULL;
+    free(e->pick_rows);
+    free(e->pick_rc);
+    free(e->pick_res);
+    e->pick_rows = NULL;
+    e->pick_rc = NULL;
+    e->pick_res = NULL;
     free(e->ready_batch);
     free(e->done_batch);
     m40_jinja_free(e->tmpl);

@@ -267,43 +267,56 @@ static void grammar_end(m40_engine *e, int32_t i)
     m40_slot_finish(e, i);
 }
 
-/* Handles the logits of slot i's newest position: sample (logits: the row to sample
- * from, or NULL when the model already picked `picked`), detokenize, stop strings,
- * finish conditions, events. */
-void m40_sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picked)
+int m40_sequence_pick(m40_engine *e, int32_t i, float *logits, m40_sample_result *res)
 {
     m40_slot *s = &e->slots[i];
-    m40_request *r = s->r;
-    m40_sample_result res;
     /* Constrained: what the grammar does not allow is -inf before the sampler sees the row
      * (constrained rows always bring their logits to the host: scheduler.c's greedy_only). */
-    if (s->gc && (!logits || m40_gconstraint_apply(s->gc, logits) == 0)) {
-        grammar_end(e, i);
-        return;
-    }
-    if (logits) {
-        m40_sampler_sample(s->smp, logits, &res);
-    } else {
-        res.token = picked;
-        res.logprob = NAN;
-        res.n_top = 0;
-    }
-    if (s->gc && m40_gconstraint_accept(s->gc, res.token) != 0) {
+    if (s->gc && m40_gconstraint_apply(s->gc, logits) == 0)
+        return -1;
+    m40_sampler_sample(s->smp, logits, res);
+    if (s->gc && m40_gconstraint_accept(s->gc, res->token) != 0) {
         /* only a draw's rounding at the very top can land on a banned (zero-probability)
          * candidate: the most likely allowed token instead */
         int32_t best = 0;
         for (int32_t k = 1; k < e->n_vocab; k++)
             if (logits[k] > logits[best])
                 best = k;
-        res.token = best;
-        res.n_top = 0;
-        if (m40_gconstraint_accept(s->gc, best) != 0) {
-            grammar_end(e, i);
-            return;
-        }
+        res->token = best;
+        res->n_top = 0;
+        if (m40_gconstraint_accept(s->gc, best) != 0)
+            return -1;
     }
-    m40_sampler_accept(s->smp, res.token);
+    m40_sampler_accept(s->smp, res->token);
+    return 0;
+}
 
+void m40_sequence_advance(m40_engine *e, int32_t i, float *logits, int32_t picked)
+{
+    m40_sample_result res;
+    int rc = 0;
+    if (logits) {
+        rc = m40_sequence_pick(e, i, logits, &res);
+    } else if (e->slots[i].gc) {
+        rc = -1; /* a constrained row without its logits: nothing to mask (not reached) */
+    } else {
+        res.token = picked;
+        res.logprob = NAN;
+        res.n_top = 0;
+        m40_sampler_accept(e->slots[i].smp, picked);
+    }
+    m40_sequence_commit(e, i, rc, &res);
+}
+
+void m40_sequence_commit(m40_engine *e, int32_t i, int pick_rc, const m40_sample_result *picked)
+{
+    m40_slot *s = &e->slots[i];
+    m40_request *r = s->r;
+    m40_sample_result res = *picked;
+    if (pick_rc != 0) {
+        grammar_end(e, i);
+        return;
+    }
     double now = m40_now();
     if (s->n_gen == 0) {
         m40_hist_observe(e->tstats.hist_bounds, e->tstats.ttft_counts, &e->tstats.ttft_sum, now - r->t_submit);

@@ -47,11 +47,89 @@
  * full blocks to later requests. */
 #include "engine_impl.h"
 #include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
+#include "util/threadpool.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 
 /* ---------- one step ---------- */
+
+/* ---------- the step's helper threads ----------
+ *
+ * A grammar-constrained row costs the engine thread its mask (a walk of the vocabulary
+ * trie on a state's first visit, a lookup after), the -inf pass, the sampler and the
+ * grammar's advance: ~0.1-0.2 ms a row, so 64 constrained streams on a GPU spent 8.7-12.1
+ * ms of host work on a ~10 ms step (BENCHMARKS.md, sixteenth session). On a GPU engine
+ * the masks are computed on helper threads while the GPU runs the step (the state they
+ * need is known before it), and the rows' picks then run on the same threads; only the
+ * commit (detokenizing, stop strings, events) stays serial. The CPU engine keeps doing
+ * both on its thread (its forward pass already has every core) unless M40_PICK_THREADS
+ * asks for helpers (the tests do, to run this path without a GPU). */
+enum { PICK_MIN_ROWS = 4 }; /* fewer rows' picks stay on the engine thread: waking helpers costs more */
+
+static int pick_pool_ready(m40_engine *e)
+{
+    if (e->pick_pool)
+        return 1;
+    if (e->pick_pool_failed || e->pick_threads < 1)
+        return 0;
+    e->pick_rows = malloc((size_t)e->max_seqs * sizeof *e->pick_rows);
+    e->pick_rc = malloc((size_t)e->max_seqs * sizeof *e->pick_rc);
+    e->pick_res = malloc((size_t)e->max_seqs * sizeof *e->pick_res);
+    /* the engine thread works on the jobs too: pick_threads helpers beside it */
+    e->pick_pool = e->pick_rows && e->pick_rc && e->pick_res ? m40_threadpool_new(e->pick_threads + 1) : NULL;
+    if (!e->pick_pool) {
+        e->pick_pool_failed = 1; /* the serial path serves every step from now on */
+        free(e->pick_rows);
+        free(e->pick_rc);
+        free(e->pick_res);
+        e->pick_rows = NULL;
+        e->pick_rc = NULL;
+        e->pick_res = NULL;
+        return 0;
+    }
+    return 1;
+}
+
+static void mask_task(void *ctx, int task, int thread)
+{
+    (void)thread;
+    m40_engine *e = ctx;
+    (void)m40_gconstraint_mask(e->slots[e->row_slot[e->pick_rows[task]]].gc); /* cached for the pick */
+}
+
+static void pick_task(void *ctx, int task, int thread)
+{
+    (void)thread;
+    m40_engine *e = ctx;
+    int32_t k = e->pick_rows[task];
+    e->pick_rc[task] =
+        m40_sequence_pick(e, e->row_slot[k], e->step_logits + (size_t)k * (size_t)e->n_vocab, &e->pick_res[task]);
+}
+
+/* Starts the constrained rows' masks on the helper threads (the caller then runs the
+ * forward pass and m40_threadpool_wait); 0 when there is nothing to start. */
+static int masks_start(m40_engine *e, int32_t rows)
+{
+    int32_t n = 0;
+    for (int32_t k = 0; k < rows; k++) {
+        const m40_slot *s = &e->slots[e->row_slot[k]];
+        if (s->r && s->gc)
+            n++;
+    }
+    /* one row is enough: the helpers work while the forward pass runs, their wake-up hidden */
+    if (n < 1 || !pick_pool_ready(e))
+        return 0;
+    n = 0;
+    for (int32_t k = 0; k < rows; k++) {
+        const m40_slot *s = &e->slots[e->row_slot[k]];
+        if (s->r && s->gc)
+            e->pick_rows[n++] = k;
+    }
+    e->n_pick_rows = n;
+    m40_threadpool_start(e->pick_pool, n, mask_task, e);
+    return 1;
+}
 
 /* A request whose next token is the plain argmax of the logits: greedy, nothing that
  * reshapes the logits, no logprobs to report. When every row of a step is such, the
@@ -245,17 +323,24 @@ void m40_run_step(m40_engine *e)
         n = build_batch(e, &rows);
         if (n == 0)
             return;
-        m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want};
+        m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want,
+                       .logits_at = &e->step_logits};
         int greedy = rows > 0;
         for (int32_t k = 0; k < rows && greedy; k++)
             greedy = greedy_only(e->slots[e->row_slot[k]].r);
         b.argmax = greedy ? e->picks : NULL;
         t0 = m40_now();
+        int masking = !greedy && masks_start(e, rows);
         /* kv/ says first whether the step's new positions fit (and takes their blocks) */
         rc = m40_kv_reserve(e->kv, &b, err, sizeof err);
         if (rc == 0)
             rc = m40_model_forward(e->model, e->kv, &b, e->logits, err, sizeof err);
         fwd = m40_now() - t0;
+        if (masking) { /* masks that outlast the forward pass count as sampling time */
+            double tw = m40_now();
+            m40_threadpool_wait(e->pick_pool);
+            e->tstats.sample_seconds += m40_now() - tw;
+        }
         e->tstats.forward_seconds += fwd;
         picked = b.argmax != NULL;
         if (rc != M40_FORWARD_NO_BLOCKS)
@@ -296,10 +381,26 @@ void m40_run_step(m40_engine *e)
         s->n_past += take[i];
     }
     t0 = m40_now();
+    int32_t n_live = 0;
     for (int32_t k = 0; k < rows; k++)
-        if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
-            m40_sequence_advance(e, e->row_slot[k], picked ? NULL : e->logits + (size_t)k * (size_t)e->n_vocab,
-                             picked ? e->picks[k] : -1);
+        n_live += e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0;
+    if (!picked && n_live >= PICK_MIN_ROWS && pick_pool_ready(e)) {
+        /* every row's pick on the helper threads (distinct slots: nothing shared), then
+         * the commits in row order on this thread, as the serial loop below does them */
+        int32_t n = 0;
+        for (int32_t k = 0; k < rows; k++)
+            if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
+                e->pick_rows[n++] = k;
+        e->n_pick_rows = n;
+        m40_threadpool_run(e->pick_pool, n, pick_task, e);
+        for (int32_t j = 0; j < n; j++)
+            m40_sequence_commit(e, e->row_slot[e->pick_rows[j]], e->pick_rc[j], &e->pick_res[j]);
+    } else {
+        for (int32_t k = 0; k < rows; k++)
+            if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
+                m40_sequence_advance(e, e->row_slot[k], picked ? NULL : e->step_logits + (size_t)k * (size_t)e->n_vocab,
+                                     picked ? e->picks[k] : -1);
+    }
     m40_step_flush(e);
     e->tstats.sample_seconds += m40_now() - t0;
 }

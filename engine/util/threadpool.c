@@ -21,6 +21,7 @@ struct m40_threadpool {
     unsigned long generation;
     int n_checked_out;
     int quit;
+    int pending;                /* a published job not yet waited for (caller's side only) */
 
     /* the current job */
     m40_task_fn fn;
@@ -135,6 +136,44 @@ int m40_threadpool_size(const m40_threadpool *p)
     return p->n_threads;
 }
 
+static void publish(m40_threadpool *p, int n_tasks, m40_task_fn fn, void *ctx)
+{
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->ctx = ctx;
+    p->n_tasks = n_tasks;
+    atomic_store(&p->next_task, 0);
+    p->n_checked_out = 0;
+    p->generation++;
+    p->pending = 1;
+    pthread_cond_broadcast(&p->start);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void m40_threadpool_wait(m40_threadpool *p)
+{
+    if (!p->pending)
+        return;
+    work_on_job(p, 0);
+    pthread_mutex_lock(&p->mu);
+    while (p->n_checked_out < p->n_threads - 1)
+        pthread_cond_wait(&p->done, &p->mu);
+    p->pending = 0;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void m40_threadpool_start(m40_threadpool *p, int n_tasks, m40_task_fn fn, void *ctx)
+{
+    if (n_tasks <= 0)
+        return;
+    if (p->n_threads == 1) {
+        for (int t = 0; t < n_tasks; t++)
+            fn(ctx, t, 0);
+        return;
+    }
+    publish(p, n_tasks, fn, ctx);
+}
+
 void m40_threadpool_run(m40_threadpool *p, int n_tasks, m40_task_fn fn, void *ctx)
 {
     if (n_tasks <= 0)
@@ -145,20 +184,6 @@ void m40_threadpool_run(m40_threadpool *p, int n_tasks, m40_task_fn fn, void *ct
             fn(ctx, t, 0);
         return;
     }
-    pthread_mutex_lock(&p->mu);
-    p->fn = fn;
-    p->ctx = ctx;
-    p->n_tasks = n_tasks;
-    atomic_store(&p->next_task, 0);
-    p->n_checked_out = 0;
-    p->generation++;
-    pthread_cond_broadcast(&p->start);
-    pthread_mutex_unlock(&p->mu);
-
-    work_on_job(p, 0);
-
-    pthread_mutex_lock(&p->mu);
-    while (p->n_checked_out < p->n_threads - 1)
-        pthread_cond_wait(&p->done, &p->mu);
-    pthread_mutex_unlock(&p->mu);
+    publish(p, n_tasks, fn, ctx);
+    m40_threadpool_wait(p);
 }

@@ -25,4 +25,13 @@ int m40_threadpool_size(const m40_threadpool *p);
  * done. With one thread or one task everything runs on the caller. */
 void m40_threadpool_run(m40_threadpool *p, int n_tasks, m40_task_fn fn, void *ctx);
 
+/* The same job in two halves, so that the caller can do other work meanwhile (the
+ * engine thread runs a GPU step while the pool computes grammar masks):
+ * m40_threadpool_start publishes the job to the workers and returns at once; the caller
+ * must then call m40_threadpool_wait, which works on what is left (as thread 0) and
+ * returns when every task is done. No other call on the pool in between. With one
+ * thread, start runs every task itself before it returns. */
+void m40_threadpool_start(m40_threadpool *p, int n_tasks, m40_task_fn fn, void *ctx);
+void m40_threadpool_wait(m40_threadpool *p);
+
 #endif

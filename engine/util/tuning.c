@@ -48,6 +48,10 @@ void m40_tuning_from_env(m40_tuning *t)
     t->prefix_cache = on_unless_zero("M40_PREFIX_CACHE");
     const char *ld = getenv("M40_TEST_LOAD_DELAY_MS");
     t->load_delay_ms = ld && atoi(ld) > 0 ? atoi(ld) : 0;
+    const char *pt = getenv("M40_PICK_THREADS");
+    t->pick_threads = pt && *pt && atoi(pt) >= 0 ? atoi(pt) : -1;
+    if (t->pick_threads > 64)
+        t->pick_threads = 64;
     const char *gu = getenv("M40_GPU_UNVALIDATED");
     t->gpu_unvalidated = gu && atoi(gu) == 1;
 }
@@ -55,13 +59,15 @@ void m40_tuning_from_env(m40_tuning *t)
 int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)
 {
     static const char *const gemm[] = {"auto", "f16", "f32"};
+    char pick[16] = "auto";
+    if (t->pick_threads >= 0)
+        snprintf(pick, sizeof pick, "%d", (int)t->pick_threads);
     return snprintf(buf, len,
                     "M40_GEMM=%s M40_PDL=%d M40_CLUSTER=%d M40_SKINNY=%d M40_CUDA_GRAPHS=%d M40_WARMUP=%d "
                     "M40_G8=%d M40_FUSE_NORM=%d M40_FUSE_PICK=%d M40_GEMM_Q=%d M40_GEMM_Q_ROWS=%d "
                     "M40_GEMM_Q_REG=%d M40_MOE_GEMV_ROWS=%d M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d "
-                    "M40_GPU_UNVALIDATED=%d",
+                    "M40_PICK_THREADS=%s M40_GPU_UNVALIDATED=%d",
                     gemm[t->gemm], t->pdl, t->clusters, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
                     t->fuse_pick, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->moe_gemv_rows,
-                    (long long)t->kv_blocks,
-                    t->prefix_cache, t->gpu_unvalidated);
+                    (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_unvalidated);
 }

@@ -41,6 +41,9 @@ typedef struct {
     int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */
     int32_t load_delay_ms;/* M40_TEST_LOAD_DELAY_MS=N: the engine waits N ms before it loads
                            * its model (a test seam: a model that takes a while to load) */
+    int32_t pick_threads; /* M40_PICK_THREADS=N: helper threads of the engine's steps (grammar
+                           * masks during the forward pass, the rows' picks; 0: none); unset
+                           * (-1): half the CPUs, 2..8, on a GPU engine, none on the CPU one */
     int gpu_unvalidated;  /* M40_GPU_UNVALIDATED=1: a GPU loads an architecture whose row is not
                            * gpu_validated (a test seam to validate it without a rebuild;
                            * logged loudly at every such load) */

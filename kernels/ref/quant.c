@@ -716,7 +716,7 @@ static void quantize_q4_1_q5_1(const float *x, uint8_t *y, int64_t nb, int five)
  * min" form). A handful of candidate steps around (max-min)/nmax are tried; for
  * each, levels are assigned and (s, m) refit by least squares; the lowest squared
  * error wins. */
-static void fit_scale_min(const float *x, int n, int nmax, float *s_out, float *m_out)
+static void fit_scale_min(const float *x, int n, int nmax, int steps, float *s_out, float *m_out)
 {
     float xmin = 0.0f, xmax = x[0];
     for (int i = 0; i < n; i++) {
@@ -729,7 +729,7 @@ static void fit_scale_min(const float *x, int n, int nmax, float *s_out, float *
         return;
     }
     float best_s = (xmax - xmin) / (float)nmax, best_m = -xmin, best_err = INFINITY;
-    for (int step = -8; step <= 8; step++) {
+    for (int step = -steps; step <= steps; step++) {
         float iscale = ((float)nmax + 0.1f * (float)step) / (xmax - xmin);
         double sl = 0, sll = 0, sx = 0, slx = 0;
         int L[QK_FIT_MAX];
@@ -766,12 +766,12 @@ static void fit_scale_min(const float *x, int n, int nmax, float *s_out, float *
     *m_out = best_m;
 }
 
-static void quantize_q4_k(const float *x, uint8_t *y, int64_t nb)
+static void quantize_q4_k(const float *x, uint8_t *y, int64_t nb, int search)
 {
     for (int64_t b = 0; b < nb; b++, x += M40_QK_K, y += 144) {
         float s[8], m[8], smax = 0.0f, mmax = 0.0f;
         for (int j = 0; j < 8; j++) {
-            fit_scale_min(x + 32 * j, 32, 15, &s[j], &m[j]);
+            fit_scale_min(x + 32 * j, 32, 15, search ? 8 : 0, &s[j], &m[j]);
             smax = fmaxf(smax, s[j]);
             mmax = fmaxf(mmax, m[j]);
         }
@@ -807,7 +807,7 @@ static void quantize_q4_k(const float *x, uint8_t *y, int64_t nb)
 
 /* Symmetric fit x ~= s*L with L in -nmax..nmax-1: candidates map the largest
  * magnitude near -nmax (the extra negative level), each refit by least squares. */
-static float fit_scale_sym(const float *x, int n, int nmax)
+static float fit_scale_sym(const float *x, int n, int nmax, int steps)
 {
     float vmax = 0.0f;
     for (int i = 0; i < n; i++)
@@ -816,7 +816,7 @@ static float fit_scale_sym(const float *x, int n, int nmax)
     if (vmax == 0.0f)
         return 0.0f;
     float best_s = vmax / (float)-nmax, best_err = INFINITY;
-    for (int step = -6; step <= 6; step++) {
+    for (int step = -steps; step <= steps; step++) {
         float iscale = -((float)nmax + 0.1f * (float)step) / vmax;
         double slx = 0, sll = 0;
         int L[QK_FIT_MAX];
@@ -840,12 +840,12 @@ static float fit_scale_sym(const float *x, int n, int nmax)
     return best_s;
 }
 
-static void quantize_q6_k(const float *x, uint8_t *y, int64_t nb)
+static void quantize_q6_k(const float *x, uint8_t *y, int64_t nb, int search)
 {
     for (int64_t b = 0; b < nb; b++, x += M40_QK_K, y += 210) {
         float s[16], amax = 0.0f;
         for (int j = 0; j < 16; j++) {
-            s[j] = fit_scale_sym(x + 16 * j, 16, 32);
+            s[j] = fit_scale_sym(x + 16 * j, 16, 32, search ? 6 : 0);
             amax = fmaxf(amax, fabsf(s[j]));
         }
         uint16_t dh = m40_fp32_to_fp16(amax / 127.0f);
@@ -925,7 +925,7 @@ static void quantize_mxfp4(const float *x, uint8_t *y, int64_t nb)
     }
 }
 
-int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n)
+static int quantize_row(uint32_t type, const float *src, void *dst, int64_t n, int search)
 {
     uint8_t *y = dst;
     switch (type) {
@@ -964,12 +964,12 @@ int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n)
     case M40_TYPE_Q4_K:
         if (n % M40_QK_K)
             return -1;
-        quantize_q4_k(src, y, n / M40_QK_K);
+        quantize_q4_k(src, y, n / M40_QK_K, search);
         return 0;
     case M40_TYPE_Q6_K:
         if (n % M40_QK_K)
             return -1;
-        quantize_q6_k(src, y, n / M40_QK_K);
+        quantize_q6_k(src, y, n / M40_QK_K, search);
         return 0;
     case M40_TYPE_MXFP4:
         if (n % 32)
@@ -979,4 +979,14 @@ int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n)
     default:
         return -1;
     }
+}
+
+int m40_quantize_row(uint32_t type, const float *src, void *dst, int64_t n)
+{
+    return quantize_row(type, src, dst, n, 1);
+}
+
+int m40_quantize_row_quick(uint32_t type, const float *src, void *dst, int64_t n)
+{
+    return quantize_row(type, src, dst, n, 0);
 }

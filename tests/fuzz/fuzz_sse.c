@@ -103,6 +103,13 @@ typedef struct {
     char *buf; /* the texts the events carried, put together */
     size_t len, cap;
     int input_valid;
+    int incremental; /* the parser streams calls (TOOL_BEGIN, TOOL_ARGS) */
+    int open;        /* a streamed call is open */
+    int index;       /* its index */
+    struct sink_args {
+        char *buf;
+        size_t len, cap;
+    } args;          /* its fragments joined */
 } sink;
 
 static void append(sink *s, const char *p, size_t n)
@@ -167,11 +174,49 @@ static void emit_text(sink *s, const char *p, size_t n, const char *key)
 static int on_piece(void *ud, const m40_piece *pc)
 {
     sink *s = ud;
+    if (pc->kind == M40_PIECE_TOOL_BEGIN) {
+        CHECK(s->incremental && !s->open && pc->name && pc->name[0], "a call begun out of order or without name");
+        s->open = 1;
+        s->index = pc->index;
+        s->args.len = 0;
+        json_t *c = ngx_http_m40_json_text(pc->name, strlen(pc->name));
+        CHECK(c, "tool call name");
+        json_decref(event(c, "name"));
+        json_decref(c);
+        return 0;
+    }
+    if (pc->kind == M40_PIECE_TOOL_ARGS) {
+        CHECK(s->incremental && s->open && pc->index == s->index && pc->len > 0, "arguments outside their call");
+        if (s->input_valid)
+            CHECK(valid_utf8(pc->text, pc->len), "an arguments fragment of %zu bytes is not UTF-8", pc->len);
+        sink frag = {0};
+        emit_text(&frag, pc->text, pc->len, "content"); /* through the module's repair and events */
+        free(frag.buf);
+        if (s->args.len + pc->len + 1 > s->args.cap) {
+            s->args.cap = (s->args.len + pc->len + 1) * 2;
+            s->args.buf = realloc(s->args.buf, s->args.cap);
+            CHECK(s->args.buf, "out of memory");
+        }
+        memcpy(s->args.buf + s->args.len, pc->text, pc->len);
+        s->args.len += pc->len;
+        s->args.buf[s->args.len] = '\0';
+        return 0;
+    }
     if (pc->kind == M40_PIECE_TOOL_CALL) {
         CHECK(pc->name && pc->arguments, "a tool call without name or arguments");
-        json_t *args = json_loads(pc->arguments, 0, NULL);
-        CHECK(json_is_object(args), "tool call arguments are not a JSON object: %s", pc->arguments);
+        /* an object's text; only a call cut short (the end of the output, or JSON that
+         * broke inside it) is a valid prefix of one instead */
+        CHECK(pc->arguments[0] == '{', "tool call arguments do not start an object: %s", pc->arguments);
+        json_t *args = json_loads(pc->arguments, JSON_DECODE_ANY, NULL);
+        CHECK(!args || json_is_object(args), "tool call arguments are not a JSON object: %s", pc->arguments);
         json_decref(args);
+        if (s->incremental) {
+            CHECK(s->open && pc->index == s->index, "a call ended that was not begun");
+            CHECK(strlen(pc->arguments) == s->args.len && memcmp(pc->arguments, s->args.buf ? s->args.buf : "",
+                                                                 s->args.len) == 0,
+                  "the streamed arguments are not the call's: %s", pc->arguments);
+            s->open = 0;
+        }
         json_t *c = ngx_http_m40_json_text(pc->name, strlen(pc->name));
         CHECK(c, "tool call name");
         json_decref(event(c, "name"));
@@ -203,13 +248,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(raw.buf);
 
     /* 2. the detokenizer, then the output parser, then the events */
-    m40_tool_format tools = (m40_tool_format)(mode % 5);
-    m40_reasoning_mode reasoning = (m40_reasoning_mode)((mode / 5) % 3);
+    m40_tool_format tools = (m40_tool_format)(mode % 6); /* harmony (5) too */
+    m40_reasoning_mode reasoning = (m40_reasoning_mode)((mode / 6) % 3);
     m40_chat_parse *cp = m40_chat_parse_new(tools, reasoning, (mode >> 7) & 1);
     m40_detok *d = m40_detok_new(tok);
     CHECK(cp && d, "out of memory");
     sink s = {0}, dt = {0};
     s.input_valid = 1; /* the detokenizer's output must be valid whatever came in */
+    s.incremental = (cut & 0x40) != 0;
+    m40_chat_parse_incremental(cp, s.incremental);
     int as_bytes = (cut & 0x80) != 0;
     int32_t ids[4096];
     int64_t n_ids = 0;
@@ -231,6 +278,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(m40_chat_parse_feed(cp, out, k, on_piece, &s) == 0, "the parser failed");
     }
     CHECK(m40_chat_parse_finish(cp, on_piece, &s) == 0, "the parser failed at the end");
+    CHECK(!s.open, "a streamed call never ended");
     if (as_bytes && valid_utf8(text, len))
         CHECK(dt.len == len && (len == 0 || memcmp(dt.buf, text, len) == 0),
               "byte tokens of valid text detokenized to something else");
@@ -243,6 +291,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     m40_chat_parse_free(cp);
     m40_detok_free(d);
     free(s.buf);
+    free(s.args.buf);
     free(dt.buf);
     return 0;
 }

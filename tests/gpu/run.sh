@@ -131,18 +131,21 @@ fi
 # 3b. ../shared/models/next: a row the architecture table (engine/model/arch.c) marks
 #     gpu_validated runs `m40 eval --device 0 --tol 7.5e-2` (that folder's GPU bound);
 #     a row not yet validated must be refused with "runs on the CPU only" (the second
-#     list, empty while every row is validated). To validate one, set its gpu_validated
-#     and move it to the first list.
+#     list, empty while every row is validated: every row is, since session 16). To
+#     validate a new one, run its evals through the test seam M40_GPU_UNVALIDATED=1 (the
+#     GPU loads it anyway, logging a warning; README, tuning), set its gpu_validated and
+#     move it to the first list.
 if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
-    for name in tiny-llama-hd-f16 tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16; do
+    for name in tiny-llama-hd-f16 tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16 \
+        tiny-qwen3moe-f16 tiny-qwen3moe-q8_0 tiny-qwen3moe-q4km tiny-gpt-oss-mxfp4; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
         eval_one "next/$name" 7.5e-2 "$model" "$ref"
     done
-    for name in tiny-qwen3moe-q4km tiny-gpt-oss-mxfp4; do
+    for name in; do
         model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
         [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
-        # without the test seam (3c), whatever the caller's environment
+        # without the test seam, whatever the caller's environment
         if ! env -u M40_GPU_UNVALIDATED "$M40_BIN" eval --device 0 "$model" "$ref" >"$log/eval" 2>&1 &&
             grep -q "runs on the CPU only" "$log/eval"; then
             passed=$((passed + 1)); echo "eval --device 0 next/$name: refused (CPU only), as it should be"
@@ -152,21 +155,6 @@ if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
     done
 else
     echo "m40 eval --device 0 of next/: no $M40_BIN or no references, skipped"; skipped=$((skipped + 1))
-fi
-# 3c. The rows not yet validated, through the test seam M40_GPU_UNVALIDATED=1 (the GPU
-#     loads them anyway, logging a warning; README, tuning): `m40 eval --device 0 --tol
-#     7.5e-2` of the MoE references, run only when the caller sets M40_GPU_UNVALIDATED=1
-#     (`M40_GPU_UNVALIDATED=1 tests/gpu/run.sh`: test_model_gpu then checks their batched
-#     == alone and CUDA graphs too). Once they pass, set the rows' gpu_validated
-#     (engine/model/arch.c) and move these names to 3b's first list.
-if [ "${M40_GPU_UNVALIDATED:-}" = 1 ] && [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/next/ref" ]; then
-    for name in tiny-qwen3moe-f16 tiny-qwen3moe-q8_0 tiny-qwen3moe-q4km tiny-gpt-oss-mxfp4; do
-        model="$M40_SHARED/models/next/$name.gguf" ref="$M40_SHARED/models/next/ref/$name.json"
-        [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
-        eval_one "next/$name (M40_GPU_UNVALIDATED=1)" 7.5e-2 "$model" "$ref"
-    done
-else
-    echo "MoE evals on the GPU (3c): set M40_GPU_UNVALIDATED=1 to run them, skipped"; skipped=$((skipped + 1))
 fi
 # 4. Gemma 3 on the GPU against the independent NumPy reference (tests/gemma3/ref.py),
 #    on a small random-weight Gemma 3 built by tests/gemma3/mk_synthetic.py from the real

@@ -121,6 +121,45 @@ def test_forced_calls_in_each_markup(instances, name):
         check_calls(r.choices[0].message, SCHEMAS, single=True)
 
 
+@pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct.jinja", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja",
+                                  "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                                  "mistralai-Mistral-Nemo-Instruct-2407.jinja"])
+def test_agent_loop_round_trips(instances, name):
+    # What an agent does: the call the server returned goes back as it came (the
+    # SDK's message, our call_ id) with the tool's result, for the next turn. Mistral's
+    # template takes only 9-character ids: longer ones are cut to their last 9, as vLLM
+    # does, so the loop works there too; on every API.
+    _, base, cl = with_template(instances, name)
+    r = cl.chat.completions.create(model=TOOL_MODEL_NAME, messages=MSGS, tools=TOOLS, tool_choice="required",
+                                   temperature=1, seed=2, max_tokens=200, parallel_tool_calls=False)
+    msg = r.choices[0].message
+    call = msg.tool_calls[0]
+    assert call.id.startswith("call_") and len(call.id) == 29
+    turn = MSGS + [msg.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "{\"temp\": 21}"}]
+    again = cl.chat.completions.create(model=TOOL_MODEL_NAME, messages=turn, tools=TOOLS, max_tokens=4)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=60)
+    m = claude.messages.create(model=TOOL_MODEL_NAME, max_tokens=200, tools=tools, messages=[MSGS[0]],
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    use = [b for b in m.content if b.type == "tool_use"][0]
+    m2 = claude.messages.create(model=TOOL_MODEL_NAME, max_tokens=4, tools=tools, messages=[
+        MSGS[0], {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21"}]}])
+    assert m2.usage.input_tokens > m.usage.input_tokens
+    rtools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+               "parameters": t["function"]["parameters"]} for t in TOOLS]
+    resp = cl.responses.create(model=TOOL_MODEL_NAME, input=MSGS[0]["content"], tools=rtools, tool_choice="required",
+                               max_output_tokens=200, parallel_tool_calls=False)
+    fc = [o for o in resp.output if o.type == "function_call"][0]
+    resp2 = cl.responses.create(model=TOOL_MODEL_NAME, tools=rtools, max_output_tokens=4, input=[
+        {"role": "user", "content": MSGS[0]["content"]}, fc.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "21"}])
+    assert resp2.usage.input_tokens > resp.usage.input_tokens
+
+
 def test_forced_call_json_fallback(client, model):
     # stories260K has no template: the fallback renders, the JSON parser reads; its
     # context is 128 tokens, so one tiny function.

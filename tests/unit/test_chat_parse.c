@@ -1,14 +1,20 @@
 /* Chat output parsing (engine/m40_chat_parse.h): crafted outputs of each tool-call
  * convention and of <think> reasoning, fed whole and in every split into two pieces and
- * byte by byte (streaming must give the same result as one feed); random bytes and
- * random mixes of the markers at random chunkings never crash, and with tool parsing
+ * byte by byte (streaming must give the same result as one feed), also with calls
+ * streamed (TOOL_BEGIN, TOOL_ARGS..., TOOL_CALL in order, the fragments adding up to the
+ * arguments); arguments stream as they are written (nothing waits for a call's end) and
+ * text that is no call is not held; random bytes, random mixes of the markers and
+ * generated calls (cut short, or with a byte changed) at random chunkings never crash and
+ * agree with one feed, intact generated calls are read exactly, and with tool parsing
  * and reasoning splitting off the content is the input exactly. */
 #include <stdint.h>
 
 #include "check.h"
 #include "m40_chat_parse.h"
 
-/* What the pieces add up to: content, reasoning, and the calls as "name(args);". */
+/* What the pieces add up to: content, reasoning, and the calls as "name(args);".
+ * Incremental runs also join each call's TOOL_ARGS and check them against its
+ * TOOL_CALL (bad_index counts any disorder). */
 typedef struct {
     char content[4096];
     size_t nc;
@@ -18,6 +24,12 @@ typedef struct {
     size_t ncalls_text;
     int ncalls;
     int bad_index;
+    int incremental;
+    int open;           /* a TOOL_BEGIN without its TOOL_CALL yet */
+    int begun;          /* TOOL_BEGINs */
+    char args[4096];    /* the open call's TOOL_ARGS joined */
+    size_t na;
+    char name[256];
 } result;
 
 static void app(char *dst, size_t *n, size_t cap, const char *s, size_t len)
@@ -36,9 +48,25 @@ static int collect(void *ud, const m40_piece *pc)
         app(r->content, &r->nc, sizeof r->content, pc->text, pc->len);
     } else if (pc->kind == M40_PIECE_REASONING) {
         app(r->reasoning, &r->nr, sizeof r->reasoning, pc->text, pc->len);
+    } else if (pc->kind == M40_PIECE_TOOL_BEGIN) {
+        if (!r->incremental || r->open || pc->index != r->begun || !pc->name || !pc->name[0])
+            r->bad_index = 1;
+        r->begun++;
+        r->open = 1;
+        r->na = 0;
+        r->args[0] = '\0';
+        snprintf(r->name, sizeof r->name, "%s", pc->name ? pc->name : "");
+    } else if (pc->kind == M40_PIECE_TOOL_ARGS) {
+        if (!r->incremental || !r->open || pc->index != r->begun - 1 || pc->len == 0)
+            r->bad_index = 1;
+        app(r->args, &r->na, sizeof r->args, pc->text, pc->len);
     } else {
         if (pc->index != r->ncalls)
             r->bad_index = 1;
+        if (r->incremental && (!r->open || pc->index != r->begun - 1 || strcmp(r->args, pc->arguments) != 0 ||
+                               strcmp(r->name, pc->name) != 0))
+            r->bad_index = 1; /* the streamed call is not the call */
+        r->open = 0;
         r->ncalls++;
         app(r->calls, &r->ncalls_text, sizeof r->calls, pc->name, strlen(pc->name));
         app(r->calls, &r->ncalls_text, sizeof r->calls, "(", 1);
@@ -49,11 +77,15 @@ static int collect(void *ud, const m40_piece *pc)
 }
 
 /* Feeds s in pieces of the given sizes (cycled; 0 means all at once). */
+static int incremental_runs; /* run() asks for TOOL_BEGIN and TOOL_ARGS */
+
 static void run(m40_tool_format f, m40_reasoning_mode m, int open, const char *s, size_t len, const size_t *sizes,
                 int n_sizes, result *r)
 {
     memset(r, 0, sizeof *r);
     m40_chat_parse *p = m40_chat_parse_new(f, m, open);
+    r->incremental = incremental_runs;
+    m40_chat_parse_incremental(p, incremental_runs);
     size_t i = 0;
     int k = 0;
     while (i < len) {
@@ -64,7 +96,7 @@ static void run(m40_tool_format f, m40_reasoning_mode m, int open, const char *s
         i += n;
     }
     m40_chat_parse_finish(p, collect, r);
-    if (m40_chat_parse_tool_calls(p) != r->ncalls)
+    if (m40_chat_parse_tool_calls(p) != r->ncalls || r->open || (r->incremental && r->begun != r->ncalls))
         r->bad_index = 1;
     m40_chat_parse_free(p);
 }
@@ -103,6 +135,21 @@ static void expect(const char *what, m40_tool_format f, m40_reasoning_mode m, in
     run(f, m, open, out, len, &one, 1, &part);
     CHECK(same(&whole, &part), "%s: byte-by-byte feed agrees (content [%s] calls [%s])", what, part.content,
           part.calls);
+    /* streamed calls: the same, at every cut, their pieces in order and adding up */
+    incremental_runs = 1;
+    split_ok = 1;
+    for (size_t cut = 0; cut < len; cut++) {
+        size_t sizes[2] = {cut ? cut : 1, cut ? len : 1};
+        run(f, m, open, out, len, sizes, 2, &part);
+        if (!same(&whole, &part)) {
+            split_ok = 0;
+            fprintf(stderr, "%s: incremental, split at %zu: content [%s] calls [%s] bad %d\n", what, cut,
+                    part.content, part.calls, part.bad_index);
+            break;
+        }
+    }
+    incremental_runs = 0;
+    CHECK(split_ok, "%s: incremental feeds (two pieces, byte by byte) agree with one", what);
 }
 
 static void test_detect(void)
@@ -263,8 +310,8 @@ static void test_json(void)
 {
     const m40_tool_format J = M40_TOOLS_JSON;
     const m40_reasoning_mode S = M40_REASONING_SEPARATE;
-    expect("object", J, S, 0, "{\"name\": \"f\", \"arguments\": {\"a\": \"\\u00e9\"}}", "", "",
-           "f({\"a\":\"\xc3\xa9\"});"); /* UTF-8 as it is, as json.dumps(ensure_ascii=False) */
+    expect("object", J, S, 0, "{\"name\": \"f\", \"arguments\": {\"a\": \"\\u00e9\", \"b\": \"\xc3\xa9\"}}", "", "",
+           "f({\"a\":\"\\u00e9\",\"b\":\"\xc3\xa9\"});"); /* strings as the model wrote them */
     expect("array", J, S, 0, "[{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"parameters\": {}}]", "", "",
            "f({});g({});");
     expect("empty array is content", J, S, 0, "[]", "[]", "", "");
@@ -346,6 +393,184 @@ static void test_harmony(void)
     expect("a header longer than any is content", X, S, 0, big, big, "", "");
 }
 
+/* s[0..n) without the blanks between JSON tokens (what a call's arguments are). */
+static size_t minify(const char *s, size_t n, char *out)
+{
+    size_t k = 0;
+    int in_str = 0, esc = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (in_str) {
+            out[k++] = c;
+            if (esc)
+                esc = 0;
+            else if (c == '\\')
+                esc = 1;
+            else if (c == '"')
+                in_str = 0;
+        } else if (c != ' ' && c != '\n' && c != '\t' && c != '\r') {
+            out[k++] = c;
+            in_str = c == '"';
+        }
+    }
+    out[k] = '\0';
+    return k;
+}
+
+/* A call's arguments stream as they are written: fed byte by byte, once the name and
+ * two bytes of the arguments are in, the TOOL_ARGS so far are exactly the arguments
+ * written so far (nothing waits for the call's end); the name comes first, once. */
+static void expect_streaming(const char *what, m40_tool_format f, const char *out, const char *args_text,
+                             const char *name)
+{
+    size_t len = strlen(out);
+    const char *a = strstr(out, args_text);
+    if (!a) {
+        CHECK(0, "%s: bad case", what);
+        return;
+    }
+    size_t from = (size_t)(a - out), to = from + strlen(args_text);
+    char want[1024], final_args[1024];
+    minify(args_text, strlen(args_text), final_args);
+    result r;
+    memset(&r, 0, sizeof r);
+    r.incremental = 1;
+    m40_chat_parse *p = m40_chat_parse_new(f, M40_REASONING_SEPARATE, 0);
+    m40_chat_parse_incremental(p, 1);
+    int lagged = 0, early = 0;
+    for (size_t i = 0; i < len; i++) {
+        m40_chat_parse_feed(p, out + i, 1, collect, &r);
+        size_t fed = i + 1;
+        if (fed <= from) {
+            early += r.begun != 0;
+            continue;
+        }
+        size_t w = minify(out + from, (fed < to ? fed : to) - from, want);
+        /* a character's bytes come together: a fragment is always decodable */
+        while (w > 0 && (unsigned char)want[w - 1] >= 0x80) {
+            size_t k = w - 1;
+            while (k > 0 && ((unsigned char)want[k] & 0xc0) == 0x80)
+                k--;
+            unsigned char lead = (unsigned char)want[k];
+            size_t need = lead >= 0xf0 ? 4 : lead >= 0xe0 ? 3 : 2;
+            if (w - k < need)
+                want[w = k] = '\0';
+            break;
+        }
+        if (w >= 2 && (r.begun != 1 || strcmp(r.args, want) != 0 || strcmp(r.name, name) != 0)) {
+            if (!lagged)
+                fprintf(stderr, "%s: after %zu bytes streamed [%s], written [%s]\n", what, fed, r.args, want);
+            lagged++;
+        }
+    }
+    m40_chat_parse_finish(p, collect, &r);
+    m40_chat_parse_free(p);
+    CHECK(early == 0 && lagged == 0 && !r.bad_index && r.ncalls == 1 && strcmp(r.args, final_args) == 0,
+          "%s: the arguments stream as written (%d early, %d behind, %d calls)", what, early, lagged, r.ncalls);
+}
+
+static void test_streaming(void)
+{
+    const char *args = "{\"city\": \"Paris\", \"days\": [1, 2.50, -3e+2], \"ok\": true, \"q\": {\"x\": null, "
+                       "\"s\": \"a\\\"b\\u00e9 \\n \xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\"}}";
+    char buf[1024];
+    snprintf(buf, sizeof buf, "Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": %s}\n</tool_call>", args);
+    expect_streaming("hermes", M40_TOOLS_HERMES, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "{\"name\": \"get_weather\", \"parameters\": %s}", args);
+    expect_streaming("llama3 json", M40_TOOLS_LLAMA3, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": %s}", args);
+    expect_streaming("llama3 python_tag", M40_TOOLS_LLAMA3, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": %s, \"id\": \"abc123xyz\"}]",
+             args);
+    expect_streaming("mistral", M40_TOOLS_MISTRAL, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "[TOOL_CALLS]get_weather[ARGS]%s", args);
+    expect_streaming("mistral [ARGS]", M40_TOOLS_MISTRAL, buf, args, "get_weather");
+    snprintf(buf, sizeof buf, "[{\"name\": \"get_weather\", \"arguments\": %s}]", args);
+    expect_streaming("json fallback", M40_TOOLS_JSON, buf, args, "get_weather");
+    snprintf(buf, sizeof buf,
+             "<|channel|>analysis<|message|>Weather.<|end|><|start|>assistant<|channel|>commentary "
+             "to=functions.get_weather <|constrain|>json<|message|>%s<|call|>",
+             args);
+    expect_streaming("harmony", M40_TOOLS_HARMONY, buf, args, "get_weather");
+}
+
+/* Markup that turned out to be no call is not held to the block's end: fed byte by
+ * byte, once `seen` bytes are in the content so far is `out`'s first `shown` bytes. */
+static void expect_released(const char *what, m40_tool_format f, const char *out, size_t seen, size_t shown)
+{
+    result r;
+    memset(&r, 0, sizeof r);
+    m40_chat_parse *p = m40_chat_parse_new(f, M40_REASONING_SEPARATE, 0);
+    for (size_t i = 0; i < seen; i++)
+        m40_chat_parse_feed(p, out + i, 1, collect, &r);
+    CHECK(r.nc == shown && memcmp(r.content, out, shown) == 0, "%s: after %zu bytes the content is [%s]", what, seen,
+          r.content);
+    m40_chat_parse_feed(p, out + seen, strlen(out) - seen, collect, &r);
+    m40_chat_parse_finish(p, collect, &r);
+    m40_chat_parse_free(p);
+    CHECK(strcmp(r.content, out) == 0 && r.ncalls == 0, "%s: all content at the end [%s]", what, r.content);
+}
+
+static void test_released(void)
+{
+    const char *j = "{\"answer\": 42} and then a long explanation";
+    expect_released("json answer", M40_TOOLS_JSON, j, strlen("{\"answer\": 42} and"), strlen("{\"answer\": 42} and"));
+    expect_released("llama3 json answer", M40_TOOLS_LLAMA3, j, strlen("{\"answer\": 42}"), strlen("{\"answer\": 42}"));
+    const char *h = "<tool_call>oops, no JSON here</tool_call> bye";
+    expect_released("hermes no JSON", M40_TOOLS_HERMES, h, strlen("<tool_call>oops, no"),
+                    strlen("<tool_call>oops, no"));
+    const char *m = "[TOOL_CALLS] nope, just text";
+    expect_released("mistral no call", M40_TOOLS_MISTRAL, m, strlen("[TOOL_CALLS] nope, just"),
+                    strlen("[TOOL_CALLS] nope, just"));
+    const char *x = "<|channel|>commentary to=functions.f<|message|>not json at all";
+    expect_released("harmony no object", M40_TOOLS_HARMONY, x, strlen(x) - 3, strlen(x) - 3);
+}
+
+/* What streaming changed: a call is decided at its start, so later trouble cuts it
+ * short instead of turning it into content; numbers and strings are the model's. */
+static void test_calls_cut_short(void)
+{
+    const m40_reasoning_mode S = M40_REASONING_SEPARATE;
+    expect("max_tokens inside the arguments", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": \"Par", "", "", "f({\"q\":\"Par);");
+    expect("broken inside the arguments", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": 1,, }}</tool_call>after", "after", "",
+           "f({\"q\":1,);"); /* as far as it was valid */
+    expect("junk after the call's object is dropped", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {}}}\n</tool_call>", "", "", "f({});");
+    expect("second object no call: dropped", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"f\", \"arguments\": {}} {\"x\": 1}</tool_call>", "", "", "f({});");
+    expect("name after the arguments", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"arguments\": {\"a\": 1}, \"name\": \"f\"}</tool_call>", "", "", "f({\"a\":1});");
+    expect("name with an escape", M40_TOOLS_HERMES, S, 0,
+           "<tool_call>{\"name\": \"g\\u0065t\", \"arguments\": {}}</tool_call>", "", "", "get({});");
+    expect("name not a string", M40_TOOLS_HERMES, S, 0, "<tool_call>{\"name\": 1, \"arguments\": {}}</tool_call>",
+           "<tool_call>{\"name\": 1, \"arguments\": {}}</tool_call>", "", "");
+    expect("arguments an array", M40_TOOLS_HERMES, S, 0, "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>",
+           "<tool_call>{\"name\": \"f\", \"arguments\": [1]}</tool_call>", "", "");
+    expect("arguments null", M40_TOOLS_HERMES, S, 0, "<tool_call>{\"name\": \"f\", \"arguments\": null}</tool_call>",
+           "", "", "f({});");
+    expect("numbers as written", M40_TOOLS_JSON, S, 0,
+           "{\"name\": \"f\", \"arguments\": {\"a\": 1.0, \"b\": 1e5, \"c\": 12345678901234567890}}", "", "",
+           "f({\"a\":1.0,\"b\":1e5,\"c\":12345678901234567890});");
+    expect("text after llama3 calls is content", M40_TOOLS_LLAMA3, S, 0,
+           "{\"name\": \"f\", \"parameters\": {}}; {\"name\": \"g\", \"parameters\": {\"k\": 1}}\nDone.",
+           "Done.", "", "f({});g({\"k\":1});");
+    expect("mistral: several [ARGS] calls", M40_TOOLS_MISTRAL, S, 0,
+           "[TOOL_CALLS]a[ARGS]{\"x\": 1}[TOOL_CALLS]b[ARGS]{}", "", "", "a({\"x\":1});b({});");
+    expect("mistral: [ARGS] not an object", M40_TOOLS_MISTRAL, S, 0, "[TOOL_CALLS]a[ARGS]1",
+           "[TOOL_CALLS]a[ARGS]1", "", "");
+    expect("harmony: cut inside the arguments", M40_TOOLS_HARMONY, S, 0,
+           "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": [1, ", "", "", "f({\"a\":[1,);");
+    expect("harmony: junk after the object is dropped", M40_TOOLS_HARMONY, S, 0,
+           "<|channel|>commentary to=functions.f<|message|>{} x<|call|><|start|>assistant<|channel|>final<|message|>ok",
+           "ok", "", "f({});");
+    char deep[200];
+    memset(deep, '[', 150);
+    deep[150] = '\0';
+    expect("nesting deeper than the reader's stack is no call", M40_TOOLS_JSON, S, 0, deep, deep, "", "");
+}
+
 /* Random bytes and random marker soup at random chunkings: no crash, every piece is
  * reported with sane fields, and with everything off the content is the input. */
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -371,6 +596,102 @@ static int sane(void *ud, const m40_piece *pc)
     return 0;
 }
 
+/* A random JSON value (objects and arrays nest to depth 3) appended at *n. */
+static void gen_value(char *b, size_t *n, size_t cap, int depth)
+{
+    static const char *const scalars[] = {"0", "-12", "3.25", "1e-7", "true", "false", "null", "\"\"",
+                                          "\"Paris\"", "\"a\\\"b\"", "\"\\u00e9\\n\"", "\"\xc3\xa9\xe2\x82\xac\"",
+                                          "\"x y\""};
+    if (*n + 64 > cap)
+        return;
+    uint32_t r = rnd() % 8;
+    if (depth < 3 && r < 3) {
+        int k = (int)(rnd() % 4), obj = r < 2;
+        b[(*n)++] = obj ? '{' : '[';
+        for (int i = 0; i < k && *n + 64 < cap; i++) {
+            if (i)
+                *n += (size_t)snprintf(b + *n, cap - *n, rnd() & 1 ? ", " : ",");
+            if (obj)
+                *n += (size_t)snprintf(b + *n, cap - *n, "\"k%d\":%s", i, rnd() & 1 ? " " : "");
+            gen_value(b, n, cap, depth + 1);
+        }
+        b[(*n)++] = obj ? '}' : ']';
+    } else {
+        *n += (size_t)snprintf(b + *n, cap - *n, "%s", scalars[rnd() % (sizeof scalars / sizeof *scalars)]);
+    }
+    b[*n] = '\0';
+}
+
+/* A model's answer with calls in format f: text, calls with random arguments, text;
+ * sometimes cut short or with a byte changed (*intact 0). Returns its length; want
+ * gets the calls as result.calls spells them. */
+static size_t gen_calls(m40_tool_format f, char *b, size_t cap, char *want, size_t want_cap, int *intact)
+{
+    size_t n = 0, w = 0, a0;
+    want[0] = '\0';
+    int calls = 1 + (int)(rnd() % 3);
+    if (f == M40_TOOLS_HERMES && rnd() % 2)
+        n += (size_t)snprintf(b, cap, "Let me see.\n");
+    if (f == M40_TOOLS_MISTRAL)
+        n += (size_t)snprintf(b + n, cap - n, "[TOOL_CALLS]%s", rnd() % 2 ? "[" : "");
+    if (f == M40_TOOLS_LLAMA3 && rnd() % 2)
+        n += (size_t)snprintf(b + n, cap - n, "<|python_tag|>");
+    if (f == M40_TOOLS_JSON && calls > 1)
+        n += (size_t)snprintf(b + n, cap - n, "[");
+    int mistral_array = f == M40_TOOLS_MISTRAL && b[n - 1] == '[';
+    for (int c = 0; c < calls && n + 200 < cap; c++) {
+        if (f == M40_TOOLS_HARMONY) {
+            n += (size_t)snprintf(b + n, cap - n, "%s<|channel|>commentary to=functions.f%d <|constrain|>json<|message|>",
+                                  c ? "<|start|>assistant" : "", c);
+            a0 = n;
+            b[n++] = '{';
+            n += (size_t)snprintf(b + n, cap - n, "\"a\": ");
+            gen_value(b, &n, cap, 1);
+            b[n++] = '}';
+            w += (size_t)snprintf(want + w, want_cap - w, "f%d(", c);
+            w += minify(b + a0, n - a0, want + w);
+            w += (size_t)snprintf(want + w, want_cap - w, ");");
+            n += (size_t)snprintf(b + n, cap - n, "<|call|>");
+            continue;
+        }
+        if (f == M40_TOOLS_HERMES)
+            n += (size_t)snprintf(b + n, cap - n, "<tool_call>\n");
+        else if (c && f == M40_TOOLS_LLAMA3)
+            n += (size_t)snprintf(b + n, cap - n, "; ");
+        else if (c && (f == M40_TOOLS_JSON || mistral_array))
+            n += (size_t)snprintf(b + n, cap - n, ", ");
+        else if (c && f == M40_TOOLS_MISTRAL)
+            n += (size_t)snprintf(b + n, cap - n, "[TOOL_CALLS]");
+        if (f == M40_TOOLS_MISTRAL && !mistral_array) {
+            n += (size_t)snprintf(b + n, cap - n, "f%d[ARGS]{\"a\": ", c);
+        } else {
+            n += (size_t)snprintf(b + n, cap - n, "{\"name\": \"f%d\", \"%s\": {\"a\": ", c,
+                                  f == M40_TOOLS_LLAMA3 ? "parameters" : "arguments");
+        }
+        a0 = n;
+        gen_value(b, &n, cap, 1);
+        w += (size_t)snprintf(want + w, want_cap - w, "f%d({\"a\":", c);
+        w += minify(b + a0, n - a0, want + w);
+        w += (size_t)snprintf(want + w, want_cap - w, "});");
+        n += (size_t)snprintf(b + n, cap - n, "}%s", f == M40_TOOLS_MISTRAL && !mistral_array ? "" : "}");
+        if (f == M40_TOOLS_HERMES)
+            n += (size_t)snprintf(b + n, cap - n, "\n</tool_call>\n");
+    }
+    if (f == M40_TOOLS_JSON && calls > 1)
+        n += (size_t)snprintf(b + n, cap - n, "]");
+    if (mistral_array)
+        n += (size_t)snprintf(b + n, cap - n, "]");
+    if (rnd() % 3 == 0 && n + 20 < cap)
+        n += (size_t)snprintf(b + n, cap - n, "%s", f == M40_TOOLS_HARMONY ? "<|start|>assistant<|channel|>final<|message|>ok" : "\nDone.");
+    uint32_t r = rnd() % 4;
+    *intact = r > 1;
+    if (r == 0)
+        n = rnd() % (n + 1); /* max_tokens */
+    else if (r == 1)
+        b[rnd() % n] = "{}[]\",:x \\<"[rnd() % 12]; /* a model's slip */
+    return n;
+}
+
 static void test_fuzz(void)
 {
     static const char *const bits[] = {"<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]",
@@ -378,13 +699,39 @@ static void test_fuzz(void)
                                        "\"arguments\"", "{}", "\"parameters\"", " ", "\n", ";", "[ARGS]", "<", "\"",
                                        "\\", "x", "\xff", "\xc3\xa9", "1", "<|start|>", "assistant",
                                        "<|channel|>", "analysis", "final", "commentary", " to=functions.f",
-                                       "<|constrain|>json", "<|message|>", "<|end|>", "<|return|>", "<|call|>"};
-    int bad = 0, identity_bad = 0, harmony_split_bad = 0;
-    char buf[600];
+                                       "<|constrain|>json", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                                       /* the call reader's states: numbers, literals, escapes, names */
+                                       "\"name\": \"f\", \"arguments\": {", "true", "nul", "l", "-", "0",
+                                       "1.5e-3", "e", ".", "\\u00e9", "\\n", "\\", "\t", "\xe2\x82", "\xac",
+                                       "{\"name\": \"g\", \"parameters\": ", "get_weather[ARGS]"};
+    int bad = 0, identity_bad = 0, harmony_split_bad = 0, calls_bad = 0, calls_checked = 0;
+    char buf[1200];
     for (int iter = 0; iter < 6000; iter++) {
         size_t len = 0;
         int n = (int)(rnd() % 40);
-        for (int k = 0; k < n && len < sizeof buf - 40; k++) {
+        if (iter % 4 == 3) {
+            /* calls as models write them: with the format's parser, intact ones are read
+             * exactly (arguments = their text without blanks), whatever the chunking */
+            char want[1200];
+            int intact;
+            m40_tool_format gf = (m40_tool_format)(1 + iter / 4 % M40_TOOLS_HARMONY);
+            len = gen_calls(gf, buf, sizeof buf, want, sizeof want, &intact);
+            if (intact) {
+                result r;
+                size_t cs[2] = {1 + rnd() % 4, 1 + rnd() % 9};
+                incremental_runs = 1;
+                run(gf, M40_REASONING_SEPARATE, 0, buf, len, cs, 2, &r);
+                incremental_runs = 0;
+                if (strcmp(r.calls, want) != 0 || r.bad_index) {
+                    if (!calls_bad)
+                        fprintf(stderr, "format %d: [%.*s]\ncalls [%s]\nwant  [%s]\n", (int)gf, (int)len, buf, r.calls,
+                                want);
+                    calls_bad++;
+                }
+                calls_checked++;
+            }
+        }
+        for (int k = 0; k < n && len < sizeof buf - 40 && iter % 4 != 3; k++) {
             if (iter % 3 == 0) {
                 buf[len++] = (char)(rnd() & 0xff);
             } else {
@@ -408,14 +755,27 @@ static void test_fuzz(void)
                 m40_chat_parse_free(p);
             }
         }
-        /* harmony holds more than the others (headers, calls): any chunking agrees */
-        for (int m = 0; m <= M40_REASONING_NONE; m++) {
-            result whole, part;
-            size_t cs[3] = {1 + rnd() % 5, 1 + rnd() % 13, 1};
-            run(M40_TOOLS_HARMONY, (m40_reasoning_mode)m, 0, buf, len, NULL, 0, &whole);
-            run(M40_TOOLS_HARMONY, (m40_reasoning_mode)m, 0, buf, len, cs, 3, &part);
-            if (!same(&whole, &part))
-                harmony_split_bad++;
+        /* any chunking agrees, and streamed calls add up to the calls (every format) */
+        for (int f = 1; f <= M40_TOOLS_HARMONY; f++) {
+            for (int m = 0; m <= M40_REASONING_NONE; m++) {
+                result whole, part;
+                size_t cs[3] = {1 + rnd() % 5, 1 + rnd() % 13, 1};
+                int open = (int)(rnd() & 1);
+                run((m40_tool_format)f, (m40_reasoning_mode)m, open, buf, len, NULL, 0, &whole);
+                incremental_runs = 1;
+                run((m40_tool_format)f, (m40_reasoning_mode)m, open, buf, len, cs, 3, &part);
+                incremental_runs = 0;
+                if (!same(&whole, &part)) {
+                    if (!harmony_split_bad) {
+                        fprintf(stderr, "format %d mode %d open %d sizes %zu %zu: [", f, m, open, cs[0], cs[1]);
+                        fwrite(buf, 1, len, stderr);
+                        fprintf(stderr, "]\nwhole [%s][%s][%s] part [%s][%s][%s] bad %d\n", whole.content,
+                                whole.reasoning, whole.calls, part.content, part.reasoning, part.calls,
+                                part.bad_index);
+                    }
+                    harmony_split_bad++;
+                }
+            }
         }
         result r;
         size_t sizes[3] = {1 + rnd() % 5, 1 + rnd() % 9, 1};
@@ -424,7 +784,10 @@ static void test_fuzz(void)
             identity_bad++;
     }
     CHECK(bad == 0, "%d malformed pieces", bad);
-    CHECK(harmony_split_bad == 0, "%d harmony outputs parsed differently when chunked", harmony_split_bad);
+    CHECK(harmony_split_bad == 0, "%d outputs parsed differently when chunked (or streamed calls not the calls)",
+          harmony_split_bad);
+    CHECK(calls_bad == 0 && calls_checked > 500, "%d of %d well-formed generated outputs' calls misread", calls_bad,
+          calls_checked);
     CHECK(identity_bad == 0, "%d outputs not passed through unchanged with parsing off", identity_bad);
 }
 
@@ -439,6 +802,9 @@ int main(void)
     test_json();
     test_detect_harmony_template();
     test_harmony();
+    test_streaming();
+    test_released();
+    test_calls_cut_short();
     test_fuzz();
     return check_done();
 }

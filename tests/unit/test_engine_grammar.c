@@ -185,6 +185,69 @@ static void forced_calls(m40_engine *e, json_t *msgs, json_t *tools, m40_tool_fo
     CHECK(stopped > N / 2, "forced %s: only %d of %d complete", m40_tool_format_name(fmt), stopped, N);
 }
 
+/* The step's helper threads (M40_PICK_THREADS, scheduler.c: the grammar masks while the
+ * forward pass runs, then every row's pick; on by default on a GPU engine, asked for here
+ * on the CPU): constrained and free rows mixed, the texts are those of the serial engine
+ * (each request samples from its own seed; this model's logits do not depend on what
+ * else is in the batch), and each constrained one is a sentence of its grammar. */
+static void pick_threads_same(const char *path, const char *schema, const char *schema_gbnf)
+{
+    enum { NJ = 12 };
+    static job jobs[2][NJ];
+    const char *gbnf = "root ::= \"The \" (\"cat\" | \"dog\" | [a-z]{1,6}) \" is \" [0-9]{1,3} \".\"";
+    char err[256];
+    for (int v = 0; v < 2; v++) {
+        if (v)
+            setenv("M40_PICK_THREADS", "3", 1);
+        else
+            unsetenv("M40_PICK_THREADS");
+        m40_engine *e = start(path);
+        unsetenv("M40_PICK_THREADS");
+        CHECK(e != NULL, "engine (pick threads %d)", v ? 3 : 0);
+        if (!e)
+            return;
+        job *jp[NJ];
+        for (int i = 0; i < NJ; i++) {
+            m40_request_params p;
+            params(&p, 1);
+            p.sampling.seed = 77 + (uint64_t)i;
+            p.max_tokens = 60;
+            if (i % 3 == 0)
+                p.grammar = gbnf;
+            else if (i % 3 == 1)
+                p.json_schema = schema;
+            memset(&jobs[v][i], 0, sizeof jobs[v][i]);
+            jp[i] = &jobs[v][i];
+            CHECK(m40_engine_submit(e, &p, jp[i], &jp[i]->req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+        }
+        CHECK(pump(e, jp, NJ, 120) == 0, "pick threads %d: timeout", v ? 3 : 0);
+        for (int i = 0; i < NJ; i++)
+            m40_request_release(jobs[v][i].req);
+        m40_engine_destroy(e);
+    }
+    m40_grammar *g1 = m40_grammar_parse(gbnf, strlen(gbnf), err, sizeof err);
+    m40_grammar *g2 = schema_gbnf ? m40_grammar_parse(schema_gbnf, strlen(schema_gbnf), err, sizeof err) : NULL;
+    m40_gmatch *m1 = g1 ? m40_gmatch_new(g1) : NULL, *m2 = g2 ? m40_gmatch_new(g2) : NULL;
+    int same = 0, valid = 0, constrained = 0;
+    for (int i = 0; i < NJ; i++) {
+        const job *a = &jobs[0][i], *b = &jobs[1][i];
+        same += a->len == b->len && !memcmp(a->text, b->text, a->len) && a->finish == b->finish;
+        if (i % 3 < 2 && b->finish == M40_FINISH_STOP) {
+            constrained++;
+            valid += m40_gmatch_full(i % 3 == 0 ? m1 : m2, b->text, b->len);
+        }
+    }
+    printf("pick threads: %d of %d texts equal to the serial engine's; %d of %d complete constrained ones valid\n",
+           same, NJ, valid, constrained);
+    CHECK(same == NJ, "pick threads: %d of %d texts equal to the serial engine's", same, NJ);
+    CHECK(m1 && m2 && constrained >= 4 && valid == constrained, "pick threads: %d of %d constrained texts valid", valid,
+          constrained);
+    m40_gmatch_free(m1);
+    m40_gmatch_free(m2);
+    m40_grammar_free(g1);
+    m40_grammar_free(g2);
+}
+
 int main(void)
 {
     char path[4096];
@@ -221,6 +284,7 @@ int main(void)
     p.json_schema = schema;
     if (schema_gbnf)
         run_batch(e, &p, schema_gbnf, 12, "json_schema");
+    pick_threads_same(path, schema, schema_gbnf);
     free(schema_gbnf);
 
     params(&p, 1);

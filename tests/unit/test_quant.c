@@ -666,6 +666,52 @@ static void test_roundtrip(void)
     CHECK(m40_quantize_row(M40_TYPE_Q4_K, x, q, 32) == -1, "Q4_K partial super-block");
 }
 
+/* m40_quantize_row_quick (mkmodel --quick): the K-quants within the round trip's bounds
+ * and close to the searched fit; every other type byte-identical to m40_quantize_row. */
+static void test_quick(void)
+{
+    enum { N = 256 * 16 };
+    static float x[N], y[N];
+    static uint8_t q[N * 4], q2[N * 4];
+    for (int b = 0; b < N / 256; b++) {
+        float mag = powf(10.0f, -2.0f + 3.0f * rndu());
+        for (int i = 0; i < 256; i++)
+            x[256 * b + i] = mag * rndn();
+    }
+    static const struct {
+        uint32_t type;
+        double bound;
+    } kq[] = {{M40_TYPE_Q4_K, 0.08}, {M40_TYPE_Q6_K, 0.02}};
+    for (size_t c = 0; c < sizeof kq / sizeof kq[0]; c++) {
+        double mean[2] = {0, 0}, worst[2] = {0, 0};
+        for (int v = 0; v < 2; v++) {
+            CHECK((v ? m40_quantize_row_quick : m40_quantize_row)(kq[c].type, x, q, N) == 0, "quantize");
+            m40_dequantize_row(kq[c].type, q, y, N);
+            for (int b = 0; b < N / 256; b++) {
+                double r = rel_rms(x + 256 * b, y + 256 * b, 256);
+                mean[v] += r / (N / 256);
+                worst[v] = r > worst[v] ? r : worst[v];
+            }
+        }
+        printf("quick %-5s per-block relative RMS error: mean %.5f worst %.5f (searched: %.5f, %.5f)\n",
+               m40_type_name(kq[c].type), mean[1], worst[1], mean[0], worst[0]);
+        CHECK(mean[1] <= kq[c].bound && worst[1] <= 1.25 * kq[c].bound, "%s quick error %.5f / %.5f",
+              m40_type_name(kq[c].type), mean[1], worst[1]);
+        CHECK(mean[1] <= 1.2 * mean[0] && mean[1] >= mean[0], "%s quick mean %.5f against searched %.5f",
+              m40_type_name(kq[c].type), mean[1], mean[0]);
+    }
+    static const uint32_t same[] = {M40_TYPE_F32, M40_TYPE_F16, M40_TYPE_BF16, M40_TYPE_Q8_0, M40_TYPE_Q4_0,
+                                    M40_TYPE_Q4_1, M40_TYPE_Q5_0, M40_TYPE_Q5_1, M40_TYPE_MXFP4};
+    for (size_t c = 0; c < sizeof same / sizeof same[0]; c++) {
+        memset(q, 0, sizeof q);
+        memset(q2, 0, sizeof q2);
+        CHECK(m40_quantize_row(same[c], x, q, N) == 0 && m40_quantize_row_quick(same[c], x, q2, N) == 0 &&
+                  !memcmp(q, q2, sizeof q),
+              "%s: quick differs from m40_quantize_row", m40_type_name(same[c]));
+    }
+    CHECK(m40_quantize_row_quick(M40_TYPE_Q4_K, x, q, 32) == -1, "quick: Q4_K partial super-block");
+}
+
 /* ---------------------------------------------------------------- dot products */
 
 /* Random bytes for a row, with every fp16 scale field replaced by a finite random
@@ -903,6 +949,7 @@ int main(void)
     test_q6_k();
     test_mxfp4();
     test_roundtrip();
+    test_quick();
     test_dot();
     test_real_models();
     test_cross_models();

@@ -52,6 +52,35 @@ static void check_pool(int n_threads)
     CHECK(all_once, "%d threads: every task ran exactly once in every job", n_threads);
     CHECK(in_range, "%d threads: thread indices within 0..%d", n_threads, n_threads - 1);
     m40_threadpool_run(p, 0, task, &j); /* no tasks: returns at once */
+
+    /* start / wait: the tasks run while the caller does something else, every one exactly
+     * once, done by wait's return; jobs of start/wait and run alternate on one pool */
+    int async_once = 1;
+    for (int rep = 0; rep < 60; rep++) {
+        int n = rep % 4 == 0 ? 1 : rep % 4 == 1 ? 3 : MAX_TASKS;
+        memset(&j, 0, sizeof j);
+        j.size = n_threads;
+        m40_threadpool_start(p, n, task, &j);
+        volatile double x = 0; /* the caller's own work meanwhile */
+        for (int i = 0; i < (rep % 5) * 5000; i++)
+            x += i;
+        m40_threadpool_wait(p);
+        for (int t = 0; t < MAX_TASKS; t++)
+            if (atomic_load(&j.runs[t]) != (t < n ? 1 : 0))
+                async_once = 0;
+        if (rep % 3 == 0) {
+            m40_threadpool_wait(p); /* a second wait without a job returns at once */
+            memset(&j, 0, sizeof j);
+            j.size = n_threads;
+            m40_threadpool_run(p, 7, task, &j);
+            for (int t = 0; t < 7; t++)
+                if (atomic_load(&j.runs[t]) != 1)
+                    async_once = 0;
+        }
+    }
+    CHECK(async_once, "%d threads: start/wait ran every task exactly once", n_threads);
+    m40_threadpool_start(p, 0, task, &j); /* no tasks: nothing to wait for */
+    m40_threadpool_wait(p);
     m40_threadpool_free(p);
 }
 
