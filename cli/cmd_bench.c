@@ -37,6 +37,7 @@ typedef struct {
     unsigned long long seed;
     double bandwidth_gbs;
     int gpu_time;
+    int exact;
 } bench_opts;
 
 typedef struct {
@@ -61,7 +62,9 @@ static void bench_usage(FILE *f)
             "  --bandwidth GB/s  memory bandwidth of the roofline (default %.0f: H100 80GB HBM3 copy)\n"
             "  --seed S          seed of the random prompt token ids (default 1)\n"
             "  --gpu-time        also time each decode step's device work with CUDA events and print\n"
-            "                    it beside the wall time (the difference: host work and launch gaps)\n",
+            "                    it beside the wall time (the difference: host work and launch gaps)\n"
+            "  --exact           CPU: the exact F32 reference products (as m40 eval) instead of the fast\n"
+            "                    int16 path\n",
             BENCH_DEFAULT_BANDWIDTH_GBS);
 }
 
@@ -223,6 +226,10 @@ static int parse_args(int argc, char **argv, bench_opts *o)
             o->gpu_time = 1;
             continue;
         }
+        if (!strcmp(a, "--exact")) {
+            o->exact = 1;
+            continue;
+        }
         if (!(a[0] == '-' && a[1] == '-')) {
             if (o->model_path) {
                 fprintf(stderr, "m40 bench: more than one model given ('%s')\n", a);
@@ -308,7 +315,8 @@ int m40_cmd_bench(int argc, char **argv)
     char err[512], stored[PATH_MAX];
     o.model_path = m40_model_arg("bench", o.model_path, stored, sizeof stored);
     m40_model *m = NULL;
-    m40_model_options mo = {.n_threads = (int)o.threads, .device = (int)o.device, .log_progress = 1};
+    m40_model_options mo = {.n_threads = (int)o.threads, .device = (int)o.device, .log_progress = 1,
+                            .cpu_fast = !o.exact};
     if (m40_model_load_opts(o.model_path, &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 bench: %s\n", err);
         return 1;
@@ -373,7 +381,7 @@ int m40_cmd_bench(int argc, char **argv)
         printf("device:   cuda:%d (paged KV pool of %d blocks of 16 tokens)\n", m40_model_device(m),
                (int)m40_kv_pool_blocks(kv));
     else
-        printf("device:   cpu, %d threads\n", m40_model_n_threads(m));
+        printf("device:   cpu, %d threads, %s path\n", m40_model_n_threads(m), m40_model_cpu_path(m));
     printf("setup:    prompt %ld random tokens (chunks of %ld), decode %ld greedy steps, batch %ld, %ld reps "
            "after %ld warm-up; KV cache %.2f GB (%s)\n",
            o.prompt_len, o.chunk, o.gen, o.batch, o.reps, o.warmup, kv_bytes / 1e9, on_gpu ? "F16, paged" : "F32");

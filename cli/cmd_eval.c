@@ -14,10 +14,12 @@
 
 static void eval_usage(FILE *f)
 {
-    fprintf(f, "usage: m40 eval [--tol X] [--threads N] [--device D] MODEL REF.json\n"
+    fprintf(f, "usage: m40 eval [--tol X] [--threads N] [--device D] [--fast] MODEL REF.json\n"
                "  --tol X      largest allowed |delta logprob| (default 1e-3)\n"
                "  --threads N  CPU threads (default: all)\n"
-               "  --device D   cpu (default) or a CUDA device index; the GPU path is expected within 5e-2\n");
+               "  --device D   cpu (default) or a CUDA device index; the GPU path is expected within 5e-2\n"
+               "  --fast       CPU: measure the fast int16 path (run, bench and serve use it) instead of\n"
+               "               the exact F32 reference; set --tol to the fast path's (BENCHMARKS.md)\n");
 }
 
 /* The prompt for a one-line report: at most 40 bytes, control bytes escaped. */
@@ -42,6 +44,7 @@ int m40_cmd_eval(int argc, char **argv)
 {
     double tol = 1e-3;
     long threads = 0, device = -1;
+    int fast = 0;
     const char *paths[2] = {NULL, NULL};
     int n_paths = 0;
     for (int i = 1; i < argc; i++) {
@@ -64,6 +67,8 @@ int m40_cmd_eval(int argc, char **argv)
                 fprintf(stderr, "m40 eval: --threads needs a number of threads\n");
                 return 2;
             }
+        } else if (!strcmp(a, "--fast")) {
+            fast = 1;
         } else if (!strcmp(a, "--device")) {
             const char *v = i + 1 < argc ? argv[++i] : "";
             errno = 0;
@@ -96,7 +101,7 @@ int m40_cmd_eval(int argc, char **argv)
         return 1;
     }
     m40_model *m = NULL;
-    m40_model_options mo = {.n_threads = (int)threads, .device = (int)device};
+    m40_model_options mo = {.n_threads = (int)threads, .device = (int)device, .cpu_fast = fast};
     char stored[PATH_MAX];
     if (m40_model_load_opts(m40_model_arg("eval", paths[0], stored, sizeof stored), &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 eval: %s\n", err);

@@ -52,6 +52,8 @@ static void serve_usage(FILE *f)
             "                  while sequences decode, a step with prompt tokens takes at\n"
             "                  most F times a decode-only step (default off)\n"
             "  --no-ui         no chat page at / (the API alone)\n"
+            "  --exact         CPU: the exact F32 reference products (m40_cpu_exact on) instead\n"
+            "                  of the fast int16 path\n"
             "  --module PATH   ngx_http_m40_module.so (default: beside the m40 binary)\n"
             "  --nginx PATH    nginx binary (default " SERVE_DEFAULT_NGINX ")\n"
             "  --user USER     user of the worker process when started as root\n"
@@ -177,7 +179,7 @@ int m40_cmd_serve(int argc, char **argv)
     const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL, *max_queue = NULL;
     const char *mem_fraction = NULL, *prefill_budget = NULL, *prefill_chunk = NULL, *itl_guard = NULL;
     const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL;
-    int ui = 1;
+    int ui = 1, exact = 0;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -187,6 +189,10 @@ int m40_cmd_serve(int argc, char **argv)
         }
         if (!strcmp(a, "--no-ui")) {
             ui = 0;
+            continue;
+        }
+        if (!strcmp(a, "--exact")) {
+            exact = 1;
             continue;
         }
         if (a[0] == '-' && a[1] == '-') {
@@ -387,6 +393,8 @@ int m40_cmd_serve(int argc, char **argv)
         put_quoted(f, nm);
     }
     fprintf(f, ";\n    m40_device %s;\n", device);
+    if (exact)
+        fprintf(f, "    m40_cpu_exact on;\n");
     /* the options given, as their directives */
     const struct {
         const char *directive, *value;

@@ -39,6 +39,8 @@ typedef struct {
     int32_t max_queue;             /* requests waiting (for tokenization or a slot) before 429;
                                     * 0: M40_DEFAULT_MAX_QUEUE */
     int32_t n_threads;             /* CPU threads; 0: all */
+    int cpu_fast;                  /* CPU: 1 the fast int16 products (m40_model_options.cpu_fast;
+                                    * the nginx module's default), 0 the exact F32 reference */
     const char *chat_template;     /* Jinja source overriding the GGUF's; NULL: the GGUF's, else the fallback */
     int32_t prefill_chunk;         /* prompt tokens of one sequence in one step (at most the
                                     * budget); 0: M40_DEFAULT_PREFILL_CHUNK */

@@ -89,6 +89,7 @@ ngx_http_m40_start_engine(ngx_cycle_t *cycle, ngx_http_m40_model_t *m)
     ec.max_seqs = (int32_t) m->max_seqs;
     ec.max_queue = (int32_t) m->max_queue;
     ec.n_threads = (int32_t) m->threads;
+    ec.cpu_fast = !m->mcf->cpu_exact;
     ec.gpu_memory_fraction = (float) m->gpu_memory_fraction;
     ec.kv_share = (float) m->kv_share;
     ec.kv_keep_bytes = m->kv_keep_bytes;

@@ -181,6 +181,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       offsetof(ngx_http_m40_main_conf_t, threads),
       &ngx_http_m40_threads_bounds },
 
+    { ngx_string("m40_cpu_exact"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_FLAG,
+      ngx_conf_set_flag_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, cpu_exact),
+      NULL },
+
     { ngx_string("m40_load_wait"),
       NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_msec_slot,
@@ -270,6 +277,7 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->max_tokens_default = NGX_CONF_UNSET;
     mcf->max_tokens_limit = NGX_CONF_UNSET;
     mcf->threads = NGX_CONF_UNSET;
+    mcf->cpu_exact = NGX_CONF_UNSET;
     mcf->gpu_memory_fraction = -1.0;
     mcf->prefill_chunk = NGX_CONF_UNSET;
     mcf->prefill_budget = NGX_CONF_UNSET;
@@ -310,6 +318,7 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     ngx_conf_init_value(mcf->max_tokens_default, 256);
     ngx_conf_init_value(mcf->max_tokens_limit, 4096);
     ngx_conf_init_value(mcf->threads, 0);
+    ngx_conf_init_value(mcf->cpu_exact, 0);
 
     if (mcf->max_tokens_default > mcf->max_tokens_limit) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,

@@ -113,6 +113,7 @@ struct ngx_http_m40_main_conf_s {
     ngx_int_t            max_tokens_default;
     ngx_int_t            max_tokens_limit;
     ngx_int_t            threads;
+    ngx_flag_t           cpu_exact;           /* m40_cpu_exact: the CPU's exact products */
     double               gpu_memory_fraction; /* -1: unset; 0: the engine's default */
     ngx_int_t            prefill_chunk;       /* 0: the engine's default */
     ngx_int_t            prefill_budget;      /* 0: automatic (the engine's) */

@@ -42,6 +42,7 @@
 #include "model_internal.h"
 #include "model_priv.h"
 #include "ffn.h"
+#include "cpu_matmul_fast.h"
 #include "ref/quant.h"
 #include "util/threadpool.h"
 
@@ -106,6 +107,11 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         goto fail;
     }
     m->n_threads = m40_threadpool_size(m->pool);
+    m->fast = opts && opts->cpu_fast && device < 0;
+    if (m->fast) {
+        m->attn_dot = m40_dot_f_kernel(M40_TYPE_F32, m40_cpu_isa()); /* NULL without AVX2 */
+        m->attn_axpy = m->attn_dot ? m40_axpy_kernel(m40_cpu_isa()) : NULL;
+    }
     m->device = -1;
     if (device >= 0) {
         m40_gpu_src src;
@@ -159,6 +165,7 @@ void m40_model_free(m40_model *m)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(m->logit_rows);
+    free(m->xq);
     free(m->moe_ids);
     free(m->moe_rows);
     free(m);
@@ -168,6 +175,11 @@ const m40_model_params *m40_model_get_params(const m40_model *m) { return &m->p;
 const m40_tokenizer *m40_model_tokenizer(const m40_model *m) { return m->tok; }
 const m40_gguf *m40_model_gguf(const m40_model *m) { return m->gguf; }
 int m40_model_n_threads(const m40_model *m) { return m->n_threads; }
+const char *m40_model_cpu_path(const m40_model *m)
+{
+    static const char *const fast[M40_ISA_COUNT] = {"fast: portable C", "fast: AVX2", "fast: AVX-512 VNNI"};
+    return m->gpu ? "gpu" : m->fast ? fast[m40_cpu_isa()] : "exact";
+}
 int m40_model_device(const m40_model *m) { return m->gpu ? m->device : -1; }
 const m40_tuning *m40_model_tuning(const m40_model *m) { return &m->tuning; }
 void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launches)
@@ -377,7 +389,8 @@ static int rounds_input_to_f16(const m40_model *m, const matrix *w)
     return m->arch->f16_round_ragged && w->type == M40_TYPE_F16 && (w->rows % 4 != 0 || w->cols % 4 != 0);
 }
 
-void m40_model_matmul(m40_model *m, const matrix *w, const float *x, int32_t n, float *out, const float *bias)
+/* The exact reference product (the only one when m->fast is off). */
+static void matmul_exact(m40_model *m, const matrix *w, const float *x, int32_t n, float *out)
 {
     if (rounds_input_to_f16(m, w)) {
         size_t len = (size_t)n * (size_t)w->cols;
@@ -386,10 +399,49 @@ void m40_model_matmul(m40_model *m, const matrix *w, const float *x, int32_t n, 
         x = m->x16;
     }
     m40_cpu_matmul(m->pool, m->n_threads, m->row_buf, m->row_buf_len, w, x, n, out);
+}
+
+static void add_bias(const matrix *w, int32_t n, float *out, const float *bias)
+{
     if (bias)
         for (int32_t t = 0; t < n; t++)
             for (int64_t r = 0; r < w->rows; r++)
                 out[(size_t)t * (size_t)w->rows + (size_t)r] += bias[r];
+}
+
+/* The fast path quantizes x once for every matrix of the group that reads int16
+ * records and runs the supported ones in one pool run; a type without a fast kernel
+ * (Q2_K, Q3_K, BF16, MXFP4) takes the exact product. The F16 input rounding of
+ * rounds_input_to_f16 is the reference's and stays on the exact path: the fast path
+ * multiplies F16 weights with the F32 activations as they are. */
+void m40_model_matmul_group(m40_model *m, const matrix *const *ws, float *const *outs, const float *const *biases,
+                            int count, const float *x, int32_t n)
+{
+    const matrix *fw[M40_FAST_MAX_GROUP];
+    float *fo[M40_FAST_MAX_GROUP];
+    int nf = 0, need_q = 0;
+    for (int i = 0; i < count; i++) {
+        int quantized = 0;
+        if (m->fast && nf < M40_FAST_MAX_GROUP && m40_fast_supported(ws[i], &quantized)) {
+            fw[nf] = ws[i];
+            fo[nf++] = outs[i];
+            need_q |= quantized;
+        } else {
+            matmul_exact(m, ws[i], x, n, outs[i]);
+        }
+    }
+    if (nf > 0) {
+        if (need_q)
+            m40_fast_quantize(m->pool, x, n, fw[0]->cols, m->xq);
+        m40_fast_matmul(m->pool, m->n_threads, fw, fo, nf, x, m->xq, n);
+    }
+    for (int i = 0; i < count; i++)
+        add_bias(ws[i], n, outs[i], biases ? biases[i] : NULL);
+}
+
+void m40_model_matmul(m40_model *m, const matrix *w, const float *x, int32_t n, float *out, const float *bias)
+{
+    m40_model_matmul_group(m, &w, &out, &bias, 1, x, n);
 }
 
 /* YaRN's angle of dimension pair d from its unscaled angle, and the magnitude its
@@ -452,7 +504,8 @@ static void attention_task(void *ctx, int task, int thread)
     const float *sinks = m->layers[j->l].attn_sinks;
     float max = sinks ? sinks[h] : -INFINITY;
     for (int32_t t = first; t <= pos; t++) {
-        float s = m40_dot_f32(q, kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd, hd) * scale;
+        const float *krow = kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd;
+        float s = (m->attn_dot ? m->attn_dot((const uint8_t *)krow, q, hd) : m40_dot_f32(q, krow, hd)) * scale;
         if (cap > 0)
             s = softcap(s, cap);
         score[t - first] = s;
@@ -469,6 +522,10 @@ static void attention_task(void *ctx, int task, int thread)
     for (int32_t t = first; t <= pos; t++) {
         const float *v = kv_row(j->kv, j->kv->v, slot, j->l, t) + (size_t)kvh * hd;
         float w = score[t - first] * inv;
+        if (m->attn_axpy) {
+            m->attn_axpy(out, w, v, hd);
+            continue;
+        }
         for (int32_t d = 0; d < hd; d++)
             out[d] += w * v[d];
     }
@@ -517,6 +574,12 @@ static int ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
         if (!rows)
             return -1;
         m->logit_rows = rows;
+        if (m->fast) { /* the int16 records of the widest matmul input */
+            struct m40_xq *xq = realloc(m->xq, N * ((in_max + 31) / 32) * sizeof *xq);
+            if (!xq)
+                return -1;
+            m->xq = xq;
+        }
         if (grow(&m->x, N * p->dim) || grow(&m->xb, N * p->dim) || grow(&m->q, N * m->q_dim) ||
             grow(&m->k, N * m->kv_dim) || grow(&m->v, N * m->kv_dim) || grow(&m->att, N * m->q_dim) ||
             grow(&m->hb, N * (size_t)ffn_max) || grow(&m->hb2, N * (size_t)ffn_max) || grow(&m->x16, N * in_max) ||
@@ -674,9 +737,12 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         /* attention */
         for (int32_t i = 0; i < n; i++)
             rmsnorm(m->xb + i * dim, m->x + i * dim, L->attn_norm, p->dim, p->norm_eps);
-        m40_model_matmul(m, &L->wq, m->xb, n, m->q, L->bq);
-        m40_model_matmul(m, &L->wk, m->xb, n, m->k, L->bk);
-        m40_model_matmul(m, &L->wv, m->xb, n, m->v, L->bv);
+        {
+            const matrix *w3[3] = {&L->wq, &L->wk, &L->wv};
+            float *o3[3] = {m->q, m->k, m->v};
+            const float *b3[3] = {L->bq, L->bk, L->bv};
+            m40_model_matmul_group(m, w3, o3, b3, 3, m->xb, n);
+        }
         for (int32_t i = 0; i < n; i++) {
             float *q = m->q + i * qd, *k = m->k + i * kvd;
             if (L->q_norm) /* per-head RMSNorm before RoPE (Qwen3, Gemma 3) */
@@ -704,8 +770,9 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         if (L->router.data) {
             m40_moe_ffn(m, l, n);
         } else {
-            m40_model_matmul(m, &L->w_gate, m->xb, n, m->hb, NULL);
-            m40_model_matmul(m, &L->w_up, m->xb, n, m->hb2, NULL);
+            const matrix *w2[2] = {&L->w_gate, &L->w_up};
+            float *o2[2] = {m->hb, m->hb2};
+            m40_model_matmul_group(m, w2, o2, NULL, 2, m->xb, n);
             m40_glu(m->act, m->hb, m->hb2, (size_t)n * ffn);
             m40_model_matmul(m, &L->w_down, m->hb, n, m->xb, NULL);
         }

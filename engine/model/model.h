@@ -49,6 +49,12 @@ typedef struct {
     int device;
     int log_progress;
     int32_t ctx_size; /* the context one sequence gets, 0: the model's; picks LongRoPE's factor set */
+    /* CPU backend only. 0 (the default, and m40_model_load's): the exact F32 reference
+     * (dequantized weights times F32 activations), the one `m40 eval` and the tests
+     * compare with the shared references. 1: the fast path (cpu_matmul_fast.h):
+     * activations quantized to int16 per block of 32 against the quantized weights,
+     * F16 weights through F16C/FMA; types without a fast kernel keep the exact path. */
+    int cpu_fast;
 } m40_model_options;
 int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen);
 /* -1: the CPU, else the CUDA device index the model lives on. */
@@ -68,6 +74,9 @@ const m40_tokenizer *m40_model_tokenizer(const m40_model *m);
 const m40_gguf *m40_model_gguf(const m40_model *m);
 /* Threads of the model's CPU pool (the caller of m40_model_forward counts as one). */
 int m40_model_n_threads(const m40_model *m);
+/* The CPU path in use: "exact" (the F32 reference), or the fast path's instruction set
+ * ("fast: AVX-512 VNNI", "fast: AVX2", "fast: portable C"); "gpu" on a GPU model. */
+const char *m40_model_cpu_path(const m40_model *m);
 
 /* KV cache for n_slots independent sequences of up to ctx tokens each (ctx <= 0: the
  * model's ctx_train). F32, allocated up front: n_slots * n_layers * ctx * 2 * kv_dim

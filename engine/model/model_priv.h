@@ -58,6 +58,11 @@ struct m40_model {
 
     m40_threadpool *pool;
     int n_threads;
+    int fast;                     /* the fast CPU path (options.cpu_fast): cpu_matmul_fast.h */
+    /* the fast path's attention: q.k through the F32 FMA dot and p * V through axpy
+     * (cpu_dot.h); NULL on the exact path, whose attention is the reference's */
+    float (*attn_dot)(const uint8_t *k, const float *q, int64_t n);
+    void (*attn_axpy)(float *y, float a, const float *x, int64_t n);
 
     /* Scratch for one forward call, grown on demand. */
     int32_t cap_tokens;
@@ -71,6 +76,7 @@ struct m40_model {
     float *rope_cos, *rope_sin;   /* [n][rope_dim/2] */
     float *rope_cos_l, *rope_sin_l; /* the same with the local layers' base (has_local) */
     int32_t *logit_rows;
+    struct m40_xq *xq;            /* fast path: [n][max input dim / 32] int16 records of a matmul input */
     float *row_buf;               /* per thread: one dequantized weight row */
     int64_t row_buf_len;
     float *score_buf;             /* per thread: attention scores over the context */
@@ -91,6 +97,11 @@ int m40_model_read(m40_model *m, char *err, size_t errlen);
 /* out[t] = W x[t] (+ bias) for the n token vectors of x on the model's pool, with the
  * F16 input rounding the row asks for (model.c). */
 void m40_model_matmul(m40_model *m, const m40_matrix *w, const float *x, int32_t n, float *out, const float *bias);
+/* The products of `count` (<= 4) matrices of one input x (all as wide), in one pool run
+ * on the fast path with x quantized once; on the exact path as count m40_model_matmul
+ * calls. biases may be NULL or hold NULL entries. */
+void m40_model_matmul_group(m40_model *m, const m40_matrix *const *ws, float *const *outs, const float *const *biases,
+                            int count, const float *x, int32_t n);
 
 /* The GPU back end's view of m's weights and of its row's scalars (neutral where the row lacks one). */
 void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src);

@@ -153,6 +153,7 @@ struct m40_engine {
     int stats_wake;               /* engine thread: wake the submitter after the step's
                                    * statistics (a change no event carries) */
     int32_t n_threads;
+    int cpu_fast;
     m40_prefill_policy prefill;   /* budget, chunk, floor, guard (0: off); set at create */
     int prefill_budget_auto;
 

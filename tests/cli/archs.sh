@@ -41,7 +41,7 @@ for name in tiny-qwen3-gpt2-f16 tiny-phi3-f16 tiny-gemma2-f16 tiny-llama-hd-f16 
     "$M40" eval "$model" "$ref" >"$tmp/eval" 2>&1; rc=$?
     check "$name: eval passes at 1e-3" [ "$rc" -eq 0 ]
     check "$name: eval PASS line" grep -qE '^overall: .*tokenization identical: PASS$' "$tmp/eval"
-    "$M40" run "$model" -p "Once upon a time" --temp 0 -n 16 >"$tmp/out" 2>/dev/null; rc=$?
+    "$M40" run "$model" --exact -p "Once upon a time" --temp 0 -n 16 >"$tmp/out" 2>/dev/null; rc=$?
     check "$name: greedy run exits 0" [ "$rc" -eq 0 ]
     want=$(ref_hex "$ref")
     got=$(od -An -v -tx1 "$tmp/out" | tr -d ' \n')

@@ -43,7 +43,7 @@ fi
 words() { # plain English: letters, digits, spaces and punctuation only, at least $2 words
     grep -qE '^[][A-Za-z0-9 ,.;:!?"'"'"'()-]+$' "$1" && [ "$(wc -w <"$1")" -ge "$2" ]
 }
-"$M40" run "$model" -p "The capital of France is" --temp 0 -n 12 >"$tmp/out" 2>"$tmp/err"; rc=$?
+"$M40" run "$model" --exact -p "The capital of France is" --temp 0 -n 12 >"$tmp/out" 2>"$tmp/err"; rc=$?
 echo "greedy: The capital of France is$(cat "$tmp/out")"
 check "run exits 0" [ "$rc" -eq 0 ]
 check "greedy output is plain English words" words "$tmp/out" 6

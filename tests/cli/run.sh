@@ -21,7 +21,7 @@ first_prompt() {
 model=$SHARED/models/aidreams260K.gguf
 ref=$SHARED/models/ref/aidreams260K.json
 if [ -f "$model" ] && [ -f "$ref" ]; then
-    "$M40" run "$model" -p "Once upon a time" --temp 0 -n 40 >"$tmp/out" 2>"$tmp/err"; rc=$?
+    "$M40" run "$model" --exact -p "Once upon a time" --temp 0 -n 40 >"$tmp/out" 2>"$tmp/err"; rc=$?
     check "run exits 0" [ "$rc" -eq 0 ]
     check "speed line on stderr" grep -qE '^prompt: [0-9]+ tokens, [0-9.]+ tok/s \| generated: 40 tokens, [0-9.]+ tok/s' "$tmp/err"
     if [ "$(first_prompt "$ref")" = "Once upon a time" ]; then

@@ -1,0 +1,85 @@
+/* The fast CPU path's dot products (cpu_dot.c: the activation quantizer, the portable C
+ * kernels and the dispatch; cpu_dot_x86.h instantiated by cpu_dot_avx2.c and
+ * cpu_dot_avx512.c: the SIMD twins). Private to engine/model/.
+ *
+ * Activations are quantized per block of 32 to int16 with one F32 scale per block, so a
+ * weight block of 32 (or a K-quant's sub-block of 32) meets exactly one activation
+ * block and its product is an integer dot product (pmaddwd / vpdpwssd) times two
+ * scales. int16, not int8: with int8 (a / 254 per element) the errors of 30 layers moved
+ * SmolLM2-135M's log-probabilities by up to 0.2 and flipped its greedy answer to the
+ * README's question (the exact path's first-token margin is 0.08); int16 makes that
+ * error 258 times smaller for about 1.5x the integer work per token, which decode, bound
+ * by reading the weights, does not notice. The record keeps
+ * the block's sums too: the types whose levels carry an offset (Q4_0's -8, Q5_0's -16,
+ * Q6_K's -32) or a min (Q4_1, Q5_1, Q4_K, Q5_K) subtract it once per block as
+ * offset * sum(x) instead of per element.
+ *
+ * Accuracy: with a = max|x| over a block, d = a / 32767 and q = rint(x * (1 / d)),
+ * |x - d*q| <= d * (1/2 + 0.01) per element (the 0.01 bounds the F32 rounding of 1 / d
+ * and of x * (1 / d) near 32767), so a product differs from the exact one (dequantized
+ * weights times F32 x) by at most sum_k |W[k]| * d(k's block) * 0.51, plus F32 rounding
+ * of the sums. */
+#ifndef M40_CPU_DOT_H
+#define M40_CPU_DOT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* One block of 32 quantized activations: x[i] ~ d * q[i]. s = d * sum(q) (F32), h[0]
+ * and h[1] the integer sums of q[0..16) and q[16..32) (Q6_K's scales cover 16). q is
+ * first: records are 32-byte multiples apart only by their size (80), so loads are
+ * unaligned. */
+typedef struct m40_xq {
+    int16_t q[32];
+    float d;
+    float s;
+    int32_t h[2];
+} m40_xq;
+
+/* x[0..K) (K a multiple of 32) into K/32 records: d = max|x| / 32767, q = x * (1 / d)
+ * rounded to nearest even. m40_xq_quantize: the widest isa's quantizer (the same
+ * records bit for bit as m40_xq_quantize_isa(M40_ISA_PORTABLE)). */
+typedef void (*m40_xq_quantize_fn)(const float *x, int64_t K, m40_xq *out);
+void m40_xq_quantize(const float *x, int64_t K, m40_xq *out);
+m40_xq_quantize_fn m40_xq_quantize_isa(int isa); /* NULL: not on this CPU */
+
+/* Instruction sets, widest last. */
+enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_COUNT };
+
+/* The widest this CPU runs (checked once at run time). */
+int m40_cpu_isa(void);
+const char *m40_cpu_isa_name(int isa);
+
+/* dot(one weight row of K elements at w, its activations): xq holds K/32 records.
+ * F16 and F32 rows take the F32 activations x instead (xq unused). */
+typedef float (*m40_dot_q_fn)(const uint8_t *w, const m40_xq *xq, int64_t K);
+typedef float (*m40_dot_f_fn)(const uint8_t *w, const float *x, int64_t K);
+/* The same row against 4 tokens at once (prefill): out[t] = dot(w, xq + t * x_stride),
+ * t < 4, each the same bits as the one-token kernel of that isa gives. */
+typedef void (*m40_dot_q4_fn)(const uint8_t *w, const m40_xq *xq, int64_t x_stride, int64_t K, float *out);
+
+/* The kernel of `type` for `isa`; NULL when that type has no fast kernel (the caller
+ * keeps the exact path) or the isa is not compiled in / not run by this CPU. Quantized
+ * types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; float types: F16 (and F32). */
+m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa);
+m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa);
+/* The 4-token kernel of `type` for `isa` (SIMD isas only; NULL otherwise). */
+m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa);
+
+/* y[i] += a * x[i], i < n, for `isa` (NULL where absent; the portable one is plain C). */
+typedef void (*m40_axpy_fn)(float *y, float a, const float *x, int64_t n);
+m40_axpy_fn m40_axpy_kernel(int isa);
+
+/* The per-ISA tables (cpu_dot_avx2.c, cpu_dot_avx512.c); NULL entries where absent. */
+m40_xq_quantize_fn m40_xq_quantize_avx2(void);
+m40_axpy_fn m40_axpy_avx2(void);
+m40_axpy_fn m40_axpy_avx512(void);
+m40_xq_quantize_fn m40_xq_quantize_avx512(void);
+m40_dot_q_fn m40_dot_q_avx2(uint32_t type);
+m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type);
+m40_dot_f_fn m40_dot_f_avx2(uint32_t type);
+m40_dot_q_fn m40_dot_q_avx512(uint32_t type);
+m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type);
+m40_dot_f_fn m40_dot_f_avx512(uint32_t type);
+
+#endif

@@ -1,0 +1,404 @@
+/* The x86 SIMD kernels of the fast CPU path, written once and compiled twice: by
+ * cpu_dot_avx2.c (AVX2: int16 products through pmaddwd) and by cpu_dot_avx512.c
+ * (AVX-512 VNNI on 256-bit vectors: vpdpwssd). The includer defines
+ *   X86_TARGET   the target attribute string (so the build needs no -march flag and the
+ *                binary runs on any x86-64; the dispatch in cpu_dot.c checks the CPU),
+ *   X86_NAME(n)  the kernel's name in this instance,
+ *   x86_dotw     (lo, hi, q): the 16-bit weights lo (elements 0..15) and hi (16..31)
+ *                times the record's int16 q -> 8 int32 lanes, each the sum of 4 products.
+ * The twins are the portable kernels of cpu_dot.c: the same integers per block, the F32
+ * sums in another order (8 lanes per block, added across blocks, reduced at the end). */
+#include <immintrin.h>
+#include <string.h>
+
+#include "cpu_dot.h"
+#include "ref/ggml_types.h"
+
+#define X86_FN static inline __attribute__((target(X86_TARGET), always_inline))
+#define X86_KERNEL static __attribute__((target(X86_TARGET)))
+
+X86_FN float x86_f16(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+X86_FN float x86_hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* acc += scale * (F32) int32 lanes */
+X86_FN __m256 x86_acc(__m256 acc, float scale, __m256i p)
+{
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+}
+
+/* 16 bytes of nibbles into 32 levels: the low nibbles first (elements 0..15), the high
+ * nibbles after (16..31), the order of Q4_0/Q4_1/Q5_0/Q5_1. */
+X86_FN __m256i x86_nibbles(const uint8_t *qs)
+{
+    __m128i v = _mm_loadu_si128((const __m128i *)(const void *)qs);
+    const __m128i m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* Bit i of qh as 0x10 in byte i (Q5_0/Q5_1's 5th bit). */
+X86_FN __m256i x86_bit5(const uint8_t *qh4)
+{
+    uint32_t qh;
+    memcpy(&qh, qh4, sizeof qh);
+    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                    _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                       0x0303030303030303LL));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    b = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x10));
+}
+
+/* Software prefetch X86_PF bytes ahead of the block being read. The weights stream from
+ * memory once per product (decode), and a block's few dozen instructions keep too few
+ * cache lines in flight for the memory latency: without it a core reads a quarter of the
+ * bandwidth a plain copy gets. The next rows follow the current one in memory, so
+ * reading ahead across a row's end is useful too (and never faults). */
+#define X86_PF 2048
+X86_FN void x86_prefetch(const uint8_t *w, int bytes)
+{
+    for (int o = 0; o < bytes; o += 64)
+        _mm_prefetch((const char *)(w + X86_PF + o), _MM_HINT_T0);
+}
+
+/* 32 unsigned 8-bit levels widened to 16 bits: elements 0..15 and 16..31. */
+X86_FN void x86_widen(__m256i u, __m256i *lo, __m256i *hi)
+{
+    *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u));
+    *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
+}
+
+/* Each quantized kernel is written once for NT tokens (1 or 4) of one weight row: the
+ * weights are loaded and unpacked once per block and met by every token's record
+ * (x + t * xs), and every token's sums take exactly the steps of the one-token
+ * kernel, so a product is the same bits whichever of the two computed it (batched and
+ * unbatched outputs agree). */
+#define X86_NT_MAX 4
+/* (the token loops are unrolled: acc[] and corr[] then live in registers, not on the
+ * stack, where each block's update would wait on a store) */
+
+X86_FN void x86_q8_0(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int nt, float *out)
+{
+    __m256 acc[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++)
+        acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++, w += 34) {
+        x86_prefetch(w, 34);
+        __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 2)));
+        __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 18)));
+        float d = x86_f16(w);
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < nt; t++) {
+            const m40_xq *xb = &x[t * xs + b];
+            acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++)
+        out[t] = x86_hsum(acc[t]);
+}
+
+/* Q4_0 (five 0, min 0), Q4_1 (min 1), Q5_0 (five 1), Q5_1 (both): the block's bytes
+ * are d | [m] | [qh] | qs. */
+X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int five, int min, int nt, float *out)
+{
+    const int64_t bytes = 18 + (five ? 4 : 0) + (min ? 2 : 0);
+    const int qs_off = 2 + (five ? 4 : 0) + (min ? 2 : 0), qh_off = min ? 4 : 2;
+    __m256 acc[X86_NT_MAX];
+    float corr[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        corr[t] = 0.0f;
+    }
+    for (int64_t b = 0; b < K / 32; b++, w += bytes) {
+        x86_prefetch(w, (int)bytes);
+        __m256i u = x86_nibbles(w + qs_off);
+        if (five)
+            u = _mm256_or_si256(u, x86_bit5(w + qh_off));
+        __m256i lo, hi;
+        x86_widen(u, &lo, &hi);
+        float d = x86_f16(w), m = min ? x86_f16(w + 2) : d;
+        _Pragma("GCC unroll 4")
+        for (int t = 0; t < nt; t++) {
+            const m40_xq *xb = &x[t * xs + b];
+            acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
+            corr[t] += m * xb->s;
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) {
+        float s = x86_hsum(acc[t]);
+        out[t] = min ? s + corr[t] : s - (five ? 16.0f : 8.0f) * corr[t];
+    }
+}
+
+/* Q4_K (five 0) and Q5_K: sub-block 2c + h takes the low (h 0) or high nibbles of
+ * qs[32c..32c+32), Q5_K bit 2c + h of qh[l] as the 5th bit (cpu_dot.c, dot_qk_k). */
+X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int five, int nt, float *out)
+{
+    const int64_t bytes = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[X86_NT_MAX];
+    float corr[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        corr[t] = 0.0f;
+    }
+    for (int64_t b = 0; b < K / M40_QK_K; b++, w += bytes) {
+        x86_prefetch(w, (int)bytes);
+        float d = x86_f16(w), dmin = x86_f16(w + 2);
+        const uint8_t *s = w + 4, *qs = w + (five ? 48 : 16);
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 4; j++) {
+            sc[j] = s[j] & 63;
+            mn[j] = s[j + 4] & 63;
+            sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+            mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+        }
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(const void *)(w + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * c));
+            __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (five) {
+                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(2 << (2 * c)));
+                const __m256i h5 = _mm256_set1_epi8(0x10);
+                u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), h5));
+                u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), h5));
+            }
+            __m256i lo0, hi0, lo1, hi1;
+            x86_widen(u0, &lo0, &hi0);
+            x86_widen(u1, &lo1, &hi1);
+            float d0 = d * (float)sc[2 * c], d1 = d * (float)sc[2 * c + 1];
+            _Pragma("GCC unroll 4")
+            for (int t = 0; t < nt; t++) {
+                const m40_xq *x0 = &x[t * xs + 8 * b + 2 * c], *x1 = x0 + 1;
+                acc[t] = x86_acc(acc[t], d0 * x0->d, x86_dotw(lo0, hi0, x0->q));
+                acc[t] = x86_acc(acc[t], d1 * x1->d, x86_dotw(lo1, hi1, x1->q));
+                corr[t] += dmin * ((float)mn[2 * c] * x0->s + (float)mn[2 * c + 1] * x1->s);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++)
+        out[t] = x86_hsum(acc[t]) - corr[t];
+}
+
+/* Q6_K: quarter k of half n is activation block 4n + k (cpu_dot.c, dot_q6_k). The two
+ * halves of 16 have their own scales: each widened half is multiplied by its scale in
+ * 16 bits (63 * 127 fits) before the product, so one int32 lane sums 4 products of at
+ * most 8001 * 32767 (1.05e9, no overflow); the -32 of the levels comes off through the
+ * half sums, in F32. */
+X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int nt, float *out)
+{
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[X86_NT_MAX];
+    float corr[X86_NT_MAX];
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm256_setzero_ps();
+        corr[t] = 0.0f;
+    }
+    for (int64_t b = 0; b < K / M40_QK_K; b++, w += 210) {
+        x86_prefetch(w, 210);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float d = x86_f16(w + 208);
+        for (int n = 0; n < 2; n++) {
+            __m256i A = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n));
+            __m256i B = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n + 32));
+            __m256i H = _mm256_loadu_si256((const __m256i *)(const void *)(w + 128 + 32 * n));
+            __m256i u[4];
+            u[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(3)), 4));
+            u[1] = _mm256_or_si256(_mm256_and_si256(B, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(0x0c)), 2));
+            u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                   _mm256_and_si256(H, _mm256_set1_epi8(0x30)));
+            u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                   _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8((char)0xc0)), 2));
+            for (int k = 0; k < 4; k++) {
+                int jb = 4 * n + k;
+                __m256i lo, hi;
+                x86_widen(u[k], &lo, &hi);
+                lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(sc[2 * jb]));
+                hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(sc[2 * jb + 1]));
+                _Pragma("GCC unroll 4")
+                for (int t = 0; t < nt; t++) {
+                    const m40_xq *xb = &x[t * xs + 8 * b + jb];
+                    float dd = d * xb->d;
+                    acc[t] = x86_acc(acc[t], dd, x86_dotw(lo, hi, xb->q));
+                    int ci = sc[2 * jb] * xb->h[0] + sc[2 * jb + 1] * xb->h[1]; /* <= 1.4e8 */
+                    corr[t] += dd * (32.0f * (float)ci);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int t = 0; t < nt; t++)
+        out[t] = x86_hsum(acc[t]) - corr[t];
+}
+
+#define X86_QUANT_KERNELS(name, call)                                                                  \
+    X86_KERNEL float X86_NAME(name)(const uint8_t *w, const m40_xq *x, int64_t K)                      \
+    {                                                                                                  \
+        float out[1];                                                                                  \
+        const int64_t xs = 0, nt = 1;                                                                  \
+        call;                                                                                          \
+        return out[0];                                                                                 \
+    }                                                                                                  \
+    X86_KERNEL void X86_NAME(name##_x4)(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, float *out) \
+    {                                                                                                  \
+        const int nt = 4;                                                                              \
+        call;                                                                                          \
+    }
+
+X86_QUANT_KERNELS(q8_0, x86_q8_0(w, x, xs, K, (int)nt, out))
+X86_QUANT_KERNELS(q4_0, x86_q4q5(w, x, xs, K, 0, 0, (int)nt, out))
+X86_QUANT_KERNELS(q4_1, x86_q4q5(w, x, xs, K, 0, 1, (int)nt, out))
+X86_QUANT_KERNELS(q5_0, x86_q4q5(w, x, xs, K, 1, 0, (int)nt, out))
+X86_QUANT_KERNELS(q5_1, x86_q4q5(w, x, xs, K, 1, 1, (int)nt, out))
+X86_QUANT_KERNELS(q4_k, x86_qk_k(w, x, xs, K, 0, (int)nt, out))
+X86_QUANT_KERNELS(q5_k, x86_qk_k(w, x, xs, K, 1, (int)nt, out))
+X86_QUANT_KERNELS(q6_k, x86_q6_k(w, x, xs, K, (int)nt, out))
+
+X86_KERNEL float X86_NAME(f16)(const uint8_t *w, const float *x, int64_t K)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+#define F16_AT(o) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(w + 2 * (i + (o)))))
+    for (; i + 32 <= K; i += 32) {
+        a0 = _mm256_fmadd_ps(F16_AT(0), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(F16_AT(8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(F16_AT(16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(F16_AT(24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= K; i += 8)
+        a0 = _mm256_fmadd_ps(F16_AT(0), _mm256_loadu_ps(x + i), a0);
+#undef F16_AT
+    float s = x86_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < K; i++)
+        s += x86_f16(w + 2 * i) * x[i];
+    return s;
+}
+
+X86_KERNEL float X86_NAME(f32)(const uint8_t *w, const float *x, int64_t K)
+{
+    const float *f = (const float *)(const void *)w;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= K; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= K; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(f + i), _mm256_loadu_ps(x + i), a0);
+    float s = x86_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < K; i++)
+        s += f[i] * x[i];
+    return s;
+}
+
+/* m40_xq_quantize's twin (cpu_dot.c), the same records bit for bit: the same amax, the
+ * same d = amax / 32767 and id = 1 / d, x * id rounded to nearest even (as nearbyintf
+ * in the default rounding mode) and clamped to +-32767. */
+X86_KERNEL void X86_NAME(quantize)(const float *x, int64_t K, m40_xq *out)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++, x += 32) {
+        __m256 v[4], m;
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        const __m256 lim = _mm256_set1_ps(32767.0f), nlim = _mm256_set1_ps(-32767.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+        }
+        /* int32 -> int16 in element order: packs works within 128-bit lanes, so the
+         * permute puts the 64-bit quarters back in order */
+        __m256i p16a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+        __m256i p16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+        m40_xq *r = &out[b];
+        _mm256_storeu_si256((__m256i *)(void *)r->q, p16a);
+        _mm256_storeu_si256((__m256i *)(void *)(r->q + 16), p16b);
+        /* the integer sums of each half */
+        __m256i s32 = _mm256_add_epi32(q[0], q[1]), t32 = _mm256_add_epi32(q[2], q[3]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t32), _mm256_extracti128_si256(t32, 1));
+        s4 = _mm_hadd_epi32(s4, t4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        int lo = _mm_cvtsi128_si32(s4), hi = _mm_extract_epi32(s4, 1);
+        r->d = d;
+        r->s = d * (float)(lo + hi);
+        r->h[0] = lo;
+        r->h[1] = hi;
+    }
+}
+
+/* y[i] += a * x[i] (the fast path's attention: probabilities times V rows). */
+X86_KERNEL void X86_NAME(axpy)(float *y, float a, const float *x, int64_t n)
+{
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++)
+        y[i] += a * x[i];
+}
+
+static m40_dot_q_fn X86_NAME(table_q)(uint32_t type)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0: return X86_NAME(q8_0);
+    case M40_TYPE_Q4_0: return X86_NAME(q4_0);
+    case M40_TYPE_Q4_1: return X86_NAME(q4_1);
+    case M40_TYPE_Q5_0: return X86_NAME(q5_0);
+    case M40_TYPE_Q5_1: return X86_NAME(q5_1);
+    case M40_TYPE_Q4_K: return X86_NAME(q4_k);
+    case M40_TYPE_Q5_K: return X86_NAME(q5_k);
+    case M40_TYPE_Q6_K: return X86_NAME(q6_k);
+    default: return NULL;
+    }
+}
+
+static m40_dot_q4_fn X86_NAME(table_q4)(uint32_t type)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0: return X86_NAME(q8_0_x4);
+    case M40_TYPE_Q4_0: return X86_NAME(q4_0_x4);
+    case M40_TYPE_Q4_1: return X86_NAME(q4_1_x4);
+    case M40_TYPE_Q5_0: return X86_NAME(q5_0_x4);
+    case M40_TYPE_Q5_1: return X86_NAME(q5_1_x4);
+    case M40_TYPE_Q4_K: return X86_NAME(q4_k_x4);
+    case M40_TYPE_Q5_K: return X86_NAME(q5_k_x4);
+    case M40_TYPE_Q6_K: return X86_NAME(q6_k_x4);
+    default: return NULL;
+    }
+}
+
+static m40_dot_f_fn X86_NAME(table_f)(uint32_t type)
+{
+    return type == M40_TYPE_F16 ? X86_NAME(f16) : type == M40_TYPE_F32 ? X86_NAME(f32) : NULL;
+}

@@ -1,0 +1,148 @@
+/* The fast CPU path's weight products (cpu_matmul_fast.h).
+ *
+ * One pool run covers every matrix of one input (Q, K, V; gate and up): the rows of all
+ * of them are cut into chunks in proportion to their work, several chunks a thread so
+ * that uneven threads balance, and a small product runs on the caller alone because
+ * waking the pool costs more than it. Within a chunk, tiles of TILE_ROWS weight rows
+ * (a few KB of quantized weights, kept in L1) meet every token of the batch before the
+ * next tile is read: a prefill of n tokens reads the weights from memory once, and the
+ * activations' records (n * K/32 * 80 bytes) stream from L2. */
+#include "cpu_matmul_fast.h"
+
+#include "ref/ggml_types.h"
+#include "util/threadpool.h"
+
+#define TILE_ROWS 16
+
+int m40_fast_supported(const m40_matrix *w, int *quantized)
+{
+    int isa = m40_cpu_isa();
+    if (w->cols % 32 == 0 && m40_dot_q_kernel(w->type, isa)) {
+        *quantized = 1;
+        return 1;
+    }
+    /* F32 rows are read in place: they must be float-aligned */
+    if (m40_dot_f_kernel(w->type, isa) &&
+        (w->type != M40_TYPE_F32 || ((uintptr_t)w->data % 4 == 0 && w->row_bytes % 4 == 0))) {
+        *quantized = 0;
+        return 1;
+    }
+    return 0;
+}
+
+typedef struct {
+    const float *x;
+    int64_t K;
+    m40_xq *xq;
+} quant_job;
+
+static void quant_task(void *ctx, int task, int thread)
+{
+    quant_job *j = ctx;
+    m40_xq_quantize(j->x + (size_t)task * (size_t)j->K, j->K, j->xq + (size_t)task * (size_t)(j->K / 32));
+}
+
+void m40_fast_quantize(struct m40_threadpool *pool, const float *x, int32_t n, int64_t K, m40_xq *xq)
+{
+    quant_job j = {.x = x, .K = K, .xq = xq};
+    if (n * K < 16384) { /* a decode step: cheaper than a pool wake-up */
+        for (int32_t t = 0; t < n; t++)
+            quant_task(&j, t, 0);
+        return;
+    }
+    m40_threadpool_run(pool, n, quant_task, &j);
+}
+
+typedef struct {
+    const m40_matrix *w[M40_FAST_MAX_GROUP];
+    float *out[M40_FAST_MAX_GROUP];
+    m40_dot_q_fn dq[M40_FAST_MAX_GROUP];
+    m40_dot_q4_fn dq4[M40_FAST_MAX_GROUP]; /* 4 tokens at once, or NULL */
+    m40_dot_f_fn df[M40_FAST_MAX_GROUP];
+    int64_t rows_per_chunk[M40_FAST_MAX_GROUP];
+    int first_task[M40_FAST_MAX_GROUP + 1]; /* matrix i's chunks: tasks first_task[i] .. first_task[i + 1] */
+    int count;
+    const float *x;
+    const m40_xq *xq;
+    int32_t n;
+} fast_job;
+
+static void fast_task(void *ctx, int task, int thread)
+{
+    fast_job *j = ctx;
+    int i = 0;
+    while (task >= j->first_task[i + 1])
+        i++;
+    const m40_matrix *w = j->w[i];
+    int64_t r0 = (int64_t)(task - j->first_task[i]) * j->rows_per_chunk[i];
+    int64_t r1 = r0 + j->rows_per_chunk[i] < w->rows ? r0 + j->rows_per_chunk[i] : w->rows;
+    const int64_t K = w->cols, nb = K / 32;
+    const size_t rows = (size_t)w->rows;
+    float *out = j->out[i];
+    for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
+        int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
+        int32_t t = 0;
+        if (j->dq4[i]) /* the tile's rows against 4 tokens a call: one unpack of each block */
+            for (; t + 4 <= j->n; t += 4) {
+                const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
+                for (int64_t r = t0; r < t1; r++) {
+                    float v[4];
+                    j->dq4[i](w->data + (size_t)r * w->row_bytes, xq, nb, K, v);
+                    for (int k = 0; k < 4; k++)
+                        out[(size_t)(t + k) * rows + (size_t)r] = v[k];
+                }
+            }
+        for (; t < j->n; t++) {
+            float *o = out + (size_t)t * rows;
+            if (j->dq[i]) {
+                const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
+                for (int64_t r = t0; r < t1; r++)
+                    o[r] = j->dq[i](w->data + (size_t)r * w->row_bytes, xq, K);
+            } else {
+                const float *x = j->x + (size_t)t * (size_t)K;
+                for (int64_t r = t0; r < t1; r++)
+                    o[r] = j->df[i](w->data + (size_t)r * w->row_bytes, x, K);
+            }
+        }
+    }
+}
+
+void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matrix *const *ws, float *const *outs,
+                     int count, const float *x, const m40_xq *xq, int32_t n)
+{
+    fast_job j = {.count = count, .x = x, .xq = xq, .n = n};
+    int isa = m40_cpu_isa();
+    int64_t work = 0;
+    for (int i = 0; i < count; i++) {
+        j.w[i] = ws[i];
+        j.out[i] = outs[i];
+        int quantized = 0;
+        m40_fast_supported(ws[i], &quantized);
+        j.dq[i] = quantized ? m40_dot_q_kernel(ws[i]->type, isa) : NULL;
+        j.dq4[i] = quantized ? m40_dot_q4_kernel(ws[i]->type, isa) : NULL;
+        j.df[i] = quantized ? NULL : m40_dot_f_kernel(ws[i]->type, isa);
+        work += ws[i]->rows * ws[i]->cols * n;
+    }
+    /* about 4 chunks a thread over the whole group, each matrix its share by its work;
+     * tiny groups (the test models) as one chunk each, on the caller */
+    int64_t target = work < 65536 || n_threads <= 1 ? 0 : work / (4 * (int64_t)n_threads);
+    int tasks = 0;
+    for (int i = 0; i < count; i++) {
+        const m40_matrix *w = ws[i];
+        int64_t chunks = target > 0 ? (w->rows * w->cols * n + target - 1) / target : 1;
+        if (chunks > w->rows)
+            chunks = w->rows;
+        if (chunks < 1)
+            chunks = 1;
+        j.rows_per_chunk[i] = (w->rows + chunks - 1) / chunks;
+        j.first_task[i] = tasks;
+        tasks += (int)((w->rows + j.rows_per_chunk[i] - 1) / j.rows_per_chunk[i]);
+    }
+    j.first_task[count] = tasks;
+    if (target == 0) {
+        for (int t = 0; t < tasks; t++)
+            fast_task(&j, t, 0);
+        return;
+    }
+    m40_threadpool_run(pool, tasks, fast_task, &j);
+}

@@ -1,0 +1,397 @@
+/* The fast CPU path's kernels (engine/model/cpu_dot.h, cpu_matmul_fast.h):
+ *   - the activation quantizer: |x - d*q| <= d/2 per element, the sums as stated;
+ *   - every SIMD kernel this CPU runs against its portable twin, every type, on random
+ *     blocks (random bytes for the levels, scales and mins; random F16 block scales),
+ *     K of several block counts: the same integers, so within F32 rounding of the sums;
+ *   - the portable twin against the exact product (the dequantized row times the F32
+ *     x, kernels/ref/quant.h) within the quantization bound of cpu_dot.h;
+ *   - the threaded, tiled matmul over odd row and token counts against the per-row
+ *     kernel, bit for bit, and one group of three matrices of one input;
+ *   - a model on the fast path (shared tiny quantized models): a batch of 70 tokens
+ *     gives the logits of the same tokens fed one by one, bit for bit (4-token kernels,
+ *     the pool's quantization and the one-token kernels agree). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "check.h"
+#include "model/cpu_dot.h"
+#include "model/cpu_matmul_fast.h"
+#include "model/model.h"
+#include "ref/ggml_types.h"
+#include "ref/quant.h"
+#include "util/threadpool.h"
+
+static uint64_t rng = 0x9e3779b97f4a7c15ULL;
+static uint32_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 16);
+}
+static float urand(void) { return (float)(rnd() & 0xffffff) / 16777216.0f; } /* [0, 1) */
+
+static void put_f16(uint8_t *p, float v)
+{
+    uint16_t h = m40_fp32_to_fp16(v);
+    p[0] = (uint8_t)h;
+    p[1] = (uint8_t)(h >> 8);
+}
+
+typedef struct {
+    uint32_t type;
+    int block, bytes;
+} tinfo;
+
+static const tinfo types[] = {
+    {M40_TYPE_Q8_0, 32, 34},   {M40_TYPE_Q4_0, 32, 18},   {M40_TYPE_Q4_1, 32, 20},   {M40_TYPE_Q5_0, 32, 22},
+    {M40_TYPE_Q5_1, 32, 24},   {M40_TYPE_Q4_K, 256, 144}, {M40_TYPE_Q5_K, 256, 176}, {M40_TYPE_Q6_K, 256, 210},
+    {M40_TYPE_F16, 1, 2},      {M40_TYPE_F32, 1, 4},
+};
+
+/* A random row of K elements: random bytes, then the F16 scales (and mins) set to
+ * finite values of either sign where the format has them. */
+static void random_row(const tinfo *t, uint8_t *w, int64_t K)
+{
+    int64_t nb = K / t->block;
+    for (int64_t i = 0; i < nb * t->bytes; i++)
+        w[i] = (uint8_t)rnd();
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *p = w + b * t->bytes;
+        float s = (urand() * 2 - 1) * 0.05f, m = (urand() * 2 - 1) * 0.5f;
+        switch (t->type) {
+        case M40_TYPE_Q8_0: case M40_TYPE_Q4_0: case M40_TYPE_Q5_0: put_f16(p, s); break;
+        case M40_TYPE_Q4_1: case M40_TYPE_Q5_1: put_f16(p, s); put_f16(p + 2, m); break;
+        case M40_TYPE_Q4_K: case M40_TYPE_Q5_K: put_f16(p, s * 0.1f); put_f16(p + 2, fabsf(m) * 0.02f); break;
+        case M40_TYPE_Q6_K: put_f16(p + 208, s * 0.05f); break;
+        case M40_TYPE_F16: put_f16(p, (urand() * 2 - 1)); break;
+        case M40_TYPE_F32: { float v = urand() * 2 - 1; memcpy(p, &v, 4); break; }
+        }
+    }
+}
+
+/* activations: mostly small, a few outliers per block as real ones have */
+static void random_x(float *x, int64_t K)
+{
+    for (int64_t i = 0; i < K; i++) {
+        x[i] = (urand() * 2 - 1) * 2.0f;
+        if (rnd() % 31 == 0)
+            x[i] *= 20.0f;
+        if (rnd() % 97 == 0)
+            x[i] = 0.0f;
+    }
+    if (K >= 64) /* a block of zeros: d = 0 */
+        for (int i = 32; i < 64; i++)
+            x[i] = 0.0f;
+}
+
+static void test_quantizer(void)
+{
+    float x[256];
+    m40_xq q[8];
+    int bad = 0;
+    for (int rep = 0; rep < 200; rep++) {
+        random_x(x, 256);
+        m40_xq_quantize(x, 256, q);
+        for (int b = 0; b < 8; b++) {
+            float amax = 0;
+            int s0 = 0, s1 = 0;
+            for (int i = 0; i < 32; i++)
+                amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            for (int i = 0; i < 32; i++) {
+                float e = fabsf(x[32 * b + i] - q[b].d * (float)q[b].q[i]);
+                if (e > q[b].d * (0.5f + 0.01f) + 1e-30f || q[b].q[i] < -32767)
+                    bad++;
+                *(i < 16 ? &s0 : &s1) += q[b].q[i];
+            }
+            if (q[b].d != amax / 32767.0f || q[b].h[0] != s0 || q[b].h[1] != s1 ||
+                q[b].s != q[b].d * (float)(s0 + s1))
+                bad++;
+        }
+    }
+    CHECK(bad == 0, "%d quantizer elements or records out of bound", bad);
+    /* every isa's quantizer writes the portable one's records bit for bit */
+    int isa = m40_cpu_isa(), differ = 0, runs = 0;
+    float xs[32 * 13];
+    m40_xq a[13], b[13];
+    for (int s = M40_ISA_PORTABLE + 1; s <= isa; s++)
+        for (int rep = 0; rep < 300; rep++) {
+            random_x(xs, 32 * 13);
+            if (rep % 7 == 0) /* ties: halves of the step */
+                for (int i = 0; i < 32; i++)
+                    xs[i] = (float)(i - 16) * 0.5f;
+            memset(a, 0, sizeof a);
+            memset(b, 0, sizeof b);
+            m40_xq_quantize_isa(M40_ISA_PORTABLE)(xs, 32 * 13, a);
+            m40_xq_quantize_isa(s)(xs, 32 * 13, b);
+            differ += memcmp(a, b, sizeof a) != 0;
+            runs++;
+        }
+    CHECK(differ == 0, "%d of %d SIMD quantizations differ from the portable one", differ, runs);
+}
+
+static void test_kernels(void)
+{
+    const int isa = m40_cpu_isa();
+    printf("CPU instruction set: %s\n", m40_cpu_isa_name(isa));
+    static const int nblocks[] = {1, 2, 3, 5, 8, 13};
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        const tinfo *t = &types[ti];
+        int isq = t->block > 1;
+        int bad_twin = 0, bad_exact = 0, n_cases = 0, n_simd = 0, bad_x4 = 0, n_x4 = 0;
+        double worst_twin = 0, worst_exact = 0;
+        for (size_t kb = 0; kb < sizeof nblocks / sizeof nblocks[0]; kb++) {
+            /* K-quants: super-blocks; 32-blocks: blocks; floats: odd lengths too */
+            int64_t K = isq ? (int64_t)nblocks[kb] * t->block : (int64_t)nblocks[kb] * 32 + (int64_t)(kb & 1) * 7;
+            uint8_t *w = malloc((size_t)(K / t->block) * t->bytes);
+            float *x = malloc((size_t)K * sizeof *x), *xd = malloc((size_t)K * sizeof *xd),
+                  *wd = malloc((size_t)K * sizeof *wd);
+            m40_xq *xq = malloc((size_t)(K / 32 + 1) * sizeof *xq);
+            for (int rep = 0; rep < 40; rep++) {
+                random_row(t, w, K);
+                random_x(x, K);
+                if (isq)
+                    m40_xq_quantize(x, K, xq);
+                m40_dequantize_row(t->type, w, wd, K);
+                double mag = 0, qbound = 0; /* sum |w||x| and sum |w| d/2 */
+                for (int64_t k = 0; k < K; k++) {
+                    xd[k] = isq ? xq[k / 32].d * (float)xq[k / 32].q[k % 32] : x[k];
+                    mag += fabs((double)wd[k] * x[k]);
+                    if (isq)
+                        qbound += fabs((double)wd[k]) * xq[k / 32].d * 0.51;
+                }
+                /* the twin: the portable kernel (F32 has none: the exact dot stands in) */
+                m40_dot_q_fn tq = isq ? m40_dot_q_kernel(t->type, M40_ISA_PORTABLE) : NULL;
+                m40_dot_f_fn tf = isq ? NULL : m40_dot_f_kernel(t->type, M40_ISA_PORTABLE);
+                double twin = isq ? tq(w, xq, K) : tf ? tf(w, x, K) : m40_dot_row(t->type, w, x, K);
+                double exact = m40_dot_row(t->type, w, x, K);
+                /* twin vs exact: the quantization bound, plus F32 rounding of the sums */
+                double e = fabs(twin - exact), tol = qbound * (1 + 1e-5) + 1e-5 * mag + 1e-30;
+                if (e > tol)
+                    bad_exact++;
+                if (e / (tol > 0 ? tol : 1) > worst_exact)
+                    worst_exact = e / (tol > 0 ? tol : 1);
+                /* the twin's integers are exact: it equals the dot of the dequantized
+                 * quantized x up to F32 rounding */
+                if (isq) {
+                    double ref = m40_dot_row(t->type, w, xd, K);
+                    if (fabs(twin - ref) > 2e-5 * mag + 1e-30)
+                        bad_exact++;
+                }
+                n_cases++;
+                for (int s = M40_ISA_PORTABLE + 1; s <= isa; s++) {
+                    double v;
+                    if (isq) {
+                        m40_dot_q_fn k = m40_dot_q_kernel(t->type, s);
+                        if (!k)
+                            continue;
+                        v = k(w, xq, K);
+                    } else {
+                        m40_dot_f_fn k = m40_dot_f_kernel(t->type, s);
+                        if (!k)
+                            continue;
+                        v = k(w, x, K);
+                    }
+                    n_simd++;
+                    if (isq && m40_dot_q4_kernel(t->type, s) && K / 32 >= 1) {
+                        /* the 4-token kernel: the one-token kernel's bits for each token */
+                        m40_xq *x4 = malloc((size_t)(K / 32) * 4 * sizeof *x4);
+                        float *xt = malloc((size_t)K * sizeof *xt), o4[4];
+                        for (int tk = 0; tk < 4; tk++) {
+                            if (tk == 0)
+                                memcpy(x4, xq, (size_t)(K / 32) * sizeof *x4);
+                            else {
+                                random_x(xt, K);
+                                m40_xq_quantize(xt, K, x4 + (K / 32) * tk);
+                            }
+                        }
+                        m40_dot_q4_kernel(t->type, s)(w, x4, K / 32, K, o4);
+                        for (int tk = 0; tk < 4; tk++) {
+                            float one = m40_dot_q_kernel(t->type, s)(w, x4 + (K / 32) * tk, K);
+                            if (memcmp(&one, &o4[tk], sizeof one))
+                                bad_x4++;
+                        }
+                        n_x4++;
+                        free(x4);
+                        free(xt);
+                    }
+                    double es = fabs(v - twin), tols = 2e-5 * mag + 1e-30;
+                    if (es > tols) {
+                        if (bad_twin < 3)
+                            fprintf(stderr, "  %s K=%lld %s: simd %.9g twin %.9g\n", m40_type_name(t->type),
+                                    (long long)K, m40_cpu_isa_name(s), v, twin);
+                        bad_twin++;
+                    }
+                    if (es / tols > worst_twin)
+                        worst_twin = es / tols;
+                }
+            }
+            free(w);
+            free(x);
+            free(xd);
+            free(wd);
+            free(xq);
+        }
+        CHECK(bad_exact == 0, "%s: %d of %d twin products outside the quantization bound", m40_type_name(t->type),
+              bad_exact, n_cases);
+        CHECK(bad_twin == 0, "%s: %d of %d SIMD products differ from the twin", m40_type_name(t->type), bad_twin,
+              n_simd);
+        CHECK(bad_x4 == 0, "%s: %d 4-token products differ from the one-token kernel's bits (%d calls)",
+              m40_type_name(t->type), bad_x4, n_x4);
+        if (isa > M40_ISA_PORTABLE && isq)
+            CHECK(n_x4 > 0, "%s: no 4-token kernel ran", m40_type_name(t->type));
+        if (isa > M40_ISA_PORTABLE && t->type != M40_TYPE_F32)
+            CHECK(n_simd > 0, "%s: no SIMD kernel ran on a CPU with %s", m40_type_name(t->type),
+                  m40_cpu_isa_name(isa));
+        printf("%-5s %3d products, %3d SIMD: worst twin/exact %.3f of its bound, SIMD/twin %.3f\n",
+               m40_type_name(t->type), n_cases, n_simd, worst_exact, worst_twin);
+    }
+    /* axpy: every isa against the plain loop (one FMA per element: within 1 ulp of
+     * the product's rounding) */
+    {
+        float y0[77], y1[77], xv[77];
+        int bad_axpy = 0;
+        for (int s = M40_ISA_PORTABLE; s <= isa; s++)
+            for (int rep = 0; rep < 50; rep++) {
+                int n = 1 + (int)(rnd() % 77);
+                float a = urand() * 2 - 1;
+                for (int i = 0; i < n; i++) {
+                    y0[i] = y1[i] = urand() * 4 - 2;
+                    xv[i] = urand() * 4 - 2;
+                }
+                m40_axpy_kernel(s)(y1, a, xv, n);
+                for (int i = 0; i < n; i++) {
+                    y0[i] += a * xv[i];
+                    if (fabsf(y0[i] - y1[i]) > 1e-6f * (fabsf(y0[i]) + fabsf(a * xv[i])) + 1e-30f)
+                        bad_axpy++;
+                }
+            }
+        CHECK(bad_axpy == 0, "%d axpy elements differ", bad_axpy);
+    }
+    /* types without a fast kernel keep the exact path */
+    uint32_t none[] = {M40_TYPE_Q2_K, M40_TYPE_Q3_K, M40_TYPE_BF16, M40_TYPE_MXFP4};
+    for (size_t i = 0; i < sizeof none / sizeof none[0]; i++)
+        for (int s = 0; s <= isa; s++)
+            CHECK(!m40_dot_q_kernel(none[i], s) && !m40_dot_f_kernel(none[i], s), "%s has a fast kernel",
+                  m40_type_name(none[i]));
+}
+
+/* The pool's matmul: odd rows, odd token counts, tiles and chunks, a group of three. */
+static void test_matmul(void)
+{
+    m40_threadpool *pool = m40_threadpool_new(3);
+    CHECK(pool != NULL, "pool");
+    if (!pool)
+        return;
+    static const uint32_t mt[] = {M40_TYPE_Q4_K, M40_TYPE_Q6_K, M40_TYPE_Q8_0, M40_TYPE_Q5_1, M40_TYPE_F16};
+    static const int rows_list[] = {1, 17, 37, 301};
+    static const int n_list[] = {1, 3, 19};
+    int bad = 0, cases = 0;
+    for (size_t ti = 0; ti < sizeof mt / sizeof mt[0]; ti++) {
+        const tinfo *t = NULL;
+        for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+            if (types[i].type == mt[ti])
+                t = &types[i];
+        const int64_t K = 512;
+        const int isq = t->block > 1;
+        for (size_t ri = 0; ri < sizeof rows_list / sizeof rows_list[0]; ri++)
+            for (size_t ni = 0; ni < sizeof n_list / sizeof n_list[0]; ni++) {
+                int rows = rows_list[ri], n = n_list[ni];
+                size_t rb = (size_t)(K / t->block) * t->bytes;
+                uint8_t *wd = malloc(rb * rows * 3);
+                for (int r = 0; r < rows * 3; r++)
+                    random_row(t, wd + rb * r, K);
+                float *x = malloc(sizeof *x * K * n), *out = malloc(sizeof *out * rows * n * 3);
+                m40_xq *xq = malloc(sizeof *xq * (K / 32) * n);
+                for (int i = 0; i < n; i++)
+                    random_x(x + K * i, K);
+                m40_fast_quantize(pool, x, n, K, xq);
+                m40_matrix m3[3];
+                const m40_matrix *ws[3];
+                float *outs[3];
+                for (int g = 0; g < 3; g++) {
+                    m3[g] = (m40_matrix){.data = wd + rb * rows * g, .type = t->type, .rows = rows - g * (rows > 2),
+                                         .cols = K, .row_bytes = rb};
+                    ws[g] = &m3[g];
+                    outs[g] = out + (size_t)rows * n * g;
+                    int quant = -1;
+                    CHECK(m40_fast_supported(ws[g], &quant) && quant == isq, "%s supported", m40_type_name(t->type));
+                }
+                m40_fast_matmul(pool, 3, ws, outs, 3, x, xq, n);
+                int isa = m40_cpu_isa();
+                for (int g = 0; g < 3; g++)
+                    for (int tk = 0; tk < n; tk++)
+                        for (int64_t r = 0; r < m3[g].rows; r++) {
+                            const uint8_t *row = m3[g].data + rb * r;
+                            float want = isq ? m40_dot_q_kernel(t->type, isa)(row, xq + (K / 32) * tk, K)
+                                             : m40_dot_f_kernel(t->type, isa)(row, x + K * tk, K);
+                            if (memcmp(&want, &outs[g][(size_t)tk * m3[g].rows + r], sizeof want))
+                                bad++;
+                        }
+                cases++;
+                free(wd);
+                free(x);
+                free(out);
+                free(xq);
+            }
+    }
+    CHECK(bad == 0, "%d matmul outputs differ from their row's kernel (%d cases)", bad, cases);
+    m40_threadpool_free(pool);
+}
+
+static void test_model_batched(const char *rel)
+{
+    char path[4096], err[512];
+    if (!check_shared_file(rel, path, sizeof path)) {
+        SKIP("%s absent", rel);
+        return;
+    }
+    m40_model_options o = {.n_threads = 2, .device = -1, .cpu_fast = 1};
+    m40_model *m = NULL;
+    if (m40_model_load_opts(path, &o, &m, err, sizeof err)) {
+        CHECK(0, "load %s: %s", rel, err);
+        return;
+    }
+    CHECK(!strncmp(m40_model_cpu_path(m), "fast", 4), "%s: path %s", rel, m40_model_cpu_path(m));
+    const int n = 70;
+    const int32_t V = m40_model_get_params(m)->n_vocab;
+    m40_kv *kv = m40_kv_new(m, 2, 128);
+    float *all = malloc(sizeof *all * (size_t)V * n), *one = malloc(sizeof *one * (size_t)V);
+    int32_t tok[70], pos[70], slot[70];
+    uint8_t want[70];
+    for (int i = 0; i < n; i++) {
+        tok[i] = (int32_t)(rnd() % (uint32_t)V);
+        pos[i] = i;
+        slot[i] = 0;
+        want[i] = 1;
+    }
+    m40_batch b = {.n = n, .tokens = tok, .pos = pos, .slot = slot, .want_logits = want};
+    int rc = kv && all && one ? m40_model_forward(m, kv, &b, all, err, sizeof err) : -1;
+    CHECK(rc == 0, "%s: batch forward: %s", rel, err);
+    int differ = 0;
+    for (int i = 0; rc == 0 && i < n; i++) {
+        int32_t s1 = 1;
+        m40_batch b1 = {.n = 1, .tokens = &tok[i], .pos = &pos[i], .slot = &s1};
+        rc = m40_model_forward(m, kv, &b1, one, err, sizeof err);
+        differ += rc == 0 && memcmp(one, all + (size_t)i * V, sizeof *one * (size_t)V) != 0;
+    }
+    CHECK(rc == 0 && differ == 0, "%s: %d of %d rows differ between the batch and one by one (%s)", rel, differ, n,
+          rc ? err : "");
+    free(all);
+    free(one);
+    m40_kv_free(kv);
+    m40_model_free(m);
+}
+
+int main(void)
+{
+    test_quantizer();
+    test_kernels();
+    test_matmul();
+    test_model_batched("models/tiny-llama-q4km.gguf");
+    test_model_batched("models/tiny-llama-q4_0.gguf");
+    test_model_batched("models/tiny-llama-q8_0.gguf");
+    test_model_batched("models/next/tiny-qwen3moe-q4km.gguf");
+    return check_done();
+}
