@@ -355,20 +355,29 @@ def phase_disconnects():
         took = time.time() - t0
         m = s.wait_idle()
         rss1 = rss_kb(pid)
+        # a second round of the same: the allocator's arenas and the engine's buffers reach
+        # their high-water marks within the first (+3 to +6 MB seen there, now and then,
+        # since the CPU engine got faster), a leak grows in every round
+        asyncio.run(run(n))
+        s.wait_idle()
+        rss2 = rss_kb(pid)
         print(f"  {n} disconnects in {took:.1f} s ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})")
         print(f"  requests {m['m40_requests_total'] - before['m40_requests_total']:.0f}, cancelled "
               f"{m['m40_requests_cancelled_total'] - before['m40_requests_cancelled_total']:.0f}; "
               f"after: running {m['m40_running_sequences']:.0f}, queued {m['m40_queue_depth']:.0f}, "
               f"KV usage {m['m40_kv_usage_ratio']:.4f}")
-        print(f"  worker RSS {rss0} kB after the warm-up, {rss1} kB after ({rss1 - rss0:+d} kB); "
+        print(f"  worker RSS {rss0} kB after the warm-up, {rss1} kB after ({rss1 - rss0:+d} kB), {rss2} kB after "
+              f"a second round ({rss2 - rss1:+d} kB); "
               f"{s.nginx.log().count('was being parsed') - parsed0} requests ended while their body "
               f"was parsed")
         expect(m["m40_kv_usage_ratio"] == 0, f"KV usage {m['m40_kv_usage_ratio']} after every client left")
         expect(m["m40_requests_cancelled_total"] > before["m40_requests_cancelled_total"],
                "no request was cancelled: the disconnects hit nothing")
-        # flat: the warm-up grew the pools and caches; what is left is noise, not a leak
-        # per request (a 1 KB leak per request would be 1 MB at SCALE 1)
-        expect(rss1 - rss0 <= max(2048, rss0 // 50), f"worker RSS grew by {rss1 - rss0} kB")
+        # flat: the warm-up and the first round grew the pools and caches; what the second
+        # round adds is noise, not a leak per request (a 1 KB leak per request would be
+        # 1 MB a round at SCALE 1, in both rounds)
+        expect(min(rss1 - rss0, rss2 - rss1) <= max(2048, rss0 // 50),
+               f"worker RSS grew by {rss1 - rss0} kB, then by {rss2 - rss1} kB")
         expect(s.worker() == pid, "the worker changed")
         r = asyncio.run(post(s.port, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 4}))
         expect(r[0] == 200, f"after the disconnects: {r[0]} {r[2][:200]!r}")
