@@ -37,6 +37,10 @@ static void serve_usage(FILE *f)
             "  --host ADDR     listen address (default 127.0.0.1)\n"
             "  --device D      cpu or a GPU index (default cpu)\n"
             "  --name NAME     model name in the API (default: file name without .gguf)\n"
+            "  --also [NAME=]MODEL\n"
+            "                  one more model in the same server (repeatable, up to 7): requests\n"
+            "                  choose it by its name (default: the file name); MODEL stays the\n"
+            "                  default. They share the device (m40_model ... kv_share)\n"
             "  --threads N     CPU threads (default: all)\n"
             "  --ctx-size N    context per sequence (default: the model's)\n"
             "  --max-seqs N    concurrent sequences (default: 4 on the cpu, on a GPU what\n"
@@ -180,6 +184,9 @@ int m40_cmd_serve(int argc, char **argv)
     const char *mem_fraction = NULL, *prefill_budget = NULL, *prefill_chunk = NULL, *itl_guard = NULL;
     const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL;
     int ui = 1, exact = 0;
+    enum { MAX_ALSO = 7 };
+    const char *also[MAX_ALSO];
+    int n_also = 0;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -209,6 +216,13 @@ int m40_cmd_serve(int argc, char **argv)
                 device = v;
             else if (!strcmp(a, "--name"))
                 name = v;
+            else if (!strcmp(a, "--also")) {
+                if (n_also == MAX_ALSO) {
+                    fprintf(stderr, "m40 serve: at most %d --also models\n", MAX_ALSO);
+                    return 2;
+                }
+                also[n_also++] = v;
+            }
             else if (!strcmp(a, "--threads"))
                 threads = v;
             else if (!strcmp(a, "--ctx-size"))
@@ -303,6 +317,31 @@ int m40_cmd_serve(int argc, char **argv)
         fprintf(stderr, "m40 serve: %s: %s\n", model, errno ? strerror(errno) : "not a regular file");
         return 1;
     }
+    /* --also [NAME=]MODEL: a name (the part before '=', when it holds no '/') and a file
+     * or store name, resolved like MODEL */
+    char also_abs[MAX_ALSO][PATH_MAX], also_name[MAX_ALSO][128];
+    for (int k = 0; k < n_also; k++) {
+        const char *eq = strchr(also[k], '='), *path = also[k];
+        also_name[k][0] = '\0';
+        if (eq && !memchr(also[k], '/', (size_t)(eq - also[k]))) {
+            size_t nl = (size_t)(eq - also[k]);
+            if (nl == 0 || nl >= sizeof also_name[k] || memchr(also[k], '"', nl) || memchr(also[k], '\\', nl) ||
+                memchr(also[k], '$', nl)) {
+                fprintf(stderr, "m40 serve: --also %s: invalid name\n", also[k]);
+                return 2;
+            }
+            memcpy(also_name[k], also[k], nl);
+            also_name[k][nl] = '\0';
+            path = eq + 1;
+        }
+        char st_k[PATH_MAX];
+        struct stat sk;
+        path = m40_model_arg("serve", path, st_k, sizeof st_k);
+        if (!realpath(path, also_abs[k]) || stat(also_abs[k], &sk) != 0 || !S_ISREG(sk.st_mode)) {
+            fprintf(stderr, "m40 serve: %s: %s\n", path, errno ? strerror(errno) : "not a regular file");
+            return 1;
+        }
+    }
 
     char module_path[PATH_MAX];
     if (module) {
@@ -392,7 +431,19 @@ int m40_cmd_serve(int argc, char **argv)
         snprintf(nm, sizeof nm, "name=%s", name);
         put_quoted(f, nm);
     }
-    fprintf(f, ";\n    m40_device %s;\n", device);
+    fprintf(f, ";\n");
+    for (int k = 0; k < n_also; k++) {
+        fprintf(f, "    m40_model ");
+        put_quoted(f, also_abs[k]);
+        if (also_name[k][0]) {
+            char nm[160];
+            snprintf(nm, sizeof nm, "name=%.127s", also_name[k]);
+            fprintf(f, " ");
+            put_quoted(f, nm);
+        }
+        fprintf(f, ";\n");
+    }
+    fprintf(f, "    m40_device %s;\n", device);
     if (exact)
         fprintf(f, "    m40_cpu_exact on;\n");
     /* the options given, as their directives */

