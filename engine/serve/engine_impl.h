@@ -220,7 +220,6 @@ struct m40_engine {
     int pick_threads;             /* M40_PICK_THREADS, or the default for the device (tuning.h) */
     int pick_pool_failed;
     int32_t *pick_rows;           /* the step's rows handed to the pool */
-    int32_t n_pick_rows;
     int *pick_rc;
     m40_sample_result *pick_res;
     m40_request **ready_batch;    /* requests that got events this step */

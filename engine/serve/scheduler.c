@@ -57,9 +57,9 @@
 /* ---------- the step's helper threads ----------
  *
  * A grammar-constrained row costs the engine thread its mask (a walk of the vocabulary
- * trie on a state's first visit, a lookup after), the -inf pass, the sampler and the
- * grammar's advance: ~0.1-0.2 ms a row, so 64 constrained streams on a GPU spent 8.7-12.1
- * ms of host work on a ~10 ms step (BENCHMARKS.md, sixteenth session). On a GPU engine
+ * trie on a state's first visit, a lookup after), the sampler and the grammar's advance:
+ * at 64 constrained streams on a GPU, host work of the order of the whole step
+ * (BENCHMARKS.md, sixteenth session). On a GPU engine
  * the masks are computed on helper threads while the GPU runs the step (the state they
  * need is known before it), and the rows' picks then run on the same threads; only the
  * commit (detokenizing, stop strings, events) stays serial. The CPU engine keeps doing
@@ -127,7 +127,6 @@ static int masks_start(m40_engine *e, int32_t rows)
         if (s->r && s->gc)
             e->pick_rows[n++] = k;
     }
-    e->n_pick_rows = n;
     m40_threadpool_start(e->pick_pool, n, mask_task, e);
     return 1;
 }
@@ -338,9 +337,9 @@ void m40_run_step(m40_engine *e)
             return;
         m40_batch b = {.n = n, .tokens = e->b_tokens, .pos = e->b_pos, .slot = e->b_slot, .want_logits = e->b_want,
                        .logits_at = &e->step_logits};
-        /* the device's draw costs ~0.45 ms a step however few rows (one block a row over
-         * the vocabulary: BENCHMARKS.md, sixteenth session), the host's ~0.05 ms a row on
-         * the helper threads: fewer rows than GPU_SAMPLE_MIN_ROWS stay on the host */
+        /* the device's draw costs about the same however few rows (one block a row over
+         * the vocabulary), the host's grows with the rows: below GPU_SAMPLE_MIN_ROWS the
+         * host is faster (BENCHMARKS.md, sixteenth session) */
         int greedy = rows > 0, drawn = rows >= GPU_SAMPLE_MIN_ROWS && e->device >= 0 && e->gpu_sample && e->row_sample;
         for (int32_t k = 0; k < rows && (greedy || drawn); k++) {
             const m40_slot *s = &e->slots[e->row_slot[k]];
@@ -420,7 +419,6 @@ void m40_run_step(m40_engine *e)
         for (int32_t k = 0; k < rows; k++)
             if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
                 e->pick_rows[n++] = k;
-        e->n_pick_rows = n;
         m40_threadpool_run(e->pick_pool, n, pick_task, e);
         for (int32_t j = 0; j < n; j++)
             m40_sequence_commit(e, e->row_slot[e->pick_rows[j]], e->pick_rc[j], &e->pick_res[j]);
