@@ -300,6 +300,11 @@ typedef struct {
     double forward_seconds;
     double sample_seconds;
     double schedule_seconds;
+    /* Inside sample_seconds (GPU engines' helper threads, scheduler.c): the wait for
+     * grammar masks that outlast the forward pass, and the parallel picks (mask, sampler,
+     * grammar advance of every sampled row); the rest is the serial commit and events. */
+    double grammar_wait_seconds;
+    double pick_seconds;
     /* The ITL guard (engine/serve/prefill_policy.h): steps in which it held prompt tokens back,
      * the steps among them that carried none so that a decode-only step was measured,
      * and its current estimate of a decode-only step of the running sequences (0 when

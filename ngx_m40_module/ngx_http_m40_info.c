@@ -695,6 +695,20 @@ ngx_http_m40_metrics_handler(ngx_http_request_t *r)
                  &rows[i].hlabel, rows[i].agg.s.schedule_seconds);
     }
 
+    p = ngx_slprintf(p, end,
+                     "# HELP m40_engine_sample_seconds_total Parts of the "
+                     "sample phase on a GPU engine's helper threads: waiting for "
+                     "grammar masks that outlast the forward pass, the rows' "
+                     "parallel picks\n"
+                     "# TYPE m40_engine_sample_seconds_total counter\n");
+    for (i = 0; i < n; i++) {
+        p = ngx_slprintf(p, end,
+                 "m40_engine_sample_seconds_total{%Vpart=\"grammar_wait\"} %.6f\n"
+                 "m40_engine_sample_seconds_total{%Vpart=\"pick\"} %.6f\n",
+                 &rows[i].hlabel, rows[i].agg.s.grammar_wait_seconds,
+                 &rows[i].hlabel, rows[i].agg.s.pick_seconds);
+    }
+
     p = ngx_http_m40_histogram(p, end, "m40_time_to_first_token_seconds",
                                "Time from submission to the first token",
                                rows, n, offsetof(m40_engine_stats, ttft_counts),

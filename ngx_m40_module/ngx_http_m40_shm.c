@@ -281,6 +281,8 @@ ngx_http_m40_stats_add(m40_engine_stats *to, const m40_engine_stats *s,
     to->step_tokens_total += s->step_tokens_total;
     to->forward_seconds += s->forward_seconds;
     to->sample_seconds += s->sample_seconds;
+    to->grammar_wait_seconds += s->grammar_wait_seconds;
+    to->pick_seconds += s->pick_seconds;
     to->schedule_seconds += s->schedule_seconds;
     to->guard_limited_steps += s->guard_limited_steps;
     to->guard_probe_steps += s->guard_probe_steps;

@@ -51,6 +51,8 @@ void m40_stats_publish(m40_engine *e)
     o->step_tokens_total = t->step_tokens_total;
     o->forward_seconds = t->forward_seconds;
     o->sample_seconds = t->sample_seconds;
+    o->grammar_wait_seconds = t->grammar_wait_seconds;
+    o->pick_seconds = t->pick_seconds;
     o->schedule_seconds = t->schedule_seconds;
     o->guard_limited_steps = t->guard_limited_steps;
     o->guard_probe_steps = t->guard_probe_steps;

@@ -368,6 +368,7 @@ void m40_run_step(m40_engine *e)
             double tw = m40_now();
             m40_threadpool_wait(e->pick_pool);
             e->tstats.sample_seconds += m40_now() - tw;
+            e->tstats.grammar_wait_seconds += m40_now() - tw;
         }
         e->tstats.forward_seconds += fwd;
         picked = b.argmax != NULL;
@@ -419,7 +420,9 @@ void m40_run_step(m40_engine *e)
         for (int32_t k = 0; k < rows; k++)
             if (e->slots[e->row_slot[k]].r && take[e->row_slot[k]] > 0)
                 e->pick_rows[n++] = k;
+        double tp = m40_now();
         m40_threadpool_run(e->pick_pool, n, pick_task, e);
+        e->tstats.pick_seconds += m40_now() - tp;
         for (int32_t j = 0; j < n; j++)
             m40_sequence_commit(e, e->row_slot[e->pick_rows[j]], e->pick_rc[j], &e->pick_res[j]);
     } else {

@@ -514,6 +514,8 @@ def summarize(args, results, wall, m_before, m_after, m_err):
                 "step_tokens": d.get("m40_engine_step_tokens_total", 0.0),
                 **{ph: d.get('m40_engine_seconds_total{phase="%s"}' % ph, 0.0)
                    for ph in ("forward", "sample", "schedule")},
+                **{pt: d.get('m40_engine_sample_seconds_total{part="%s"}' % pt, 0.0)
+                   for pt in ("grammar_wait", "pick")},
             }
     return s
 

@@ -291,8 +291,10 @@ EOF
 jget() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); v=d.get(sys.argv[2]); print("-" if v is None else (f"{v:.1f}" if isinstance(v,float) else v))' "$1" "$2"; }
 
 # engine thread per step, from /metrics: tokens/step, forward / sample+events / schedule ms
+# (and, when a GPU engine's helper threads worked, the sample's grammar wait + picks)
 estep() { python3 -c 'import json,sys; e=json.load(open(sys.argv[1])).get("engine") or {}; st=e.get("steps") or 0
-print("-" if not st else "%.1f  %.2f/%.2f/%.2f" % (e["step_tokens"]/st, 1e3*e["forward"]/st, 1e3*e["sample"]/st, 1e3*e["schedule"]/st))' "$1"; }
+x = " (%.2f+%.2f)" % (1e3*e.get("grammar_wait", 0)/st, 1e3*e.get("pick", 0)/st) if st and (e.get("grammar_wait") or e.get("pick")) else ""
+print("-" if not st else "%.1f  %.2f/%.2f/%.2f%s" % (e["step_tokens"]/st, 1e3*e["forward"]/st, 1e3*e["sample"]/st, 1e3*e["schedule"]/st, x))' "$1"; }
 
 in_serve_types() { [ "$SERVE_TYPES" = all ] && return 0; for t in $SERVE_TYPES; do [ "$1" = "$SHAPE $t" ] && return 0; done; return 1; }
 
