@@ -11,7 +11,6 @@
 #include <string.h>
 
 #include "grammar_int.h"
-#include "sample_hd.h" /* m40k_argmax_key: the greedy order shared with the samplers */
 
 #define MAX_CACHED_MASKS 1024 /* past this the cache is dropped whole (masks are recomputable) */
 
@@ -260,21 +259,31 @@ int32_t m40_gconstraint_apply(m40_gconstraint *c, float *logits)
     return allowed;
 }
 
+/* Two passes instead of m40k_argmax_key per element (the keys' bit games cost ~4x the
+ * plain comparisons on the host): the largest allowed value (NaN never wins a `>`;
+ * eight running maxima so the comparisons do not wait on each other), then the first
+ * allowed id holding it. The same pick as the keys: -0 equals +0, ties go to the
+ * lowest id, and an allowed -inf is a value like any other. */
 int32_t m40_gconstraint_argmax(m40_gconstraint *c, const float *logits)
 {
     const uint32_t *mask = m40_gconstraint_mask(c);
     if (!mask)
         return -1;
     const int32_t n = c->t->n_vocab;
-    uint64_t best = 0;
+    float best = -INFINITY;
     for (int32_t w = 0; w < c->words; w++) {
         uint32_t m = mask[w];
         const int32_t base = w * 32;
         if (m == 0xffffffffu && base + 32 <= n) { /* inside strings: every token of the word */
-            for (int32_t id = base; id < base + 32; id++) {
-                uint64_t k = m40k_argmax_key(logits[id], id);
-                best = k > best ? k : best;
-            }
+            const float *p = logits + base;
+            float a[8];
+            for (int q = 0; q < 8; q++)
+                a[q] = best;
+            for (int j = 0; j < 32; j += 8)
+                for (int q = 0; q < 8; q++)
+                    a[q] = p[j + q] > a[q] ? p[j + q] : a[q];
+            for (int q = 0; q < 8; q++)
+                best = a[q] > best ? a[q] : best;
             continue;
         }
         while (m) {
@@ -282,11 +291,21 @@ int32_t m40_gconstraint_argmax(m40_gconstraint *c, const float *logits)
             m &= m - 1;
             if (id >= n)
                 break;
-            uint64_t k = m40k_argmax_key(logits[id], id);
-            best = k > best ? k : best;
+            best = logits[id] > best ? logits[id] : best;
         }
     }
-    return best ? m40k_argmax_key_id(best) : -1;
+    for (int32_t w = 0; w < c->words; w++) {
+        uint32_t m = mask[w];
+        while (m) {
+            int32_t id = w * 32 + __builtin_ctz(m);
+            m &= m - 1;
+            if (id >= n)
+                break;
+            if (logits[id] == best)
+                return id;
+        }
+    }
+    return -1; /* nothing allowed, or only NaN */
 }
 
 int m40_gconstraint_accept(m40_gconstraint *c, int32_t token)
