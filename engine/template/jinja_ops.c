@@ -175,6 +175,15 @@ static void slice_bounds(int64_t n, int has_a, int64_t a, int has_b, int64_t b, 
     }
 }
 
+/* The index after c in a slice walk toward stop, or stop itself when the step would reach
+ * or pass it: c + step must not be computed when it overflows (a step near INT64_MAX). */
+static int64_t slice_next(int64_t c, int64_t stop, int64_t step)
+{
+    if (step > 0)
+        return (uint64_t)(stop - c) > (uint64_t)step ? c + step : stop;
+    return (uint64_t)(c - stop) > (uint64_t)0 - (uint64_t)step ? c + step : stop;
+}
+
 /* obj[a:b:c] with Python's index rules; has[k] 0 = that part was omitted/None. */
 int jr_slice(jrender *r, int line, m40_jvalue obj, const int *has, int64_t *iv, m40_jvalue *out)
 {
@@ -190,7 +199,7 @@ int jr_slice(jrender *r, int line, m40_jvalue obj, const int *has, int64_t *iv, 
         if (m40_jv_list(r->arena, out))
             return jr_oom(r);
         out->u.l->kind = obj.u.l->kind;
-        for (int64_t i = start; iv[2] > 0 ? i < stop : i > stop; i += iv[2])
+        for (int64_t i = start; iv[2] > 0 ? i < stop : i > stop; i = slice_next(i, stop, iv[2]))
             if (m40_jv_list_push(r->arena, *out, obj.u.l->v[i]))
                 return jr_oom(r);
         return 0;
@@ -218,7 +227,7 @@ int jr_slice(jrender *r, int line, m40_jvalue obj, const int *has, int64_t *iv, 
                 jutf8_next(str->s, str->len, &i);
             }
             offs[k] = str->len;
-            for (int64_t c = start; iv[2] > 0 ? c < stop : c > stop; c += iv[2])
+            for (int64_t c = start; iv[2] > 0 ? c < stop : c > stop; c = slice_next(c, stop, iv[2]))
                 jbuf_put(&b, str->s + offs[c], offs[c + 1] - offs[c]);
             free(offs);
         }

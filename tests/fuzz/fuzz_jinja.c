@@ -28,9 +28,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         tools = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":"
                            "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}}}}}]",
                            0, NULL);
-    /* tight limits keep each run short; the engine's own are looser but of the same kind */
+    /* tight limits keep each run short; the engine's own are looser but of the same kind.
+     * 20,000 steps (200,000 before): a loop, range() or a long filter chain stops at the
+     * same check ten times sooner. On the last session's 15,914-file corpus the edges and
+     * features are the same (2,162 / 11,603) and 60,000 runs take 8.1 CPU-s instead of
+     * 10.9 (5,510 -> 7,398 executions a CPU-second). A smaller max_memory (8 MB) lost an
+     * edge: it stays. */
     m40_jinja_limits lim = {0};
-    lim.max_steps = 200000;
+    lim.max_steps = 20000;
     lim.max_output = 1 << 20;
     lim.max_memory = 64 << 20;
     char err[256], *out = NULL;

@@ -124,34 +124,81 @@ static void append(sink *s, const char *p, size_t n)
 }
 
 /* One event as the stream writer makes it: {"choices":[{"delta":{KEY:text}}]} after
- * "data: ", then "\n\n"; returns the text the event carries (a new reference). */
+ * "data: ", then "\n\n"; returns the text the event carries (a new reference).
+ *
+ * Cost: an input makes an event every 1 to 7 bytes, and building the chunk, freeing it and
+ * parsing the whole event back was 85% of an execution (about 17 us an event under ASan,
+ * 2.5 ms for 100 bytes). The chunk is built once and only its delta changes; the line is
+ * checked byte for byte around the text (the chunk's fixed JSON before and after it) and
+ * only the text's JSON string is parsed back: the same checks on what the module wrote
+ * (one line, valid UTF-8, JSON that gives the text back), at a fraction of the cost. */
+static json_t *chunk, *delta;
+static char head[256], tail[64]; /* the event around the text, for the key in use */
+static size_t head_len, tail_len;
+static const char *head_key;
+static u_char *mem;
+static size_t mem_cap;
+
+static void event_frame(const char *key)
+{
+    if (head_key == key)
+        return;
+    /* the chunk with an empty text, dumped: what surrounds "" is what surrounds any text */
+    json_object_clear(delta);
+    CHECK(json_object_set_new(delta, key, json_string("")) == 0, "json_object_set_new failed");
+    char line[sizeof head + sizeof tail];
+    size_t n = json_dumpb(chunk, line, sizeof line, JSON_COMPACT);
+    CHECK(n > 0 && n < sizeof line, "the empty chunk does not dump");
+    const char *q = strstr(line, "\"\"");
+    CHECK(q && (size_t)(q - line) + 7 < sizeof head, "no empty text in %.*s", (int)n, line);
+    /* head: "data: " and the dump up to the text's opening quote; tail: from its closing
+     * quote to the end, and "\n\n" */
+    head_len = 6 + (size_t)(q - line) + 1;
+    memcpy(head, "data: ", 6);
+    memcpy(head + 6, line, head_len - 6);
+    tail_len = n - (size_t)(q + 1 - line) + 2;
+    CHECK(tail_len < sizeof tail, "tail");
+    memcpy(tail, q + 1, tail_len - 2);
+    memcpy(tail + tail_len - 2, "\n\n", 2);
+    head_key = key;
+}
+
 static json_t *event(json_t *text, const char *key)
 {
-    json_t *chunk = json_pack("{s:s,s:[{s:i,s:{s:O},s:n}]}", "object", "chat.completion.chunk", "choices", "index", 0,
-                              "delta", key, text, "finish_reason");
-    CHECK(chunk, "json_pack failed");
+    if (!chunk) {
+        chunk = json_pack("{s:s,s:[{s:i,s:{},s:n}]}", "object", "chat.completion.chunk", "choices", "index", 0,
+                          "delta", "finish_reason");
+        CHECK(chunk, "json_pack failed");
+        delta = json_object_get(json_array_get(json_object_get(chunk, "choices"), 0), "delta");
+    }
+    event_frame(key);
+    json_object_clear(delta);
+    CHECK(json_object_set(delta, key, text) == 0, "json_object_set failed");
+    /* sized as ngx_http_m40_emit sizes it: the dump's length, the prefix and "\n\n" */
     size_t need = json_dumpb(chunk, NULL, 0, JSON_COMPACT) + sizeof("data: \n\n") - 1;
-    u_char *mem = malloc(need);
-    CHECK(mem, "out of memory");
+    if (need > mem_cap) {
+        mem_cap = need * 2;
+        free(mem);
+        mem = malloc(mem_cap);
+        CHECK(mem, "out of memory");
+    }
     ngx_buf_t b;
     memset(&b, 0, sizeof b);
     b.start = b.pos = b.last = mem;
-    b.end = mem + need;
+    b.end = mem + need; /* exactly the room the module gives it */
     size_t n = ngx_http_m40_json_write(chunk, &b, "data: ", "\n\n");
-    json_decref(chunk);
+    json_object_clear(delta); /* the text is the caller's again */
     CHECK(n == need && b.last == b.end, "event of %zu bytes, %zu expected", n, need);
     const char *ev = (const char *)mem;
-    CHECK(memcmp(ev, "data: ", 6) == 0 && memcmp(ev + n - 2, "\n\n", 2) == 0, "event framing: %.*s", (int)n, ev);
+    CHECK(n >= head_len + tail_len && memcmp(ev, head, head_len) == 0
+              && memcmp(ev + n - tail_len, tail, tail_len) == 0, "event framing: %.*s", (int)n, ev);
     CHECK(memchr(ev, '\n', n - 2) == NULL && memchr(ev, '\r', n - 2) == NULL, "a line break inside an event");
     CHECK(valid_utf8(ev, n), "an event is not valid UTF-8: %.*s", (int)n, ev);
+    /* the text's JSON string: from the opening quote (the last byte of head) to the
+     * closing one (the first of tail) */
     json_error_t jerr;
-    json_t *back = json_loadb(ev + 6, n - 8, JSON_ALLOW_NUL, &jerr); /* \u0000 is JSON */
-    CHECK(back, "an event does not parse: %s", jerr.text);
-    json_t *t = json_object_get(json_object_get(json_array_get(json_object_get(back, "choices"), 0), "delta"), key);
-    CHECK(json_is_string(t), "the event lost its text");
-    json_incref(t);
-    json_decref(back);
-    free(mem);
+    json_t *t = json_loadb(ev + head_len - 1, n - head_len - tail_len + 2, JSON_DECODE_ANY | JSON_ALLOW_NUL, &jerr);
+    CHECK(json_is_string(t), "an event's text does not parse back: %s", jerr.text);
     return t;
 }
 

@@ -375,6 +375,12 @@ static void test_hostile(void)
           "x[0, :] fails cleanly: %s", err);
     m40_jinja_free(t);
     EXPECT("{{ 'abcdef'[1:4] ~ 'xyz'[::-1] }}", NULL, "bcdzyx");
+    /* a step past the end in one stride: the index stepped by INT64_MAX overflowed (UBSan
+     * in jr_slice, found by fuzz_jinja with 'abc'[1::777...7]) */
+    EXPECT("{{ 'abc'[1::9223372036854775807] ~ 'abc'[2::-9223372036854775807] ~ 'abc'[::9223372036854775807] }}",
+           NULL, "bca");
+    EXPECT("{{ [1, 2, 3][1::9223372036854775807] | join(',') }}{{ [1, 2, 3][::-9223372036854775807] | join(',') }}",
+           NULL, "23");
     /* empty sequences repeated 10^15 times: empty at once (found by fuzz_jinja: a spin) */
     EXPECT("{{ '' * 3444444444444444 }}{{ ([] * 3444444444444444) | length }}", NULL, "0");
     /* a source over 1 MiB (possible only through a GGUF file or a configured path) */
