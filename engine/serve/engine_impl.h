@@ -300,6 +300,8 @@ void m40_admit_fail(m40_engine *e, m40_request *r, int status, const char *msg);
 /* scheduler.c: one step (build the batch, make room in the KV pool, forward, hand
  * each new token to m40_sequence_advance). */
 void m40_run_step(m40_engine *e);
+/* The step's helper threads and their arrays, freed (the engine thread's end). */
+void m40_pick_pool_free(m40_engine *e);
 
 /* output.c: a slot's buffers freed and zeroed. */
 void m40_slot_clear(m40_slot *s);

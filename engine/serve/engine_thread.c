@@ -3,7 +3,6 @@
  * publish the statistics after each, and on stop answer everything still waiting and
  * unload. */
 #include "engine_impl.h"
-#include "util/threadpool.h"
 #include "kv/kv_blocks.h" /* M40_KV_BLOCK_SIZE_DEFAULT: the GPU pool's block size */
 #include "util/tuning.h"
 
@@ -349,14 +348,7 @@ static void engine_unload(m40_engine *e)
     free(e->logits);
     free(e->row_sample);
     e->row_sample = NULL;
-    m40_threadpool_free(e->pick_pool);
-    e->pick_pool = NULL;
-    free(e->pick_rows);
-    free(e->pick_rc);
-    free(e->pick_res);
-    e->pick_rows = NULL;
-    e->pick_rc = NULL;
-    e->pick_res = NULL;
+    m40_pick_pool_free(e);
     free(e->ready_batch);
     free(e->done_batch);
     m40_jinja_free(e->tmpl);

@@ -80,16 +80,23 @@ static int pick_pool_ready(m40_engine *e)
     /* the engine thread works on the jobs too: pick_threads helpers beside it */
     e->pick_pool = e->pick_rows && e->pick_rc && e->pick_res ? m40_threadpool_new(e->pick_threads + 1) : NULL;
     if (!e->pick_pool) {
+        m40_pick_pool_free(e);
         e->pick_pool_failed = 1; /* the serial path serves every step from now on */
-        free(e->pick_rows);
-        free(e->pick_rc);
-        free(e->pick_res);
-        e->pick_rows = NULL;
-        e->pick_rc = NULL;
-        e->pick_res = NULL;
         return 0;
     }
     return 1;
+}
+
+void m40_pick_pool_free(m40_engine *e)
+{
+    m40_threadpool_free(e->pick_pool);
+    free(e->pick_rows);
+    free(e->pick_rc);
+    free(e->pick_res);
+    e->pick_pool = NULL;
+    e->pick_rows = NULL;
+    e->pick_rc = NULL;
+    e->pick_res = NULL;
 }
 
 static void mask_task(void *ctx, int task, int thread)
