@@ -548,16 +548,10 @@ ngx_http_m40_name_seen(ngx_http_m40_main_conf_t *mcf, ngx_http_m40_shm_t *sh,
     const u_char *name, size_t len, ngx_uint_t slot_before,
     ngx_uint_t retired_before)
 {
-    ngx_uint_t             i;
-    ngx_http_m40_model_t  *models;
+    ngx_uint_t  i;
 
-    models = mcf->models.elts;
-    for (i = 0; i < mcf->models.nelts; i++) {
-        if (models[i].model_name.len == len
-            && ngx_memcmp(models[i].model_name.data, name, len) == 0)
-        {
-            return 1;
-        }
+    if (ngx_http_m40_model_find(mcf, name, len) != NULL) {
+        return 1;
     }
 
     for (i = 0; i < slot_before; i++) {
