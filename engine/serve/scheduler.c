@@ -138,29 +138,26 @@ static int masks_start(m40_engine *e, int32_t rows)
     return 1;
 }
 
-/* A request whose next token is the plain argmax of the logits: greedy, nothing that
- * reshapes the logits, no logprobs to report. When every row of a step is such, the
- * model picks the tokens itself (on the GPU, without sending the logits back). */
-static int greedy_only(const m40_request *r)
-{
-    const m40_sampler_params *p = &r->sampling;
-    /* a grammar masks the logits on the host: constrained rows always bring theirs back
-     * (forced tool calls too: without their logits such a row ended at once, no token) */
-    return (p->temperature <= 0.0f || p->top_k == 1) && p->n_logit_bias == 0 && p->repetition_penalty == 1.0f &&
-           p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !r->logprobs && !r->grammar_src &&
-           !r->json_schema && !r->json_object && !r->tool_call_format;
-}
-
 /* A request whose draw the GPU can make itself (m40_batch.sample: temperature, top-k,
  * top-p, min-p and the seed): nothing the device sampler does not do (logit bias,
- * penalties, a grammar) and no logprobs to report. A step whose rows are all such (or
- * greedy_only) brings back only the picks, not 64 rows of logits to sample on the host. */
+ * penalties) and no logprobs to report. A grammar masks the logits on the host:
+ * constrained rows always bring theirs back (forced tool calls too: without their logits
+ * such a row ended at once, no token). A step whose rows are all such brings back only
+ * the picks, not 64 rows of logits to sample on the host. */
 static int device_sampleable(const m40_request *r)
 {
     const m40_sampler_params *p = &r->sampling;
     return p->n_logit_bias == 0 && p->repetition_penalty == 1.0f && p->presence_penalty == 0.0f &&
            p->frequency_penalty == 0.0f && !r->logprobs && !r->grammar_src && !r->json_schema && !r->json_object &&
            !r->tool_call_format;
+}
+
+/* A request whose next token is the plain argmax of the logits: greedy, and otherwise
+ * device_sampleable. When every row of a step is such, the model picks the tokens itself
+ * (on the GPU, without sending the logits back). */
+static int greedy_only(const m40_request *r)
+{
+    return (r->sampling.temperature <= 0.0f || r->sampling.top_k == 1) && device_sampleable(r);
 }
 
 static void batch_add(m40_engine *e, int32_t *n, int32_t tok, int32_t pos, int32_t slot, int want)
