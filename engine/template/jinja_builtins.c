@@ -38,18 +38,14 @@ int jb_str(jrender *r, m40_jvalue v, m40_jvalue *out)
         return 0;
     }
     jbuf b;
-    jbuf_init(&b, 0);
+    jr_buf_init(r, &b);
     jv_write_str(&b, v);
-    int rc = jv_str_from_buf(jr_arena(r), &b, out);
-    jbuf_free(&b);
-    return rc ? jb_oom(r) : 0;
+    return jr_buf_value(r, &b, out);
 }
 
 int jb_buf_result(jrender *r, jbuf *b, m40_jvalue *out)
 {
-    int rc = jv_str_from_buf(jr_arena(r), b, out);
-    jbuf_free(b);
-    return rc ? jb_oom(r) : 0;
+    return jr_buf_value(r, b, out);
 }
 
 int jb_need_str(jrender *r, int line, m40_jvalue v, const char *what)
@@ -149,7 +145,7 @@ static void put_lower(jbuf *b, uint32_t c)
 int jb_change_case(jrender *r, const m40_jstr *s, enum casemode mode, m40_jvalue *out)
 {
     jbuf b;
-    jbuf_init(&b, 0);
+    jr_buf_init(r, &b);
     int word_start = 1;
     for (size_t i = 0; i < s->len;) {
         uint32_t c = jutf8_next(s->s, s->len, &i);
@@ -233,7 +229,7 @@ int jb_replace(jrender *r, const m40_jstr *s, const m40_jstr *old, const m40_jst
                        int64_t count, m40_jvalue *out)
 {
     jbuf b;
-    jbuf_init(&b, 0);
+    jr_buf_init(r, &b);
     if (old->len == 0) { /* Python inserts `new` at every code point boundary */
         int64_t done = 0;
         size_t i = 0;
@@ -635,7 +631,7 @@ int jb_call_method(jrender *r, int line, const m40_jcallable *fn, m40_jvalue *ar
         if (!nargs || jb_to_list(r, line, args[0], &items))
             return nargs ? -1 : jr_fail(r, line, "join needs an argument");
         jbuf b;
-        jbuf_init(&b, 0);
+        jr_buf_init(r, &b);
         for (size_t i = 0; i < items.u.l->n; i++) {
             if (items.u.l->v[i].type != M40_JV_STRING) {
                 jbuf_free(&b);

@@ -41,6 +41,17 @@ int jr_oom(jrender *r)
 m40_jarena *jr_arena(jrender *r) { return r->arena; }
 time_t jr_now(jrender *r) { return r->lim.now; }
 
+void jr_buf_init(jrender *r, jbuf *b) { jbuf_init(b, r->lim.max_output); }
+
+int jr_buf_value(jrender *r, jbuf *b, m40_jvalue *out)
+{
+    const int over = b->over, rc = jv_str_from_buf(r->arena, b, out);
+    jbuf_free(b);
+    if (over)
+        return jr_fail(r, 0, "a string value exceeds %zu bytes (the output limit)", r->lim.max_output);
+    return rc ? jr_oom(r) : 0;
+}
+
 int jr_step(jrender *r, int line)
 {
     if (++r->steps > r->lim.max_steps)

@@ -56,7 +56,7 @@ static int do_indent(jrender *r, int line, m40_jvalue v, const jb_args *a, m40_j
 {
     m40_jvalue s, w, f, bl;
     jbuf ind;
-    jbuf_init(&ind, 0);
+    jr_buf_init(r, &ind);
     if (jb_str(r, v, &s))
         return -1;
     if (jb_arg(a, 0, "width", &w)) {
@@ -80,7 +80,7 @@ static int do_indent(jrender *r, int line, m40_jvalue v, const jb_args *a, m40_j
     }
     /* jinja appends "\n" and uses str.splitlines(), which breaks on more than \n */
     jbuf b;
-    jbuf_init(&b, 0);
+    jr_buf_init(r, &b);
     if (first)
         jbuf_put(&b, ind.p, ind.len);
     const char *p = s.u.s->s;
@@ -242,7 +242,7 @@ static int make_markup(jrender *r, m40_jvalue v, int escape, m40_jvalue *out)
     if (jb_str(r, v, &s))
         return -1;
     jbuf b;
-    jbuf_init(&b, 0);
+    jr_buf_init(r, &b);
     if (escape)
         jv_write_html_escaped(&b, s.u.s->s, s.u.s->len);
     else
@@ -307,7 +307,7 @@ int jb_filter(jrender *r, int line, const char *name, m40_jvalue v, m40_jvalue *
             return jr_fail(r, line, "tojson: only the indent option is supported");
         jbuf b;
         char err[160];
-        jbuf_init(&b, 0);
+        jr_buf_init(r, &b);
         if (jv_write_json(&b, v, indent, err, sizeof err)) {
             jbuf_free(&b);
             return jr_fail(r, line, "tojson: %s", err);
@@ -339,7 +339,7 @@ int jb_filter(jrender *r, int line, const char *name, m40_jvalue v, m40_jvalue *
         if (jb_to_list(r, line, v, &items))
             return -1;
         jbuf b;
-        jbuf_init(&b, 0);
+        jr_buf_init(r, &b);
         for (size_t i = 0; i < items.u.l->n; i++) {
             m40_jvalue it = items.u.l->v[i];
             if (by_attr && jb_attr_path(r, line, it, attr, &it)) {
@@ -472,7 +472,7 @@ int jb_filter(jrender *r, int line, const char *name, m40_jvalue v, m40_jvalue *
             if (jb_to_list(r, line, v, &chars))
                 return -1;
             jbuf b;
-            jbuf_init(&b, 0);
+            jr_buf_init(r, &b);
             for (size_t i = chars.u.l->n; i-- > 0;)
                 jbuf_put(&b, chars.u.l->v[i].u.s->s, chars.u.l->v[i].u.s->len);
             return jb_buf_result(r, &b, out);

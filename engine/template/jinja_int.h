@@ -71,6 +71,7 @@ typedef struct {
     char *p;
     size_t len, cap, max; /* max 0: unbounded */
     int failed;           /* 1: out of memory or over max */
+    int over;             /* 1: over max */
 } jbuf;
 
 void jbuf_init(jbuf *b, size_t max);
@@ -205,6 +206,12 @@ int jr_getattr(jrender *r, int line, m40_jvalue obj, const char *name, m40_jvalu
 int jr_getitem(jrender *r, int line, m40_jvalue obj, m40_jvalue key, m40_jvalue *out);
 time_t jr_now(jrender *r);
 int jr_step(jrender *r, int line);
+/* A buffer for a string value made while rendering: no value grows past the output
+ * limit (what could ever be written; a filter chain that keeps lengthening a string fails
+ * there instead of filling the memory limit). */
+void jr_buf_init(jrender *r, jbuf *b);
+/* b as an arena string in out, b freed; the error names the limit where b went past it */
+int jr_buf_value(jrender *r, jbuf *b, m40_jvalue *out);
 
 /* ---- builtins (jinja_builtins.c: helpers, tests, methods, globals; jinja_filters.c) ---- */
 typedef struct {

@@ -209,7 +209,7 @@ int jr_slice(jrender *r, int line, m40_jvalue obj, const int *has, int64_t *iv, 
         int64_t n_cp = (int64_t)jutf8_count(str->s, str->len), start, stop;
         slice_bounds(n_cp, has[0], iv[0], has[1], iv[1], iv[2], &start, &stop);
         jbuf b;
-        jbuf_init(&b, 0);
+        jr_buf_init(r, &b);
         if (iv[2] == 1) {
             if (start < stop) {
                 size_t a = jutf8_offset(str->s, str->len, (size_t)start);
@@ -231,9 +231,7 @@ int jr_slice(jrender *r, int line, m40_jvalue obj, const int *has, int64_t *iv, 
                 jbuf_put(&b, str->s + offs[c], offs[c + 1] - offs[c]);
             free(offs);
         }
-        int rc = jv_str_from_buf(r->arena, &b, out);
-        jbuf_free(&b);
-        return rc ? jr_oom(r) : 0;
+        return jr_buf_value(r, &b, out);
     }
     /* jinja2's getitem turns the TypeError into an undefined value */
     *out = jr_undefined(r, NULL);
@@ -279,13 +277,11 @@ static int repeat(jrender *r, int line, m40_jvalue seq, int64_t times, m40_jvalu
         if (len && (uint64_t)times > r->lim.max_output / len)
             return jr_fail(r, line, "string repetition too large");
         jbuf b;
-        jbuf_init(&b, 0);
+        jr_buf_init(r, &b);
         for (int64_t i = 0; i < times; i++)
             jbuf_put(&b, seq.u.s->s, len);
-        int rc = jv_str_from_buf(r->arena, &b, out);
-        jbuf_free(&b);
-        if (rc)
-            return jr_oom(r);
+        if (jr_buf_value(r, &b, out))
+            return -1;
         out->u.s->markup = seq.u.s->markup;
         return 0;
     }
@@ -396,7 +392,7 @@ int jr_arith(jrender *r, int line, int op, m40_jvalue a, m40_jvalue b, m40_jvalu
         /* Markup + str escapes the plain side (markupsafe), which is what HF renders
          * for templates that write "..."|safe + value. */
         jbuf buf;
-        jbuf_init(&buf, 0);
+        jr_buf_init(r, &buf);
         if (a.u.s->markup)
             jbuf_put(&buf, a.u.s->s, a.u.s->len);
         else
@@ -405,10 +401,8 @@ int jr_arith(jrender *r, int line, int op, m40_jvalue a, m40_jvalue b, m40_jvalu
             jbuf_put(&buf, b.u.s->s, b.u.s->len);
         else
             jv_write_html_escaped(&buf, b.u.s->s, b.u.s->len);
-        int rc = jv_str_from_buf(r->arena, &buf, out);
-        jbuf_free(&buf);
-        if (rc)
-            return jr_oom(r);
+        if (jr_buf_value(r, &buf, out))
+            return -1;
         out->u.s->markup = 1;
         return 0;
     }
@@ -548,6 +542,8 @@ int jb_to_list(jrender *r, int line, m40_jvalue v, m40_jvalue *out)
             size_t a = i;
             jutf8_next(s->s, s->len, &i);
             m40_jvalue c;
+            if (jr_step(r, line)) /* a value a character: a step each */
+                return -1;
             if (m40_jv_str(r->arena, s->s + a, i - a, &c) || m40_jv_list_push(r->arena, *out, c))
                 return jr_oom(r);
         }

@@ -100,7 +100,7 @@ int jbuf_put(jbuf *b, const char *s, size_t n)
     if (b->failed)
         return -1;
     if (b->max && b->len + n > b->max) {
-        b->failed = 1;
+        b->failed = b->over = 1;
         return -1;
     }
     if (b->len + n + 1 > b->cap) {

@@ -321,6 +321,22 @@ static void test_hostile(void)
     out = render("{{ range(100000000)|length }}", NULL);
     CHECK(!out, "huge range is refused: %s", err);
     free(out);
+    /* found by fuzz_jinja: escaping a list writes its repr, and |list turns that string into
+     * a list of its characters again, each round several times longer; ten rounds took
+     * seconds and gigabytes within the memory limit. Each character made is a step, and
+     * no string value grows past the output limit. */
+    lim.max_memory = (size_t)1 << 30;
+    lim.max_steps = 100000;
+    out = render_lim("{{ range(3)|e|list|e|list|e|list|e|list|e|list|e|list|e|list|e|list|e|list|e }}", NULL, &lim);
+    CHECK(!out && (strstr(err, "steps") || strstr(err, "exceeds")), "|e|list rounds hit the step limit: %s", err);
+    free(out);
+    lim.max_steps = 0;
+    lim.max_output = 1000;
+    out = render_lim("{{ (range(400)|string|e)|length }}", NULL, &lim);
+    CHECK(!out && strstr(err, "exceeds 1000 bytes"), "a string value past the output limit: %s", err);
+    free(out);
+    lim.max_output = 0;
+    lim.max_memory = 0;
 
     /* long left-associative chains: parsed by loops but evaluated one level a link, so
      * a 50,000-link chain used to run the stack out at render time (a worker crash for
