@@ -978,7 +978,7 @@ static void test_gemm_q(void)
             Ks = {32 * 37, 64 * 3, 768};
         for (int K : Ks)
             for (int N : {17, 259})
-                for (int M : {9, 16, 33, 64, 65, 130}) {
+                for (int M : {9, 16, 27, 33, 64, 65, 130}) {
                     const int64_t xs = K + 8, ldy = N + 3;
                     std::vector<uint8_t> w = quant_matrix(base, N, K);
                     std::vector<uint8_t> wd = w;
@@ -1845,7 +1845,13 @@ static void bench_gemm_q(void)
     struct { int N, K; } shapes[] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
     const int types[] = {M40K_TYPE_Q4_K, M40K_TYPE_Q6_K_G8, M40K_TYPE_Q8_0_G8};
     const int maxM = 512;
+    /* M40_BENCH_SHAPE=NxK: that shape only (for a profiler run) */
+    const char *only = getenv("M40_BENCH_SHAPE");
     for (auto sh : shapes) {
+        char name[32];
+        snprintf(name, sizeof name, "%dx%d", sh.N, sh.K);
+        if (only && strcmp(only, name))
+            continue;
         uint16_t *dx16, *ddeq;
         float *dy, *dws;
         std::vector<float> xf = rand_vec((size_t)maxM * sh.K);
