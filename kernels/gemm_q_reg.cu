@@ -138,21 +138,52 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
     const int nc = K / MQ_KC;
     const int c0 = (int)((int64_t)s * nc / S), c1 = (int)((int64_t)(s + 1) * nc / S);
 
+    /* Each thread's copies are the same pieces of every chunk (consecutive threads,
+     * consecutive 16-byte pieces of a row: a warp's copies are a few whole rows), so
+     * where they come from and go is worked out once here and a chunk adds only its
+     * offset (the index arithmetic per chunk and copy was a quarter of the kernel's
+     * instructions, BENCHMARKS.md). Weights: copy k of this thread is piece i = tid +
+     * 256k of the MR_ROWS x WP pieces (rows past N read row N - 1, never written). x: row
+     * tid / 32 + 8k, piece tid % 32 of its 32 (rows past M zero-filled). */
+    constexpr int WP = RB / 16, KW = (MR_ROWS * WP + MQ_WARPS * 32 - 1) / (MQ_WARPS * 32), KX = BM / 8;
+    static_assert(MQ_WARPS * 32 == 256, "x: 8 rows a round of 256 threads");
+    /* source offset from row n0's start for chunk 0 (bit 0, Q6_K_G8: a piece of the
+     * superblock, which moves 208 bytes a chunk within its group), and stage offset */
+    uint32_t woff[KW], wdst[KW];
+#pragma unroll
+    for (int k = 0; k < KW; k++) {
+        const int i = tid + 256 * k, r = min(i / WP, MR_ROWS - 1), o = 16 * (i % WP);
+        const uint32_t ro = (uint32_t)((size_t)(min(n0 + r, N - 1) - n0) * row_bytes);
+        if constexpr (T == M40K_TYPE_Q6_K_G8)
+            woff[k] = ro + (o < 208 ? (uint32_t)o + 1u : 1664u + (uint32_t)(o - 208));
+        else
+            woff[k] = ro + (uint32_t)o;
+        wdst[k] = (uint32_t)(r * WLD + o);
+    }
+    const uint8_t *w0 = w + (size_t)n0 * row_bytes;
+    const int xr0 = tid >> 5, xp = tid & 31;
+    const uint16_t *x0 = x + (size_t)xr0 * x_stride + 8 * xp;
+
     /* chunk c into stage b, one commit group (empty past the split's end: the count of
      * groups stays one a turn) */
     auto issue = [&](int c, int b) {
         if (c < c1) {
-            uint8_t *ws_ = mr_sm + b * sm::STAGE;
-            for (int i = tid; i < MR_ROWS * (RB / 16); i += MQ_WARPS * 32) {
-                const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
-                const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes; /* rows past N: never written */
-                mq_cp16(ws_ + r * WLD + o, mq_chunk_src<T>(row, c, o), 16);
-            }
-            uint16_t *xs = reinterpret_cast<uint16_t *>(ws_ + MR_ROWS * WLD);
-            for (int i = tid; i < BM * (MQ_KC / 8); i += MQ_WARPS * 32) {
-                const int r = i / (MQ_KC / 8), o = 8 * (i % (MQ_KC / 8));
-                const bool in = r < M;
-                mq_cp16(xs + r * MR_XLD + o, in ? x + (size_t)r * x_stride + (size_t)c * MQ_KC + o : x, in ? 16 : 0);
+            uint8_t *st = mr_sm + b * sm::STAGE;
+#pragma unroll
+            for (int k = 0; k < KW; k++)
+                if ((MR_ROWS * WP) % 256 == 0 || k + 1 < KW || tid + 256 * k < MR_ROWS * WP) {
+                    size_t src;
+                    if constexpr (T == M40K_TYPE_Q6_K_G8) /* mq_chunk_src's layout */
+                        src = (woff[k] & ~1u) + (size_t)1680 * (c >> 3) + (woff[k] & 1u ? 208u * (c & 7) : 0u);
+                    else
+                        src = woff[k] + (size_t)c * RB;
+                    mq_cp16(st + wdst[k], w0 + src, 16);
+                }
+            uint8_t *xs = st + MR_ROWS * WLD + 16 * xp;
+#pragma unroll
+            for (int k = 0; k < KX; k++) {
+                const int r = xr0 + 8 * k;
+                mq_cp16(xs + 2 * r * MR_XLD, x0 + (size_t)8 * k * x_stride + (size_t)c * MQ_KC, r < M ? 16 : 0);
             }
         }
         mq_commit();
