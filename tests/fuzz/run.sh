@@ -10,6 +10,8 @@
 # (every UBSan report is fatal) and runs for SECONDS (default 60) from its committed
 # seed corpus (tests/fuzz/corpus/NAME), growing a working corpus under build/fuzz.
 #   tests/fuzz/run.sh [SECONDS] [NAME ...]     (make fuzz FUZZ_SECONDS=N)
+# FUZZ_TIMEOUT=S: an input that runs longer than S seconds (default 10) is a finding; a
+# long run at low priority on a busy machine needs more (a starved process is not a hang).
 # A crash leaves its input as build/fuzz/NAME/crash-* and the run fails. Prints one
 # "N passed, N failed, 0 skipped" line (a harness passes when it ran clean).
 set -u
@@ -93,7 +95,7 @@ for name in "${NAMES[@]}"; do
         *) max_len=65536 ;;
     esac
     if (cd "$work" && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-        "../fuzz_$name" -max_total_time="$SECONDS_EACH" -max_len=$max_len -rss_limit_mb=2048 -timeout=10 \
+        "../fuzz_$name" -max_total_time="$SECONDS_EACH" -max_len=$max_len -rss_limit_mb=2048 -timeout="${FUZZ_TIMEOUT:-10}" \
         -print_final_stats=1 corpus "$OLDPWD/tests/fuzz/corpus/$name" >"log" 2>&1); then
         execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$')
         echo "fuzz_$name: clean, ${execs:-?} executions in ${SECONDS_EACH} s"
