@@ -18,6 +18,7 @@
  * jansson is thread-safe for separate values; the one thing the threads share is the
  * hash seed of its objects, set once (json_object_seed) before the thread starts. */
 #include "ngx_http_m40_module.h"
+#include "util/thread_prio.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -335,6 +336,9 @@ ngx_http_m40_json_thread(void *arg)
     ngx_http_m40_json_job_t  *job;
 
     one = 1;
+
+    /* the engine thread and this worker's event loop first (thread_prio.h) */
+    m40_thread_background(M40_BACKGROUND_NICE);
 
     for ( ;; ) {
         pthread_mutex_lock(&jp->mu);

@@ -17,6 +17,7 @@
  * When the engine stops, the thread answers every request still in its queue with 503
  * and ends; the engine thread joins it before the model (tokenizer, template) goes. */
 #include "engine_impl.h"
+#include "util/thread_prio.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -240,6 +241,7 @@ static int request_tokens(m40_engine *e, m40_request *r, int32_t **ids_out, int3
 static void *prompt_thread_main(void *arg)
 {
     m40_engine *e = arg;
+    m40_thread_background(M40_BACKGROUND_NICE); /* the engine thread first (thread_prio.h) */
     pthread_mutex_lock(&e->mu);
     for (;;) {
         while (!e->stop && !e->tq_head)
