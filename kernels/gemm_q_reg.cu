@@ -162,7 +162,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
     }
     const uint8_t *w0 = w + (size_t)n0 * row_bytes;
     const int xr0 = tid >> 5, xp = tid & 31;
-    const uint16_t *x0 = x + (size_t)xr0 * x_stride + 8 * xp;
+    const uint16_t *x0 = x + (size_t)xr0 * x_stride + 8 * xp; /* used for rows below M only */
 
     /* chunk c into stage b, one commit group (empty past the split's end: the count of
      * groups stays one a turn) */
@@ -183,7 +183,8 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
 #pragma unroll
             for (int k = 0; k < KX; k++) {
                 const int r = xr0 + 8 * k;
-                mq_cp16(xs + 2 * r * MR_XLD, x0 + (size_t)8 * k * x_stride + (size_t)c * MQ_KC, r < M ? 16 : 0);
+                const bool in = r < M; /* past M: zeros, and the source stays within x */
+                mq_cp16(xs + 2 * r * MR_XLD, in ? x0 + (size_t)8 * k * x_stride + (size_t)c * MQ_KC : x, in ? 16 : 0);
             }
         }
         mq_commit();
