@@ -296,3 +296,13 @@ def test_chunked_body(front):
                       timeout=60)
     assert r.status_code == 200, r.text
     assert r.headers.get("X-Test-Prefix-Hash") == expect([("system", SYS)])
+
+
+@pytest.mark.parametrize("value", ["0", "300k", "lots"])
+def test_hash_bytes_out_of_range(hosts, value):
+    port = harness.free_port()
+    text = front_conf(port, hosts).replace("m40_prefix_hash_bytes 2048;", f"m40_prefix_hash_bytes {value};")
+    inst = harness.Nginx(text, "front-bad")
+    with pytest.raises(RuntimeError, match="m40_prefix_hash_bytes"):
+        inst.start()
+    inst.cleanup()
