@@ -209,6 +209,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       0,
       NULL },
 
+    { ngx_string("m40_prefix_hash_bytes"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_size_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_m40_loc_conf_t, prefix_hash_bytes),
+      NULL },
+
     { ngx_string("m40_ui"),
       NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_http_m40_ui,
@@ -221,7 +228,7 @@ static ngx_command_t  ngx_http_m40_commands[] = {
 
 
 static ngx_http_module_t  ngx_http_m40_module_ctx = {
-    NULL,                                  /* preconfiguration */
+    ngx_http_m40_prefix_add_variables,     /* preconfiguration */
     ngx_http_m40_errors_init,              /* postconfiguration */
 
     ngx_http_m40_create_main_conf,         /* create main configuration */
@@ -458,6 +465,7 @@ ngx_http_m40_create_loc_conf(ngx_conf_t *cf)
 
     lcf->api = NGX_CONF_UNSET;
     lcf->ui = NGX_CONF_UNSET;
+    lcf->prefix_hash_bytes = NGX_CONF_UNSET_SIZE;
 
     return lcf;
 }
@@ -473,7 +481,19 @@ ngx_http_m40_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
      * the location it appears in only. */
     ngx_conf_init_value(conf->api, 0);
     ngx_conf_init_value(conf->ui, 0);
-    (void) prev;
+
+    /* inherited, like any variable's setting: the front's hash is taken where
+     * proxy_pass is */
+    ngx_conf_merge_size_value(conf->prefix_hash_bytes, prev->prefix_hash_bytes,
+                              2048);
+    if (conf->prefix_hash_bytes == 0
+        || conf->prefix_hash_bytes > NGX_HTTP_M40_PREFIX_HASH_BYTES_MAX)
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "m40_prefix_hash_bytes must be from 1 to %d",
+                           NGX_HTTP_M40_PREFIX_HASH_BYTES_MAX);
+        return NGX_CONF_ERROR;
+    }
 
     return NGX_CONF_OK;
 }

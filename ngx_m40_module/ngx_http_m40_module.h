@@ -136,6 +136,7 @@ struct ngx_http_m40_main_conf_s {
 typedef struct {
     ngx_flag_t           api;
     ngx_flag_t           ui;                  /* m40_ui: the chat page */
+    size_t               prefix_hash_bytes;   /* m40_prefix_hash_bytes ($m40_prefix_hash) */
 } ngx_http_m40_loc_conf_t;
 
 typedef struct {
@@ -375,6 +376,10 @@ void ngx_http_m40_json_cancel(ngx_http_m40_json_job_t *job);
 
 /* ngx_http_m40_errors.c */
 ngx_int_t ngx_http_m40_errors_init(ngx_conf_t *cf);
+
+/* ngx_http_m40_prefix.c: $m40_prefix_hash, for a front balancing m40 hosts */
+#define NGX_HTTP_M40_PREFIX_HASH_BYTES_MAX  (256 * 1024)
+ngx_int_t ngx_http_m40_prefix_add_variables(ngx_conf_t *cf);
 
 /* ngx_http_m40_ui.c: the m40_ui directive and the chat page */
 char *ngx_http_m40_ui(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);

@@ -3,7 +3,8 @@
 # (fuzz_gguf), the Jinja lexer/parser/evaluator (fuzz_jinja), the tokenizers and the
 # streaming detokenizer (fuzz_tokenizer), the GBNF and JSON Schema compilers with the
 # matcher and token masks behind them (fuzz_grammar), the request body -> parameters
-# of the API (fuzz_params), and the streaming output path from token bytes to SSE
+# of the API (fuzz_params), the prefix key of a body that $m40_prefix_hash hashes
+# (fuzz_prefix), and the streaming output path from token bytes to SSE
 # events (fuzz_sse: with the module's UTF-8 repair and event writer, compiled against
 # the nginx tree that make configures in build/nginx; skipped before that). Each is
 # built with clang and ASan + UBSan
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/../.." || exit 1
 SECONDS_EACH=${1:-60}
 shift || true
 NAMES=("$@")
-[ ${#NAMES[@]} -gt 0 ] || NAMES=(gguf jinja tokenizer grammar params sse)
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(gguf jinja tokenizer grammar params prefix sse)
 CC=${FUZZ_CC:-clang}
 CXX=${FUZZ_CXX:-clang++}
 out=build/fuzz
@@ -33,7 +34,7 @@ SAN="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
 FLAGS="-g -O1 -D_GNU_SOURCE -Iengine -Ikernels -pthread"
 SRCS=(engine/util/err.c engine/util/threadpool.c engine/gguf/gguf.c engine/gguf/gguf_writer.c
       engine/gguf/mkmodel.c engine/tokenizer/tokenizer.c engine/tokenizer/bpe.c engine/tokenizer/spm_proto.c
-      engine/template/jinja_*.c engine/grammar/*.c engine/serve/api_params.c engine/serve/chat_parse.c
+      engine/template/jinja_*.c engine/grammar/*.c engine/serve/api_params.c engine/serve/chat_parse.c engine/serve/prefix_key.c
       kernels/ref/ggml_types.c kernels/ref/quant.c)
 LIBS="-ljansson -lpcre2-8 -lsentencepiece -lstdc++ -lm"
 # the engine's sources once, instrumented (a library every harness links)

@@ -53,8 +53,9 @@ def remove_workdirs():
 
 def render(text, workdir, replace=None, model=MODEL):
     """The example text with this run's paths and ports. replace maps more example
-    strings (ports, certificate paths) to their values."""
-    pairs = [(EXAMPLE_MODULE, MODULE), (EXAMPLE_MODEL, model)]
+    strings (ports, certificate paths) to their values. model=None: an example with
+    no model (conf/multi-host.conf's front)."""
+    pairs = [(EXAMPLE_MODULE, MODULE)] + ([(EXAMPLE_MODEL, model)] if model else [])
     pairs += list((replace or {}).items())
     for old, new in pairs:
         if old not in text:
