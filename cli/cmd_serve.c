@@ -36,6 +36,8 @@ static void serve_usage(FILE *f)
             "  --port N        TCP port (default 8080)\n"
             "  --host ADDR     listen address (default 127.0.0.1)\n"
             "  --device D      cpu or a GPU index (default cpu)\n"
+            "  --gpus N        N worker processes on GPUs D .. D+N-1, one model copy each\n"
+            "                  (data parallel; default 1; GPU devices only)\n"
             "  --name NAME     model name in the API (default: file name without .gguf)\n"
             "  --also [NAME=]MODEL\n"
             "                  one more model in the same server (repeatable, up to 7): requests\n"
@@ -182,7 +184,7 @@ int m40_cmd_serve(int argc, char **argv)
     const char *model = NULL, *port = "8080", *host = "127.0.0.1", *device = "cpu";
     const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL, *max_queue = NULL;
     const char *mem_fraction = NULL, *prefill_budget = NULL, *prefill_chunk = NULL, *itl_guard = NULL;
-    const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL;
+    const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL, *gpus = "1";
     int ui = 1, exact = 0;
     enum { MAX_ALSO = 7 };
     const char *also[MAX_ALSO];
@@ -214,6 +216,8 @@ int m40_cmd_serve(int argc, char **argv)
                 host = v;
             else if (!strcmp(a, "--device"))
                 device = v;
+            else if (!strcmp(a, "--gpus"))
+                gpus = v;
             else if (!strcmp(a, "--name"))
                 name = v;
             else if (!strcmp(a, "--also")) {
@@ -269,6 +273,17 @@ int m40_cmd_serve(int argc, char **argv)
     }
     if (strcmp(device, "cpu") && !is_number(device, 0, 1024)) {
         fprintf(stderr, "m40 serve: --device must be cpu or a GPU index\n");
+        return 2;
+    }
+    if (!is_number(gpus, 1, 64)) {
+        fprintf(stderr, "m40 serve: --gpus must be 1..64\n");
+        return 2;
+    }
+    const int n_gpus = atoi(gpus);
+    if (n_gpus > 1 && !strcmp(device, "cpu")) {
+        /* every worker holds its own engine and model copy: on one CPU they would only
+         * split its cores */
+        fprintf(stderr, "m40 serve: --gpus needs a GPU device (--device D: worker k drives GPU D+k)\n");
         return 2;
     }
     if ((threads && !is_number(threads, 0, 1024)) || (ctx_size && !is_number(ctx_size, 0, 1 << 24))
@@ -393,7 +408,8 @@ int m40_cmd_serve(int argc, char **argv)
 
     fprintf(f, "# written by m40 serve\nload_module ");
     put_quoted(f, module_path);
-    fprintf(f, ";\ndaemon off;\nworker_processes 1;\npid ");
+    /* worker k drives GPU device + k (the module's m40_device) */
+    fprintf(f, ";\ndaemon off;\nworker_processes %d;\npid ", n_gpus);
     put_quoted2(f, dir, "/nginx.pid");
     fprintf(f, ";\nerror_log stderr notice;\n");
     /* nginx hands its workers an empty environment (TZ aside): the engine's tuning
@@ -460,9 +476,10 @@ int m40_cmd_serve(int argc, char **argv)
     for (size_t i = 0; i < sizeof given / sizeof given[0]; i++)
         if (given[i].value)
             fprintf(f, "    %s %s;\n", given[i].directive, given[i].value);
-    fprintf(f, "\n    server {\n        listen %s%s%s:%s;\n        location / {\n            m40_api;\n%s"
+    /* reuseport: the kernel spreads the connections over the workers (their GPUs) */
+    fprintf(f, "\n    server {\n        listen %s%s%s:%s%s;\n        location / {\n            m40_api;\n%s"
                "        }\n    }\n}\n",
-            strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port,
+            strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "", port, n_gpus > 1 ? " reuseport" : "",
             ui ? "            m40_ui on;\n" : "");
     if (fclose(f) != 0) {
         fprintf(stderr, "m40 serve: writing %s: %s\n", conf, strerror(errno));

@@ -227,6 +227,19 @@ TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --nginx "$tmp/fake-nginx" --module "$t
 check "serve: nginx's exit status passed on" [ $rc -eq 3 ]
 check "serve: the store's file in m40_model" grep -q "m40_model \"$store/org/multi/tiny-Q4_0.gguf\"" "$tmp/served.conf"
 check "serve: its temporary folder is removed" [ -z "$(ls -A "$tmp/t")" ]
+check "serve: one worker, no reuseport by default" \
+    sh -c "grep -q '^worker_processes 1;' '$tmp/served.conf' && ! grep -q reuseport '$tmp/served.conf'"
+# --gpus N: N workers, worker k on GPU D+k, connections spread by reuseport
+TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --device 1 --gpus 3 --nginx "$tmp/fake-nginx" --module "$tmp/fake-nginx" \
+    >/dev/null 2>"$tmp/err"
+check "serve --gpus 3: three workers" grep -q '^worker_processes 3;' "$tmp/served.conf"
+check "serve --gpus 3: from GPU 1" grep -q 'm40_device 1;' "$tmp/served.conf"
+check "serve --gpus 3: reuseport" grep -q 'listen 127.0.0.1:8080 reuseport;' "$tmp/served.conf"
+"$M40" serve org/multi:Q4_0 --gpus 2 --nginx "$tmp/fake-nginx" >/dev/null 2>"$tmp/err"; rc=$?
+check "serve --gpus 2 on the cpu: exit 2" [ $rc -eq 2 ]
+check "serve --gpus 2 on the cpu: says why" grep -q "needs a GPU device" "$tmp/err"
+"$M40" serve org/multi:Q4_0 --device 0 --gpus 0 >/dev/null 2>"$tmp/err"; rc=$?
+check "serve --gpus 0: exit 2" [ $rc -eq 2 ]
 FAKE_WAIT=1 TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --nginx "$tmp/fake-nginx" --module "$tmp/fake-nginx" >/dev/null 2>"$tmp/err" &
 spid=$!
 for _ in $(seq 50); do [ -n "$(ls -A "$tmp/t")" ] && [ -s "$tmp/served.conf" ] && break; sleep 0.1; done
