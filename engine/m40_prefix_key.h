@@ -29,7 +29,6 @@
  * none of the fields, or is not an object). */
 size_t m40_prefix_key(const json_t *root, unsigned char *out, size_t cap);
 
-/* FNV-1a, 64 bits: a fast, well-spread hash with no table and no dependency. */
-uint64_t m40_fnv1a64(const void *data, size_t len);
+/* The module hashes those bytes with m40_fnv1a64 (util/hash.h). */
 
 #endif

@@ -28,6 +28,7 @@
 #include "ngx_http_m40_module.h"
 
 #include "m40_prefix_key.h"
+#include "util/hash.h"
 
 
 #define NGX_HTTP_M40_PREFIX_PARSE_MAX  (256 * 1024)

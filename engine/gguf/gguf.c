@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "ref/ggml_types.h"
+#include "util/hash.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32
 /* Real files nest at most 2 deep; the bound keeps a hostile file from recursing the
@@ -87,13 +88,7 @@ typedef struct {
     size_t mask;
 } name_index;
 
-static uint64_t hash_name(const char *s)
-{
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ull;
-    return h;
-}
+static uint64_t hash_name(const char *s) { return m40_fnv1a64(s, strlen(s)); }
 
 static int name_index_init(name_index *ix, uint64_t n)
 {

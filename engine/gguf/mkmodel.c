@@ -22,6 +22,7 @@
 #include "ref/ggml_types.h"
 #include "gguf.h"
 #include "ref/quant.h"
+#include "util/hash.h"
 #include "util/threadpool.h"
 
 #define MK_ALIGNMENT 32
@@ -200,13 +201,7 @@ static void row_rng(xoshiro256 *r, uint64_t seed, uint64_t name_hash, uint64_t r
         r->s[i] = splitmix64(&x);
 }
 
-static uint64_t fnv1a(const char *s)
-{
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
-    return h;
-}
+static uint64_t fnv1a(const char *s) { return m40_fnv1a64(s, strlen(s)); }
 
 /* n approximately normal values of standard deviation `std`: the sum of the four
  * 16-bit lanes of one 64-bit draw has mean 131070 and standard deviation

@@ -155,14 +155,3 @@ size_t m40_prefix_key(const json_t *root, unsigned char *out, size_t cap)
         add_prompt(&b, v);
     return b.len;
 }
-
-uint64_t m40_fnv1a64(const void *data, size_t len)
-{
-    const unsigned char *p = data;
-    uint64_t h = 0xcbf29ce484222325ULL;
-    while (len--) {
-        h ^= *p++;
-        h *= 0x100000001b3ULL;
-    }
-    return h;
-}

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "util/err.h" /* m40_set_err */
+#include "util/hash.h"
 
 /* ---------------------------------------------------------------------------------- */
 /* Pre-tokenizer regexes (public definitions of the model families' pre-tokenizers).   */
@@ -253,11 +254,7 @@ static void m40_bpe_init_bytemap(m40_bpe *b)
 
 static uint64_t m40_bpe_hash_bytes(const char *s, size_t n)
 {
-    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
-    for (size_t i = 0; i < n; i++) {
-        h ^= (unsigned char)s[i];
-        h *= 1099511628211ULL;
-    }
+    const uint64_t h = m40_fnv1a64(s, n);
     return h ^ (h >> 29);
 }
 

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "spm.h"
+#include "util/hash.h"
 
 enum {
     SPM_NORMAL = 1,
@@ -138,15 +139,7 @@ static int spm_is_byte_piece(const char *s, uint64_t len)
 }
 
 /* FNV-1a over the piece bytes, for the duplicate check. */
-static uint64_t spm_hash(const char *s, uint64_t len)
-{
-    uint64_t h = 1469598103934665603ull;
-    for (uint64_t i = 0; i < len; i++) {
-        h ^= (unsigned char)s[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
+static uint64_t spm_hash(const char *s, uint64_t len) { return m40_fnv1a64(s, (size_t)len); }
 
 static int64_t spm_id_key(const m40_gguf *g, const char *key, uint64_t n)
 {

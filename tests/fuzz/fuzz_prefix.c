@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "m40_prefix_key.h"
+#include "util/hash.h"
 
 #define CHECK(c, ...)                                                                                                  \
     do {                                                                                                               \

@@ -32,7 +32,7 @@ if ! command -v "$CC" >/dev/null 2>&1; then
 fi
 SAN="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 FLAGS="-g -O1 -D_GNU_SOURCE -Iengine -Ikernels -pthread"
-SRCS=(engine/util/err.c engine/util/threadpool.c engine/gguf/gguf.c engine/gguf/gguf_writer.c
+SRCS=(engine/util/err.c engine/util/hash.c engine/util/threadpool.c engine/gguf/gguf.c engine/gguf/gguf_writer.c
       engine/gguf/mkmodel.c engine/tokenizer/tokenizer.c engine/tokenizer/bpe.c engine/tokenizer/spm_proto.c
       engine/template/jinja_*.c engine/grammar/*.c engine/serve/api_params.c engine/serve/chat_parse.c engine/serve/prefix_key.c
       kernels/ref/ggml_types.c kernels/ref/quant.c)

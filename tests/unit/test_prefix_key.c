@@ -4,6 +4,7 @@
  * FNV-1a 64 against its published test vectors. */
 #include "check.h"
 #include "m40_prefix_key.h"
+#include "util/hash.h"
 
 #include <stdint.h>
 
