@@ -33,7 +33,7 @@
 
 typedef struct {
     const char *model_path;
-    long threads, prompt_len, gen, reps, warmup, batch, chunk, device;
+    long threads, prompt_len, gen, reps, warmup, batch, chunk, device, tp;
     unsigned long long seed;
     double bandwidth_gbs;
     int gpu_time;
@@ -51,6 +51,8 @@ static void bench_usage(FILE *f)
     fprintf(f,
             "usage: m40 bench MODEL [options]\n"
             "  --device D        cpu (default) or a CUDA device index (weights uploaded once, paged F16 KV)\n"
+            "  --tp N            tensor parallelism: GPUs D .. D+N-1 over NCCL (the roofline counts N GPUs'\n"
+            "                    bandwidth), or N simulated ranks on the CPU\n"
             "  --threads N       CPU threads (default: all)\n"
             "  --prompt-len N    random prompt tokens prefilled per sequence (default 512)\n"
             "  --chunk N         prompt tokens per prefill forward call (default 512)\n"
@@ -215,7 +217,7 @@ out:
 static int parse_args(int argc, char **argv, bench_opts *o)
 {
     *o = (bench_opts){.threads = 0, .prompt_len = 512, .gen = 128, .reps = 3, .warmup = 1, .batch = 1, .chunk = 512,
-                      .seed = 1, .bandwidth_gbs = BENCH_DEFAULT_BANDWIDTH_GBS, .device = -1};
+                      .seed = 1, .bandwidth_gbs = BENCH_DEFAULT_BANDWIDTH_GBS, .device = -1, .tp = 1};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -256,6 +258,8 @@ static int parse_args(int argc, char **argv, bench_opts *o)
             }
             o->device = dev;
             continue;
+        } else if (!strcmp(a, "--tp")) {
+            target = &o->tp, lo = 1, hi = 64;
         } else if (!strcmp(a, "--threads")) {
             target = &o->threads, lo = 0, hi = 1024;
         } else if (!strcmp(a, "--prompt-len")) {
@@ -316,7 +320,7 @@ int m40_cmd_bench(int argc, char **argv)
     o.model_path = m40_model_arg("bench", o.model_path, stored, sizeof stored);
     m40_model *m = NULL;
     m40_model_options mo = {.n_threads = (int)o.threads, .device = (int)o.device, .log_progress = 1,
-                            .cpu_fast = !o.exact};
+                            .cpu_fast = !o.exact, .tp = (int)o.tp};
     if (m40_model_load_opts(o.model_path, &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 bench: %s\n", err);
         return 1;
@@ -433,6 +437,10 @@ int m40_cmd_bench(int argc, char **argv)
 
     double pf = median(prefill_tps, o.reps), dt = median(decode_tps, o.reps), st = median(step_ps, o.reps);
     double implied_gbs = weight_bytes * st / 1e9;
+    if (on_gpu && o.tp > 1) { /* N GPUs read their shards at once: the aggregate bandwidth */
+        o.bandwidth_gbs *= (double)o.tp;
+        printf("tp:       %ld GPUs, each reading its shard: the roofline counts %ld x the bandwidth\n", o.tp, o.tp);
+    }
     double roof_steps = o.bandwidth_gbs * 1e9 / weight_bytes;
     printf("median:   prefill %.1f tok/s, decode %.2f tok/s (batch %ld, %.2f steps/s)\n", pf, dt, o.batch, st);
     printf("roofline: decode reads the weights once per step: %.4g GB x %.2f steps/s = %.4g GB/s of weight "

@@ -14,10 +14,12 @@
 
 static void eval_usage(FILE *f)
 {
-    fprintf(f, "usage: m40 eval [--tol X] [--threads N] [--device D] [--fast] MODEL REF.json\n"
+    fprintf(f, "usage: m40 eval [--tol X] [--threads N] [--device D] [--tp N] [--fast] MODEL REF.json\n"
                "  --tol X      largest allowed |delta logprob| (default 1e-3)\n"
                "  --threads N  CPU threads (default: all)\n"
                "  --device D   cpu (default) or a CUDA device index; the GPU path is expected within 5e-2\n"
+               "  --tp N       tensor parallelism over N ranks: GPUs D .. D+N-1 over NCCL, or on the CPU\n"
+               "               N simulated ranks (the twin of the GPU's split)\n"
                "  --fast       CPU: measure the fast int16 path (run, bench and serve use it) instead of\n"
                "               the exact F32 reference; set --tol to the fast path's (BENCHMARKS.md)\n");
 }
@@ -43,7 +45,7 @@ static void print_prompt(const char *s, size_t len)
 int m40_cmd_eval(int argc, char **argv)
 {
     double tol = 1e-3;
-    long threads = 0, device = -1;
+    long threads = 0, device = -1, tp = 1;
     int fast = 0;
     const char *paths[2] = {NULL, NULL};
     int n_paths = 0;
@@ -69,6 +71,13 @@ int m40_cmd_eval(int argc, char **argv)
             }
         } else if (!strcmp(a, "--fast")) {
             fast = 1;
+        } else if (!strcmp(a, "--tp")) {
+            errno = 0;
+            tp = i + 1 < argc ? strtol(argv[++i], &end, 10) : -1;
+            if (tp < 1 || tp > 64 || errno || *end) {
+                fprintf(stderr, "m40 eval: --tp needs a number of ranks (1 to 64)\n");
+                return 2;
+            }
         } else if (!strcmp(a, "--device")) {
             const char *v = i + 1 < argc ? argv[++i] : "";
             errno = 0;
@@ -101,7 +110,7 @@ int m40_cmd_eval(int argc, char **argv)
         return 1;
     }
     m40_model *m = NULL;
-    m40_model_options mo = {.n_threads = (int)threads, .device = (int)device, .cpu_fast = fast};
+    m40_model_options mo = {.n_threads = (int)threads, .device = (int)device, .cpu_fast = fast, .tp = (int)tp};
     char stored[PATH_MAX];
     if (m40_model_load_opts(m40_model_arg("eval", paths[0], stored, sizeof stored), &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 eval: %s\n", err);

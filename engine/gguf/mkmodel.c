@@ -37,11 +37,15 @@
 static const m40_mkmodel_shape shapes[] = {
     {"tiny", "test shape: 2 layers of dim 256, GQA 4:2", 256, 2, 4, 2, 768, 1024, 512, 10000.0f, 1e-5f, NULL, 0, 0, 0,
      0, 0},
+    {"tiny-tp", "test shape: 8 heads, 4 KV heads, Q4_K-aligned splits over 2 or 4 tensor-parallel ranks", 1024, 2, 8,
+     4, 4096, 1024, 512, 10000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
     {"tinyllama-1.1b", "TinyLlama 1.1B", 2048, 22, 32, 4, 5632, 32000, 2048, 10000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
     {"llama-2-7b", "Llama 2 7B", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
     {"mistral-7b", "Mistral 7B v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, 10000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
     {"llama-3-8b", "Llama 3 8B (SentencePiece-style vocabulary of its size)", 4096, 32, 32, 8, 14336, 128256,
      8192, 500000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
+    {"llama-3-70b", "Llama 3 70B (SentencePiece-style vocabulary of its size): tensor parallelism's shape", 8192, 80,
+     64, 8, 28672, 128256, 8192, 500000.0f, 1e-5f, NULL, 0, 0, 0, 0, 0},
     /* The other architectures, each with a tiny test shape for CPU smoke tests, and the
      * real sizes from their config.json (vocabularies are SentencePiece-style of the
      * real size; heads of Qwen3 and Gemma 2 are key_length wide, not dim / heads). */

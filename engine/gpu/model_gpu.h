@@ -20,6 +20,10 @@ typedef struct {
     int64_t rows;
     int64_t cols;
     size_t row_bytes;
+    /* rows or cols of the whole matrix not a multiple of 4 (the CPU reference's F16
+     * input rounding, model.c: rounds_input_to_f16): set once loaded, so that a tensor-
+     * parallel rank's view of part of it keeps the whole matrix's rule */
+    uint8_t ragged4;
 } m40_matrix;
 
 typedef struct {

@@ -109,6 +109,7 @@ static m40_matrix expert_rows(const m40_matrix *w, int64_t first, int64_t rows)
     m40_matrix r = *w;
     r.data = w->data + (size_t)first * w->row_bytes;
     r.rows = rows;
+    r.ragged4 = r.rows % 4 != 0 || r.cols % 4 != 0; /* each expert is a product of its own */
     return r;
 }
 

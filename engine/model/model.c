@@ -46,6 +46,8 @@
 #include "ref/quant.h"
 #include "util/threadpool.h"
 
+static void mark_ragged_all(m40_model *m);
+
 int m40_model_load(const char *path, int n_threads, m40_model **out, char *err, size_t errlen)
 {
     m40_model_options o = {.n_threads = n_threads, .device = -1};
@@ -73,6 +75,7 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         m40_set_err(err, errlen, "%s: %s", path, sub);
         goto fail;
     }
+    mark_ragged_all(m);
     if (m40_arch_device_ok(m->arch, device, sub, sizeof sub)) { /* before any CUDA call */
         if (!m->tuning.gpu_unvalidated) {
             m40_set_err(err, errlen, "%s: %s", path, sub);
@@ -113,6 +116,11 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         m->attn_axpy = m->attn_dot ? m40_axpy_kernel(m40_cpu_isa()) : NULL;
     }
     m->device = -1;
+    const int tp = opts && opts->tp > 1 ? opts->tp : 1;
+    if (tp > 1 && device < 0 && m40_tp_sim_new(m, tp, sub, sizeof sub)) {
+        m40_set_err(err, errlen, "%s: %s", path, sub);
+        goto fail;
+    }
     if (device >= 0) {
         m40_gpu_src src;
         m40_model_gpu_src(m, &src);
@@ -153,12 +161,19 @@ void m40_model_free(m40_model *m)
         }
         free(m->layers);
     }
+    m40_tp_sim_free(m->tp);
     m40_gpu_free(m->gpu);
     free(m->output_norm);
     free(m->rope_freq_factors);
     m40_threadpool_free(m->pool);
     m40_tokenizer_free(m->tok);
     m40_gguf_close(m->gguf);
+    m40_model_free_scratch(m);
+    free(m);
+}
+
+void m40_model_free_scratch(m40_model *m)
+{
     float *bufs[] = {m->x, m->xb, m->q, m->k, m->v, m->att, m->hb, m->hb2, m->x16, m->rope_cos, m->rope_sin,
                      m->rope_cos_l, m->rope_sin_l, m->row_buf, m->score_buf, m->moe_logits, m->moe_w,
                      m->moe_in, m->moe_out};
@@ -168,7 +183,19 @@ void m40_model_free(m40_model *m)
     free(m->xq);
     free(m->moe_ids);
     free(m->moe_rows);
-    free(m);
+    m40_model_scratch_reset(m);
+}
+
+void m40_model_scratch_reset(m40_model *m)
+{
+    m->cap_tokens = 0;
+    m->x = m->xb = m->q = m->k = m->v = m->att = m->hb = m->hb2 = m->x16 = NULL;
+    m->rope_cos = m->rope_sin = m->rope_cos_l = m->rope_sin_l = m->row_buf = m->score_buf = NULL;
+    m->moe_logits = m->moe_w = m->moe_in = m->moe_out = NULL;
+    m->logit_rows = m->moe_ids = m->moe_rows = NULL;
+    m->xq = NULL;
+    m->row_buf_len = 0;
+    m->score_buf_len = 0;
 }
 
 const m40_model_params *m40_model_get_params(const m40_model *m) { return &m->p; }
@@ -257,6 +284,13 @@ m40_kv *m40_kv_new_opts(const m40_model *m, int32_t n_slots, int32_t ctx, const 
         kv->pool = m40_gpu_kv_pool(kv->gpu);
         return kv;
     }
+    if (m->tp) { /* each simulated rank keeps the cache of its heads */
+        if (m40_tp_sim_kv(m->tp, kv, err, errlen)) {
+            m40_kv_free(kv);
+            return NULL;
+        }
+        return kv;
+    }
     kv->k = calloc(per_slot * (size_t)n_slots, sizeof(float));
     kv->v = calloc(per_slot * (size_t)n_slots, sizeof(float));
     if (!kv->k || !kv->v) {
@@ -280,6 +314,9 @@ void m40_kv_free(m40_kv *kv)
     if (!kv)
         return;
     m40_gpu_kv_free(kv->gpu);
+    for (int i = 0; i < kv->n_rank_kv; i++)
+        m40_kv_free(kv->rank_kv[i]);
+    free(kv->rank_kv);
     free(kv->k);
     free(kv->v);
     free(kv);
@@ -386,7 +423,23 @@ static float softcap(float x, float c) { return c * tanhf(x / c); }
  * gemma3, whose forward pass never rounded. */
 static int rounds_input_to_f16(const m40_model *m, const matrix *w)
 {
-    return m->arch->f16_round_ragged && w->type == M40_TYPE_F16 && (w->rows % 4 != 0 || w->cols % 4 != 0);
+    return m->arch->f16_round_ragged && w->type == M40_TYPE_F16 && w->ragged4;
+}
+
+static void mark_ragged(matrix *w) { w->ragged4 = w->rows % 4 != 0 || w->cols % 4 != 0; }
+
+/* Every matrix's ragged4 from its shape as loaded (views of fused tensors included). */
+static void mark_ragged_all(m40_model *m)
+{
+    mark_ragged(&m->tok_embd);
+    mark_ragged(&m->output);
+    for (int32_t l = 0; l < m->p.n_layers; l++) {
+        layer *L = &m->layers[l];
+        matrix *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down, &L->router,
+                        &L->exp_gate, &L->exp_up, &L->exp_down, &L->sh_gate, &L->sh_up, &L->sh_down};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++)
+            mark_ragged(ws[i]);
+    }
 }
 
 /* The exact reference product (the only one when m->fast is off). */
@@ -555,7 +608,7 @@ static int grow(float **buf, size_t n)
     return 0;
 }
 
-static int ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
+int m40_model_ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
 {
     const m40_model_params *p = &m->p;
     size_t nt = (size_t)m->n_threads;
@@ -689,8 +742,10 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         }
         return 0;
     }
+    if (m->tp)
+        return m40_tp_sim_forward(m->tp, kv, b, logits, err, errlen);
     int32_t n = b->n;
-    if (ensure_scratch(m, n, kv->ctx)) {
+    if (m40_model_ensure_scratch(m, n, kv->ctx)) {
         m40_set_err(err, errlen, "out of memory for a batch of %d tokens", (int)n);
         return -1;
     }
@@ -762,6 +817,8 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         attn_job aj = {.m = m, .kv = kv, .b = b, .l = l};
         m40_threadpool_run(m->pool, n * p->n_heads, attention_task, &aj);
         m40_model_matmul(m, &L->wo, m->att, n, m->xb, L->bo);
+        if (m->tp_group) /* each rank holds its heads' part of the sum */
+            m40_tp_all_reduce(m, m->xb, (size_t)n * dim);
         add_residual(m->x, m->xb, L->post_attn_norm, n, p->dim, p->norm_eps);
 
         /* feed-forward: down(act(gate x) * up x), or the layer's mixture of experts */
@@ -776,6 +833,8 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
             m40_glu(m->act, m->hb, m->hb2, (size_t)n * ffn);
             m40_model_matmul(m, &L->w_down, m->hb, n, m->xb, NULL);
         }
+        if (m->tp_group) /* each rank holds its FFN units' part of the sum */
+            m40_tp_all_reduce(m, m->xb, (size_t)n * dim);
         add_residual(m->x, m->xb, L->post_ffw_norm, n, p->dim, p->norm_eps);
     }
 
@@ -786,12 +845,17 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
             m->logit_rows[n_out++] = i;
     for (int32_t j = 0; j < n_out; j++)
         rmsnorm(m->xb + j * dim, m->x + (size_t)m->logit_rows[j] * dim, m->output_norm, p->dim, p->norm_eps);
+    /* a rank's head is its vocabulary rows: its piece, then every rank's gathered */
+    float *out = m->tp_group ? m->tp_logits : logits;
+    const size_t n_cols = m->tp_group ? (size_t)m->tp_vocab_rows : (size_t)p->n_vocab;
     if (n_out > 0) {
-        m40_model_matmul(m, &m->output, m->xb, n_out, logits, NULL);
+        m40_model_matmul(m, &m->output, m->xb, n_out, out, NULL);
         if (m->final_softcap > 0)
-            for (size_t i = 0; i < (size_t)n_out * (size_t)p->n_vocab; i++)
-                logits[i] = softcap(logits[i], m->final_softcap);
+            for (size_t i = 0; i < (size_t)n_out * n_cols; i++)
+                out[i] = softcap(out[i], m->final_softcap);
     }
+    if (m->tp_group)
+        m40_tp_gather_logits(m, out, n_out, logits);
     return 0;
 }
 

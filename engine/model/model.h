@@ -55,6 +55,11 @@ typedef struct {
      * activations quantized to int16 per block of 32 against the quantized weights,
      * F16 weights through F16C/FMA; types without a fast kernel keep the exact path. */
     int cpu_fast;
+    /* Tensor parallelism (model/tp_shard.h): 0 or 1, none; n > 1 splits the attention
+     * heads, the FFN and the head's vocabulary over n ranks. With a device, the ranks are
+     * CUDA devices device .. device + n - 1, joined by NCCL (gpu/tp.c); on the CPU they are
+     * n simulated ranks (model_tp.c: the twin of the GPU's split, for tests). */
+    int tp;
 } m40_model_options;
 int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen);
 /* -1: the CPU, else the CUDA device index the model lives on. */

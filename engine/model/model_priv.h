@@ -81,6 +81,15 @@ struct m40_model {
     int64_t row_buf_len;
     float *score_buf;             /* per thread: attention scores over the context */
     int32_t score_buf_len;
+
+    /* Tensor parallelism on the CPU (options.tp > 1; model_tp.c): the simulated ranks
+     * this model's forward calls go to (tp); in a rank, its group, its place, its share
+     * of the head's rows and its piece of the logits (tp_logits [n_out][vocab_stride]). */
+    struct m40_tp_sim *tp;
+    struct m40_tp_group *tp_group;
+    int tp_rank;
+    int64_t tp_vocab_rows, tp_vocab_stride;
+    float *tp_logits;
 };
 
 struct m40_kv {
@@ -88,6 +97,8 @@ struct m40_kv {
     float *k, *v;                 /* [slot][layer][pos][kv_dim] (CPU) */
     m40_gpu_kv *gpu;              /* GPU model: the paged pool instead, its memory... */
     m40_paged_kv *pool;           /* ...and which block holds what (kv/paged_kv.h) */
+    struct m40_kv **rank_kv;      /* CPU tensor parallelism: each rank's cache (model_tp.c) */
+    int n_rank_kv;
 };
 
 /* Reads the hyperparameters (the row's scalars included) and every weight of m->gguf
@@ -102,6 +113,25 @@ void m40_model_matmul(m40_model *m, const m40_matrix *w, const float *x, int32_t
  * calls. biases may be NULL or hold NULL entries. */
 void m40_model_matmul_group(m40_model *m, const m40_matrix *const *ws, float *const *outs, const float *const *biases,
                             int count, const float *x, int32_t n);
+
+/* The forward call's scratch (model.c): grown for n tokens and a context of ctx (0, or
+ * -1 when out of memory); freed; forgotten (a copy of the model starts without any). */
+int m40_model_ensure_scratch(m40_model *m, int32_t n, int32_t ctx);
+void m40_model_free_scratch(m40_model *m);
+void m40_model_scratch_reset(m40_model *m);
+
+/* CPU tensor parallelism (model_tp.c). sim_new: n ranks beside m (m->tp), or -1 with err
+ * when the model does not split so (tp_shard.h). sim_kv: each rank's cache of kv's slots
+ * and context. sim_forward: one forward call over the ranks. all_reduce and
+ * gather_logits: the collectives, called by every rank of a group at the same point of
+ * its forward pass (gather: rank 0's logits [n_out][n_vocab] get every rank's piece). */
+typedef struct m40_tp_sim m40_tp_sim;
+int m40_tp_sim_new(m40_model *m, int n, char *err, size_t errlen);
+void m40_tp_sim_free(m40_tp_sim *s);
+int m40_tp_sim_kv(m40_tp_sim *s, m40_kv *kv, char *err, size_t errlen);
+int m40_tp_sim_forward(m40_tp_sim *s, m40_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen);
+void m40_tp_all_reduce(m40_model *m, float *buf, size_t count);
+void m40_tp_gather_logits(m40_model *m, float *local, int32_t n_out, float *logits);
 
 /* The GPU back end's view of m's weights and of its row's scalars (neutral where the row lacks one). */
 void m40_model_gpu_src(const m40_model *m, m40_gpu_src *src);
