@@ -38,6 +38,8 @@ static void serve_usage(FILE *f)
             "  --device D      cpu or a GPU index (default cpu)\n"
             "  --gpus N        N worker processes on GPUs D .. D+N-1, one model copy each\n"
             "                  (data parallel; default 1; GPU devices only)\n"
+            "  --tp N          each worker's model split over N GPUs by tensor parallelism (NCCL):\n"
+            "                  worker k takes GPUs D+k*N .. D+k*N+N-1 (default 1)\n"
             "  --name NAME     model name in the API (default: file name without .gguf)\n"
             "  --also [NAME=]MODEL\n"
             "                  one more model in the same server (repeatable, up to 7): requests\n"
@@ -184,7 +186,7 @@ int m40_cmd_serve(int argc, char **argv)
     const char *model = NULL, *port = "8080", *host = "127.0.0.1", *device = "cpu";
     const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL, *max_queue = NULL;
     const char *mem_fraction = NULL, *prefill_budget = NULL, *prefill_chunk = NULL, *itl_guard = NULL;
-    const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL, *gpus = "1";
+    const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL, *gpus = "1", *tp = "1";
     int ui = 1, exact = 0;
     enum { MAX_ALSO = 7 };
     const char *also[MAX_ALSO];
@@ -218,6 +220,8 @@ int m40_cmd_serve(int argc, char **argv)
                 device = v;
             else if (!strcmp(a, "--gpus"))
                 gpus = v;
+            else if (!strcmp(a, "--tp"))
+                tp = v;
             else if (!strcmp(a, "--name"))
                 name = v;
             else if (!strcmp(a, "--also")) {
@@ -280,6 +284,10 @@ int m40_cmd_serve(int argc, char **argv)
         return 2;
     }
     const int n_gpus = atoi(gpus);
+    if (!is_number(tp, 1, 64) || (atoi(tp) > 1 && !strcmp(device, "cpu"))) {
+        fprintf(stderr, "m40 serve: --tp must be 1..64 and needs a GPU device (--device D)\n");
+        return 2;
+    }
     if (n_gpus > 1 && !strcmp(device, "cpu")) {
         /* every worker holds its own engine and model copy: on one CPU they would only
          * split its cores */
@@ -419,7 +427,11 @@ int m40_cmd_serve(int argc, char **argv)
     for (char **e = environ; e && *e; e++) {
         const char *eq = strchr(*e, '=');
         size_t n = eq ? (size_t)(eq - *e) : 0;
-        int ok = n > 0 && n < 128 && (!strncmp(*e, "M40_", 4) || (n == 20 && !strncmp(*e, "CUDA_VISIBLE_DEVICES", 20)));
+        /* NCCL_*: tensor parallelism's settings (NCCL_NVLS_ENABLE=0 on hosts that keep
+         * NVLink multicast off) */
+        int ok = n > 0 && n < 128 &&
+                 (!strncmp(*e, "M40_", 4) || !strncmp(*e, "NCCL_", 5) ||
+                  (n == 20 && !strncmp(*e, "CUDA_VISIBLE_DEVICES", 20)));
         for (size_t i = 0; ok && i < n; i++)
             ok = ((*e)[i] >= 'A' && (*e)[i] <= 'Z') || ((*e)[i] >= '0' && (*e)[i] <= '9') || (*e)[i] == '_';
         if (ok)
@@ -441,6 +453,8 @@ int m40_cmd_serve(int argc, char **argv)
     }
     fprintf(f, "    access_log off;\n    client_max_body_size 16m;\n\n    m40_model ");
     put_quoted(f, model_abs);
+    if (atoi(tp) > 1)
+        fprintf(f, " tp=%d", atoi(tp));
     if (name) {
         fprintf(f, " ");
         char nm[512];

@@ -34,6 +34,8 @@ typedef struct {
     const char *model_path;
     const char *model_name;        /* public name in the API ("model" field) */
     int device;                    /* -1: CPU; >= 0: GPU index */
+    int tp;                        /* tensor parallelism over GPUs device .. device + tp - 1
+                                    * (NCCL); 0 or 1: one GPU */
     int32_t ctx_size;              /* per-sequence context; 0: the model's trained context */
     int32_t max_seqs;              /* concurrent sequences (batch slots); 0: automatic (below) */
     int32_t max_queue;             /* requests waiting (for tokenization or a slot) before 429;

@@ -53,8 +53,11 @@ ngx_http_m40_engines_init(ngx_cycle_t *cycle, ngx_http_m40_main_conf_t *mcf)
         models[i].event_conn = NULL;
         models[i].load_logged = 0;
         models[i].slot = NULL;
+        /* worker k's engine: GPU device + k, or with tensor parallelism
+         * the tp GPUs from device + k * tp */
         models[i].worker_device = models[i].device < 0
-                                  ? -1 : models[i].device + (ngx_int_t) ngx_worker;
+                                  ? -1 : models[i].device
+                                         + (ngx_int_t) ngx_worker * models[i].tp;
     }
 
     ngx_http_m40_shm_attach(cycle, mcf);
@@ -85,6 +88,7 @@ ngx_http_m40_start_engine(ngx_cycle_t *cycle, ngx_http_m40_model_t *m)
     ec.model_path = (const char *) m->model_path.data;
     ec.model_name = (const char *) m->model_name.data;
     ec.device = (int) m->worker_device;
+    ec.tp = (int) m->tp;
     ec.ctx_size = (int32_t) m->ctx_size;
     ec.max_seqs = (int32_t) m->max_seqs;
     ec.max_queue = (int32_t) m->max_queue;

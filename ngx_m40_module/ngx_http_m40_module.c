@@ -376,6 +376,14 @@ ngx_http_m40_models_merge(ngx_conf_t *cf, ngx_http_m40_main_conf_t *mcf)
         m = &models[i];
 
         ngx_conf_merge_value(m->device, NGX_CONF_UNSET, mcf->device);
+
+        if (m->tp > 1 && m->device < 0) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "m40_model \"%V\": tp=%i splits a model over "
+                               "GPUs and needs a GPU device (device=N or "
+                               "m40_device N)", &m->model_path, m->tp);
+            return NGX_ERROR;
+        }
         ngx_conf_merge_value(m->ctx_size, NGX_CONF_UNSET, mcf->ctx_size);
         ngx_conf_merge_value(m->max_seqs, NGX_CONF_UNSET, mcf->max_seqs);
         ngx_conf_merge_value(m->max_queue, NGX_CONF_UNSET, mcf->max_queue);
@@ -538,7 +546,7 @@ ngx_http_m40_param_enum(ngx_conf_t *cf, ngx_str_t *param, ngx_str_t *v,
 }
 
 
-/* m40_model PATH [name=NAME] [device=cpu|N] [ctx_size=N] [max_seqs=N] [max_queue=N]
+/* m40_model PATH [name=NAME] [device=cpu|N] [tp=N] [ctx_size=N] [max_seqs=N] [max_queue=N]
  *     [threads=N] [kv_share=F] [gpu_memory_fraction=F] [chat_template=PATH]
  *     [tool_parser=P] [reasoning=R] [prefill_chunk=N] [prefill_budget=N]
  *     [itl_guard=F|off]
@@ -568,6 +576,7 @@ ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_memzero(m, sizeof(ngx_http_m40_model_t));
     m->index = mcf->models.nelts - 1;
     m->device = NGX_CONF_UNSET;
+    m->tp = 1;
     m->ctx_size = NGX_CONF_UNSET;
     m->max_seqs = NGX_CONF_UNSET;
     m->max_queue = NGX_CONF_UNSET;
@@ -624,6 +633,13 @@ ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                 m->device = -1;
             } else if (ngx_http_m40_param_int(cf, &value[i], &v, 0, 1024,
                                               &m->device) != NGX_OK)
+            {
+                return NGX_CONF_ERROR;
+            }
+
+        } else if (ngx_http_m40_is("tp")) {
+            if (ngx_http_m40_param_int(cf, &value[i], &v, 1, 64, &m->tp)
+                != NGX_OK)
             {
                 return NGX_CONF_ERROR;
             }

@@ -73,6 +73,7 @@ typedef struct {
     ngx_uint_t           index;               /* in mcf->models; 0: the default */
     off_t                file_size;           /* the GGUF's: later models' weights, roughly */
     ngx_int_t            device;              /* -1: CPU, else base GPU index */
+    ngx_int_t            tp;                  /* GPUs per engine (tensor parallelism) */
     ngx_int_t            ctx_size;
     ngx_int_t            max_seqs;
     ngx_int_t            max_queue;

@@ -40,6 +40,12 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
              "CUDA toolkit); leave out the device to run on the CPU", device);
     return -1;
 }
+int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int n, int log_progress, m40_gpu **out,
+                    char *err, size_t errlen)
+{
+    (void)n;
+    return m40_gpu_load(src, t, device, log_progress, out, err, errlen);
+}
 void m40_gpu_free(m40_gpu *g) { (void)g; }
 void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
 {
@@ -85,7 +91,10 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
 
 #include "model_cuda_int.h"
 
+#include <pthread.h>
 #include <time.h>
+
+#include "model/tp_shard.h"
 
 static double now_s(void)
 {
@@ -117,10 +126,18 @@ static int gpu_type_native(uint32_t t)
            t == M40_TYPE_Q6_K || t == M40_TYPE_MXFP4;
 }
 
+/* Bytes of one of m's rows once packed: row_bytes, except for a tensor-parallel rank's
+ * column run (model/tp_shard.h), whose rows are strided views into the file's. */
+static size_t packed_row(const m40_matrix *m)
+{
+    uint64_t b = 0;
+    return m40_type_nbytes(m->type, (uint64_t)m->cols, &b) == 0 ? (size_t)b : m->row_bytes;
+}
+
 /* Bytes of a matrix once on the device (converted to F16 when not native). */
 static size_t dev_bytes(const m40_matrix *m)
 {
-    return gpu_type_native(m->type) ? m->row_bytes * (size_t)m->rows : (size_t)m->rows * (size_t)m->cols * 2;
+    return gpu_type_native(m->type) ? packed_row(m) * (size_t)m->rows : (size_t)m->rows * (size_t)m->cols * 2;
 }
 
 static void progress(uploader *u, size_t n)
@@ -212,11 +229,28 @@ static int upload_converted(uploader *u, void *dst, const m40_matrix *m)
     return rc;
 }
 
-/* rows r0..r1 in the regrouped layout (kernels.h 0.) */
+/* rows r0..r1 in the regrouped layout (kernels.h 0.), row by row where they are strided */
 static int fill_g8(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch)
 {
     (void)scratch;
-    return m40k_repack_g8((int)m->type, m->data + (size_t)r0 * m->row_bytes, stage, r1 - r0, m->cols);
+    const size_t pr = packed_row(m);
+    if (pr == m->row_bytes)
+        return m40k_repack_g8((int)m->type, m->data + (size_t)r0 * m->row_bytes, stage, r1 - r0, m->cols);
+    for (int64_t r = r0; r < r1; r++)
+        if (m40k_repack_g8((int)m->type, m->data + (size_t)r * m->row_bytes, stage + (size_t)(r - r0) * pr, 1,
+                           m->cols))
+            return -1;
+    return 0;
+}
+
+/* rows r0..r1 of a strided view, packed */
+static int fill_packed(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch)
+{
+    (void)scratch;
+    const size_t pr = packed_row(m);
+    for (int64_t r = r0; r < r1; r++)
+        memcpy(stage + (size_t)(r - r0) * pr, m->data + (size_t)r * m->row_bytes, pr);
+    return 0;
 }
 
 /* A matrix the device keeps in a regrouped layout (kernels.h 0.: Q8_0 and Q6_K rows whose
@@ -224,14 +258,14 @@ static int fill_g8(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, 
  * staging buffers. Same bytes per row, so sizes and offsets do not change. */
 static int upload_regrouped(uploader *u, void *dst, const m40_matrix *m)
 {
-    return upload_rows(u, dst, m, m->row_bytes, fill_g8, NULL);
+    return upload_rows(u, dst, m, packed_row(m), fill_g8, NULL);
 }
 
 /* The device type of a native matrix: its GGUF type, or the regrouped layout of it (rows
  * that fit a staging buffer, where upload_regrouped rewrites them). */
 static int dev_type(const m40_gpu *g, const m40_matrix *m)
 {
-    return g->g8 && m->row_bytes <= STAGE_BYTES ? m40k_g8_type((int)m->type, m->cols) : (int)m->type;
+    return g->g8 && packed_row(m) <= STAGE_BYTES ? m40k_g8_type((int)m->type, m->cols) : (int)m->type;
 }
 
 static int upload_matrix(uploader *u, const m40_matrix *m, void *dst)
@@ -240,6 +274,8 @@ static int upload_matrix(uploader *u, const m40_matrix *m, void *dst)
         return upload_converted(u, dst, m);
     if (dev_type(u->g, m) != (int)m->type)
         return upload_regrouped(u, dst, m);
+    if (packed_row(m) != m->row_bytes)
+        return upload_rows(u, dst, m, packed_row(m), fill_packed, NULL);
     return upload_bytes(u, dst, m->data, m->row_bytes * (size_t)m->rows);
 }
 
@@ -250,7 +286,7 @@ static void gmat_describe(const m40_gpu *g, const m40_matrix *m, void *data, gma
     out->cols = m->cols;
     if (gpu_type_native(m->type)) {
         out->type = dev_type(g, m);
-        out->row_bytes = m->row_bytes;
+        out->row_bytes = packed_row(m);
     } else {
         out->type = M40K_TYPE_F16;
         out->row_bytes = (size_t)m->cols * 2;
@@ -476,6 +512,8 @@ void m40_gpu_free(m40_gpu *g)
     cudaSetDevice(g->device);
     if (g->stream)
         cudaStreamSynchronize(g->stream);
+    m40_gpu_tp_free(g); /* the other ranks, their threads and the communicators */
+    cudaSetDevice(g->device);
     m40_gpu_graphs_free(g);
     for (int i = 0; i < 2; i++)
         if (g->step_ev[i])
@@ -513,7 +551,7 @@ void m40_gpu_free(m40_gpu *g)
                     g->logits_d, g->x16, g->xq, g->xq2, g->nss, g->ws, g->att_cnt, g->ints_d, g->pick_d,
                     g->sk_ws, g->sk_cnt, g->mq_ws, g->mq_cnt, g->moe_logits, g->moe_w, g->moe_yg, g->moe_yu,
                     g->moe_h, g->moe_yd, g->moe_ids, g->moe_counts, g->moe_offsets, g->moe_perm, g->moe_inv,
-                    g->moe_tiles, g->moe_x16, g->moe_h16, g->samp_d};
+                    g->moe_tiles, g->moe_x16, g->moe_h16, g->samp_d, g->tp_logits, g->tp_gather};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);
@@ -526,6 +564,13 @@ void m40_gpu_free(m40_gpu *g)
     if (g->stream)
         cudaStreamDestroy(g->stream);
     free(g);
+}
+
+/* A tied head that is the whole embedding: one device copy serves both (a tensor-parallel
+ * rank's head is its rows of it only, a matrix of its own). */
+static int output_is_embd(const m40_gpu_src *src)
+{
+    return src->output->data == src->tok_embd->data && src->output->rows == src->tok_embd->rows;
 }
 
 /* YaRN's angle of pair d is theta * (freq_scale * (1 - mix) + mix) (model.c, yarn_theta,
@@ -640,7 +685,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
      * there; M40_GEMM=f16|f32 overrides. */
     {
         double params = (double)src->tok_embd->rows * (double)src->tok_embd->cols;
-        if (src->output->data != src->tok_embd->data)
+        if (!output_is_embd(src))
             params += (double)src->output->rows * (double)src->output->cols;
         for (int32_t l = 0; l < p->n_layers; l++) {
             const m40_layer *L = &src->layers[l];
@@ -661,7 +706,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
 
     uploader u = {.g = g, .log = log_progress, .t0 = now_s(), .status = cudaSuccess};
     u.total = dev_bytes(src->tok_embd);
-    if (src->output->data != src->tok_embd->data)
+    if (!output_is_embd(src))
         u.total += dev_bytes(src->output);
     for (int32_t l = 0; l < p->n_layers; l++) {
         const m40_layer *L = &src->layers[l];
@@ -693,7 +738,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     gmat_describe(g, src->tok_embd, buf, &g->tok_embd);
     if (upload_matrix(&u, src->tok_embd, buf))
         goto fail_cuda;
-    if (src->output->data == src->tok_embd->data) {
+    if (output_is_embd(src)) {
         g->output = g->tok_embd;
         g->output_shared = 1;
     } else {
@@ -844,6 +889,113 @@ fail_upload:
 fail:
     m40_gpu_free(g);
     return -1;
+}
+
+/* ------------------------------------------------------ tensor parallelism ---- */
+
+typedef struct {
+    m40_gpu_src src;
+    m40_model_params p;
+    m40_tp_shard shard;
+    const m40_tuning *t;
+    int device, log;
+    m40_gpu *g;
+    int rc;
+    char err[512];
+} rank_load;
+
+static void *rank_load_main(void *arg)
+{
+    rank_load *j = arg;
+    j->rc = m40_gpu_load(&j->src, j->t, j->device, j->log, &j->g, j->err, sizeof j->err);
+    return NULL;
+}
+
+int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int n, int log_progress, m40_gpu **out,
+                    char *err, size_t errlen)
+{
+    *out = NULL;
+    if (n <= 1)
+        return m40_gpu_load(src, t, device, log_progress, out, err, errlen);
+    if (m40_tp_check(src->p, src->layers, n, err, errlen))
+        return -1;
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess)
+        n_dev = 0;
+    if (device < 0 || device + n > n_dev) {
+        m40_set_err(err, errlen, "tp=%d from device %d needs CUDA devices %d..%d, but there are %d", n, device, device,
+                    device + n - 1, n_dev);
+        return -1;
+    }
+    rank_load *jobs = calloc((size_t)n, sizeof *jobs);
+    pthread_t *th = calloc((size_t)n, sizeof *th);
+    m40_gpu **gs = calloc((size_t)n, sizeof *gs);
+    int rc = -1, started = 0;
+    if (!jobs || !th || !gs) {
+        m40_set_err(err, errlen, "out of memory");
+        goto out;
+    }
+    for (int r = 0; r < n; r++) {
+        rank_load *j = &jobs[r];
+        if (m40_tp_shard_make(src->p, src->output, src->layers, r, n, &j->shard, err, errlen))
+            goto out;
+        m40_tp_shard_params(&j->shard, src->p, &j->p);
+        j->src = *src;
+        j->src.p = &j->p;
+        j->src.q_dim = j->shard.q_dim;
+        j->src.kv_dim = j->shard.kv_dim;
+        j->src.output = &j->shard.output;
+        j->src.layers = j->shard.layers;
+        j->t = t;
+        j->device = device + r;
+        j->log = log_progress;
+    }
+    /* every rank's upload at once: each reads its own shard of the mmap */
+    for (int r = 1; r < n; r++) {
+        if (pthread_create(&th[r], NULL, rank_load_main, &jobs[r]) != 0) {
+            jobs[r].rc = -1;
+            snprintf(jobs[r].err, sizeof jobs[r].err, "cannot start a loading thread");
+            continue;
+        }
+        started |= 1 << (r < 30 ? r : 30);
+    }
+    rank_load_main(&jobs[0]);
+    for (int r = 1; r < n; r++)
+        if (jobs[r].rc == 0 || (started & (1 << (r < 30 ? r : 30))))
+            pthread_join(th[r], NULL);
+    for (int r = 0; r < n; r++)
+        if (jobs[r].rc != 0) {
+            m40_set_err(err, errlen, "tensor-parallel rank %d: %s", r, jobs[r].err);
+            goto out;
+        }
+    for (int r = 0; r < n; r++) {
+        m40_gpu *g = gs[r] = jobs[r].g;
+        jobs[r].g = NULL;
+        g->tp_vocab_rows = jobs[r].shard.vocab_rows;
+        g->tp_vocab_stride = jobs[r].shard.vocab_stride;
+        /* the GEMVs that add their output into the residual or pick the token need the
+         * whole sum: a rank has its part of it until the all-reduce */
+        g->fuse_norm = 0;
+        g->fuse_pick = 0;
+    }
+    if (m40_gpu_tp_init(gs, n, err, errlen))
+        goto out;
+    *out = gs[0];
+    gs[0] = NULL;
+    for (int r = 1; r < n; r++)
+        gs[r] = NULL; /* the group's now */
+    rc = 0;
+out:
+    for (int r = 0; jobs && r < n; r++) {
+        m40_gpu_free(jobs[r].g);
+        m40_tp_shard_free(&jobs[r].shard);
+    }
+    for (int r = 0; gs && r < n; r++)
+        m40_gpu_free(gs[r]);
+    free(jobs);
+    free(th);
+    free(gs);
+    return rc;
 }
 
 #endif /* M40_HAVE_CUDA */

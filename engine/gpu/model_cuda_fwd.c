@@ -167,6 +167,8 @@ size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max
     size_t per_row = 4 * (4 * (size_t)p->dim + (size_t)g->qkv_dim + (size_t)g->q_dim + 3 * (size_t)p->ffn_dim) +
                      2 * in_max;
     size_t per_out = 4 * (size_t)p->dim + 4 * (size_t)p->n_vocab + 8;
+    if (g->tp_n > 1) /* a rank's piece of the logits and the gathered pieces */
+        per_out += 4 * (size_t)(g->tp_n + 1) * (size_t)g->tp_vocab_stride;
     const int rows = gpu_rows_max(g);
     size_t fixed = m40k_gemv_q8_ws_bytes((int)in_max, 8) + m40k_gemv_q8_ws_bytes((int)p->dim, 1) +
                    ((size_t)p->dim / 32 + 1) * 4 + SK_WS_FLOATS * 4 +
@@ -278,6 +280,10 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             grow_dev((void **)&g->samp_d, (size_t)c * sizeof *g->samp_d) ||
             cudaHostAlloc((void **)&g->logits_h, (size_t)c * p->n_vocab * 4, cudaHostAllocDefault) != cudaSuccess ||
             cudaHostAlloc((void **)&g->samp_h, (size_t)c * sizeof *g->samp_h, cudaHostAllocDefault) != cudaSuccess)
+            return -1;
+        if (g->tp_n > 1 &&
+            (grow_dev((void **)&g->tp_logits, (size_t)c * (size_t)g->tp_vocab_stride * 4) ||
+             grow_dev((void **)&g->tp_gather, (size_t)g->tp_n * (size_t)c * (size_t)g->tp_vocab_stride * 4)))
             return -1;
         g->cap_out = c;
     }
@@ -604,6 +610,24 @@ static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, char *err, size_t err
     return 0;
 }
 
+/* A tensor-parallel rank's head: its vocabulary rows into its piece of the logits, every
+ * rank's piece gathered, and on rank 0 the pieces laid side by side into the logits. */
+static int tp_head(m40_gpu *g, int32_t n_out, int xq_ready, int x16_ready, char *err, size_t errlen)
+{
+    const int64_t S = g->tp_vocab_stride, V = g->p.n_vocab;
+    if (matmul_one(g, &g->output, g->xg, n_out, g->tp_logits, S, &xq_ready, &x16_ready, NULL, NULL, err, errlen))
+        return -1;
+    if (g->sc.logit_softcap > 0)
+        CK(m40k_softcap(g->tp_logits, (int64_t)n_out * S, g->sc.logit_softcap, g->stream));
+    CK(m40_gpu_tp_all_gather(g, g->tp_logits, g->tp_gather, (size_t)n_out * (size_t)S));
+    for (int r = 0; g->tp_rank == 0 && r < g->tp_n; r++) {
+        const int64_t c0 = (int64_t)r * S, w = r + 1 < g->tp_n ? S : V - c0;
+        CK(cudaMemcpy2DAsync(g->logits_d + c0, (size_t)V * 4, g->tp_gather + (size_t)r * (size_t)n_out * (size_t)S,
+                             (size_t)S * 4, (size_t)w * 4, (size_t)n_out, cudaMemcpyDeviceToDevice, g->stream));
+    }
+    return 0;
+}
+
 /* Enqueues a step's device work, embedding to logits (in g->logits_d), on g->stream:
  * kernel launches and cuBLAS calls only, nothing that waits on the host, so that a
  * decode step can be captured into a CUDA graph as it is. */
@@ -693,6 +717,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         } else {
             if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, 0, NULL, err, errlen))
                 return -1;
+            if (g->tp_n > 1) /* each rank holds its heads' part of the sum */
+                CK(m40_gpu_tp_all_reduce(g, g->xd, (size_t)n * (size_t)dim));
             if (L->post_attn_norm)
                 CK(m40k_rmsnorm(g->xd, dim, L->post_attn_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                                 g->stream));
@@ -730,6 +756,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             else if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, NULL, err, errlen))
                 return -1;
         }
+        if (g->tp_n > 1) /* each rank holds its FFN units' part of the sum */
+            CK(m40_gpu_tp_all_reduce(g, g->xd, (size_t)n * (size_t)dim));
         if (L->post_ffw_norm)
             CK(m40k_rmsnorm(g->xd, dim, L->post_ffw_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
@@ -751,6 +779,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(m40k_rmsnorm(g->xg, dim, g->output_norm, g->xg, M40K_TYPE_F32, dim, n_out, (int)dim, p->norm_eps,
                             g->stream));
         }
+        if (g->tp_n > 1)
+            return tp_head(g, n_out, xq_ready, x16_ready, err, errlen);
         /* sp->d_key: the head's int8 GEMV also picks the greedy token (kernels.h 9c) */
         if (matmul_one(g, &g->output, g->xg, n_out, g->logits_d, p->n_vocab, &xq_ready, &x16_ready,
                        out_all && folded ? &nin : NULL, sp->d_key, err, errlen))
@@ -823,6 +853,73 @@ static int run_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, 
     return 0;
 }
 
+/* A tensor-parallel step: every rank plans it on its own card from the shared pool's
+ * tables (the same blocks) and runs its forward pass on its shard, the ranks meeting in
+ * NCCL's collectives (tp.c). Everything a rank can fail on (scratch, the tables' upload)
+ * is done by all ranks before any runs, so that no rank enqueues a collective that
+ * another will never join. Rank 0's plan comes back in sp; its stream is left running
+ * (the caller samples and copies after it), the others' are synchronized, so their
+ * host staging is free for the next step. */
+typedef struct {
+    m40_gpu_kv *kv0;
+    const m40_batch *b;
+    int32_t n_out;
+    step_plan sp[64];
+} tp_step_job;
+
+static m40_gpu_kv *tp_rank_kv(m40_gpu_kv *kv0, const m40_gpu *g)
+{
+    return g->tp_rank == 0 ? kv0 : kv0->tp_kv[g->tp_rank];
+}
+
+static int tp_prepare(m40_gpu *g, void *ctx, char *err, size_t errlen)
+{
+    tp_step_job *j = ctx;
+    if (ensure_scratch(g, j->b->n, j->n_out)) {
+        m40_set_err(err, errlen, "gpu %d: out of memory for a batch of %d tokens", g->device, (int)j->b->n);
+        return -1;
+    }
+    step_plan *sp = &j->sp[g->tp_rank];
+    if (m40_gpu_plan_step(g, m40_paged_kv_step(j->kv0->pool), j->b, j->n_out, sp, err, errlen))
+        return -1;
+    sp->d_key = NULL;
+    return 0;
+}
+
+static int tp_run(m40_gpu *g, void *ctx, char *err, size_t errlen)
+{
+    tp_step_job *j = ctx;
+    if (run_step(g, tp_rank_kv(j->kv0, g), &j->sp[g->tp_rank], err, errlen))
+        return -1;
+    if (g->tp_rank > 0)
+        CK(cudaStreamSynchronize(g->stream));
+    return 0;
+}
+
+static int tp_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_out, step_plan *sp, char *err,
+                   size_t errlen)
+{
+    if (g->tp_n > 64 || !kv->tp_kv) {
+        m40_set_err(err, errlen, "gpu %d: the KV pool was made for another model", g->device);
+        return -1;
+    }
+    tp_step_job *j = malloc(sizeof *j);
+    if (!j) {
+        m40_set_err(err, errlen, "out of memory");
+        return -1;
+    }
+    j->kv0 = kv;
+    j->b = b;
+    j->n_out = n_out;
+    int rc = m40_gpu_tp_run(g, tp_prepare, j, err, errlen);
+    if (rc == 0)
+        rc = m40_gpu_tp_run(g, tp_run, j, err, errlen);
+    if (rc == 0)
+        *sp = j->sp[0];
+    free(j);
+    return rc;
+}
+
 int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen)
 {
     const m40_model_params *p = &g->p;
@@ -846,14 +943,19 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
         m40_paged_kv_claim(kv->pool, n, b->tokens, b->pos, b->slot);
     }
     step_plan sp;
-    if (m40_gpu_plan_step(g, m40_paged_kv_step(kv->pool), b, n_out, &sp, err, errlen))
-        return -1;
     /* one greedy row whose head runs on the int8 GEMV: the pick is folded into it */
-    const int pick = b->argmax && !b->sample && n_out == 1 && g->fuse_pick && gemv_q8_reads(&g->output) &&
-                     !(g->sc.logit_softcap > 0);
-    sp.d_key = pick ? (uint64_t *)g->ints_d : NULL;
-    if (run_step(g, kv, &sp, err, errlen))
-        return -1;
+    const int pick = !g->tp && b->argmax && !b->sample && n_out == 1 && g->fuse_pick &&
+                     gemv_q8_reads(&g->output) && !(g->sc.logit_softcap > 0);
+    if (g->tp) {
+        if (tp_step(g, kv, b, n_out, &sp, err, errlen))
+            return -1;
+    } else {
+        if (m40_gpu_plan_step(g, m40_paged_kv_step(kv->pool), b, n_out, &sp, err, errlen))
+            return -1;
+        sp.d_key = pick ? (uint64_t *)g->ints_d : NULL;
+        if (run_step(g, kv, &sp, err, errlen))
+            return -1;
+    }
     if (n_out > 0) {
         if (pick) {
             CK(cudaMemcpyAsync(g->logits_h, sp.d_key, 8, cudaMemcpyDeviceToHost, g->stream));

@@ -168,7 +168,31 @@ struct m40_gpu {
     /* Host-side scratch of the step planner: each batch row's row in the step. */
     int32_t *perm, *out_rows;
     int32_t host_cap;
+
+    /* Tensor parallelism (tp.c; tp_n 1: none). This rank's place, its NCCL communicator
+     * (ncclComm_t), its share of the head's rows (model/tp_shard.h), its piece of the
+     * logits [cap_out][tp_vocab_stride] and the gathered pieces [tp_n][cap_out][stride];
+     * on rank 0 (the model's m40_gpu) the group, which owns the other ranks. */
+    int tp_rank, tp_n;
+    void *tp_comm;
+    int64_t tp_vocab_rows, tp_vocab_stride;
+    float *tp_logits, *tp_gather;
+    struct m40_gpu_tp *tp;
 };
+
+/* tp.c: the group of a tensor-parallel model (NCCL loaded at run time, one host thread
+ * per rank past rank 0). init: communicators over ranks[0..n) and the rank threads;
+ * ranks[0]->tp owns them all afterwards. run: fn on every rank at once (rank 0 on the
+ * calling thread), 0 when every rank returned 0, else -1 with the first rank's err.
+ * all_reduce (sum) and all_gather: enqueued on g->stream (capturable). */
+int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen);
+void m40_gpu_tp_free(m40_gpu *g0);
+int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen), void *ctx, char *err,
+                   size_t errlen);
+int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count);
+int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t count);
+/* The group's ranks (g0->tp): rank r's m40_gpu (r < g0->tp_n). */
+m40_gpu *m40_gpu_tp_rank(const m40_gpu *g0, int r);
 
 /* Whether products of more than 8 rows with w take the quantized tensor-core GEMM
  * (m40k_gemm_q) rather than the tiled path: a quantized type it reads, F16 activations
@@ -243,6 +267,10 @@ struct m40_gpu_kv {
     int32_t *csr_indptr, *csr_lpl, *csr_indices;
     int32_t csr_cap;
     m40_kv_pool_info info; /* the memory accounting it was sized by (m40_gpu_kv_new) */
+    /* Tensor parallelism: on rank 0's pool, the other ranks' (K and V of their heads,
+     * the same blocks: they share this pool's tables, pool_owned 0 there) */
+    m40_gpu_kv **tp_kv;
+    int pool_owned;
 };
 
 #endif

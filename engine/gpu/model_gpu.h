@@ -100,6 +100,12 @@ typedef struct m40_gpu_kv m40_gpu_kv;
  * runs out. */
 int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int log_progress, m40_gpu **out, char *err,
                  size_t errlen);
+/* The same split over n GPUs device .. device + n - 1 by tensor parallelism (n <= 1:
+ * m40_gpu_load): each rank's shard (model/tp_shard.h) uploaded to its GPU at once, NCCL
+ * between them (gpu/tp.c). The m40_gpu returned is rank 0's and drives the others; the
+ * rest of this interface takes it as it takes a single GPU's. */
+int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int n, int log_progress, m40_gpu **out,
+                    char *err, size_t errlen);
 void m40_gpu_free(m40_gpu *g);
 /* Paged KV pool for n_slots sequences of up to ctx tokens, sized as o says (model.h,
  * m40_kv_options). NULL with err when not even one block fits or memory runs out. */

@@ -124,7 +124,7 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
     if (device >= 0) {
         m40_gpu_src src;
         m40_model_gpu_src(m, &src);
-        int rc = m40_gpu_load(&src, &m->tuning, device, opts && opts->log_progress, &m->gpu, sub, sizeof sub);
+        int rc = m40_gpu_load_tp(&src, &m->tuning, device, tp, opts && opts->log_progress, &m->gpu, sub, sizeof sub);
         if (rc) {
             m40_set_err(err, errlen, "%s: %s", path, sub);
             goto fail;

@@ -548,6 +548,7 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
         goto fail;
     }
     e->device = cfg->device;
+    e->tp = cfg->tp;
     e->ctx_cfg = cfg->ctx_size;
     e->max_seqs_cfg = cfg->max_seqs;
     e->max_queue = cfg->max_queue > 0 ? cfg->max_queue : M40_DEFAULT_MAX_QUEUE;

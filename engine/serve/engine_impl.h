@@ -143,6 +143,7 @@ struct m40_engine {
     char *model_name;
     char *template_override;
     int device;
+    int tp;               /* m40_engine_config.tp */
     int32_t ctx_cfg;
     int32_t max_seqs_cfg;         /* as configured; 0: automatic */
     int32_t max_seqs;             /* the engine thread's, set at load (slots) */

@@ -8,7 +8,8 @@
 #   3. `m40 eval --device 0 --tol 5e-2` for every shared model with a reference;
 #      then ../shared/models/next: eval at 7.5e-2 where the architecture's GPU path is
 #      validated, the clear refusal where it is not (step 3b);
-#   4. the same for a synthetic Gemma 3 against tests/gemma3/ref.py (see step 4).
+#   4. the same for a synthetic Gemma 3 against tests/gemma3/ref.py (see step 4);
+#   5. with 2 or more GPUs: tensor parallelism against one GPU (test_tp_gpu.c, eval --tp 2).
 #   tests/gpu/run.sh            all of it
 #   tests/gpu/run.sh --bench    also the GEMV microbenchmark
 # Without a GPU (or nvcc): prints why and "0 passed, 0 failed, 1 skipped", exit 0.
@@ -177,6 +178,45 @@ if [ -n "$syn_dir" ] && [ -x "$M40_BIN" ]; then
 else
     echo "gemma3 synthetic: no models-cache/ model with .venv-models (scripts/fetch-gemma3.sh --ref) and no M40_G3_SYN, skipped"
     skipped=$((skipped + 1))
+fi
+# 5. tensor parallelism (hosts with 2 or more GPUs; NCCL from the system or, where only
+#    PyTorch brings it, its wheel's lib folder): tp = 2 (4) against tp = 1 on synthetic
+#    and shared models (test_tp_gpu.c), and `m40 eval --device 0 --tp 2` against the shared
+#    references of the models that split (heads, KV heads, blocks) at the GPU's 5e-2.
+n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+if [ "$n_gpus" -ge 2 ]; then
+    if ! ldconfig -p 2>/dev/null | grep -q libnccl.so.2; then
+        for d in /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib /usr/local/lib/python3*/dist-packages/nvidia/nccl/lib; do
+            [ -f "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+        done
+    fi
+    tp_test=${M40_TP_TEST:-}
+    if [ -z "$tp_test" ] && [ -f build/libm40engine.a ] && [ -f build/engine-libs.txt ]; then
+        tp_test=$out/test_tp_gpu
+        $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -Itests/unit -I"$CUDA_DIR/include" \
+            $(pkg-config --cflags jansson 2>/dev/null) tests/gpu/test_tp_gpu.c build/libm40engine.a \
+            $(cat build/engine-libs.txt) -o "$tp_test" || tp_test=
+    fi
+    if [ -n "$tp_test" ] && [ -x "$tp_test" ]; then
+        echo "== test_tp_gpu ($n_gpus GPUs)"
+        "$tp_test" 2>&1 | tee "$log/tp"
+        tally "$log/tp"
+    else
+        echo "test_tp_gpu: no CUDA build, skipped"; skipped=$((skipped + 1))
+    fi
+    if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
+        for name in stories260K tiny-llama-spm-gqa-f16 tiny-qwen2-gpt2-f16 tiny-llama-q8_0; do
+            model="$M40_SHARED/models/$name.gguf" ref="$M40_SHARED/models/ref/$name.json"
+            [ -f "$model" ] || { skipped=$((skipped + 1)); continue; }
+            if "$M40_BIN" eval --device 0 --tp 2 --tol 5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
+                passed=$((passed + 1)); echo "eval --device 0 --tp 2 $name: $(tail -n 1 "$log/eval")"
+            else
+                failed=$((failed + 1)); echo "eval --device 0 --tp 2 $name FAILED:"; tail -n 20 "$log/eval"
+            fi
+        done
+    fi
+else
+    echo "tensor parallelism: $n_gpus GPU(s) here, needs 2: skipped"; skipped=$((skipped + 1))
 fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

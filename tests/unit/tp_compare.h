@@ -18,7 +18,8 @@
 #define TPC_STEPS 4
 
 /* One model's logits for the whole script: prefill rows (both last rows), then each
- * step's two rows; argmax ids of every row through the argmax path as well. */
+ * step's two rows (fixed tokens); the greedy ids of every row, the decode steps' through
+ * the argmax path (on the GPU: the device's pick). */
 static int tpc_run(const char *path, int device, int tp, float **out_logits, int32_t **out_ids, int32_t *n_vocab,
                    char *err, size_t errlen)
 {
@@ -55,9 +56,13 @@ static int tpc_run(const char *path, int device, int tp, float **out_logits, int
         for (int32_t v = 1; v < V; v++)
             if (lg[(size_t)k * V + v] > lg[(size_t)k * V + best])
                 best = v;
-        ids[k] = next[k] = best;
+        ids[k] = best;
     }
     for (int s = 0; s < TPC_STEPS; s++) {
+        /* the tokens fed are a fixed script, not the picks: a near tie picked differently
+         * would otherwise change every later row */
+        for (int k = 0; k < 2; k++)
+            next[k] = (int32_t)((s * 31 + k * 17 + 5) % (V - 3)) + 3;
         float *row = lg + (size_t)(2 + 2 * s) * V;
         m40_batch d = {.n = 2, .tokens = next, .pos = p2, .slot = s2, .want_logits = w2};
         if (m40_model_forward(m, kv, &d, row, err, errlen))
@@ -69,7 +74,6 @@ static int tpc_run(const char *path, int device, int tp, float **out_logits, int
             goto out;
         for (int k = 0; k < 2; k++) {
             ids[2 + 2 * s + k] = am[k];
-            next[k] = am[k];
             p2[k]++;
         }
     }
@@ -113,7 +117,9 @@ static double tpc_compare(const char *path, const char *label, int device, int t
             }
             if (d / mx > worst)
                 worst = d / mx;
-            ids_same &= i1[r] == in[r];
+            /* a different pick only where the two were within tol of a tie */
+            ids_same &= i1[r] == in[r] || (in[r] >= 0 && in[r] < V &&
+                                           fabs(l1[(size_t)r * V + i1[r]] - l1[(size_t)r * V + in[r]]) <= tol * mx);
         }
         CHECK(worst <= tol, "%s tp=%d: logits differ from tp=1 by %.3g of the row's largest (tolerance %.3g)", label,
               tp, worst, tol);

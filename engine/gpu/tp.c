@@ -1,0 +1,281 @@
+/* The group of a tensor-parallel model: NCCL communicators over its GPUs and one host
+ * thread per rank past rank 0 (the engine thread drives rank 0).
+ *
+ * Why a thread per rank: each rank's forward pass is the single-GPU one (the same
+ * kernels, the same CUDA graphs) on its shard, with NCCL's all-reduce and all-gather
+ * enqueued on its stream where the ranks meet. NCCL wants every rank's call of a
+ * collective to be made, and one thread issuing the calls of several ranks would need
+ * them grouped (ncclGroupStart/End) inside the forward pass. With a thread each, rank r
+ * runs exactly what a single GPU runs, and its graphs capture its NCCL calls.
+ *
+ * NCCL is opened at run time (dlopen of libnccl.so.2) when a model asks for tp > 1, so a
+ * single-GPU build or machine needs no NCCL at all; the error says where it looked.
+ * NVLink multicast (NVLS) is off unless the environment turns it on (NCCL_NVLS_ENABLE,
+ * set to 0 here when absent; nginx passes NCCL_* to its workers only through env
+ * directives): m40 never measured it, and the lent hosts keep it off. */
+#ifdef M40_HAVE_CUDA
+
+#include "model_cuda_int.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#if defined(__has_include)
+#if __has_include(<nccl.h>)
+#include <nccl.h>
+#define M40_HAVE_NCCL_H 1
+#endif
+#endif
+
+#ifdef M40_HAVE_NCCL_H
+
+typedef struct {
+    void *h;
+    ncclResult_t (*comm_init_all)(ncclComm_t *, int, const int *);
+    ncclResult_t (*comm_destroy)(ncclComm_t);
+    ncclResult_t (*all_reduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
+    ncclResult_t (*all_gather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
+    const char *(*error_string)(ncclResult_t);
+    ncclResult_t (*get_version)(int *);
+} nccl_api;
+
+static nccl_api nccl;
+static pthread_once_t nccl_once = PTHREAD_ONCE_INIT;
+static char nccl_err[256];
+
+static void nccl_open(void)
+{
+    const char *names[] = {"libnccl.so.2", "libnccl.so"};
+    for (size_t i = 0; i < 2 && !nccl.h; i++)
+        nccl.h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!nccl.h) {
+        snprintf(nccl_err, sizeof nccl_err,
+                 "tensor parallelism needs NCCL, and libnccl.so.2 could not be opened (%s): install NCCL or set "
+                 "LD_LIBRARY_PATH to its lib folder", dlerror());
+        return;
+    }
+    *(void **)&nccl.comm_init_all = dlsym(nccl.h, "ncclCommInitAll");
+    *(void **)&nccl.comm_destroy = dlsym(nccl.h, "ncclCommDestroy");
+    *(void **)&nccl.all_reduce = dlsym(nccl.h, "ncclAllReduce");
+    *(void **)&nccl.all_gather = dlsym(nccl.h, "ncclAllGather");
+    *(void **)&nccl.error_string = dlsym(nccl.h, "ncclGetErrorString");
+    *(void **)&nccl.get_version = dlsym(nccl.h, "ncclGetVersion");
+    if (!nccl.comm_init_all || !nccl.comm_destroy || !nccl.all_reduce || !nccl.all_gather || !nccl.error_string ||
+        !nccl.get_version) {
+        snprintf(nccl_err, sizeof nccl_err, "libnccl.so.2 lacks the functions m40 calls (%s)", dlerror());
+        dlclose(nccl.h);
+        nccl.h = NULL;
+    }
+}
+
+#endif /* M40_HAVE_NCCL_H */
+
+typedef struct {
+    m40_gpu *g;
+    struct m40_gpu_tp *t;
+    pthread_t th;
+    int started;
+    int rc;
+    char err[256];
+} rank_thread;
+
+struct m40_gpu_tp {
+    int n;
+    m40_gpu **ranks;
+    rank_thread *threads; /* [n]; [0] unused (rank 0 runs on the caller) */
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t gen;         /* bumped for each job */
+    int pending;          /* ranks past 0 still on the job */
+    int stop;
+    int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen);
+    void *ctx;
+};
+
+static void *rank_main(void *arg)
+{
+    rank_thread *rt = arg;
+    struct m40_gpu_tp *t = rt->t;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (!t->stop && t->gen == seen)
+            pthread_cond_wait(&t->go, &t->mu);
+        if (t->stop)
+            break;
+        seen = t->gen;
+        pthread_mutex_unlock(&t->mu);
+        cudaSetDevice(rt->g->device);
+        rt->err[0] = '\0';
+        rt->rc = t->fn(rt->g, t->ctx, rt->err, sizeof rt->err);
+        pthread_mutex_lock(&t->mu);
+        if (--t->pending == 0)
+            pthread_cond_signal(&t->done);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+m40_gpu *m40_gpu_tp_rank(const m40_gpu *g0, int r) { return g0->tp && r < g0->tp->n ? g0->tp->ranks[r] : NULL; }
+
+int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen), void *ctx, char *err,
+                   size_t errlen)
+{
+    struct m40_gpu_tp *t = g0->tp;
+    pthread_mutex_lock(&t->mu);
+    t->fn = fn;
+    t->ctx = ctx;
+    t->pending = t->n - 1;
+    t->gen++;
+    pthread_cond_broadcast(&t->go);
+    pthread_mutex_unlock(&t->mu);
+    cudaSetDevice(g0->device);
+    int rc = fn(g0, ctx, err, errlen);
+    pthread_mutex_lock(&t->mu);
+    while (t->pending > 0)
+        pthread_cond_wait(&t->done, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+    cudaSetDevice(g0->device);
+    for (int r = 1; r < t->n; r++)
+        if (t->threads[r].rc != 0 && rc == 0) {
+            m40_set_err(err, errlen, "tensor-parallel rank %d: %s", r, t->threads[r].err);
+            rc = -1;
+        }
+    return rc;
+}
+
+void m40_gpu_tp_free(m40_gpu *g0)
+{
+    struct m40_gpu_tp *t = g0 ? g0->tp : NULL;
+    if (!t)
+        return;
+    pthread_mutex_lock(&t->mu);
+    t->stop = 1;
+    pthread_cond_broadcast(&t->go);
+    pthread_mutex_unlock(&t->mu);
+    for (int r = 1; r < t->n; r++)
+        if (t->threads[r].started)
+            pthread_join(t->threads[r].th, NULL);
+#ifdef M40_HAVE_NCCL_H
+    for (int r = 0; r < t->n; r++)
+        if (t->ranks[r] && t->ranks[r]->tp_comm) {
+            cudaSetDevice(t->ranks[r]->device);
+            nccl.comm_destroy((ncclComm_t)t->ranks[r]->tp_comm);
+            t->ranks[r]->tp_comm = NULL;
+        }
+#endif
+    for (int r = 1; r < t->n; r++)
+        m40_gpu_free(t->ranks[r]);
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->go);
+    pthread_cond_destroy(&t->done);
+    free(t->threads);
+    free(t->ranks);
+    free(t);
+    g0->tp = NULL;
+}
+
+int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen)
+{
+#ifndef M40_HAVE_NCCL_H
+    (void)ranks;
+    (void)n;
+    m40_set_err(err, errlen, "tensor parallelism needs NCCL, and this build found no nccl.h");
+    return -1;
+#else
+    /* NVLink SHARP (multicast) stays off unless the operator turned it on: m40 never
+     * measured it, and on shared hosts it can take the GPUs out of service */
+    setenv("NCCL_NVLS_ENABLE", "0", 0);
+    pthread_once(&nccl_once, nccl_open);
+    if (!nccl.h) {
+        m40_set_err(err, errlen, "%s", nccl_err);
+        return -1;
+    }
+    int *devs = calloc((size_t)n, sizeof *devs);
+    ncclComm_t *comms = calloc((size_t)n, sizeof *comms);
+    struct m40_gpu_tp *t = calloc(1, sizeof *t);
+    if (!devs || !comms || !t || !(t->ranks = calloc((size_t)n, sizeof *t->ranks)) ||
+        !(t->threads = calloc((size_t)n, sizeof *t->threads))) {
+        m40_set_err(err, errlen, "out of memory");
+        goto fail;
+    }
+    for (int r = 0; r < n; r++)
+        devs[r] = ranks[r]->device;
+    ncclResult_t nr = nccl.comm_init_all(comms, n, devs);
+    if (nr != ncclSuccess) {
+        m40_set_err(err, errlen, "NCCL: ncclCommInitAll over %d GPUs failed: %s", n, nccl.error_string(nr));
+        goto fail;
+    }
+    int version = 0;
+    nccl.get_version(&version);
+    fprintf(stderr, "m40: tensor parallelism over %d GPUs (devices %d..%d), NCCL %d.%d.%d\n", n, devs[0],
+            devs[n - 1], version / 10000, version / 100 % 100, version % 100);
+    t->n = n;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->go, NULL);
+    pthread_cond_init(&t->done, NULL);
+    for (int r = 0; r < n; r++) {
+        t->ranks[r] = ranks[r];
+        ranks[r]->tp_comm = comms[r];
+        ranks[r]->tp_rank = r;
+        ranks[r]->tp_n = n;
+    }
+    ranks[0]->tp = t;
+    for (int r = 1; r < n; r++) {
+        t->threads[r].g = ranks[r];
+        t->threads[r].t = t;
+        if (pthread_create(&t->threads[r].th, NULL, rank_main, &t->threads[r]) != 0) {
+            m40_set_err(err, errlen, "cannot start the thread of tensor-parallel rank %d", r);
+            goto fail_started; /* tp_free stops what started and frees the ranks past 0 */
+        }
+        t->threads[r].started = 1;
+    }
+    free(devs);
+    free(comms);
+    return 0;
+fail_started:
+    for (int r = 1; r < n; r++)
+        ranks[r] = NULL; /* now the group's */
+    m40_gpu_tp_free(ranks[0]);
+    free(devs);
+    free(comms);
+    return -1;
+fail:
+    free(devs);
+    free(comms);
+    if (t) {
+        free(t->ranks);
+        free(t->threads);
+        free(t);
+    }
+    return -1;
+#endif
+}
+
+int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count)
+{
+#ifdef M40_HAVE_NCCL_H
+    return nccl.all_reduce(buf, buf, count, ncclFloat32, ncclSum, (ncclComm_t)g->tp_comm, g->stream) == ncclSuccess
+               ? 0
+               : (int)cudaErrorUnknown;
+#else
+    (void)g, (void)buf, (void)count;
+    return (int)cudaErrorNotSupported;
+#endif
+}
+
+int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t count)
+{
+#ifdef M40_HAVE_NCCL_H
+    return nccl.all_gather(send, recv, count, ncclFloat32, (ncclComm_t)g->tp_comm, g->stream) == ncclSuccess
+               ? 0
+               : (int)cudaErrorUnknown;
+#else
+    (void)g, (void)send, (void)recv, (void)count;
+    return (int)cudaErrorNotSupported;
+#endif
+}
+
+#endif /* M40_HAVE_CUDA */
