@@ -44,6 +44,8 @@ typedef struct {
     double prefill_s; /* all batch slots together */
     double decode_s;
     double decode_dev_s; /* --gpu-time: device time of the decode calls (events), else 0 */
+    double decode_coll_s; /* --gpu-time, tensor parallelism without graphs: the collectives' share */
+    int64_t decode_colls;
 } bench_run;
 
 static void bench_usage(FILE *f)
@@ -178,10 +180,12 @@ static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *r
     /* Decode: every step feeds each slot its previous greedy token. */
     for (int32_t s = 0; s < B; s++)
         want[s] = 1;
-    double dev0 = 0;
-    int64_t nd0 = 0;
-    if (o->gpu_time)
+    double dev0 = 0, coll0 = 0;
+    int64_t nd0 = 0, nc0 = 0;
+    if (o->gpu_time) {
         m40_model_step_time(m, &dev0, &nd0);
+        m40_model_collective_time(m, &coll0, &nc0);
+    }
     t0 = now_s();
     for (long step = 0; step < o->gen; step++) {
         for (int32_t s = 0; s < B; s++) {
@@ -197,11 +201,18 @@ static int bench_once(m40_model *m, m40_kv *kv, const bench_opts *o, uint64_t *r
     }
     r->decode_s = now_s() - t0;
     r->decode_dev_s = 0;
+    r->decode_coll_s = 0;
+    r->decode_colls = 0;
     if (o->gpu_time) {
         double dev1 = 0;
         int64_t nd1 = 0;
         m40_model_step_time(m, &dev1, &nd1);
         r->decode_dev_s = dev1 - dev0;
+        double coll1 = 0;
+        int64_t nc1 = 0;
+        m40_model_collective_time(m, &coll1, &nc1);
+        r->decode_coll_s = coll1 - coll0;
+        r->decode_colls = nc1 - nc0;
     }
     rc = 0;
 out:
@@ -432,6 +443,10 @@ int m40_cmd_bench(int argc, char **argv)
                    "%.3f ms outside it\n",
                    1e3 * run.decode_s / (double)o.gen, 1e3 * run.decode_dev_s / (double)o.gen,
                    1e3 * (run.decode_s - run.decode_dev_s) / (double)o.gen);
+        if (o.gpu_time && run.decode_colls > 0)
+            printf("          collectives: %.3f ms a step (%.1f calls of %.1f us), rank 0's stream\n",
+                   1e3 * run.decode_coll_s / (double)o.gen, (double)run.decode_colls / (double)o.gen,
+                   1e6 * run.decode_coll_s / (double)run.decode_colls);
         fflush(stdout);
     }
 

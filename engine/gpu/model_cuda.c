@@ -47,6 +47,12 @@ int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int
     return m40_gpu_load(src, t, device, log_progress, out, err, errlen);
 }
 void m40_gpu_free(m40_gpu *g) { (void)g; }
+void m40_gpu_tp_time(const m40_gpu *g, double *ms, int64_t *calls)
+{
+    (void)g;
+    *ms = 0;
+    *calls = 0;
+}
 void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
 {
     (void)g;
@@ -559,6 +565,9 @@ void m40_gpu_free(m40_gpu *g)
     cudaFreeHost(g->samp_h);
     free(g->perm);
     free(g->out_rows);
+    for (int i = 0; i < g->tp_ev_cap; i++)
+        cudaEventDestroy(g->tp_ev[i]);
+    free(g->tp_ev);
     if (g->blas)
         cublasDestroy(g->blas);
     if (g->stream)

@@ -979,6 +979,8 @@ int m40_gpu_forward(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, float *logit
     if (g->time_steps)
         CK(cudaEventRecord(g->step_ev[1], g->stream));
     CK(cudaStreamSynchronize(g->stream));
+    if (g->tp_ev_used)
+        m40_gpu_tp_time_step(g);
     if (g->time_steps) {
         float ms = 0.0f;
         if (cudaEventElapsedTime(&ms, g->step_ev[0], g->step_ev[1]) == cudaSuccess) {

@@ -178,6 +178,12 @@ struct m40_gpu {
     int64_t tp_vocab_rows, tp_vocab_stride;
     float *tp_logits, *tp_gather;
     struct m40_gpu_tp *tp;
+    /* The collectives timed (rank 0, time_steps on, steps run without a CUDA graph): an
+     * event before and after each, summed after the step (tp_coll_ms, tp_coll_calls). */
+    cudaEvent_t *tp_ev;
+    int tp_ev_cap, tp_ev_used;
+    double tp_coll_ms;
+    int64_t tp_coll_calls;
 };
 
 /* tp.c: the group of a tensor-parallel model (NCCL loaded at run time, one host thread
@@ -191,6 +197,8 @@ int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size
                    size_t errlen);
 int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count);
 int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t count);
+/* After a step's synchronization: the timed collectives' device time added up. */
+void m40_gpu_tp_time_step(m40_gpu *g);
 /* The group's ranks (g0->tp): rank r's m40_gpu (r < g0->tp_n). */
 m40_gpu *m40_gpu_tp_rank(const m40_gpu *g0, int r);
 

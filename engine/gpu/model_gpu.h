@@ -124,6 +124,9 @@ void m40_gpu_graph_stats(const m40_gpu *g, int64_t *captures, int64_t *launches)
  * milliseconds and the number of calls timed. 0, or -1 when the events can not be made. */
 int m40_gpu_step_timing(m40_gpu *g, int on);
 void m40_gpu_step_time(const m40_gpu *g, double *ms, int64_t *steps);
+/* Tensor parallelism with timing on: the device time of rank 0's collectives (all-reduces
+ * and the logits' gather) in steps run without a CUDA graph, and how many were timed. */
+void m40_gpu_tp_time(const m40_gpu *g, double *ms, int64_t *calls);
 /* The batch was validated by the caller (tokens, slots, positions in range). Its KV
  * blocks were reserved for it (m40_kv_reserve) or are reserved here first. 0, -1 with
  * err, or -2 (M40_FORWARD_NO_BLOCKS) when the pool lacks blocks: none were taken. */

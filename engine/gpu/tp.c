@@ -254,12 +254,55 @@ fail:
 #endif
 }
 
+/* An event on rank 0's stream around each collective while steps are timed (bench
+ * --gpu-time) and not captured into a graph (M40_CUDA_GRAPHS=0): the collectives' share of
+ * a step, as the card saw it (waiting for the other ranks included). */
+static void time_mark(m40_gpu *g)
+{
+    enum cudaStreamCaptureStatus cs;
+    if (!g->time_steps || g->tp_rank != 0 || cudaStreamIsCapturing(g->stream, &cs) != cudaSuccess ||
+        cs != cudaStreamCaptureStatusNone)
+        return;
+    if (g->tp_ev_used == g->tp_ev_cap) {
+        int cap = g->tp_ev_cap ? 2 * g->tp_ev_cap : 512;
+        cudaEvent_t *ev = realloc(g->tp_ev, (size_t)cap * sizeof *ev);
+        if (!ev)
+            return;
+        g->tp_ev = ev;
+        for (int i = g->tp_ev_cap; i < cap; i++)
+            if (cudaEventCreate(&ev[i]) != cudaSuccess)
+                return; /* the events made so far stay usable; cap grows next time */
+            else
+                g->tp_ev_cap = i + 1;
+    }
+    cudaEventRecord(g->tp_ev[g->tp_ev_used++], g->stream);
+}
+
+void m40_gpu_tp_time_step(m40_gpu *g)
+{
+    for (int i = 0; i + 1 < g->tp_ev_used; i += 2) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, g->tp_ev[i], g->tp_ev[i + 1]) == cudaSuccess) {
+            g->tp_coll_ms += ms;
+            g->tp_coll_calls++;
+        }
+    }
+    g->tp_ev_used = 0;
+}
+
+void m40_gpu_tp_time(const m40_gpu *g, double *ms, int64_t *calls)
+{
+    *ms = g->tp_coll_ms;
+    *calls = g->tp_coll_calls;
+}
+
 int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count)
 {
 #ifdef M40_HAVE_NCCL_H
-    return nccl.all_reduce(buf, buf, count, ncclFloat32, ncclSum, (ncclComm_t)g->tp_comm, g->stream) == ncclSuccess
-               ? 0
-               : (int)cudaErrorUnknown;
+    time_mark(g);
+    ncclResult_t r = nccl.all_reduce(buf, buf, count, ncclFloat32, ncclSum, (ncclComm_t)g->tp_comm, g->stream);
+    time_mark(g);
+    return r == ncclSuccess ? 0 : (int)cudaErrorUnknown;
 #else
     (void)g, (void)buf, (void)count;
     return (int)cudaErrorNotSupported;
@@ -269,9 +312,10 @@ int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count)
 int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t count)
 {
 #ifdef M40_HAVE_NCCL_H
-    return nccl.all_gather(send, recv, count, ncclFloat32, (ncclComm_t)g->tp_comm, g->stream) == ncclSuccess
-               ? 0
-               : (int)cudaErrorUnknown;
+    time_mark(g);
+    ncclResult_t r = nccl.all_gather(send, recv, count, ncclFloat32, (ncclComm_t)g->tp_comm, g->stream);
+    time_mark(g);
+    return r == ncclSuccess ? 0 : (int)cudaErrorUnknown;
 #else
     (void)g, (void)send, (void)recv, (void)count;
     return (int)cudaErrorNotSupported;

@@ -216,6 +216,15 @@ void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launc
         m40_gpu_graph_stats(m->gpu, captures, launches);
 }
 
+void m40_model_collective_time(const m40_model *m, double *seconds, int64_t *calls)
+{
+    double ms = 0;
+    *calls = 0;
+    if (m->gpu)
+        m40_gpu_tp_time(m->gpu, &ms, calls);
+    *seconds = ms / 1e3;
+}
+
 int m40_model_step_timing(m40_model *m, int on) { return m->gpu ? m40_gpu_step_timing(m->gpu, on) : -1; }
 void m40_model_step_time(const m40_model *m, double *seconds, int64_t *steps)
 {

@@ -73,6 +73,9 @@ void m40_model_graph_stats(const m40_model *m, int64_t *captures, int64_t *launc
  * timed (0 and 0 on the CPU). For profiling: host time per step = wall - device time. */
 int m40_model_step_timing(m40_model *m, int on);
 void m40_model_step_time(const m40_model *m, double *seconds, int64_t *steps);
+/* Tensor parallelism on GPUs with timing on: the collectives' device time so far (steps
+ * without a CUDA graph only: M40_CUDA_GRAPHS=0) and their count; 0 and 0 otherwise. */
+void m40_model_collective_time(const m40_model *m, double *seconds, int64_t *calls);
 void m40_model_free(m40_model *m);
 const m40_model_params *m40_model_get_params(const m40_model *m);
 const m40_tokenizer *m40_model_tokenizer(const m40_model *m);

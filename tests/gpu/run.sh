@@ -9,7 +9,8 @@
 #      then ../shared/models/next: eval at 7.5e-2 where the architecture's GPU path is
 #      validated, the clear refusal where it is not (step 3b);
 #   4. the same for a synthetic Gemma 3 against tests/gemma3/ref.py (see step 4);
-#   5. with 2 or more GPUs: tensor parallelism against one GPU (test_tp_gpu.c, eval --tp 2).
+#   5. with 2 or more GPUs: tensor parallelism against one GPU (test_tp_gpu.c, eval --tp 2; --tp 4
+#      with 4).
 #   tests/gpu/run.sh            all of it
 #   tests/gpu/run.sh --bench    also the GEMV microbenchmark
 # Without a GPU (or nvcc): prints why and "0 passed, 0 failed, 1 skipped", exit 0.
@@ -214,6 +215,14 @@ if [ "$n_gpus" -ge 2 ]; then
                 failed=$((failed + 1)); echo "eval --device 0 --tp 2 $name FAILED:"; tail -n 20 "$log/eval"
             fi
         done
+        model="$M40_SHARED/models/stories260K.gguf" ref="$M40_SHARED/models/ref/stories260K.json"
+        if [ "$n_gpus" -ge 4 ] && [ -f "$model" ]; then
+            if "$M40_BIN" eval --device 0 --tp 4 --tol 5e-2 "$model" "$ref" >"$log/eval" 2>&1; then
+                passed=$((passed + 1)); echo "eval --device 0 --tp 4 stories260K: $(tail -n 1 "$log/eval")"
+            else
+                failed=$((failed + 1)); echo "eval --device 0 --tp 4 stories260K FAILED:"; tail -n 20 "$log/eval"
+            fi
+        fi
     fi
 else
     echo "tensor parallelism: $n_gpus GPU(s) here, needs 2: skipped"; skipped=$((skipped + 1))
