@@ -93,19 +93,21 @@ static void compare_scaled(const char *what, const std::vector<float> &g, const 
 static void test_router(void)
 {
     const int expert_counts[] = {1, 2, 3, 8, 31, 32, 33, 64, 128, 200, 256};
+    /* odd widths and strides take the 4-byte loads; widths and strides of 4 the 16-byte
+     * ones (2048: whole rounds of four; 2880 and 516: a tail) */
     for (int E : expert_counts)
-        for (int dim : {77, 2048 + 1}) {
-            const int T = E % 2 ? 9 : 20;
-            std::vector<float> wr = rand_vec((size_t)E * dim), x = rand_vec((size_t)T * (dim + 3)), b = rand_vec(E);
+        for (int dim : {77, 2048 + 1, 2048, 2880, 516}) {
+            const int T = E % 2 ? 9 : 20, ld = dim % 4 ? dim + 3 : dim + 4 * (E % 3);
+            std::vector<float> wr = rand_vec((size_t)E * dim), x = rand_vec((size_t)T * ld), b = rand_vec(E);
             float *dwr = dup(wr), *dx = dup(x), *db = dup(b), *dl;
             CK(cudaMalloc(&dl, (size_t)T * E * 4));
             for (int with_bias = 0; with_bias < 2; with_bias++) {
-                CK(m40k_moe_router_logits(dwr, with_bias ? db : nullptr, E, dim, dx, dim + 3, T, dl, 0));
+                CK(m40k_moe_router_logits(dwr, with_bias ? db : nullptr, E, dim, dx, ld, T, dl, 0));
                 std::vector<float> g = back(dl, (size_t)T * E), c((size_t)T * E);
-                m40_ref_moe_router_logits(wr.data(), with_bias ? b.data() : nullptr, E, dim, x.data(), dim + 3, T,
+                m40_ref_moe_router_logits(wr.data(), with_bias ? b.data() : nullptr, E, dim, x.data(), ld, T,
                                           c.data());
                 char what[96];
-                snprintf(what, sizeof what, "router logits E %d dim %d T %d bias %d", E, dim, T, with_bias);
+                snprintf(what, sizeof what, "router logits E %d dim %d ld %d T %d bias %d", E, dim, ld, T, with_bias);
                 compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-4f);
             }
             cudaFree(dwr), cudaFree(dx), cudaFree(db), cudaFree(dl);
