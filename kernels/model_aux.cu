@@ -219,6 +219,44 @@ __global__ void rmsnorm_heads_kernel(float *__restrict__ x, int64_t xs, int n_he
         v[d] = v[d] * r * w[d];
 }
 
+/* rmsnorm_heads_kernel over a row's q heads then its k heads (m40k_rmsnorm_qk): one warp
+ * per (row, head), the same sums; PDL-launched, so it starts with the chain's handshake. */
+__global__ void rmsnorm_qk_kernel(float *x, int64_t xs, int nq, int nk, int hd, const float *__restrict__ wq,
+                                  const float *__restrict__ wk, int n_items, float eps)
+{
+    m40k_pdl_begin();
+    M40K_LAUNDER(x);
+    const int item = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (item >= n_items)
+        return;
+    const int nh = nq + nk, r = item / nh, h = item % nh;
+    const float *w = h < nq ? wq : wk;
+    float *v = x + (int64_t)r * xs + (int64_t)h * hd;
+    float ss = 0.0f;
+    for (int d = lane; d < hd; d += 32)
+        ss = fmaf(v[d], v[d], ss);
+    ss = m40k_warp_sum(ss);
+    const float rs = rsqrtf(ss / (float)hd + eps);
+    for (int d = lane; d < hd; d += 32)
+        v[d] = v[d] * rs * w[d];
+}
+
+extern "C" int m40k_rmsnorm_qk(float *x, int64_t x_stride, int n_q_heads, int n_k_heads, int head_dim, const float *wq,
+                               const float *wk, int rows, float eps, m40k_stream stream)
+{
+    if (rows <= 0 || n_q_heads + n_k_heads <= 0)
+        return 0;
+    if (head_dim <= 0 || n_q_heads < 0 || n_k_heads < 0)
+        return M40K_INVALID;
+    const int64_t items = (int64_t)rows * (n_q_heads + n_k_heads);
+    if (items > 0x7fffffffL)
+        return M40K_INVALID;
+    const int e = m40k_launch_pdl_smem(rmsnorm_qk_kernel, dim3((unsigned)((items + 7) / 8)), dim3(256), 0,
+                                       (cudaStream_t)stream, x, x_stride, n_q_heads, n_k_heads, head_dim, wq, wk,
+                                       (int)items, eps);
+    return e ? e : m40k_launch_status();
+}
+
 extern "C" int m40k_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows,
                                   float eps, m40k_stream stream)
 {

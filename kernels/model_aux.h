@@ -66,6 +66,13 @@ int m40k_attn_generic_sinks(float *out, int64_t out_stride, const float *q, int6
  * v / sqrt(mean(v^2) + eps) * w (w: head_dim weights shared by all heads). */
 int m40k_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows, float eps,
                        m40k_stream stream);
+/* Q's and K's per-head RMSNorms in one launch, where K's heads follow Q's in the row (a
+ * qkv row: q at x, k at x + n_q_heads * head_dim): m40k_rmsnorm_heads(x, .., n_q_heads,
+ * .., wq) and m40k_rmsnorm_heads(x + n_q_heads * head_dim, .., n_k_heads, .., wk), the
+ * same values; launched as the decode chain's kernels are (programmatic dependent
+ * launch where on). Twin: m40_ref_rmsnorm_heads twice. */
+int m40k_rmsnorm_qk(float *x, int64_t x_stride, int n_q_heads, int n_k_heads, int head_dim, const float *wq,
+                    const float *wk, int rows, float eps, m40k_stream stream);
 
 /* x[i] *= s, i < n (Gemma's embedding scale sqrt(n_embd)). */
 int m40k_scale(float *x, int64_t n, float s, m40k_stream stream);

@@ -675,10 +675,9 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                    errlen))
             return -1;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
-        if (L->q_norm) { /* per-head Q/K norms before RoPE, where the layer has them */
-            CK(m40k_rmsnorm_heads(q, qkvd, p->n_heads, hd, L->q_norm, n, p->norm_eps, g->stream));
-            CK(m40k_rmsnorm_heads(k, qkvd, p->n_kv_heads, hd, L->k_norm, n, p->norm_eps, g->stream));
-        }
+        if (L->q_norm) /* per-head Q/K norms before RoPE, where the layer has them: one launch (k follows q) */
+            CK(m40k_rmsnorm_qk(q, qkvd, p->n_heads, p->n_kv_heads, hd, L->q_norm, L->k_norm, n, p->norm_eps,
+                               g->stream));
         /* Decode rows (the first n_dec, one per sequence): the decode attention kernel
          * rotates their Q and K (RoPE) and appends their K and V to the cache itself. The
          * other rows: RoPE on Q in place and on K on its way into the cache, one launch

@@ -137,6 +137,23 @@ static void test_elementwise(void)
             compare(what, g.data(), x.data(), x.size(), 1e-5f, 1e-5f);
             cudaFree(dx), cudaFree(dw);
         }
+    /* Q's and K's norms in one launch: the k heads right after the q heads of each row */
+    for (int hd : {24, 128, 256})
+        for (int nq : {1, 8, 32})
+            for (int nk : {1, 4}) {
+                const int rows = nq == 32 ? 3 : 37;
+                const int64_t stride = (int64_t)(nq + 2 * nk) * hd + 4;
+                std::vector<float> x = rand_vec((size_t)rows * stride, -3, 3), wq = rand_vec(hd, 0.5f, 1.5f),
+                                   wk = rand_vec(hd, 0.5f, 1.5f);
+                float *dx = dup(x), *dwq = dup(wq), *dwk = dup(wk);
+                CK(m40k_rmsnorm_qk(dx, stride, nq, nk, hd, dwq, dwk, rows, 1e-6f, 0));
+                m40_ref_rmsnorm_heads(x.data(), stride, nq, hd, wq.data(), rows, 1e-6f);
+                m40_ref_rmsnorm_heads(x.data() + (size_t)nq * hd, stride, nk, hd, wk.data(), rows, 1e-6f);
+                std::vector<float> g = back(dx, x.size());
+                snprintf(what, sizeof what, "rmsnorm_qk hd %d q heads %d k heads %d rows %d", hd, nq, nk, rows);
+                compare(what, g.data(), x.data(), x.size(), 1e-5f, 1e-5f);
+                cudaFree(dx), cudaFree(dwq), cudaFree(dwk);
+            }
     const int64_t n = 100003;
     std::vector<float> x = rand_vec(n, -100, 100);
     float *dx = dup(x);
