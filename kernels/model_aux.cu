@@ -202,25 +202,9 @@ extern "C" int m40k_attn_generic(float *out, int64_t out_stride, const float *q,
                                     indices, n_heads, n_kv_heads, head_dim, scale, 0, 0.0f, stream);
 }
 
-/* One warp per (row, head): sum of squares by shuffles, then scale in place. */
-__global__ void rmsnorm_heads_kernel(float *__restrict__ x, int64_t xs, int n_heads, int hd,
-                                     const float *__restrict__ w, int n_items, float eps)
-{
-    const int item = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (item >= n_items)
-        return;
-    float *v = x + (int64_t)(item / n_heads) * xs + (int64_t)(item % n_heads) * hd;
-    float ss = 0.0f;
-    for (int d = lane; d < hd; d += 32)
-        ss = fmaf(v[d], v[d], ss);
-    ss = m40k_warp_sum(ss);
-    const float r = rsqrtf(ss / (float)hd + eps);
-    for (int d = lane; d < hd; d += 32)
-        v[d] = v[d] * r * w[d];
-}
-
-/* rmsnorm_heads_kernel over a row's q heads then its k heads (m40k_rmsnorm_qk): one warp
- * per (row, head), the same sums; PDL-launched, so it starts with the chain's handshake. */
+/* Per-head RMSNorm over a row's q heads then its k heads (m40k_rmsnorm_qk; nk 0:
+ * m40k_rmsnorm_heads): one warp per (row, head), its sum of squares by shuffles, then the
+ * scale in place; PDL-launched, so it starts with the chain's handshake. */
 __global__ void rmsnorm_qk_kernel(float *x, int64_t xs, int nq, int nk, int hd, const float *__restrict__ wq,
                                   const float *__restrict__ wk, int n_items, float eps)
 {
@@ -260,16 +244,7 @@ extern "C" int m40k_rmsnorm_qk(float *x, int64_t x_stride, int n_q_heads, int n_
 extern "C" int m40k_rmsnorm_heads(float *x, int64_t x_stride, int n_heads, int head_dim, const float *w, int rows,
                                   float eps, m40k_stream stream)
 {
-    if (rows <= 0 || n_heads <= 0)
-        return 0;
-    if (head_dim <= 0)
-        return M40K_INVALID;
-    const int64_t items = (int64_t)rows * n_heads;
-    if (items > 0x7fffffffL)
-        return M40K_INVALID;
-    rmsnorm_heads_kernel<<<(unsigned)((items + 7) / 8), 256, 0, stream>>>(x, x_stride, n_heads, head_dim, w,
-                                                                          (int)items, eps);
-    return m40k_launch_status();
+    return m40k_rmsnorm_qk(x, x_stride, n_heads, 0, head_dim, w, w, rows, eps, stream);
 }
 
 __global__ void scale_kernel(float *__restrict__ x, int64_t n, float s)
