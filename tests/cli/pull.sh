@@ -240,6 +240,15 @@ check "serve --gpus 2 on the cpu: exit 2" [ $rc -eq 2 ]
 check "serve --gpus 2 on the cpu: says why" grep -q "needs a GPU device" "$tmp/err"
 "$M40" serve org/multi:Q4_0 --device 0 --gpus 0 >/dev/null 2>"$tmp/err"; rc=$?
 check "serve --gpus 0: exit 2" [ $rc -eq 2 ]
+# --tp N: each worker's model over N GPUs (m40_model ... tp=N), NCCL's settings passed on
+NCCL_NVLS_ENABLE=0 TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --device 0 --gpus 2 --tp 2 --nginx "$tmp/fake-nginx" \
+    --module "$tmp/fake-nginx" >/dev/null 2>"$tmp/err"
+check "serve --tp 2: tp=2 on the model" grep -q 'tiny-Q4_0.gguf" tp=2' "$tmp/served.conf"
+check "serve --tp 2: two workers" grep -q '^worker_processes 2;' "$tmp/served.conf"
+check "serve --tp 2: NCCL_NVLS_ENABLE reaches the workers" grep -q '^env NCCL_NVLS_ENABLE;' "$tmp/served.conf"
+"$M40" serve org/multi:Q4_0 --tp 2 --nginx "$tmp/fake-nginx" >/dev/null 2>"$tmp/err"; rc=$?
+check "serve --tp 2 on the cpu: exit 2" [ $rc -eq 2 ]
+check "serve --tp 2 on the cpu: says why" grep -q "needs a GPU device" "$tmp/err"
 FAKE_WAIT=1 TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --nginx "$tmp/fake-nginx" --module "$tmp/fake-nginx" >/dev/null 2>"$tmp/err" &
 spid=$!
 for _ in $(seq 50); do [ -n "$(ls -A "$tmp/t")" ] && [ -s "$tmp/served.conf" ] && break; sleep 0.1; done

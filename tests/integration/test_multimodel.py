@@ -312,6 +312,9 @@ def nginx_t(text):
     (["{a} name=" + "n" * 128], "longer than 127 bytes"),
     (["{a} keep_alive=500ms"], 'invalid m40_model parameter "keep_alive=500ms"'),
     (["{a} keep_alive=soon"], 'invalid m40_model parameter "keep_alive=soon"'),
+    (["{a} tp=0"], 'invalid m40_model parameter "tp=0"'),
+    (["{a} tp=65"], 'invalid m40_model parameter "tp=65"'),
+    (["{a} tp=2 device=cpu"], "needs a GPU device"),
 ])
 def test_config_errors(tiny_models, models, message):
     a, b = tiny_models
@@ -325,7 +328,7 @@ def test_config_accepts_every_parameter(tiny_models):
         f"{a} name=one device=cpu ctx_size=128 max_seqs=2 max_queue=8 threads=1 kv_share=0.5 "
         "gpu_memory_fraction=0.8 tool_parser=hermes reasoning=none prefill_chunk=64 prefill_budget=128 "
         "itl_guard=off keep_alive=5m",
-        f"{b} name=two device=0 itl_guard=2 keep_alive=off"], extra="    m40_max_resident 1;\n"))
+        f"{b} name=two device=0 tp=2 itl_guard=2 keep_alive=off"], extra="    m40_max_resident 1;\n"))
     assert r.returncode == 0, r.stderr
     # kv_share on the CPU is a warning, not an error
     assert "kv_share of \"one\" has no effect on the cpu" in r.stderr, r.stderr
