@@ -288,6 +288,33 @@ m40_axpy_fn m40_axpy_kernel(int isa)
     }
 }
 
+/* The portable GLU kernels: the exact path's formulas (ffn.c), one element at a time. */
+static void glu_silu_portable(float *gate, const float *up, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+static void glu_gelu_portable(float *gate, const float *up, int64_t n)
+{
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+    for (int64_t i = 0; i < n; i++) {
+        const float x = gate[i];
+        gate[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * up[i];
+    }
+}
+
+m40_glu_fn m40_glu_kernel(int act, int isa)
+{
+    if (isa < 0 || isa > m40_cpu_isa() || (act != M40_GLU_SILU && act != M40_GLU_GELU_TANH))
+        return NULL;
+    switch (isa) {
+    case M40_ISA_AVX2: return m40_glu_avx2(act);
+    case M40_ISA_AVX512VNNI: return m40_glu_avx512(act);
+    default: return act == M40_GLU_SILU ? glu_silu_portable : glu_gelu_portable;
+    }
+}
+
 m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa)
 {
     if (isa < 0 || isa > m40_cpu_isa())

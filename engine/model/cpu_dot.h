@@ -70,7 +70,20 @@ m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa);
 typedef void (*m40_axpy_fn)(float *y, float a, const float *x, int64_t n);
 m40_axpy_fn m40_axpy_kernel(int isa);
 
+/* The gated activations, elementwise: gate[i] = act(gate[i]) * up[i], i < n, for
+ * M40_GLU_SILU (x / (1 + e^-x)) and M40_GLU_GELU_TANH (0.5 x (1 + tanh(c (x + 0.044715
+ * x^3))), c = sqrt(2/pi), computed as x / (1 + e^(-2 c (x + 0.044715 x^3))), the same
+ * function). The portable kernel is the exact path's formulas (expf, tanhf: ffn.c); the
+ * SIMD ones take e^x from a polynomial (2^n e^r, |r| <= ln2 / 2, degree 6: relative error
+ * within a few units of F32's last place), 8 lanes at a time. NULL: no kernel for the act
+ * or isa (the caller keeps ffn.c's m40_glu). */
+enum { M40_GLU_SILU = 0, M40_GLU_GELU_TANH = 1 };
+typedef void (*m40_glu_fn)(float *gate, const float *up, int64_t n);
+m40_glu_fn m40_glu_kernel(int act, int isa);
+
 /* The per-ISA tables (cpu_dot_avx2.c, cpu_dot_avx512.c); NULL entries where absent. */
+m40_glu_fn m40_glu_avx2(int act);
+m40_glu_fn m40_glu_avx512(int act);
 m40_xq_quantize_fn m40_xq_quantize_avx2(void);
 m40_axpy_fn m40_axpy_avx2(void);
 m40_axpy_fn m40_axpy_avx512(void);

@@ -24,6 +24,7 @@ m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { return avx2_table_q4(type); }
 m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return avx2_quantize; }
 m40_axpy_fn m40_axpy_avx2(void) { return avx2_axpy; }
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { return avx2_table_f(type); }
+m40_glu_fn m40_glu_avx2(int act) { return avx2_table_glu(act); }
 
 #else
 
@@ -32,5 +33,6 @@ m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { (void)type; return NULL; }
 m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return NULL; }
 m40_axpy_fn m40_axpy_avx2(void) { return NULL; }
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { (void)type; return NULL; }
+m40_glu_fn m40_glu_avx2(int act) { (void)act; return NULL; }
 
 #endif

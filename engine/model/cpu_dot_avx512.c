@@ -26,6 +26,7 @@ m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { return avx512_table_q4(type); }
 m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return avx512_quantize; }
 m40_axpy_fn m40_axpy_avx512(void) { return avx512_axpy; }
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { return avx512_table_f(type); }
+m40_glu_fn m40_glu_avx512(int act) { return avx512_table_glu(act); }
 
 #else
 
@@ -34,5 +35,6 @@ m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { (void)type; return NULL; }
 m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return NULL; }
 m40_axpy_fn m40_axpy_avx512(void) { return NULL; }
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { (void)type; return NULL; }
+m40_glu_fn m40_glu_avx512(int act) { (void)act; return NULL; }
 
 #endif

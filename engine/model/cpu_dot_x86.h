@@ -368,6 +368,56 @@ X86_KERNEL void X86_NAME(axpy)(float *y, float a, const float *x, int64_t n)
         y[i] += a * x[i];
 }
 
+/* e^x, 8 lanes: 2^n e^r with n = rint(x log2 e), r = x - n ln 2 (ln 2 in two parts, so r
+ * is exact), e^r by its Taylor polynomial of degree 6 (|r| <= 0.35: error below 2^-24
+ * relative); x clamped to [-87.3, 88.7] so that 2^n is a normal F32 (below, e^x is
+ * within 2^-126 of 0; above, a finite 3.4e38 where expf gives inf: the callers divide by
+ * 1 + e^x, and get 0 either way). */
+X86_FN __m256 x86_exp(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* gate = gate * up / (1 + e^(-a(gate))): SiLU (a = x), GELU's tanh form (a = 2c(x +
+ * 0.044715 x^3)); the tail of n % 8 through the scalar formulas of the portable kernel. */
+X86_FN void x86_glu(float *gate, const float *up, int64_t n, int gelu)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), c2 = _mm256_set1_ps(2.0f * 0.7978845608028654f),
+                 k = _mm256_set1_ps(0.044715f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + i);
+        __m256 a = x;
+        if (gelu)
+            a = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
+        const __m256 d = _mm256_add_ps(one, x86_exp(_mm256_sub_ps(_mm256_setzero_ps(), a)));
+        _mm256_storeu_ps(gate + i, _mm256_div_ps(_mm256_mul_ps(x, _mm256_loadu_ps(up + i)), d));
+    }
+    if (i < n)
+        m40_glu_kernel(gelu ? M40_GLU_GELU_TANH : M40_GLU_SILU, M40_ISA_PORTABLE)(gate + i, up + i, n - i);
+}
+
+X86_KERNEL void X86_NAME(glu_silu)(float *gate, const float *up, int64_t n) { x86_glu(gate, up, n, 0); }
+X86_KERNEL void X86_NAME(glu_gelu)(float *gate, const float *up, int64_t n) { x86_glu(gate, up, n, 1); }
+
+static m40_glu_fn X86_NAME(table_glu)(int act)
+{
+    return act == M40_GLU_SILU ? X86_NAME(glu_silu) : act == M40_GLU_GELU_TANH ? X86_NAME(glu_gelu) : NULL;
+}
+
 static m40_dot_q_fn X86_NAME(table_q)(uint32_t type)
 {
     switch (type) {

@@ -4,16 +4,9 @@
 #include <math.h>
 #include <string.h>
 
+#include "cpu_dot.h"
 #include "model_priv.h"
-
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-/* GELU, tanh approximation (Gemma's hidden_activation gelu_pytorch_tanh). */
-static float gelu_tanh(float x)
-{
-    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
-}
+#include "util/threadpool.h"
 
 float m40_swiglu_oai(float gate, float up)
 {
@@ -25,22 +18,52 @@ float m40_swiglu_oai(float gate, float up)
     return g / (1.0f + expf(-M40_SWIGLU_OAI_ALPHA * g)) * (u + 1.0f);
 }
 
+/* SiLU and GELU's tanh form (Gemma's hidden_activation gelu_pytorch_tanh): the portable
+ * kernels of cpu_dot.c, one formula each for every path's reference. */
 void m40_glu(m40_activation act, float *gate, const float *up, size_t n)
 {
-    switch (act) {
-    case M40_ACT_GELU_TANH:
-        for (size_t i = 0; i < n; i++)
-            gate[i] = gelu_tanh(gate[i]) * up[i];
-        return;
-    case M40_ACT_SWIGLU_OAI:
+    if (act == M40_ACT_SWIGLU_OAI) {
         for (size_t i = 0; i < n; i++)
             gate[i] = m40_swiglu_oai(gate[i], up[i]);
         return;
-    case M40_ACT_SILU:
-        break;
     }
-    for (size_t i = 0; i < n; i++)
-        gate[i] = silu(gate[i]) * up[i];
+    m40_glu_kernel(act == M40_ACT_GELU_TANH ? M40_GLU_GELU_TANH : M40_GLU_SILU, M40_ISA_PORTABLE)(gate, up,
+                                                                                                (int64_t)n);
+}
+
+typedef struct {
+    m40_glu_fn fn; /* the fast path's SIMD kernel, or NULL: m40_glu */
+    m40_activation act;
+    float *gate;
+    const float *up;
+    size_t n, per;
+} glu_job;
+
+static void glu_task(void *ctx, int task, int thread)
+{
+    (void)thread;
+    const glu_job *j = ctx;
+    const size_t a = (size_t)task * j->per, b = a + j->per < j->n ? a + j->per : j->n;
+    if (a >= b)
+        return;
+    if (j->fn)
+        j->fn(j->gate + a, j->up + a, (int64_t)(b - a));
+    else
+        m40_glu(j->act, j->gate + a, j->up + a, b - a);
+}
+
+void m40_model_glu(m40_model *m, float *gate, const float *up, size_t n)
+{
+    const int act = m->act == M40_ACT_SILU ? M40_GLU_SILU : m->act == M40_ACT_GELU_TANH ? M40_GLU_GELU_TANH : -1;
+    glu_job j = {.fn = m->fast && act >= 0 ? m40_glu_kernel(act, m40_cpu_isa()) : NULL,
+                 .act = m->act, .gate = gate, .up = up, .n = n};
+    /* elementwise: however it is split, each element is the same bits */
+    const int tasks = m->n_threads > 1 && n >= 8192 ? m->n_threads : 1;
+    j.per = ((n + (size_t)tasks - 1) / (size_t)tasks + 7) / 8 * 8;
+    if (tasks == 1)
+        glu_task(&j, 0, 0);
+    else
+        m40_threadpool_run(m->pool, tasks, glu_task, &j);
 }
 
 void m40_moe_route(const float *logits, int32_t n_experts, int32_t k, m40_gating gating, int norm, float scale,
@@ -141,7 +164,7 @@ void m40_moe_ffn(m40_model *m, int32_t layer_index, int32_t n)
         m40_matrix down = expert_rows(&L->exp_down, (int64_t)e * (int64_t)D, (int64_t)D);
         m40_model_matmul(m, &gate, m->moe_in, cnt, m->hb, L->exp_gate_b ? L->exp_gate_b + (size_t)e * F : NULL);
         m40_model_matmul(m, &up, m->moe_in, cnt, m->hb2, L->exp_up_b ? L->exp_up_b + (size_t)e * F : NULL);
-        m40_glu(m->act, m->hb, m->hb2, (size_t)cnt * F);
+        m40_model_glu(m, m->hb, m->hb2, (size_t)cnt * F);
         m40_model_matmul(m, &down, m->hb, cnt, m->moe_in, L->exp_down_b ? L->exp_down_b + (size_t)e * D : NULL);
         for (int32_t c = 0; c < cnt; c++) {
             int32_t r = m->moe_rows[c];
@@ -158,7 +181,7 @@ void m40_moe_ffn(m40_model *m, int32_t layer_index, int32_t n)
         size_t S = (size_t)p->shared_ffn_dim;
         m40_model_matmul(m, &L->sh_gate, x, n, m->hb, NULL);
         m40_model_matmul(m, &L->sh_up, x, n, m->hb2, NULL);
-        m40_glu(m->act, m->hb, m->hb2, (size_t)n * S);
+        m40_model_glu(m, m->hb, m->hb2, (size_t)n * S);
         m40_model_matmul(m, &L->sh_down, m->hb, n, m->moe_in, NULL);
         if (L->sh_gate_inp)
             for (int32_t t = 0; t < n; t++) {

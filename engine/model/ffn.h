@@ -24,6 +24,11 @@ float m40_swiglu_oai(float gate, float up);
 /* gate[i] = act(gate[i], up[i]) for the n elements: silu(g) * u, gelu_tanh(g) * u, or
  * m40_swiglu_oai(g, u). */
 void m40_glu(m40_activation act, float *gate, const float *up, size_t n);
+/* m40_glu with m's activation over m's thread pool, and on the fast path through the
+ * widest SIMD kernel of cpu_dot.h (m40_glu_kernel); the exact path keeps m40_glu's
+ * formulas, split over the threads (elementwise: the same bits). */
+struct m40_model;
+void m40_model_glu(struct m40_model *m, float *gate, const float *up, size_t n);
 
 /* One token's routing: from its n_experts router logits (bias included), the k experts
  * it uses (ids, best first; equal scores: the lower expert id first; NaN scores last)

@@ -839,7 +839,7 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
             const matrix *w2[2] = {&L->w_gate, &L->w_up};
             float *o2[2] = {m->hb, m->hb2};
             m40_model_matmul_group(m, w2, o2, NULL, 2, m->xb, n);
-            m40_glu(m->act, m->hb, m->hb2, (size_t)n * ffn);
+            m40_model_glu(m, m->hb, m->hb2, (size_t)n * ffn);
             m40_model_matmul(m, &L->w_down, m->hb, n, m->xb, NULL);
         }
         if (m->tp_group) /* each rank holds its FFN units' part of the sum */

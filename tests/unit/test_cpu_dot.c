@@ -277,6 +277,58 @@ static void test_kernels(void)
                   m40_type_name(none[i]));
 }
 
+/* The GLU kernels: every isa's SiLU and GELU against the portable twin (the exact
+ * path's formulas) on random gates over the range activations take, odd lengths (the
+ * SIMD tails), and the extremes: large negative (e^x's clamp), large positive, zero,
+ * within 4e-6 relative (the polynomial e^x: a few units of F32's last place). */
+static void test_glu(void)
+{
+    const int isa = m40_cpu_isa();
+    CHECK(m40_glu_kernel(M40_GLU_SILU, M40_ISA_PORTABLE) && m40_glu_kernel(M40_GLU_GELU_TANH, M40_ISA_PORTABLE),
+          "portable GLU kernels");
+    CHECK(!m40_glu_kernel(7, M40_ISA_PORTABLE), "no kernel for an unknown activation");
+    static float g0[333], g1[333], up[333];
+    for (int act = M40_GLU_SILU; act <= M40_GLU_GELU_TANH; act++)
+        for (int s = M40_ISA_PORTABLE + 1; s <= isa; s++) {
+            m40_glu_fn simd = m40_glu_kernel(act, s), twin = m40_glu_kernel(act, M40_ISA_PORTABLE);
+            CHECK(simd != NULL, "act %d: no %s kernel", act, m40_cpu_isa_name(s));
+            if (!simd)
+                continue;
+            int bad = 0;
+            double worst = 0;
+            for (int rep = 0; rep < 200; rep++) {
+                const int n = 1 + (int)(rnd() % 333);
+                const float span = rep < 100 ? 8.0f : 60.0f;
+                for (int i = 0; i < n; i++) {
+                    g0[i] = g1[i] = (urand() * 2 - 1) * span;
+                    up[i] = urand() * 4 - 2;
+                }
+                if (rep == 0 && n > 6) {
+                    const float ext[] = {-200.0f, -88.0f, 0.0f, -0.0f, 89.0f, 300.0f};
+                    for (int i = 0; i < 6; i++)
+                        g0[i] = g1[i] = ext[i];
+                }
+                float xin[333];
+                memcpy(xin, g0, sizeof(float) * (size_t)n);
+                twin(g0, up, n);
+                simd(g1, up, n);
+                for (int i = 0; i < n; i++) {
+                    /* GELU's twin forms 1 + tanh(y), which cancels where tanh is near -1:
+                     * its own error there is up to ~2^-23 of 0.5 |x up| (the SIMD kernel,
+                     * x sigmoid(2y), does not cancel) */
+                    const double d = fabs((double)g0[i] - (double)g1[i]), r = d / (fabs((double)g0[i]) + 1e-30);
+                    const double cancel = act == M40_GLU_GELU_TANH ? 2.4e-7 * fabs((double)xin[i] * up[i]) : 0.0;
+                    if (d > 4e-6 * fabs((double)g0[i]) + cancel + 1e-30 || g1[i] != g1[i])
+                        bad++;
+                    else if (r > worst && fabs((double)g0[i]) >= 0.01 * fabs((double)xin[i] * up[i]) && g0[i] != 0.0f)
+                        worst = r; /* away from GELU's cancellation */
+                }
+            }
+            CHECK(bad == 0, "act %d %s: %d elements off the twin", act, m40_cpu_isa_name(s), bad);
+            printf("glu act %d %s: worst %.2e relative to the twin\n", act, m40_cpu_isa_name(s), worst);
+        }
+}
+
 /* The pool's matmul: odd rows, odd token counts, tiles and chunks, a group of three. */
 static void test_matmul(void)
 {
@@ -388,6 +440,7 @@ int main(void)
 {
     test_quantizer();
     test_kernels();
+    test_glu();
     test_matmul();
     test_model_batched("models/tiny-llama-q4km.gguf");
     test_model_batched("models/tiny-llama-q4_0.gguf");
