@@ -91,22 +91,28 @@ else
     echo "no nvcc at $NVCC: kernel test skipped"; skipped=$((skipped + 1))
 fi
 
+# A C test of tests/gpu against build/libm40engine.a (a CUDA-configured build): built
+# unless a prebuilt binary is given, run and counted: engine_test NAME [PREBUILT]
+engine_test() {
+    local name=$1 bin=${2:-}
+    if [ -z "$bin" ] && [ -f build/libm40engine.a ] && [ -f build/engine-libs.txt ]; then
+        bin=$out/$name
+        $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -Itests/unit -I"$CUDA_DIR/include" \
+            $(pkg-config --cflags jansson 2>/dev/null) "tests/gpu/$name.c" build/libm40engine.a \
+            $(cat build/engine-libs.txt) -o "$bin" || bin=
+    fi
+    if [ -n "$bin" ] && [ -x "$bin" ]; then
+        echo "== $name"
+        "$bin" 2>&1 | tee "$log/$name"
+        tally "$log/$name"
+    else
+        echo "$name: no CUDA build (./configure && make), skipped"; skipped=$((skipped + 1))
+    fi
+}
+
 # 2. model and engine on the GPU
 M40_BIN=${M40_BIN:-build/m40}
-gpu_test=${M40_GPU_TEST:-}
-if [ -z "$gpu_test" ] && [ -f build/libm40engine.a ] && [ -f build/engine-libs.txt ]; then
-    gpu_test=$out/test_model_gpu
-    $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -Itests/unit -I"$CUDA_DIR/include" \
-        $(pkg-config --cflags jansson 2>/dev/null) tests/gpu/test_model_gpu.c build/libm40engine.a \
-        $(cat build/engine-libs.txt) -o "$gpu_test" || gpu_test=
-fi
-if [ -n "$gpu_test" ] && [ -x "$gpu_test" ]; then
-    echo "== test_model_gpu"
-    "$gpu_test" 2>&1 | tee "$log/model"
-    tally "$log/model"
-else
-    echo "test_model_gpu: no CUDA build (./configure && make), skipped"; skipped=$((skipped + 1))
-fi
+engine_test test_model_gpu "${M40_GPU_TEST:-}"
 
 # 2b. LongRoPE on the GPU: the CPU's equivalences (tests/unit/test_longrope.c) on device 0
 lr_test=${M40_LONGROPE_TEST:-build/tests/test_longrope}
@@ -191,20 +197,7 @@ if [ "$n_gpus" -ge 2 ]; then
             [ -f "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
         done
     fi
-    tp_test=${M40_TP_TEST:-}
-    if [ -z "$tp_test" ] && [ -f build/libm40engine.a ] && [ -f build/engine-libs.txt ]; then
-        tp_test=$out/test_tp_gpu
-        $CC -std=c11 -O2 -g -D_GNU_SOURCE -Iengine -Ikernels -Itests/unit -I"$CUDA_DIR/include" \
-            $(pkg-config --cflags jansson 2>/dev/null) tests/gpu/test_tp_gpu.c build/libm40engine.a \
-            $(cat build/engine-libs.txt) -o "$tp_test" || tp_test=
-    fi
-    if [ -n "$tp_test" ] && [ -x "$tp_test" ]; then
-        echo "== test_tp_gpu ($n_gpus GPUs)"
-        "$tp_test" 2>&1 | tee "$log/tp"
-        tally "$log/tp"
-    else
-        echo "test_tp_gpu: no CUDA build, skipped"; skipped=$((skipped + 1))
-    fi
+    engine_test test_tp_gpu "${M40_TP_TEST:-}"
     if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
         for name in stories260K tiny-llama-spm-gqa-f16 tiny-qwen2-gpt2-f16 tiny-llama-q8_0; do
             model="$M40_SHARED/models/$name.gguf" ref="$M40_SHARED/models/ref/$name.json"
