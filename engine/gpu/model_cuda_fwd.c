@@ -910,9 +910,9 @@ static int tp_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_out
     j->kv0 = kv;
     j->b = b;
     j->n_out = n_out;
-    int rc = m40_gpu_tp_run(g, tp_prepare, j, err, errlen);
+    int rc = m40_gpu_tp_run(g, tp_prepare, j, 0, err, errlen);
     if (rc == 0)
-        rc = m40_gpu_tp_run(g, tp_run, j, err, errlen);
+        rc = m40_gpu_tp_run(g, tp_run, j, 1, err, errlen);
     if (rc == 0)
         *sp = j->sp[0];
     free(j);

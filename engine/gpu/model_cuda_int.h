@@ -190,11 +190,14 @@ struct m40_gpu {
  * per rank past rank 0). init: communicators over ranks[0..n) and the rank threads;
  * ranks[0]->tp owns them all afterwards. run: fn on every rank at once (rank 0 on the
  * calling thread), 0 when every rank returned 0, else -1 with the first rank's err.
+ * abort_on_fail: fn enqueues collectives, so a rank that fails aborts the group's
+ * communicators (the others would wait for it for ever) and the group refuses every
+ * later job with an error.
  * all_reduce (sum) and all_gather: enqueued on g->stream (capturable). */
 int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen);
 void m40_gpu_tp_free(m40_gpu *g0);
-int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen), void *ctx, char *err,
-                   size_t errlen);
+int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen), void *ctx,
+                   int abort_on_fail, char *err, size_t errlen);
 int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count);
 int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t count);
 /* After a step's synchronization: the timed collectives' device time added up. */

@@ -39,6 +39,7 @@ typedef struct {
     ncclResult_t (*all_gather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
     const char *(*error_string)(ncclResult_t);
     ncclResult_t (*get_version)(int *);
+    ncclResult_t (*comm_abort)(ncclComm_t);
 } nccl_api;
 
 static nccl_api nccl;
@@ -62,7 +63,8 @@ static void nccl_open(void)
     *(void **)&nccl.all_gather = dlsym(nccl.h, "ncclAllGather");
     *(void **)&nccl.error_string = dlsym(nccl.h, "ncclGetErrorString");
     *(void **)&nccl.get_version = dlsym(nccl.h, "ncclGetVersion");
-    if (!nccl.comm_init_all || !nccl.comm_destroy || !nccl.all_reduce || !nccl.all_gather || !nccl.error_string ||
+    *(void **)&nccl.comm_abort = dlsym(nccl.h, "ncclCommAbort");
+    if (!nccl.comm_abort || !nccl.comm_init_all || !nccl.comm_destroy || !nccl.all_reduce || !nccl.all_gather || !nccl.error_string ||
         !nccl.get_version) {
         snprintf(nccl_err, sizeof nccl_err, "libnccl.so.2 lacks the functions m40 calls (%s)", dlerror());
         dlclose(nccl.h);
@@ -92,7 +94,35 @@ struct m40_gpu_tp {
     int stop;
     int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen);
     void *ctx;
+    int abort_on_fail;    /* the job enqueues collectives: a rank that fails aborts them all */
+    int broken;           /* aborted: every later job fails (the model must be loaded again) */
+    int broken_rank;
 };
+
+/* A rank failed between collectives: the others may be waiting in one that it will
+ * never join, so every communicator is aborted (NCCL ends the waiting kernels), once,
+ * and the group takes no more work. */
+static void group_abort(struct m40_gpu_tp *t, int rank)
+{
+    pthread_mutex_lock(&t->mu);
+    const int first = !t->broken;
+    t->broken = 1;
+    if (first)
+        t->broken_rank = rank;
+    pthread_mutex_unlock(&t->mu);
+    if (!first)
+        return;
+    fprintf(stderr, "m40: tensor-parallel rank %d failed inside a step: aborting the group's NCCL communicators; "
+                    "this model answers no more requests until it is loaded again\n", rank);
+#ifdef M40_HAVE_NCCL_H
+    for (int r = 0; r < t->n; r++)
+        if (t->ranks[r] && t->ranks[r]->tp_comm) {
+            cudaSetDevice(t->ranks[r]->device);
+            nccl.comm_abort((ncclComm_t)t->ranks[r]->tp_comm);
+            t->ranks[r]->tp_comm = NULL;
+        }
+#endif
+}
 
 static void *rank_main(void *arg)
 {
@@ -110,6 +140,8 @@ static void *rank_main(void *arg)
         cudaSetDevice(rt->g->device);
         rt->err[0] = '\0';
         rt->rc = t->fn(rt->g, t->ctx, rt->err, sizeof rt->err);
+        if (rt->rc != 0 && t->abort_on_fail)
+            group_abort(t, rt->g->tp_rank);
         pthread_mutex_lock(&t->mu);
         if (--t->pending == 0)
             pthread_cond_signal(&t->done);
@@ -120,19 +152,28 @@ static void *rank_main(void *arg)
 
 m40_gpu *m40_gpu_tp_rank(const m40_gpu *g0, int r) { return g0->tp && r < g0->tp->n ? g0->tp->ranks[r] : NULL; }
 
-int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen), void *ctx, char *err,
-                   size_t errlen)
+int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen), void *ctx,
+                   int abort_on_fail, char *err, size_t errlen)
 {
     struct m40_gpu_tp *t = g0->tp;
     pthread_mutex_lock(&t->mu);
+    if (t->broken) {
+        pthread_mutex_unlock(&t->mu);
+        m40_set_err(err, errlen, "the tensor-parallel group stopped after an error on rank %d: load the model again",
+                    t->broken_rank);
+        return -1;
+    }
     t->fn = fn;
     t->ctx = ctx;
+    t->abort_on_fail = abort_on_fail;
     t->pending = t->n - 1;
     t->gen++;
     pthread_cond_broadcast(&t->go);
     pthread_mutex_unlock(&t->mu);
     cudaSetDevice(g0->device);
     int rc = fn(g0, ctx, err, errlen);
+    if (rc != 0 && abort_on_fail)
+        group_abort(t, 0);
     pthread_mutex_lock(&t->mu);
     while (t->pending > 0)
         pthread_cond_wait(&t->done, &t->mu);
