@@ -909,7 +909,7 @@ typedef struct {
     const m40_tuning *t;
     int device, log;
     m40_gpu *g;
-    int rc;
+    int rc, started;
     char err[512];
 } rank_load;
 
@@ -939,7 +939,7 @@ int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int
     rank_load *jobs = calloc((size_t)n, sizeof *jobs);
     pthread_t *th = calloc((size_t)n, sizeof *th);
     m40_gpu **gs = calloc((size_t)n, sizeof *gs);
-    int rc = -1, started = 0;
+    int rc = -1;
     if (!jobs || !th || !gs) {
         m40_set_err(err, errlen, "out of memory");
         goto out;
@@ -966,11 +966,11 @@ int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int
             snprintf(jobs[r].err, sizeof jobs[r].err, "cannot start a loading thread");
             continue;
         }
-        started |= 1 << (r < 30 ? r : 30);
+        jobs[r].started = 1;
     }
     rank_load_main(&jobs[0]);
     for (int r = 1; r < n; r++)
-        if (jobs[r].rc == 0 || (started & (1 << (r < 30 ? r : 30))))
+        if (jobs[r].started)
             pthread_join(th[r], NULL);
     for (int r = 0; r < n; r++)
         if (jobs[r].rc != 0) {
