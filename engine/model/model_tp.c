@@ -2,10 +2,11 @@
  * partition (tp_shard.c) and the places of its collectives in the forward pass are
  * tested without GPUs.
  *
- * A model loaded with options.tp = n > 1 on the CPU keeps n rank models beside it. Each
- * rank is a copy of the model object whose weights are its shard's views, whose
- * heads and FFN width are its share, with its own KV cache, scratch and thread pool.
- * A forward call runs the n ranks' forward passes at once, one thread each, and the
+ * A model loaded with options.tp = n > 1 on the CPU keeps n rank models beside it, and a
+ * thread for each past the first (started at load, so that a load fails cleanly where a
+ * forward call could not). Each rank is a copy of the model object whose weights are its
+ * shard's views, whose heads and FFN width are its share, with its own KV cache, scratch
+ * and thread pool. A forward call runs the n ranks' forward passes at once, and the
  * ranks meet where the GPU ranks meet over NCCL: an all-reduce (sum) of the attention
  * output after Wo and of the FFN output after Wdown, and a gather of the head's
  * vocabulary pieces into the caller's logits. The collectives here are barriers over
@@ -29,12 +30,61 @@ struct m40_tp_group {
     int failed;        /* the sum buffer could not grow: every rank's forward reports it */
 };
 
+/* One forward call's work for one rank (the job a rank thread runs). */
+typedef struct {
+    m40_model *m;
+    m40_kv *kv;
+    m40_batch b;
+    float *logits;
+    int rc;
+    char err[256];
+} rank_job;
+
 struct m40_tp_sim {
     int n;
     struct m40_tp_group group;
     m40_model **ranks;
     m40_tp_shard *shards;
+    /* the threads of ranks 1..n-1, started at load (rank 0 runs on the caller), and the
+     * job they wait for: gen counts the calls, pending the ranks still on this one */
+    pthread_t *threads;
+    int started;
+    rank_job *jobs;
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t gen;
+    int pending, stop;
 };
+
+typedef struct {
+    m40_tp_sim *s;
+    int rank;
+} rank_arg;
+
+static void *rank_thread(void *arg)
+{
+    rank_arg *a = arg;
+    m40_tp_sim *s = a->s;
+    const int r = a->rank;
+    free(a);
+    uint64_t seen = 0;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->stop && s->gen == seen)
+            pthread_cond_wait(&s->go, &s->mu);
+        if (s->stop)
+            break;
+        seen = s->gen;
+        pthread_mutex_unlock(&s->mu);
+        rank_job *j = &s->jobs[r];
+        j->rc = m40_model_forward(j->m, j->kv, &j->b, j->logits, j->err, sizeof j->err);
+        pthread_mutex_lock(&s->mu);
+        if (--s->pending == 0)
+            pthread_cond_signal(&s->done);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
 
 void m40_tp_all_reduce(m40_model *m, float *buf, size_t count)
 {
@@ -97,6 +147,19 @@ void m40_tp_sim_free(m40_tp_sim *s)
 {
     if (!s)
         return;
+    if (s->threads) {
+        pthread_mutex_lock(&s->mu);
+        s->stop = 1;
+        pthread_cond_broadcast(&s->go);
+        pthread_mutex_unlock(&s->mu);
+        for (int i = 1; i < s->started; i++)
+            pthread_join(s->threads[i], NULL);
+    }
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->go);
+    pthread_cond_destroy(&s->done);
+    free(s->threads);
+    free(s->jobs);
     for (int i = 0; i < s->n; i++) {
         if (s->ranks)
             rank_free(s->ranks[i]);
@@ -121,6 +184,9 @@ int m40_tp_sim_new(m40_model *m, int n, char *err, size_t errlen)
         m40_set_err(err, errlen, "out of memory");
         return -1;
     }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->go, NULL);
+    pthread_cond_init(&s->done, NULL);
     s->n = n;
     s->group.n = n;
     s->group.bufs = calloc((size_t)n, sizeof *s->group.bufs);
@@ -162,6 +228,22 @@ int m40_tp_sim_new(m40_model *m, int n, char *err, size_t errlen)
         }
         r->n_threads = m40_threadpool_size(r->pool);
     }
+    s->jobs = calloc((size_t)n, sizeof *s->jobs);
+    s->threads = calloc((size_t)n, sizeof *s->threads);
+    if (!s->jobs || !s->threads) {
+        m40_set_err(err, errlen, "out of memory");
+        goto fail;
+    }
+    for (s->started = 1; s->started < n; s->started++) {
+        rank_arg *a = malloc(sizeof *a);
+        if (a)
+            *a = (rank_arg){.s = s, .rank = s->started};
+        if (!a || pthread_create(&s->threads[s->started], NULL, rank_thread, a) != 0) {
+            free(a);
+            m40_set_err(err, errlen, "cannot start the thread of simulated rank %d", s->started);
+            goto fail;
+        }
+    }
     m->tp = s;
     return 0;
 fail:
@@ -181,22 +263,6 @@ int m40_tp_sim_kv(m40_tp_sim *s, m40_kv *kv, char *err, size_t errlen)
         if (!(kv->rank_kv[i] = m40_kv_new_opts(s->ranks[i], kv->n_slots, kv->ctx, NULL, err, errlen)))
             return -1;
     return 0;
-}
-
-typedef struct {
-    m40_model *m;
-    m40_kv *kv;
-    m40_batch b;
-    float *logits;
-    int rc;
-    char err[256];
-} rank_job;
-
-static void *rank_main(void *arg)
-{
-    rank_job *j = arg;
-    j->rc = m40_model_forward(j->m, j->kv, &j->b, j->logits, j->err, sizeof j->err);
-    return NULL;
 }
 
 int m40_tp_sim_forward(m40_tp_sim *s, m40_kv *kv, const m40_batch *b, float *logits, char *err, size_t errlen)
@@ -222,42 +288,29 @@ int m40_tp_sim_forward(m40_tp_sim *s, m40_kv *kv, const m40_batch *b, float *log
         }
         r->tp_logits = lg;
     }
-    const size_t nr = (size_t)(s->n > 0 ? s->n : 1);
-    rank_job *jobs = calloc(nr, sizeof *jobs);
-    pthread_t *th = calloc(nr, sizeof *th);
-    if (!jobs || !th) {
-        free(jobs);
-        free(th);
-        m40_set_err(err, errlen, "out of memory");
-        return -1;
-    }
-    int started = 1;
     for (int i = 0; i < s->n; i++) {
-        jobs[i] = (rank_job){.m = s->ranks[i], .kv = kv->rank_kv[i], .b = *b, .logits = i == 0 ? logits : NULL};
-        jobs[i].b.argmax = NULL;
-        jobs[i].b.logits_at = NULL;
-        jobs[i].b.sample = NULL;
+        s->jobs[i] = (rank_job){.m = s->ranks[i], .kv = kv->rank_kv[i], .b = *b, .logits = i == 0 ? logits : NULL};
+        s->jobs[i].b.argmax = NULL;
+        s->jobs[i].b.logits_at = NULL;
+        s->jobs[i].b.sample = NULL;
     }
-    for (int i = 1; i < s->n; i++) {
-        if (pthread_create(&th[i], NULL, rank_main, &jobs[i]) != 0) {
-            /* the ranks already started wait at the first collective for ever: no way
-             * back but to say so loudly */
-            fprintf(stderr, "m40: cannot start a CPU tensor-parallel rank thread\n");
-            abort();
-        }
-        started++;
-    }
-    rank_main(&jobs[0]);
-    for (int i = 1; i < started; i++)
-        pthread_join(th[i], NULL);
+    pthread_mutex_lock(&s->mu);
+    s->pending = s->n - 1;
+    s->gen++;
+    pthread_cond_broadcast(&s->go);
+    pthread_mutex_unlock(&s->mu);
+    rank_job *j0 = &s->jobs[0];
+    j0->rc = m40_model_forward(j0->m, j0->kv, &j0->b, j0->logits, j0->err, sizeof j0->err);
+    pthread_mutex_lock(&s->mu);
+    while (s->pending > 0)
+        pthread_cond_wait(&s->done, &s->mu);
+    pthread_mutex_unlock(&s->mu);
     int rc = 0;
     for (int i = 0; i < s->n && rc == 0; i++)
-        if (jobs[i].rc != 0 || s->group.failed) {
+        if (s->jobs[i].rc != 0 || s->group.failed) {
             rc = -1;
-            m40_set_err(err, errlen, "rank %d: %s", i, s->group.failed ? "out of memory" : jobs[i].err);
+            m40_set_err(err, errlen, "rank %d: %s", i, s->group.failed ? "out of memory" : s->jobs[i].err);
         }
     s->group.failed = 0;
-    free(jobs);
-    free(th);
     return rc;
 }
