@@ -18,7 +18,7 @@ check "missing --type: exit 2" [ "$rc" -eq 2 ]
 check "missing output: exit 2" [ "$rc" -eq 2 ]
 "$M40" mkmodel --shape llama-9000 --type F16 "$tmp/a.gguf" >/dev/null 2>"$tmp/err"; rc=$?
 check "unknown shape: exit 2" [ "$rc" -eq 2 ]
-check "unknown shape named, shapes listed" grep -q "unknown shape 'llama-9000' (shapes: tiny, tinyllama-1.1b, llama-2-7b" "$tmp/err"
+check "unknown shape named, shapes listed" grep -q "unknown shape 'llama-9000' (shapes: tiny, tiny-tp, tinyllama-1.1b, llama-2-7b" "$tmp/err"
 "$M40" mkmodel --shape tiny --type Q3_K "$tmp/a.gguf" >/dev/null 2>"$tmp/err"; rc=$?
 check "unknown type: exit 2" [ "$rc" -eq 2 ]
 check "unknown type named, types listed" grep -q "unknown type 'Q3_K' (types: F32, F16" "$tmp/err"
