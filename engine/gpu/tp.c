@@ -1,5 +1,7 @@
-/* The group of a tensor-parallel model: NCCL communicators over its GPUs and one host
- * thread per rank past rank 0 (the engine thread drives rank 0).
+/* Tensor parallelism on GPUs: loading a split model (m40_gpu_load_tp: each rank's shard
+ * on its GPU), and its group: NCCL communicators over the GPUs and one host thread per
+ * rank past rank 0 (the engine thread drives rank 0). The forward pass's part (the
+ * collectives' places, the step over the ranks) is in model_cuda_fwd.c.
  *
  * Why a thread per rank: each rank's forward pass is the single-GPU one (the same
  * kernels, the same CUDA graphs) on its shard, with NCCL's all-reduce and all-gather
@@ -21,6 +23,8 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+#include "model/tp_shard.h"
 
 #if defined(__has_include)
 #if __has_include(<nccl.h>)
@@ -361,6 +365,115 @@ int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t cou
     (void)g, (void)send, (void)recv, (void)count;
     return (int)cudaErrorNotSupported;
 #endif
+}
+
+/* ------------------------------------------------------------- loading ---- */
+
+/* A split model's upload: each rank's shard (model/tp_shard.h) on its GPU, every rank at
+ * once from a thread each (each reads its own part of the mmap), then the group. */
+typedef struct {
+    m40_gpu_src src;
+    m40_model_params p;
+    m40_tp_shard shard;
+    const m40_tuning *t;
+    int device, log;
+    m40_gpu *g;
+    int rc, started;
+    char err[512];
+} rank_load;
+
+static void *rank_load_main(void *arg)
+{
+    rank_load *j = arg;
+    j->rc = m40_gpu_load(&j->src, j->t, j->device, j->log, &j->g, j->err, sizeof j->err);
+    return NULL;
+}
+
+int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int n, int log_progress, m40_gpu **out,
+                    char *err, size_t errlen)
+{
+    *out = NULL;
+    if (n <= 1)
+        return m40_gpu_load(src, t, device, log_progress, out, err, errlen);
+    if (m40_tp_check(src->p, src->layers, n, err, errlen))
+        return -1;
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess)
+        n_dev = 0;
+    if (device < 0 || device + n > n_dev) {
+        m40_set_err(err, errlen, "tp=%d from device %d needs CUDA devices %d..%d, but there are %d", n, device, device,
+                    device + n - 1, n_dev);
+        return -1;
+    }
+    rank_load *jobs = calloc((size_t)n, sizeof *jobs);
+    pthread_t *th = calloc((size_t)n, sizeof *th);
+    m40_gpu **gs = calloc((size_t)n, sizeof *gs);
+    int rc = -1;
+    if (!jobs || !th || !gs) {
+        m40_set_err(err, errlen, "out of memory");
+        goto out;
+    }
+    for (int r = 0; r < n; r++) {
+        rank_load *j = &jobs[r];
+        if (m40_tp_shard_make(src->p, src->output, src->layers, r, n, &j->shard, err, errlen))
+            goto out;
+        m40_tp_shard_params(&j->shard, src->p, &j->p);
+        j->src = *src;
+        j->src.p = &j->p;
+        j->src.q_dim = j->shard.q_dim;
+        j->src.kv_dim = j->shard.kv_dim;
+        j->src.output = &j->shard.output;
+        j->src.layers = j->shard.layers;
+        j->t = t;
+        j->device = device + r;
+        j->log = log_progress;
+    }
+    /* every rank's upload at once: each reads its own shard of the mmap */
+    for (int r = 1; r < n; r++) {
+        if (pthread_create(&th[r], NULL, rank_load_main, &jobs[r]) != 0) {
+            jobs[r].rc = -1;
+            snprintf(jobs[r].err, sizeof jobs[r].err, "cannot start a loading thread");
+            continue;
+        }
+        jobs[r].started = 1;
+    }
+    rank_load_main(&jobs[0]);
+    for (int r = 1; r < n; r++)
+        if (jobs[r].started)
+            pthread_join(th[r], NULL);
+    for (int r = 0; r < n; r++)
+        if (jobs[r].rc != 0) {
+            m40_set_err(err, errlen, "tensor-parallel rank %d: %s", r, jobs[r].err);
+            goto out;
+        }
+    for (int r = 0; r < n; r++) {
+        m40_gpu *g = gs[r] = jobs[r].g;
+        jobs[r].g = NULL;
+        g->tp_vocab_rows = jobs[r].shard.vocab_rows;
+        g->tp_vocab_stride = jobs[r].shard.vocab_stride;
+        /* the GEMVs that add their output into the residual or pick the token need the
+         * whole sum: a rank has its part of it until the all-reduce */
+        g->fuse_norm = 0;
+        g->fuse_pick = 0;
+    }
+    if (m40_gpu_tp_init(gs, n, err, errlen))
+        goto out;
+    *out = gs[0];
+    gs[0] = NULL;
+    for (int r = 1; r < n; r++)
+        gs[r] = NULL; /* the group's now */
+    rc = 0;
+out:
+    for (int r = 0; jobs && r < n; r++) {
+        m40_gpu_free(jobs[r].g);
+        m40_tp_shard_free(&jobs[r].shard);
+    }
+    for (int r = 0; gs && r < n; r++)
+        m40_gpu_free(gs[r]);
+    free(jobs);
+    free(th);
+    free(gs);
+    return rc;
 }
 
 #endif /* M40_HAVE_CUDA */
