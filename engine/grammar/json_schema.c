@@ -57,10 +57,15 @@ static const char *PRELUDE =
 
 static int gen(jsg *c, json_t *s, sbuf *expr);
 
-/* A new rule "rN ::= body"; its name into name. */
+/* A new rule "rN ::= body"; its name into name. A NULL body is a buffer that ran out of
+ * memory: the output is marked so (the compile fails with that error). */
 static void new_rule(jsg *c, char name[24], const char *body)
 {
     snprintf(name, 24, "r%d", c->n_rules++);
+    if (!body) {
+        c->out.oom = 1;
+        return;
+    }
     sb_printf(&c->out, "%s ::= ", name);
     sb_puts(&c->out, body);
     sb_puts(&c->out, "\n");
@@ -349,7 +354,7 @@ static int gen_array(jsg *c, json_t *s, sbuf *e)
         return free(item.s), schema_fail(&c->e, "maxItems below minItems");
     char name[24];
     sbuf body = {0};
-    sb_printf(&body, "%s", item.s ? item.s : "value");
+    sb_puts(&body, item.s ? item.s : "value");
     new_rule(c, name, body.s);
     free(body.s);
     free(item.s);
@@ -399,7 +404,8 @@ static int gen_object(jsg *c, json_t *s, sbuf *e)
             return free(v.s), -1;
         char name[24];
         sbuf body = {0};
-        sb_printf(&body, "string ws \":\" ws %s", v.s);
+        sb_puts(&body, "string ws \":\" ws ");
+        sb_puts(&body, v.s ? v.s : "value");
         new_rule(c, name, body.s);
         free(body.s);
         free(v.s);
@@ -433,7 +439,8 @@ static int gen_object(jsg *c, json_t *s, sbuf *e)
         json_t *key = json_string(k);
         dump_literal(c, key, &body);
         json_decref(key);
-        sb_printf(&body, " ws \":\" ws %s", val.s);
+        sb_puts(&body, " ws \":\" ws ");
+        sb_puts(&body, val.s ? val.s : "value");
         new_rule(c, kv[i], body.s);
         free(body.s);
         free(val.s);
@@ -523,7 +530,10 @@ static int gen_ref(jsg *c, json_t *s, sbuf *e)
     sbuf body = {0};
     if (gen(c, t, &body))
         return free(body.s), -1;
-    sb_printf(&c->out, "%s ::= %s\n", c->ref_rule[slot], body.s);
+    sb_puts(&c->out, c->ref_rule[slot]);
+    sb_puts(&c->out, " ::= ");
+    sb_puts(&c->out, body.s ? body.s : "value");
+    sb_puts(&c->out, "\n");
     free(body.s);
     sb_puts(e, c->ref_rule[slot]);
     return 0;
@@ -673,7 +683,8 @@ char *m40_json_schema_to_gbnf_rules(const char *const *schemas, const size_t *le
     sb_puts(&c.out, PRELUDE);
     for (int i = 0; i < n && !c.e.failed; i++) {
         if (!schemas[i]) {
-            sb_printf(&c.out, "%s ::= object\n", rules[i]);
+            sb_puts(&c.out, rules[i]);
+            sb_puts(&c.out, " ::= object\n");
             continue;
         }
         json_error_t je;
@@ -688,7 +699,8 @@ char *m40_json_schema_to_gbnf_rules(const char *const *schemas, const size_t *le
         c.n_refs = 0;
         sbuf root = {0};
         if (gen(&c, c.root, &root) == 0) {
-            sb_printf(&c.out, "%s ::= ", rules[i]);
+            sb_puts(&c.out, rules[i]);
+            sb_puts(&c.out, " ::= ");
             sb_puts(&c.out, root.s ? root.s : "value");
             sb_puts(&c.out, "\n");
         }

@@ -55,6 +55,9 @@ static inline void sb_add(sbuf *b, const char *s, size_t n)
     b->s[b->n] = 0;
 }
 static inline void sb_puts(sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+/* Short formatted pieces only (names, numbers, characters: under 512 bytes; longer marks
+ * the buffer out of memory). A string of any length, such as a sub-schema's expression,
+ * goes through sb_puts. */
 static inline void sb_printf(sbuf *b, const char *fmt, ...)
 {
     char tmp[512];

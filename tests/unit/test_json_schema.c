@@ -223,6 +223,42 @@ int main(int argc, char **argv)
         m40_gmatch_free(m);
         m40_grammar_free(g);
     }
+    /* Sub-schemas whose expressions run past 512 bytes (long enum strings), in every place
+     * a sub-schema's expression is spliced into a rule: array items, an object's property,
+     * additionalProperties, a $ref target. fuzz_grammar found the array case: the rule body
+     * went through a 512-byte formatting buffer, came out NULL and was dereferenced. */
+    {
+        char word[701];
+        memset(word, 'w', 700);
+        word[700] = 0;
+        const char *shapes[] = {
+            "{\"type\":\"array\",\"items\":{\"enum\":[\"%s\"]},\"maxItems\":2}",
+            "{\"type\":\"object\",\"properties\":{\"k\":{\"enum\":[\"%s\"]}},\"required\":[\"k\"]}",
+            "{\"type\":\"object\",\"additionalProperties\":{\"enum\":[\"%s\"]}}",
+            "{\"$defs\":{\"d\":{\"enum\":[\"%s\"]}},\"$ref\":\"#/$defs/d\"}",
+            /* the fuzzer's own shape: an array of one long enum that may hold no item */
+            "{\"type\":\"object\",\"properties\":{\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"%s\"]},"
+            "\"maxItems\":0}}}"};
+        const char *docs[] = {"[\"%s\", \"%s\"]", "{\"k\": \"%s\"}", "{\"a\": \"%s\"}", "\"%s\"", "{\"tags\": []}"};
+        for (size_t k = 0; k < sizeof shapes / sizeof *shapes; k++) {
+            char schema[1024], doc[1600], err[256] = "";
+            snprintf(schema, sizeof schema, shapes[k], word);
+            snprintf(doc, sizeof doc, docs[k], word, word);
+            m40_grammar *g = compile(schema, err, sizeof err);
+            CHECK(g != NULL, "long enum, shape %zu: %s", k, err);
+            if (!g)
+                continue;
+            m40_gmatch *m = m40_gmatch_new(g);
+            CHECK(m40_gmatch_full(m, doc, strlen(doc)), "long enum, shape %zu: accepts its document", k);
+            char *wch = strchr(doc, 'w'); /* one letter of the enum's string changed: not allowed */
+            if (wch)
+                *wch = 'v';
+            if (k != 4)
+                CHECK(!m40_gmatch_full(m, doc, strlen(doc)), "long enum, shape %zu: rejects a wrong document", k);
+            m40_gmatch_free(m);
+            m40_grammar_free(g);
+        }
+    }
     /* several schemas in one grammar (harmony's forced calls): each rule is its own
      * schema, $refs resolve within their own root, no rule is defined twice */
     {
