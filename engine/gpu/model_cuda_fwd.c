@@ -902,20 +902,12 @@ static int tp_step(m40_gpu *g, m40_gpu_kv *kv, const m40_batch *b, int32_t n_out
         m40_set_err(err, errlen, "gpu %d: the KV pool was made for another model", g->device);
         return -1;
     }
-    tp_step_job *j = malloc(sizeof *j);
-    if (!j) {
-        m40_set_err(err, errlen, "out of memory");
-        return -1;
-    }
-    j->kv0 = kv;
-    j->b = b;
-    j->n_out = n_out;
-    int rc = m40_gpu_tp_run(g, tp_prepare, j, 0, err, errlen);
+    tp_step_job j = {.kv0 = kv, .b = b, .n_out = n_out}; /* a few KB, on the engine thread's stack */
+    int rc = m40_gpu_tp_run(g, tp_prepare, &j, 0, err, errlen);
     if (rc == 0)
-        rc = m40_gpu_tp_run(g, tp_run, j, 1, err, errlen);
+        rc = m40_gpu_tp_run(g, tp_run, &j, 1, err, errlen);
     if (rc == 0)
-        *sp = j->sp[0];
-    free(j);
+        *sp = j.sp[0];
     return rc;
 }
 

@@ -186,10 +186,11 @@ struct m40_gpu {
     int64_t tp_coll_calls;
 };
 
-/* tp.c: the group of a tensor-parallel model (NCCL loaded at run time, one host thread
- * per rank past rank 0). init: communicators over ranks[0..n) and the rank threads;
- * ranks[0]->tp owns them all afterwards. run: fn on every rank at once (rank 0 on the
- * calling thread), 0 when every rank returned 0, else -1 with the first rank's err.
+/* tp.c: the group of a tensor-parallel model (NCCL loaded at run time, a thread a rank,
+ * the caller's one of them). init: communicators over ranks[0..n) and the threads;
+ * ranks[0]->tp owns them all afterwards. run: fn on every rank at once, each on its own
+ * thread with its GPU current (the caller's device is g0's again after), 0 when every
+ * rank returned 0, else -1 with the first failed rank's err.
  * abort_on_fail: fn enqueues collectives, so a rank that fails aborts the group's
  * communicators (the others would wait for it for ever) and the group refuses every
  * later job with an error.

@@ -1,7 +1,8 @@
 /* Tensor parallelism on GPUs: loading a split model (m40_gpu_load_tp: each rank's shard
- * on its GPU), and its group: NCCL communicators over the GPUs and one host thread per
- * rank past rank 0 (the engine thread drives rank 0). The forward pass's part (the
- * collectives' places, the step over the ranks) is in model_cuda_fwd.c.
+ * on its GPU), and its group: NCCL communicators over the GPUs and a pool of as many
+ * host threads as ranks, the engine thread one of them (util/threadpool.h: with no more
+ * tasks than threads, every task runs at once on a thread of its own). The forward
+ * pass's part (the collectives' places, the step over the ranks) is in model_cuda_fwd.c.
  *
  * Why a thread per rank: each rank's forward pass is the single-GPU one (the same
  * kernels, the same CUDA graphs) on its shard, with NCCL's all-reduce and all-gather
@@ -25,6 +26,7 @@
 #include <stdlib.h>
 
 #include "model/tp_shard.h"
+#include "util/threadpool.h"
 
 #if defined(__has_include)
 #if __has_include(<nccl.h>)
@@ -78,30 +80,35 @@ static void nccl_open(void)
 
 #endif /* M40_HAVE_NCCL_H */
 
-typedef struct {
-    m40_gpu *g;
-    struct m40_gpu_tp *t;
-    pthread_t th;
-    int started;
-    int rc;
-    char err[256];
-} rank_thread;
-
 struct m40_gpu_tp {
     int n;
     m40_gpu **ranks;
-    rank_thread *threads; /* [n]; [0] unused (rank 0 runs on the caller) */
-    pthread_mutex_t mu;
-    pthread_cond_t go, done;
-    uint64_t gen;         /* bumped for each job */
-    int pending;          /* ranks past 0 still on the job */
-    int stop;
+    /* n threads, the caller one of them: a job is n tasks, task r rank r's work, all of
+     * them at once (util/threadpool.h) */
+    m40_threadpool *crew;
+    int *rc;              /* [n]: each rank's result of the job, and its message */
+    char (*err)[256];
+    pthread_mutex_t mu;   /* broken */
     int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen);
     void *ctx;
     int abort_on_fail;    /* the job enqueues collectives: a rank that fails aborts them all */
     int broken;           /* aborted: every later job fails (the model must be loaded again) */
     int broken_rank;
 };
+
+#ifdef M40_HAVE_NCCL_H
+/* Every rank's communicator ended by `end` (ncclCommDestroy, or ncclCommAbort where ranks
+ * may be waiting in a collective), on its GPU, and forgotten. */
+static void comms_end(struct m40_gpu_tp *t, ncclResult_t (*end)(ncclComm_t))
+{
+    for (int r = 0; r < t->n; r++)
+        if (t->ranks[r] && t->ranks[r]->tp_comm) {
+            cudaSetDevice(t->ranks[r]->device);
+            end((ncclComm_t)t->ranks[r]->tp_comm);
+            t->ranks[r]->tp_comm = NULL;
+        }
+}
+#endif
 
 /* A rank failed between collectives: the others may be waiting in one that it will
  * never join, so every communicator is aborted (NCCL ends the waiting kernels), once,
@@ -119,39 +126,20 @@ static void group_abort(struct m40_gpu_tp *t, int rank)
     fprintf(stderr, "m40: tensor-parallel rank %d failed inside a step: aborting the group's NCCL communicators; "
                     "this model answers no more requests until it is loaded again\n", rank);
 #ifdef M40_HAVE_NCCL_H
-    for (int r = 0; r < t->n; r++)
-        if (t->ranks[r] && t->ranks[r]->tp_comm) {
-            cudaSetDevice(t->ranks[r]->device);
-            nccl.comm_abort((ncclComm_t)t->ranks[r]->tp_comm);
-            t->ranks[r]->tp_comm = NULL;
-        }
+    comms_end(t, nccl.comm_abort);
 #endif
 }
 
-static void *rank_main(void *arg)
+/* Task r of a job: rank r's work on its GPU. */
+static void rank_task(void *ctx, int rank, int thread)
 {
-    rank_thread *rt = arg;
-    struct m40_gpu_tp *t = rt->t;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&t->mu);
-    for (;;) {
-        while (!t->stop && t->gen == seen)
-            pthread_cond_wait(&t->go, &t->mu);
-        if (t->stop)
-            break;
-        seen = t->gen;
-        pthread_mutex_unlock(&t->mu);
-        cudaSetDevice(rt->g->device);
-        rt->err[0] = '\0';
-        rt->rc = t->fn(rt->g, t->ctx, rt->err, sizeof rt->err);
-        if (rt->rc != 0 && t->abort_on_fail)
-            group_abort(t, rt->g->tp_rank);
-        pthread_mutex_lock(&t->mu);
-        if (--t->pending == 0)
-            pthread_cond_signal(&t->done);
-    }
-    pthread_mutex_unlock(&t->mu);
-    return NULL;
+    (void)thread;
+    struct m40_gpu_tp *t = ctx;
+    cudaSetDevice(t->ranks[rank]->device);
+    t->err[rank][0] = '\0';
+    t->rc[rank] = t->fn(t->ranks[rank], t->ctx, t->err[rank], sizeof t->err[rank]);
+    if (t->rc[rank] != 0 && t->abort_on_fail)
+        group_abort(t, rank);
 }
 
 m40_gpu *m40_gpu_tp_rank(const m40_gpu *g0, int r) { return g0->tp && r < g0->tp->n ? g0->tp->ranks[r] : NULL; }
@@ -167,28 +155,21 @@ int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size
                     t->broken_rank);
         return -1;
     }
+    pthread_mutex_unlock(&t->mu);
     t->fn = fn;
     t->ctx = ctx;
     t->abort_on_fail = abort_on_fail;
-    t->pending = t->n - 1;
-    t->gen++;
-    pthread_cond_broadcast(&t->go);
-    pthread_mutex_unlock(&t->mu);
-    cudaSetDevice(g0->device);
-    int rc = fn(g0, ctx, err, errlen);
-    if (rc != 0 && abort_on_fail)
-        group_abort(t, 0);
-    pthread_mutex_lock(&t->mu);
-    while (t->pending > 0)
-        pthread_cond_wait(&t->done, &t->mu);
-    pthread_mutex_unlock(&t->mu);
-    cudaSetDevice(g0->device);
-    for (int r = 1; r < t->n; r++)
-        if (t->threads[r].rc != 0 && rc == 0) {
-            m40_set_err(err, errlen, "tensor-parallel rank %d: %s", r, t->threads[r].err);
-            rc = -1;
+    m40_threadpool_run(t->crew, t->n, rank_task, t);
+    cudaSetDevice(g0->device); /* the caller's thread ran some rank's task */
+    for (int r = 0; r < t->n; r++)
+        if (t->rc[r] != 0) {
+            if (r == 0)
+                m40_set_err(err, errlen, "%s", t->err[0]);
+            else
+                m40_set_err(err, errlen, "tensor-parallel rank %d: %s", r, t->err[r]);
+            return -1;
         }
-    return rc;
+    return 0;
 }
 
 void m40_gpu_tp_free(m40_gpu *g0)
@@ -196,27 +177,15 @@ void m40_gpu_tp_free(m40_gpu *g0)
     struct m40_gpu_tp *t = g0 ? g0->tp : NULL;
     if (!t)
         return;
-    pthread_mutex_lock(&t->mu);
-    t->stop = 1;
-    pthread_cond_broadcast(&t->go);
-    pthread_mutex_unlock(&t->mu);
-    for (int r = 1; r < t->n; r++)
-        if (t->threads[r].started)
-            pthread_join(t->threads[r].th, NULL);
+    m40_threadpool_free(t->crew);
 #ifdef M40_HAVE_NCCL_H
-    for (int r = 0; r < t->n; r++)
-        if (t->ranks[r] && t->ranks[r]->tp_comm) {
-            cudaSetDevice(t->ranks[r]->device);
-            nccl.comm_destroy((ncclComm_t)t->ranks[r]->tp_comm);
-            t->ranks[r]->tp_comm = NULL;
-        }
+    comms_end(t, nccl.comm_destroy);
 #endif
     for (int r = 1; r < t->n; r++)
         m40_gpu_free(t->ranks[r]);
     pthread_mutex_destroy(&t->mu);
-    pthread_cond_destroy(&t->go);
-    pthread_cond_destroy(&t->done);
-    free(t->threads);
+    free(t->rc);
+    free(t->err);
     free(t->ranks);
     free(t);
     g0->tp = NULL;
@@ -242,7 +211,7 @@ int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen)
     ncclComm_t *comms = calloc((size_t)n, sizeof *comms);
     struct m40_gpu_tp *t = calloc(1, sizeof *t);
     if (!devs || !comms || !t || !(t->ranks = calloc((size_t)n, sizeof *t->ranks)) ||
-        !(t->threads = calloc((size_t)n, sizeof *t->threads))) {
+        !(t->rc = calloc((size_t)n, sizeof *t->rc)) || !(t->err = calloc((size_t)n, sizeof *t->err))) {
         m40_set_err(err, errlen, "out of memory");
         goto fail;
     }
@@ -259,8 +228,6 @@ int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen)
             devs[n - 1], version / 10000, version / 100 % 100, version % 100);
     t->n = n;
     pthread_mutex_init(&t->mu, NULL);
-    pthread_cond_init(&t->go, NULL);
-    pthread_cond_init(&t->done, NULL);
     for (int r = 0; r < n; r++) {
         t->ranks[r] = ranks[r];
         ranks[r]->tp_comm = comms[r];
@@ -268,14 +235,9 @@ int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen)
         ranks[r]->tp_n = n;
     }
     ranks[0]->tp = t;
-    for (int r = 1; r < n; r++) {
-        t->threads[r].g = ranks[r];
-        t->threads[r].t = t;
-        if (pthread_create(&t->threads[r].th, NULL, rank_main, &t->threads[r]) != 0) {
-            m40_set_err(err, errlen, "cannot start the thread of tensor-parallel rank %d", r);
-            goto fail_started; /* tp_free stops what started and frees the ranks past 0 */
-        }
-        t->threads[r].started = 1;
+    if (!(t->crew = m40_threadpool_new(n))) {
+        m40_set_err(err, errlen, "cannot start the %d threads of tensor parallelism", n);
+        goto fail_started; /* tp_free frees the ranks past 0 and the communicators */
     }
     free(devs);
     free(comms);
@@ -292,7 +254,8 @@ fail:
     free(comms);
     if (t) {
         free(t->ranks);
-        free(t->threads);
+        free(t->rc);
+        free(t->err);
         free(t);
     }
     return -1;

@@ -3,8 +3,8 @@
  * tested without GPUs.
  *
  * A model loaded with options.tp = n > 1 on the CPU keeps n rank models beside it, and a
- * thread for each past the first (started at load, so that a load fails cleanly where a
- * forward call could not). Each rank is a copy of the model object whose weights are its
+ * pool of n threads (started at load, so that a load fails cleanly where a forward call
+ * could not). Each rank is a copy of the model object whose weights are its
  * shard's views, whose heads and FFN width are its share, with its own KV cache, scratch
  * and thread pool. A forward call runs the n ranks' forward passes at once, and the
  * ranks meet where the GPU ranks meet over NCCL: an all-reduce (sum) of the attention
@@ -30,7 +30,7 @@ struct m40_tp_group {
     int failed;        /* the sum buffer could not grow: every rank's forward reports it */
 };
 
-/* One forward call's work for one rank (the job a rank thread runs). */
+/* One forward call's work for one rank (a task of the pool). */
 typedef struct {
     m40_model *m;
     m40_kv *kv;
@@ -45,45 +45,17 @@ struct m40_tp_sim {
     struct m40_tp_group group;
     m40_model **ranks;
     m40_tp_shard *shards;
-    /* the threads of ranks 1..n-1, started at load (rank 0 runs on the caller), and the
-     * job they wait for: gen counts the calls, pending the ranks still on this one */
-    pthread_t *threads;
-    int started;
+    /* n threads, the caller one of them (started at load): a forward call is n tasks, task
+     * r rank r's forward pass, all at once (util/threadpool.h) */
+    m40_threadpool *crew;
     rank_job *jobs;
-    pthread_mutex_t mu;
-    pthread_cond_t go, done;
-    uint64_t gen;
-    int pending, stop;
 };
 
-typedef struct {
-    m40_tp_sim *s;
-    int rank;
-} rank_arg;
-
-static void *rank_thread(void *arg)
+static void rank_task(void *ctx, int rank, int thread)
 {
-    rank_arg *a = arg;
-    m40_tp_sim *s = a->s;
-    const int r = a->rank;
-    free(a);
-    uint64_t seen = 0;
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        while (!s->stop && s->gen == seen)
-            pthread_cond_wait(&s->go, &s->mu);
-        if (s->stop)
-            break;
-        seen = s->gen;
-        pthread_mutex_unlock(&s->mu);
-        rank_job *j = &s->jobs[r];
-        j->rc = m40_model_forward(j->m, j->kv, &j->b, j->logits, j->err, sizeof j->err);
-        pthread_mutex_lock(&s->mu);
-        if (--s->pending == 0)
-            pthread_cond_signal(&s->done);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return NULL;
+    (void)thread;
+    rank_job *j = &((m40_tp_sim *)ctx)->jobs[rank];
+    j->rc = m40_model_forward(j->m, j->kv, &j->b, j->logits, j->err, sizeof j->err);
 }
 
 void m40_tp_all_reduce(m40_model *m, float *buf, size_t count)
@@ -147,18 +119,7 @@ void m40_tp_sim_free(m40_tp_sim *s)
 {
     if (!s)
         return;
-    if (s->threads) {
-        pthread_mutex_lock(&s->mu);
-        s->stop = 1;
-        pthread_cond_broadcast(&s->go);
-        pthread_mutex_unlock(&s->mu);
-        for (int i = 1; i < s->started; i++)
-            pthread_join(s->threads[i], NULL);
-    }
-    pthread_mutex_destroy(&s->mu);
-    pthread_cond_destroy(&s->go);
-    pthread_cond_destroy(&s->done);
-    free(s->threads);
+    m40_threadpool_free(s->crew);
     free(s->jobs);
     for (int i = 0; i < s->n; i++) {
         if (s->ranks)
@@ -184,9 +145,6 @@ int m40_tp_sim_new(m40_model *m, int n, char *err, size_t errlen)
         m40_set_err(err, errlen, "out of memory");
         return -1;
     }
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->go, NULL);
-    pthread_cond_init(&s->done, NULL);
     s->n = n;
     s->group.n = n;
     s->group.bufs = calloc((size_t)n, sizeof *s->group.bufs);
@@ -229,20 +187,13 @@ int m40_tp_sim_new(m40_model *m, int n, char *err, size_t errlen)
         r->n_threads = m40_threadpool_size(r->pool);
     }
     s->jobs = calloc((size_t)n, sizeof *s->jobs);
-    s->threads = calloc((size_t)n, sizeof *s->threads);
-    if (!s->jobs || !s->threads) {
+    if (!s->jobs) {
         m40_set_err(err, errlen, "out of memory");
         goto fail;
     }
-    for (s->started = 1; s->started < n; s->started++) {
-        rank_arg *a = malloc(sizeof *a);
-        if (a)
-            *a = (rank_arg){.s = s, .rank = s->started};
-        if (!a || pthread_create(&s->threads[s->started], NULL, rank_thread, a) != 0) {
-            free(a);
-            m40_set_err(err, errlen, "cannot start the thread of simulated rank %d", s->started);
-            goto fail;
-        }
+    if (!(s->crew = m40_threadpool_new(n))) {
+        m40_set_err(err, errlen, "cannot start the %d threads of the simulated ranks", n);
+        goto fail;
     }
     m->tp = s;
     return 0;
@@ -294,17 +245,7 @@ int m40_tp_sim_forward(m40_tp_sim *s, m40_kv *kv, const m40_batch *b, float *log
         s->jobs[i].b.logits_at = NULL;
         s->jobs[i].b.sample = NULL;
     }
-    pthread_mutex_lock(&s->mu);
-    s->pending = s->n - 1;
-    s->gen++;
-    pthread_cond_broadcast(&s->go);
-    pthread_mutex_unlock(&s->mu);
-    rank_job *j0 = &s->jobs[0];
-    j0->rc = m40_model_forward(j0->m, j0->kv, &j0->b, j0->logits, j0->err, sizeof j0->err);
-    pthread_mutex_lock(&s->mu);
-    while (s->pending > 0)
-        pthread_cond_wait(&s->done, &s->mu);
-    pthread_mutex_unlock(&s->mu);
+    m40_threadpool_run(s->crew, s->n, rank_task, s);
     int rc = 0;
     for (int i = 0; i < s->n && rc == 0; i++)
         if (s->jobs[i].rc != 0 || s->group.failed) {
