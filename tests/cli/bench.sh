@@ -65,6 +65,12 @@ fi
 check "bench --batch 0 is refused with exit 2" [ "$rc" -eq 2 ]
 "$M40" bench "$model" --warmup -1 >/dev/null 2>"$tmp/e"; rc=$?
 check "bench --warmup -1 is refused with exit 2" [ "$rc" -eq 2 ]
+"$M40" bench "$model" --tp 0 >/dev/null 2>"$tmp/e"; rc=$?
+check "bench --tp 0 is refused with exit 2" [ "$rc" -eq 2 ]
+"$M40" eval --tp two "$model" "$model" >/dev/null 2>"$tmp/e"; rc=$?
+check "eval --tp two is refused with exit 2, naming the option" sh -c "[ $rc -eq 2 ] && grep -q -- --tp '$tmp/e'"
+"$M40" run "$model" -p hi --tp 65 >/dev/null 2>"$tmp/e"; rc=$?
+check "run --tp 65 is refused with exit 2" [ "$rc" -eq 2 ]
 "$M40" bench >/dev/null 2>"$tmp/e"; rc=$?
 check "bench without a model is exit 2" [ "$rc" -eq 2 ]
 "$M40" bench "$tmp/missing.gguf" >/dev/null 2>"$tmp/e"; rc=$?
