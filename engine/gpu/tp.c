@@ -304,13 +304,25 @@ void m40_gpu_tp_time(const m40_gpu *g, double *ms, int64_t *calls)
     *calls = g->tp_coll_calls;
 }
 
+#ifdef M40_HAVE_NCCL_H
+/* The caller's error names the call and says "unknown error" (a CUDA code stands for it):
+ * NCCL's own words go to the log, where the operator looks (NCCL_ALGO=Tree, for one, has
+ * no all-gather: "invalid usage"). */
+static int nccl_failed(const m40_gpu *g, const char *what, ncclResult_t r)
+{
+    fprintf(stderr, "m40: gpu %d (tensor-parallel rank %d of %d): %s failed: NCCL: %s\n", g->device, g->tp_rank,
+            g->tp_n, what, nccl.error_string(r));
+    return (int)cudaErrorUnknown;
+}
+#endif
+
 int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count)
 {
 #ifdef M40_HAVE_NCCL_H
     time_mark(g);
     ncclResult_t r = nccl.all_reduce(buf, buf, count, ncclFloat32, ncclSum, (ncclComm_t)g->tp_comm, g->stream);
     time_mark(g);
-    return r == ncclSuccess ? 0 : (int)cudaErrorUnknown;
+    return r == ncclSuccess ? 0 : nccl_failed(g, "ncclAllReduce", r);
 #else
     (void)g, (void)buf, (void)count;
     return (int)cudaErrorNotSupported;
@@ -323,7 +335,7 @@ int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t cou
     time_mark(g);
     ncclResult_t r = nccl.all_gather(send, recv, count, ncclFloat32, (ncclComm_t)g->tp_comm, g->stream);
     time_mark(g);
-    return r == ncclSuccess ? 0 : (int)cudaErrorUnknown;
+    return r == ncclSuccess ? 0 : nccl_failed(g, "ncclAllGather", r);
 #else
     (void)g, (void)send, (void)recv, (void)count;
     return (int)cudaErrorNotSupported;
