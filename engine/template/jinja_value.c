@@ -522,16 +522,16 @@ m40_jvalue m40_jv_dict_get_cstr(m40_jvalue dict, const char *key)
 {
     if (dict.type != M40_JV_DICT && dict.type != M40_JV_NAMESPACE)
         return m40_jv_undefined();
-    struct {
-        m40_jstr h;
-        char buf[256];
-    } tmp;
+    /* a string header with room for the key behind it, on the stack (the header's
+     * flexible array member runs into the room) */
+    _Alignas(m40_jstr) unsigned char room[sizeof(m40_jstr) + 256];
+    m40_jstr *h = (m40_jstr *)(void *)room;
     size_t n = strlen(key);
-    if (n >= sizeof tmp.buf)
+    if (n >= sizeof room - sizeof(m40_jstr))
         return m40_jv_undefined();
-    tmp.h.len = n;
-    tmp.h.markup = 0;
-    memcpy(tmp.h.s, key, n + 1);
-    m40_jvalue k = {.type = M40_JV_STRING, .u.s = &tmp.h};
+    h->len = n;
+    h->markup = 0;
+    memcpy(h->s, key, n + 1);
+    m40_jvalue k = {.type = M40_JV_STRING, .u.s = h};
     return jv_dict_get(dict, k, NULL);
 }
