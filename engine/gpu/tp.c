@@ -306,8 +306,8 @@ void m40_gpu_tp_time(const m40_gpu *g, double *ms, int64_t *calls)
 
 #ifdef M40_HAVE_NCCL_H
 /* The caller's error names the call and says "unknown error" (a CUDA code stands for it):
- * NCCL's own words go to the log, where the operator looks (NCCL_ALGO=Tree, for one, has
- * no all-gather: "invalid usage"). */
+ * NCCL's own words go to the log, where the operator looks (an NCCL_ALGO that has no
+ * all-gather, Tree for one, fails the logits' gather of the first step). */
 static int nccl_failed(const m40_gpu *g, const char *what, ncclResult_t r)
 {
     fprintf(stderr, "m40: gpu %d (tensor-parallel rank %d of %d): %s failed: NCCL: %s\n", g->device, g->tp_rank,
