@@ -1061,8 +1061,8 @@ static int run_harmony(m40_chat_parse *p, int final, m40_piece_cb cb, void *ud)
                 n = (size_t)j; /* an end marker or <|start|> before any <|message|> */
             else if (final)
                 n = p->len;
-            else if (win == HEAD_MAX + sizeof H_MESSAGE - 1)
-                n = win - partial_any(p->buf, win, H_HEAD_BREAKS, 5);
+            else if (win == HEAD_MAX + sizeof H_MESSAGE - 1) /* whole characters: the window may end in one */
+                n = utf8_whole(p->buf, win - partial_any(p->buf, win, H_HEAD_BREAKS, 5));
             else
                 return 0;
             /* no header after all: what was held is content, markup and all */
