@@ -1,14 +1,17 @@
 /* Tensor parallelism on GPUs: loading a split model (m40_gpu_load_tp: each rank's shard
  * on its GPU), and its group: NCCL communicators over the GPUs and a pool of as many
  * host threads as ranks, the engine thread one of them (util/threadpool.h: with no more
- * tasks than threads, every task runs at once on a thread of its own). The forward
- * pass's part (the collectives' places, the step over the ranks) is in model_cuda_fwd.c.
+ * tasks than threads, a task that waits for the others keeps its thread while the others
+ * are claimed by free ones). The forward pass's part (the collectives' places, the step
+ * over the ranks) is in model_cuda_fwd.c.
  *
  * Why a thread per rank: each rank's forward pass is the single-GPU one (the same
  * kernels, the same CUDA graphs) on its shard, with NCCL's all-reduce and all-gather
- * enqueued on its stream where the ranks meet. NCCL wants every rank's call of a
- * collective to be made, and one thread issuing the calls of several ranks would need
- * them grouped (ncclGroupStart/End) inside the forward pass. With a thread each, rank r
+ * enqueued on its stream where the ranks meet. An NCCL call may block until every rank
+ * has made its own, so one thread issuing the calls of several ranks in turn would need
+ * them grouped (ncclGroupStart/End) inside the forward pass. Here a rank whose call
+ * blocks holds its thread, and the ranks not started yet go to the pool's free threads;
+ * a thread runs a second rank only after the first finished without waiting. So rank r
  * runs exactly what a single GPU runs, and its graphs capture its NCCL calls.
  *
  * NCCL is opened at run time (dlopen of libnccl.so.2) when a model asks for tp > 1, so a

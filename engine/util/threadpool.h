@@ -23,9 +23,10 @@ int m40_threadpool_size(const m40_threadpool *p);
 /* Runs fn for every task in 0..n_tasks, spread over the pool's threads (tasks are
  * claimed one by one, so uneven tasks balance themselves), and returns when all are
  * done. With one thread or one task everything runs on the caller. With no more tasks
- * than threads, every task runs at once on a thread of its own (a thread claims a task
- * only when it is free, and each one claims until none is left), so tasks may wait for
- * one another (tensor parallelism's ranks meet at their collectives). */
+ * than threads, a task may wait for another (tensor parallelism's ranks meet at their
+ * collectives): a thread claims a task only when it is free, so a task that waits keeps
+ * its thread and the tasks not yet claimed go to the threads that are free. A thread may
+ * still run two tasks one after the other, where the first finished without waiting. */
 void m40_threadpool_run(m40_threadpool *p, int n_tasks, m40_task_fn fn, void *ctx);
 
 /* The same job in two halves, so that the caller can do other work meanwhile (the
