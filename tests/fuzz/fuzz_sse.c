@@ -179,10 +179,10 @@ static json_t *event(json_t *text, const char *key)
     event_frame(key);
     json_object_clear(delta);
     CHECK(json_object_set(delta, key, text) == 0, "json_object_set failed");
-    /* exactly the room the event takes, worked out apart from the chunk's dump (which
-     * ngx_http_m40_emit sizes by dumping the chunk twice, half of an execution here): the
-     * frame around the text and the text as a JSON string, quotes included, the quotes
-     * being the frame's last and first bytes */
+    /* exactly the room the event takes, worked out apart from the chunk: the frame around
+     * the text and the text as a JSON string, quotes included (the frame's last and first
+     * bytes). ngx_http_m40_emit sizes it with a dump of the whole chunk and the writer
+     * dumps it again; done that way here, the two dumps were half of an execution. */
     const size_t need = head_len - 1 + json_dumpb(text, NULL, 0, JSON_ENCODE_ANY | JSON_COMPACT) + tail_len - 1;
     if (need > mem_cap) {
         mem_cap = need * 2;
