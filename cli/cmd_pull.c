@@ -630,6 +630,14 @@ int m40_cmd_pull(int argc, char **argv)
         pull_usage(stderr);
         return 2;
     }
+    /* The hub's URLs are built in 8 KB buffers: the endpoint (< 2 KB), the repository (<
+     * 512 bytes, never escaped) and the revision escaped (3 bytes a byte at most) then fit
+     * with the literal parts (a longer revision let strcat write past the buffer). Hub
+     * revisions are branch and tag names or commit hashes, far below this. */
+    if (strlen(rev) > 255) {
+        fprintf(stderr, "m40 pull: --revision: longer than 255 bytes\n");
+        return 2;
+    }
 
     /* ORG/REPO, ORG/REPO:QUANT or ORG/REPO/PATH.gguf */
     char repo[512], file[4096] = "", quant[64] = "";

@@ -51,6 +51,9 @@ cdn_gets() { grep -c "^GET /cdn/$1 " "$tmp/log"; }
 "$M40" pull justaname >/dev/null 2>&1; check "no ORG/: exit 2" [ $? -eq 2 ]
 "$M40" pull org/multi/README.md >/dev/null 2>&1; check "a FILE that is not .gguf: exit 2" [ $? -eq 2 ]
 "$M40" pull org/multi/../x.gguf >/dev/null 2>&1; check "'..' in FILE: exit 2" [ $? -eq 2 ]
+"$M40" pull org/multi --revision "$(printf 'r%.0s' $(seq 300))" >/dev/null 2>"$tmp/err"; rc=$?
+check "a revision of 300 bytes: exit 2" [ $rc -eq 2 ]
+check "... saying so" grep -q "longer than 255 bytes" "$tmp/err"
 
 # ---- choosing the file ----
 "$M40" pull org/multi >"$tmp/out" 2>"$tmp/err"; rc=$?
