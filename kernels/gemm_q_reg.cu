@@ -124,7 +124,7 @@ __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr
 
 template <int T, int BM>
 __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kernel(
-    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const uint16_t *__restrict__ x, int64_t x_stride,
+    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride,
     int M, float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters)
 {
     typedef mr_smem<T, BM> sm;
@@ -162,11 +162,10 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
     }
     const uint8_t *w0 = w + (size_t)n0 * row_bytes;
     const int xr0 = tid >> 5, xp = tid & 31;
-    const uint16_t *x0 = x + (size_t)xr0 * x_stride + 8 * xp; /* used for rows below M only */
+    const uint16_t *x0 = nullptr; /* x + row xr0, piece xp, once the kernel before is done (rows below M only) */
 
-    /* chunk c into stage b, one commit group (empty past the split's end: the count of
-     * groups stays one a turn) */
-    auto issue = [&](int c, int b) {
+    /* chunk c's weights / x tile into stage b (nothing past the split's end) */
+    auto issue_w = [&](int c, int b) {
         if (c < c1) {
             uint8_t *st = mr_sm + b * sm::STAGE;
 #pragma unroll
@@ -179,7 +178,11 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
                         src = woff[k] + (size_t)c * RB;
                     mq_cp16(st + wdst[k], w0 + src, 16);
                 }
-            uint8_t *xs = st + MR_ROWS * WLD + 16 * xp;
+        }
+    };
+    auto issue_x = [&](int c, int b) {
+        if (c < c1) {
+            uint8_t *xs = mr_sm + b * sm::STAGE + MR_ROWS * WLD + 16 * xp;
 #pragma unroll
             for (int k = 0; k < KX; k++) {
                 const int r = xr0 + 8 * k;
@@ -187,7 +190,6 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
                 mq_cp16(xs + 2 * r * MR_XLD, in ? x0 + (size_t)8 * k * x_stride + (size_t)c * MQ_KC : x, in ? 16 : 0);
             }
         }
-        mq_commit();
     };
 
     float acc[NT][4];
@@ -197,15 +199,33 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
         for (int c = 0; c < 4; c++)
             acc[b][c] = 0.0f;
 
+    /* Launched with programmatic dependent launch: the weights of the first NS - 1 chunks
+     * do not depend on the kernel before this one, so their copies go out before the wait
+     * for it (one commit group a chunk), the x tiles after it (one group a chunk). The
+     * groups complete in order, so the loop's first wait, leaving NS - 2 groups in
+     * flight, has every weight group and chunk c0's x landed; from there a turn adds one
+     * group (weights and x of one chunk) and waits as before. */
 #pragma unroll
-    for (int i = 0; i < NS - 1; i++)
-        issue(c0 + i, i);
+    for (int i = 0; i < NS - 1; i++) {
+        issue_w(c0 + i, i);
+        mq_commit();
+    }
+    m40k_grid_launch_dependents();
+    x = m40k_grid_wait_for(x);
+    x0 = x + (size_t)xr0 * x_stride + 8 * xp;
+#pragma unroll
+    for (int i = 0; i < NS - 1; i++) {
+        issue_x(c0 + i, i);
+        mq_commit();
+    }
     /* this lane's weight rows in a stage: g and g + 8 of its warp's m16 tile */
     const int wrow = warp * 16 + g;
     for (int c = c0; c < c1; c++) {
         mq_wait<NS - 2>(); /* chunk c has landed (this thread's copies) */
         __syncthreads();   /* everyone's copies of chunk c; everyone is done with chunk c - 1 */
-        issue(c + NS - 1, (c + NS - 1 - c0) % NS); /* into chunk c - 1's stage */
+        issue_w(c + NS - 1, (c + NS - 1 - c0) % NS); /* into chunk c - 1's stage */
+        issue_x(c + NS - 1, (c + NS - 1 - c0) % NS);
+        mq_commit(); /* one group a turn, empty past the split's end */
         const uint8_t *st = mr_sm + ((c - c0) % NS) * sm::STAGE;
         const uint16_t *xs = reinterpret_cast<const uint16_t *>(st + MR_ROWS * WLD);
         const uint8_t *row[2] = {st + wrow * WLD, st + (wrow + 8) * WLD};
@@ -254,7 +274,7 @@ static int mr_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : 64; }
 
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
 {
-    return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8) && M > 8 &&
+    return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8) && M >= 1 &&
            M <= 64 && K % (w_type == M40K_TYPE_Q6_K_G8 ? 2048 : MQ_KC) == 0 && row_bytes % 16 == 0 &&
            ((uintptr_t)w & 15) == 0;
 }
@@ -330,8 +350,8 @@ int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uin
         return e;
     return mr_dispatch(w_type, M, [&](mr_fn fn, int, int bytes) {
         const dim3 grid((unsigned)((N + MR_ROWS - 1) / MR_ROWS), 1, (unsigned)S);
-        fn<<<grid, MQ_WARPS * 32, bytes, st>>>((const uint8_t *)w, row_bytes, N, K, x, x_stride, M, y, ldy, S, ws,
-                                                counters);
-        return m40k_launch_status();
+        const int e2 = m40k_launch_pdl_smem(fn, grid, dim3(MQ_WARPS * 32), (size_t)bytes, st, (const uint8_t *)w,
+                                            row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters);
+        return e2 ? e2 : m40k_launch_status();
     });
 }

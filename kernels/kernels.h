@@ -461,7 +461,7 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
  *     ONCE; every completed call leaves them zero (as 6's counters; one array serves every
  *     later call up to that size on one stream).
  * The split sums are added in a fixed order: results do not depend on timing.
- * Two kernels (m40k_gemm_q_kernel says which takes a product): products of 9..64 token
+ * Two kernels (m40k_gemm_q_kernel says which takes a product): products of 1..64 token
  * rows in Q4_K, Q8_0_G8 and Q6_K_G8 with aligned rows (K a multiple of 256, 2048 for
  * Q6_K_G8) take the register kernel (gemm_q_reg.cu: the weights formed straight into the
  * mma fragments); everything else the shared-memory tile kernel (staged or direct, as

@@ -670,6 +670,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         g->gemm_q_rows = t->gemm_q_rows;
         /* products of up to M40_GEMM_Q_REG token rows (default 64) take the register kernel */
         m40k_gemm_q_tune(t->gemm_q_reg);
+        g->gemv_rows = t->gemv_rows;
     }
     m40k_set_launch_tuning(t->pdl, t->clusters); /* M40_PDL, M40_CLUSTER */
     if (log_progress) {

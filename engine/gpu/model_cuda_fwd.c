@@ -45,12 +45,14 @@
  * Matmuls (y = W x over n token rows):
  *   - F32 weights (the tiny test models): cublasSgemm;
  *   - n <= 8 and a type the GEMV kernels read: a GEMV, which streams each weight once
- *     for the whole decode batch: Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned; Q8_0 and
+ *     for the whole decode batch, except where the register kernel of m40k_gemm_q
+ *     (below) reads the type and n is past M40_GEMV_ROWS (default 2: the dp4a GEMV's
+ *     time grows with n, the register kernel's barely, BENCHMARKS.md; gemv_batch): Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned; Q8_0 and
  *     Q6_K in their regrouped device layouts where the row width allows, kernels.h 0.,
  *     M40_G8) the dp4a GEMV on x quantized once per input to two int8 levels
  *     (m40k_quantize_q8, m40k_gemv_q8: per element within max|x of its block|/254^2);
  *     F16, Q4_1, Q5_0, Q5_1 the float-activation m40k_gemv;
- *   - 9..128 rows (M40_GEMM_Q_ROWS), quantized weights (every type the GPU reads): the
+ *   - 9..128 rows (M40_GEMM_Q_ROWS; from 3 rows as above), quantized weights (every type the GPU reads): the
  *     quantized tensor-core GEMM (m40k_gemm_q, kernels.h 8e) on the F16 copy of x: the
  *     weights read once per block of token rows in their quantized bytes, formed in F16
  *     in registers (decode batches up to 64 rows of the common types) or in shared
@@ -390,19 +392,19 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
                             g->stream));
         return 0;
     }
-    if (n <= 8 && gemv_q8_reads(w)) {
+    if (gemv_batch(g, w, n) && gemv_q8_reads(w)) {
         CK(quantize_once(g, x, cols, n, xq_ready));
         CK(pick ? m40k_gemv_q8_argmax(w->data, w->type, rows, cols, g->xq, NULL, 0.0f, y, pick, g->stream)
                 : m40k_gemv_q8(w->data, w->type, rows, cols, g->xq, n, y, ldy, g->stream));
         return 0;
     }
-    if (n <= 8 && gemv_reads(w->type, cols))
+    if (gemv_batch(g, w, n) && gemv_reads(w->type, cols))
         return m40k_gemv(w->data, w->type, rows, cols, x, cols, y, ldy, n, g->stream) == 0
                    ? 0
                    : (m40_set_err(err, errlen, "gpu %d: GEMV (type %d, %dx%d, batch %d) failed", g->device, w->type, rows,
                               cols, (int)n),
                       -1);
-    if (gemm_q_takes(g, w, n)) { /* n > 8: the quantized tensor-core GEMM on the F16 copy of x */
+    if (gemm_q_takes(g, w, n)) { /* n > 8 (or M40_GEMV_ROWS): the quantized tensor-core GEMM on the F16 copy of x */
         if (!*x16_ready) {
             CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
             *x16_ready = 1;
@@ -448,9 +450,9 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
 /* Whether the product pr over n rows starts with the int8-activation GEMV: then the
  * kernel that writes its input can quantize it on the way (m40k_add_rmsnorm_to's xq,
  * m40k_glu_q8) and matmul is told so (xq_ready). */
-static int wants_xq(const gproj *pr, int32_t n)
+static int wants_xq(const m40_gpu *g, const gproj *pr, int32_t n)
 {
-    return n <= 8 && pr->n_parts > 0 && gemv_q8_reads(&pr->part[0]); /* cols: a multiple of 32 */
+    return pr->n_parts > 0 && gemv_batch(g, &pr->part[0], n) && gemv_q8_reads(&pr->part[0]); /* cols: a multiple of 32 */
 }
 
 /* Whether the product pr over n rows multiplies an F16 copy of x on the tensor cores
@@ -458,7 +460,7 @@ static int wants_xq(const gproj *pr, int32_t n)
  * (m40k_add_rmsnorm_to's out16, m40k_glu_f16) and matmul is told so (x16_ready). */
 static int wants_x16(const m40_gpu *g, const gproj *pr, int32_t n)
 {
-    if (n <= 8 || g->gemm_f32 || pr->n_parts == 0)
+    if (g->gemm_f32 || pr->n_parts == 0 || (n <= 8 && (pr->part[0].type == M40K_TYPE_F16 || gemv_batch(g, &pr->part[0], n))))
         return 0;
     for (int i = 0; i < pr->n_parts; i++)
         if (pr->part[i].type == M40K_TYPE_F32)
@@ -666,7 +668,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         const float *ff = L->local ? g->rope_ff_local : g->rope_ff_global ? g->rope_ff_global : g->rope_ff;
         /* the previous layer's FFN residual is still in xd: added here, fused with this norm
          * (and with the int8 quantization of its output when the GEMV takes that) */
-        const int xq_qkv = wants_xq(&L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
+        const int xq_qkv = wants_xq(g, &L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
         if (l == 0)
             CK(m40k_rmsnorm(xc, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
         else if (!folded) /* else the previous layer's down projection did it (kernels.h 8d) */
@@ -686,7 +688,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         /* A step of decode rows only whose attention output projection takes int8 x: the
          * attention's cluster merge writes those records too, where it can (xq_wo; no
          * quantization launch between the two) */
-        const int xq_wo = tuned && n_dec == n && wants_xq(&L->wo, n) &&
+        const int xq_wo = tuned && n_dec == n && wants_xq(g, &L->wo, n) &&
                           m40k_attn_decode_q8_ok(n_dec, p->n_heads, p->n_kv_heads, hd, win ? splits_local : splits);
         if (tuned && n_dec > 0)
             CK(m40k_attn_decode_rope_q8_sinks(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl,
@@ -706,7 +708,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         if (!tuned)
             CK(m40k_attn_generic_sinks(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
                                        p->n_kv_heads, hd, scale, win, cap, L->sinks, g->stream));
-        const int xq_gu = wants_xq(&L->gate_up, n), xq_dn = wants_xq(&L->down, n);
+        const int xq_gu = wants_xq(g, &L->gate_up, n), xq_dn = wants_xq(g, &L->down, n);
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
         folded = fold_norm_ok(g, &L->wo, L->post_attn_norm, L->gate_up.part, L->gate_up.n_parts, n);
         if (folded) { /* the attention output projection adds into the residual and normalizes */
@@ -769,7 +771,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         CK(m40k_add(xc, xc, g->xd, (int64_t)n * dim, g->stream));
     /* out_all && folded: the last down projection did the final add + norm (kernels.h 8d) */
     if (out_all && !folded) {
-        xq_ready = n <= 8 && gemv_q8_reads(&g->output);
+        xq_ready = gemv_batch(g, &g->output, n) && gemv_q8_reads(&g->output);
         CK(add_norm(g, &xc, &xo, g->output_norm, g->xg, n, xq_ready, 0));
     }
     if (n_out > 0) {

@@ -953,7 +953,7 @@ static void test_gemm_skinny(void)
  * and, rarely, the last F16 bit of a weight differ). Every type it reads, the regrouped
  * layouts through a repacked copy of the same matrix; N past the 128-row block; K with a
  * partial last 64-wide step (32-element types) and of several steps; M in every tile
- * height (16, 32, 64, 128) and past one tile (9..64 rows of Q4_K and the G8 layouts: the
+ * height (16, 32, 64, 128) and past one tile (1..64 rows of Q4_K and the G8 layouts: the
  * register kernel; the rest: the shared-memory one); x rows strided; split counts 1,
  * picked and the most. Also: y columns past N left alone, the same bits again, the
  * counters back at zero, the unaligned copy on the direct kernel, refusals, and the F16
@@ -978,7 +978,7 @@ static void test_gemm_q(void)
             Ks = {32 * 37, 64 * 3, 768};
         for (int K : Ks)
             for (int N : {17, 259})
-                for (int M : {9, 16, 27, 33, 64, 65, 130}) {
+                for (int M : {1, 5, 9, 16, 27, 33, 64, 65, 130}) {
                     const int64_t xs = K + 8, ldy = N + 3;
                     std::vector<uint8_t> w = quant_matrix(base, N, K);
                     std::vector<uint8_t> wd = w;
@@ -1888,7 +1888,7 @@ static void bench_gemm_q(void)
             std::vector<uint8_t *> dw(copies);
             for (auto &d : dw)
                 d = dup(w);
-            for (int M : {16, 32, 64, 128, 256, 512})
+            for (int M : {4, 8, 16, 32, 64, 128, 256, 512})
                 /* 0 gemm_q as the engine calls it; 1 dequantize + cuBLAS; where the register
                  * kernel takes M: 2 the shared-memory kernel instead, 3 and 4 the register
                  * kernel at half and twice the picked splits */
