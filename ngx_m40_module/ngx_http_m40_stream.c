@@ -62,13 +62,30 @@ ngx_http_m40_stream_header(ngx_http_m40_ctx_t *ctx)
 }
 
 
+/* Points b at [start, end) as an empty temporary buffer of the module. */
+static void
+ngx_http_m40_buf_reset(ngx_buf_t *b, u_char *start, u_char *end)
+{
+    ngx_memzero(b, sizeof(ngx_buf_t));
+    b->start = start;
+    b->end = end;
+    b->pos = start;
+    b->last = start;
+    b->temporary = 1;
+    b->tag = (ngx_buf_tag_t) &ngx_http_m40_module;
+}
+
+
 /* Appends "data: JSON\n\n" (after "event: NAME\n" when named) to the chain, in a
- * recycled buffer when one is free. Takes j. */
+ * recycled buffer when one is free. Takes j. The event is dumped straight into a
+ * recycled buffer; only when it does not fit (or no buffer is free) is it measured
+ * with a second dump and a buffer of that size (4 KB at least) taken from the pool:
+ * a token's event almost always fits the 4 KB of the one before it. */
 static ngx_int_t
 ngx_http_m40_emit_named(ngx_http_m40_ctx_t *ctx, const char *event, json_t *j,
     ngx_chain_t ***last, size_t *bytes)
 {
-    u_char       *start, *end;
+    u_char       *start;
     size_t        need, size;
     ngx_buf_t    *b;
     ngx_chain_t  *cl;
@@ -85,13 +102,6 @@ ngx_http_m40_emit_named(ngx_http_m40_ctx_t *ctx, const char *event, json_t *j,
         ngx_cpystrn(prefix, (u_char *) "data: ", sizeof(prefix));
     }
 
-    need = json_dumpb(j, NULL, 0, JSON_COMPACT);
-    if (need == 0) {
-        json_decref(j);
-        return NGX_ERROR;
-    }
-    need += ngx_strlen(prefix) + 2;
-
     cl = ngx_chain_get_free_buf(ctx->request->pool, &ctx->free);
     if (cl == NULL) {
         json_decref(j);
@@ -100,29 +110,34 @@ ngx_http_m40_emit_named(ngx_http_m40_ctx_t *ctx, const char *event, json_t *j,
 
     b = cl->buf;
     start = b->start;
-    end = b->end;
 
-    if (start == NULL || (size_t) (end - start) < need) {
+    if (start != NULL) {
+        ngx_http_m40_buf_reset(b, start, b->end);
+    }
+
+    if (start == NULL
+        || ngx_http_m40_json_write(j, b, (const char *) prefix, "\n\n") == 0)
+    {
+        need = json_dumpb(j, NULL, 0, JSON_COMPACT);
+        if (need == 0) {
+            json_decref(j);
+            return NGX_ERROR;
+        }
+        need += ngx_strlen(prefix) + 2;
+
         size = ngx_max(need, 4096);
         start = ngx_palloc(ctx->request->pool, size);
         if (start == NULL) {
             json_decref(j);
             return NGX_ERROR;
         }
-        end = start + size;
-    }
 
-    ngx_memzero(b, sizeof(ngx_buf_t));
-    b->start = start;
-    b->end = end;
-    b->pos = start;
-    b->last = start;
-    b->temporary = 1;
-    b->tag = (ngx_buf_tag_t) &ngx_http_m40_module;
+        ngx_http_m40_buf_reset(b, start, start + size);
 
-    if (ngx_http_m40_json_write(j, b, (const char *) prefix, "\n\n") == 0) {
-        json_decref(j);
-        return NGX_ERROR;
+        if (ngx_http_m40_json_write(j, b, (const char *) prefix, "\n\n") == 0) {
+            json_decref(j);
+            return NGX_ERROR;
+        }
     }
 
     json_decref(j);

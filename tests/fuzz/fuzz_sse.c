@@ -181,8 +181,10 @@ static json_t *event(json_t *text, const char *key)
     CHECK(json_object_set(delta, key, text) == 0, "json_object_set failed");
     /* exactly the room the event takes, worked out apart from the chunk: the frame around
      * the text and the text as a JSON string, quotes included (the frame's last and first
-     * bytes). ngx_http_m40_emit sizes it with a dump of the whole chunk and the writer
-     * dumps it again; done that way here, the two dumps were half of an execution. */
+     * bytes). ngx_http_m40_emit dumps the chunk into a recycled buffer and measures it
+     * with a second dump only when it does not fit; here every event gets exactly its
+     * room (the writer's bound checked at the edge), measured without a dump of the
+     * whole chunk (two dumps an event were half of an execution). */
     const size_t need = head_len - 1 + json_dumpb(text, NULL, 0, JSON_ENCODE_ANY | JSON_COMPACT) + tail_len - 1;
     if (need > mem_cap) {
         mem_cap = need * 2;
