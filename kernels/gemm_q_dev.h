@@ -146,7 +146,7 @@ __device__ __forceinline__ void mq_split_end(int S, int N, int M, int n0, int m0
         atomicExch(counters + tile, 0); /* every split has counted: nothing else touches it now */
 }
 
-/* The register kernel (gemm_q_reg.cu): whether it takes a product (its types, 9..64 token
+/* The register kernel (gemm_q_reg.cu): whether it takes a product (its types, 1..64 token
  * rows, aligned rows and K whole chunks), its split count, its shared-memory limits
  * (mr_prepare), the launch. */
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes);

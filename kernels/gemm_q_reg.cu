@@ -1,4 +1,4 @@
-/* The register kernel of the quantized GEMM (kernels.h 8e) for decode batches of 9..64
+/* The register kernel of the quantized GEMM (kernels.h 8e) for decode batches of 1..64
  * token rows, in the types of the files people serve (Q4_K, and the regrouped Q8_0_G8 and
  * Q6_K_G8 of Q8_0 and Q4_K_M files): y[t][r] = sum_k W[r][k] x[t][k], the same F16
  * weights and F32 sums of F16 products as the shared-memory kernel of gemm_q.cu (twin:

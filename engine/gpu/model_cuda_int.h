@@ -207,7 +207,8 @@ void m40_gpu_tp_time_step(m40_gpu *g);
 /* The group's ranks (g0->tp): rank r's m40_gpu (r < g0->tp_n). */
 m40_gpu *m40_gpu_tp_rank(const m40_gpu *g0, int r);
 
-/* Whether products of more than 8 rows with w take the quantized tensor-core GEMM
+/* Whether products of more than 8 rows (of more than M40_GEMV_ROWS where the register
+ * kernel reads w: gemv_batch) with w take the quantized tensor-core GEMM
  * (m40k_gemm_q) rather than the tiled path: a quantized type it reads, F16 activations
  * (not gemm_f32), K a multiple of 8. F16 weights stay on cuBLAS, F32 on SGEMM. */
 static inline int gemm_q_reads(const m40_gpu *g, const gmat *w)
