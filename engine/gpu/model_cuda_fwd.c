@@ -45,18 +45,19 @@
  * Matmuls (y = W x over n token rows):
  *   - F32 weights (the tiny test models): cublasSgemm;
  *   - n <= 8 and a type the GEMV kernels read: a GEMV, which streams each weight once
- *     for the whole decode batch, except where the register kernel of m40k_gemm_q
- *     (below) reads the type and n is past M40_GEMV_ROWS (default 2: the dp4a GEMV's
- *     time grows with n, the register kernel's barely, BENCHMARKS.md; gemv_batch): Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned; Q8_0 and
- *     Q6_K in their regrouped device layouts where the row width allows, kernels.h 0.,
- *     M40_G8) the dp4a GEMV on x quantized once per input to two int8 levels
- *     (m40k_quantize_q8, m40k_gemv_q8: per element within max|x of its block|/254^2);
- *     F16, Q4_1, Q5_0, Q5_1 the float-activation m40k_gemv;
- *   - 9..128 rows (M40_GEMM_Q_ROWS; from 3 rows as above), quantized weights (every type the GPU reads): the
- *     quantized tensor-core GEMM (m40k_gemm_q, kernels.h 8e) on the F16 copy of x: the
- *     weights read once per block of token rows in their quantized bytes, formed in F16
- *     in registers (decode batches up to 64 rows of the common types) or in shared
- *     memory, no F16 copy of the matrix (gemm_q_reads; M40_GEMM_Q=0 turns it off);
+ *     for the whole decode batch (except where the register kernel of m40k_gemm_q,
+ *     below, reads the type and n is past M40_GEMV_ROWS, default 2: the dp4a GEMV's
+ *     time grows with n, the register kernel's barely, BENCHMARKS.md; gemv_batch):
+ *     Q8_0, Q4_0, Q4_K, Q6_K (16-byte aligned; Q8_0 and Q6_K in their regrouped
+ *     device layouts where the row width allows, kernels.h 0., M40_G8) the dp4a GEMV
+ *     on x quantized once per input to two int8 levels (m40k_quantize_q8,
+ *     m40k_gemv_q8: per element within max|x of its block|/254^2); F16, Q4_1, Q5_0,
+ *     Q5_1 the float-activation m40k_gemv;
+ *   - 9..128 rows (M40_GEMM_Q_ROWS; from 3 rows as above), quantized weights (every
+ *     type the GPU reads): the quantized tensor-core GEMM (m40k_gemm_q, kernels.h 8e)
+ *     on the F16 copy of x: the weights read once per block of token rows in their
+ *     quantized bytes, formed in F16 in registers (decode batches up to 64 rows of the
+ *     common types) or in shared memory, no F16 copy of the matrix (gemm_q_reads; M40_GEMM_Q=0 turns it off);
  *   - F16 weights over more rows: cublasGemmEx on x rounded to F16, F32 accumulation;
  *   - otherwise (more than M40_GEMM_Q_ROWS rows: prefill chunks; M40_GEMM_Q=0; a shape
  *     m40k_gemm_q refuses) the "tiled path": the weights dequantized into an F16 scratch
@@ -452,7 +453,8 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
  * m40k_glu_q8) and matmul is told so (xq_ready). */
 static int wants_xq(const m40_gpu *g, const gproj *pr, int32_t n)
 {
-    return pr->n_parts > 0 && gemv_batch(g, &pr->part[0], n) && gemv_q8_reads(&pr->part[0]); /* cols: a multiple of 32 */
+    /* cols: a multiple of 32 */
+    return pr->n_parts > 0 && gemv_batch(g, &pr->part[0], n) && gemv_q8_reads(&pr->part[0]);
 }
 
 /* Whether the product pr over n rows multiplies an F16 copy of x on the tensor cores
@@ -460,8 +462,10 @@ static int wants_xq(const m40_gpu *g, const gproj *pr, int32_t n)
  * (m40k_add_rmsnorm_to's out16, m40k_glu_f16) and matmul is told so (x16_ready). */
 static int wants_x16(const m40_gpu *g, const gproj *pr, int32_t n)
 {
-    if (g->gemm_f32 || pr->n_parts == 0 || (n <= 8 && (pr->part[0].type == M40K_TYPE_F16 || gemv_batch(g, &pr->part[0], n))))
+    if (g->gemm_f32 || pr->n_parts == 0)
         return 0;
+    if (n <= 8 && (pr->part[0].type == M40K_TYPE_F16 || gemv_batch(g, &pr->part[0], n)))
+        return 0; /* a GEMV (the skinny one for F16) */
     for (int i = 0; i < pr->n_parts; i++)
         if (pr->part[i].type == M40K_TYPE_F32)
             return 0;

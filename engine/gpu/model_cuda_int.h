@@ -123,7 +123,8 @@ struct m40_gpu {
      * counters (zeroed once, zero between calls). */
     int gemm_q;
     int32_t gemm_q_rows; /* products of more rows take the tiled path (M40_GEMM_Q_ROWS, default 128; 0: none do) */
-    int32_t gemv_rows;   /* quantized products of more rows (up to 8) take the register kernel where it reads the type (M40_GEMV_ROWS) */
+    int32_t gemv_rows;   /* quantized products of more rows (up to 8) take the register kernel where it
+                          * reads the type (M40_GEMV_ROWS) */
     float *mq_ws;
     size_t mq_ws_floats;
     int *mq_cnt;
@@ -222,10 +223,11 @@ static inline int gemm_q_takes(const m40_gpu *g, const gmat *w, int32_t n)
     return gemm_q_reads(g, w) && (g->gemm_q_rows <= 0 || n <= g->gemm_q_rows);
 }
 /* Whether a product of n rows with w takes a GEMV (n <= 8): unless n is past
- * M40_GEMV_ROWS and the quantized GEMM's register kernel reads w. */
+ * M40_GEMV_ROWS and the quantized GEMM's register kernel reads w (a row alone always
+ * does: the fused norm and greedy pick are the GEMV's). */
 static inline int gemv_batch(const m40_gpu *g, const gmat *w, int32_t n)
 {
-    return n <= 8 && (n <= g->gemv_rows || !gemm_q_takes(g, w, n) ||
+    return n <= 8 && (n <= 1 || n <= g->gemv_rows || !gemm_q_takes(g, w, n) ||
                       m40k_gemm_q_kernel(w->type, (int)w->cols, (int)n, w->data) != M40K_GEMM_Q_REGISTER);
 }
 
