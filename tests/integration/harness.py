@@ -62,6 +62,10 @@ def render(text, workdir, replace=None, model=MODEL):
             raise ValueError(f"example configuration no longer contains {old!r}")
         text = text.replace(old, new)
     temps = "".join(f"\n    {t}_temp_path {workdir}/{t};" for t in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    # M40_TEST_CPU_EXACT=1: every rendered instance serves on the CPU engine's exact F32
+    # path instead of the fast one (the suite's time on each, BENCHMARKS.md)
+    if os.environ.get("M40_TEST_CPU_EXACT") == "1":
+        temps += "\n    m40_cpu_exact on;"
     text, n = re.subn(r"^http \{", "http {" + temps + f"\n    access_log {workdir}/access.log;", text, count=1,
                       flags=re.M)
     if n != 1:

@@ -441,15 +441,21 @@ def test_messages_tool_use_round_trip(claude):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].id.startswith("toolu_")
     jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
-    # a named tool, streamed: input_json_delta adds up to the input
+    # a named tool, streamed: each block's input_json_delta adds up to its input (the
+    # choice allows parallel calls, and a sampled answer sometimes makes two: blocks 0, 1)
     with claude.messages.stream(model=TOOL_MODEL_NAME, max_tokens=200, tools=tools,
                                 tool_choice={"type": "tool", "name": "search"}, messages=[ask]) as s:
-        partial = "".join(ev.delta.partial_json for ev in s
-                          if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta")
+        partial = {}
+        for ev in s:
+            if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
+                partial[ev.index] = partial.get(ev.index, "") + ev.delta.partial_json
         final = s.get_final_message()
-    use = [b for b in final.content if b.type == "tool_use"][0]
-    assert use.name == "search" and final.stop_reason == "tool_use" and json.loads(partial) == use.input
-    jsonschema.validate(use.input, SEARCH)
+    assert final.stop_reason == "tool_use"
+    blocks = {i: b for i, b in enumerate(final.content) if b.type == "tool_use"}
+    assert blocks and set(partial) == set(blocks), (partial, final.content)
+    for i, use in blocks.items():
+        assert use.name == "search" and json.loads(partial[i]) == use.input
+        jsonschema.validate(use.input, SEARCH)
     # the result goes back in a user turn
     again = claude.messages.create(model=TOOL_MODEL_NAME, max_tokens=4, tools=tools, messages=[
         ask, {"role": "assistant", "content": m.content},
