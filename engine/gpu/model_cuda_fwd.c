@@ -57,7 +57,8 @@
  *     type the GPU reads): the quantized tensor-core GEMM (m40k_gemm_q, kernels.h 8e)
  *     on the F16 copy of x: the weights read once per block of token rows in their
  *     quantized bytes, formed in F16 in registers (decode batches up to 64 rows of the
- *     common types) or in shared memory, no F16 copy of the matrix (gemm_q_reads; M40_GEMM_Q=0 turns it off);
+ *     common types) or in shared memory, no F16 copy of the matrix (gemm_q_reads;
+ *     M40_GEMM_Q=0 turns it off);
  *   - F16 weights over more rows: cublasGemmEx on x rounded to F16, F32 accumulation;
  *   - otherwise (more than M40_GEMM_Q_ROWS rows: prefill chunks; M40_GEMM_Q=0; a shape
  *     m40k_gemm_q refuses) the "tiled path": the weights dequantized into an F16 scratch
@@ -405,7 +406,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
                    : (m40_set_err(err, errlen, "gpu %d: GEMV (type %d, %dx%d, batch %d) failed", g->device, w->type, rows,
                               cols, (int)n),
                       -1);
-    if (gemm_q_takes(g, w, n)) { /* n > 8 (or M40_GEMV_ROWS): the quantized tensor-core GEMM on the F16 copy of x */
+    if (gemm_q_takes(g, w, n)) { /* past gemv_batch: the quantized tensor-core GEMM on the F16 copy of x */
         if (!*x16_ready) {
             CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
             *x16_ready = 1;
@@ -464,8 +465,8 @@ static int wants_x16(const m40_gpu *g, const gproj *pr, int32_t n)
 {
     if (g->gemm_f32 || pr->n_parts == 0)
         return 0;
-    if (n <= 8 && (pr->part[0].type == M40K_TYPE_F16 || gemv_batch(g, &pr->part[0], n)))
-        return 0; /* a GEMV (the skinny one for F16) */
+    if (gemv_batch(g, &pr->part[0], n))
+        return 0; /* a GEMV (for F16 weights the skinny one: gemm_q never reads them) */
     for (int i = 0; i < pr->n_parts; i++)
         if (pr->part[i].type == M40K_TYPE_F32)
             return 0;

@@ -72,6 +72,6 @@ int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)
                     "M40_GEMM_Q_REG=%d M40_GEMV_ROWS=%d M40_MOE_GEMV_ROWS=%d M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d "
                     "M40_PICK_THREADS=%s M40_GPU_SAMPLE=%d M40_GPU_UNVALIDATED=%d",
                     gemm[t->gemm], t->pdl, t->clusters, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
-                    t->fuse_pick, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->gemv_rows, (int)t->moe_gemv_rows,
-                    (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->gpu_unvalidated);
+                    t->fuse_pick, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->gemv_rows,
+                    (int)t->moe_gemv_rows, (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->gpu_unvalidated);
 }
