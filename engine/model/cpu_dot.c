@@ -4,9 +4,10 @@
  *
  * Each kernel forms, per block of 32 weights, the integer dot product of the weights'
  * levels with the activations' int16 values, times the weight's scale and the block's
- * activation scale; offsets and mins come off once per block through the record's sums
- * (cpu_dot.h). The SIMD kernels compute the same integers and differ only in the order
- * of the F32 sums. */
+ * activation scale (the K-quants: per super-block, or half of one, their sub-block
+ * scales applied in integers); offsets and mins come off once per block through the
+ * record's sums (cpu_dot.h). The SIMD kernels compute the same integers and differ only
+ * in the order of the F32 sums. */
 #include "cpu_dot.h"
 
 #include <math.h>
@@ -17,30 +18,39 @@
 
 static void xq_quantize_portable(const float *x, int64_t K, m40_xq *out)
 {
-    for (int64_t b = 0; b < K / 32; b++, x += 32) {
+    const int span = K % 256 == 0 ? 8 : 1; /* blocks that share one scale (cpu_dot.h) */
+    for (int64_t b0 = 0; b0 < K / 32; b0 += span) {
         float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            float a = fabsf(x[i]);
+        for (int i = 0; i < 32 * span; i++) {
+            float a = fabsf(x[32 * b0 + i]);
             amax = a > amax ? a : amax;
         }
         float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int sum_lo = 0, sum_hi = 0;
-        m40_xq *r = &out[b];
-        for (int i = 0; i < 32; i++) {
-            /* |x * id| <= 32767 up to one rounding; the clamp keeps that rounding in range */
-            float v = nearbyintf(x[i] * id);
-            int q = v > 32767.0f ? 32767 : v < -32767.0f ? -32767 : (int)v;
-            r->q[i] = (int16_t)q;
-            if (i < 16)
-                sum_lo += q;
-            else
-                sum_hi += q;
+        for (int64_t b = b0; b < b0 + span; b++) {
+            int sum_lo = 0, sum_hi = 0;
+            m40_xq *r = &out[b];
+            for (int i = 0; i < 32; i++) {
+                /* |x * id| <= 32767 up to one rounding; the clamp keeps that rounding in range */
+                float v = nearbyintf(x[32 * b + i] * id);
+                int q = v > 32767.0f ? 32767 : v < -32767.0f ? -32767 : (int)v;
+                r->q[i] = (int16_t)q;
+                if (i < 16)
+                    sum_lo += q;
+                else
+                    sum_hi += q;
+            }
+            r->d = d;
+            r->s = d * (float)(sum_lo + sum_hi);
+            r->h[0] = sum_lo;
+            r->h[1] = sum_hi;
         }
-        r->d = d;
-        r->s = d * (float)(sum_lo + sum_hi);
-        r->h[0] = sum_lo;
-        r->h[1] = sum_hi;
     }
+}
+
+void m40_xq_sums(const m40_xq *xq, int64_t n, float *xsum)
+{
+    for (int64_t i = 0; i < n; i++)
+        xsum[i] = xq[i].s;
 }
 
 /* ------------------------------------------------------ portable kernels */
@@ -65,8 +75,9 @@ static inline int nib_dot(const uint8_t *qs, uint32_t qh, const int16_t *q)
     return s;
 }
 
-static float dot_q8_0(const uint8_t *w, const m40_xq *x, int64_t K)
+static float dot_q8_0(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
 {
+    (void)xsum; /* the records' s serve the twins */
     float acc = 0.0f;
     for (int64_t b = 0; b < K / 32; b++, w += 34) {
         int s = 0;
@@ -77,8 +88,9 @@ static float dot_q8_0(const uint8_t *w, const m40_xq *x, int64_t K)
     return acc;
 }
 
-static float dot_q4_0(const uint8_t *w, const m40_xq *x, int64_t K)
+static float dot_q4_0(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
 {
+    (void)xsum; /* the records' s serve the twins */
     float acc = 0.0f, corr = 0.0f;
     for (int64_t b = 0; b < K / 32; b++, w += 18) {
         float d = f16(w);
@@ -88,8 +100,9 @@ static float dot_q4_0(const uint8_t *w, const m40_xq *x, int64_t K)
     return acc - 8.0f * corr;
 }
 
-static float dot_q4_1(const uint8_t *w, const m40_xq *x, int64_t K)
+static float dot_q4_1(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
 {
+    (void)xsum; /* the records' s serve the twins */
     float acc = 0.0f, corr = 0.0f;
     for (int64_t b = 0; b < K / 32; b++, w += 20) {
         acc += f16(w) * x[b].d * (float)nib_dot(w + 4, 0, x[b].q);
@@ -98,8 +111,9 @@ static float dot_q4_1(const uint8_t *w, const m40_xq *x, int64_t K)
     return acc + corr;
 }
 
-static float dot_q5_0(const uint8_t *w, const m40_xq *x, int64_t K)
+static float dot_q5_0(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
 {
+    (void)xsum; /* the records' s serve the twins */
     float acc = 0.0f, corr = 0.0f;
     for (int64_t b = 0; b < K / 32; b++, w += 22) {
         float d = f16(w);
@@ -109,8 +123,9 @@ static float dot_q5_0(const uint8_t *w, const m40_xq *x, int64_t K)
     return acc - 16.0f * corr;
 }
 
-static float dot_q5_1(const uint8_t *w, const m40_xq *x, int64_t K)
+static float dot_q5_1(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
 {
+    (void)xsum; /* the records' s serve the twins */
     float acc = 0.0f, corr = 0.0f;
     for (int64_t b = 0; b < K / 32; b++, w += 24) {
         acc += f16(w) * x[b].d * (float)nib_dot(w + 8, rd32(w + 4), x[b].q);
@@ -132,7 +147,9 @@ static inline void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn)
 }
 
 /* Q4_K (qh NULL) and Q5_K: sub-block j = 2c + h of a super-block takes the low (h 0) or
- * high (h 1) nibbles of qs[32c..32c+32), and Q5_K bit j of qh[l] as the 5th bit. */
+ * high (h 1) nibbles of qs[32c..32c+32), and Q5_K bit j of qh[l] as the 5th bit. The
+ * super-block's records share one scale (m40_xq_quantize), so its sub-blocks' integer
+ * sums, each times its 6-bit scale, add up in integers before the one F32 product. */
 static float dot_qk_k(const uint8_t *w, const m40_xq *x, int64_t K, int five)
 {
     float acc = 0.0f, corr = 0.0f;
@@ -140,6 +157,8 @@ static float dot_qk_k(const uint8_t *w, const m40_xq *x, int64_t K, int five)
     for (int64_t b = 0; b < K / M40_QK_K; b++, w += bytes, x += 8) {
         float d = f16(w), dmin = f16(w + 2);
         const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+        int64_t isum = 0;
+        float c = 0.0f;
         for (int j = 0; j < 8; j++) {
             int sc, mn, s = 0;
             scale_min_k4(w + 4, j, &sc, &mn);
@@ -150,37 +169,51 @@ static float dot_qk_k(const uint8_t *w, const m40_xq *x, int64_t K, int five)
                     v |= ((qh[l] >> j) & 1) << 4;
                 s += v * x[j].q[l];
             }
-            acc += d * (float)sc * x[j].d * (float)s;
-            corr += dmin * (float)mn * x[j].s;
+            isum += (int64_t)sc * s;
+            c += (float)mn * x[j].s;
         }
+        acc += d * x[0].d * (float)isum;
+        corr += dmin * c;
     }
     return acc - corr;
 }
 
-static float dot_q4_k(const uint8_t *w, const m40_xq *x, int64_t K) { return dot_qk_k(w, x, K, 0); }
-static float dot_q5_k(const uint8_t *w, const m40_xq *x, int64_t K) { return dot_qk_k(w, x, K, 1); }
+static float dot_q4_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
+{
+    (void)xsum;
+    return dot_qk_k(w, x, K, 0);
+}
+static float dot_q5_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
+{
+    (void)xsum;
+    return dot_qk_k(w, x, K, 1);
+}
 
 /* Q6_K: activation block jb = 4n + k of a super-block is half n's quarter k
  * (quant.c, unpack_q6_k); its two halves of 16 take scales 2jb and 2jb + 1. The -32 of
- * every level comes off through the record's half sums, in integers. */
-static float dot_q6_k(const uint8_t *w, const m40_xq *x, int64_t K)
+ * every level comes off through the record's half sums, in integers; each half
+ * super-block's integer sum (the records share one scale) takes one F32 product. */
+static float dot_q6_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
 {
+    (void)xsum; /* the records' s serve the twins */
     float acc = 0.0f;
     for (int64_t b = 0; b < K / M40_QK_K; b++, w += 210, x += 8) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
         float d = f16(w + 208);
-        for (int jb = 0; jb < 8; jb++) {
-            int n = jb / 4, k = jb % 4;
-            int64_t s[2] = {0, 0};
-            for (int l = 0; l < 32; l++) {
-                uint8_t a = ql[64 * n + l + 32 * (k & 1)], h = qh[32 * n + l];
-                int v = (k < 2 ? a & 15 : a >> 4) | (((h >> (2 * k)) & 3) << 4);
-                s[l / 16] += v * x[jb].q[l];
+        for (int n = 0; n < 2; n++) {
+            int64_t sumi = 0; /* reaches 127 * 16 * 95 * 32767 * 8: int64 */
+            for (int k = 0; k < 4; k++) {
+                int jb = 4 * n + k;
+                int64_t s[2] = {0, 0};
+                for (int l = 0; l < 32; l++) {
+                    uint8_t a = ql[64 * n + l + 32 * (k & 1)], h = qh[32 * n + l];
+                    int v = (k < 2 ? a & 15 : a >> 4) | (((h >> (2 * k)) & 3) << 4);
+                    s[l / 16] += v * x[jb].q[l];
+                }
+                sumi += sc[2 * jb] * (s[0] - 32 * (int64_t)x[jb].h[0]) + sc[2 * jb + 1] * (s[1] - 32 * (int64_t)x[jb].h[1]);
             }
-            /* |sumi| reaches 127 * 16 * 95 * 32767 * 2: int64 */
-            int64_t sumi = sc[2 * jb] * (s[0] - 32 * (int64_t)x[jb].h[0]) + sc[2 * jb + 1] * (s[1] - 32 * (int64_t)x[jb].h[1]);
-            acc += d * x[jb].d * (float)sumi;
+            acc += d * x[0].d * (float)sumi;
         }
     }
     return acc;
@@ -334,5 +367,27 @@ m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa)
     case M40_ISA_AVX2: return m40_dot_f_avx2(type);
     case M40_ISA_AVX512VNNI: return m40_dot_f_avx512(type);
     default: return type == M40_TYPE_F16 ? dot_f16 : NULL;
+    }
+}
+
+m40_dot_part_fn m40_dot_part_kernel(uint32_t type, int isa)
+{
+    if (isa < 0 || isa > m40_cpu_isa())
+        return NULL;
+    switch (isa) {
+    case M40_ISA_AVX2: return m40_dot_part_avx2(type);
+    case M40_ISA_AVX512VNNI: return m40_dot_part_avx512(type);
+    default: return NULL;
+    }
+}
+
+m40_dot_fin_fn m40_dot_fin_kernel(uint32_t type, int isa)
+{
+    if (isa < 0 || isa > m40_cpu_isa())
+        return NULL;
+    switch (isa) {
+    case M40_ISA_AVX2: return m40_dot_fin_avx2(type);
+    case M40_ISA_AVX512VNNI: return m40_dot_fin_avx512(type);
+    default: return NULL;
     }
 }

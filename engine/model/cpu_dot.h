@@ -5,7 +5,10 @@
  * Activations are quantized per block of 32 to int16 with one F32 scale per block, so a
  * weight block of 32 (or a K-quant's sub-block of 32) meets exactly one activation
  * block and its product is an integer dot product (pmaddwd / vpdpwssd) times two
- * scales. int16, not int8: with int8 (a / 254 per element) the errors of 30 layers moved
+ * scales. Where the row width is a multiple of 256 the eight blocks of each super-block
+ * share one scale (the largest |x| of the 256): a K-quant's sub-block scales are small
+ * integers, so its sub-blocks' products then add up in int32 and take one F32 multiply
+ * a super-block instead of one a block (the prefill's instruction count). int16, not int8: with int8 (a / 254 per element) the errors of 30 layers moved
  * SmolLM2-135M's log-probabilities by up to 0.2 and flipped its greedy answer to the
  * README's question (the exact path's first-token margin is 0.08); int16 makes that
  * error 258 times smaller for about 1.5x the integer work per token, which decode, bound
@@ -14,7 +17,7 @@
  * Q6_K's -32) or a min (Q4_1, Q5_1, Q4_K, Q5_K) subtract it once per block as
  * offset * sum(x) instead of per element.
  *
- * Accuracy: with a = max|x| over a block, d = a / 32767 and q = rint(x * (1 / d)),
+ * Accuracy: with a = max|x| over a block (or its super-block), d = a / 32767 and q = rint(x * (1 / d)),
  * |x - d*q| <= d * (1/2 + 0.01) per element (the 0.01 bounds the F32 rounding of 1 / d
  * and of x * (1 / d) near 32767), so a product differs from the exact one (dequantized
  * weights times F32 x) by at most sum_k |W[k]| * d(k's block) * 0.51, plus F32 rounding
@@ -36,9 +39,11 @@ typedef struct m40_xq {
     int32_t h[2];
 } m40_xq;
 
-/* x[0..K) (K a multiple of 32) into K/32 records: d = max|x| / 32767, q = x * (1 / d)
- * rounded to nearest even. m40_xq_quantize: the widest isa's quantizer (the same
- * records bit for bit as m40_xq_quantize_isa(M40_ISA_PORTABLE)). */
+/* x[0..K) (K a multiple of 32) into K/32 records: d = max|x| / 32767 (over the block, or
+ * over its super-block of 8 blocks where K is a multiple of 256: the records of a
+ * super-block then have the same d), q = x * (1 / d) rounded to nearest even.
+ * m40_xq_quantize: the widest isa's quantizer (the same records bit for bit as
+ * m40_xq_quantize_isa(M40_ISA_PORTABLE)). */
 typedef void (*m40_xq_quantize_fn)(const float *x, int64_t K, m40_xq *out);
 void m40_xq_quantize(const float *x, int64_t K, m40_xq *out);
 m40_xq_quantize_fn m40_xq_quantize_isa(int isa); /* NULL: not on this CPU */
@@ -50,13 +55,36 @@ enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_C
 int m40_cpu_isa(void);
 const char *m40_cpu_isa_name(int isa);
 
-/* dot(one weight row of K elements at w, its activations): xq holds K/32 records.
- * F16 and F32 rows take the F32 activations x instead (xq unused). */
-typedef float (*m40_dot_q_fn)(const uint8_t *w, const m40_xq *xq, int64_t K);
+/* The records' s in a row (xsum[i] = xq[i].s, i < n): the K-quant kernels read a
+ * super-block's eight with one vector load. */
+void m40_xq_sums(const m40_xq *xq, int64_t n, float *xsum);
+
+/* dot(one weight row of K elements at w, its activations): xq holds K/32 records and
+ * xsum their s (m40_xq_sums). F16 and F32 rows take the F32 activations x instead. */
+typedef float (*m40_dot_q_fn)(const uint8_t *w, const m40_xq *xq, const float *xsum, int64_t K);
 typedef float (*m40_dot_f_fn)(const uint8_t *w, const float *x, int64_t K);
 /* The same row against 4 tokens at once (prefill): out[t] = dot(w, xq + t * x_stride),
  * t < 4, each the same bits as the one-token kernel of that isa gives. */
-typedef void (*m40_dot_q4_fn)(const uint8_t *w, const m40_xq *xq, int64_t x_stride, int64_t K, float *out);
+typedef void (*m40_dot_q4_fn)(const uint8_t *w, const m40_xq *xq, const float *xsum, int64_t x_stride, int64_t K,
+                              float *out);
+
+/* A product cut into ranges of blocks (prefill: the activations of a few tokens over a
+ * range stay in L1 while many weight rows meet them). The state of one (row, token)
+ * product between ranges: zero it, run the ranges in order, then finish it. */
+typedef struct m40_dot_state {
+    float v[8];  /* the SIMD kernel's F32 lanes */
+    float corr;  /* its offset / min term */
+    float pad[7];
+} m40_dot_state;
+/* Blocks [kb0, kb1) (32-element units; multiples of 8 for K-quants, whose super-blocks
+ * are 8 blocks) of the row at w (its start) against ntok tokens' records (x: token
+ * 0's record 0, xsum their s; x_stride records (and sums) between tokens), into
+ * st[0..ntok). */
+typedef void (*m40_dot_part_fn)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t x_stride, int64_t kb0,
+                                int64_t kb1, int ntok, m40_dot_state *st);
+/* The product from its state: the same bits as the one-token kernel of that isa over the
+ * whole row, however the row was cut. */
+typedef float (*m40_dot_fin_fn)(const m40_dot_state *st);
 
 /* The kernel of `type` for `isa`; NULL when that type has no fast kernel (the caller
  * keeps the exact path) or the isa is not compiled in / not run by this CPU. Quantized
@@ -65,6 +93,11 @@ m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa);
 m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa);
 /* The 4-token kernel of `type` for `isa` (SIMD isas only; NULL otherwise). */
 m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa);
+
+/* The piecewise kernel of `type` for `isa` and its finish (SIMD isas only; NULL
+ * otherwise). */
+m40_dot_part_fn m40_dot_part_kernel(uint32_t type, int isa);
+m40_dot_fin_fn m40_dot_fin_kernel(uint32_t type, int isa);
 
 /* y[i] += a * x[i], i < n, for `isa` (NULL where absent; the portable one is plain C). */
 typedef void (*m40_axpy_fn)(float *y, float a, const float *x, int64_t n);
@@ -90,9 +123,13 @@ m40_axpy_fn m40_axpy_avx512(void);
 m40_xq_quantize_fn m40_xq_quantize_avx512(void);
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type);
 m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type);
+m40_dot_part_fn m40_dot_part_avx2(uint32_t type);
+m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type);
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type);
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type);
 m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type);
+m40_dot_part_fn m40_dot_part_avx512(uint32_t type);
+m40_dot_fin_fn m40_dot_fin_avx512(uint32_t type);
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type);
 
 #endif

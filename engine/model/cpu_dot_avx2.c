@@ -17,10 +17,19 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(const void *)(q + 16))));
 }
 
+/* acc + x86_dotw(lo, hi, q) */
+static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dotw_acc(__m256i acc, __m256i lo,
+                                                                                  __m256i hi, const int16_t *q)
+{
+    return _mm256_add_epi32(acc, x86_dotw(lo, hi, q));
+}
+
 #include "cpu_dot_x86.h"
 
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { return avx2_table_q(type); }
 m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { return avx2_table_q4(type); }
+m40_dot_part_fn m40_dot_part_avx2(uint32_t type) { return avx2_table_part(type); }
+m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type) { return avx2_table_fin(type); }
 m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return avx2_quantize; }
 m40_axpy_fn m40_axpy_avx2(void) { return avx2_axpy; }
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { return avx2_table_f(type); }
@@ -30,6 +39,8 @@ m40_glu_fn m40_glu_avx2(int act) { return avx2_table_glu(act); }
 
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { (void)type; return NULL; }
 m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { (void)type; return NULL; }
+m40_dot_part_fn m40_dot_part_avx2(uint32_t type) { (void)type; return NULL; }
+m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type) { (void)type; return NULL; }
 m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return NULL; }
 m40_axpy_fn m40_axpy_avx2(void) { return NULL; }
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { (void)type; return NULL; }

@@ -5,7 +5,8 @@
  *                binary runs on any x86-64; the dispatch in cpu_dot.c checks the CPU),
  *   X86_NAME(n)  the kernel's name in this instance,
  *   x86_dotw     (lo, hi, q): the 16-bit weights lo (elements 0..15) and hi (16..31)
- *                times the record's int16 q -> 8 int32 lanes, each the sum of 4 products.
+ *                times the record's int16 q -> 8 int32 lanes, each the sum of 4 products;
+ *   x86_dotw_acc (acc, lo, hi, q): acc + x86_dotw(lo, hi, q).
  * The twins are the portable kernels of cpu_dot.c: the same integers per block, the F32
  * sums in another order (8 lanes per block, added across blocks, reduced at the end). */
 #include <immintrin.h>
@@ -84,46 +85,38 @@ X86_FN void x86_widen(__m256i u, __m256i *lo, __m256i *hi)
  * (x + t * xs), and every token's sums take exactly the steps of the one-token
  * kernel, so a product is the same bits whichever of the two computed it (batched and
  * unbatched outputs agree). */
-#define X86_NT_MAX 4
+#define X86_NT_MAX 8
 /* (the token loops are unrolled: acc[] and corr[] then live in registers, not on the
  * stack, where each block's update would wait on a store) */
 
-X86_FN void x86_q8_0(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int nt, float *out)
+X86_FN void x86_q8_0(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1, int nt, __m256 *acc,
+                     float *corr)
 {
-    __m256 acc[X86_NT_MAX];
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++)
-        acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < K / 32; b++, w += 34) {
+    (void)corr, (void)xsum;
+    w += 34 * kb0;
+    for (int64_t b = kb0; b < kb1; b++, w += 34) {
         x86_prefetch(w, 34);
         __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 2)));
         __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 18)));
         float d = x86_f16(w);
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + b];
             acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
         }
     }
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++)
-        out[t] = x86_hsum(acc[t]);
 }
 
 /* Q4_0 (five 0, min 0), Q4_1 (min 1), Q5_0 (five 1), Q5_1 (both): the block's bytes
  * are d | [m] | [qh] | qs. */
-X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int five, int min, int nt, float *out)
+X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1, int five, int min,
+                     int nt, __m256 *acc, float *corr)
 {
     const int64_t bytes = 18 + (five ? 4 : 0) + (min ? 2 : 0);
     const int qs_off = 2 + (five ? 4 : 0) + (min ? 2 : 0), qh_off = min ? 4 : 2;
-    __m256 acc[X86_NT_MAX];
-    float corr[X86_NT_MAX];
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        corr[t] = 0.0f;
-    }
-    for (int64_t b = 0; b < K / 32; b++, w += bytes) {
+    (void)xsum;
+    w += bytes * kb0;
+    for (int64_t b = kb0; b < kb1; b++, w += bytes) {
         x86_prefetch(w, (int)bytes);
         __m256i u = x86_nibbles(w + qs_off);
         if (five)
@@ -131,45 +124,73 @@ X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
         __m256i lo, hi;
         x86_widen(u, &lo, &hi);
         float d = x86_f16(w), m = min ? x86_f16(w + 2) : d;
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + b];
             acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
             corr[t] += m * xb->s;
         }
     }
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) {
-        float s = x86_hsum(acc[t]);
-        out[t] = min ? s + corr[t] : s - (five ? 16.0f : 8.0f) * corr[t];
-    }
 }
 
-/* Q4_K (five 0) and Q5_K: sub-block 2c + h takes the low (h 0) or high nibbles of
- * qs[32c..32c+32), Q5_K bit 2c + h of qh[l] as the 5th bit (cpu_dot.c, dot_qk_k). */
-X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int five, int nt, float *out)
+/* One block of 32 weights as 16-bit levels, less an offset, times their scales (the
+ * K-quants' sub-block scales, small integers), and its product with an activation block
+ * added into int32 lanes. (512-bit vectors in the AVX-512 instance, one vpdpwssd a
+ * block, measured slower on this session's Zen 4 VM: Q4_K at 8 tokens 54 against 57
+ * GMAC/s a core in L1, at 4 tokens 36 against 50.) */
+typedef struct {
+    __m256i lo, hi;
+} x86_wblk;
+X86_FN x86_wblk x86_wblk_make(__m256i u, int off, int s0, int s1)
 {
+    x86_wblk b;
+    x86_widen(u, &b.lo, &b.hi);
+    if (off) {
+        b.lo = _mm256_sub_epi16(b.lo, _mm256_set1_epi16((short)off));
+        b.hi = _mm256_sub_epi16(b.hi, _mm256_set1_epi16((short)off));
+    }
+    b.lo = _mm256_mullo_epi16(b.lo, _mm256_set1_epi16((short)s0));
+    b.hi = _mm256_mullo_epi16(b.hi, _mm256_set1_epi16((short)s1));
+    return b;
+}
+X86_FN __m256i x86_wblk_dot(__m256i a, x86_wblk w, const int16_t *q) { return x86_dotw_acc(a, w.lo, w.hi, q); }
+
+/* Q4_K (five 0) and Q5_K: sub-block 2c + h takes the low (h 0) or high nibbles of
+ * qs[32c..32c+32), Q5_K bit 2c + h of qh[l] as the 5th bit (cpu_dot.c, dot_qk_k). The
+ * 6-bit sub-block scale multiplies the widened levels in 16 bits (63 * 31 fits), so the
+ * whole super-block is one sum of int32 lanes (each lane 32 products of at most 1953 *
+ * 32767: 2.05e9, no overflow) taken to F32 once, times d and the super-block's shared
+ * activation scale (m40_xq_quantize); the mins come off as dmin * sum_j mn_j s_j, the
+ * eight records' s one vector load from xsum (a gather from the records cost a third of
+ * the kernel's time, scalar products a fifth). */
+X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1,
+                     int five, int nt, __m256 *acc, float *corr)
+{
+    (void)corr;
     const int64_t bytes = five ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc[X86_NT_MAX];
-    float corr[X86_NT_MAX];
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        corr[t] = 0.0f;
-    }
-    for (int64_t b = 0; b < K / M40_QK_K; b++, w += bytes) {
+    w += bytes * (kb0 / 8);
+    for (int64_t b = kb0 / 8; b < kb1 / 8; b++, w += bytes) {
         x86_prefetch(w, (int)bytes);
-        float d = x86_f16(w), dmin = x86_f16(w + 2);
-        const uint8_t *s = w + 4, *qs = w + (five ? 48 : 16);
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 4; j++) {
-            sc[j] = s[j] & 63;
-            mn[j] = s[j + 4] & 63;
-            sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
-            mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-        }
-        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(const void *)(w + 16)) : _mm256_setzero_si256();
+        const float d = x86_f16(w), dmin = x86_f16(w + 2);
+        /* the 6-bit (scale, min) pairs in 32-bit words (scale_min_k4): sc, mn hold byte j
+         * = pair j. (Byte stores read back as one word stalled store forwarding.) */
+        uint32_t sw0, sw1, sw2;
+        memcpy(&sw0, w + 4, 4);
+        memcpy(&sw1, w + 8, 4);
+        memcpy(&sw2, w + 12, 4);
+        const uint64_t sc = (uint64_t)(sw0 & 0x3f3f3f3fu) |
+                            (uint64_t)((sw2 & 0x0f0f0f0fu) | (((sw0 >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mn = (uint64_t)(sw1 & 0x3f3f3f3fu) |
+                            (uint64_t)(((sw2 >> 4) & 0x0f0f0f0fu) | (((sw1 >> 6) & 0x03030303u) << 4)) << 32;
+        const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+        const uint8_t *qs = w + (five ? 48 : 16);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(const void *)(w + 16)) : _mm256_setzero_si256();
+        __m256i iacc[X86_NT_MAX];
+        _Pragma("GCC unroll 8")
+        for (int t = 0; t < nt; t++)
+            iacc[t] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * c));
             __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -179,40 +200,37 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
                 u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), h5));
                 u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), h5));
             }
-            __m256i lo0, hi0, lo1, hi1;
-            x86_widen(u0, &lo0, &hi0);
-            x86_widen(u1, &lo1, &hi1);
-            float d0 = d * (float)sc[2 * c], d1 = d * (float)sc[2 * c + 1];
-            _Pragma("GCC unroll 4")
+            const int s0 = (int)((sc >> (16 * c)) & 0xff), s1 = (int)((sc >> (16 * c + 8)) & 0xff);
+            const x86_wblk w0 = x86_wblk_make(u0, 0, s0, s0), w1 = x86_wblk_make(u1, 0, s1, s1);
+            _Pragma("GCC unroll 8")
             for (int t = 0; t < nt; t++) {
-                const m40_xq *x0 = &x[t * xs + 8 * b + 2 * c], *x1 = x0 + 1;
-                acc[t] = x86_acc(acc[t], d0 * x0->d, x86_dotw(lo0, hi0, x0->q));
-                acc[t] = x86_acc(acc[t], d1 * x1->d, x86_dotw(lo1, hi1, x1->q));
-                corr[t] += dmin * ((float)mn[2 * c] * x0->s + (float)mn[2 * c + 1] * x1->s);
+                const m40_xq *x0 = &x[t * xs + 8 * b + 2 * c];
+                iacc[t] = x86_wblk_dot(iacc[t], w0, x0->q);
+                iacc[t] = x86_wblk_dot(iacc[t], w1, x0[1].q);
             }
         }
+        _Pragma("GCC unroll 8")
+        for (int t = 0; t < nt; t++) {
+            const m40_xq *xb = &x[t * xs + 8 * b];
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(iacc[t]), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xsum + t * xs + 8 * b), acc[t]);
+        }
     }
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++)
-        out[t] = x86_hsum(acc[t]) - corr[t];
 }
 
-/* Q6_K: quarter k of half n is activation block 4n + k (cpu_dot.c, dot_q6_k). The two
- * halves of 16 have their own scales: each widened half is multiplied by its scale in
- * 16 bits (63 * 127 fits) before the product, so one int32 lane sums 4 products of at
- * most 8001 * 32767 (1.05e9, no overflow); the -32 of the levels comes off through the
- * half sums, in F32. */
-X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, int nt, float *out)
+/* Q6_K: quarter k of half n is activation block 4n + k (cpu_dot.c, dot_q6_k). Each
+ * block's two halves of 16 take their own scales, applied to the widened signed levels
+ * (level - 32) in 16 bits ((-32) * (-128) = 4096 fits), so there is no offset to take
+ * off; a half super-block (4 blocks) is one sum of int32 lanes (each lane 16 products
+ * of at most 4096 * 32767: 2,147,418,112, no overflow), taken to F32 once, times d and
+ * the super-block's shared activation scale. */
+X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1, int nt, __m256 *acc,
+                     float *corr)
 {
+    (void)corr, (void)xsum;
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc[X86_NT_MAX];
-    float corr[X86_NT_MAX];
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm256_setzero_ps();
-        corr[t] = 0.0f;
-    }
-    for (int64_t b = 0; b < K / M40_QK_K; b++, w += 210) {
+    w += 210 * (kb0 / 8);
+    for (int64_t b = kb0 / 8; b < kb1 / 8; b++, w += 210) {
         x86_prefetch(w, 210);
         const int8_t *sc = (const int8_t *)(w + 192);
         float d = x86_f16(w + 208);
@@ -228,50 +246,106 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, i
                                    _mm256_and_si256(H, _mm256_set1_epi8(0x30)));
             u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
                                    _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8((char)0xc0)), 2));
+            __m256i iacc[X86_NT_MAX];
+            _Pragma("GCC unroll 8")
+            for (int t = 0; t < nt; t++)
+                iacc[t] = _mm256_setzero_si256();
             for (int k = 0; k < 4; k++) {
-                int jb = 4 * n + k;
-                __m256i lo, hi;
-                x86_widen(u[k], &lo, &hi);
-                lo = _mm256_mullo_epi16(lo, _mm256_set1_epi16(sc[2 * jb]));
-                hi = _mm256_mullo_epi16(hi, _mm256_set1_epi16(sc[2 * jb + 1]));
-                _Pragma("GCC unroll 4")
-                for (int t = 0; t < nt; t++) {
-                    const m40_xq *xb = &x[t * xs + 8 * b + jb];
-                    float dd = d * xb->d;
-                    acc[t] = x86_acc(acc[t], dd, x86_dotw(lo, hi, xb->q));
-                    int ci = sc[2 * jb] * xb->h[0] + sc[2 * jb + 1] * xb->h[1]; /* <= 1.4e8 */
-                    corr[t] += dd * (32.0f * (float)ci);
-                }
+                const int jb = 4 * n + k;
+                const x86_wblk wb = x86_wblk_make(u[k], 32, sc[2 * jb], sc[2 * jb + 1]);
+                _Pragma("GCC unroll 8")
+                for (int t = 0; t < nt; t++)
+                    iacc[t] = x86_wblk_dot(iacc[t], wb, x[t * xs + 8 * b + jb].q);
             }
+            _Pragma("GCC unroll 8")
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t * xs + 8 * b].d),
+                                         _mm256_cvtepi32_ps(iacc[t]), acc[t]);
         }
     }
-    _Pragma("GCC unroll 4")
-    for (int t = 0; t < nt; t++)
-        out[t] = x86_hsum(acc[t]) - corr[t];
 }
 
-#define X86_QUANT_KERNELS(name, call)                                                                  \
-    X86_KERNEL float X86_NAME(name)(const uint8_t *w, const m40_xq *x, int64_t K)                      \
+/* A product's result from its state: the lanes summed (x86_hsum's order, which
+ * m40_dot_finish repeats in C), then the offset or min term per the type's rule
+ * (fin: 0 none, 1 + corr, 2 - 8 corr, 3 - 16 corr, 4 - corr). */
+X86_FN float x86_fin(__m256 acc, float corr, int fin)
+{
+    float s = x86_hsum(acc);
+    return fin == 1 ? s + corr : fin == 2 ? s - 8.0f * corr : fin == 3 ? s - 16.0f * corr : fin == 4 ? s - corr : s;
+}
+
+/* Each type's kernels from its body: the one-token and 4-token products over the whole
+ * row, and the piecewise one (blocks [kb0, kb1) into the tokens' states). All three run
+ * the same operations per token in the same order, so a product is the same bits
+ * whichever computed it, and whatever ranges it was cut into. */
+#define X86_QUANT_KERNELS(name, fin, call)                                                             \
+    X86_KERNEL float X86_NAME(name)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)   \
     {                                                                                                  \
-        float out[1];                                                                                  \
-        const int64_t xs = 0, nt = 1;                                                                  \
+        __m256 acc[1] = {_mm256_setzero_ps()};                                                         \
+        float corr[1] = {0.0f};                                                                        \
+        const int64_t xs = 0, kb0 = 0, kb1 = K / 32;                                                   \
+        const int nt = 1;                                                                              \
         call;                                                                                          \
-        return out[0];                                                                                 \
+        return x86_fin(acc[0], corr[0], fin);                                                          \
     }                                                                                                  \
-    X86_KERNEL void X86_NAME(name##_x4)(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t K, float *out) \
+    X86_KERNEL void X86_NAME(name##_x4)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t K, \
+                                        float *out)                                                    \
     {                                                                                                  \
+        __m256 acc[4];                                                                                 \
+        float corr[4];                                                                                 \
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps(), corr[t] = 0.0f; \
+        const int64_t kb0 = 0, kb1 = K / 32;                                                           \
         const int nt = 4;                                                                              \
         call;                                                                                          \
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) out[t] = x86_fin(acc[t], corr[t], fin);    \
+    }                                                                                                  \
+    X86_KERNEL void X86_NAME(name##_part)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs,    \
+                                          int64_t kb0, int64_t kb1, int ntok, m40_dot_state *st)       \
+    {                                                                                                  \
+        for (; ntok >= 8; ntok -= 8, x += 8 * xs, xsum += 8 * xs, st += 8) {                           \
+            __m256 acc[8];                                                                             \
+            float corr[8];                                                                             \
+            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) acc[t] = _mm256_loadu_ps(st[t].v),     \
+                                                                corr[t] = st[t].corr;                  \
+            const int nt = 8;                                                                          \
+            call;                                                                                      \
+            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) _mm256_storeu_ps(st[t].v, acc[t]),     \
+                                                                st[t].corr = corr[t];                  \
+        }                                                                                              \
+        if (ntok >= 4) {                                                                               \
+            __m256 acc[4];                                                                             \
+            float corr[4];                                                                             \
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) acc[t] = _mm256_loadu_ps(st[t].v),     \
+                                                                corr[t] = st[t].corr;                  \
+            const int nt = 4;                                                                          \
+            call;                                                                                      \
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) _mm256_storeu_ps(st[t].v, acc[t]),     \
+                                                                st[t].corr = corr[t];                  \
+            ntok -= 4, x += 4 * xs, xsum += 4 * xs, st += 4;                                           \
+        }                                                                                              \
+        for (int tk = 0; tk < ntok; tk++, x += xs, xsum += xs) {                                       \
+            __m256 acc[1] = {_mm256_loadu_ps(st[tk].v)};                                               \
+            float corr[1] = {st[tk].corr};                                                             \
+            const int nt = 1;                                                                          \
+            call;                                                                                      \
+            _mm256_storeu_ps(st[tk].v, acc[0]);                                                        \
+            st[tk].corr = corr[0];                                                                     \
+        }                                                                                              \
+    }                                                                                                  \
+    X86_KERNEL float X86_NAME(name##_fin)(const m40_dot_state *st)                                     \
+    {                                                                                                  \
+        return x86_fin(_mm256_loadu_ps(st->v), st->corr, fin);                                         \
     }
 
-X86_QUANT_KERNELS(q8_0, x86_q8_0(w, x, xs, K, (int)nt, out))
-X86_QUANT_KERNELS(q4_0, x86_q4q5(w, x, xs, K, 0, 0, (int)nt, out))
-X86_QUANT_KERNELS(q4_1, x86_q4q5(w, x, xs, K, 0, 1, (int)nt, out))
-X86_QUANT_KERNELS(q5_0, x86_q4q5(w, x, xs, K, 1, 0, (int)nt, out))
-X86_QUANT_KERNELS(q5_1, x86_q4q5(w, x, xs, K, 1, 1, (int)nt, out))
-X86_QUANT_KERNELS(q4_k, x86_qk_k(w, x, xs, K, 0, (int)nt, out))
-X86_QUANT_KERNELS(q5_k, x86_qk_k(w, x, xs, K, 1, (int)nt, out))
-X86_QUANT_KERNELS(q6_k, x86_q6_k(w, x, xs, K, (int)nt, out))
+X86_QUANT_KERNELS(q8_0, 0, x86_q8_0(w, x, xsum, xs, kb0, kb1, nt, acc, corr))
+X86_QUANT_KERNELS(q4_0, 2, x86_q4q5(w, x, xsum, xs, kb0, kb1, 0, 0, nt, acc, corr))
+X86_QUANT_KERNELS(q4_1, 1, x86_q4q5(w, x, xsum, xs, kb0, kb1, 0, 1, nt, acc, corr))
+X86_QUANT_KERNELS(q5_0, 3, x86_q4q5(w, x, xsum, xs, kb0, kb1, 1, 0, nt, acc, corr))
+X86_QUANT_KERNELS(q5_1, 1, x86_q4q5(w, x, xsum, xs, kb0, kb1, 1, 1, nt, acc, corr))
+X86_QUANT_KERNELS(q4_k, 0, x86_qk_k(w, x, xsum, xs, kb0, kb1, 0, nt, acc, corr))
+X86_QUANT_KERNELS(q5_k, 0, x86_qk_k(w, x, xsum, xs, kb0, kb1, 1, nt, acc, corr))
+
+X86_QUANT_KERNELS(q6_k, 0, x86_q6_k(w, x, xsum, xs, kb0, kb1, nt, acc, corr))
 
 X86_KERNEL float X86_NAME(f16)(const uint8_t *w, const float *x, int64_t K)
 {
@@ -312,18 +386,18 @@ X86_KERNEL float X86_NAME(f32)(const uint8_t *w, const float *x, int64_t K)
     return s;
 }
 
-/* m40_xq_quantize's twin (cpu_dot.c), the same records bit for bit: the same amax, the
- * same d = amax / 32767 and id = 1 / d, x * id rounded to nearest even (as nearbyintf
- * in the default rounding mode) and clamped to +-32767. */
+/* m40_xq_quantize's twin (cpu_dot.c), the same records bit for bit: the same amax (of
+ * the block, or of its super-block of 8 where K is a multiple of 256), the same d =
+ * amax / 32767 and id = 1 / d, x * id rounded to nearest even (as nearbyintf in the
+ * default rounding mode) and clamped to +-32767. */
 X86_KERNEL void X86_NAME(quantize)(const float *x, int64_t K, m40_xq *out)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < K / 32; b++, x += 32) {
-        __m256 v[4], m;
-        for (int i = 0; i < 4; i++)
-            v[i] = _mm256_loadu_ps(x + 8 * i);
-        m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const int span = K % 256 == 0 ? 8 : 1; /* blocks that share one scale */
+    for (int64_t b0 = 0; b0 < K / 32; b0 += span) {
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 4 * span; i++)
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 32 * b0 + 8 * i)));
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
@@ -331,29 +405,32 @@ X86_KERNEL void X86_NAME(quantize)(const float *x, int64_t K, m40_xq *out)
         float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         __m256 vid = _mm256_set1_ps(id);
         const __m256 lim = _mm256_set1_ps(32767.0f), nlim = _mm256_set1_ps(-32767.0f);
-        __m256i q[4];
-        for (int i = 0; i < 4; i++) {
-            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+        for (int64_t b = b0; b < b0 + span; b++) {
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {
+                __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * b + 8 * i), vid),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, nlim), lim));
+            }
+            /* int32 -> int16 in element order: packs works within 128-bit lanes, so the
+             * permute puts the 64-bit quarters back in order */
+            __m256i p16a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+            __m256i p16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+            m40_xq *r = &out[b];
+            _mm256_storeu_si256((__m256i *)(void *)r->q, p16a);
+            _mm256_storeu_si256((__m256i *)(void *)(r->q + 16), p16b);
+            /* the integer sums of each half */
+            __m256i s32 = _mm256_add_epi32(q[0], q[1]), t32 = _mm256_add_epi32(q[2], q[3]);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t32), _mm256_extracti128_si256(t32, 1));
+            s4 = _mm_hadd_epi32(s4, t4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            int lo = _mm_cvtsi128_si32(s4), hi = _mm_extract_epi32(s4, 1);
+            r->d = d;
+            r->s = d * (float)(lo + hi);
+            r->h[0] = lo;
+            r->h[1] = hi;
         }
-        /* int32 -> int16 in element order: packs works within 128-bit lanes, so the
-         * permute puts the 64-bit quarters back in order */
-        __m256i p16a = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
-        __m256i p16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
-        m40_xq *r = &out[b];
-        _mm256_storeu_si256((__m256i *)(void *)r->q, p16a);
-        _mm256_storeu_si256((__m256i *)(void *)(r->q + 16), p16b);
-        /* the integer sums of each half */
-        __m256i s32 = _mm256_add_epi32(q[0], q[1]), t32 = _mm256_add_epi32(q[2], q[3]);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t32), _mm256_extracti128_si256(t32, 1));
-        s4 = _mm_hadd_epi32(s4, t4);
-        s4 = _mm_hadd_epi32(s4, s4);
-        int lo = _mm_cvtsi128_si32(s4), hi = _mm_extract_epi32(s4, 1);
-        r->d = d;
-        r->s = d * (float)(lo + hi);
-        r->h[0] = lo;
-        r->h[1] = hi;
     }
 }
 
@@ -444,6 +521,36 @@ static m40_dot_q4_fn X86_NAME(table_q4)(uint32_t type)
     case M40_TYPE_Q4_K: return X86_NAME(q4_k_x4);
     case M40_TYPE_Q5_K: return X86_NAME(q5_k_x4);
     case M40_TYPE_Q6_K: return X86_NAME(q6_k_x4);
+    default: return NULL;
+    }
+}
+
+static m40_dot_part_fn X86_NAME(table_part)(uint32_t type)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0: return X86_NAME(q8_0_part);
+    case M40_TYPE_Q4_0: return X86_NAME(q4_0_part);
+    case M40_TYPE_Q4_1: return X86_NAME(q4_1_part);
+    case M40_TYPE_Q5_0: return X86_NAME(q5_0_part);
+    case M40_TYPE_Q5_1: return X86_NAME(q5_1_part);
+    case M40_TYPE_Q4_K: return X86_NAME(q4_k_part);
+    case M40_TYPE_Q5_K: return X86_NAME(q5_k_part);
+    case M40_TYPE_Q6_K: return X86_NAME(q6_k_part);
+    default: return NULL;
+    }
+}
+
+static m40_dot_fin_fn X86_NAME(table_fin)(uint32_t type)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0: return X86_NAME(q8_0_fin);
+    case M40_TYPE_Q4_0: return X86_NAME(q4_0_fin);
+    case M40_TYPE_Q4_1: return X86_NAME(q4_1_fin);
+    case M40_TYPE_Q5_0: return X86_NAME(q5_0_fin);
+    case M40_TYPE_Q5_1: return X86_NAME(q5_1_fin);
+    case M40_TYPE_Q4_K: return X86_NAME(q4_k_fin);
+    case M40_TYPE_Q5_K: return X86_NAME(q5_k_fin);
+    case M40_TYPE_Q6_K: return X86_NAME(q6_k_fin);
     default: return NULL;
     }
 }

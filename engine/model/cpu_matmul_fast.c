@@ -12,7 +12,18 @@
 #include "ref/ggml_types.h"
 #include "util/threadpool.h"
 
+#include <string.h>
+
 #define TILE_ROWS 16
+/* Blocks of 32 in one range of a piecewise product (m40_dot_part_fn): 4 tokens' records
+ * of a range (10 KB) and the tile's 16 rows of it (9 KB of Q4_K) stay in L1 while the
+ * rows meet the tokens. (With whole rows, each row read 4 tokens' records of the whole
+ * width, 40 KB at K 4096, from L2 again: prefill was bound by that.) A multiple of 8
+ * (K-quant super-blocks). */
+#define PART_BLOCKS 32
+/* Tokens a piecewise call takes (its widest register tile is 8: one unpack of a weight
+ * block meets 8 tokens). */
+#define PART_TOKENS 8
 
 int m40_fast_supported(const m40_matrix *w, int *quantized)
 {
@@ -34,17 +45,20 @@ typedef struct {
     const float *x;
     int64_t K;
     m40_xq *xq;
+    float *xsum;
 } quant_job;
 
 static void quant_task(void *ctx, int task, int thread)
 {
     quant_job *j = ctx;
-    m40_xq_quantize(j->x + (size_t)task * (size_t)j->K, j->K, j->xq + (size_t)task * (size_t)(j->K / 32));
+    const size_t nb = (size_t)(j->K / 32);
+    m40_xq_quantize(j->x + (size_t)task * (size_t)j->K, j->K, j->xq + (size_t)task * nb);
+    m40_xq_sums(j->xq + (size_t)task * nb, (int64_t)nb, j->xsum + (size_t)task * nb);
 }
 
-void m40_fast_quantize(struct m40_threadpool *pool, const float *x, int32_t n, int64_t K, m40_xq *xq)
+void m40_fast_quantize(struct m40_threadpool *pool, const float *x, int32_t n, int64_t K, m40_xq *xq, float *xsum)
 {
-    quant_job j = {.x = x, .K = K, .xq = xq};
+    quant_job j = {.x = x, .K = K, .xq = xq, .xsum = xsum};
     if (n * K < 16384) { /* a decode step: cheaper than a pool wake-up */
         for (int32_t t = 0; t < n; t++)
             quant_task(&j, t, 0);
@@ -58,12 +72,15 @@ typedef struct {
     float *out[M40_FAST_MAX_GROUP];
     m40_dot_q_fn dq[M40_FAST_MAX_GROUP];
     m40_dot_q4_fn dq4[M40_FAST_MAX_GROUP]; /* 4 tokens at once, or NULL */
+    m40_dot_part_fn dpart[M40_FAST_MAX_GROUP]; /* piecewise (with dfin), or NULL */
+    m40_dot_fin_fn dfin[M40_FAST_MAX_GROUP];
     m40_dot_f_fn df[M40_FAST_MAX_GROUP];
     int64_t rows_per_chunk[M40_FAST_MAX_GROUP];
     int first_task[M40_FAST_MAX_GROUP + 1]; /* matrix i's chunks: tasks first_task[i] .. first_task[i + 1] */
     int count;
     const float *x;
     const m40_xq *xq;
+    const float *xsum;
     int32_t n;
 } fast_job;
 
@@ -79,15 +96,37 @@ static void fast_task(void *ctx, int task, int thread)
     const int64_t K = w->cols, nb = K / 32;
     const size_t rows = (size_t)w->rows;
     float *out = j->out[i];
+    if (j->dpart[i] && j->n >= 4) { /* prefill: ranges of the row in L1, PART_TOKENS at a time */
+        m40_dot_state st[TILE_ROWS][PART_TOKENS];
+        for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
+            const int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
+            for (int32_t t = 0; t < j->n; t += PART_TOKENS) {
+                const int nt = j->n - t < PART_TOKENS ? (int)(j->n - t) : PART_TOKENS;
+                const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
+                const float *xsum = j->xsum + (size_t)t * (size_t)nb;
+                memset(st, 0, sizeof st);
+                for (int64_t kb = 0; kb < nb; kb += PART_BLOCKS) {
+                    const int64_t ke = kb + PART_BLOCKS < nb ? kb + PART_BLOCKS : nb;
+                    for (int64_t r = t0; r < t1; r++)
+                        j->dpart[i](w->data + (size_t)r * w->row_bytes, xq, xsum, nb, kb, ke, nt, st[r - t0]);
+                }
+                for (int64_t r = t0; r < t1; r++)
+                    for (int k = 0; k < nt; k++)
+                        out[(size_t)(t + k) * rows + (size_t)r] = j->dfin[i](&st[r - t0][k]);
+            }
+        }
+        return;
+    }
     for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
         int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
         int32_t t = 0;
         if (j->dq4[i]) /* the tile's rows against 4 tokens a call: one unpack of each block */
             for (; t + 4 <= j->n; t += 4) {
                 const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
+                const float *xsum = j->xsum + (size_t)t * (size_t)nb;
                 for (int64_t r = t0; r < t1; r++) {
                     float v[4];
-                    j->dq4[i](w->data + (size_t)r * w->row_bytes, xq, nb, K, v);
+                    j->dq4[i](w->data + (size_t)r * w->row_bytes, xq, xsum, nb, K, v);
                     for (int k = 0; k < 4; k++)
                         out[(size_t)(t + k) * rows + (size_t)r] = v[k];
                 }
@@ -96,8 +135,9 @@ static void fast_task(void *ctx, int task, int thread)
             float *o = out + (size_t)t * rows;
             if (j->dq[i]) {
                 const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
+                const float *xsum = j->xsum + (size_t)t * (size_t)nb;
                 for (int64_t r = t0; r < t1; r++)
-                    o[r] = j->dq[i](w->data + (size_t)r * w->row_bytes, xq, K);
+                    o[r] = j->dq[i](w->data + (size_t)r * w->row_bytes, xq, xsum, K);
             } else {
                 const float *x = j->x + (size_t)t * (size_t)K;
                 for (int64_t r = t0; r < t1; r++)
@@ -108,9 +148,9 @@ static void fast_task(void *ctx, int task, int thread)
 }
 
 void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matrix *const *ws, float *const *outs,
-                     int count, const float *x, const m40_xq *xq, int32_t n)
+                     int count, const float *x, const m40_xq *xq, const float *xsum, int32_t n)
 {
-    fast_job j = {.count = count, .x = x, .xq = xq, .n = n};
+    fast_job j = {.count = count, .x = x, .xq = xq, .xsum = xsum, .n = n};
     int isa = m40_cpu_isa();
     int64_t work = 0;
     for (int i = 0; i < count; i++) {
@@ -120,6 +160,10 @@ void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matri
         m40_fast_supported(ws[i], &quantized);
         j.dq[i] = quantized ? m40_dot_q_kernel(ws[i]->type, isa) : NULL;
         j.dq4[i] = quantized ? m40_dot_q4_kernel(ws[i]->type, isa) : NULL;
+        j.dpart[i] = quantized ? m40_dot_part_kernel(ws[i]->type, isa) : NULL;
+        j.dfin[i] = quantized ? m40_dot_fin_kernel(ws[i]->type, isa) : NULL;
+        if (!j.dfin[i])
+            j.dpart[i] = NULL;
         j.df[i] = quantized ? NULL : m40_dot_f_kernel(ws[i]->type, isa);
         work += ws[i]->rows * ws[i]->cols * n;
     }

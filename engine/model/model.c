@@ -181,6 +181,7 @@ void m40_model_free_scratch(m40_model *m)
         free(bufs[i]);
     free(m->logit_rows);
     free(m->xq);
+    free(m->xsum);
     free(m->moe_ids);
     free(m->moe_rows);
     m40_model_scratch_reset(m);
@@ -194,6 +195,7 @@ void m40_model_scratch_reset(m40_model *m)
     m->moe_logits = m->moe_w = m->moe_in = m->moe_out = NULL;
     m->logit_rows = m->moe_ids = m->moe_rows = NULL;
     m->xq = NULL;
+    m->xsum = NULL;
     m->row_buf_len = 0;
     m->score_buf_len = 0;
 }
@@ -494,8 +496,8 @@ void m40_model_matmul_group(m40_model *m, const matrix *const *ws, float *const 
     }
     if (nf > 0) {
         if (need_q)
-            m40_fast_quantize(m->pool, x, n, fw[0]->cols, m->xq);
-        m40_fast_matmul(m->pool, m->n_threads, fw, fo, nf, x, m->xq, n);
+            m40_fast_quantize(m->pool, x, n, fw[0]->cols, m->xq, m->xsum);
+        m40_fast_matmul(m->pool, m->n_threads, fw, fo, nf, x, m->xq, m->xsum, n);
     }
     for (int i = 0; i < count; i++)
         add_bias(ws[i], n, outs[i], biases ? biases[i] : NULL);
@@ -641,6 +643,8 @@ int m40_model_ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
             if (!xq)
                 return -1;
             m->xq = xq;
+            if (grow(&m->xsum, N * ((in_max + 31) / 32)))
+                return -1;
         }
         if (grow(&m->x, N * p->dim) || grow(&m->xb, N * p->dim) || grow(&m->q, N * m->q_dim) ||
             grow(&m->k, N * m->kv_dim) || grow(&m->v, N * m->kv_dim) || grow(&m->att, N * m->q_dim) ||

@@ -77,6 +77,7 @@ struct m40_model {
     float *rope_cos_l, *rope_sin_l; /* the same with the local layers' base (has_local) */
     int32_t *logit_rows;
     struct m40_xq *xq;            /* fast path: [n][max input dim / 32] int16 records of a matmul input */
+    float *xsum;                  /* fast path: their s in a row (m40_xq_sums) */
     float *row_buf;               /* per thread: one dequantized weight row */
     int64_t row_buf_len;
     float *score_buf;             /* per thread: attention scores over the context */

@@ -94,11 +94,11 @@ static void test_quantizer(void)
     for (int rep = 0; rep < 200; rep++) {
         random_x(x, 256);
         m40_xq_quantize(x, 256, q);
+        float amax = 0; /* K = 256: one scale for the super-block */
+        for (int i = 0; i < 256; i++)
+            amax = fmaxf(amax, fabsf(x[i]));
         for (int b = 0; b < 8; b++) {
-            float amax = 0;
             int s0 = 0, s1 = 0;
-            for (int i = 0; i < 32; i++)
-                amax = fmaxf(amax, fabsf(x[32 * b + i]));
             for (int i = 0; i < 32; i++) {
                 float e = fabsf(x[32 * b + i] - q[b].d * (float)q[b].q[i]);
                 if (e > q[b].d * (0.5f + 0.01f) + 1e-30f || q[b].q[i] < -32767)
@@ -110,21 +110,34 @@ static void test_quantizer(void)
                 bad++;
         }
     }
+    /* K not a multiple of 256: a scale a block */
+    for (int rep = 0; rep < 200; rep++) {
+        random_x(x, 96);
+        m40_xq_quantize(x, 96, q);
+        for (int b = 0; b < 3; b++) {
+            float amax = 0;
+            for (int i = 0; i < 32; i++)
+                amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            bad += q[b].d != amax / 32767.0f;
+        }
+    }
     CHECK(bad == 0, "%d quantizer elements or records out of bound", bad);
-    /* every isa's quantizer writes the portable one's records bit for bit */
+    /* every isa's quantizer writes the portable one's records bit for bit (K of 13
+     * blocks: a scale a block; of 16: a scale a super-block) */
     int isa = m40_cpu_isa(), differ = 0, runs = 0;
-    float xs[32 * 13];
-    m40_xq a[13], b[13];
+    float xs[32 * 16];
+    m40_xq a[16], b[16];
     for (int s = M40_ISA_PORTABLE + 1; s <= isa; s++)
         for (int rep = 0; rep < 300; rep++) {
-            random_x(xs, 32 * 13);
+            const int64_t K = rep % 2 ? 32 * 13 : 32 * 16;
+            random_x(xs, K);
             if (rep % 7 == 0) /* ties: halves of the step */
                 for (int i = 0; i < 32; i++)
                     xs[i] = (float)(i - 16) * 0.5f;
             memset(a, 0, sizeof a);
             memset(b, 0, sizeof b);
-            m40_xq_quantize_isa(M40_ISA_PORTABLE)(xs, 32 * 13, a);
-            m40_xq_quantize_isa(s)(xs, 32 * 13, b);
+            m40_xq_quantize_isa(M40_ISA_PORTABLE)(xs, K, a);
+            m40_xq_quantize_isa(s)(xs, K, b);
             differ += memcmp(a, b, sizeof a) != 0;
             runs++;
         }
@@ -148,11 +161,14 @@ static void test_kernels(void)
             float *x = malloc((size_t)K * sizeof *x), *xd = malloc((size_t)K * sizeof *xd),
                   *wd = malloc((size_t)K * sizeof *wd);
             m40_xq *xq = malloc((size_t)(K / 32 + 1) * sizeof *xq);
+            float *xsum = malloc((size_t)(K / 32 + 1) * sizeof *xsum);
             for (int rep = 0; rep < 40; rep++) {
                 random_row(t, w, K);
                 random_x(x, K);
-                if (isq)
+                if (isq) {
                     m40_xq_quantize(x, K, xq);
+                    m40_xq_sums(xq, K / 32, xsum);
+                }
                 m40_dequantize_row(t->type, w, wd, K);
                 double mag = 0, qbound = 0; /* sum |w||x| and sum |w| d/2 */
                 for (int64_t k = 0; k < K; k++) {
@@ -164,7 +180,7 @@ static void test_kernels(void)
                 /* the twin: the portable kernel (F32 has none: the exact dot stands in) */
                 m40_dot_q_fn tq = isq ? m40_dot_q_kernel(t->type, M40_ISA_PORTABLE) : NULL;
                 m40_dot_f_fn tf = isq ? NULL : m40_dot_f_kernel(t->type, M40_ISA_PORTABLE);
-                double twin = isq ? tq(w, xq, K) : tf ? tf(w, x, K) : m40_dot_row(t->type, w, x, K);
+                double twin = isq ? tq(w, xq, xsum, K) : tf ? tf(w, x, K) : m40_dot_row(t->type, w, x, K);
                 double exact = m40_dot_row(t->type, w, x, K);
                 /* twin vs exact: the quantization bound, plus F32 rounding of the sums */
                 double e = fabs(twin - exact), tol = qbound * (1 + 1e-5) + 1e-5 * mag + 1e-30;
@@ -186,7 +202,7 @@ static void test_kernels(void)
                         m40_dot_q_fn k = m40_dot_q_kernel(t->type, s);
                         if (!k)
                             continue;
-                        v = k(w, xq, K);
+                        v = k(w, xq, xsum, K);
                     } else {
                         m40_dot_f_fn k = m40_dot_f_kernel(t->type, s);
                         if (!k)
@@ -196,25 +212,44 @@ static void test_kernels(void)
                     n_simd++;
                     if (isq && m40_dot_q4_kernel(t->type, s) && K / 32 >= 1) {
                         /* the 4-token kernel: the one-token kernel's bits for each token */
-                        m40_xq *x4 = malloc((size_t)(K / 32) * 4 * sizeof *x4);
-                        float *xt = malloc((size_t)K * sizeof *xt), o4[4];
+                        const int64_t nb = K / 32;
+                        m40_xq *x4 = malloc((size_t)nb * 4 * sizeof *x4);
+                        float *xt = malloc((size_t)K * sizeof *xt), o4[4], *s4 = malloc((size_t)nb * 4 * sizeof *s4);
                         for (int tk = 0; tk < 4; tk++) {
                             if (tk == 0)
-                                memcpy(x4, xq, (size_t)(K / 32) * sizeof *x4);
+                                memcpy(x4, xq, (size_t)nb * sizeof *x4);
                             else {
                                 random_x(xt, K);
-                                m40_xq_quantize(xt, K, x4 + (K / 32) * tk);
+                                m40_xq_quantize(xt, K, x4 + nb * tk);
                             }
                         }
-                        m40_dot_q4_kernel(t->type, s)(w, x4, K / 32, K, o4);
+                        m40_xq_sums(x4, nb * 4, s4);
+                        m40_dot_q4_kernel(t->type, s)(w, x4, s4, nb, K, o4);
+                        /* the piecewise kernel, the row cut at random block boundaries
+                         * (super-block ones for K-quants), 1..4 tokens a call */
+                        m40_dot_part_fn part = m40_dot_part_kernel(t->type, s);
+                        m40_dot_fin_fn fin = m40_dot_fin_kernel(t->type, s);
+                        m40_dot_state st[4];
+                        memset(st, 0, sizeof st);
+                        const int64_t unit = t->block == M40_QK_K ? 8 : 1;
+                        const int ntok = 1 + rep % 4;
+                        for (int64_t kb = 0; kb < nb;) {
+                            int64_t ke = kb + unit * (1 + (int64_t)(rnd() % 5));
+                            ke = ke < nb ? ke : nb;
+                            for (int tk = 0; tk < 4; tk += ntok)
+                                part(w, x4 + nb * tk, s4 + nb * tk, nb, kb, ke, 4 - tk < ntok ? 4 - tk : ntok, st + tk);
+                            kb = ke;
+                        }
                         for (int tk = 0; tk < 4; tk++) {
-                            float one = m40_dot_q_kernel(t->type, s)(w, x4 + (K / 32) * tk, K);
-                            if (memcmp(&one, &o4[tk], sizeof one))
+                            float one = m40_dot_q_kernel(t->type, s)(w, x4 + nb * tk, s4 + nb * tk, K);
+                            float pc = fin(&st[tk]);
+                            if (memcmp(&one, &o4[tk], sizeof one) || memcmp(&one, &pc, sizeof one))
                                 bad_x4++;
                         }
                         n_x4++;
                         free(x4);
                         free(xt);
+                        free(s4);
                     }
                     double es = fabs(v - twin), tols = 2e-5 * mag + 1e-30;
                     if (es > tols) {
@@ -232,12 +267,13 @@ static void test_kernels(void)
             free(xd);
             free(wd);
             free(xq);
+            free(xsum);
         }
         CHECK(bad_exact == 0, "%s: %d of %d twin products outside the quantization bound", m40_type_name(t->type),
               bad_exact, n_cases);
         CHECK(bad_twin == 0, "%s: %d of %d SIMD products differ from the twin", m40_type_name(t->type), bad_twin,
               n_simd);
-        CHECK(bad_x4 == 0, "%s: %d 4-token products differ from the one-token kernel's bits (%d calls)",
+        CHECK(bad_x4 == 0, "%s: %d 4-token or piecewise products differ from the one-token kernel's bits (%d calls)",
               m40_type_name(t->type), bad_x4, n_x4);
         if (isa > M40_ISA_PORTABLE && isq)
             CHECK(n_x4 > 0, "%s: no 4-token kernel ran", m40_type_name(t->type));
@@ -281,6 +317,68 @@ static void test_kernels(void)
  * path's formulas) on random gates over the range activations take, odd lengths (the
  * SIMD tails), and the extremes: large negative (e^x's clamp), large positive, zero,
  * within 4e-6 relative (the polynomial e^x: a few units of F32's last place). */
+/* The K-quants' integer sums at their largest: every level and sub-block scale at its
+ * extreme and every activation +-32767 of one sign (x all equal), so each int32 lane
+ * reaches its bound (Q5_K 2.05e9, Q6_K 2,147,418,112 in a half super-block: cpu_dot_x86.h).
+ * An overflow would be off by 2^32 d; the kernels must give the exact dot within F32
+ * rounding, on every isa, one token and piecewise alike. */
+static void test_extremes(void)
+{
+    const int64_t K = 1024;
+    uint8_t w[4 * 210];
+    float x[1024], wd[1024];
+    m40_xq xq[32];
+    float xsum[32];
+    int bad = 0, runs = 0;
+    for (int variant = 0; variant < 3; variant++)
+        for (int sign = 0; sign < 2; sign++) {
+            uint32_t type = variant == 0 ? M40_TYPE_Q4_K : variant == 1 ? M40_TYPE_Q5_K : M40_TYPE_Q6_K;
+            int bytes = variant == 0 ? 144 : variant == 1 ? 176 : 210;
+            for (int b = 0; b < 4; b++) {
+                uint8_t *p = w + b * bytes;
+                if (variant < 2) { /* d 1, dmin 0: scales 63, levels 15 (31), mins 0 */
+                    put_f16(p, 1.0f);
+                    put_f16(p + 2, 0.0f);
+                    for (int j = 0; j < 12; j++) /* every sc 63 (scale_min_k4), every mn 0 */
+                        p[4 + j] = j < 4 ? 0xff : j < 8 ? 0x00 : 0x0f;
+                    memset(p + (variant ? 48 : 16), 0xff, 128);
+                    if (variant)
+                        memset(p + 16, 0xff, 32);
+                } else { /* levels 0 (-32 after the offset), scales -128, d 1 */
+                    memset(p, 0, 192);
+                    memset(p + 192, 0x80, 16);
+                    put_f16(p + 208, 1.0f);
+                }
+            }
+            for (int64_t k = 0; k < K; k++)
+                x[k] = sign ? -1.0f : 1.0f;
+            m40_xq_quantize(x, K, xq);
+            m40_xq_sums(xq, K / 32, xsum);
+            m40_dequantize_row(type, w, wd, K);
+            double exact = 0;
+            for (int64_t k = 0; k < K; k++)
+                exact += (double)wd[k] * xq[k / 32].d * xq[k / 32].q[k % 32];
+            for (int s = M40_ISA_PORTABLE; s <= m40_cpu_isa(); s++) {
+                double v = m40_dot_q_kernel(type, s)(w, xq, xsum, K);
+                runs++;
+                if (fabs(v - exact) > 1e-5 * fabs(exact)) {
+                    fprintf(stderr, "  %s %s sign %d: %.9g, exact %.9g\n", m40_type_name(type), m40_cpu_isa_name(s),
+                            sign, v, exact);
+                    bad++;
+                }
+                m40_dot_part_fn part = m40_dot_part_kernel(type, s);
+                if (part) {
+                    m40_dot_state st;
+                    memset(&st, 0, sizeof st);
+                    part(w, xq, xsum, 0, 0, 8, 1, &st);
+                    part(w, xq, xsum, 0, 8, 32, 1, &st);
+                    bad += fabs(m40_dot_fin_kernel(type, s)(&st) - exact) > 1e-5 * fabs(exact);
+                }
+            }
+        }
+    CHECK(bad == 0, "%d of %d extreme K-quant products off the exact sum (int32 overflow?)", bad, runs);
+}
+
 static void test_glu(void)
 {
     const int isa = m40_cpu_isa();
@@ -345,20 +443,22 @@ static void test_matmul(void)
         for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
             if (types[i].type == mt[ti])
                 t = &types[i];
-        const int64_t K = 512;
         const int isq = t->block > 1;
         for (size_t ri = 0; ri < sizeof rows_list / sizeof rows_list[0]; ri++)
             for (size_t ni = 0; ni < sizeof n_list / sizeof n_list[0]; ni++) {
                 int rows = rows_list[ri], n = n_list[ni];
+                /* 1536: more than one range of the piecewise products (48 blocks) */
+                const int64_t K = (ri + ni) % 2 ? 1536 : 512;
                 size_t rb = (size_t)(K / t->block) * t->bytes;
                 uint8_t *wd = malloc(rb * rows * 3);
                 for (int r = 0; r < rows * 3; r++)
                     random_row(t, wd + rb * r, K);
                 float *x = malloc(sizeof *x * K * n), *out = malloc(sizeof *out * rows * n * 3);
                 m40_xq *xq = malloc(sizeof *xq * (K / 32) * n);
+                float *xsum = malloc(sizeof *xsum * (K / 32) * n);
                 for (int i = 0; i < n; i++)
                     random_x(x + K * i, K);
-                m40_fast_quantize(pool, x, n, K, xq);
+                m40_fast_quantize(pool, x, n, K, xq, xsum);
                 m40_matrix m3[3];
                 const m40_matrix *ws[3];
                 float *outs[3];
@@ -370,13 +470,14 @@ static void test_matmul(void)
                     int quant = -1;
                     CHECK(m40_fast_supported(ws[g], &quant) && quant == isq, "%s supported", m40_type_name(t->type));
                 }
-                m40_fast_matmul(pool, 3, ws, outs, 3, x, xq, n);
+                m40_fast_matmul(pool, 3, ws, outs, 3, x, xq, xsum, n);
                 int isa = m40_cpu_isa();
                 for (int g = 0; g < 3; g++)
                     for (int tk = 0; tk < n; tk++)
                         for (int64_t r = 0; r < m3[g].rows; r++) {
                             const uint8_t *row = m3[g].data + rb * r;
-                            float want = isq ? m40_dot_q_kernel(t->type, isa)(row, xq + (K / 32) * tk, K)
+                            float want = isq ? m40_dot_q_kernel(t->type, isa)(row, xq + (K / 32) * tk,
+                                                                             xsum + (K / 32) * tk, K)
                                              : m40_dot_f_kernel(t->type, isa)(row, x + K * tk, K);
                             if (memcmp(&want, &outs[g][(size_t)tk * m3[g].rows + r], sizeof want))
                                 bad++;
@@ -386,6 +487,7 @@ static void test_matmul(void)
                 free(x);
                 free(out);
                 free(xq);
+                free(xsum);
             }
     }
     CHECK(bad == 0, "%d matmul outputs differ from their row's kernel (%d cases)", bad, cases);
@@ -440,6 +542,7 @@ int main(void)
 {
     test_quantizer();
     test_kernels();
+    test_extremes();
     test_glu();
     test_matmul();
     test_model_batched("models/tiny-llama-q4km.gguf");
