@@ -348,17 +348,6 @@ m40_glu_fn m40_glu_kernel(int act, int isa)
     }
 }
 
-m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa)
-{
-    if (isa < 0 || isa > m40_cpu_isa())
-        return NULL;
-    switch (isa) {
-    case M40_ISA_AVX2: return m40_dot_q4_avx2(type);
-    case M40_ISA_AVX512VNNI: return m40_dot_q4_avx512(type);
-    default: return NULL;
-    }
-}
-
 m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa)
 {
     if (isa < 0 || isa > m40_cpu_isa())

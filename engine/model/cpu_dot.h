@@ -63,10 +63,6 @@ void m40_xq_sums(const m40_xq *xq, int64_t n, float *xsum);
  * xsum their s (m40_xq_sums). F16 and F32 rows take the F32 activations x instead. */
 typedef float (*m40_dot_q_fn)(const uint8_t *w, const m40_xq *xq, const float *xsum, int64_t K);
 typedef float (*m40_dot_f_fn)(const uint8_t *w, const float *x, int64_t K);
-/* The same row against 4 tokens at once (prefill): out[t] = dot(w, xq + t * x_stride),
- * t < 4, each the same bits as the one-token kernel of that isa gives. */
-typedef void (*m40_dot_q4_fn)(const uint8_t *w, const m40_xq *xq, const float *xsum, int64_t x_stride, int64_t K,
-                              float *out);
 
 /* A product cut into ranges of blocks (prefill: the activations of a few tokens over a
  * range stay in L1 while many weight rows meet them). The state of one (row, token)
@@ -91,8 +87,6 @@ typedef float (*m40_dot_fin_fn)(const m40_dot_state *st);
  * types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; float types: F16 (and F32). */
 m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa);
 m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa);
-/* The 4-token kernel of `type` for `isa` (SIMD isas only; NULL otherwise). */
-m40_dot_q4_fn m40_dot_q4_kernel(uint32_t type, int isa);
 
 /* The piecewise kernel of `type` for `isa` and its finish (SIMD isas only; NULL
  * otherwise). */
@@ -122,12 +116,10 @@ m40_axpy_fn m40_axpy_avx2(void);
 m40_axpy_fn m40_axpy_avx512(void);
 m40_xq_quantize_fn m40_xq_quantize_avx512(void);
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type);
-m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type);
 m40_dot_part_fn m40_dot_part_avx2(uint32_t type);
 m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type);
 m40_dot_f_fn m40_dot_f_avx2(uint32_t type);
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type);
-m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type);
 m40_dot_part_fn m40_dot_part_avx512(uint32_t type);
 m40_dot_fin_fn m40_dot_fin_avx512(uint32_t type);
 m40_dot_f_fn m40_dot_f_avx512(uint32_t type);

@@ -27,7 +27,6 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
 #include "cpu_dot_x86.h"
 
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { return avx2_table_q(type); }
-m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { return avx2_table_q4(type); }
 m40_dot_part_fn m40_dot_part_avx2(uint32_t type) { return avx2_table_part(type); }
 m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type) { return avx2_table_fin(type); }
 m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return avx2_quantize; }
@@ -38,7 +37,6 @@ m40_glu_fn m40_glu_avx2(int act) { return avx2_table_glu(act); }
 #else
 
 m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { (void)type; return NULL; }
-m40_dot_q4_fn m40_dot_q4_avx2(uint32_t type) { (void)type; return NULL; }
 m40_dot_part_fn m40_dot_part_avx2(uint32_t type) { (void)type; return NULL; }
 m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type) { (void)type; return NULL; }
 m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return NULL; }

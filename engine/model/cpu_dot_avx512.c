@@ -30,7 +30,6 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
 #include "cpu_dot_x86.h"
 
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { return avx512_table_q(type); }
-m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { return avx512_table_q4(type); }
 m40_dot_part_fn m40_dot_part_avx512(uint32_t type) { return avx512_table_part(type); }
 m40_dot_fin_fn m40_dot_fin_avx512(uint32_t type) { return avx512_table_fin(type); }
 m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return avx512_quantize; }
@@ -41,7 +40,6 @@ m40_glu_fn m40_glu_avx512(int act) { return avx512_table_glu(act); }
 #else
 
 m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { (void)type; return NULL; }
-m40_dot_q4_fn m40_dot_q4_avx512(uint32_t type) { (void)type; return NULL; }
 m40_dot_part_fn m40_dot_part_avx512(uint32_t type) { (void)type; return NULL; }
 m40_dot_fin_fn m40_dot_fin_avx512(uint32_t type) { (void)type; return NULL; }
 m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return NULL; }

@@ -80,11 +80,11 @@ X86_FN void x86_widen(__m256i u, __m256i *lo, __m256i *hi)
     *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1));
 }
 
-/* Each quantized kernel is written once for NT tokens (1 or 4) of one weight row: the
- * weights are loaded and unpacked once per block and met by every token's record
- * (x + t * xs), and every token's sums take exactly the steps of the one-token
- * kernel, so a product is the same bits whichever of the two computed it (batched and
- * unbatched outputs agree). */
+/* Each quantized kernel is written once for nt tokens (1, 4 or 8) of one weight row:
+ * the weights are loaded and unpacked once per block and met by every token's record
+ * (x + t * xs), and every token's sums take exactly the steps of the one-token kernel,
+ * so a product is the same bits whichever computed it (batched and unbatched outputs
+ * agree). */
 #define X86_NT_MAX 8
 /* (the token loops are unrolled: acc[] and corr[] then live in registers, not on the
  * stack, where each block's update would wait on a store) */
@@ -274,10 +274,10 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
     return fin == 1 ? s + corr : fin == 2 ? s - 8.0f * corr : fin == 3 ? s - 16.0f * corr : fin == 4 ? s - corr : s;
 }
 
-/* Each type's kernels from its body: the one-token and 4-token products over the whole
- * row, and the piecewise one (blocks [kb0, kb1) into the tokens' states). All three run
- * the same operations per token in the same order, so a product is the same bits
- * whichever computed it, and whatever ranges it was cut into. */
+/* Each type's kernels from its body: the one-token product over the whole row, and the
+ * piecewise one (blocks [kb0, kb1) into the tokens' states, 8 or 4 tokens a register
+ * tile, then one at a time). Both run the same operations per token in the same order,
+ * so a product is the same bits whichever computed it, and however its row was cut. */
 #define X86_QUANT_KERNELS(name, fin, call)                                                             \
     X86_KERNEL float X86_NAME(name)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)   \
     {                                                                                                  \
@@ -287,17 +287,6 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
         const int nt = 1;                                                                              \
         call;                                                                                          \
         return x86_fin(acc[0], corr[0], fin);                                                          \
-    }                                                                                                  \
-    X86_KERNEL void X86_NAME(name##_x4)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t K, \
-                                        float *out)                                                    \
-    {                                                                                                  \
-        __m256 acc[4];                                                                                 \
-        float corr[4];                                                                                 \
-        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) acc[t] = _mm256_setzero_ps(), corr[t] = 0.0f; \
-        const int64_t kb0 = 0, kb1 = K / 32;                                                           \
-        const int nt = 4;                                                                              \
-        call;                                                                                          \
-        _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) out[t] = x86_fin(acc[t], corr[t], fin);    \
     }                                                                                                  \
     X86_KERNEL void X86_NAME(name##_part)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs,    \
                                           int64_t kb0, int64_t kb1, int ntok, m40_dot_state *st)       \
@@ -506,21 +495,6 @@ static m40_dot_q_fn X86_NAME(table_q)(uint32_t type)
     case M40_TYPE_Q4_K: return X86_NAME(q4_k);
     case M40_TYPE_Q5_K: return X86_NAME(q5_k);
     case M40_TYPE_Q6_K: return X86_NAME(q6_k);
-    default: return NULL;
-    }
-}
-
-static m40_dot_q4_fn X86_NAME(table_q4)(uint32_t type)
-{
-    switch (type) {
-    case M40_TYPE_Q8_0: return X86_NAME(q8_0_x4);
-    case M40_TYPE_Q4_0: return X86_NAME(q4_0_x4);
-    case M40_TYPE_Q4_1: return X86_NAME(q4_1_x4);
-    case M40_TYPE_Q5_0: return X86_NAME(q5_0_x4);
-    case M40_TYPE_Q5_1: return X86_NAME(q5_1_x4);
-    case M40_TYPE_Q4_K: return X86_NAME(q4_k_x4);
-    case M40_TYPE_Q5_K: return X86_NAME(q5_k_x4);
-    case M40_TYPE_Q6_K: return X86_NAME(q6_k_x4);
     default: return NULL;
     }
 }

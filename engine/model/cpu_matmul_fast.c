@@ -71,7 +71,6 @@ typedef struct {
     const m40_matrix *w[M40_FAST_MAX_GROUP];
     float *out[M40_FAST_MAX_GROUP];
     m40_dot_q_fn dq[M40_FAST_MAX_GROUP];
-    m40_dot_q4_fn dq4[M40_FAST_MAX_GROUP]; /* 4 tokens at once, or NULL */
     m40_dot_part_fn dpart[M40_FAST_MAX_GROUP]; /* piecewise (with dfin), or NULL */
     m40_dot_fin_fn dfin[M40_FAST_MAX_GROUP];
     m40_dot_f_fn df[M40_FAST_MAX_GROUP];
@@ -119,19 +118,7 @@ static void fast_task(void *ctx, int task, int thread)
     }
     for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
         int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
-        int32_t t = 0;
-        if (j->dq4[i]) /* the tile's rows against 4 tokens a call: one unpack of each block */
-            for (; t + 4 <= j->n; t += 4) {
-                const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
-                const float *xsum = j->xsum + (size_t)t * (size_t)nb;
-                for (int64_t r = t0; r < t1; r++) {
-                    float v[4];
-                    j->dq4[i](w->data + (size_t)r * w->row_bytes, xq, xsum, nb, K, v);
-                    for (int k = 0; k < 4; k++)
-                        out[(size_t)(t + k) * rows + (size_t)r] = v[k];
-                }
-            }
-        for (; t < j->n; t++) {
+        for (int32_t t = 0; t < j->n; t++) {
             float *o = out + (size_t)t * rows;
             if (j->dq[i]) {
                 const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
@@ -159,7 +146,6 @@ void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matri
         int quantized = 0;
         m40_fast_supported(ws[i], &quantized);
         j.dq[i] = quantized ? m40_dot_q_kernel(ws[i]->type, isa) : NULL;
-        j.dq4[i] = quantized ? m40_dot_q4_kernel(ws[i]->type, isa) : NULL;
         j.dpart[i] = quantized ? m40_dot_part_kernel(ws[i]->type, isa) : NULL;
         j.dfin[i] = quantized ? m40_dot_fin_kernel(ws[i]->type, isa) : NULL;
         if (!j.dfin[i])
