@@ -89,46 +89,41 @@ X86_FN void x86_widen(__m256i u, __m256i *lo, __m256i *hi)
 /* (the token loops are unrolled: acc[] and corr[] then live in registers, not on the
  * stack, where each block's update would wait on a store) */
 
-X86_FN void x86_q8_0(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1, int nt, __m256 *acc,
-                     float *corr)
+/* The 32-block types: Q8_0 (q8 1), Q4_0 (five 0, min 0), Q4_1 (min 1), Q5_0 (five 1),
+ * Q5_1 (both); the block's bytes are d | [m] | [qh] | qs (Q8_0: d | 32 int8). Q4_0's
+ * and Q5_0's offsets come off the widened levels (once a row and block, shared by the
+ * tokens: it was a scalar multiply-add a block and token); Q4_1's and Q5_1's mins per
+ * block through the record's s. */
+X86_FN void x86_q32(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t kb0, int64_t kb1, int q8, int five,
+                    int min, int nt, __m256 *acc, float *corr)
 {
-    (void)corr, (void)xsum;
-    w += 34 * kb0;
-    for (int64_t b = kb0; b < kb1; b++, w += 34) {
-        x86_prefetch(w, 34);
-        __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 2)));
-        __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 18)));
-        float d = x86_f16(w);
-        _Pragma("GCC unroll 8")
-        for (int t = 0; t < nt; t++) {
-            const m40_xq *xb = &x[t * xs + b];
-            acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
-        }
-    }
-}
-
-/* Q4_0 (five 0, min 0), Q4_1 (min 1), Q5_0 (five 1), Q5_1 (both): the block's bytes
- * are d | [m] | [qh] | qs. */
-X86_FN void x86_q4q5(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1, int five, int min,
-                     int nt, __m256 *acc, float *corr)
-{
-    const int64_t bytes = 18 + (five ? 4 : 0) + (min ? 2 : 0);
+    const int64_t bytes = q8 ? 34 : 18 + (five ? 4 : 0) + (min ? 2 : 0);
     const int qs_off = 2 + (five ? 4 : 0) + (min ? 2 : 0), qh_off = min ? 4 : 2;
-    (void)xsum;
     w += bytes * kb0;
     for (int64_t b = kb0; b < kb1; b++, w += bytes) {
         x86_prefetch(w, (int)bytes);
-        __m256i u = x86_nibbles(w + qs_off);
-        if (five)
-            u = _mm256_or_si256(u, x86_bit5(w + qh_off));
         __m256i lo, hi;
-        x86_widen(u, &lo, &hi);
-        float d = x86_f16(w), m = min ? x86_f16(w + 2) : d;
+        if (q8) {
+            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 2)));
+            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(w + 18)));
+        } else {
+            __m256i u = x86_nibbles(w + qs_off);
+            if (five)
+                u = _mm256_or_si256(u, x86_bit5(w + qh_off));
+            x86_widen(u, &lo, &hi);
+            if (!min) {
+                const __m256i o = _mm256_set1_epi16(five ? 16 : 8);
+                lo = _mm256_sub_epi16(lo, o);
+                hi = _mm256_sub_epi16(hi, o);
+            }
+        }
+        const float d = x86_f16(w), m = min ? x86_f16(w + 2) : 0.0f;
         _Pragma("GCC unroll 8")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + b];
             acc[t] = x86_acc(acc[t], d * xb->d, x86_dotw(lo, hi, xb->q));
-            corr[t] += m * xb->s;
+            if (min)
+                corr[t] += m * xb->s;
         }
     }
 }
@@ -326,11 +321,11 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
         return x86_fin(_mm256_loadu_ps(st->v), st->corr, fin);                                         \
     }
 
-X86_QUANT_KERNELS(q8_0, 0, x86_q8_0(w, x, xsum, xs, kb0, kb1, nt, acc, corr))
-X86_QUANT_KERNELS(q4_0, 2, x86_q4q5(w, x, xsum, xs, kb0, kb1, 0, 0, nt, acc, corr))
-X86_QUANT_KERNELS(q4_1, 1, x86_q4q5(w, x, xsum, xs, kb0, kb1, 0, 1, nt, acc, corr))
-X86_QUANT_KERNELS(q5_0, 3, x86_q4q5(w, x, xsum, xs, kb0, kb1, 1, 0, nt, acc, corr))
-X86_QUANT_KERNELS(q5_1, 1, x86_q4q5(w, x, xsum, xs, kb0, kb1, 1, 1, nt, acc, corr))
+X86_QUANT_KERNELS(q8_0, 0, x86_q32(w, x, xs, kb0, kb1, 1, 0, 0, nt, acc, corr))
+X86_QUANT_KERNELS(q4_0, 0, x86_q32(w, x, xs, kb0, kb1, 0, 0, 0, nt, acc, corr))
+X86_QUANT_KERNELS(q4_1, 1, x86_q32(w, x, xs, kb0, kb1, 0, 0, 1, nt, acc, corr))
+X86_QUANT_KERNELS(q5_0, 0, x86_q32(w, x, xs, kb0, kb1, 0, 1, 0, nt, acc, corr))
+X86_QUANT_KERNELS(q5_1, 1, x86_q32(w, x, xs, kb0, kb1, 0, 1, 1, nt, acc, corr))
 X86_QUANT_KERNELS(q4_k, 0, x86_qk_k(w, x, xsum, xs, kb0, kb1, 0, nt, acc, corr))
 X86_QUANT_KERNELS(q5_k, 0, x86_qk_k(w, x, xsum, xs, kb0, kb1, 1, nt, acc, corr))
 
