@@ -269,6 +269,20 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
     return fin == 1 ? s + corr : fin == 2 ? s - 8.0f * corr : fin == 3 ? s - 16.0f * corr : fin == 4 ? s - corr : s;
 }
 
+/* One register tile of the piecewise kernel: the states of NTK tokens (st[0..NTK)) in,
+ * the body (call) over the blocks, the states out. */
+#define X86_PART_TILE(NTK, call)                                                                       \
+    do {                                                                                               \
+        __m256 acc[NTK];                                                                               \
+        float corr[NTK];                                                                               \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NTK; t++) acc[t] = _mm256_loadu_ps(st[t].v),       \
+                                                             corr[t] = st[t].corr;                     \
+        const int nt = NTK;                                                                            \
+        call;                                                                                          \
+        _Pragma("GCC unroll 8") for (int t = 0; t < NTK; t++) _mm256_storeu_ps(st[t].v, acc[t]),       \
+                                                             st[t].corr = corr[t];                     \
+    } while (0)
+
 /* Each type's kernels from its body: the one-token product over the whole row, and the
  * piecewise one (blocks [kb0, kb1) into the tokens' states, 8 or 4 tokens a register
  * tile, then one at a time). Both run the same operations per token in the same order,
@@ -286,35 +300,14 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
     X86_KERNEL void X86_NAME(name##_part)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs,    \
                                           int64_t kb0, int64_t kb1, int ntok, m40_dot_state *st)       \
     {                                                                                                  \
-        for (; ntok >= 8; ntok -= 8, x += 8 * xs, xsum += 8 * xs, st += 8) {                           \
-            __m256 acc[8];                                                                             \
-            float corr[8];                                                                             \
-            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) acc[t] = _mm256_loadu_ps(st[t].v),     \
-                                                                corr[t] = st[t].corr;                  \
-            const int nt = 8;                                                                          \
-            call;                                                                                      \
-            _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) _mm256_storeu_ps(st[t].v, acc[t]),     \
-                                                                st[t].corr = corr[t];                  \
-        }                                                                                              \
+        for (; ntok >= 8; ntok -= 8, x += 8 * xs, xsum += 8 * xs, st += 8)                             \
+            X86_PART_TILE(8, call);                                                                    \
         if (ntok >= 4) {                                                                               \
-            __m256 acc[4];                                                                             \
-            float corr[4];                                                                             \
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) acc[t] = _mm256_loadu_ps(st[t].v),     \
-                                                                corr[t] = st[t].corr;                  \
-            const int nt = 4;                                                                          \
-            call;                                                                                      \
-            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) _mm256_storeu_ps(st[t].v, acc[t]),     \
-                                                                st[t].corr = corr[t];                  \
+            X86_PART_TILE(4, call);                                                                    \
             ntok -= 4, x += 4 * xs, xsum += 4 * xs, st += 4;                                           \
         }                                                                                              \
-        for (int tk = 0; tk < ntok; tk++, x += xs, xsum += xs) {                                       \
-            __m256 acc[1] = {_mm256_loadu_ps(st[tk].v)};                                               \
-            float corr[1] = {st[tk].corr};                                                             \
-            const int nt = 1;                                                                          \
-            call;                                                                                      \
-            _mm256_storeu_ps(st[tk].v, acc[0]);                                                        \
-            st[tk].corr = corr[0];                                                                     \
-        }                                                                                              \
+        for (; ntok > 0; ntok--, x += xs, xsum += xs, st++)                                            \
+            X86_PART_TILE(1, call);                                                                    \
     }                                                                                                  \
     X86_KERNEL float X86_NAME(name##_fin)(const m40_dot_state *st)                                     \
     {                                                                                                  \
