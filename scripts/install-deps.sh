@@ -6,7 +6,8 @@ pkgs=(build-essential autoconf automake pkg-config
       libjansson-dev libpcre2-dev libsentencepiece-dev libcurl4-openssl-dev
       nginx-dev nginx-core curl python3 python3-venv python3-jinja2 clang
       python3-jsonschema
-      chromium chromium-driver python3-selenium)   # the chat page's browser test
+      chromium chromium-driver python3-selenium     # the chat page's browser test
+      gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)  # the NEON kernels' check (tests/unit/neon.sh)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

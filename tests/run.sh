@@ -37,6 +37,17 @@ if [ "$what" = all ] || [ "$what" = unit ]; then
     done
 fi
 
+if [ "$what" = all ] || [ "$what" = unit ]; then
+    # the AArch64 NEON kernels, cross-compiled and run under QEMU (skips without them)
+    echo "== unit/neon"
+    tests/unit/neon.sh >"$log/neon" 2>&1; rc=$?
+    tail -n 20 "$log/neon"
+    tally "$log/neon" unit/neon
+    if [ $rc -ne 0 ] && ! grep -qE '^[0-9]+ passed, [1-9]' "$log/neon"; then
+        failed=$((failed + 1)); broken="$broken unit/neon(rc=$rc)"
+    fi
+fi
+
 if [ "$what" = all ] || [ "$what" = cli ]; then
     for t in tests/cli/*.sh; do
         [ -f "$t" ] || continue

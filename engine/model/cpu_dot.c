@@ -263,14 +263,16 @@ int m40_cpu_isa(void)
         isa = v;
     }
     return isa;
+#elif defined(__aarch64__)
+    return M40_ISA_NEON; /* every AArch64 CPU has Advanced SIMD */
 #else
-    return M40_ISA_PORTABLE; /* TODO: ARM NEON (dotprod) kernels */
+    return M40_ISA_PORTABLE;
 #endif
 }
 
 const char *m40_cpu_isa_name(int isa)
 {
-    static const char *const names[M40_ISA_COUNT] = {"portable C", "AVX2", "AVX-512 VNNI"};
+    static const char *const names[M40_ISA_COUNT] = {"portable C", "AVX2", "AVX-512 VNNI", "NEON"};
     return isa >= 0 && isa < M40_ISA_COUNT ? names[isa] : "?";
 }
 
@@ -281,6 +283,7 @@ m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa)
     switch (isa) {
     case M40_ISA_AVX2: return m40_dot_q_avx2(type);
     case M40_ISA_AVX512VNNI: return m40_dot_q_avx512(type);
+    case M40_ISA_NEON: return m40_dot_q_neon(type);
     default: return portable_q(type);
     }
 }
@@ -292,6 +295,7 @@ m40_xq_quantize_fn m40_xq_quantize_isa(int isa)
     switch (isa) {
     case M40_ISA_AVX2: return m40_xq_quantize_avx2();
     case M40_ISA_AVX512VNNI: return m40_xq_quantize_avx512();
+    case M40_ISA_NEON: return m40_xq_quantize_neon();
     default: return xq_quantize_portable;
     }
 }
@@ -317,6 +321,7 @@ m40_axpy_fn m40_axpy_kernel(int isa)
     switch (isa) {
     case M40_ISA_AVX2: return m40_axpy_avx2();
     case M40_ISA_AVX512VNNI: return m40_axpy_avx512();
+    case M40_ISA_NEON: return m40_axpy_neon();
     default: return axpy_portable;
     }
 }
@@ -355,6 +360,7 @@ m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa)
     switch (isa) {
     case M40_ISA_AVX2: return m40_dot_f_avx2(type);
     case M40_ISA_AVX512VNNI: return m40_dot_f_avx512(type);
+    case M40_ISA_NEON: return m40_dot_f_neon(type);
     default: return type == M40_TYPE_F16 ? dot_f16 : NULL;
     }
 }
@@ -366,6 +372,7 @@ m40_dot_part_fn m40_dot_part_kernel(uint32_t type, int isa)
     switch (isa) {
     case M40_ISA_AVX2: return m40_dot_part_avx2(type);
     case M40_ISA_AVX512VNNI: return m40_dot_part_avx512(type);
+    case M40_ISA_NEON: return m40_dot_part_neon(type);
     default: return NULL;
     }
 }
@@ -377,6 +384,7 @@ m40_dot_fin_fn m40_dot_fin_kernel(uint32_t type, int isa)
     switch (isa) {
     case M40_ISA_AVX2: return m40_dot_fin_avx2(type);
     case M40_ISA_AVX512VNNI: return m40_dot_fin_avx512(type);
+    case M40_ISA_NEON: return m40_dot_fin_neon(type);
     default: return NULL;
     }
 }

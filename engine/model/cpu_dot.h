@@ -48,8 +48,9 @@ typedef void (*m40_xq_quantize_fn)(const float *x, int64_t K, m40_xq *out);
 void m40_xq_quantize(const float *x, int64_t K, m40_xq *out);
 m40_xq_quantize_fn m40_xq_quantize_isa(int isa); /* NULL: not on this CPU */
 
-/* Instruction sets, widest last. */
-enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_COUNT };
+/* Instruction sets: the x86 ones widest last, then AArch64's. m40_cpu_isa gives the one
+ * this CPU runs best; asking for an isa below it of the other architecture gives NULL. */
+enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_NEON = 3, M40_ISA_COUNT };
 
 /* The widest this CPU runs (checked once at run time). */
 int m40_cpu_isa(void);
@@ -111,6 +112,13 @@ m40_glu_fn m40_glu_kernel(int act, int isa);
 /* The per-ISA tables (cpu_dot_avx2.c, cpu_dot_avx512.c); NULL entries where absent. */
 m40_glu_fn m40_glu_avx2(int act);
 m40_glu_fn m40_glu_avx512(int act);
+/* The AArch64 instance (cpu_dot_neon.c; NULL elsewhere). The GLU takes the portable one. */
+m40_dot_q_fn m40_dot_q_neon(uint32_t type);
+m40_dot_part_fn m40_dot_part_neon(uint32_t type);
+m40_dot_fin_fn m40_dot_fin_neon(uint32_t type);
+m40_dot_f_fn m40_dot_f_neon(uint32_t type);
+m40_xq_quantize_fn m40_xq_quantize_neon(void);
+m40_axpy_fn m40_axpy_neon(void);
 m40_xq_quantize_fn m40_xq_quantize_avx2(void);
 m40_axpy_fn m40_axpy_avx2(void);
 m40_axpy_fn m40_axpy_avx512(void);
