@@ -219,8 +219,8 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64
  * off; a half super-block (4 blocks) is one sum of int32 lanes (each lane 16 products
  * of at most 4096 * 32767: 2,147,418,112, no overflow), taken to F32 once, times d and
  * the super-block's shared activation scale. */
-X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1, int nt, __m256 *acc,
-                     float *corr)
+X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1,
+                     int nt, __m256 *acc, float *corr)
 {
     (void)corr, (void)xsum;
     const __m256i m4 = _mm256_set1_epi8(15);

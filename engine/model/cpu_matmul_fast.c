@@ -4,9 +4,9 @@
  * of them are cut into chunks in proportion to their work, several chunks a thread so
  * that uneven threads balance, and a small product runs on the caller alone because
  * waking the pool costs more than it. Within a chunk, tiles of TILE_ROWS weight rows
- * (a few KB of quantized weights, kept in L1) meet every token of the batch before the
- * next tile is read: a prefill of n tokens reads the weights from memory once, and the
- * activations' records (n * K/32 * 80 bytes) stream from L2. */
+ * meet every token of the batch before the next tile is read, so a prefill of n tokens
+ * reads the weights from memory once: PART_TOKENS tokens at a time, each row in pieces
+ * of PART_BLOCKS blocks, the piece's records in L1 and the tile's rows in L2. */
 #include "cpu_matmul_fast.h"
 
 #include "ref/ggml_types.h"
@@ -15,11 +15,11 @@
 #include <string.h>
 
 #define TILE_ROWS 16
-/* Blocks of 32 in one range of a piecewise product (m40_dot_part_fn): 4 tokens' records
- * of a range (10 KB) and the tile's 16 rows of it (9 KB of Q4_K) stay in L1 while the
- * rows meet the tokens. (With whole rows, each row read 4 tokens' records of the whole
- * width, 40 KB at K 4096, from L2 again: prefill was bound by that.) A multiple of 8
- * (K-quant super-blocks). */
+/* Blocks of 32 in one range of a piecewise product (m40_dot_part_fn): PART_TOKENS
+ * tokens' records of a range (20 KB) and the tile's 16 rows of it (9 KB of Q4_K) stay in
+ * L1 while the rows meet the tokens (64 blocks, 40 KB of records, measured 20% slower;
+ * with whole rows every row read its tokens' records of the whole width from L2 again).
+ * A multiple of 8 (K-quant super-blocks). */
 #define PART_BLOCKS 32
 /* Tokens a piecewise call takes (its widest register tile is 8: one unpack of a weight
  * block meets 8 tokens). */

@@ -25,10 +25,11 @@ void m40_fast_quantize(struct m40_threadpool *pool, const float *x, int32_t n, i
 
 /* outs[i][t][r] = ws[i] row r . x[t] for the count (<= M40_FAST_MAX_GROUP) matrices,
  * each supported (m40_fast_supported) and all as wide as x (K = cols); xq and xsum the
- * records of x and their sums (m40_fast_quantize), read by the quantized ones. One pool run over row chunks of
- * all of them; within a chunk, tiles of rows meet every token while they are in cache
- * (prefill). Each (row, token) product is computed the same way whatever n and the
- * split, so batched and unbatched results agree bit for bit. */
+ * records of x and their sums (m40_fast_quantize), read by the quantized ones. One pool
+ * run over row chunks of all of them; within a chunk, tiles of rows meet every token
+ * while they are in cache (prefill: in pieces of the row, a few tokens at a time). Each
+ * (row, token) product is computed the same way whatever n and the split, so batched
+ * and unbatched results agree bit for bit. */
 void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matrix *const *ws, float *const *outs,
                      int count, const float *x, const m40_xq *xq, const float *xsum, int32_t n);
 
