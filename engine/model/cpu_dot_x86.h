@@ -91,9 +91,8 @@ X86_FN void x86_widen(__m256i u, __m256i *lo, __m256i *hi)
 
 /* The 32-block types: Q8_0 (q8 1), Q4_0 (five 0, min 0), Q4_1 (min 1), Q5_0 (five 1),
  * Q5_1 (both); the block's bytes are d | [m] | [qh] | qs (Q8_0: d | 32 int8). Q4_0's
- * and Q5_0's offsets come off the widened levels (once a row and block, shared by the
- * tokens: it was a scalar multiply-add a block and token); Q4_1's and Q5_1's mins per
- * block through the record's s. */
+ * and Q5_0's offsets come off the widened levels, once a row and block for all the
+ * tokens; Q4_1's and Q5_1's mins per block and token through the record's s. */
 X86_FN void x86_q32(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t kb0, int64_t kb1, int q8, int five,
                     int min, int nt, __m256 *acc, float *corr)
 {
@@ -130,9 +129,8 @@ X86_FN void x86_q32(const uint8_t *w, const m40_xq *x, int64_t xs, int64_t kb0, 
 
 /* One block of 32 weights as 16-bit levels, less an offset, times their scales (the
  * K-quants' sub-block scales, small integers), and its product with an activation block
- * added into int32 lanes. (512-bit vectors in the AVX-512 instance, one vpdpwssd a
- * block, measured slower on this session's Zen 4 VM: Q4_K at 8 tokens 54 against 57
- * GMAC/s a core in L1, at 4 tokens 36 against 50.) */
+ * added into int32 lanes. 256-bit vectors in both instances: 512-bit ones, one
+ * vpdpwssd a block, were slower on Zen 4 (BENCHMARKS.md, twenty-second session). */
 typedef struct {
     __m256i lo, hi;
 } x86_wblk;
@@ -156,8 +154,8 @@ X86_FN __m256i x86_wblk_dot(__m256i a, x86_wblk w, const int16_t *q) { return x8
  * whole super-block is one sum of int32 lanes (each lane 32 products of at most 1953 *
  * 32767: 2.05e9, no overflow) taken to F32 once, times d and the super-block's shared
  * activation scale (m40_xq_quantize); the mins come off as dmin * sum_j mn_j s_j, the
- * eight records' s one vector load from xsum (a gather from the records cost a third of
- * the kernel's time, scalar products a fifth). */
+ * eight records' s one vector load from xsum (a gather from the records, or scalar
+ * products, cost far more: BENCHMARKS.md). */
 X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs, int64_t kb0, int64_t kb1,
                      int five, int nt, __m256 *acc, float *corr)
 {

@@ -16,10 +16,10 @@
 
 #define TILE_ROWS 16
 /* Blocks of 32 in one range of a piecewise product (m40_dot_part_fn): PART_TOKENS
- * tokens' records of a range (20 KB) and the tile's 16 rows of it (9 KB of Q4_K) stay in
- * L1 while the rows meet the tokens (64 blocks, 40 KB of records, measured 20% slower;
- * with whole rows every row read its tokens' records of the whole width from L2 again).
- * A multiple of 8 (K-quant super-blocks). */
+ * tokens' records of a range (20 KB) and the tile's 16 rows of it (9 KB of Q4_K) must
+ * stay in L1 while the rows meet the tokens (with whole rows, every row read its tokens'
+ * records of the whole width from L2 again; 64 blocks no longer fit). A multiple of 8
+ * (K-quant super-blocks). */
 #define PART_BLOCKS 32
 /* Tokens a piecewise call takes (its widest register tile is 8: one unpack of a weight
  * block meets 8 tokens). */
