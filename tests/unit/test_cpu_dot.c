@@ -8,8 +8,9 @@
  *   - the threaded, tiled matmul over odd row and token counts against the per-row
  *     kernel, bit for bit, and one group of three matrices of one input;
  *   - a model on the fast path (shared tiny quantized models): a batch of 70 tokens
- *     gives the logits of the same tokens fed one by one, bit for bit (4-token kernels,
- *     the pool's quantization and the one-token kernels agree). */
+ *     gives the logits of the same tokens fed one by one, bit for bit (the piecewise
+ *     kernels, the pool's quantization and the one-token kernels agree);
+ *   - the K-quants at their integer extremes against the exact sum (no int32 overflow). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -156,7 +157,7 @@ static void test_kernels(void)
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         const tinfo *t = &types[ti];
         int isq = t->block > 1;
-        int bad_twin = 0, bad_exact = 0, n_cases = 0, n_simd = 0, bad_x4 = 0, n_x4 = 0;
+        int bad_twin = 0, bad_exact = 0, n_cases = 0, n_simd = 0, bad_part = 0, n_part = 0;
         double worst_twin = 0, worst_exact = 0;
         for (size_t kb = 0; kb < sizeof nblocks / sizeof nblocks[0]; kb++) {
             /* K-quants: super-blocks; 32-blocks: blocks; floats: odd lengths too */
@@ -220,17 +221,17 @@ static void test_kernels(void)
                          * for K-quants), 1..8 tokens a call */
                         const int64_t nb = K / 32;
                         enum { NTK = 8 };
-                        m40_xq *x4 = malloc((size_t)nb * NTK * sizeof *x4);
-                        float *xt = malloc((size_t)K * sizeof *xt), *s4 = malloc((size_t)nb * NTK * sizeof *s4);
+                        m40_xq *xk = malloc((size_t)nb * NTK * sizeof *xk);
+                        float *xt = malloc((size_t)K * sizeof *xt), *sk = malloc((size_t)nb * NTK * sizeof *sk);
                         for (int tk = 0; tk < NTK; tk++) {
                             if (tk == 0)
-                                memcpy(x4, xq, (size_t)nb * sizeof *x4);
+                                memcpy(xk, xq, (size_t)nb * sizeof *xk);
                             else {
                                 random_x(xt, K);
-                                m40_xq_quantize(xt, K, x4 + nb * tk);
+                                m40_xq_quantize(xt, K, xk + nb * tk);
                             }
                         }
-                        m40_xq_sums(x4, nb * NTK, s4);
+                        m40_xq_sums(xk, nb * NTK, sk);
                         m40_dot_part_fn part = m40_dot_part_kernel(t->type, s);
                         m40_dot_fin_fn fin = m40_dot_fin_kernel(t->type, s);
                         m40_dot_state st[NTK];
@@ -241,20 +242,20 @@ static void test_kernels(void)
                             int64_t ke = kb + unit * (1 + (int64_t)(rnd() % 5));
                             ke = ke < nb ? ke : nb;
                             for (int tk = 0; tk < NTK; tk += ntok)
-                                part(w, x4 + nb * tk, s4 + nb * tk, nb, kb, ke, NTK - tk < ntok ? NTK - tk : ntok,
+                                part(w, xk + nb * tk, sk + nb * tk, nb, kb, ke, NTK - tk < ntok ? NTK - tk : ntok,
                                      st + tk);
                             kb = ke;
                         }
                         for (int tk = 0; tk < NTK; tk++) {
-                            float one = m40_dot_q_kernel(t->type, s)(w, x4 + nb * tk, s4 + nb * tk, K);
+                            float one = m40_dot_q_kernel(t->type, s)(w, xk + nb * tk, sk + nb * tk, K);
                             float pc = fin(&st[tk]);
                             if (memcmp(&one, &pc, sizeof one))
-                                bad_x4++;
+                                bad_part++;
                         }
-                        n_x4++;
-                        free(x4);
+                        n_part++;
+                        free(xk);
                         free(xt);
-                        free(s4);
+                        free(sk);
                     }
                     double es = fabs(v - twin), tols = 2e-5 * mag + 1e-30;
                     if (es > tols) {
@@ -278,10 +279,10 @@ static void test_kernels(void)
               bad_exact, n_cases);
         CHECK(bad_twin == 0, "%s: %d of %d SIMD products differ from the twin", m40_type_name(t->type), bad_twin,
               n_simd);
-        CHECK(bad_x4 == 0, "%s: %d piecewise products differ from the one-token kernel's bits (%d calls)",
-              m40_type_name(t->type), bad_x4, n_x4);
+        CHECK(bad_part == 0, "%s: %d piecewise products differ from the one-token kernel's bits (%d calls)",
+              m40_type_name(t->type), bad_part, n_part);
         if (isa > M40_ISA_PORTABLE && isq)
-            CHECK(n_x4 > 0, "%s: no piecewise kernel ran", m40_type_name(t->type));
+            CHECK(n_part > 0, "%s: no piecewise kernel ran", m40_type_name(t->type));
         if (isa > M40_ISA_PORTABLE && t->type != M40_TYPE_F32)
             CHECK(n_simd > 0, "%s: no SIMD kernel ran on a CPU with %s", m40_type_name(t->type),
                   m40_cpu_isa_name(isa));
