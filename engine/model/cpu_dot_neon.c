@@ -158,7 +158,8 @@ static inline void n_qk_k(const uint8_t *w, const m40_xq *x, const float *xsum, 
                 b0 = vorrq_u8(b0, vandq_u8(vtstq_u8(h0, m1), f));
                 b1 = vorrq_u8(b1, vandq_u8(vtstq_u8(h1, m1), f));
             }
-            const nw32 w0 = n_levels(a0, a1, 0, sc[2 * c], sc[2 * c]), w1 = n_levels(b0, b1, 0, sc[2 * c + 1], sc[2 * c + 1]);
+            const nw32 w0 = n_levels(a0, a1, 0, sc[2 * c], sc[2 * c]);
+            const nw32 w1 = n_levels(b0, b1, 0, sc[2 * c + 1], sc[2 * c + 1]);
             for (int t = 0; t < nt; t++) {
                 const m40_xq *x0 = &x[t * xs + 8 * b + 2 * c];
                 ia[t] = n_dot(ia[t], &w0, x0->q);
