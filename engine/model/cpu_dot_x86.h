@@ -180,7 +180,9 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64
                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
         const uint8_t *qs = w + (five ? 48 : 16);
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(const void *)(w + 16)) : _mm256_setzero_si256();
-        __m256i iacc[X86_NT_MAX];
+        /* one token: the odd sub-blocks into a second sum (iacc2), so that two vpdpwssd
+         * chains run instead of one: the sums' lanes add up to the same integers */
+        __m256i iacc[X86_NT_MAX], iacc2 = _mm256_setzero_si256();
         _Pragma("GCC unroll 8")
         for (int t = 0; t < nt; t++)
             iacc[t] = _mm256_setzero_si256();
@@ -199,13 +201,17 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64
             for (int t = 0; t < nt; t++) {
                 const m40_xq *x0 = &x[t * xs + 8 * b + 2 * c];
                 iacc[t] = x86_wblk_dot(iacc[t], w0, x0->q);
-                iacc[t] = x86_wblk_dot(iacc[t], w1, x0[1].q);
+                if (nt == 1)
+                    iacc2 = x86_wblk_dot(iacc2, w1, x0[1].q);
+                else
+                    iacc[t] = x86_wblk_dot(iacc[t], w1, x0[1].q);
             }
         }
         _Pragma("GCC unroll 8")
         for (int t = 0; t < nt; t++) {
             const m40_xq *xb = &x[t * xs + 8 * b];
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(iacc[t]), acc[t]);
+            const __m256i sum = nt == 1 ? _mm256_add_epi32(iacc[t], iacc2) : iacc[t];
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(sum), acc[t]);
             acc[t] = _mm256_fnmadd_ps(mnv, _mm256_loadu_ps(xsum + t * xs + 8 * b), acc[t]);
         }
     }
@@ -239,7 +245,7 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64
                                    _mm256_and_si256(H, _mm256_set1_epi8(0x30)));
             u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
                                    _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8((char)0xc0)), 2));
-            __m256i iacc[X86_NT_MAX];
+            __m256i iacc[X86_NT_MAX], iacc2 = _mm256_setzero_si256(); /* as in x86_qk_k */
             _Pragma("GCC unroll 8")
             for (int t = 0; t < nt; t++)
                 iacc[t] = _mm256_setzero_si256();
@@ -247,13 +253,18 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64
                 const int jb = 4 * n + k;
                 const x86_wblk wb = x86_wblk_make(u[k], 32, sc[2 * jb], sc[2 * jb + 1]);
                 _Pragma("GCC unroll 8")
-                for (int t = 0; t < nt; t++)
-                    iacc[t] = x86_wblk_dot(iacc[t], wb, x[t * xs + 8 * b + jb].q);
+                for (int t = 0; t < nt; t++) {
+                    if (nt == 1 && (k & 1))
+                        iacc2 = x86_wblk_dot(iacc2, wb, x[t * xs + 8 * b + jb].q);
+                    else
+                        iacc[t] = x86_wblk_dot(iacc[t], wb, x[t * xs + 8 * b + jb].q);
+                }
             }
             _Pragma("GCC unroll 8")
             for (int t = 0; t < nt; t++)
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[t * xs + 8 * b].d),
-                                         _mm256_cvtepi32_ps(iacc[t]), acc[t]);
+                                         _mm256_cvtepi32_ps(nt == 1 ? _mm256_add_epi32(iacc[t], iacc2) : iacc[t]),
+                                         acc[t]);
         }
     }
 }
