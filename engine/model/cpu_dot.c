@@ -276,28 +276,33 @@ const char *m40_cpu_isa_name(int isa)
     return isa >= 0 && isa < M40_ISA_COUNT ? names[isa] : "?";
 }
 
-m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa)
+/* The kernels of a SIMD isa this CPU runs (NULL: the portable isa, or one it does not
+ * run, or one of the other architecture) */
+static const m40_cpu_kernels *simd(int isa)
 {
-    if (isa < 0 || isa > m40_cpu_isa())
+    if (isa <= M40_ISA_PORTABLE || isa > m40_cpu_isa())
         return NULL;
     switch (isa) {
-    case M40_ISA_AVX2: return m40_dot_q_avx2(type);
-    case M40_ISA_AVX512VNNI: return m40_dot_q_avx512(type);
-    case M40_ISA_NEON: return m40_dot_q_neon(type);
-    default: return portable_q(type);
+    case M40_ISA_AVX2: return m40_cpu_kernels_avx2();
+    case M40_ISA_AVX512VNNI: return m40_cpu_kernels_avx512();
+    case M40_ISA_NEON: return m40_cpu_kernels_neon();
+    default: return NULL;
     }
+}
+
+/* isa is the portable one (always runs) */
+static int portable(int isa) { return isa == M40_ISA_PORTABLE; }
+
+m40_dot_q_fn m40_dot_q_kernel(uint32_t type, int isa)
+{
+    const m40_cpu_kernels *k = simd(isa);
+    return k ? k->q(type) : portable(isa) ? portable_q(type) : NULL;
 }
 
 m40_xq_quantize_fn m40_xq_quantize_isa(int isa)
 {
-    if (isa < 0 || isa > m40_cpu_isa())
-        return NULL;
-    switch (isa) {
-    case M40_ISA_AVX2: return m40_xq_quantize_avx2();
-    case M40_ISA_AVX512VNNI: return m40_xq_quantize_avx512();
-    case M40_ISA_NEON: return m40_xq_quantize_neon();
-    default: return xq_quantize_portable;
-    }
+    const m40_cpu_kernels *k = simd(isa);
+    return k ? k->quantize : portable(isa) ? xq_quantize_portable : NULL;
 }
 
 void m40_xq_quantize(const float *x, int64_t K, m40_xq *out)
@@ -316,14 +321,8 @@ static void axpy_portable(float *y, float a, const float *x, int64_t n)
 
 m40_axpy_fn m40_axpy_kernel(int isa)
 {
-    if (isa < 0 || isa > m40_cpu_isa())
-        return NULL;
-    switch (isa) {
-    case M40_ISA_AVX2: return m40_axpy_avx2();
-    case M40_ISA_AVX512VNNI: return m40_axpy_avx512();
-    case M40_ISA_NEON: return m40_axpy_neon();
-    default: return axpy_portable;
-    }
+    const m40_cpu_kernels *k = simd(isa);
+    return k ? k->axpy : portable(isa) ? axpy_portable : NULL;
 }
 
 /* The portable GLU kernels: the exact path's formulas (ffn.c), one element at a time. */
@@ -344,47 +343,30 @@ static void glu_gelu_portable(float *gate, const float *up, int64_t n)
 
 m40_glu_fn m40_glu_kernel(int act, int isa)
 {
-    if (isa < 0 || isa > m40_cpu_isa() || (act != M40_GLU_SILU && act != M40_GLU_GELU_TANH))
+    if (act != M40_GLU_SILU && act != M40_GLU_GELU_TANH)
         return NULL;
-    switch (isa) {
-    case M40_ISA_AVX2: return m40_glu_avx2(act);
-    case M40_ISA_AVX512VNNI: return m40_glu_avx512(act);
-    default: return act == M40_GLU_SILU ? glu_silu_portable : glu_gelu_portable;
-    }
+    const m40_cpu_kernels *k = simd(isa);
+    if (k && k->glu)
+        return k->glu(act);
+    if (!k && !portable(isa))
+        return NULL;
+    return act == M40_GLU_SILU ? glu_silu_portable : glu_gelu_portable; /* portable, or an isa without its own */
 }
 
 m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa)
 {
-    if (isa < 0 || isa > m40_cpu_isa())
-        return NULL;
-    switch (isa) {
-    case M40_ISA_AVX2: return m40_dot_f_avx2(type);
-    case M40_ISA_AVX512VNNI: return m40_dot_f_avx512(type);
-    case M40_ISA_NEON: return m40_dot_f_neon(type);
-    default: return type == M40_TYPE_F16 ? dot_f16 : NULL;
-    }
+    const m40_cpu_kernels *k = simd(isa);
+    return k ? k->f(type) : portable(isa) && type == M40_TYPE_F16 ? dot_f16 : NULL;
 }
 
 m40_dot_part_fn m40_dot_part_kernel(uint32_t type, int isa)
 {
-    if (isa < 0 || isa > m40_cpu_isa())
-        return NULL;
-    switch (isa) {
-    case M40_ISA_AVX2: return m40_dot_part_avx2(type);
-    case M40_ISA_AVX512VNNI: return m40_dot_part_avx512(type);
-    case M40_ISA_NEON: return m40_dot_part_neon(type);
-    default: return NULL;
-    }
+    const m40_cpu_kernels *k = simd(isa);
+    return k ? k->part(type) : NULL;
 }
 
 m40_dot_fin_fn m40_dot_fin_kernel(uint32_t type, int isa)
 {
-    if (isa < 0 || isa > m40_cpu_isa())
-        return NULL;
-    switch (isa) {
-    case M40_ISA_AVX2: return m40_dot_fin_avx2(type);
-    case M40_ISA_AVX512VNNI: return m40_dot_fin_avx512(type);
-    case M40_ISA_NEON: return m40_dot_fin_neon(type);
-    default: return NULL;
-    }
+    const m40_cpu_kernels *k = simd(isa);
+    return k ? k->fin(type) : NULL;
 }

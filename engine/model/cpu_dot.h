@@ -70,8 +70,7 @@ typedef float (*m40_dot_f_fn)(const uint8_t *w, const float *x, int64_t K);
  * product between ranges: zero it, run the ranges in order, then finish it. */
 typedef struct m40_dot_state {
     float v[8];  /* the SIMD kernel's F32 lanes */
-    float corr;  /* its offset / min term */
-    float pad[7];
+    float corr;  /* its min term (Q4_1, Q5_1) */
 } m40_dot_state;
 /* Blocks [kb0, kb1) (32-element units; multiples of 8 for K-quants, whose super-blocks
  * are 8 blocks) of the row at w (its start) against ntok tokens' records (x: token
@@ -109,27 +108,21 @@ enum { M40_GLU_SILU = 0, M40_GLU_GELU_TANH = 1 };
 typedef void (*m40_glu_fn)(float *gate, const float *up, int64_t n);
 m40_glu_fn m40_glu_kernel(int act, int isa);
 
-/* The per-ISA tables (cpu_dot_avx2.c, cpu_dot_avx512.c); NULL entries where absent. */
-m40_glu_fn m40_glu_avx2(int act);
-m40_glu_fn m40_glu_avx512(int act);
-/* The AArch64 instance (cpu_dot_neon.c; NULL elsewhere). The GLU takes the portable one. */
-m40_dot_q_fn m40_dot_q_neon(uint32_t type);
-m40_dot_part_fn m40_dot_part_neon(uint32_t type);
-m40_dot_fin_fn m40_dot_fin_neon(uint32_t type);
-m40_dot_f_fn m40_dot_f_neon(uint32_t type);
-m40_xq_quantize_fn m40_xq_quantize_neon(void);
-m40_axpy_fn m40_axpy_neon(void);
-m40_xq_quantize_fn m40_xq_quantize_avx2(void);
-m40_axpy_fn m40_axpy_avx2(void);
-m40_axpy_fn m40_axpy_avx512(void);
-m40_xq_quantize_fn m40_xq_quantize_avx512(void);
-m40_dot_q_fn m40_dot_q_avx2(uint32_t type);
-m40_dot_part_fn m40_dot_part_avx2(uint32_t type);
-m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type);
-m40_dot_f_fn m40_dot_f_avx2(uint32_t type);
-m40_dot_q_fn m40_dot_q_avx512(uint32_t type);
-m40_dot_part_fn m40_dot_part_avx512(uint32_t type);
-m40_dot_fin_fn m40_dot_fin_avx512(uint32_t type);
-m40_dot_f_fn m40_dot_f_avx512(uint32_t type);
+/* One SIMD instance's kernels, by type where they depend on it (NULL: no kernel for
+ * that type); glu NULL: the portable GLU. */
+typedef struct {
+    m40_dot_q_fn (*q)(uint32_t type);
+    m40_dot_part_fn (*part)(uint32_t type);
+    m40_dot_fin_fn (*fin)(uint32_t type);
+    m40_dot_f_fn (*f)(uint32_t type);
+    m40_glu_fn (*glu)(int act);
+    m40_xq_quantize_fn quantize;
+    m40_axpy_fn axpy;
+} m40_cpu_kernels;
+/* The instances (cpu_dot_avx2.c, cpu_dot_avx512.c: cpu_dot_x86.h's; cpu_dot_neon.c);
+ * NULL where the instance is not built for this architecture. */
+const m40_cpu_kernels *m40_cpu_kernels_avx2(void);
+const m40_cpu_kernels *m40_cpu_kernels_avx512(void);
+const m40_cpu_kernels *m40_cpu_kernels_neon(void);
 
 #endif

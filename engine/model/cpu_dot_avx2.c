@@ -26,22 +26,10 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
 
 #include "cpu_dot_x86.h"
 
-m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { return avx2_table_q(type); }
-m40_dot_part_fn m40_dot_part_avx2(uint32_t type) { return avx2_table_part(type); }
-m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type) { return avx2_table_fin(type); }
-m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return avx2_quantize; }
-m40_axpy_fn m40_axpy_avx2(void) { return avx2_axpy; }
-m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { return avx2_table_f(type); }
-m40_glu_fn m40_glu_avx2(int act) { return avx2_table_glu(act); }
+const m40_cpu_kernels *m40_cpu_kernels_avx2(void) { return &avx2_kernels; }
 
 #else
 
-m40_dot_q_fn m40_dot_q_avx2(uint32_t type) { (void)type; return NULL; }
-m40_dot_part_fn m40_dot_part_avx2(uint32_t type) { (void)type; return NULL; }
-m40_dot_fin_fn m40_dot_fin_avx2(uint32_t type) { (void)type; return NULL; }
-m40_xq_quantize_fn m40_xq_quantize_avx2(void) { return NULL; }
-m40_axpy_fn m40_axpy_avx2(void) { return NULL; }
-m40_dot_f_fn m40_dot_f_avx2(uint32_t type) { (void)type; return NULL; }
-m40_glu_fn m40_glu_avx2(int act) { (void)act; return NULL; }
+const m40_cpu_kernels *m40_cpu_kernels_avx2(void) { return NULL; }
 
 #endif

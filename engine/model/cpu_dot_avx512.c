@@ -29,22 +29,10 @@ static inline __attribute__((target(X86_TARGET), always_inline)) __m256i x86_dot
 
 #include "cpu_dot_x86.h"
 
-m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { return avx512_table_q(type); }
-m40_dot_part_fn m40_dot_part_avx512(uint32_t type) { return avx512_table_part(type); }
-m40_dot_fin_fn m40_dot_fin_avx512(uint32_t type) { return avx512_table_fin(type); }
-m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return avx512_quantize; }
-m40_axpy_fn m40_axpy_avx512(void) { return avx512_axpy; }
-m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { return avx512_table_f(type); }
-m40_glu_fn m40_glu_avx512(int act) { return avx512_table_glu(act); }
+const m40_cpu_kernels *m40_cpu_kernels_avx512(void) { return &avx512_kernels; }
 
 #else
 
-m40_dot_q_fn m40_dot_q_avx512(uint32_t type) { (void)type; return NULL; }
-m40_dot_part_fn m40_dot_part_avx512(uint32_t type) { (void)type; return NULL; }
-m40_dot_fin_fn m40_dot_fin_avx512(uint32_t type) { (void)type; return NULL; }
-m40_xq_quantize_fn m40_xq_quantize_avx512(void) { return NULL; }
-m40_axpy_fn m40_axpy_avx512(void) { return NULL; }
-m40_dot_f_fn m40_dot_f_avx512(uint32_t type) { (void)type; return NULL; }
-m40_glu_fn m40_glu_avx512(int act) { (void)act; return NULL; }
+const m40_cpu_kernels *m40_cpu_kernels_avx512(void) { return NULL; }
 
 #endif

@@ -216,10 +216,11 @@ static inline float n_hsum(nf8 v)
     return (vgetq_lane_f32(s, 0) + vgetq_lane_f32(s, 2)) + (vgetq_lane_f32(s, 1) + vgetq_lane_f32(s, 3));
 }
 
-static inline float n_fin(nf8 acc, float corr, int fin)
+/* the lanes summed, plus the min term where the type has one (x86_fin) */
+static inline float n_fin(nf8 acc, float corr, int min)
 {
     const float s = n_hsum(acc);
-    return fin == 1 ? s + corr : s;
+    return min ? s + corr : s;
 }
 
 /* One register tile of the piecewise kernel (cpu_dot_x86.h, X86_PART_TILE) */
@@ -235,7 +236,7 @@ static inline float n_fin(nf8 acc, float corr, int fin)
             vst1q_f32(st[t].v, acc[t].a), vst1q_f32(st[t].v + 4, acc[t].b), st[t].corr = corr[t];      \
     } while (0)
 
-#define N_QUANT_KERNELS(name, fin, call)                                                               \
+#define N_QUANT_KERNELS(name, min, call)                                                               \
     static float neon_##name(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)          \
     {                                                                                                  \
         nf8 acc[1] = {n_zero()};                                                                       \
@@ -244,7 +245,7 @@ static inline float n_fin(nf8 acc, float corr, int fin)
         const int nt = 1;                                                                              \
         (void)xsum, (void)corr;                                                                        \
         call;                                                                                          \
-        return n_fin(acc[0], corr[0], fin);                                                            \
+        return n_fin(acc[0], corr[0], min);                                                            \
     }                                                                                                  \
     static void neon_##name##_part(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs,   \
                                    int64_t kb0, int64_t kb1, int ntok, m40_dot_state *st)              \
@@ -257,7 +258,7 @@ static inline float n_fin(nf8 acc, float corr, int fin)
     }                                                                                                  \
     static float neon_##name##_fin(const m40_dot_state *st)                                            \
     {                                                                                                  \
-        return n_fin((nf8){vld1q_f32(st->v), vld1q_f32(st->v + 4)}, st->corr, fin);                    \
+        return n_fin((nf8){vld1q_f32(st->v), vld1q_f32(st->v + 4)}, st->corr, min);                    \
     }
 
 N_QUANT_KERNELS(q8_0, 0, n_q32(w, x, xs, kb0, kb1, 1, 0, 0, nt, acc, corr))
@@ -342,7 +343,7 @@ static void neon_axpy(float *y, float a, const float *x, int64_t n)
         y[i] += a * x[i];
 }
 
-m40_dot_q_fn m40_dot_q_neon(uint32_t type)
+static m40_dot_q_fn neon_table_q(uint32_t type)
 {
     switch (type) {
     case M40_TYPE_Q8_0: return neon_q8_0;
@@ -357,7 +358,7 @@ m40_dot_q_fn m40_dot_q_neon(uint32_t type)
     }
 }
 
-m40_dot_part_fn m40_dot_part_neon(uint32_t type)
+static m40_dot_part_fn neon_table_part(uint32_t type)
 {
     switch (type) {
     case M40_TYPE_Q8_0: return neon_q8_0_part;
@@ -372,7 +373,7 @@ m40_dot_part_fn m40_dot_part_neon(uint32_t type)
     }
 }
 
-m40_dot_fin_fn m40_dot_fin_neon(uint32_t type)
+static m40_dot_fin_fn neon_table_fin(uint32_t type)
 {
     switch (type) {
     case M40_TYPE_Q8_0: return neon_q8_0_fin;
@@ -387,20 +388,26 @@ m40_dot_fin_fn m40_dot_fin_neon(uint32_t type)
     }
 }
 
-m40_dot_f_fn m40_dot_f_neon(uint32_t type)
+static m40_dot_f_fn neon_table_f(uint32_t type)
 {
     return type == M40_TYPE_F16 ? neon_f16 : type == M40_TYPE_F32 ? neon_f32 : NULL;
 }
-m40_xq_quantize_fn m40_xq_quantize_neon(void) { return neon_quantize; }
-m40_axpy_fn m40_axpy_neon(void) { return neon_axpy; }
+
+/* (the GLU: the portable kernels) */
+static const m40_cpu_kernels neon_kernels = {
+    .q = neon_table_q,
+    .part = neon_table_part,
+    .fin = neon_table_fin,
+    .f = neon_table_f,
+    .glu = NULL,
+    .quantize = neon_quantize,
+    .axpy = neon_axpy,
+};
+
+const m40_cpu_kernels *m40_cpu_kernels_neon(void) { return &neon_kernels; }
 
 #else
 
-m40_dot_q_fn m40_dot_q_neon(uint32_t type) { (void)type; return NULL; }
-m40_dot_part_fn m40_dot_part_neon(uint32_t type) { (void)type; return NULL; }
-m40_dot_fin_fn m40_dot_fin_neon(uint32_t type) { (void)type; return NULL; }
-m40_dot_f_fn m40_dot_f_neon(uint32_t type) { (void)type; return NULL; }
-m40_xq_quantize_fn m40_xq_quantize_neon(void) { return NULL; }
-m40_axpy_fn m40_axpy_neon(void) { return NULL; }
+const m40_cpu_kernels *m40_cpu_kernels_neon(void) { return NULL; }
 
 #endif

@@ -269,13 +269,13 @@ X86_FN void x86_q6_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64
     }
 }
 
-/* A product's result from its state: the lanes summed (x86_hsum's order, which
- * m40_dot_finish repeats in C), then the offset or min term per the type's rule
- * (fin: 0 none, 1 + corr, 2 - 8 corr, 3 - 16 corr, 4 - corr). */
-X86_FN float x86_fin(__m256 acc, float corr, int fin)
+/* A product's result from its state: the lanes summed (x86_hsum's order), plus the
+ * min term where the type has one (min: Q4_1, Q5_1; the others keep theirs in the
+ * lanes). */
+X86_FN float x86_fin(__m256 acc, float corr, int min)
 {
-    float s = x86_hsum(acc);
-    return fin == 1 ? s + corr : fin == 2 ? s - 8.0f * corr : fin == 3 ? s - 16.0f * corr : fin == 4 ? s - corr : s;
+    const float s = x86_hsum(acc);
+    return min ? s + corr : s;
 }
 
 /* One register tile of the piecewise kernel: the states of NTK tokens (st[0..NTK)) in,
@@ -296,7 +296,7 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
  * piecewise one (blocks [kb0, kb1) into the tokens' states, 8 or 4 tokens a register
  * tile, then one at a time). Both run the same operations per token in the same order,
  * so a product is the same bits whichever computed it, and however its row was cut. */
-#define X86_QUANT_KERNELS(name, fin, call)                                                             \
+#define X86_QUANT_KERNELS(name, min, call)                                                             \
     X86_KERNEL float X86_NAME(name)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)   \
     {                                                                                                  \
         __m256 acc[1] = {_mm256_setzero_ps()};                                                         \
@@ -304,7 +304,7 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
         const int64_t xs = 0, kb0 = 0, kb1 = K / 32;                                                   \
         const int nt = 1;                                                                              \
         call;                                                                                          \
-        return x86_fin(acc[0], corr[0], fin);                                                          \
+        return x86_fin(acc[0], corr[0], min);                                                          \
     }                                                                                                  \
     X86_KERNEL void X86_NAME(name##_part)(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t xs,    \
                                           int64_t kb0, int64_t kb1, int ntok, m40_dot_state *st)       \
@@ -320,7 +320,7 @@ X86_FN float x86_fin(__m256 acc, float corr, int fin)
     }                                                                                                  \
     X86_KERNEL float X86_NAME(name##_fin)(const m40_dot_state *st)                                     \
     {                                                                                                  \
-        return x86_fin(_mm256_loadu_ps(st->v), st->corr, fin);                                         \
+        return x86_fin(_mm256_loadu_ps(st->v), st->corr, min);                                         \
     }
 
 X86_QUANT_KERNELS(q8_0, 0, x86_q32(w, x, xs, kb0, kb1, 1, 0, 0, nt, acc, corr))
@@ -530,3 +530,13 @@ static m40_dot_f_fn X86_NAME(table_f)(uint32_t type)
 {
     return type == M40_TYPE_F16 ? X86_NAME(f16) : type == M40_TYPE_F32 ? X86_NAME(f32) : NULL;
 }
+
+static const m40_cpu_kernels X86_NAME(kernels) = {
+    .q = X86_NAME(table_q),
+    .part = X86_NAME(table_part),
+    .fin = X86_NAME(table_fin),
+    .f = X86_NAME(table_f),
+    .glu = X86_NAME(table_glu),
+    .quantize = X86_NAME(quantize),
+    .axpy = X86_NAME(axpy),
+};
