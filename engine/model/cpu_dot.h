@@ -1,6 +1,7 @@
 /* The fast CPU path's dot products (cpu_dot.c: the activation quantizer, the portable C
  * kernels and the dispatch; cpu_dot_x86.h instantiated by cpu_dot_avx2.c and
- * cpu_dot_avx512.c: the SIMD twins). Private to engine/model/.
+ * cpu_dot_avx512.c, and cpu_dot_neon.c: the SIMD kernels the portable ones are the twins
+ * of). Private to engine/model/.
  *
  * Activations are quantized per block of 32 to int16 with one F32 scale per block, so a
  * weight block of 32 (or a K-quant's sub-block of 32) meets exactly one activation
