@@ -456,16 +456,21 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_grouped_ke
 }
 
 /* The weights as F16, for products of many rows (prefill chunks) that multiply them with
- * cuBLAS: 32 rows x one 256-element chunk a block, the raw chunk rows staged in shared
- * memory by 16-byte loads, one run of 32 a thread (mq_deq32, as the staged kernel), 64
- * bytes of F16 stored a thread (a row's chunk: 512 contiguous bytes a quarter block). */
+ * cuBLAS (m40k_gemm_q_dequant): a block dequantizes one 256-element chunk of MQ_DQ_ROWS
+ * rows, the raw chunk rows staged in shared memory by 16-byte loads, a run of 32 a thread
+ * (mq_deq32, as the staged kernel); the F16 results are staged again so that a warp
+ * stores 512 contiguous bytes of one row an instruction (each thread's 64 bytes stored
+ * straight out, 16 bytes at a 64-byte stride a lane, ran at 1.3-1.8 TB/s of weights read
+ * plus F16 written against 2.0-2.55 this way on an H100: BENCHMARKS.md). */
 #define MQ_DQ_ROWS 32
+#define MQ_DQ_OLD (MQ_KC * 2 + 16) /* bytes a staged output row (16 of padding) */
 template <int T>
-__global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K,
-                                                          uint16_t *__restrict__ out)
+__global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
+                                                           int K, uint16_t *__restrict__ out)
 {
     constexpr int RB = mq_stage<T>::RB;
     __shared__ __align__(16) uint8_t raw[MQ_DQ_ROWS * RB];
+    __shared__ __align__(16) uint8_t o16[MQ_DQ_ROWS * MQ_DQ_OLD];
     const int n0 = blockIdx.x * MQ_DQ_ROWS, c = blockIdx.y;
     for (int i = threadIdx.x; i < MQ_DQ_ROWS * (RB / 16); i += blockDim.x) {
         const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
@@ -474,18 +479,27 @@ __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restri
         *reinterpret_cast<uint4 *>(raw + r * RB + o) = __ldg(reinterpret_cast<const uint4 *>(src));
     }
     __syncthreads();
-    const int r = threadIdx.x >> 3, e = 32 * (threadIdx.x & 7);
-    if (n0 + r >= N)
-        return;
-    uint32_t t[8];
-    float sc[2], off[2];
-    mq_deq32<T>(raw + r * RB, e, c & 7, t, sc, off);
-    uint4 *o = reinterpret_cast<uint4 *>(out + (size_t)(n0 + r) * K + (size_t)c * MQ_KC + e);
+    {
+        const int r = threadIdx.x >> 3, e = 32 * (threadIdx.x & 7);
+        uint32_t t[8];
+        float sc[2], off[2];
+        mq_deq32<T>(raw + r * RB, e, c & 7, t, sc, off);
+        uint4 *o = reinterpret_cast<uint4 *>(o16 + r * MQ_DQ_OLD + 2 * e);
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        uint32_t qh[4];
-        mq_bytes_h2(t[2 * i], t[2 * i + 1], qh);
-        o[i] = mq_pack(qh, sc[i >> 1], off[i >> 1]);
+        for (int i = 0; i < 4; i++) {
+            uint32_t qh[4];
+            mq_bytes_h2(t[2 * i], t[2 * i + 1], qh);
+            o[i] = mq_pack(qh, sc[i >> 1], off[i >> 1]);
+        }
+    }
+    __syncthreads();
+    /* row r = idx / 32, 16-byte piece idx % 32: a warp one row's 512 bytes */
+#pragma unroll
+    for (int k = 0; k < MQ_DQ_ROWS * 32 / 256; k++) {
+        const int idx = threadIdx.x + 256 * k, r = idx >> 5, p = idx & 31;
+        if (n0 + r < N)
+            *reinterpret_cast<uint4 *>(out + (size_t)(n0 + r) * K + (size_t)c * MQ_KC + 8 * p) =
+                *reinterpret_cast<const uint4 *>(o16 + r * MQ_DQ_OLD + 16 * p);
     }
 }
 
