@@ -490,6 +490,27 @@ void m40k_gemm_q_tune(int reg_rows);
 int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                 int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream);
 
+/* 8f. int8 tensor-core GEMM (kernels/gemm_x8.cu) for products of 1..64 token rows in
+ * Q4_K and Q8_0_G8 (K a multiple of 256, W 16-byte aligned): y[t*ldy + r] = sum_k
+ * W[r][k] x[t][k], r < N, t < M, x given as int8 records:
+ *   m40k_quantize_x8: x F16 (x[t*x_stride + k]) into xq (16-byte aligned,
+ *     m40k_x8_bytes(K, M) bytes): per block of 32 d = max|x|/127, q = rint(x/d) (int8,
+ *     stored permuted within each 64 for the MMA fragments), s = TF32(d * sum q).
+ *   m40k_gemm_x8: per block of 32 the exact integer dot of the weight's levels with q,
+ *     times the weight's block scale (Q4_K d*sc, Q8_0 d) and dx, plus Q4_K's minimum term
+ *     TF32(-dmin*m) * s; F32 sums. Twins: m40_ref_quantize_x8 / m40_ref_gemm_x8.
+ * n_splits, workspace and counters as 8e's (m40k_gemm_q_ws_floats / _counter_ints sizes;
+ * the same zeroed counters). m40k_gemm_x8_reads says whether it takes the product;
+ * m40k_gemm_x8_pick_splits gives one wave of blocks. Call m40k_gemm_x8_prepare before
+ * capturing it into a CUDA graph. */
+size_t m40k_x8_bytes(int K, int M);
+int m40k_quantize_x8(const uint16_t *x, int64_t x_stride, int K, int M, void *xq, m40k_stream stream);
+int m40k_gemm_x8_reads(int w_type, int K, int M, const void *w);
+int m40k_gemm_x8_pick_splits(int w_type, int N, int K, int M, int sm_count);
+int m40k_gemm_x8_prepare(void);
+int m40k_gemm_x8(const void *w, int w_type, int N, int K, const void *xq, int M, float *y, int64_t ldy, int n_splits,
+                 float *workspace, int *counters, m40k_stream stream);
+
 /* 9. Sampling helpers: per row r of logits [rows][stride] (n_vocab entries), writes
  * argmax token (ties: lowest id) to token[r] and its log-softmax to logprob[r]; when
  * top_k > 0 also the top_k (<= 32) largest (token, logprob) pairs, descending, to

@@ -1122,6 +1122,129 @@ static void test_gemm_q(void)
     check("gemm_q supports Q4_K, not F32", m40k_gemm_q_supported(M40K_TYPE_Q4_K) && !m40k_gemm_q_supported(M40K_TYPE_F32));
 }
 
+/* 8f. The int8 tensor-core GEMM (m40k_quantize_x8, m40k_gemm_x8) against its twins: the
+ * records byte for byte; the product within F32 summation of the twin's double sum;
+ * and, so that a layout mistake shared by kernel and twin cannot pass, within the int8
+ * rounding of x (max|x| / 254 a weight) of the F16 product m40_ref_gemm_q. Q4_K and the
+ * regrouped Q8_0_G8; N past the 128-row block; M in each tile height and odd; x rows
+ * strided; split counts 1, picked and the most; same bits again; counters zero. */
+static void test_gemm_x8(void)
+{
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    for (int type : {M40K_TYPE_Q4_K, M40K_TYPE_Q8_0_G8}) {
+        const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type;
+        for (int K : {256, 1280, 4096})
+            for (int N : {17, 259})
+                for (int M : {1, 3, 9, 16, 27, 33, 64}) {
+                    if (K == 4096 && N == 17 && M != 64 && M != 3)
+                        continue;
+                    const int64_t xs = K + 8, ldy = N + 3;
+                    std::vector<uint8_t> w = quant_matrix(base, N, K), wd = w;
+                    if (type != base)
+                        CK(m40k_repack_g8(base, w.data(), wd.data(), N, K));
+                    std::vector<float> xf = rand_vec((size_t)M * xs);
+                    std::vector<uint16_t> x(xf.size());
+                    for (size_t i = 0; i < xf.size(); i++)
+                        x[i] = m40_fp32_to_fp16(xf[i] * (i % 97 == 5 ? 30.0f : 1.0f)); /* some large values */
+                    const size_t xb = m40k_x8_bytes(K, M);
+                    std::vector<uint8_t> rq(xb);
+                    m40_ref_quantize_x8(x.data(), xs, K, M, rq.data());
+                    uint16_t *dx = dup(x);
+                    uint8_t *dq;
+                    CK(cudaMalloc(&dq, xb));
+                    CK(cudaMemset(dq, 0x5A, xb));
+                    CK(m40k_quantize_x8(dx, xs, K, M, dq, 0));
+                    char what[160];
+                    snprintf(what, sizeof what, "quantize_x8 K %d M %d: records", K, M);
+                    check(what, back(dq, xb) == rq);
+                    std::vector<float> c((size_t)M * ldy, 0.0f), f((size_t)M * ldy, 0.0f);
+                    m40_ref_gemm_x8(w.data(), base, N, K, rq.data(), M, c.data(), ldy);
+                    m40_ref_gemm_q(w.data(), base, N, K, x.data(), xs, M, f.data(), ldy);
+                    /* per output: sum over blocks of dx/2 * sum |w| (the most x's rounding can
+                     * move it), plus 2^-9 of sum |w||x| (F16 weights, TF32 minimums) */
+                    const float *rds = (const float *)(rq.data() + (size_t)M * K);
+                    std::vector<float> wr((size_t)K);
+                    std::vector<double> tol(c.size(), 0.0);
+                    double mag = 0, xmax = 0; /* max over rows of sum_k |w|; max |x| */
+                    for (uint16_t h : x)
+                        xmax = std::max(xmax, (double)fabsf(m40_fp16_to_fp32(h)));
+                    for (int r = 0; r < N; r++) {
+                        m40_dequantize_row((uint32_t)base, w.data() + (size_t)r * row_bytes(base, K), wr.data(), K);
+                        double m = 0;
+                        for (int k = 0; k < K; k++)
+                            m += fabs(wr[k]);
+                        mag = std::max(mag, m);
+                        for (int t = 0; t < M; t++) {
+                            double e = 0, wx = 0;
+                            for (int k = 0; k < K; k++) {
+                                e += fabs(wr[k]) * rds[(size_t)t * (K / 16) + 16 * (k / 256) + (k / 32) % 8] / 2;
+                                wx += fabs(wr[k]) * fabsf(m40_fp16_to_fp32(x[(size_t)t * xs + k]));
+                            }
+                            tol[(size_t)t * ldy + r] = e + wx / 512 + 1e-6;
+                        }
+                    }
+                    size_t far = 0;
+                    for (size_t i = 0; i < c.size(); i++)
+                        far += !(fabs((double)c[i] - f[i]) <= tol[i]);
+                    snprintf(what, sizeof what, "gemm_x8 twin %s N %d K %d M %d: %zu outside x's rounding of the F16 product",
+                             m40_type_name(type), N, K, M, far);
+                    check(what, far == 0);
+                    uint8_t *dw = dup(wd);
+                    float *dy, *dws;
+                    const int maxS = K / 256;
+                    CK(cudaMalloc(&dy, c.size() * 4));
+                    CK(cudaMalloc(&dws, m40k_gemm_q_ws_floats(N, M, maxS) * 4 + 16));
+                    int *dcnt = dup(std::vector<int>(m40k_gemm_q_counter_ints(N, M), 0));
+                    check("gemm_x8 reads it", m40k_gemm_x8_reads(type, K, M, dw) != 0);
+                    const int pick = m40k_gemm_x8_pick_splits(type, N, K, M, sms);
+                    check("gemm_x8 pick in 1..K/256", pick >= 1 && pick <= maxS);
+                    for (int S : {1, pick, maxS}) {
+                        std::vector<float> sentinel(c.size(), -7.0f);
+                        CK(cudaMemcpy(dy, sentinel.data(), c.size() * 4, cudaMemcpyHostToDevice));
+                        CK(m40k_gemm_x8(dw, type, N, K, dq, M, dy, ldy, S, dws, dcnt, 0));
+                        std::vector<float> g = back(dy, c.size());
+                        bool gaps = true;
+                        for (int t = 0; t < M; t++)
+                            for (int64_t r = N; r < ldy; r++) {
+                                gaps = gaps && g[(size_t)t * ldy + r] == -7.0f;
+                                g[(size_t)t * ldy + r] = 0.0f;
+                            }
+                        snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d", m40_type_name(type), N, K,
+                                 M, S);
+                        compare(what, g.data(), c.data(), c.size(), (float)(1e-5 * mag * xmax), 1e-4f);
+                        snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d: ldy gap kept",
+                                 m40_type_name(type), N, K, M, S);
+                        check(what, gaps);
+                        CK(m40k_gemm_x8(dw, type, N, K, dq, M, dy, ldy, S, dws, dcnt, 0));
+                        std::vector<float> g2 = back(dy, c.size());
+                        bool same = true;
+                        for (int t = 0; t < M; t++)
+                            for (int r = 0; r < N; r++)
+                                same = same && memcmp(&g2[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
+                        snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d: same bits again",
+                                 m40_type_name(type), N, K, M, S);
+                        check(what, same);
+                        std::vector<int> cnt = back(dcnt, m40k_gemm_q_counter_ints(N, M));
+                        snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d: counters zero",
+                                 m40_type_name(type), N, K, M, S);
+                        check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                    }
+                    cudaFree(dw), cudaFree(dx), cudaFree(dq), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
+                }
+    }
+    const void *pw = (const void *)16;
+    float *py = (float *)16;
+    check("gemm_x8 refuses Q6_K_G8", !m40k_gemm_x8_reads(M40K_TYPE_Q6_K_G8, 2048, 16, pw));
+    check("gemm_x8 refuses K 288", m40k_gemm_x8(pw, M40K_TYPE_Q4_K, 4, 288, pw, 9, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_x8 refuses M 65", m40k_gemm_x8(pw, M40K_TYPE_Q4_K, 4, 256, pw, 65, py, 4, 1, NULL, NULL, 0) != 0);
+    check("gemm_x8 refuses W + 8", m40k_gemm_x8((const uint8_t *)pw + 8, M40K_TYPE_Q4_K, 4, 256, pw, 9, py, 4, 1, NULL,
+                                                NULL, 0) != 0);
+    check("gemm_x8 refuses splits without workspace",
+          m40k_gemm_x8(pw, M40K_TYPE_Q4_K, 4, 512, pw, 9, py, 4, 2, NULL, NULL, 0) != 0);
+    check("quantize_x8 refuses K 96", m40k_quantize_x8((const uint16_t *)pw, 96, 96, 1, (void *)py, 0) != 0);
+}
+
 /* 8c'. m40k_gemm_skinny_glu (the down projection fed by the gate/up product) against
  * its twin: this GPU's m40k_glu output rounded to F16, then m40_ref_gemv (only the order
  * of the sum differs; the GLU itself is compared with m40_ref_glu in test_act). Both
@@ -1829,6 +1952,120 @@ static void bench_gemv_q8_shapes(void)
  * splits), the F16 m40k_gemv, and cuBLAS's F16 x F16 -> F32 GEMM on an F16 copy of x;
  * weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
  * Mistral-7B shapes: q/o, q+k+v, k/v, gate+up, down, output. */
+/* Prefill's tiled path: each matrix dequantized to F16, then cuBLAS. Serially on one
+ * stream, against the dequantization of the next matrix on a second stream into a
+ * second scratch while cuBLAS multiplies this one (cuBLAS is bound by the tensor cores
+ * at 512 rows, the dequantization by DRAM). Microseconds a matrix. */
+static void bench_deq_overlap(void)
+{
+    cublasHandle_t blas;
+    if (cublasCreate(&blas) != CUBLAS_STATUS_SUCCESS)
+        return;
+    cudaStream_t s1, s2;
+    CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    cublasSetStream(blas, s1);
+    struct { int N, K; } shapes[] = {{6144, 4096}, {4096, 4096}, {28672, 4096}, {4096, 14336}};
+    for (auto sh : shapes)
+        for (int type : {M40K_TYPE_Q4_K, M40K_TYPE_Q8_0_G8}) {
+            const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type;
+            const size_t bytes = row_bytes(base, sh.K) * sh.N;
+            std::vector<uint8_t> wq = quant_matrix(base, 64, sh.K), w(bytes);
+            for (size_t i = 0; i < bytes; i++)
+                w[i] = wq[i % wq.size()];
+            if (type != base) {
+                std::vector<uint8_t> r(bytes);
+                CK(m40k_repack_g8(base, w.data(), r.data(), sh.N, sh.K));
+                w.swap(r);
+            }
+            const int copies = (int)(120000000 / bytes) + 2;
+            std::vector<uint8_t *> dw(copies);
+            for (auto &d : dw)
+                d = dup(w);
+            uint16_t *deq[2], *dx;
+            float *dy;
+            CK(cudaMalloc(&deq[0], (size_t)sh.N * sh.K * 2));
+            CK(cudaMalloc(&deq[1], (size_t)sh.N * sh.K * 2));
+            CK(cudaMalloc(&dx, (size_t)512 * sh.K * 2));
+            CK(cudaMemset(dx, 0, (size_t)512 * sh.K * 2));
+            CK(cudaMalloc(&dy, (size_t)512 * sh.N * 4));
+            cudaEvent_t dq[2], gm[2], t0, t1;
+            for (int b = 0; b < 2; b++) {
+                CK(cudaEventCreateWithFlags(&dq[b], cudaEventDisableTiming));
+                CK(cudaEventCreateWithFlags(&gm[b], cudaEventDisableTiming));
+            }
+            CK(cudaEventCreate(&t0));
+            CK(cudaEventCreate(&t1));
+            for (int M : {128, 256, 512, 1024}) {
+                if (M > 512)
+                    continue;
+                auto gemm = [&](const uint16_t *wf) {
+                    const float one = 1.0f, zero = 0.0f;
+                    if (cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, sh.N, M, sh.K, &one, wf, CUDA_R_16F, sh.K, dx,
+                                     CUDA_R_16F, sh.K, &zero, dy, CUDA_R_32F, sh.N, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+                        CK(cudaErrorUnknown);
+                };
+                const int iters = 20;
+                for (int v = 0; v < 4; v++) { /* 0 serial, 1 overlapped, 2 cuBLAS alone, 3 dequantization alone */
+                    if (v == 3 && M != 128)
+                        continue;
+                    for (int rep = 0; rep < 2; rep++) { /* the first a warm-up */
+                        CK(cudaStreamSynchronize(s1));
+                        CK(cudaStreamSynchronize(s2));
+                        CK(cudaEventRecord(gm[0], s1));
+                        CK(cudaEventRecord(gm[1], s1));
+                        if (v == 1) {
+                            CK(m40k_gemm_q_dequant(dw[0], type, sh.N, sh.K, deq[0], s2));
+                            CK(cudaEventRecord(dq[0], s2));
+                            CK(cudaStreamWaitEvent(s1, dq[0], 0));
+                        }
+                        CK(cudaEventRecord(t0, s1));
+                        for (int i = 0; i < iters; i++) {
+                            const int b = i & 1;
+                            if (v == 0) {
+                                CK(m40k_gemm_q_dequant(dw[i % copies], type, sh.N, sh.K, deq[0], s1));
+                                gemm(deq[0]);
+                            } else if (v == 2) {
+                                gemm(deq[b]);
+                            } else if (v == 3) {
+                                CK(m40k_gemm_q_dequant(dw[i % copies], type, sh.N, sh.K, deq[b], s1));
+                            } else {
+                                CK(cudaStreamWaitEvent(s2, gm[1 - b], 0)); /* the product that read buf 1-b */
+                                CK(m40k_gemm_q_dequant(dw[(i + 1) % copies], type, sh.N, sh.K, deq[1 - b], s2));
+                                CK(cudaEventRecord(dq[1 - b], s2));
+                                CK(cudaStreamWaitEvent(s1, dq[b], 0));
+                                gemm(deq[b]);
+                                CK(cudaEventRecord(gm[b], s1));
+                            }
+                        }
+                        CK(cudaEventRecord(t1, s1));
+                        CK(cudaEventSynchronize(t1));
+                        CK(cudaStreamSynchronize(s2));
+                        float ms = 0;
+                        CK(cudaEventElapsedTime(&ms, t0, t1));
+                        if (rep == 1)
+                            printf("bench deq %-6s%s N %5d K %5d M %3d %-10s: %8.1f us a matrix\n", m40_type_name(base),
+                                   type != base ? "_G8" : "", sh.N, sh.K, M,
+                                   v == 0 ? "serial" : v == 1 ? "overlapped" : v == 2 ? "blas only" : "deq only",
+                                   ms * 1000.0 / iters);
+                        if (rep == 1 && v == 3)
+                            printf("bench deq: %.1f GB/s (weights read + F16 written)\n",
+                                   (bytes + (double)sh.N * sh.K * 2) / (ms * 1e6 / iters));
+                    }
+                }
+            }
+            for (auto &d : dw)
+                cudaFree(d);
+            cudaFree(deq[0]), cudaFree(deq[1]), cudaFree(dx), cudaFree(dy);
+            for (int b = 0; b < 2; b++)
+                cudaEventDestroy(dq[b]), cudaEventDestroy(gm[b]);
+            cudaEventDestroy(t0), cudaEventDestroy(t1);
+        }
+    cublasDestroy(blas);
+    cudaStreamDestroy(s1), cudaStreamDestroy(s2);
+}
+
 /* The quantized GEMM (m40k_gemm_q) at a 7B step's shapes against the path it replaces
  * (the matrix dequantized to F16 by m40k_gemm_q_dequant, then cublasGemmEx) and against cuBLAS on
  * F16 weights: microseconds, weight bytes read per second (against the H100's 3.02 TB/s)
@@ -1930,6 +2167,29 @@ static void bench_gemm_q(void)
                            gbs, 100.0 * gbs / 3020.0, tf);
                     m40k_gemm_q_tune(64);
                 }
+            /* the int8 tensor-core kernel (8f): the product alone, and with the quantization of x */
+            if (m40k_gemm_x8_reads(type, sh.K, 16, dw[0])) {
+                void *dxq;
+                CK(cudaMalloc(&dxq, m40k_x8_bytes(sh.K, 64)));
+                for (int M : {4, 8, 16, 32, 64}) {
+                    CK(m40k_quantize_x8(dx16, sh.K, sh.K, M, dxq, 0));
+                    const int S = m40k_gemm_x8_pick_splits(type, sh.N, sh.K, M, sms);
+                    for (int v = 0; v < 2; v++) {
+                        int turn = 0;
+                        auto run = [&]() {
+                            if (v == 1)
+                                CK(m40k_quantize_x8(dx16, sh.K, sh.K, M, dxq, 0));
+                            CK(m40k_gemm_x8(dw[turn++ % copies], type, sh.N, sh.K, dxq, M, dy, sh.N, S, dws, dcnt, 0));
+                        };
+                        const double us = time_us(run, 20), gbs = bytes / (us * 1e3);
+                        printf("bench %-8s %-8s %-8s N %5d K %5d M %3d S %2d: %8.1f us  %7.1f GB/s (%5.1f%%)  %6.1f "
+                               "TFLOP/s\n",
+                               m40_type_name(base), type != base ? "G8" : "", v ? "x8+quant" : "x8", sh.N, sh.K, M, S,
+                               us, gbs, 100.0 * gbs / 3020.0, 2.0 * sh.N * sh.K * M / (us * 1e6));
+                    }
+                }
+                cudaFree(dxq);
+            }
             for (auto &d : dw)
                 cudaFree(d);
         }
@@ -2132,6 +2392,7 @@ int main(int argc, char **argv)
         {"skinny", test_gemm_skinny},
         {"skinny_glu", test_gemm_skinny_glu},
         {"gemm_q", test_gemm_q},
+        {"gemm_x8", test_gemm_x8},
         {"sample", test_sample},
     };
     /* M40_TEST_ONLY=name,name: only those tests (for a quick check of one kernel) */
@@ -2173,6 +2434,8 @@ int main(int argc, char **argv)
             bench_attn_decode();
         if (want("gemmq"))
             bench_gemm_q();
+        if (want("deqov"))
+            bench_deq_overlap();
     }
     printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
     return n_fail ? 1 : 0;
