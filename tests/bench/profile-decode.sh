@@ -2,8 +2,10 @@
 # Where a decode step's GPU time goes, kernel by kernel, read from the hardware counters
 # by Nsight Compute (ncu) on a GPU host:
 #
-#   tests/bench/profile-decode.sh MODEL.gguf [--batch B] [--prompt-len N] [--device D]
+#   tests/bench/profile-decode.sh MODEL.gguf [--batch B] [--prompt-len N] [--device D] [--prefill]
 #
+# --prefill: the same table for the prefill's forward pass of N prompt tokens (the
+# pass with the most kernel time) instead of the last decode step.
 # Runs `m40 bench` (prefill of a random prompt, then 3 greedy decode steps of B
 # sequences) under ncu with one metric pass per kernel, then prints, for the last decode
 # step: each kernel's time, DRAM bytes and achieved bandwidth, grouped by kernel name, the
@@ -19,18 +21,19 @@ cd "$(dirname "$0")/../.." || exit 1
 M40=${M40:-build/m40}
 NCU=${NCU:-ncu}
 BANDWIDTH=${BANDWIDTH:-3020}
-BATCH=1 PROMPT=512 DEVICE=0 MODEL=
+BATCH=1 PROMPT=512 DEVICE=0 MODEL= PREFILL=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --batch) BATCH=$2; shift ;;
         --prompt-len) PROMPT=$2; shift ;;
         --device) DEVICE=$2; shift ;;
+        --prefill) PREFILL=1 ;;
         -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) [ -z "$MODEL" ] || { echo "profile-decode.sh: one model" >&2; exit 2; }; MODEL=$1 ;;
     esac
     shift
 done
-[ -n "$MODEL" ] || { echo "usage: $0 MODEL.gguf [--batch B] [--prompt-len N] [--device D]" >&2; exit 2; }
+[ -n "$MODEL" ] || { echo "usage: $0 MODEL.gguf [--batch B] [--prompt-len N] [--device D] [--prefill]" >&2; exit 2; }
 command -v "$NCU" >/dev/null 2>&1 || { echo "profile-decode.sh: $NCU not found (Nsight Compute)" >&2; exit 2; }
 [ -x "$M40" ] || { echo "profile-decode.sh: $M40 missing: build it first" >&2; exit 2; }
 
@@ -48,7 +51,7 @@ trap 'rm -rf "$tmp"' EXIT
     "$M40" bench --device "$DEVICE" "$MODEL" --prompt-len "$PROMPT" --chunk "$CHUNK" --gen 3 --reps 1 --batch "$BATCH" \
     >"$tmp/ncu.csv" 2>"$tmp/ncu.err" || { tail -20 "$tmp/ncu.err" >&2; exit 1; }
 
-python3 - "$tmp/ncu.csv" "$tmp/bench.txt" "$BANDWIDTH" <<'EOF'
+python3 - "$tmp/ncu.csv" "$tmp/bench.txt" "$BANDWIDTH" "$PREFILL" "$CHUNK" <<'EOF'
 import csv, re, sys
 rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
 head, units, data = rows[0], rows[1], rows[2:]
@@ -68,7 +71,13 @@ for r in data:
 starts = [i for i, k in enumerate(ks) if "embed" in k[0]]
 if len(starts) < 2:
     sys.exit("profile-decode.sh: could not find the forward passes (embedding kernels) in the ncu output")
-step = ks[starts[-1]:]
+prefill = sys.argv[4] == "1"
+if prefill:  # the pass with the most kernel time: the prompt's chunk
+    bounds = starts + [len(ks)]
+    passes = [ks[bounds[i]:bounds[i + 1]] for i in range(len(starts))]
+    step = max(passes, key=lambda p: sum(k[1] for k in p))
+else:
+    step = ks[starts[-1]:]
 tot_t = sum(k[1] for k in step)
 tot_b = sum(k[2] for k in step)
 groups = {}
@@ -78,12 +87,15 @@ for name, t, b in step:
 bench = open(sys.argv[2]).read()
 m = re.search(r"median:\s+prefill [\d.]+ tok/s, decode [\d.]+ tok/s \(batch \d+, ([\d.]+) steps/s\)", bench)
 step_s = 1.0 / float(m.group(1)) if m else None
+if prefill:
+    mp = re.search(r"median:\s+prefill ([\d.]+) tok/s", bench)
+    step_s = int(sys.argv[5]) / float(mp.group(1)) if mp else None
 w = re.search(r"roofline: decode reads the weights once per step: ([\d.e+]+) GB", bench)
 bw = float(sys.argv[3]) * 1e9
-print(f"last decode step: {len(step)} kernels, {tot_t * 1e3:.3f} ms of kernel time, {tot_b / 1e9:.3f} GB of DRAM traffic"
+print(f"{'prefill pass' if prefill else 'last decode step'}: {len(step)} kernels, {tot_t * 1e3:.3f} ms of kernel time, {tot_b / 1e9:.3f} GB of DRAM traffic"
       f" ({tot_b / tot_t / 1e9 if tot_t else 0:.0f} GB/s while kernels ran)")
 if step_s:
-    print(f"m40 bench step (no profiler): {step_s * 1e3:.3f} ms -> {1e3 * (step_s - tot_t):.3f} ms outside kernels "
+    print(f"m40 bench {'pass' if prefill else 'step'} (no profiler): {step_s * 1e3:.3f} ms -> {1e3 * (step_s - tot_t):.3f} ms outside kernels "
           f"(launch gaps, host work)")
 if w:
     wb = float(w.group(1)) * 1e9
