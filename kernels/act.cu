@@ -15,11 +15,39 @@ __global__ void glu_kernel(int act, const float *__restrict__ gate, const float 
     const int r = blockIdx.y;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const float o = m40k_glu_one(act, gate[r * in_stride + i], up[r * in_stride + i]);
-        out[r * out_stride + i] = o;
+        if (out)
+            out[r * out_stride + i] = o;
         if (xq) /* n % 32 == 0: a warp holds one whole block */
             gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)r * (n / 32) + i / 32);
         if (o16)
             o16[(size_t)r * n + i] = m40k_f2h(o);
+    }
+}
+
+/* The F16 copy (and out, unless NULL) four elements a thread: 16-byte loads of gate and
+ * up, an 8-byte store of the F16 copy. Prefill's chunks read 58 MB of F32 gate/up a
+ * layer here (Mistral's shape, 512 rows); one element a thread, and out written when
+ * only the F16 copy is read, took 6% of a Q4_K_M chunk (BENCHMARKS.md). Same values as
+ * glu_kernel. */
+__global__ void glu4_kernel(int act, const float *__restrict__ gate, const float *__restrict__ up, int64_t in_stride,
+                            float *__restrict__ out, int64_t out_stride, int n4, uint16_t *__restrict__ o16)
+{
+    m40k_pdl_begin();
+    M40K_LAUNDER(gate);
+    M40K_LAUNDER(up);
+    M40K_LAUNDER(out);
+    M40K_LAUNDER(o16);
+    const int r = blockIdx.y;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += gridDim.x * blockDim.x) {
+        const float4 g = *reinterpret_cast<const float4 *>(gate + r * in_stride + 4 * i);
+        const float4 u = *reinterpret_cast<const float4 *>(up + r * in_stride + 4 * i);
+        const float4 o = make_float4(m40k_glu_one(act, g.x, u.x), m40k_glu_one(act, g.y, u.y),
+                                     m40k_glu_one(act, g.z, u.z), m40k_glu_one(act, g.w, u.w));
+        if (out)
+            *reinterpret_cast<float4 *>(out + r * out_stride + 4 * i) = o;
+        if (o16)
+            *reinterpret_cast<uint2 *>(o16 + (size_t)r * 4 * n4 + 4 * i) =
+                make_uint2(m40k_f2h(o.x) | (uint32_t)m40k_f2h(o.y) << 16, m40k_f2h(o.z) | (uint32_t)m40k_f2h(o.w) << 16);
     }
 }
 
@@ -35,8 +63,14 @@ static int glu_launch(int act, const float *gate, const float *up, int64_t in_st
 {
     if (rows <= 0 || n <= 0)
         return 0;
-    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || (xq && n % 32))
+    if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || (xq && n % 32) || (!out && !xq && !o16))
         return M40K_INVALID;
+    if (!xq && n % 4 == 0 && in_stride % 4 == 0 && (!out || out_stride % 4 == 0) && ((uintptr_t)gate & 15) == 0 &&
+        ((uintptr_t)up & 15) == 0 && ((uintptr_t)out & 15) == 0 && ((uintptr_t)o16 & 7) == 0) {
+        dim3 grid4((unsigned)min((n / 4 + 255) / 256, 1024), (unsigned)rows);
+        M40K_LAUNCH_PDL(glu4_kernel, grid4, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n / 4, o16);
+        return m40k_launch_status();
+    }
     dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
     M40K_LAUNCH_PDL(glu_kernel, grid, 256, 0, stream, act, gate, up, in_stride, out, out_stride, n, xq, o16);
     return m40k_launch_status();

@@ -97,7 +97,8 @@ int m40k_add_rmsnorm_q8(float *x, int64_t x_stride, const float *d, int64_t d_st
 int m40k_add_rmsnorm_f16(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w, float *out,
                          int64_t out_stride, int rows, int dim, float eps, uint16_t *out16, m40k_stream stream);
 /* 2e. Out of place: x_out[r] = x[r] + d[r] (row stride x_stride, as x), out[r] =
- * rmsnorm(x_out[r]) * w, and where given xq (2c: dim a multiple of 32) and out16 (2d).
+ * rmsnorm(x_out[r]) * w, and where given xq (2c: dim a multiple of 32) and out16 (2d);
+ * out may be NULL where xq or out16 is given (only they are written).
  * x_out may be x (then as 2b-2d). With x_out and out both apart from x and d, rows of a
  * width that is a multiple of 512 up to 8,192, at 16-byte strides, need no exchange
  * between the blocks of a row (each sums the whole row itself): the decode steps'
@@ -124,7 +125,8 @@ int m40k_glu(int act, const float *gate, const float *up, int64_t in_stride, flo
 /* 4b. The same, and out quantized for m40k_gemv_q8 on the way, as 2c (n a multiple of 32). */
 int m40k_glu_q8(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
                 int rows, int n, void *xq, m40k_stream stream);
-/* 4c. The same with an F16 copy of out, as 2d: out16[r*n + i], rows contiguous. */
+/* 4c. The same with an F16 copy of out, as 2d: out16[r*n + i], rows contiguous. out may
+ * be NULL here and in 4b (only the copy or the records written). */
 int m40k_glu_f16(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
                  int rows, int n, uint16_t *out16, m40k_stream stream);
 

@@ -51,7 +51,8 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
 __device__ __forceinline__ void ar_emit(int i, float o, int r, float *out, int64_t out_stride, int dim, gq_blk *xq,
                                         uint16_t *o16)
 {
-    out[r * out_stride + i] = o;
+    if (out)
+        out[r * out_stride + i] = o;
     if (xq)
         gq_quantize_block(o, threadIdx.x & 31, xq + (size_t)r * (dim / 32) + i / 32);
     if (o16)
@@ -198,9 +199,64 @@ __global__ __launch_bounds__(AR_THREADS) void add_rmsnorm_rep_kernel(const float
     }
 }
 
-/* whether rows x [p, p + (rows-1)*stride + dim) of floats and of q overlap */
+/* Many rows without the int8 records (prefill chunks): a block a row, four elements a
+ * thread and round in 16-byte loads, the thread's sums and weights held for the second
+ * pass (rows up to 16 * blockDim.x wide), the F16 copy in 8-byte stores. One element a
+ * thread at 1,024 threads ran at a quarter of the bandwidth in a prefill chunk
+ * (BENCHMARKS.md). x_out may be x (each thread rewrites only what it read). */
+#define AR4_V 4
+__global__ void add_rmsnorm4_kernel(const float *x, float *x_out, int64_t x_stride, const float *d, int64_t d_stride,
+                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
+                                    uint16_t *__restrict__ o16)
+{
+    m40k_pdl_begin();
+    M40K_LAUNDER(x);
+    M40K_LAUNDER(x_out);
+    M40K_LAUNDER(d);
+    M40K_LAUNDER(w);
+    M40K_LAUNDER(out);
+    M40K_LAUNDER(o16);
+    __shared__ float partial[32];
+    const int r = blockIdx.x, n4 = dim / 4;
+    float4 xv[AR4_V], wv[AR4_V];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < AR4_V; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        xv[k] = wv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (j < n4) {
+            const float4 a = *reinterpret_cast<const float4 *>(x + r * x_stride + 4 * j);
+            const float4 b = *reinterpret_cast<const float4 *>(d + r * d_stride + 4 * j);
+            const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+            *reinterpret_cast<float4 *>(x_out + r * x_stride + 4 * j) = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            xv[k] = v;
+            wv[k] = *reinterpret_cast<const float4 *>(w + 4 * j);
+        }
+    }
+    const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
+#pragma unroll
+    for (int k = 0; k < AR4_V; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < n4) {
+            const float4 o = make_float4(xv[k].x * scale * wv[k].x, xv[k].y * scale * wv[k].y,
+                                         xv[k].z * scale * wv[k].z, xv[k].w * scale * wv[k].w);
+            if (out)
+                *reinterpret_cast<float4 *>(out + r * out_stride + 4 * j) = o;
+            if (o16)
+                *reinterpret_cast<uint2 *>(o16 + (size_t)r * dim + 4 * j) =
+                    make_uint2(m40k_f2h(o.x) | (uint32_t)m40k_f2h(o.y) << 16,
+                               m40k_f2h(o.z) | (uint32_t)m40k_f2h(o.w) << 16);
+        }
+    }
+}
+
+/* whether rows x [p, p + (rows-1)*stride + dim) of floats and of q overlap (never, for a
+ * NULL p) */
 static bool ar_overlap(const float *p, int64_t ps, const float *q, int64_t qs, int rows, int dim)
 {
+    if (!p)
+        return false;
     const float *pe = p + (rows - 1) * ps + dim, *qe = q + (rows - 1) * qs + dim;
     return p < qe && q < pe;
 }
@@ -212,7 +268,7 @@ static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, co
 {
     if (rows <= 0)
         return 0;
-    if (dim <= 0 || (xq && dim % 32))
+    if (dim <= 0 || (xq && dim % 32) || (!out && !xq && !o16))
         return M40K_INVALID;
     const int threads = dim / AR_BLOCKS < AR_THREADS ? dim / AR_BLOCKS : AR_THREADS;
     if (rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads && x_stride % 4 == 0 &&
@@ -221,6 +277,15 @@ static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, co
         !ar_overlap(out, out_stride, x, x_stride, rows, dim) && !ar_overlap(out, out_stride, d, d_stride, rows, dim)) {
         M40K_LAUNCH_PDL(add_rmsnorm_rep_kernel, dim3(AR_BLOCKS, (unsigned)rows), threads, 0, stream, x, x_out,
                         x_stride, d, d_stride, w, out, out_stride, dim, eps, xq, o16);
+        return m40k_launch_status();
+    }
+    if (!xq && rows > AR_MAX_ROWS && dim % 4 == 0 && dim <= 16 * 1024 && x_stride % 4 == 0 && d_stride % 4 == 0 &&
+        (!out || out_stride % 4 == 0) && ((uintptr_t)x & 15) == 0 && ((uintptr_t)x_out & 15) == 0 &&
+        ((uintptr_t)d & 15) == 0 && ((uintptr_t)w & 15) == 0 && ((uintptr_t)out & 15) == 0 &&
+        ((uintptr_t)o16 & 7) == 0 && !(out && ar_overlap(out, out_stride, x, x_stride, rows, dim))) {
+        const int t4 = (dim / 4 + AR4_V - 1) / AR4_V, nt4 = (t4 + 31) / 32 * 32;
+        M40K_LAUNCH_PDL(add_rmsnorm4_kernel, rows, nt4, 0, stream, x, x_out, x_stride, d, d_stride, w, out, out_stride,
+                        dim, eps, o16);
         return m40k_launch_status();
     }
     int nt = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;

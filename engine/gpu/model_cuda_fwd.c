@@ -546,14 +546,20 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
     return 0;
 }
 
+/* Whether a product of n rows told x16_ready (wants_x16) reads only the F16 copy of x:
+ * past 8 rows no GEMV or skinny kernel takes it, so out's F32 copy need not be written
+ * (prefill chunks: 16 MB a layer less at 512 rows of 4096). */
+static int x16_only(int x16, int32_t n) { return x16 && n > 8; }
+
 /* The residual add fused with an RMSNorm: *xo = *xc + xd, out = rmsnorm(*xo) * w (and
  * its int8 quantization into g->xq, or its F16 copy into g->x16, for the product that
- * reads it), then the two residual buffers swap. */
+ * reads it; out itself not written where that product reads the copy only), then the
+ * two residual buffers swap. */
 static int add_norm(m40_gpu *g, float **xc, float **xo, const float *w, float *out, int32_t n, int xq, int x16)
 {
     const int64_t dim = g->p.dim;
-    const int e = m40k_add_rmsnorm_to(*xc, dim, g->xd, dim, *xo, w, out, dim, n, (int)dim, g->p.norm_eps,
-                                      xq ? g->xq : NULL, x16 ? g->x16 : NULL, g->stream);
+    const int e = m40k_add_rmsnorm_to(*xc, dim, g->xd, dim, *xo, w, x16_only(x16, n) ? NULL : out, dim, n, (int)dim,
+                                      g->p.norm_eps, xq ? g->xq : NULL, x16 ? g->x16 : NULL, g->stream);
     swap_residual(xc, xo);
     return e;
 }
@@ -748,7 +754,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             if (xq_dn)
                 CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
             else if (x16_dn)
-                CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->x16, g->stream));
+                CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, x16_only(x16_dn, n) ? NULL : g->hb2, ffn, n,
+                                (int)ffn, g->x16, g->stream));
             else
                 CK(m40k_glu(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->stream));
             /* the next layer's attention norm (the last layer: the final norm, when the

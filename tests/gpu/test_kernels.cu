@@ -370,6 +370,74 @@ static void test_fused_f16(void)
                 check(what, same);
                 cudaFree(din), cudaFree(dout), cudaFree(dh);
             }
+    /* Rows at 16-byte strides past the decode kernel's 16 take the 16-byte-load kernels
+     * (prefill chunks); without out (NULL) only the F16 copy is written, the same bits. */
+    for (int dim : {64, 100, 4096, 5152})
+        for (int rows : {17, 38, 512}) {
+            const int64_t xs = dim, ds = dim + 4;
+            std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
+                               w = rand_vec(dim, 0.5f, 1.5f);
+            float *dx = dup(x), *dd = dup(d), *dw = dup(w), *dxo, *dout = dup(d); /* gaps: d, as the twin's */
+            CK(cudaMalloc(&dxo, x.size() * 4));
+            uint16_t *dh, *dh2;
+            CK(cudaMalloc(&dh, (size_t)rows * dim * 2));
+            CK(cudaMalloc(&dh2, (size_t)rows * dim * 2));
+            CK(m40k_add_rmsnorm_to(dx, xs, dd, ds, dxo, dw, dout, ds, rows, dim, 1e-5f, nullptr, dh, 0));
+            CK(m40k_add_rmsnorm_to(dx, xs, dd, ds, dxo, dw, nullptr, ds, rows, dim, 1e-5f, nullptr, dh2, 0));
+            std::vector<float> c = d, xr = x;
+            m40_ref_add_rmsnorm(xr.data(), xs, d.data(), ds, w.data(), c.data(), ds, rows, dim, 1e-5f);
+            std::vector<float> go = back(dout, c.size()), gx = back(dxo, x.size());
+            char what[112];
+            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: out", rows, dim);
+            compare(what, go.data(), c.data(), go.size(), 1e-5f, 1e-5f);
+            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: x_out", rows, dim);
+            check(what, gx == xr);
+            std::vector<uint16_t> h = back(dh, (size_t)rows * dim), h2 = back(dh2, (size_t)rows * dim);
+            bool same = true;
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < dim; i++)
+                    same = same && h[(size_t)r * dim + i] == m40_fp32_to_fp16(go[(size_t)r * ds + i]);
+            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: F16 copy", rows, dim);
+            check(what, same);
+            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: without out, the same copy", rows, dim);
+            check(what, h == h2);
+            cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dxo), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
+        }
+    for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
+        for (int n : {36, 640, 14336})
+            for (int rows : {1, 38, 512}) {
+                const int64_t is = 2 * n, os = n + 4;
+                std::vector<float> in = rand_vec(rows * is, -6, 6), c(rows * os, 0.0f);
+                float *din = dup(in), *dout;
+                uint16_t *dh, *dh2;
+                CK(cudaMalloc(&dh, (size_t)rows * n * 2));
+                CK(cudaMalloc(&dh2, (size_t)rows * n * 2));
+                CK(cudaMalloc(&dout, c.size() * 4));
+                CK(cudaMemset(dout, 0, c.size() * 4));
+                CK(m40k_glu_f16(act, din, din + n, is, dout, os, rows, n, dh, 0));
+                CK(m40k_glu_f16(act, din, din + n, is, nullptr, os, rows, n, dh2, 0));
+                m40_ref_glu(act, in.data(), in.data() + n, is, c.data(), os, rows, n);
+                std::vector<float> g = back(dout, c.size());
+                char what[112];
+                snprintf(what, sizeof what, "glu_f16 16-byte act %d n %d rows %d: out", act, n, rows);
+                compare(what, g.data(), c.data(), c.size(), 1e-5f, 1e-5f);
+                std::vector<uint16_t> h = back(dh, (size_t)rows * n), h2 = back(dh2, (size_t)rows * n);
+                bool same = true;
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < n; i++)
+                        same = same && h[(size_t)r * n + i] == m40_fp32_to_fp16(g[(size_t)r * os + i]);
+                snprintf(what, sizeof what, "glu_f16 16-byte act %d n %d rows %d: F16 copy", act, n, rows);
+                check(what, same);
+                snprintf(what, sizeof what, "glu_f16 16-byte act %d n %d rows %d: without out, the same copy", act, n,
+                         rows);
+                check(what, h == h2);
+                cudaFree(din), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
+            }
+    check("add_rmsnorm_to with neither out, xq nor out16 refused",
+          m40k_add_rmsnorm_to((const float *)16, 8, (const float *)16, 8, (float *)16, (const float *)16, nullptr, 8, 1,
+                              8, 1e-5f, nullptr, nullptr, 0) != 0);
+    check("glu with neither out nor a copy refused",
+          m40k_glu(M40K_GLU_SILU, (const float *)16, (const float *)16, 64, nullptr, 32, 1, 32, 0) != 0);
     check("add_rmsnorm_f16 without out16 refused", m40k_add_rmsnorm_f16(nullptr, 8, nullptr, 8, nullptr, nullptr, 8,
                                                                          1, 8, 1e-5f, nullptr, 0) != 0);
     check("glu_f16 without out16 refused",
