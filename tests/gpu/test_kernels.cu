@@ -25,6 +25,7 @@ extern "C" {
 #include "ref/quant.h"
 }
 #include "ref/cpu_ref.h"
+#include "model_aux.h"
 
 #define GPU_CHECK_SEED 0x9E3779B97F4A7C15ull
 #include "gpu_check.h"
@@ -1188,6 +1189,36 @@ static void test_gemm_q(void)
     check("gemm_q refuses splits without workspace",
           m40k_gemm_q(pw, M40K_TYPE_Q8_0, 4, 512, px, 512, 9, py, 4, 2, NULL, NULL, 0) != 0);
     check("gemm_q supports Q4_K, not F32", m40k_gemm_q_supported(M40K_TYPE_Q4_K) && !m40k_gemm_q_supported(M40K_TYPE_F32));
+}
+
+/* m40k_f32_to_f16 (model_aux.h) against the CPU's rounding (m40_fp32_to_fp16), bit for
+ * bit: values across F16's range, past it, subnormal and infinite; lengths and offsets
+ * that take the four-a-thread kernel and those that do not. */
+static void test_f32_to_f16(void)
+{
+    const std::vector<int64_t> ns = {1, 3, 4, 1001, 4096, (int64_t)4096 * 512 + 4};
+    for (int64_t n : ns)
+        for (int off : {0, 1}) {
+            std::vector<float> x = rand_vec((size_t)n + 1, -1, 1);
+            for (size_t i = 0; i < x.size(); i++) {
+                const float e = (float)ldexp(1.0, (int)(i % 41) - 26); /* 2^-26 .. 2^14 */
+                x[i] *= i % 7 == 3 ? 1e5f : e;
+            }
+            x[n / 2] = INFINITY;
+            x[n / 3] = -INFINITY;
+            float *dx = dup(x);
+            uint16_t *dy;
+            CK(cudaMalloc(&dy, (size_t)(n + 1) * 2));
+            CK(m40k_f32_to_f16(dx + off, dy + off, n, 0));
+            std::vector<uint16_t> y = back(dy, (size_t)n + 1);
+            size_t bad = 0;
+            for (int64_t i = 0; i < n; i++)
+                bad += y[(size_t)(i + off)] != m40_fp32_to_fp16(x[(size_t)(i + off)]);
+            char what[96];
+            snprintf(what, sizeof what, "f32_to_f16 n %lld offset %d: %zu differ", (long long)n, off, bad);
+            check(what, bad == 0);
+            cudaFree(dx), cudaFree(dy);
+        }
 }
 
 /* 8f. The int8 tensor-core GEMM (m40k_quantize_x8, m40k_gemm_x8) against its twins: the
@@ -2461,6 +2492,7 @@ int main(int argc, char **argv)
         {"skinny_glu", test_gemm_skinny_glu},
         {"gemm_q", test_gemm_q},
         {"gemm_x8", test_gemm_x8},
+        {"f32_to_f16", test_f32_to_f16},
         {"sample", test_sample},
     };
     /* M40_TEST_ONLY=name,name: only those tests (for a quick check of one kernel) */
