@@ -463,14 +463,14 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_grouped_ke
  * straight out, 16 bytes at a 64-byte stride a lane, ran at 1.3-1.8 TB/s of weights read
  * plus F16 written against 2.0-2.55 this way on an H100: BENCHMARKS.md). */
 #define MQ_DQ_ROWS 32
-#define MQ_DQ_OLD (MQ_KC * 2 + 16) /* bytes a staged output row (16 of padding) */
+#define MQ_DQ_OUT_LD (MQ_KC * 2 + 16) /* bytes a staged output row (16 of padding) */
 template <int T>
 __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
                                                            int K, uint16_t *__restrict__ out)
 {
     constexpr int RB = mq_stage<T>::RB;
     __shared__ __align__(16) uint8_t raw[MQ_DQ_ROWS * RB];
-    __shared__ __align__(16) uint8_t o16[MQ_DQ_ROWS * MQ_DQ_OLD];
+    __shared__ __align__(16) uint8_t o16[MQ_DQ_ROWS * MQ_DQ_OUT_LD];
     const int n0 = blockIdx.x * MQ_DQ_ROWS, c = blockIdx.y;
     for (int i = threadIdx.x; i < MQ_DQ_ROWS * (RB / 16); i += blockDim.x) {
         const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
@@ -484,7 +484,7 @@ __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restri
         uint32_t t[8];
         float sc[2], off[2];
         mq_deq32<T>(raw + r * RB, e, c & 7, t, sc, off);
-        uint4 *o = reinterpret_cast<uint4 *>(o16 + r * MQ_DQ_OLD + 2 * e);
+        uint4 *o = reinterpret_cast<uint4 *>(o16 + r * MQ_DQ_OUT_LD + 2 * e);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             uint32_t qh[4];
@@ -499,7 +499,7 @@ __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restri
         const int idx = threadIdx.x + 256 * k, r = idx >> 5, p = idx & 31;
         if (n0 + r < N)
             *reinterpret_cast<uint4 *>(out + (size_t)(n0 + r) * K + (size_t)c * MQ_KC + 8 * p) =
-                *reinterpret_cast<const uint4 *>(o16 + r * MQ_DQ_OLD + 16 * p);
+                *reinterpret_cast<const uint4 *>(o16 + r * MQ_DQ_OUT_LD + 16 * p);
     }
 }
 

@@ -372,9 +372,10 @@ static void test_fused_f16(void)
                 cudaFree(din), cudaFree(dout), cudaFree(dh);
             }
     /* Rows at 16-byte strides past the decode kernel's 16 take the 16-byte-load kernels
-     * (prefill chunks); without out (NULL) only the F16 copy is written, the same bits. */
+     * (prefill chunks), 9 and 16 rows of 4096 the decode one, the rest the one-block
+     * kernel; without out (NULL) each writes only the F16 copy, the same bits. */
     for (int dim : {64, 100, 4096, 5152})
-        for (int rows : {17, 38, 512}) {
+        for (int rows : {9, 16, 17, 38, 512}) {
             const int64_t xs = dim, ds = dim + 4;
             std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
                                w = rand_vec(dim, 0.5f, 1.5f);
