@@ -146,6 +146,90 @@ __device__ __forceinline__ void mq_split_end(int S, int N, int M, int n0, int m0
         atomicExch(counters + tile, 0); /* every split has counted: nothing else touches it now */
 }
 
+/* The chunk ring of the register-fragment kernels (gemm_q_reg.cu, gemm_x8.cu), chunks
+ * c0 .. c1 - 1 through NS stages. They are launched with programmatic dependent launch:
+ * the weights of the first NS - 1 chunks do not depend on the kernel before, so their
+ * copies go out before the wait for it (one commit group a chunk: issue_w(c, stage)),
+ * wait_x() waits for it and readies x's sources, then the x tiles (one group a chunk:
+ * issue_x). The groups complete in order, so the loop's first wait, leaving NS - 2 groups
+ * in flight, has every weight group and chunk c0's x landed; from there a turn issues
+ * chunk c + NS - 1 into chunk c - 1's stage (one group, empty past the split's end) and
+ * multiplies chunk c from its stage: chunk(c, stage). */
+template <int NS, typename IW, typename WX, typename IX, typename CH>
+__device__ __forceinline__ void mq_ring(int c0, int c1, IW &&issue_w, WX &&wait_x, IX &&issue_x, CH &&chunk)
+{
+#pragma unroll
+    for (int i = 0; i < NS - 1; i++) {
+        issue_w(c0 + i, i);
+        mq_commit();
+    }
+    m40k_grid_launch_dependents();
+    wait_x();
+#pragma unroll
+    for (int i = 0; i < NS - 1; i++) {
+        issue_x(c0 + i, i);
+        mq_commit();
+    }
+    for (int c = c0; c < c1; c++) {
+        mq_wait<NS - 2>(); /* chunk c has landed (this thread's copies) */
+        __syncthreads();   /* everyone's copies of chunk c; everyone is done with chunk c - 1 */
+        issue_w(c + NS - 1, (c + NS - 1 - c0) % NS);
+        issue_x(c + NS - 1, (c + NS - 1 - c0) % NS);
+        mq_commit();
+        chunk(c, (c - c0) % NS);
+    }
+    mq_wait<0>(); /* no copy outlives the block */
+}
+
+/* The end of the register-fragment kernels (gemm_q_reg.cu, gemm_x8.cu): a warp's m16 tile
+ * of weight rows by NT n8 tiles of token rows, accumulator c of tile nt at weight row
+ * n0 + wrow + 8*(c >> 1), token row 8*nt + 2*t4 + (c & 1), stored to y (or split s's
+ * partial in ws), then the split-K end. rows: the block's weight rows. */
+template <int NT>
+__device__ __forceinline__ void mq_frag_store(const float (&acc)[NT][4], int n0, int rows, int wrow, int t4, int N,
+                                              int M, float *y, int64_t ldy, int S, int s, float *ws, int *counters)
+{
+    float *dst = S > 1 ? ws + (size_t)s * M * N : y;
+    const int64_t ld = S > 1 ? N : ldy;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int r = n0 + wrow + 8 * (c >> 1);
+            const int t = nt * 8 + 2 * t4 + (c & 1);
+            if (r < N && t < M)
+                dst[(size_t)t * ld + r] = acc[nt][c];
+        }
+    if (S > 1)
+        mq_split_end(S, N, M, n0, 0, min(rows, N - n0), M, y, ldy, ws, counters, blockIdx.x);
+}
+
+/* prepare() once per device (a plain flag per device: a second thread racing here only
+ * runs it twice): the kernels' shared-memory limits, before any launch or capture. */
+template <typename F> static inline int mq_once_per_device(bool (&done)[64], F prepare)
+{
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return M40K_INVALID;
+    if (done[dev])
+        return 0;
+    const int e = prepare();
+    done[dev] = !e;
+    return e;
+}
+
+/* the dynamic shared-memory limit of three instances (token tiles of 16, 32, 64) */
+template <typename K16, typename K32, typename K64>
+static inline int mq_smem_limits(K16 k16, int b16, K32 k32, int b32, K64 k64, int b64)
+{
+    cudaError_t e = cudaFuncSetAttribute(k16, cudaFuncAttributeMaxDynamicSharedMemorySize, b16);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k32, cudaFuncAttributeMaxDynamicSharedMemorySize, b32);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(k64, cudaFuncAttributeMaxDynamicSharedMemorySize, b64);
+    return (int)e;
+}
+
 /* The register kernel (gemm_q_reg.cu): whether it takes a product (its types, 1..64 token
  * rows, aligned rows and K whole chunks), its split count, its shared-memory limits
  * (mr_prepare), the launch. */

@@ -199,34 +199,14 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
         for (int c = 0; c < 4; c++)
             acc[b][c] = 0.0f;
 
-    /* Launched with programmatic dependent launch: the weights of the first NS - 1 chunks
-     * do not depend on the kernel before this one, so their copies go out before the wait
-     * for it (one commit group a chunk), the x tiles after it (one group a chunk). The
-     * groups complete in order, so the loop's first wait, leaving NS - 2 groups in
-     * flight, has every weight group and chunk c0's x landed; from there a turn adds one
-     * group (weights and x of one chunk) and waits as before. */
-#pragma unroll
-    for (int i = 0; i < NS - 1; i++) {
-        issue_w(c0 + i, i);
-        mq_commit();
-    }
-    m40k_grid_launch_dependents();
-    x = m40k_grid_wait_for(x);
-    x0 = x + (size_t)xr0 * x_stride + 8 * xp;
-#pragma unroll
-    for (int i = 0; i < NS - 1; i++) {
-        issue_x(c0 + i, i);
-        mq_commit();
-    }
     /* this lane's weight rows in a stage: g and g + 8 of its warp's m16 tile */
     const int wrow = warp * 16 + g;
-    for (int c = c0; c < c1; c++) {
-        mq_wait<NS - 2>(); /* chunk c has landed (this thread's copies) */
-        __syncthreads();   /* everyone's copies of chunk c; everyone is done with chunk c - 1 */
-        issue_w(c + NS - 1, (c + NS - 1 - c0) % NS); /* into chunk c - 1's stage */
-        issue_x(c + NS - 1, (c + NS - 1 - c0) % NS);
-        mq_commit(); /* one group a turn, empty past the split's end */
-        const uint8_t *st = mr_sm + ((c - c0) % NS) * sm::STAGE;
+    auto wait_x = [&] {
+        x = m40k_grid_wait_for(x);
+        x0 = x + (size_t)xr0 * x_stride + 8 * xp;
+    };
+    mq_ring<NS>(c0, c1, issue_w, wait_x, issue_x, [&](int c, int stage) {
+        const uint8_t *st = mr_sm + stage * sm::STAGE;
         const uint16_t *xs = reinterpret_cast<const uint16_t *>(st + MR_ROWS * WLD);
         const uint8_t *row[2] = {st + wrow * WLD, st + (wrow + 8) * WLD};
         const mr_cs cs[2] = {mr_chunk_scales<T>(row[0], c & 7), mr_chunk_scales<T>(row[1], c & 7)};
@@ -251,23 +231,9 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
                 mq_mma(acc[nt], a1, b.z, b.w);
             }
         }
-    }
-    mq_wait<0>(); /* no copy outlives the block */
+    });
 
-    /* accumulator c of tile nt: weight row wrow + 8*(c >> 1), token row 8*nt + 2*t4 + (c & 1) */
-    float *dst = S > 1 ? ws + (size_t)s * M * N : y;
-    const int64_t ld = S > 1 ? N : ldy;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int r = n0 + wrow + 8 * (c >> 1);
-            const int t = nt * 8 + 2 * t4 + (c & 1);
-            if (r < N && t < M)
-                dst[(size_t)t * ld + r] = acc[nt][c];
-        }
-    if (S > 1)
-        mq_split_end(S, N, M, n0, 0, min(MR_ROWS, N - n0), M, y, ldy, ws, counters, blockIdx.x);
+    mq_frag_store<NT>(acc, n0, MR_ROWS, wrow, t4, N, M, y, ldy, S, s, ws, counters);
 }
 
 static int mr_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : 64; }
@@ -281,32 +247,22 @@ int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
 
 template <int T> static int mr_prepare_type(void)
 {
-    cudaError_t e = cudaFuncSetAttribute(mr_kernel<T, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         mr_smem<T, 16>::BYTES);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(mr_kernel<T, 32>, cudaFuncAttributeMaxDynamicSharedMemorySize, mr_smem<T, 32>::BYTES);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(mr_kernel<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, mr_smem<T, 64>::BYTES);
-    return (int)e;
+    return mq_smem_limits(mr_kernel<T, 16>, mr_smem<T, 16>::BYTES, mr_kernel<T, 32>, mr_smem<T, 32>::BYTES,
+                          mr_kernel<T, 64>, mr_smem<T, 64>::BYTES);
 }
 
-/* Raises the shared-memory limit of every instance on the current device, once (a plain
- * flag per device: a second thread racing here only sets it twice). */
+/* Raises the shared-memory limit of every instance on the current device, once. */
 int mr_prepare(void)
 {
     static bool done[64];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-        return M40K_INVALID;
-    if (done[dev])
-        return 0;
-    int e = mr_prepare_type<M40K_TYPE_Q4_K>();
-    if (!e)
-        e = mr_prepare_type<M40K_TYPE_Q8_0_G8>();
-    if (!e)
-        e = mr_prepare_type<M40K_TYPE_Q6_K_G8>();
-    done[dev] = !e;
-    return e;
+    return mq_once_per_device(done, [] {
+        int e = mr_prepare_type<M40K_TYPE_Q4_K>();
+        if (!e)
+            e = mr_prepare_type<M40K_TYPE_Q8_0_G8>();
+        if (!e)
+            e = mr_prepare_type<M40K_TYPE_Q6_K_G8>();
+        return e;
+    });
 }
 
 typedef void (*mr_fn)(const uint8_t *, size_t, int, int, const uint16_t *, int64_t, int, float *, int64_t, int, float *,

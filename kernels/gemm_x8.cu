@@ -187,27 +187,13 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
         for (int c = 0; c < 4; c++)
             acc[b][c] = 0.0f;
 
-#pragma unroll
-    for (int i = 0; i < NS - 1; i++) {
-        issue_w(c0 + i, i);
-        mq_commit();
-    }
-    m40k_grid_launch_dependents();
-    xq = m40k_grid_wait_for(xq);
-    xds = m40k_grid_wait_for(xds);
-#pragma unroll
-    for (int i = 0; i < NS - 1; i++) {
-        issue_x(c0 + i, i);
-        mq_commit();
-    }
     const int wrow = warp * 16 + g;
-    for (int c = c0; c < c1; c++) {
-        mq_wait<NS - 2>();
-        __syncthreads();
-        issue_w(c + NS - 1, (c + NS - 1 - c0) % NS);
-        issue_x(c + NS - 1, (c + NS - 1 - c0) % NS);
-        mq_commit();
-        const uint8_t *st = mx_sm + ((c - c0) % NS) * sm::STAGE;
+    auto wait_x = [&] {
+        xq = m40k_grid_wait_for(xq);
+        xds = m40k_grid_wait_for(xds);
+    };
+    mq_ring<NS>(c0, c1, issue_w, wait_x, issue_x, [&](int c, int stage) {
+        const uint8_t *st = mx_sm + stage * sm::STAGE;
         const uint8_t *xs = st + MX_ROWS * WLD;
         const float *dsm = reinterpret_cast<const float *>(xs + BM * MX_XLD);
         const uint8_t *row[2] = {st + wrow * WLD, st + (wrow + 8) * WLD};
@@ -296,50 +282,28 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
                 acc[nt][3] = fmaf(mx_i2f(d1[3]), wsc[1][1] * x1.y, acc[nt][3]);
             }
         }
-    }
-    mq_wait<0>();
+    });
 
-    float *dst = S > 1 ? ws + (size_t)s * M * N : y;
-    const int64_t ld = S > 1 ? N : ldy;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int r = n0 + wrow + 8 * (c >> 1);
-            const int t = nt * 8 + 2 * t4 + (c & 1);
-            if (r < N && t < M)
-                dst[(size_t)t * ld + r] = acc[nt][c];
-        }
-    if (S > 1)
-        mq_split_end(S, N, M, n0, 0, min(MX_ROWS, N - n0), M, y, ldy, ws, counters, blockIdx.x);
+    mq_frag_store<NT>(acc, n0, MX_ROWS, wrow, t4, N, M, y, ldy, S, s, ws, counters);
 }
 
 static int mx_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : 64; }
 
 template <int T> static int mx_prepare_type(void)
 {
-    cudaError_t e = cudaFuncSetAttribute(mx_kernel<T, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         mx_smem<T, 16>::BYTES);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(mx_kernel<T, 32>, cudaFuncAttributeMaxDynamicSharedMemorySize, mx_smem<T, 32>::BYTES);
-    if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(mx_kernel<T, 64>, cudaFuncAttributeMaxDynamicSharedMemorySize, mx_smem<T, 64>::BYTES);
-    return (int)e;
+    return mq_smem_limits(mx_kernel<T, 16>, mx_smem<T, 16>::BYTES, mx_kernel<T, 32>, mx_smem<T, 32>::BYTES,
+                          mx_kernel<T, 64>, mx_smem<T, 64>::BYTES);
 }
 
 int m40k_gemm_x8_prepare(void)
 {
     static bool done[64];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-        return M40K_INVALID;
-    if (done[dev])
-        return 0;
-    int e = mx_prepare_type<M40K_TYPE_Q4_K>();
-    if (!e)
-        e = mx_prepare_type<M40K_TYPE_Q8_0_G8>();
-    done[dev] = !e;
-    return e;
+    return mq_once_per_device(done, [] {
+        int e = mx_prepare_type<M40K_TYPE_Q4_K>();
+        if (!e)
+            e = mx_prepare_type<M40K_TYPE_Q8_0_G8>();
+        return e;
+    });
 }
 
 typedef void (*mx_fn)(const uint8_t *, size_t, int, int, const int8_t *, const float *, int, float *, int64_t, int,

@@ -2052,6 +2052,27 @@ static void bench_gemv_q8_shapes(void)
  * splits), the F16 m40k_gemv, and cuBLAS's F16 x F16 -> F32 GEMM on an F16 copy of x;
  * weights rotated over > 120 MB, % of the 3.02 TB/s roofline (weights only).
  * Mistral-7B shapes: q/o, q+k+v, k/v, gate+up, down, output. */
+/* A benchmark's weights: N x K of type (base or its regrouped G8 layout) with realistic
+ * scales (the first 64 rows of quant_matrix tiled), in copies whose total passes the 50
+ * MB L2 (a run rotates over them). */
+static std::vector<uint8_t *> bench_weights(int type, int base, int N, int K, size_t *bytes_out)
+{
+    const size_t bytes = row_bytes(base, K) * N;
+    std::vector<uint8_t> wq = quant_matrix(base, 64, K), w(bytes);
+    for (size_t i = 0; i < bytes; i++)
+        w[i] = wq[i % wq.size()];
+    if (type != base) {
+        std::vector<uint8_t> r(bytes);
+        CK(m40k_repack_g8(base, w.data(), r.data(), N, K));
+        w.swap(r);
+    }
+    std::vector<uint8_t *> dw((size_t)(120000000 / bytes) + 2);
+    for (auto &d : dw)
+        d = dup(w);
+    *bytes_out = bytes;
+    return dw;
+}
+
 /* Prefill's tiled path: each matrix dequantized to F16, then cuBLAS. Serially on one
  * stream, against the dequantization of the next matrix on a second stream into a
  * second scratch while cuBLAS multiplies this one (cuBLAS is bound by the tensor cores
@@ -2069,19 +2090,9 @@ static void bench_deq_overlap(void)
     for (auto sh : shapes)
         for (int type : {M40K_TYPE_Q4_K, M40K_TYPE_Q8_0_G8}) {
             const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type;
-            const size_t bytes = row_bytes(base, sh.K) * sh.N;
-            std::vector<uint8_t> wq = quant_matrix(base, 64, sh.K), w(bytes);
-            for (size_t i = 0; i < bytes; i++)
-                w[i] = wq[i % wq.size()];
-            if (type != base) {
-                std::vector<uint8_t> r(bytes);
-                CK(m40k_repack_g8(base, w.data(), r.data(), sh.N, sh.K));
-                w.swap(r);
-            }
-            const int copies = (int)(120000000 / bytes) + 2;
-            std::vector<uint8_t *> dw(copies);
-            for (auto &d : dw)
-                d = dup(w);
+            size_t bytes = 0;
+            std::vector<uint8_t *> dw = bench_weights(type, base, sh.N, sh.K, &bytes);
+            const int copies = (int)dw.size();
             uint16_t *deq[2], *dx;
             float *dy;
             CK(cudaMalloc(&deq[0], (size_t)sh.N * sh.K * 2));
@@ -2209,22 +2220,9 @@ static void bench_gemm_q(void)
             const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : type;
             if (sh.K % m40_type_get((uint32_t)base)->block_elems || (type == M40K_TYPE_Q6_K_G8 && sh.K % 2048))
                 continue;
-            const size_t bytes = row_bytes(base, sh.K) * sh.N;
-            std::vector<uint8_t> w(bytes);
-            for (auto &b : w) /* random bytes, scales tamed: any bit pattern is a valid weight here but d */
-                b = (uint8_t)rnd32();
-            std::vector<uint8_t> wq = quant_matrix(base, 64, sh.K); /* realistic scales: tile the first 64 rows */
-            for (size_t i = 0; i < bytes; i++)
-                w[i] = wq[i % wq.size()];
-            if (type != base) {
-                std::vector<uint8_t> r(bytes);
-                CK(m40k_repack_g8(base, w.data(), r.data(), sh.N, sh.K));
-                w.swap(r);
-            }
-            const int copies = (int)(120000000 / bytes) + 1;
-            std::vector<uint8_t *> dw(copies);
-            for (auto &d : dw)
-                d = dup(w);
+            size_t bytes = 0;
+            std::vector<uint8_t *> dw = bench_weights(type, base, sh.N, sh.K, &bytes);
+            const int copies = (int)dw.size();
             for (int M : {4, 8, 16, 32, 64, 128, 256, 512})
                 /* 0 gemm_q as the engine calls it; 1 dequantize + cuBLAS; where the register
                  * kernel takes M: 2 the shared-memory kernel instead, 3 and 4 the register
