@@ -504,7 +504,8 @@ int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int6
  * n_splits, workspace and counters as 8e's (m40k_gemm_q_ws_floats / _counter_ints sizes;
  * the same zeroed counters). m40k_gemm_x8_reads says whether it takes the product;
  * m40k_gemm_x8_pick_splits gives one wave of blocks. Call m40k_gemm_x8_prepare before
- * capturing it into a CUDA graph. */
+ * capturing it into a CUDA graph. The engine does not call it (measured against 8e's
+ * register kernel: kernels/README.md). */
 size_t m40k_x8_bytes(int K, int M);
 int m40k_quantize_x8(const uint16_t *x, int64_t x_stride, int K, int M, void *xq, m40k_stream stream);
 int m40k_gemm_x8_reads(int w_type, int K, int M, const void *w);
