@@ -204,6 +204,18 @@ __device__ __forceinline__ void mq_frag_store(const float (&acc)[NT][4], int n0,
         mq_split_end(S, N, M, n0, 0, min(rows, N - n0), M, y, ldy, ws, counters, blockIdx.x);
 }
 
+/* The token tile of the register-fragment kernels for M rows: 16, 32 or 64. */
+static inline int mq_frag_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : 64; }
+
+/* One wave: as many splits as fill the SMs with the blocks an SM holds (blocks of rows
+ * weight rows), at most one a chunk of 256. (Half or twice that: slower or equal at 16-64
+ * rows, BENCHMARKS.md.) */
+static inline int mq_one_wave_splits(int blocks_per_sm, int sm_count, int N, int rows, int K)
+{
+    const int S = min(blocks_per_sm * sm_count / ((N + rows - 1) / rows), K / MQ_KC);
+    return S < 1 ? 1 : S;
+}
+
 /* prepare() once per device (a plain flag per device: a second thread racing here only
  * runs it twice): the kernels' shared-memory limits, before any launch or capture. */
 template <typename F> static inline int mq_once_per_device(bool (&done)[64], F prepare)

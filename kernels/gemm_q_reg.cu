@@ -236,8 +236,6 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
     mq_frag_store<NT>(acc, n0, MR_ROWS, wrow, t4, N, M, y, ldy, S, s, ws, counters);
 }
 
-static int mr_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : 64; }
-
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
 {
     return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8) && M >= 1 &&
@@ -271,7 +269,7 @@ typedef void (*mr_fn)(const uint8_t *, size_t, int, int, const uint16_t *, int64
 /* f(kernel, blocks an SM, shared-memory bytes) for the instance of the type and M rows */
 template <int T, typename F> static int mr_with(int M, F f)
 {
-    switch (mr_bm(M)) {
+    switch (mq_frag_bm(M)) {
     case 16: return f(mr_kernel<T, 16>, (int)mr_smem<T, 16>::BLOCKS, (int)mr_smem<T, 16>::BYTES);
     case 32: return f(mr_kernel<T, 32>, (int)mr_smem<T, 32>::BLOCKS, (int)mr_smem<T, 32>::BYTES);
     default: return f(mr_kernel<T, 64>, (int)mr_smem<T, 64>::BLOCKS, (int)mr_smem<T, 64>::BYTES);
@@ -288,13 +286,10 @@ template <typename F> static int mr_dispatch(int w_type, int M, F f)
     }
 }
 
-/* One wave: as many splits as fill the SMs with the blocks an SM holds, at most one a
- * chunk of 256. (Half or twice that: slower or equal at 16-64 rows, BENCHMARKS.md.) */
 int mr_pick_splits(int w_type, int N, int K, int M, int sm_count)
 {
-    const int S = mr_dispatch(w_type, M, [&](mr_fn, int blocks, int) {
-        return min(blocks * sm_count / ((N + MR_ROWS - 1) / MR_ROWS), K / MQ_KC);
-    });
+    const int S = mr_dispatch(
+        w_type, M, [&](mr_fn, int blocks, int) { return mq_one_wave_splits(blocks, sm_count, N, MR_ROWS, K); });
     return S < 1 ? 1 : S;
 }
 

@@ -288,8 +288,6 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
     mq_frag_store<NT>(acc, n0, MX_ROWS, wrow, t4, N, M, y, ldy, S, s, ws, counters);
 }
 
-static int mx_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : 64; }
-
 template <int T> static int mx_prepare_type(void)
 {
     return mq_smem_limits(mx_kernel<T, 16>, mx_smem<T, 16>::BYTES, mx_kernel<T, 32>, mx_smem<T, 32>::BYTES,
@@ -312,7 +310,7 @@ typedef void (*mx_fn)(const uint8_t *, size_t, int, int, const int8_t *, const f
 
 template <int T, typename F> static int mx_with(int M, F f)
 {
-    switch (mx_bm(M)) {
+    switch (mq_frag_bm(M)) {
     case 16: return f(mx_kernel<T, 16>, (int)mx_smem<T, 16>::BLOCKS, (int)mx_smem<T, 16>::BYTES);
     case 32: return f(mx_kernel<T, 32>, (int)mx_smem<T, 32>::BLOCKS, (int)mx_smem<T, 32>::BYTES);
     default: return f(mx_kernel<T, 64>, (int)mx_smem<T, 64>::BLOCKS, (int)mx_smem<T, 64>::BYTES);
@@ -361,9 +359,8 @@ int m40k_gemm_x8_pick_splits(int w_type, int N, int K, int M, int sm_count)
 {
     if (!m40k_gemm_x8_reads(w_type, K, M, (const void *)16) || N <= 0)
         return 1;
-    const int S = mx_dispatch(w_type, M, [&](mx_fn, int blocks, int) {
-        return min(blocks * sm_count / ((N + MX_ROWS - 1) / MX_ROWS), K / MQ_KC);
-    });
+    const int S = mx_dispatch(
+        w_type, M, [&](mx_fn, int blocks, int) { return mq_one_wave_splits(blocks, sm_count, N, MX_ROWS, K); });
     return S < 1 ? 1 : S;
 }
 

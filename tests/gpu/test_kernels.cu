@@ -939,6 +939,44 @@ static void test_gemv(void)
                 }
 }
 
+/* One split count's checks, as every split-K product's test makes them (skinny, gemm_q,
+ * gemm_x8): run() writes y (rows x ldy floats) into dy, which holds -7 before; the result
+ * against the twin c (atol, rtol) as "<name>", the columns N .. ldy-1 left at -7 ("<name>:
+ * ldy gap kept"), the same bits from a second run ("<name>: same bits again") and the ncnt
+ * counters at dcnt back at zero ("<name>: counters zero"). Returns the first result, its
+ * gap columns zeroed as the twin's. */
+template <typename F>
+static std::vector<float> check_split_run(const char *name, F run, float *dy, const std::vector<float> &c, int rows,
+                                          int N, int64_t ldy, float atol, float rtol, const int *dcnt, size_t ncnt)
+{
+    std::vector<float> sentinel(c.size(), -7.0f);
+    CK(cudaMemcpy(dy, sentinel.data(), c.size() * 4, cudaMemcpyHostToDevice));
+    run();
+    std::vector<float> g = back(dy, c.size());
+    bool gaps = true;
+    for (int t = 0; t < rows; t++)
+        for (int64_t r = N; r < ldy; r++) {
+            gaps = gaps && g[(size_t)t * ldy + r] == -7.0f;
+            g[(size_t)t * ldy + r] = 0.0f; /* the twin's zeros there */
+        }
+    char what[192];
+    compare(name, g.data(), c.data(), c.size(), atol, rtol);
+    snprintf(what, sizeof what, "%s: ldy gap kept", name);
+    check(what, gaps);
+    run();
+    std::vector<float> g2 = back(dy, c.size());
+    bool same = true;
+    for (int t = 0; t < rows; t++)
+        for (int r = 0; r < N; r++)
+            same = same && memcmp(&g2[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
+    snprintf(what, sizeof what, "%s: same bits again", name);
+    check(what, same);
+    std::vector<int> cnt = back(dcnt, ncnt);
+    snprintf(what, sizeof what, "%s: counters zero", name);
+    check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+    return g;
+}
+
 /* 8c. Tensor-core F16 GEMV (m40k_gemm_skinny) against its twin, m40_ref_gemv of the F16
  * weights on x rounded to F16 (exact products, double sums: only the order of the sum
  * differs). Batch rows 1..8, N not a multiple of the 128-row block, K of one and of many
@@ -979,32 +1017,11 @@ static void test_gemm_skinny(void)
                                                               m40k_gemm_skinny_counter_ints(N));
                 check("gemm_skinny pick in 1..K/128", pick >= 1 && pick <= maxS);
                 for (int S : {1, pick, maxS}) {
-                    std::vector<float> sentinel(c.size(), -7.0f);
-                    CK(cudaMemcpy(dy, sentinel.data(), c.size() * 4, cudaMemcpyHostToDevice));
-                    CK(m40k_gemm_skinny(dw, N, K, dx, xs, n, dy, ldy, S, dws, dcnt, 0));
-                    std::vector<float> g = back(dy, c.size());
-                    bool gaps = true;
-                    for (int t = 0; t < n; t++)
-                        for (int64_t r = N; r < ldy; r++) {
-                            gaps = gaps && g[(size_t)t * ldy + r] == -7.0f;
-                            g[(size_t)t * ldy + r] = 0.0f; /* the twin's zeros there */
-                        }
-                    char what[112];
-                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d", N, K, n, S);
-                    compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
-                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d: ldy gap kept", N, K, n, S);
-                    check(what, gaps);
-                    CK(m40k_gemm_skinny(dw, N, K, dx, xs, n, dy, ldy, S, dws, dcnt, 0));
-                    std::vector<float> g2 = back(dy, c.size());
-                    bool same = true;
-                    for (int t = 0; t < n; t++)
-                        for (int r = 0; r < N; r++)
-                            same = same && memcmp(&g2[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
-                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d: same bits again", N, K, n, S);
-                    check(what, same);
-                    std::vector<int> cnt = back(dcnt, m40k_gemm_skinny_counter_ints(N));
-                    snprintf(what, sizeof what, "gemm_skinny N %d K %d n %d splits %d: counters zero", N, K, n, S);
-                    check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                    char name[112];
+                    snprintf(name, sizeof name, "gemm_skinny N %d K %d n %d splits %d", N, K, n, S);
+                    check_split_run(
+                        name, [&] { CK(m40k_gemm_skinny(dw, N, K, dx, xs, n, dy, ldy, S, dws, dcnt, 0)); }, dy, c, n,
+                        N, ldy, (float)(2e-6 * mag), 1e-4f, dcnt, m40k_gemm_skinny_counter_ints(N));
                 }
                 cudaFree(dw), cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
             }
@@ -1109,36 +1126,12 @@ static void test_gemm_q(void)
                                                              m40k_gemm_q_counter_ints(N, M));
                     check("gemm_q pick in 1..K/256", pick >= 1 && pick <= maxS);
                     for (int S : {1, pick, maxS}) {
-                        std::vector<float> sentinel(c.size(), -7.0f);
-                        CK(cudaMemcpy(dy, sentinel.data(), c.size() * 4, cudaMemcpyHostToDevice));
-                        CK(m40k_gemm_q(dw, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
-                        std::vector<float> g = back(dy, c.size());
-                        bool gaps = true;
-                        for (int t = 0; t < M; t++)
-                            for (int64_t r = N; r < ldy; r++) {
-                                gaps = gaps && g[(size_t)t * ldy + r] == -7.0f;
-                                g[(size_t)t * ldy + r] = 0.0f; /* the twin's zeros there */
-                            }
                         char what[128];
                         snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d", m40_type_name(base),
                                  g8 ? "_G8" : "", N, K, M, S);
-                        compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
-                        snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: ldy gap kept",
-                                 m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
-                        check(what, gaps);
-                        CK(m40k_gemm_q(dw, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
-                        std::vector<float> g2 = back(dy, c.size());
-                        bool same = true;
-                        for (int t = 0; t < M; t++)
-                            for (int r = 0; r < N; r++)
-                                same = same && memcmp(&g2[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
-                        snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: same bits again",
-                                 m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
-                        check(what, same);
-                        std::vector<int> cnt = back(dcnt, m40k_gemm_q_counter_ints(N, M));
-                        snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: counters zero",
-                                 m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
-                        check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                        const std::vector<float> g = check_split_run(
+                            what, [&] { CK(m40k_gemm_q(dw, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0)); }, dy, c,
+                            M, N, ldy, (float)(2e-6 * mag), 1e-4f, dcnt, m40k_gemm_q_counter_ints(N, M));
                         const int kind = m40k_gemm_q_kernel(type, K, M, dw);
                         check("gemm_q kernel named", kind == M40K_GEMM_Q_DIRECT || kind == M40K_GEMM_Q_STAGED ||
                                                          kind == M40K_GEMM_Q_REGISTER);
@@ -1287,7 +1280,8 @@ static void test_gemm_x8(void)
                     size_t far = 0;
                     for (size_t i = 0; i < c.size(); i++)
                         far += !(fabs((double)c[i] - f[i]) <= tol[i]);
-                    snprintf(what, sizeof what, "gemm_x8 twin %s N %d K %d M %d: %zu outside x's rounding of the F16 product",
+                    snprintf(what, sizeof what,
+                             "gemm_x8 twin %s N %d K %d M %d: %zu outside x's rounding of the F16 product",
                              m40_type_name(type), N, K, M, far);
                     check(what, far == 0);
                     uint8_t *dw = dup(wd);
@@ -1300,35 +1294,11 @@ static void test_gemm_x8(void)
                     const int pick = m40k_gemm_x8_pick_splits(type, N, K, M, sms);
                     check("gemm_x8 pick in 1..K/256", pick >= 1 && pick <= maxS);
                     for (int S : {1, pick, maxS}) {
-                        std::vector<float> sentinel(c.size(), -7.0f);
-                        CK(cudaMemcpy(dy, sentinel.data(), c.size() * 4, cudaMemcpyHostToDevice));
-                        CK(m40k_gemm_x8(dw, type, N, K, dq, M, dy, ldy, S, dws, dcnt, 0));
-                        std::vector<float> g = back(dy, c.size());
-                        bool gaps = true;
-                        for (int t = 0; t < M; t++)
-                            for (int64_t r = N; r < ldy; r++) {
-                                gaps = gaps && g[(size_t)t * ldy + r] == -7.0f;
-                                g[(size_t)t * ldy + r] = 0.0f;
-                            }
                         snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d", m40_type_name(type), N, K,
                                  M, S);
-                        compare(what, g.data(), c.data(), c.size(), (float)(1e-5 * mag * xmax), 1e-4f);
-                        snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d: ldy gap kept",
-                                 m40_type_name(type), N, K, M, S);
-                        check(what, gaps);
-                        CK(m40k_gemm_x8(dw, type, N, K, dq, M, dy, ldy, S, dws, dcnt, 0));
-                        std::vector<float> g2 = back(dy, c.size());
-                        bool same = true;
-                        for (int t = 0; t < M; t++)
-                            for (int r = 0; r < N; r++)
-                                same = same && memcmp(&g2[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
-                        snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d: same bits again",
-                                 m40_type_name(type), N, K, M, S);
-                        check(what, same);
-                        std::vector<int> cnt = back(dcnt, m40k_gemm_q_counter_ints(N, M));
-                        snprintf(what, sizeof what, "gemm_x8 %s N %d K %d M %d splits %d: counters zero",
-                                 m40_type_name(type), N, K, M, S);
-                        check(what, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                        check_split_run(
+                            what, [&] { CK(m40k_gemm_x8(dw, type, N, K, dq, M, dy, ldy, S, dws, dcnt, 0)); }, dy, c, M,
+                            N, ldy, (float)(1e-5 * mag * xmax), 1e-4f, dcnt, m40k_gemm_q_counter_ints(N, M));
                     }
                     cudaFree(dw), cudaFree(dx), cudaFree(dq), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
                 }
