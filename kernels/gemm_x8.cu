@@ -328,7 +328,9 @@ template <typename F> static int mx_dispatch(int w_type, int M, F f)
 
 static size_t mx_row_bytes(int w_type, int K)
 {
-    return w_type == M40K_TYPE_Q4_K ? (size_t)K / 256 * 144 : (size_t)K / 256 * 272;
+    const size_t rb = w_type == M40K_TYPE_Q4_K ? (size_t)mq_stage<M40K_TYPE_Q4_K>::RB
+                                               : (size_t)mq_stage<M40K_TYPE_Q8_0_G8>::RB;
+    return (size_t)K / MQ_KC * rb;
 }
 
 size_t m40k_x8_bytes(int K, int M)

@@ -565,16 +565,10 @@ static double q8_block_term(int type, const uint8_t *row, int j, const uint8_t *
         return (double)d * q8_two(d1, d2, s1, s2) + (double)(-8.0f * d) * sx;
     }
     case M40K_TYPE_Q4_K: { /* sub-block t of superblock j/8 */
-        const uint8_t *sb = row + 144 * (size_t)(j / 8), *sc = sb + 4;
+        const uint8_t *sb = row + 144 * (size_t)(j / 8);
         const int t = j % 8;
         int scv, mnv;
-        if (t < 4) {
-            scv = sc[t] & 63;
-            mnv = sc[t + 4] & 63;
-        } else {
-            scv = (sc[t + 4] & 15) | ((sc[t - 4] >> 6) << 4);
-            mnv = (sc[t + 4] >> 4) | ((sc[t] >> 6) << 4);
-        }
+        ref_scale_min_k4(sb + 4, t, &scv, &mnv);
         const uint8_t *qs = sb + 16 + 32 * (t / 2);
         int s1 = 0, s2 = 0;
         for (int l = 0; l < 32; l++) {
@@ -672,16 +666,10 @@ void m40_ref_gemm_x8(const void *w, int w_type, int N, int K, const void *xq, in
                 int lv[32]; /* the block's integer levels */
                 float wsc, mn = 0.0f;
                 if (w_type == M40K_TYPE_Q4_K) {
-                    const uint8_t *sb = row + 144 * (size_t)(b / 8), *sc = sb + 4;
+                    const uint8_t *sb = row + 144 * (size_t)(b / 8);
                     const int j = b % 8;
                     int scv, mnv;
-                    if (j < 4) {
-                        scv = sc[j] & 63;
-                        mnv = sc[j + 4] & 63;
-                    } else {
-                        scv = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-                        mnv = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-                    }
+                    ref_scale_min_k4(sb + 4, j, &scv, &mnv);
                     for (int l = 0; l < 32; l++)
                         lv[l] = (sb[16 + 32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
                     wsc = ldh(sb) * (float)scv;
