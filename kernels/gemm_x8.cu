@@ -1,6 +1,6 @@
 /* The int8 tensor-core GEMM (kernels.h 8f) for decode batches of 1..64 token rows in
- * Q4_K and Q8_0_G8: y[t][r] = sum_k W[r][k] x[t][k] with x quantized to int8 per block
- * of 32 (m40k_quantize_x8) and the weights' integer levels fed to mma.sync.m16n8k32.s8
+ * Q4_K and Q8_0_G8: y[t][r] = sum_k W[r][k] x[t][k] with x quantized to int8 per chunk
+ * of 256 (m40k_quantize_x8) and the weights' integer levels fed to mma.sync.m16n8k32.s8
  * as they are. Twin: m40_ref_gemm_x8 (kernels/ref/cpu_ref.c).
  *
  * Why a third kernel beside the register kernel (gemm_q_reg.cu): that one turns every
@@ -8,16 +8,20 @@
  * and runs F16 mma.sync, whose rate at 64 token rows is about the weights' DRAM time
  * (BENCHMARKS.md, twentieth and twenty-first sessions); here a Q4_K weight costs a logic
  * operation per four (the nibbles masked in place), the int8 MMA has twice the F16 rate,
- * and the staged x tile is half the bytes. Measured, the epilogue below eats the gain at
- * 64 rows, and the engine does not call this kernel (kernels/README.md, BENCHMARKS.md).
+ * and the staged x tile is half the bytes.
  *
- * The price is an epilogue per 32 elements of K, where the scales live: a block of 32
- * has one weight scale (Q4_K: d * sc, Q8_0: d) and one activation scale dx, so the int32
- * sum I of an mma is scaled by both. The mma's accumulator input is the bit pattern of
- * 1.5 * 2^23 (0x4B400000): its int32 output is then the F32 bit pattern of 1.5 * 2^23 +
- * I (|I| < 2^22: 32 * 128 * 127 for Q8_0), and one exact subtraction gives I as a float,
- * instead of a conversion on the quarter-rate pipe. Q4_K's minimums, -dmin * m * (sum of
- * the block's x), are one TF32 mma a chunk (k = the chunk's 8 blocks).
+ * The scales. x has one scale dx per 256 elements (a Q4_K superblock, 8 blocks of
+ * Q8_0), as llama.cpp's CPU path quantizes activations for the K-quants (Q8_K), so that
+ * the weights' per-block scales are the only ones inside a chunk:
+ *   Q4_K: a block's int32 sum I_j times its 6-bit scale sc_j is an integer multiply-add;
+ *     once a chunk, e = F32(d * F32(sum_j sc_j I_j)) + sum_j F16(-dmin m_j) F16(s_j)
+ *     (s_j: the block's sum of q; the minimum term is one F16 mma.m16n8k8 a chunk with
+ *     e as its accumulator input), and y += dx * e.
+ *   Q8_0: e = sum_j d_j I_j in F32 (I_j exactly: the mma's accumulator input is the bit
+ *     pattern of 1.5 * 2^23, so its int32 output is the F32 pattern of 1.5 * 2^23 + I_j,
+ *     |I_j| < 2^22, and one subtraction gives I_j), and y += dx * e.
+ * The coarser rounding of x (a scale per 256 instead of 32) is not measured on the
+ * shared references: the engine does not call this kernel (kernels/README.md says why).
  *
  * k order: a 64-wide step is two blocks of 32; lane (g, t) (g = lane / 4, t = lane % 4)
  * holds elements 8t .. 8t+7 of each block (the A fragment slots 4t .. 4t+3 take 8t ..
@@ -25,21 +29,27 @@
  * step's bytes 16t .. 16t+7 are block 0's elements 8t .. 8t+7, bytes 16t+8 .. its block
  * 1's, so one 16-byte load is the B fragments of both of a lane's mmas.
  *
- * Block, ring, splits and launch as the register kernel: 8 warps, each one m16 tile of
- * weight rows by all BM (16, 32, 64) token rows; chunks of 256 through a cp.async ring;
- * split-K by mq_split_end; programmatic dependent launch. */
+ * Block, ring, splits and launch as the register kernel: 8 warps, 128 weight rows; chunks
+ * of 256 through a cp.async ring; split-K by mq_split_end; programmatic dependent
+ * launch. At 64 token rows a warp holds two m16 tiles of weight rows by 32 token rows
+ * (TG = 2 token groups): every x fragment it loads feeds two mmas, which halves the
+ * shared-memory reads of the x tile against one m16 tile by 64 rows. */
 #include "gemm_q_dev.h"
 
-#define MX_XLD 320 /* bytes a row of the staged int8 x tile: 16-byte loads of two rows of a quarter warp hit 32 banks */
-#define MX_DLD 20  /* floats a row of the staged scales: d[8], s[8], 4 of padding (rows 20 banks apart) */
+#define MX_XLD 256  /* bytes a row of the staged x tile: 16-byte pieces swizzled by the row's parity */
+#define MX_REC 32   /* bytes of a token's record a chunk: float dx, 12 zero bytes, F16 s[8] */
 #define MX_SMEM_MAX (227 * 1024)
 #define MX_ROWS (MQ_WARPS * 16)
 #define MX_MAGIC 0x4B400000 /* F32 1.5 * 2^23 */
 
+/* where logical 16-byte piece p of staged x row r lies: rows 2i and 2i + 1 keep their
+ * pieces 64 bytes apart, so that a quarter warp's loads of two rows hit all 32 banks */
+__device__ __forceinline__ int mx_swz(int r, int p) { return 16 * (p ^ ((r & 1) << 2)); }
+
 template <int T, int BM> struct mx_smem {
     enum {
         RB = mq_stage<T>::RB,
-        X = BM * MX_XLD + BM * MX_DLD * 4,
+        X = BM * MX_XLD + BM * MX_REC,
         BLOCKS = 2 * (MX_ROWS * RB + X) <= MX_SMEM_MAX / 2 - 1024 ? 2 : 1,
         CAP = BLOCKS == 2 ? MX_SMEM_MAX / 2 - 1024 : MX_SMEM_MAX,
         WLDP = RB % 128 == 16 ? RB + 16 : RB,
@@ -54,7 +64,11 @@ template <int T, int BM> struct mx_smem {
         BYTES = NS * STAGE
     };
     static_assert(NS >= 2, "a ring of at least two stages");
-    static_assert(MX_XLD * BM % 16 == 0, "scales 16-byte aligned");
+};
+
+/* token groups a block splits its BM rows into (a warp's m16 tiles of weight rows: the same) */
+template <int BM> struct mx_tg {
+    enum { TG = BM == 64 ? 2 : 1 };
 };
 
 /* d[16x8] = a[16x32] b[32x8] + c, int8 in, int32 out */
@@ -69,96 +83,101 @@ __device__ __forceinline__ void mx_mma_s8(int (&d)[4], const uint32_t (&a)[4], u
 #endif
 }
 
-/* c[16x8] += a[16x8] b[8x8], TF32 in, F32 accumulate */
-__device__ __forceinline__ void mx_mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+/* c[16x8] += a[16x8] b[8x8], F16 in, F32 accumulate */
+__device__ __forceinline__ void mx_mma_h8(float (&c)[4], const uint32_t (&a)[2], uint32_t b)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(b));
 #endif
-}
-
-/* F32 -> TF32, to nearest (ties away), as the twin rounds */
-__device__ __forceinline__ uint32_t mx_tf32(float v)
-{
-    uint32_t r;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-#else
-    r = __float_as_uint(v);
-#endif
-    return r;
 }
 
 __device__ __forceinline__ float mx_i2f(int d) { return __int_as_float(d) - 12582912.0f; }
 
-__device__ __forceinline__ uint32_t mx_byte(uint32_t w, int i) { return (w >> (8 * i)) & 0xFFu; }
+__device__ __forceinline__ int mx_byte(uint32_t w, int i) { return (int)((w >> (8 * i)) & 0xFFu); }
 
-/* Quantizer: one warp per block of 32 (as the dp4a GEMV's, q8_dev.h): d = max|x| / 127,
- * q = rint(x / d), s = d * sum q rounded to TF32. */
+__device__ __forceinline__ uint32_t mx_h2(float lo, float hi)
+{
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+/* Quantizer: one warp per token and chunk of 256; lane l holds elements 8(l % 4) ..
+ * 8(l % 4) + 7 of block l / 4. d = max|x| / 127 over the chunk, q = rint(x / d), s =
+ * F16(sum of the block's q). */
 __global__ void mx_quantize_kernel(const uint16_t *__restrict__ x, int64_t x_stride, int K, int M, int8_t *q,
-                                   float *ds)
+                                   uint8_t *rec)
 {
     const int lane = threadIdx.x & 31;
-    const int64_t blk = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int nb = K / 32;
-    if (blk >= (int64_t)nb * M)
+    const int64_t job = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int nc = K / MQ_KC;
+    if (job >= (int64_t)nc * M)
         return;
-    const int t = (int)(blk / nb), b = (int)(blk % nb);
-    const float v = m40k_h2f(x[(size_t)t * x_stride + 32 * b + lane]);
-    const float d = m40k_warp_max(fabsf(v)) / 127.0f;
-    const int a = d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v / d))) : 0;
-    int sa = a;
+    const int t = (int)(job / nc), c = (int)(job % nc), b = lane >> 2, u = lane & 3;
+    const uint16_t *src = x + (size_t)t * x_stride + MQ_KC * c + 32 * b + 8 * u;
+    float v[8], m = 0.0f;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        sa += __shfl_xor_sync(0xffffffffu, sa, o);
-    q[(size_t)t * K + 64 * (b >> 1) + 16 * (lane >> 3) + 8 * (b & 1) + (lane & 7)] = (int8_t)a;
-    if (lane == 0) {
-        float *r = ds + (size_t)t * (K / 16) + 16 * (b >> 3) + (b & 7);
-        r[0] = d;
-        r[8] = __uint_as_float(mx_tf32(d * (float)sa));
+    for (int i = 0; i < 8; i++) {
+        v[i] = m40k_h2f(src[i]);
+        m = fmaxf(m, fabsf(v[i]));
     }
+    const float d = m40k_warp_max(m) / 127.0f;
+    uint32_t w[2] = {0, 0};
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int a = d != 0.0f ? (int)fminf(127.0f, fmaxf(-127.0f, rintf(v[i] / d))) : 0;
+        s += a;
+        w[i >> 2] |= (uint32_t)(a & 0xFF) << (8 * (i & 3));
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    *reinterpret_cast<uint2 *>(q + (size_t)t * K + MQ_KC * c + 64 * (b >> 1) + 16 * u + 8 * (b & 1)) =
+        make_uint2(w[0], w[1]);
+    uint8_t *r = rec + ((size_t)t * nc + c) * MX_REC;
+    if (lane == 0)
+        *reinterpret_cast<float4 *>(r) = make_float4(d, 0.0f, 0.0f, 0.0f);
+    if (u == 0)
+        *reinterpret_cast<__half *>(r + 16 + 2 * b) = __int2half_rn(s);
 }
 
 template <int T, int BM>
 __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kernel(
-    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const int8_t *xq, const float *xds, int M,
+    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const int8_t *xq, const uint8_t *xrec, int M,
     float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters)
 {
     typedef mx_smem<T, BM> sm;
-    constexpr int NT = BM / 8;
+    constexpr int TG = mx_tg<BM>::TG, WR = TG, NT = BM / 8 / TG;
     constexpr int RB = sm::RB, WLD = sm::WLD, NS = sm::NS;
     extern __shared__ __align__(16) uint8_t mx_sm[];
     /* stage b: weights at mx_sm + b * STAGE (ROWS rows of WLD bytes), then x (BM rows of
-     * MX_XLD bytes), then the scales (BM rows of MX_DLD floats) */
+     * MX_XLD bytes), then the records (BM of MX_REC bytes) */
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int n0 = blockIdx.x * MX_ROWS, s = blockIdx.z;
     const int nc = K / MQ_KC;
     const int c0 = (int)((int64_t)s * nc / S), c1 = (int)((int64_t)(s + 1) * nc / S);
+    /* this warp: weight rows rw .. rw + 16 WR - 1 of the block, token rows tb .. tb + 8 NT - 1 */
+    const int rw = (warp / TG) * 16 * WR, tb = (warp % TG) * 8 * NT;
 
+    /* the weight copies: piece tid + 256k of the block's ROWS x WP 16-byte pieces (their
+     * offsets formed at each issue: registers are what the 64-row instance lacks) */
     constexpr int WP = RB / 16, KW = (MX_ROWS * WP + MQ_WARPS * 32 - 1) / (MQ_WARPS * 32);
-    uint32_t woff[KW], wdst[KW];
-#pragma unroll
-    for (int k = 0; k < KW; k++) {
-        const int i = tid + 256 * k, r = min(i / WP, MX_ROWS - 1), o = 16 * (i % WP);
-        woff[k] = (uint32_t)((size_t)(min(n0 + r, N - 1) - n0) * row_bytes) + (uint32_t)o;
-        wdst[k] = (uint32_t)(r * WLD + o);
-    }
     const uint8_t *w0 = w + (size_t)n0 * row_bytes;
-    /* x: 16 pieces a row (row tid / 16 + 16k); scales: 4 pieces a row (d[8], s[8]; row
-     * tid / 4 + 64k, Q8_0_G8 only the first two) */
-    constexpr int KXQ = (BM + 15) / 16, DP = T == M40K_TYPE_Q4_K ? 4 : 2;
-    const int xr = tid >> 4, xp = tid & 15, dr = tid / DP, dp = tid % DP;
-    const int64_t dsl = K / 16;
+    /* x: 16 pieces a row (row tid / 16 + 16k); records: 2 pieces a token (tid / 2) */
+    constexpr int KXQ = (BM + 15) / 16;
+    const int xr = tid >> 4, xp = tid & 15, dr = tid >> 1, dp = tid & 1;
 
     auto issue_w = [&](int c, int b) {
         if (c < c1) {
             uint8_t *st = mx_sm + b * sm::STAGE;
 #pragma unroll
             for (int k = 0; k < KW; k++)
-                if ((MX_ROWS * WP) % 256 == 0 || k + 1 < KW || tid + 256 * k < MX_ROWS * WP)
-                    mq_cp16(st + wdst[k], w0 + woff[k] + (size_t)c * RB, 16);
+                if ((MX_ROWS * WP) % 256 == 0 || k + 1 < KW || tid + 256 * k < MX_ROWS * WP) {
+                    const int i = tid + 256 * k, r = i / WP, o = 16 * (i % WP);
+                    mq_cp16(st + r * WLD + o, w0 + (size_t)(min(n0 + r, N - 1) - n0) * row_bytes + (size_t)c * RB + o,
+                            16);
+                }
         }
     };
     auto issue_x = [&](int c, int b) {
@@ -169,125 +188,198 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
                 const int r = xr + 16 * k;
                 if (BM % 16 == 0 || r < BM) {
                     const bool in = r < M;
-                    mq_cp16(st + r * MX_XLD + 16 * xp, in ? xq + (size_t)r * K + (size_t)c * MQ_KC + 16 * xp : xq,
-                            in ? 16 : 0);
+                    mq_cp16(st + r * MX_XLD + mx_swz(r, xp),
+                            in ? xq + (size_t)r * K + (size_t)c * MQ_KC + 16 * xp : xq, in ? 16 : 0);
                 }
             }
             if (dr < BM) {
                 const bool in = dr < M;
-                mq_cp16(st + BM * MX_XLD + dr * MX_DLD * 4 + 16 * dp,
-                        in ? xds + (size_t)dr * dsl + 16 * c + 4 * dp : xds, in ? 16 : 0);
+                mq_cp16(st + BM * MX_XLD + dr * MX_REC + 16 * dp,
+                        in ? xrec + ((size_t)dr * nc + c) * MX_REC + 16 * dp : xrec, in ? 16 : 0);
             }
         }
     };
 
-    float acc[NT][4];
+    float acc[WR][NT][4];
 #pragma unroll
-    for (int b = 0; b < NT; b++)
+    for (int i = 0; i < WR; i++)
 #pragma unroll
-        for (int c = 0; c < 4; c++)
-            acc[b][c] = 0.0f;
+        for (int b = 0; b < NT; b++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                acc[i][b][c] = 0.0f;
 
-    const int wrow = warp * 16 + g;
     auto wait_x = [&] {
         xq = m40k_grid_wait_for(xq);
-        xds = m40k_grid_wait_for(xds);
+        xrec = m40k_grid_wait_for(xrec);
     };
     mq_ring<NS>(c0, c1, issue_w, wait_x, issue_x, [&](int c, int stage) {
         const uint8_t *st = mx_sm + stage * sm::STAGE;
         const uint8_t *xs = st + MX_ROWS * WLD;
-        const float *dsm = reinterpret_cast<const float *>(xs + BM * MX_XLD);
-        const uint8_t *row[2] = {st + wrow * WLD, st + (wrow + 8) * WLD};
-
-        /* the weight scales of the chunk's blocks, rows g and g + 8: Q4_K d and the 6-bit
-         * sc (turned into d * sc a pair of blocks at a time, below: 16 floats held across
-         * the chunk spilled at 64 token rows), Q8_0_G8 d[8] as F16 */
-        uint32_t sw[2][4];
-        float dw[2];
-        if constexpr (T == M40K_TYPE_Q4_K) {
-            uint32_t am[4];
+        const uint8_t *rs = xs + BM * MX_XLD;
+        const uint8_t *row[WR][2];
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint4 hd = *reinterpret_cast<const uint4 *>(row[h]); /* d, dmin | scales[12] */
-                const uint32_t ma = hd.z & 0x3f3f3f3fu;
-                const uint32_t mb = ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 6) & 0x03030303u) << 4;
-                sw[h][0] = hd.y & 0x3f3f3f3fu;
-                sw[h][1] = (hd.w & 0x0f0f0f0fu) | ((hd.y >> 6) & 0x03030303u) << 4;
-                dw[h] = m40k_h2f((uint16_t)(hd.x & 0xFFFFu));
-                const float dmin = m40k_h2f((uint16_t)(hd.x >> 16));
-                /* the TF32 A fragment of the minimums: rows g (h 0), g + 8 (h 1); blocks t, t + 4 */
-                am[h] = mx_tf32(-dmin * (float)mx_byte(ma, t4));
-                am[2 + h] = mx_tf32(-dmin * (float)mx_byte(mb, t4));
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const float *dr0 = dsm + (nt * 8 + g) * MX_DLD + 8;
-                mx_mma_tf32(acc[nt], am, __float_as_uint(dr0[t4]), __float_as_uint(dr0[t4 + 4]));
-            }
-        } else {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const uint4 hd = *reinterpret_cast<const uint4 *>(row[h]);
-                sw[h][0] = hd.x, sw[h][1] = hd.y, sw[h][2] = hd.z, sw[h][3] = hd.w;
-                dw[h] = 0.0f;
-            }
-        }
-
-#pragma unroll
-        for (int p = 0; p < 4; p++) { /* blocks 2p and 2p + 1 */
-            uint32_t a[2][4];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if constexpr (T == M40K_TYPE_Q4_K) {
-                    /* block 2p: the low nibbles of bytes 32p .. 32p + 31, block 2p + 1 the high ones */
-                    const uint2 v = *reinterpret_cast<const uint2 *>(row[h] + 16 + 32 * p + 8 * t4);
-                    a[0][h] = v.x & 0x0F0F0F0Fu;
-                    a[0][2 + h] = v.y & 0x0F0F0F0Fu;
-                    a[1][h] = (v.x >> 4) & 0x0F0F0F0Fu;
-                    a[1][2 + h] = (v.y >> 4) & 0x0F0F0F0Fu;
-                } else {
-                    const uint2 v0 = *reinterpret_cast<const uint2 *>(row[h] + 16 + 64 * p + 8 * t4);
-                    const uint2 v1 = *reinterpret_cast<const uint2 *>(row[h] + 48 + 64 * p + 8 * t4);
-                    a[0][h] = v0.x;
-                    a[0][2 + h] = v0.y;
-                    a[1][h] = v1.x;
-                    a[1][2 + h] = v1.y;
-                }
-            }
-            float wsc[2][2]; /* rows g, g + 8; blocks 2p, 2p + 1 */
+        for (int i = 0; i < WR; i++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
+                row[i][h] = st + (rw + 16 * i + 8 * h + g) * WLD;
+
+        if constexpr (T == M40K_TYPE_Q4_K) {
+            /* rows g and g + 8 of each tile: d, the 6-bit scales of the 8 blocks (two
+             * words), and the minimums' F16 A fragment (-dmin * m of blocks 2t, 2t + 1) */
+            float dw[WR][2];
+            uint32_t sc[WR][2][2], am[WR][2];
 #pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    if constexpr (T == M40K_TYPE_Q4_K)
-                        wsc[h][i] = dw[h] * (float)mx_byte(sw[h][p >> 1], (2 * p + i) & 3);
-                    else
-                        wsc[h][i] = m40k_h2f((uint16_t)(sw[h][p] >> (16 * i)));
+            for (int i = 0; i < WR; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const uint4 hd = *reinterpret_cast<const uint4 *>(row[i][h]); /* d, dmin | scales[12] */
+                    sc[i][h][0] = hd.y & 0x3f3f3f3fu;
+                    sc[i][h][1] = (hd.w & 0x0f0f0f0fu) | ((hd.y >> 6) & 0x03030303u) << 4;
+                    const uint32_t mm = t4 < 2 ? hd.z & 0x3f3f3f3fu
+                                               : ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 6) & 0x03030303u) << 4;
+                    dw[i][h] = m40k_h2f((uint16_t)(hd.x & 0xFFFFu));
+                    const float dmin = m40k_h2f((uint16_t)(hd.x >> 16));
+                    am[i][h] = mx_h2(-dmin * (float)mx_byte(mm, (2 * t4) & 3), -dmin * (float)mx_byte(mm, (2 * t4 + 1) & 3));
                 }
+            int ai[WR][NT][4];
+#pragma unroll
+            for (int i = 0; i < WR; i++)
+#pragma unroll
+                for (int b = 0; b < NT; b++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        ai[i][b][e] = 0;
+#pragma unroll 1
+            for (int p = 0; p < 4; p++) { /* blocks 2p and 2p + 1 (a loop: unrolled, the
+                                             * 64-row instance's loads hoisted past its registers) */
+                uint32_t a[WR][2][4];
+                int s0[WR][2], s1[WR][2];
+#pragma unroll
+                for (int i = 0; i < WR; i++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        /* block 2p: the low nibbles of bytes 32p .. 32p + 31, block 2p + 1 the high ones */
+                        const uint2 v = *reinterpret_cast<const uint2 *>(row[i][h] + 16 + 32 * p + 8 * t4);
+                        a[i][0][h] = v.x & 0x0F0F0F0Fu;
+                        a[i][0][2 + h] = v.y & 0x0F0F0F0Fu;
+                        a[i][1][h] = (v.x >> 4) & 0x0F0F0F0Fu;
+                        a[i][1][2 + h] = (v.y >> 4) & 0x0F0F0F0Fu;
+                        const uint32_t sw = p >> 1 ? sc[i][h][1] : sc[i][h][0];
+                        s0[i][h] = mx_byte(sw, (2 * p) & 3);
+                        s1[i][h] = mx_byte(sw, (2 * p + 1) & 3);
+                    }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const int r = tb + nt * 8 + g;
+                    const uint4 b = *reinterpret_cast<const uint4 *>(xs + r * MX_XLD + mx_swz(r, 4 * p + t4));
+#pragma unroll
+                    for (int i = 0; i < WR; i++) {
+                        int d0[4], d1[4];
+                        mx_mma_s8(d0, a[i][0], b.x, b.y, 0);
+                        mx_mma_s8(d1, a[i][1], b.z, b.w, 0);
+                        /* accumulator e: weight row g + 8*(e >> 1), token row 2t + (e & 1) */
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            ai[i][nt][e] += s0[i][e >> 1] * d0[e] + s1[i][e >> 1] * d1[e];
+                    }
+                }
+            }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
-                const uint4 b = *reinterpret_cast<const uint4 *>(xs + (nt * 8 + g) * MX_XLD + 64 * p + 16 * t4);
-                int d0[4], d1[4];
-                mx_mma_s8(d0, a[0], b.x, b.y, MX_MAGIC);
-                mx_mma_s8(d1, a[1], b.z, b.w, MX_MAGIC);
-                /* accumulator c: weight row g + 8*(c >> 1), token row 8*nt + 2*t4 + (c & 1) */
-                const float2 x0 = *reinterpret_cast<const float2 *>(dsm + (nt * 8 + 2 * t4) * MX_DLD + 2 * p);
-                const float2 x1 = *reinterpret_cast<const float2 *>(dsm + (nt * 8 + 2 * t4 + 1) * MX_DLD + 2 * p);
-                acc[nt][0] = fmaf(mx_i2f(d0[0]), wsc[0][0] * x0.x, acc[nt][0]);
-                acc[nt][1] = fmaf(mx_i2f(d0[1]), wsc[0][0] * x1.x, acc[nt][1]);
-                acc[nt][2] = fmaf(mx_i2f(d0[2]), wsc[1][0] * x0.x, acc[nt][2]);
-                acc[nt][3] = fmaf(mx_i2f(d0[3]), wsc[1][0] * x1.x, acc[nt][3]);
-                acc[nt][0] = fmaf(mx_i2f(d1[0]), wsc[0][1] * x0.y, acc[nt][0]);
-                acc[nt][1] = fmaf(mx_i2f(d1[1]), wsc[0][1] * x1.y, acc[nt][1]);
-                acc[nt][2] = fmaf(mx_i2f(d1[2]), wsc[1][1] * x0.y, acc[nt][2]);
-                acc[nt][3] = fmaf(mx_i2f(d1[3]), wsc[1][1] * x1.y, acc[nt][3]);
+                const int r = tb + nt * 8;
+                const float dx0 = *reinterpret_cast<const float *>(rs + (r + 2 * t4) * MX_REC);
+                const float dx1 = *reinterpret_cast<const float *>(rs + (r + 2 * t4 + 1) * MX_REC);
+                const uint32_t sb = *reinterpret_cast<const uint32_t *>(rs + (r + g) * MX_REC + 16 + 4 * t4);
+#pragma unroll
+                for (int i = 0; i < WR; i++) {
+                    float e[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        e[k] = dw[i][k >> 1] * (float)ai[i][nt][k];
+                    mx_mma_h8(e, am[i], sb);
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        acc[i][nt][k] = fmaf(k & 1 ? dx1 : dx0, e[k], acc[i][nt][k]);
+                }
+            }
+        } else {
+            /* Q8_0_G8: the 8 blocks' d as F16 in the row's first 16 bytes (read a pair at a
+             * time); block 2p at bytes 16 + 64p, block 2p + 1 at 48 + 64p */
+            float ef[WR][NT][4];
+#pragma unroll
+            for (int i = 0; i < WR; i++)
+#pragma unroll
+                for (int b = 0; b < NT; b++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        ef[i][b][e] = 0.0f;
+#pragma unroll 1
+            for (int p = 0; p < 4; p++) {
+                uint32_t a[WR][2][4];
+                float d0w[WR][2], d1w[WR][2];
+#pragma unroll
+                for (int i = 0; i < WR; i++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const uint2 v0 = *reinterpret_cast<const uint2 *>(row[i][h] + 16 + 64 * p + 8 * t4);
+                        const uint2 v1 = *reinterpret_cast<const uint2 *>(row[i][h] + 48 + 64 * p + 8 * t4);
+                        a[i][0][h] = v0.x;
+                        a[i][0][2 + h] = v0.y;
+                        a[i][1][h] = v1.x;
+                        a[i][1][2 + h] = v1.y;
+                        const uint32_t dp2 = *reinterpret_cast<const uint32_t *>(row[i][h] + 4 * p);
+                        d0w[i][h] = m40k_h2f((uint16_t)(dp2 & 0xFFFFu));
+                        d1w[i][h] = m40k_h2f((uint16_t)(dp2 >> 16));
+                    }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const int r = tb + nt * 8 + g;
+                    const uint4 b = *reinterpret_cast<const uint4 *>(xs + r * MX_XLD + mx_swz(r, 4 * p + t4));
+#pragma unroll
+                    for (int i = 0; i < WR; i++) {
+                        int d0[4], d1[4];
+                        mx_mma_s8(d0, a[i][0], b.x, b.y, MX_MAGIC);
+                        mx_mma_s8(d1, a[i][1], b.z, b.w, MX_MAGIC);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            ef[i][nt][e] = fmaf(mx_i2f(d0[e]), d0w[i][e >> 1], ef[i][nt][e]);
+                            ef[i][nt][e] = fmaf(mx_i2f(d1[e]), d1w[i][e >> 1], ef[i][nt][e]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int r = tb + nt * 8;
+                const float dx0 = *reinterpret_cast<const float *>(rs + (r + 2 * t4) * MX_REC);
+                const float dx1 = *reinterpret_cast<const float *>(rs + (r + 2 * t4 + 1) * MX_REC);
+#pragma unroll
+                for (int i = 0; i < WR; i++)
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        acc[i][nt][k] = fmaf(k & 1 ? dx1 : dx0, ef[i][nt][k], acc[i][nt][k]);
             }
         }
     });
 
-    mq_frag_store<NT>(acc, n0, MX_ROWS, wrow, t4, N, M, y, ldy, S, s, ws, counters);
+    /* accumulator k of tile (i, nt): weight row n0 + rw + 16i + g + 8(k >> 1), token row
+     * tb + 8nt + 2t + (k & 1) */
+    float *dst = S > 1 ? ws + (size_t)s * M * N : y;
+    const int64_t ld = S > 1 ? N : ldy;
+#pragma unroll
+    for (int i = 0; i < WR; i++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int r = n0 + rw + 16 * i + g + 8 * (k >> 1), t = tb + nt * 8 + 2 * t4 + (k & 1);
+                if (r < N && t < M)
+                    dst[(size_t)t * ld + r] = acc[i][nt][k];
+            }
+    if (S > 1)
+        mq_split_end(S, N, M, n0, 0, min(MX_ROWS, N - n0), M, y, ldy, ws, counters, blockIdx.x);
 }
-
 template <int T> static int mx_prepare_type(void)
 {
     return mq_smem_limits(mx_kernel<T, 16>, mx_smem<T, 16>::BYTES, mx_kernel<T, 32>, mx_smem<T, 32>::BYTES,
@@ -305,7 +397,7 @@ int m40k_gemm_x8_prepare(void)
     });
 }
 
-typedef void (*mx_fn)(const uint8_t *, size_t, int, int, const int8_t *, const float *, int, float *, int64_t, int,
+typedef void (*mx_fn)(const uint8_t *, size_t, int, int, const int8_t *, const uint8_t *, int, float *, int64_t, int,
                       float *, int *);
 
 template <int T, typename F> static int mx_with(int M, F f)
@@ -335,19 +427,19 @@ static size_t mx_row_bytes(int w_type, int K)
 
 size_t m40k_x8_bytes(int K, int M)
 {
-    if (K <= 0 || K % 256 || M <= 0)
+    if (K <= 0 || K % MQ_KC || M <= 0)
         return 0;
-    return (size_t)M * K + (size_t)M * (K / 16) * 4;
+    return (size_t)M * K + (size_t)M * (K / MQ_KC) * MX_REC;
 }
 
 int m40k_quantize_x8(const uint16_t *x, int64_t x_stride, int K, int M, void *xq, m40k_stream stream)
 {
-    if (!x || !xq || K <= 0 || K % 256 || M <= 0 || x_stride < K || ((uintptr_t)xq & 15))
+    if (!x || !xq || K <= 0 || K % MQ_KC || M <= 0 || x_stride < K || ((uintptr_t)xq & 15))
         return M40K_INVALID;
     int8_t *q = (int8_t *)xq;
-    float *ds = (float *)(q + (size_t)M * K);
-    const int64_t blocks = (int64_t)M * (K / 32);
-    mx_quantize_kernel<<<(unsigned)((blocks + 7) / 8), 256, 0, (cudaStream_t)stream>>>(x, x_stride, K, M, q, ds);
+    const int64_t jobs = (int64_t)M * (K / MQ_KC);
+    mx_quantize_kernel<<<(unsigned)((jobs + 7) / 8), 256, 0, (cudaStream_t)stream>>>(x, x_stride, K, M, q,
+                                                                                     (uint8_t *)(q + (size_t)M * K));
     return m40k_launch_status();
 }
 
@@ -376,12 +468,12 @@ int m40k_gemm_x8(const void *w, int w_type, int N, int K, const void *xq, int M,
     if (e)
         return e;
     const int8_t *q = (const int8_t *)xq;
-    const float *ds = (const float *)(q + (size_t)M * K);
+    const uint8_t *rec = (const uint8_t *)(q + (size_t)M * K);
     const size_t rb = mx_row_bytes(w_type, K);
     return mx_dispatch(w_type, M, [&](mx_fn fn, int, int bytes) {
         const dim3 grid((unsigned)((N + MX_ROWS - 1) / MX_ROWS), 1, (unsigned)S);
         const int e2 = m40k_launch_pdl_smem(fn, grid, dim3(MQ_WARPS * 32), (size_t)bytes, (cudaStream_t)stream,
-                                            (const uint8_t *)w, rb, N, K, q, ds, M, y, ldy, S, ws, counters);
+                                            (const uint8_t *)w, rb, N, K, q, rec, M, y, ldy, S, ws, counters);
         return e2 ? e2 : m40k_launch_status();
     });
 }

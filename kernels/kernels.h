@@ -496,11 +496,12 @@ int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int6
  * Q4_K and Q8_0_G8 (K a multiple of 256, W 16-byte aligned): y[t*ldy + r] = sum_k
  * W[r][k] x[t][k], r < N, t < M, x given as int8 records:
  *   m40k_quantize_x8: x F16 (x[t*x_stride + k]) into xq (16-byte aligned,
- *     m40k_x8_bytes(K, M) bytes): per block of 32 d = max|x|/127, q = rint(x/d) (int8,
- *     stored permuted within each 64 for the MMA fragments), s = TF32(d * sum q).
- *   m40k_gemm_x8: per block of 32 the exact integer dot of the weight's levels with q,
- *     times the weight's block scale (Q4_K d*sc, Q8_0 d) and dx, plus Q4_K's minimum term
- *     TF32(-dmin*m) * s; F32 sums. Twins: m40_ref_quantize_x8 / m40_ref_gemm_x8.
+ *     m40k_x8_bytes(K, M) bytes): q[M][K] int8, then per token and chunk of 256 a record
+ *     of 32 bytes {F32 d = max|x|/127, 12 zero bytes, F16 s[8]}; q = rint(x/d), stored
+ *     permuted within each 64 for the MMA fragments; s: the blocks' sums of q.
+ *   m40k_gemm_x8: per chunk, Q4_K F32(d * F32(sum_j sc_j dot_j)) + sum_j F16(-dmin*m_j)
+ *     s_j, Q8_0 sum_j d_j dot_j in F32, times the chunk's dx; F32 sums. Twins:
+ *     m40_ref_quantize_x8 / m40_ref_gemm_x8.
  * n_splits, workspace and counters as 8e's (m40k_gemm_q_ws_floats / _counter_ints sizes;
  * the same zeroed counters). m40k_gemm_x8_reads says whether it takes the product;
  * m40k_gemm_x8_pick_splits gives one wave of blocks. Call m40k_gemm_x8_prepare before

@@ -618,72 +618,83 @@ void m40_ref_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, in
         }
 }
 
-/* F32 -> TF32, to nearest with ties away from zero (PTX cvt.rna.tf32.f32) */
-static float tf32_rna(float v)
-{
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    if ((b & 0x7F800000u) != 0x7F800000u)
-        b = (b + 0x1000u) & ~0x1FFFu;
-    memcpy(&v, &b, 4);
-    return v;
-}
-
 void m40_ref_quantize_x8(const uint16_t *x, int64_t x_stride, int K, int M, void *xq)
 {
     int8_t *q = xq;
-    float *ds = (float *)(q + (size_t)M * K);
+    uint8_t *rec = (uint8_t *)(q + (size_t)M * K);
+    const int nc = K / 256;
     for (int t = 0; t < M; t++)
-        for (int b = 0; b < K / 32; b++) {
-            float v[32];
-            for (int i = 0; i < 32; i++)
-                v[i] = m40_fp16_to_fp32(x[(size_t)t * x_stride + 32 * b + i]);
-            const float d = q8_amax(v) / 127.0f;
-            int sum = 0;
-            for (int i = 0; i < 32; i++) {
-                const int a = q8_round(v[i], d);
-                sum += a;
-                q[(size_t)t * K + 64 * (b / 2) + 16 * (i / 8) + 8 * (b % 2) + i % 8] = (int8_t)a;
+        for (int c = 0; c < nc; c++) {
+            float v[256], m = 0.0f;
+            for (int i = 0; i < 256; i++) {
+                v[i] = m40_fp16_to_fp32(x[(size_t)t * x_stride + 256 * c + i]);
+                m = fmaxf(m, fabsf(v[i]));
             }
-            float *r = ds + (size_t)t * (K / 16) + 16 * (b / 8) + b % 8;
-            r[0] = d;
-            r[8] = tf32_rna(d * (float)sum);
+            const float d = m / 127.0f;
+            uint8_t *r = rec + ((size_t)t * nc + c) * 32;
+            memset(r, 0, 16);
+            memcpy(r, &d, 4);
+            for (int b = 0; b < 8; b++) {
+                int sum = 0;
+                for (int i = 0; i < 32; i++) {
+                    const int a = q8_round(v[32 * b + i], d);
+                    sum += a;
+                    q[(size_t)t * K + 256 * c + 64 * (b / 2) + 16 * (i / 8) + 8 * (b % 2) + i % 8] = (int8_t)a;
+                }
+                const uint16_t h = m40_fp32_to_fp16((float)sum);
+                memcpy(r + 16 + 2 * b, &h, 2);
+            }
         }
 }
 
 void m40_ref_gemm_x8(const void *w, int w_type, int N, int K, const void *xq, int M, float *y, int64_t ldy)
 {
     const int8_t *q = xq;
-    const float *ds = (const float *)(q + (size_t)M * K);
-    const size_t rb = w_type == M40K_TYPE_Q4_K ? (size_t)K / 256 * 144 : (size_t)K / 32 * 34;
+    const uint8_t *rec = (const uint8_t *)(q + (size_t)M * K);
+    const int nc = K / 256;
+    const size_t rb = w_type == M40K_TYPE_Q4_K ? (size_t)nc * 144 : (size_t)K / 32 * 34;
     for (int t = 0; t < M; t++)
         for (int n = 0; n < N; n++) {
             const uint8_t *row = (const uint8_t *)w + (size_t)n * rb;
             double acc = 0;
-            for (int b = 0; b < K / 32; b++) {
-                const float *r = ds + (size_t)t * (K / 16) + 16 * (b / 8) + b % 8;
-                const float dx = r[0], sx = r[8];
-                int lv[32]; /* the block's integer levels */
-                float wsc, mn = 0.0f;
-                if (w_type == M40K_TYPE_Q4_K) {
-                    const uint8_t *sb = row + 144 * (size_t)(b / 8);
-                    const int j = b % 8;
-                    int scv, mnv;
-                    ref_scale_min_k4(sb + 4, j, &scv, &mnv);
+            for (int c = 0; c < nc; c++) {
+                const uint8_t *r = rec + ((size_t)t * nc + c) * 32;
+                float dx;
+                memcpy(&dx, r, 4);
+                const int8_t *qc = q + (size_t)t * K + 256 * c;
+                long long isum = 0; /* Q4_K: sum of sc_j * dot_j */
+                double e = 0;       /* Q4_K: the minimum terms; Q8_0: sum of d_j * dot_j */
+                for (int j = 0; j < 8; j++) {
+                    int lv[32]; /* block j's integer levels */
+                    const int b = 8 * c + j;
+                    int scv = 0, mnv = 0;
+                    if (w_type == M40K_TYPE_Q4_K) {
+                        const uint8_t *sb = row + 144 * (size_t)c;
+                        ref_scale_min_k4(sb + 4, j, &scv, &mnv);
+                        for (int l = 0; l < 32; l++)
+                            lv[l] = (sb[16 + 32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
+                    } else {
+                        const uint8_t *blk = row + 34 * (size_t)b;
+                        for (int l = 0; l < 32; l++)
+                            lv[l] = (int8_t)blk[2 + l];
+                    }
+                    int dot = 0;
                     for (int l = 0; l < 32; l++)
-                        lv[l] = (sb[16 + 32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
-                    wsc = ldh(sb) * (float)scv;
-                    mn = tf32_rna(-(ldh(sb + 2) * (float)mnv));
-                } else {
-                    const uint8_t *blk = row + 34 * (size_t)b;
-                    for (int l = 0; l < 32; l++)
-                        lv[l] = (int8_t)blk[2 + l];
-                    wsc = ldh(blk);
+                        dot += lv[l] * qc[64 * (j / 2) + 16 * (l / 8) + 8 * (j % 2) + l % 8];
+                    if (w_type == M40K_TYPE_Q4_K) {
+                        const uint8_t *sb = row + 144 * (size_t)c;
+                        uint16_t sh;
+                        memcpy(&sh, r + 16 + 2 * j, 2);
+                        const float mn = m40_fp16_to_fp32(m40_fp32_to_fp16(-(ldh(sb + 2) * (float)mnv)));
+                        isum += (long long)scv * dot;
+                        e += (double)mn * m40_fp16_to_fp32(sh);
+                    } else {
+                        e += (double)ldh(row + 34 * (size_t)b) * dot;
+                    }
                 }
-                int dot = 0;
-                for (int l = 0; l < 32; l++)
-                    dot += lv[l] * q[(size_t)t * K + 64 * (b / 2) + 16 * (l / 8) + 8 * (b % 2) + l % 8];
-                acc += (double)(wsc * dx) * dot + (double)mn * sx;
+                if (w_type == M40K_TYPE_Q4_K)
+                    e += (double)(ldh(row + 144 * (size_t)c) * (float)isum);
+                acc += (double)dx * e;
             }
             y[(size_t)t * ldy + n] = (float)acc;
         }

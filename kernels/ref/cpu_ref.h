@@ -87,10 +87,10 @@ void m40_ref_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *o
 void m40_ref_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws);
 void m40_ref_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride);
 /* Twins of m40k_quantize_x8 / m40k_gemm_x8 (kernels.h 8f): the same record bytes (x F16;
- * per block of 32 d = max|x|/127, q = rint(x/d), s = TF32(d * sum q)); the product as
- * the GPU forms it: per block the weight scale (Q4_K d*sc, Q8_0 d) times F32(that *
- * dx) times the exact integer dot, Q4_K's minimum term TF32(-dmin*m) * s; summed in
- * double. w_type Q4_K or Q8_0 (the plain layout of Q8_0_G8). */
+ * per chunk of 256 d = max|x|/127, q = rint(x/d), per block of 32 s = F16(sum q)); the
+ * product as the GPU forms it: per chunk Q4_K's F32(d * F32(sum_j sc_j dot_j)) plus
+ * sum_j F16(-dmin*m_j) * s_j, Q8_0's sum_j d_j dot_j, times dx; summed in double.
+ * w_type Q4_K or Q8_0 (the plain layout of Q8_0_G8). */
 void m40_ref_quantize_x8(const uint16_t *x, int64_t x_stride, int K, int M, void *xq);
 void m40_ref_gemm_x8(const void *w, int w_type, int N, int K, const void *xq, int M, float *y, int64_t ldy);
 /* Twins of kernels.h 8d (batch 1): m40k_gemv_q8_add_norm's x_out = x + W.ws (x_out may

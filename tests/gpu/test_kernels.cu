@@ -1218,7 +1218,7 @@ static void test_f32_to_f16(void)
 /* 8f. The int8 tensor-core GEMM (m40k_quantize_x8, m40k_gemm_x8) against its twins: the
  * records byte for byte; the product within F32 summation of the twin's double sum;
  * and, so that a layout mistake shared by kernel and twin cannot pass, within the int8
- * rounding of x (max|x| / 254 a weight) of the F16 product m40_ref_gemm_q. Q4_K and the
+ * rounding of x (a chunk's max|x| / 254 a weight) of the F16 product m40_ref_gemm_q. Q4_K and the
  * regrouped Q8_0_G8; N past the 128-row block; M in each tile height and odd; x rows
  * strided; split counts 1, picked and the most; same bits again; counters zero. */
 static void test_gemm_x8(void)
@@ -1254,27 +1254,40 @@ static void test_gemm_x8(void)
                     std::vector<float> c((size_t)M * ldy, 0.0f), f((size_t)M * ldy, 0.0f);
                     m40_ref_gemm_x8(w.data(), base, N, K, rq.data(), M, c.data(), ldy);
                     m40_ref_gemm_q(w.data(), base, N, K, x.data(), xs, M, f.data(), ldy);
-                    /* per output: sum over blocks of dx/2 * sum |w| (the most x's rounding can
-                     * move it), plus 2^-9 of sum |w||x| (F16 weights, TF32 minimums) */
-                    const float *rds = (const float *)(rq.data() + (size_t)M * K);
-                    std::vector<float> wr((size_t)K);
+                    /* per output: sum over chunks of dx/2 * sum |w| (the most x's rounding can
+                     * move it), plus 2^-9 of sum |w||x| (the F16 product's weights) and, for
+                     * Q4_K, 2^-10 of sum |dmin m||x| (the F16 minimums and block sums: the
+                     * minimum terms alone, -dmin m, are the weights with every level zeroed) */
+                    const uint8_t *rrec = rq.data() + (size_t)M * K;
+                    std::vector<uint8_t> w0 = w;
+                    if (base == M40K_TYPE_Q4_K)
+                        for (size_t sb = 0; sb < w0.size(); sb += 144)
+                            memset(&w0[sb + 16], 0, 128);
+                    std::vector<float> wr((size_t)K), wm((size_t)K, 0.0f);
                     std::vector<double> tol(c.size(), 0.0);
                     double mag = 0, xmax = 0; /* max over rows of sum_k |w|; max |x| */
                     for (uint16_t h : x)
                         xmax = std::max(xmax, (double)fabsf(m40_fp16_to_fp32(h)));
                     for (int r = 0; r < N; r++) {
                         m40_dequantize_row((uint32_t)base, w.data() + (size_t)r * row_bytes(base, K), wr.data(), K);
+                        if (base == M40K_TYPE_Q4_K)
+                            m40_dequantize_row((uint32_t)base, w0.data() + (size_t)r * row_bytes(base, K), wm.data(),
+                                               K);
                         double m = 0;
                         for (int k = 0; k < K; k++)
                             m += fabs(wr[k]);
                         mag = std::max(mag, m);
                         for (int t = 0; t < M; t++) {
-                            double e = 0, wx = 0;
+                            double e = 0, wx = 0, mx = 0;
                             for (int k = 0; k < K; k++) {
-                                e += fabs(wr[k]) * rds[(size_t)t * (K / 16) + 16 * (k / 256) + (k / 32) % 8] / 2;
-                                wx += fabs(wr[k]) * fabsf(m40_fp16_to_fp32(x[(size_t)t * xs + k]));
+                                float dxc;
+                                memcpy(&dxc, rrec + ((size_t)t * (K / 256) + k / 256) * 32, 4);
+                                const double ax = fabsf(m40_fp16_to_fp32(x[(size_t)t * xs + k]));
+                                e += fabs(wr[k]) * dxc / 2;
+                                wx += fabs(wr[k]) * ax;
+                                mx += fabs(wm[k]) * ax;
                             }
-                            tol[(size_t)t * ldy + r] = e + wx / 512 + 1e-6;
+                            tol[(size_t)t * ldy + r] = e + wx / 512 + mx / 1024 + 1e-6;
                         }
                     }
                     size_t far = 0;
