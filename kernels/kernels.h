@@ -130,6 +130,13 @@ int m40k_glu_q8(int act, const float *gate, const float *up, int64_t in_stride, 
 int m40k_glu_f16(int act, const float *gate, const float *up, int64_t in_stride, float *out, int64_t out_stride,
                  int rows, int n, uint16_t *out16, m40k_stream stream);
 
+/* 4d. The GLU of a gate/up product written in F16 at a scale (the engine's prefill chunks:
+ * half the bytes of the F32 product, written and read): out16[r*n + i] =
+ * F16(act(s * gate[r*in_stride + i]) * (s * up[r*in_stride + i])), s = in_scale, rows
+ * of out16 contiguous. Twin: m40_ref_glu on the F32 values s * gate, s * up. */
+int m40k_glu_h16(int act, const uint16_t *gate, const uint16_t *up, int64_t in_stride, float in_scale,
+                 uint16_t *out16, int rows, int n, m40k_stream stream);
+
 /* Residual add: out[i] = a[i] + b[i], i < n (out may alias a or b). */
 int m40k_add(float *out, const float *a, const float *b, int64_t n, m40k_stream stream);
 

@@ -374,12 +374,49 @@ typedef struct {
     float eps;
 } gnorm_in;
 
+/* The gate/up product of a prompt chunk written in F16 (m40_gpu.glu_h16) is scaled by
+ * this, and the GLU (m40k_glu_h16) scales it back: a power of two, exact, which lifts
+ * F16's range from 65,504 to 1,048,064 (pre-activations past it would be infinities). */
+#define GLU_H16_SCALE 16.0f
+
+/* The tiled path: W dequantized to F16 where it is not (g->deq), then cuBLAS, F16 x F16
+ * with F32 sums, into y (F32) or, where y16 is not NULL, into y16 (F16, times
+ * 1/GLU_H16_SCALE). */
+static int tiled_gemm(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, uint16_t *y16, int64_t ldy,
+                      int *x16_ready, char *err, size_t errlen)
+{
+    const float one = 1.0f, zero = 0.0f, inv = 1.0f / GLU_H16_SCALE;
+    const int rows = (int)w->rows, cols = (int)w->cols;
+    const void *wf16 = w->data;
+    if (w->type != M40K_TYPE_F16) {
+        if ((size_t)rows * (size_t)cols > g->deq_cap) {
+            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+            return -1;
+        }
+        /* the weights gemm_q forms, where its dequantizer reads the type; else the gather's */
+        if (m40k_gemm_q_dequant(w->data, w->type, rows, cols, (uint16_t *)g->deq, g->stream) != 0)
+            CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
+        wf16 = g->deq;
+    }
+    if (!*x16_ready) {
+        CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
+        *x16_ready = 1;
+    }
+    cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, y16 ? &inv : &one, wf16,
+                                    CUDA_R_16F, cols, g->x16, CUDA_R_16F, cols, &zero, y16 ? (void *)y16 : (void *)y,
+                                    y16 ? CUDA_R_16F : CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        m40_set_err(err, errlen, "gpu %d: cublasGemmEx failed (%d)", g->device, (int)s);
+        return -1;
+    }
+    return 0;
+}
+
 /* pick (or NULL): the greedy pick's key (kernels.h 9c) for a product of one row on the
  * int8 GEMV (w int8-readable, n 1, ldy rows: m40_gpu_forward asks for it only then) */
 static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
                       int *x16_ready, const gnorm_in *nrm, uint64_t *pick, char *err, size_t errlen)
 {
-    const float one = 1.0f, zero = 0.0f;
     int rows = (int)w->rows, cols = (int)w->cols;
     if (nrm) { /* fold_norm_ok: batch 1, every part int8-readable */
         CK(pick ? m40k_gemv_q8_argmax(w->data, w->type, rows, cols, nrm->xq, nrm->ss, nrm->eps, y, pick, g->stream)
@@ -423,30 +460,37 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
         CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F32, cols, g->stream));
         return sgemm_rows(g, (const float *)g->deq, rows, cols, x, n, y, ldy, err, errlen);
     }
-    /* The tiled path: F16 x F16 -> F32 on the tensor cores. */
-    const void *wf16 = w->data;
-    if (w->type != M40K_TYPE_F16) {
-        if ((size_t)rows * (size_t)cols > g->deq_cap) {
-            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
-            return -1;
-        }
-        /* the weights gemm_q forms, where its dequantizer reads the type; else the gather's */
-        if (m40k_gemm_q_dequant(w->data, w->type, rows, cols, (uint16_t *)g->deq, g->stream) != 0)
-            CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
-        wf16 = g->deq;
-    }
-    if (!*x16_ready) {
-        CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
-        *x16_ready = 1;
-    }
-    cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, wf16, CUDA_R_16F, cols,
-                                    g->x16, CUDA_R_16F, cols, &zero, y, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-        m40_set_err(err, errlen, "gpu %d: cublasGemmEx failed (%d)", g->device, (int)s);
-        return -1;
-    }
-    return 0;
+    return tiled_gemm(g, w, x, n, y, NULL, ldy, x16_ready, err, errlen);
+}
+
+/* Whether a product of n rows told x16_ready (wants_x16) reads only the F16 copy of x:
+ * past 8 rows no GEMV or skinny kernel takes it, so out's F32 copy need not be written
+ * (prefill chunks: 16 MB a layer less at 512 rows of 4096). */
+static int x16_only(int x16, int32_t n) { return x16 && n > 8; }
+
+/* Whether matmul_one takes the tiled path for a product of n rows with w (its tests in
+ * its order: not F32, not the skinny kernel, not a GEMV, not the quantized GEMM, not the
+ * F32 products). */
+static int tiled_takes(const m40_gpu *g, const gmat *w, int32_t n)
+{
+    return w->type != M40K_TYPE_F32 && !skinny_reads(g, w, n) &&
+           !(gemv_batch(g, w, n) && (gemv_q8_reads(w) || gemv_reads(w->type, (int)w->cols))) &&
+           !gemm_q_takes(g, w, n) && !g->gemm_f32;
+}
+
+/* Whether the gate/up product pr of n rows is written in F16 for the GLU (m40k_glu_h16):
+ * every part on the tiled path (prompt chunks), no bias, the down projection reading the
+ * GLU's F16 copy only (x16_dn past 8 rows), and not turned off (M40_GLU_H16=0). Its F32
+ * output is 2 x 14336 floats a row for Mistral: 58 MB a layer written by cuBLAS and
+ * read by the GLU at 512 rows. */
+static int glu_h16_ok(const m40_gpu *g, const gproj *pr, int32_t n, int x16_dn)
+{
+    if (!g->glu_h16 || pr->bias || pr->n_parts == 0 || !x16_only(x16_dn, n))
+        return 0;
+    for (int i = 0; i < pr->n_parts; i++)
+        if (!tiled_takes(g, &pr->part[i], n))
+            return 0;
+    return 1;
 }
 
 /* Whether the product pr over n rows starts with the int8-activation GEMV: then the
@@ -546,10 +590,20 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
     return 0;
 }
 
-/* Whether a product of n rows told x16_ready (wants_x16) reads only the F16 copy of x:
- * past 8 rows no GEMV or skinny kernel takes it, so out's F32 copy need not be written
- * (prefill chunks: 16 MB a layer less at 512 rows of 4096). */
-static int x16_only(int x16, int32_t n) { return x16 && n > 8; }
+
+/* The product pr of n rows on the tiled path into y16 (F16, times 1/GLU_H16_SCALE; rows
+ * of pr->rows), its parts side by side (glu_h16_ok said every part takes that path). */
+static int matmul_h16(m40_gpu *g, const gproj *pr, const float *x, int32_t n, uint16_t *y16, int x16_ready, char *err,
+                      size_t errlen)
+{
+    int64_t off = 0;
+    for (int i = 0; i < pr->n_parts; i++) {
+        if (tiled_gemm(g, &pr->part[i], x, n, NULL, y16 + off, pr->rows, &x16_ready, err, errlen))
+            return -1;
+        off += pr->part[i].rows;
+    }
+    return 0;
+}
 
 /* The residual add fused with an RMSNorm: *xo = *xc + xd, out = rmsnorm(*xo) * w (and
  * its int8 quantization into g->xq, or its F16 copy into g->x16, for the product that
@@ -736,8 +790,15 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                 g->stream));
             CK(add_norm(g, &xc, &xo, L->ffn_norm, g->xb, n, xq_gu, x16_gu));
         }
-        if (!L->router && matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, folded ? &nin : NULL, err, errlen))
+        /* a prompt chunk's gate/up product in F16 for the GLU (glu_h16_ok) */
+        const int h16 = !L->router && glu_h16_ok(g, &L->gate_up, n, x16_dn);
+        if (h16) {
+            if (matmul_h16(g, &L->gate_up, g->xb, n, (uint16_t *)g->hb, x16_gu, err, errlen))
+                return -1;
+        } else if (!L->router &&
+                   matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, folded ? &nin : NULL, err, errlen)) {
             return -1;
+        }
         const int act = g->sc.act == M40_ACT_GELU_TANH ? M40K_GLU_GELU_TANH : M40K_GLU_SILU;
         /* F16 down projection on the tensor-core GEMV: it forms act(gate) * up itself */
         const gmat *dw = &L->down.part[0];
@@ -751,7 +812,10 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(m40k_gemm_skinny_glu(act, (const uint16_t *)dw->data, (int)dw->rows, (int)dw->cols, g->hb, g->hb + ffn,
                                     2 * ffn, n, g->xd, dim, S, g->sk_ws, g->sk_cnt, g->stream));
         } else {
-            if (xq_dn)
+            if (h16)
+                CK(m40k_glu_h16(act, (const uint16_t *)g->hb, (const uint16_t *)g->hb + ffn, 2 * ffn, GLU_H16_SCALE,
+                                g->x16, n, (int)ffn, g->stream));
+            else if (xq_dn)
                 CK(m40k_glu_q8(act, g->hb, g->hb + ffn, 2 * ffn, g->hb2, ffn, n, (int)ffn, g->xq, g->stream));
             else if (x16_dn)
                 CK(m40k_glu_f16(act, g->hb, g->hb + ffn, 2 * ffn, x16_only(x16_dn, n) ? NULL : g->hb2, ffn, n,

@@ -435,6 +435,39 @@ static void test_fused_f16(void)
                 check(what, h == h2);
                 cudaFree(din), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
             }
+    /* 4d. F16 gate/up at a scale: the twin on the same F32 inputs, rounded to F16, within
+     * one F16 step (the GPU's expf and tanhf against the C library's); rows of odd
+     * length and stride take the one-element path */
+    for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
+        for (int n : {37, 640, 14336})
+            for (int rows : {1, 38, 512}) {
+                const int64_t is = 2 * n + (n & 1);
+                const float scale = 16.0f;
+                std::vector<float> in = rand_vec(rows * is, -6.0f / 16, 6.0f / 16);
+                std::vector<uint16_t> in16(in.size());
+                std::vector<float> inf(in.size());
+                for (size_t i = 0; i < in.size(); i++) {
+                    in16[i] = m40_fp32_to_fp16(in[i]);
+                    inf[i] = scale * m40_fp16_to_fp32(in16[i]);
+                }
+                std::vector<float> c((size_t)rows * n, 0.0f);
+                m40_ref_glu(act, inf.data(), inf.data() + n, is, c.data(), n, rows, n);
+                uint16_t *din = dup(in16), *dh;
+                CK(cudaMalloc(&dh, (size_t)rows * n * 2));
+                CK(m40k_glu_h16(act, din, din + n, is, scale, dh, rows, n, 0));
+                std::vector<uint16_t> h = back(dh, (size_t)rows * n);
+                size_t far = 0;
+                for (size_t i = 0; i < h.size(); i++) {
+                    const float ref = m40_fp16_to_fp32(m40_fp32_to_fp16(c[i])), got = m40_fp16_to_fp32(h[i]);
+                    far += !(fabsf(got - ref) <= fabsf(ref) / 1024.0f + 1e-7f);
+                }
+                char what[112];
+                snprintf(what, sizeof what, "glu_h16 act %d n %d rows %d: %zu outside an F16 step", act, n, rows, far);
+                check(what, far == 0);
+                cudaFree(din), cudaFree(dh);
+            }
+    check("glu_h16 without out16 refused",
+          m40k_glu_h16(M40K_GLU_SILU, (const uint16_t *)16, (const uint16_t *)16, 64, 1.0f, nullptr, 1, 32, 0) != 0);
     check("add_rmsnorm_to with neither out, xq nor out16 refused",
           m40k_add_rmsnorm_to((const float *)16, 8, (const float *)16, 8, (float *)16, (const float *)16, nullptr, 8, 1,
                               8, 1e-5f, nullptr, nullptr, 0) != 0);
