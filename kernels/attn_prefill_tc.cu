@@ -112,9 +112,31 @@ __device__ __forceinline__ int tc_find_tile(const int32_t *__restrict__ q_indptr
     return -1;
 }
 
-template <int D>
+/* the output's element type: float, or uint16_t for F16 (the _h16 call) */
+__device__ __forceinline__ void tc_store2(float *dst, float x, float y, bool vec)
+{
+    if (vec) {
+        *reinterpret_cast<float2 *>(dst) = make_float2(x, y);
+    } else {
+        dst[0] = x;
+        dst[1] = y;
+    }
+}
+__device__ __forceinline__ void tc_store2(uint16_t *dst, float x, float y, bool vec)
+{
+    if (vec) {
+        *reinterpret_cast<uint32_t *>(dst) = m40k_f2h(x) | (uint32_t)m40k_f2h(y) << 16;
+    } else {
+        dst[0] = m40k_f2h(x);
+        dst[1] = m40k_f2h(y);
+    }
+}
+__device__ __forceinline__ void tc_store1(float *dst, float x) { *dst = x; }
+__device__ __forceinline__ void tc_store1(uint16_t *dst, float x) { *dst = m40k_f2h(x); }
+
+template <int D, typename OT>
 __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
-    float *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
+    OT *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
     int n_heads, int n_kv_heads, float scale_log2, int window, float softcap_log2, int n_splits,
@@ -329,7 +351,7 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
         }
         return;
     }
-    const bool ovec = (out_stride & 1) == 0 && (reinterpret_cast<uintptr_t>(out) & 7) == 0;
+    const bool ovec = (out_stride & 1) == 0 && (reinterpret_cast<uintptr_t>(out) & (2 * sizeof(OT) - 1)) == 0;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int r = wr0 + g + 8 * half;
@@ -341,17 +363,10 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
         const float inv = sinks ? m40k_sink_norm2(half ? m1 : m0, l, sinks[h] * 1.4426950408889634f)
                           : l > 0.0f ? 1.0f / l
                                      : 0.0f;
-        float *dst = out + (int64_t)tok * out_stride + (int64_t)h * D + 2 * tig;
+        OT *dst = out + (int64_t)tok * out_stride + (int64_t)h * D + 2 * tig;
 #pragma unroll
-        for (int i = 0; i < D / 8; i++) {
-            const float x = o[i][2 * half] * inv, y = o[i][2 * half + 1] * inv;
-            if (ovec) {
-                *reinterpret_cast<float2 *>(dst + 8 * i) = make_float2(x, y);
-            } else {
-                dst[8 * i] = x;
-                dst[8 * i + 1] = y;
-            }
-        }
+        for (int i = 0; i < D / 8; i++)
+            tc_store2(dst + 8 * i, o[i][2 * half] * inv, o[i][2 * half + 1] * inv, ovec);
     }
 #endif
 }
@@ -362,9 +377,9 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
  * One warp a row (blockIdx.z: rows 4z..4z+3 of the tile): lane s holds split s's max and
  * weight (n_splits <= 32), the lanes then stride over the row's D outputs. */
 #define TC_MERGE_ROWS (TC_THREADS / 32)
-template <int D>
+template <int D, typename OT>
 __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_merge_kernel(
-    float *__restrict__ out, int64_t out_stride, const int32_t *__restrict__ q_indptr, int n_seqs, int n_heads,
+    OT *__restrict__ out, int64_t out_stride, const int32_t *__restrict__ q_indptr, int n_seqs, int n_heads,
     int n_kv_heads, int n_splits, const float *__restrict__ ws, const float *__restrict__ sinks)
 {
     const int G = n_heads / n_kv_heads, kvh = blockIdx.y, lane = threadIdx.x & 31;
@@ -391,13 +406,13 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_merge_kernel(
         den += __shfl_xor_sync(0xffffffffu, den, o);
     const int row = row0 + r, tok = q0 + row / G, h = kvh * G + row % G;
     const float inv = sinks ? m40k_sink_norm2(M, den, sinks[h] * 1.4426950408889634f) : den > 0.0f ? 1.0f / den : 0.0f;
-    float *dst = out + (int64_t)tok * out_stride + (int64_t)h * D;
+    OT *dst = out + (int64_t)tok * out_stride + (int64_t)h * D;
 #pragma unroll
     for (int d0 = 0; d0 < D; d0 += 32) {
         float num = 0.0f;
         for (int sp = 0; sp < n_splits; sp++)
             num = fmaf(__shfl_sync(0xffffffffu, w, sp), x[sp * split_stride + d0 + lane], num);
-        dst[d0 + lane] = num * inv;
+        tc_store1(dst + d0 + lane, num * inv);
     }
 }
 
@@ -416,10 +431,12 @@ template <int D> static int tc_check(int dev, int slot)
     bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 8 &&
               cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
               (size_t)optin >= tc_cfg<D>::smem &&
-              cudaFuncGetAttributes(&fa, attn_prefill_tc_kernel<D>) == cudaSuccess && fa.binaryVersion >= 80 &&
+              cudaFuncGetAttributes(&fa, attn_prefill_tc_kernel<D, float>) == cudaSuccess && fa.binaryVersion >= 80 &&
               fa.ptxVersion >= 80;
     if (ok && tc_cfg<D>::smem > 48 * 1024)
-        ok = cudaFuncSetAttribute(attn_prefill_tc_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        ok = cudaFuncSetAttribute(attn_prefill_tc_kernel<D, float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)tc_cfg<D>::smem) == cudaSuccess &&
+             cudaFuncSetAttribute(attn_prefill_tc_kernel<D, uint16_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)tc_cfg<D>::smem) == cudaSuccess;
     if (!ok)
         (void)cudaGetLastError(); /* a refusal here is an answer, not a pending error */
@@ -446,8 +463,8 @@ extern "C" int m40k_attn_prefill_tc_supported(int head_dim)
  * (blocks past the last tile return at once). */
 static long tc_tiles(int n_rows, int n_seqs, int G) { return ((long)n_rows * G + TC_BM - 1) / TC_BM + n_seqs; }
 
-template <int D>
-static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
+template <int D, typename OT>
+static int tc_launch(OT *out, int64_t os, const float *q, int64_t qs, const int32_t *q_indptr, int n_seqs,
                      int n_rows, const uint16_t *kc, const uint16_t *vc, const int32_t *indptr, const int32_t *indices,
                      const int32_t *lpl, int n_heads, int n_kv_heads, float scale, int window, float softcap,
                      int n_splits, float *ws, const float *sinks, cudaStream_t st)
@@ -457,12 +474,12 @@ static int tc_launch(float *out, int64_t os, const float *q, int64_t qs, const i
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
     const float scale_log2 = scale * 1.4426950408889634f, softcap_log2 = softcap * 1.4426950408889634f;
-    attn_prefill_tc_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, (unsigned)n_splits), TC_THREADS,
+    attn_prefill_tc_kernel<D, OT><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, (unsigned)n_splits), TC_THREADS,
                                 tc_cfg<D>::smem, st>>>(out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl,
                                                        n_heads, n_kv_heads, scale_log2, window, softcap_log2, n_splits,
                                                        ws, n_splits > 1 ? nullptr : sinks);
     if (n_splits > 1)
-        attn_prefill_tc_merge_kernel<D><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, TC_BM / TC_MERGE_ROWS),
+        attn_prefill_tc_merge_kernel<D, OT><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, TC_BM / TC_MERGE_ROWS),
                                           TC_THREADS, 0, st>>>(
             out, os, q_indptr, n_seqs, n_heads, n_kv_heads, n_splits, ws, sinks);
     return m40k_launch_status();
@@ -510,7 +527,8 @@ extern "C" int m40k_attn_prefill_tc_split(float *out, int64_t out_stride, const 
                                             window, softcap, n_splits, ws, nullptr, stream);
 }
 
-extern "C" int m40k_attn_prefill_tc_split_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+template <typename OT>
+static int tc_split_sinks(OT *out, int64_t out_stride, const float *q, int64_t q_stride,
                                                 const int32_t *q_indptr, int n_seqs, int n_rows,
                                                 const uint16_t *k_cache, const uint16_t *v_cache,
                                                 const int32_t *indptr, const int32_t *indices,
@@ -529,10 +547,36 @@ extern "C" int m40k_attn_prefill_tc_split_sinks(float *out, int64_t out_stride, 
     if (!m40k_attn_prefill_tc_supported(head_dim))
         return (int)cudaErrorNoKernelImageForDevice;
     switch (head_dim) {
-    case 64: return tc_launch<64>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
-    case 128: return tc_launch<128>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
-    default: return tc_launch<256>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
+    case 64: return tc_launch<64, OT>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
+    case 128: return tc_launch<128, OT>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
+    default: return tc_launch<256, OT>(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices, last_page_len, n_heads, n_kv_heads, scale, window, softcap, n_splits, ws, sinks, stream);
     }
+}
+
+extern "C" int m40k_attn_prefill_tc_split_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                                const int32_t *q_indptr, int n_seqs, int n_rows,
+                                                const uint16_t *k_cache, const uint16_t *v_cache,
+                                                const int32_t *indptr, const int32_t *indices,
+                                                const int32_t *last_page_len, int n_heads, int n_kv_heads,
+                                                int head_dim, float scale, int window, float softcap, int n_splits,
+                                                float *ws, const float *sinks, m40k_stream stream)
+{
+    return tc_split_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices,
+                          last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap, n_splits, ws, sinks,
+                          stream);
+}
+
+extern "C" int m40k_attn_prefill_tc_split_sinks_h16(uint16_t *out, int64_t out_stride, const float *q,
+                                                    int64_t q_stride, const int32_t *q_indptr, int n_seqs, int n_rows,
+                                                    const uint16_t *k_cache, const uint16_t *v_cache,
+                                                    const int32_t *indptr, const int32_t *indices,
+                                                    const int32_t *last_page_len, int n_heads, int n_kv_heads,
+                                                    int head_dim, float scale, int window, float softcap,
+                                                    int n_splits, float *ws, const float *sinks, m40k_stream stream)
+{
+    return tc_split_sinks(out, out_stride, q, q_stride, q_indptr, n_seqs, n_rows, k_cache, v_cache, indptr, indices,
+                          last_page_len, n_heads, n_kv_heads, head_dim, scale, window, softcap, n_splits, ws, sinks,
+                          stream);
 }
 
 extern "C" int m40k_attn_prefill_tc_window(float *out, int64_t out_stride, const float *q, int64_t q_stride,

@@ -345,6 +345,15 @@ int m40k_attn_prefill_auto_split_sinks(float *out, int64_t out_stride, const flo
                                        const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
                                        float scale, int window, float softcap, int n_splits, float *ws,
                                        const float *sinks, m40k_stream stream);
+/* 7f. 7e's tensor-core call writing F16 (out rows at out_stride elements): the input of
+ * an output projection that reads an F16 copy of x (prompt chunks), without a conversion
+ * between them. Same values as 7e's, rounded to F16. */
+int m40k_attn_prefill_tc_split_sinks_h16(uint16_t *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                         const int32_t *q_indptr, int n_seqs, int n_rows, const uint16_t *k_cache,
+                                         const uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
+                                         const int32_t *last_page_len, int n_heads, int n_kv_heads, int head_dim,
+                                         float scale, int window, float softcap, int n_splits, float *ws,
+                                         const float *sinks, m40k_stream stream);
 
 /* 8. GEMV for decode batches: y[b*y_stride + n] = sum_k W[n][k] * x[b*x_stride + k],
  * n < N, b < batch (1..8). W rows are K elements of w_type (F16, BF16, Q8_0, Q4_0, Q4_1,

@@ -653,9 +653,10 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         /* one greedy row: the pick folded into the head's int8 GEMV (kernels.h 9c);
          * M40_FUSE_PICK=0: the sampling kernel */
         g->fuse_pick = t->fuse_pick;
-        /* the gate/up products of prompt chunks (cuBLAS) written in F16 at 1/16 for the
-         * GLU: half the bytes written and read back; M40_GLU_H16=0: F32 */
-        g->glu_h16 = t->glu_h16;
+        /* prompt chunks: the cuBLAS gate/up product written in F16 at 1/16 for the GLU,
+         * the attention's output in F16 for the output projection (half the bytes
+         * written and read back, no conversion); M40_PREFILL_F16=0: F32 */
+        g->prefill_f16 = t->prefill_f16;
     }
     {
         /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); M40_G8=0: as in the file */

@@ -374,7 +374,7 @@ typedef struct {
     float eps;
 } gnorm_in;
 
-/* The gate/up product of a prompt chunk written in F16 (m40_gpu.glu_h16) is scaled by
+/* The gate/up product of a prompt chunk written in F16 (m40_gpu.prefill_f16) is scaled by
  * this, and the GLU (m40k_glu_h16) scales it back: a power of two, exact, which lifts
  * F16's range from 65,504 to 1,048,064 (pre-activations past it would be infinities). */
 #define GLU_H16_SCALE 16.0f
@@ -480,12 +480,12 @@ static int tiled_takes(const m40_gpu *g, const gmat *w, int32_t n)
 
 /* Whether the gate/up product pr of n rows is written in F16 for the GLU (m40k_glu_h16):
  * every part on the tiled path (prompt chunks), no bias, the down projection reading the
- * GLU's F16 copy only (x16_dn past 8 rows), and not turned off (M40_GLU_H16=0). Its F32
+ * GLU's F16 copy only (x16_dn past 8 rows), and not turned off (M40_PREFILL_F16=0). Its F32
  * output is 2 x 14336 floats a row for Mistral: 58 MB a layer written by cuBLAS and
  * read by the GLU at 512 rows. */
 static int glu_h16_ok(const m40_gpu *g, const gproj *pr, int32_t n, int x16_dn)
 {
-    if (!g->glu_h16 || pr->bias || pr->n_parts == 0 || !x16_only(x16_dn, n))
+    if (!g->prefill_f16 || pr->bias || pr->n_parts == 0 || !x16_only(x16_dn, n))
         return 0;
     for (int i = 0; i < pr->n_parts; i++)
         if (!tiled_takes(g, &pr->part[i], n))
@@ -765,7 +765,17 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                    v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
                                    d_lpl + r0, p->n_kv_heads, hd, d_pos + r0, p->rope_dim, base, ff, p->rope_neox,
                                    g->stream));
-        if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
+        /* A step of prompt rows only whose output projection reads an F16 copy of x: the
+         * tensor-core attention writes that copy itself (kernels.h 7f; no F32 output and
+         * no conversion; M40_PREFILL_F16=0: not) */
+        const int att16 = tuned && n_dec == 0 && g->prefill_f16 && x16_only(wants_x16(g, &L->wo, n), n) &&
+                          m40k_attn_prefill_tc_supported(hd);
+        if (att16)
+            CK(m40k_attn_prefill_tc_split_sinks_h16(g->x16, g->q_dim, q, qkvd, d_qi, n_grp, n, kc, vc, d_ip, d_idx,
+                                                    d_lpl, p->n_heads, p->n_kv_heads, hd, scale, win, cap,
+                                                    win ? sp->psplits_local : sp->psplits, g->ws, L->sinks,
+                                                    g->stream));
+        else if (tuned && n_dec < n_grp) /* q_indptr and indptr hold absolute offsets: the tail slices work */
             CK(m40k_attn_prefill_auto_split_sinks(g->att, g->q_dim, q, qkvd, d_qi + n_dec, n_grp - n_dec, n - n_dec, kc,
                                                   vc, d_ip + n_dec, d_idx, d_lpl + n_dec, p->n_heads, p->n_kv_heads, hd,
                                                   scale, win, cap, win ? sp->psplits_local : sp->psplits, g->ws,
@@ -781,7 +791,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                 CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
             CK(gemv_add_norm(g, &L->wo, &xc, &xo, L->ffn_norm));
         } else {
-            if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, 0, NULL, err, errlen))
+            if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, att16, NULL, err, errlen))
                 return -1;
             if (g->tp_n > 1) /* each rank holds its heads' part of the sum */
                 CK(m40_gpu_tp_all_reduce(g, g->xd, (size_t)n * (size_t)dim));

@@ -144,8 +144,8 @@ struct m40_gpu {
      * its sums of squares per 32 elements */
     int fuse_norm;
     int fuse_pick;       /* greedy picks of one row folded into the head's int8 GEMV (kernels.h 9c; M40_FUSE_PICK) */
-    int glu_h16;         /* prompt chunks' cuBLAS gate/up products written in F16 for the GLU
-                          * (kernels.h 4d; M40_GLU_H16) */
+    int prefill_f16;     /* prompt chunks: the cuBLAS gate/up product and the attention write
+                          * F16 where the next kernel reads F16 (kernels.h 4d, 7f; M40_PREFILL_F16) */
     void *xq2;
     float *nss;
     float *ws;

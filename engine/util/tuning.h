@@ -26,8 +26,8 @@ typedef struct {
     int g8;               /* M40_G8=0: Q8_0 and Q6_K keep the file's layout on the GPU */
     int fuse_norm;        /* M40_FUSE_NORM=0: batch-1 decode keeps its add+RMSNorm kernels */
     int fuse_pick;        /* M40_FUSE_PICK=0: a greedy row's pick by the sampling kernel */
-    int glu_h16;          /* M40_GLU_H16=0: the gate/up products of prompt chunks (cuBLAS) keep an
-                           * F32 output for the GLU instead of F16 */
+    int prefill_f16;      /* M40_PREFILL_F16=0: prompt chunks keep F32 outputs of the gate/up
+                           * product (cuBLAS) and of the attention where the next kernel reads F16 */
     int gemm_q;           /* M40_GEMM_Q=0: quantized products of more than 8 rows dequantize
                            * to F16 and go through cuBLAS */
     int32_t gemm_q_rows;  /* M40_GEMM_Q_ROWS=N: only products of up to N rows take the

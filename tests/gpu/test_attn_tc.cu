@@ -210,6 +210,27 @@ static void run_case(const Case &c, bool tc_ok)
         check(e_tc <= tol && e_ts <= tol && pad_tc, w2, detail);
         snprintf(w2, sizeof w2, "auto == tc %s", what);
         check(memcmp(autov.data(), tc.data(), on * sizeof(float)) == 0, w2, "");
+        /* 7f: the F16 output is the F32 one rounded, bit for bit, one block and split
+         * (the merge kernel writes it there) */
+        auto same_h16 = [&](const std::vector<float> &f, int S, float *dws) {
+            uint16_t *dh = nullptr;
+            CK(cudaMalloc(&dh, on * sizeof(uint16_t)));
+            CK(cudaMemset(dh, 0, on * sizeof(uint16_t)));
+            CK(m40k_attn_prefill_tc_split_sinks_h16(dh, os, dq, qs, dqi, b.n_seqs, rows, dkc, dvc, dip, dix, dlp, nh,
+                                                    c.nkv, hd, scale, c.window, c.softcap, S, dws, nullptr, 0));
+            std::vector<uint16_t> h = back(dh, on);
+            size_t diff = 0;
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < width; i++)
+                    diff += h[(size_t)r * os + i] != m40_fp32_to_fp16(f[(size_t)r * os + i]);
+            char w3[200];
+            snprintf(w3, sizeof w3, "tc_h16 (%d splits) == F16 of tc %s", S, what);
+            char d3[64];
+            snprintf(d3, sizeof d3, "%zu outputs differ", diff);
+            check(diff == 0, w3, d3);
+            cudaFree(dh);
+        };
+        same_h16(tc, 1, nullptr);
         for (int S : c.splits) {
             const size_t wsf = m40k_attn_prefill_split_ws_floats(rows, b.n_seqs, nh, c.nkv, hd, S);
             float *dws = nullptr;
@@ -224,6 +245,7 @@ static void run_case(const Case &c, bool tc_ok)
             snprintf(detail, sizeof detail, "max err %.2e vs cpu, %.2e vs one block, tol %.2e", e_s, e_st, tol);
             snprintf(w2, sizeof w2, "tc %d key splits %s", S, what);
             check(e_s <= tol && e_st <= 1e-3 * oscale && pad_s, w2, detail);
+            same_h16(sv, S, dws);
             cudaFree(dws);
         }
         if (!c.splits.empty()) { /* the auto call with splits takes the same path */
