@@ -5,8 +5,10 @@
  *
  * A block (4 warps) owns BM = 64 query rows of one sequence and one KV head; a row is
  * (token, head of the group) as in the SIMT kernel, so the G query heads sharing a KV
- * head share every K/V tile. Each warp owns 16 rows. Per KV tile of BN tokens (64, or
- * 32 for head_dim 256):
+ * head share every K/V tile. Each warp owns 16 rows. For head_dim 64 and 128 the block
+ * has 8 warps in two key halves (tc_kh2): warps w and w + 4 own the same rows and walk
+ * alternate key tiles with K/V buffers and barriers of their own, and their softmax
+ * states merge at the end. Per KV tile of BN tokens (64, or 32 for head_dim 256):
  *   - K and V rows are gathered page by page (block table) into shared memory with
  *     cp.async, F16 as stored; V(j) is fetched while S = Q K(j)^T is computed and
  *     K(j+1) while P V(j) is, so one buffer of each suffices (smem 27/51/66 KB);
@@ -48,7 +50,32 @@
 template <int D> struct tc_cfg {
     enum { BN = D == 256 ? 32 : 64, LDS = D + 8 /* F16 row stride in smem: +16 bytes against ldmatrix bank conflicts */ };
     static constexpr size_t smem = sizeof(uint16_t) * (size_t)(TC_BM + 2 * BN) * LDS;
+    /* with the block's keys in two halves (KH 2): a K and V buffer each */
+    static constexpr size_t smem2 = sizeof(uint16_t) * (size_t)(TC_BM + 4 * BN) * LDS;
 };
+/* Key halves: KH 2 runs 8 warps a block, warps w and w + 4 own the same 16 rows and take
+ * alternate key tiles, their partial softmax states merged through shared memory at the
+ * end (half 1's K/V buffers: exactly its accumulators' size for head_dim 64 and 128,
+ * which alone take it). A prompt chunk's causal critical path is its last row tile's
+ * walk over every key; two halves walk it in half the steps. */
+template <int D> struct tc_kh2 {
+    enum { OK = D <= 128 };
+    static_assert(!OK || 2 * tc_cfg<D>::BN * tc_cfg<D>::LDS * 2 == (D / 2 + 4) * 128 * 4,
+                  "half 1's K/V buffers hold its accumulators exactly");
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+/* the barrier of one key half's 4 warps (KH 2), or of the block (KH 1) */
+template <int KH> __device__ __forceinline__ void tc_bar(int kh)
+{
+    if constexpr (KH == 1)
+        __syncthreads();
+    else if (kh) /* immediate ids: a register id makes ptxas reserve all 16 barriers */
+        asm volatile("bar.sync 2, 128;\n" ::: "memory");
+    else
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+}
+#endif
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ uint32_t tc_smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -134,8 +161,8 @@ __device__ __forceinline__ void tc_store2(uint16_t *dst, float x, float y, bool 
 __device__ __forceinline__ void tc_store1(float *dst, float x) { *dst = x; }
 __device__ __forceinline__ void tc_store1(uint16_t *dst, float x) { *dst = m40k_f2h(x); }
 
-template <int D, typename OT>
-__global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
+template <int D, typename OT, int KH>
+__global__ __launch_bounds__(TC_THREADS *KH, KH == 2 ? 2 : 1) void attn_prefill_tc_kernel(
     OT *__restrict__ out, int64_t out_stride, const float *__restrict__ q, int64_t q_stride,
     const int32_t *__restrict__ q_indptr, int n_seqs, const uint16_t *__restrict__ kc, const uint16_t *__restrict__ vc,
     const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices, const int32_t *__restrict__ last_page_len,
@@ -145,12 +172,13 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int BN = tc_cfg<D>::BN, LDS = tc_cfg<D>::LDS;
     extern __shared__ __align__(16) uint16_t tc_smem[];
-    uint16_t *Qs = tc_smem;          /* [BM][LDS] */
-    uint16_t *Ks = Qs + TC_BM * LDS; /* [BN][LDS] */
-    uint16_t *Vs = Ks + BN * LDS;    /* [BN][LDS] */
-
     const int G = n_heads / n_kv_heads, kvh = blockIdx.y, tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+    /* warp: this warp's 16 rows (0..3); kh: its key half; htid: its thread in the half */
+    const int lane = tid & 31, warp = (tid >> 5) & 3, kh = KH == 2 ? tid >> 7 : 0, htid = tid & 127;
+    const int g = lane >> 2, tig = lane & 3;
+    uint16_t *Qs = tc_smem;                               /* [BM][LDS] */
+    uint16_t *Ks = Qs + TC_BM * LDS + kh * 2 * BN * LDS; /* [BN][LDS], the half's */
+    uint16_t *Vs = Ks + BN * LDS;                         /* [BN][LDS] */
 
     int tile;
     const int s = tc_find_tile(q_indptr, n_seqs, G, &tile);
@@ -176,7 +204,7 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
     /* Q tile: F32 -> * scale*log2(e) -> F16; rows past nrows are zeros (never written out) */
     {
         const bool vec = (q_stride & 3) == 0 && (reinterpret_cast<uintptr_t>(q) & 15) == 0;
-        for (int i = tid; i < TC_BM * D / 4; i += TC_THREADS) {
+        for (int i = tid; i < TC_BM * D / 4; i += TC_THREADS * KH) {
             const int r = i / (D / 4), c = 4 * (i % (D / 4));
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (r < nrows) {
@@ -190,12 +218,14 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
             h.y = tc_pack_h2(v.z * scale_log2, v.w * scale_log2);
             *reinterpret_cast<uint2 *>(Qs + r * LDS + c) = h;
         }
+        if constexpr (KH == 2)
+            __syncthreads(); /* the Q tile, written by both halves (each half's barriers are its own) */
     }
 
     /* K or V rows kv0 .. kv0+BN of this KV head into dst, zeros past kv_end */
     auto load_tile = [&](uint16_t *dst, const uint16_t *__restrict__ cache, int kv0) {
         constexpr int CH = D / 8; /* 16-byte chunks per token */
-        for (int i = tid; i < BN * CH; i += TC_THREADS) {
+        for (int i = htid; i < BN * CH; i += TC_THREADS) {
             const int n = i / CH, c = i % CH, t = kv0 + n;
             const uint16_t *src = cache;
             int bytes = 0;
@@ -219,14 +249,15 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
         o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f; /* l: this lane's partial row sums */
 
-    if (my_begin < my_end)
-        load_tile(Ks, kc, my_begin);
+    /* key half kh takes tiles my_begin + (KH j + kh) BN */
+    if (my_begin + kh * BN < my_end)
+        load_tile(Ks, kc, my_begin + kh * BN);
     tc_cp_async_commit();
-    for (int kv0 = my_begin; kv0 < my_end; kv0 += BN) {
+    for (int kv0 = my_begin + kh * BN; kv0 < my_end; kv0 += KH * BN) {
         load_tile(Vs, vc, kv0);
         tc_cp_async_commit();
         tc_cp_async_wait<1>(); /* this thread's K(j) */
-        __syncthreads();       /* everyone's K(j) (and the Q tile) */
+        tc_bar<KH>(kh);        /* everyone's K(j) (and the Q tile) */
 
         /* does any (real) row of this warp see a token of the tile? */
         const bool active = wr0 < nrows && kv0 <= wlast && (window <= 0 || kv0 + BN - 1 > wfirst - window);
@@ -301,12 +332,12 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
                 o[i][2] *= al1, o[i][3] *= al1;
             }
         }
-        __syncthreads(); /* K(j) consumed by every warp */
-        if (kv0 + BN < my_end)
-            load_tile(Ks, kc, kv0 + BN);
+        tc_bar<KH>(kh); /* K(j) consumed by every warp */
+        if (kv0 + KH * BN < my_end)
+            load_tile(Ks, kc, kv0 + KH * BN);
         tc_cp_async_commit(); /* possibly empty: keeps the group count uniform */
         tc_cp_async_wait<1>(); /* this thread's V(j) */
-        __syncthreads();
+        tc_bar<KH>(kh);
         if (active) {
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
@@ -325,9 +356,44 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_kernel(
                 }
             }
         }
-        __syncthreads(); /* V(j) consumed before V(j+1) is loaded over it */
+        tc_bar<KH>(kh); /* V(j) consumed before V(j+1) is loaded over it */
     }
     tc_cp_async_wait<0>();
+    if constexpr (KH == 2) {
+        /* half 1's state into its K/V buffers (free: its loop is over, and half 0 never
+         * reads them), value i of thread htid at xch[i*128 + htid]; half 0 merges it */
+        __syncthreads();
+        float *xch = reinterpret_cast<float *>(Qs + TC_BM * LDS + 2 * BN * LDS);
+        if (kh == 1) {
+#pragma unroll
+            for (int i = 0; i < D / 8; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    xch[(4 * i + e) * 128 + htid] = o[i][e];
+            xch[(D / 2) * 128 + htid] = m0;
+            xch[(D / 2 + 1) * 128 + htid] = m1;
+            xch[(D / 2 + 2) * 128 + htid] = l0;
+            xch[(D / 2 + 3) * 128 + htid] = l1;
+        }
+        __syncthreads();
+        if (kh == 1)
+            return;
+        const float pm0 = xch[(D / 2) * 128 + htid], pm1 = xch[(D / 2 + 1) * 128 + htid];
+        const float M0 = fmaxf(m0, pm0), M1 = fmaxf(m1, pm1);
+        /* a state that saw no key (m -inf) weighs nothing; both -inf: l stays 0 */
+        const float a0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - M0), b0 = pm0 == -INFINITY ? 0.0f : exp2f(pm0 - M0);
+        const float a1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - M1), b1 = pm1 == -INFINITY ? 0.0f : exp2f(pm1 - M1);
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) {
+            o[i][0] = o[i][0] * a0 + xch[(4 * i) * 128 + htid] * b0;
+            o[i][1] = o[i][1] * a0 + xch[(4 * i + 1) * 128 + htid] * b0;
+            o[i][2] = o[i][2] * a1 + xch[(4 * i + 2) * 128 + htid] * b1;
+            o[i][3] = o[i][3] * a1 + xch[(4 * i + 3) * 128 + htid] * b1;
+        }
+        l0 = l0 * a0 + xch[(D / 2 + 2) * 128 + htid] * b0;
+        l1 = l1 * a1 + xch[(D / 2 + 3) * 128 + htid] * b1;
+        m0 = M0, m1 = M1;
+    }
 
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -420,6 +486,12 @@ __global__ __launch_bounds__(TC_THREADS) void attn_prefill_tc_merge_kernel(
  * compute the same answer. */
 #define TC_MAX_DEVICES 64
 static std::atomic<int> tc_state[TC_MAX_DEVICES][3];
+static std::atomic<int> tc_kh_force{0}; /* m40k_attn_prefill_tc_tune: 0 the default, 1 or 2 key halves */
+
+extern "C" void m40k_attn_prefill_tc_tune(int key_halves)
+{
+    tc_kh_force.store(key_halves == 1 || key_halves == 2 ? key_halves : 0, std::memory_order_relaxed);
+}
 
 template <int D> static int tc_check(int dev, int slot)
 {
@@ -431,13 +503,21 @@ template <int D> static int tc_check(int dev, int slot)
     bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 8 &&
               cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
               (size_t)optin >= tc_cfg<D>::smem &&
-              cudaFuncGetAttributes(&fa, attn_prefill_tc_kernel<D, float>) == cudaSuccess && fa.binaryVersion >= 80 &&
-              fa.ptxVersion >= 80;
+              cudaFuncGetAttributes(&fa, attn_prefill_tc_kernel<D, float, 1>) == cudaSuccess &&
+              fa.binaryVersion >= 80 && fa.ptxVersion >= 80;
     if (ok && tc_cfg<D>::smem > 48 * 1024)
-        ok = cudaFuncSetAttribute(attn_prefill_tc_kernel<D, float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        ok = cudaFuncSetAttribute(attn_prefill_tc_kernel<D, float, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)tc_cfg<D>::smem) == cudaSuccess &&
-             cudaFuncSetAttribute(attn_prefill_tc_kernel<D, uint16_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+             cudaFuncSetAttribute(attn_prefill_tc_kernel<D, uint16_t, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)tc_cfg<D>::smem) == cudaSuccess;
+    if constexpr (tc_kh2<D>::OK) /* the key-halves instances */
+        if (ok)
+            ok = (size_t)optin >= tc_cfg<D>::smem2 &&
+                 cudaFuncSetAttribute(attn_prefill_tc_kernel<D, float, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)tc_cfg<D>::smem2) == cudaSuccess &&
+                 cudaFuncSetAttribute(attn_prefill_tc_kernel<D, uint16_t, 2>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)tc_cfg<D>::smem2) == cudaSuccess;
     if (!ok)
         (void)cudaGetLastError(); /* a refusal here is an answer, not a pending error */
     tc_state[dev][slot].store(ok ? 1 : -1, std::memory_order_relaxed);
@@ -474,10 +554,22 @@ static int tc_launch(OT *out, int64_t os, const float *q, int64_t qs, const int3
     if (tiles > 0x7fffffffL || n_kv_heads > 65535)
         return M40K_INVALID;
     const float scale_log2 = scale * 1.4426950408889634f, softcap_log2 = softcap * 1.4426950408889634f;
-    attn_prefill_tc_kernel<D, OT><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, (unsigned)n_splits), TC_THREADS,
-                                tc_cfg<D>::smem, st>>>(out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl,
-                                                       n_heads, n_kv_heads, scale_log2, window, softcap_log2, n_splits,
-                                                       ws, n_splits > 1 ? nullptr : sinks);
+    /* two key halves wherever the head dim allows: faster at every shape measured, 13-25%
+     * (BENCHMARKS.md, twenty-fourth session) */
+    const bool kh2 = tc_kh2<D>::OK && tc_kh_force.load(std::memory_order_relaxed) != 1;
+    const dim3 grid((unsigned)tiles, (unsigned)n_kv_heads, (unsigned)n_splits);
+    bool launched = false;
+    if constexpr (tc_kh2<D>::OK)
+        if (kh2) {
+            attn_prefill_tc_kernel<D, OT, 2><<<grid, 2 * TC_THREADS, tc_cfg<D>::smem2, st>>>(
+                out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale_log2, window,
+                softcap_log2, n_splits, ws, n_splits > 1 ? nullptr : sinks);
+            launched = true;
+        }
+    if (!launched)
+        attn_prefill_tc_kernel<D, OT, 1><<<grid, TC_THREADS, tc_cfg<D>::smem, st>>>(
+            out, os, q, qs, q_indptr, n_seqs, kc, vc, indptr, indices, lpl, n_heads, n_kv_heads, scale_log2, window,
+            softcap_log2, n_splits, ws, n_splits > 1 ? nullptr : sinks);
     if (n_splits > 1)
         attn_prefill_tc_merge_kernel<D, OT><<<dim3((unsigned)tiles, (unsigned)n_kv_heads, TC_BM / TC_MERGE_ROWS),
                                           TC_THREADS, 0, st>>>(

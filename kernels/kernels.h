@@ -281,6 +281,9 @@ int m40k_attn_prefill_window(float *out, int64_t out_stride, const float *q, int
  * cudaErrorNoKernelImageForDevice (209). The _auto calls take the tensor-core path where
  * it is supported and the SIMT kernel otherwise: the ones to call from model code. */
 int m40k_attn_prefill_tc_supported(int head_dim);
+/* For measurement: 1 or 2 key halves a block (attn_prefill_tc.cu) for every launch of
+ * 7c-7f; 0, the default: 2 where head_dim <= 128, else 1. */
+void m40k_attn_prefill_tc_tune(int key_halves);
 int m40k_attn_prefill_tc(float *out, int64_t out_stride, const float *q, int64_t q_stride, const int32_t *q_indptr,
                          int n_seqs, int n_rows, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_heads,

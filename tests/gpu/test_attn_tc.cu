@@ -426,6 +426,13 @@ static void bench(bool tc_ok)
             };
             us[which] = time_us(run, 20);
         }
+        double us_kh[2] = {0, 0}; /* one key half a block, two */
+        if (tc_ok)
+            for (int kh = 1; kh <= 2; kh++) {
+                m40k_attn_prefill_tc_tune(kh);
+                us_kh[kh - 1] = time_us([&] { CK(m40k_attn_prefill_tc(dout, os, dq, qs, dqi, b.n_seqs, b.n_rows, dkc, dvc, dip, dix, dlp, nh, nkv, hd, scale, 0)); }, 20);
+                m40k_attn_prefill_tc_tune(0);
+            }
         double us_split = 0;
         int S = 1;
         if (tc_ok) {
@@ -441,6 +448,8 @@ static void bench(bool tc_ok)
         if (us_split > 0)
             printf("bench attn_prefill %-28s %d key splits: %8.1f us %6.1f TFLOP/s (one block a tile: %.1f us)\n",
                    sh.name, S, us_split, flops / (us_split * 1e6), us[0]);
+        if (tc_ok)
+            printf("bench attn_prefill %-28s key halves 1 / 2: %8.1f / %8.1f us\n", sh.name, us_kh[0], us_kh[1]);
         const double t_tc = us[0] > 0 ? flops / (us[0] * 1e6) : 0, t_simt = flops / (us[1] * 1e6);
         printf("bench attn_prefill %-28s %6.2f GFLOP: tc %8.1f us %6.1f TFLOP/s | simt %8.1f us %6.1f TFLOP/s | "
                "tc/simt %.1fx\n",
@@ -476,7 +485,14 @@ int main(int argc, char **argv)
             n_fail++;
         }
     }
-    test_prefill_tc(tc_ok);
+    /* the default, then each block shape on every case (two key halves: head_dim 64 and
+     * 128; 256 keeps one) */
+    for (int kh : {0, 1, 2}) {
+        m40k_attn_prefill_tc_tune(kh);
+        printf("key halves: %s\n", kh ? (kh == 1 ? "1" : "2") : "default");
+        test_prefill_tc(tc_ok);
+    }
+    m40k_attn_prefill_tc_tune(0);
     if (want_bench)
         bench(tc_ok);
     printf("%d passed, %d failed, %d skipped\n", n_pass, n_fail, n_skip);
