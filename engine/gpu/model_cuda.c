@@ -657,6 +657,10 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
          * the attention's output in F16 for the output projection (half the bytes
          * written and read back, no conversion); M40_PREFILL_F16=0: F32 */
         g->prefill_f16 = t->prefill_f16;
+        /* the tiled (cuBLAS) products of the residual stream add into it themselves (beta
+         * 1), the RMSNorm after them reads one stream; M40_FUSE_RESIDUAL=0: xd and the
+         * add + RMSNorm */
+        g->fuse_residual = t->fuse_residual;
     }
     {
         /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); M40_G8=0: as in the file */

@@ -380,10 +380,10 @@ typedef struct {
 #define GLU_H16_SCALE 16.0f
 
 /* The tiled path: W dequantized to F16 where it is not (g->deq), then cuBLAS, F16 x F16
- * with F32 sums, into y (F32) or, where y16 is not NULL, into y16 (F16, times
- * 1/GLU_H16_SCALE). */
+ * with F32 sums, into y (F32; added to what y holds where accumulate is set) or, where
+ * y16 is not NULL, into y16 (F16, times 1/GLU_H16_SCALE). */
 static int tiled_gemm(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, uint16_t *y16, int64_t ldy,
-                      int *x16_ready, char *err, size_t errlen)
+                      int accumulate, int *x16_ready, char *err, size_t errlen)
 {
     const float one = 1.0f, zero = 0.0f, inv = 1.0f / GLU_H16_SCALE;
     const int rows = (int)w->rows, cols = (int)w->cols;
@@ -403,7 +403,8 @@ static int tiled_gemm(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
         *x16_ready = 1;
     }
     cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, y16 ? &inv : &one, wf16,
-                                    CUDA_R_16F, cols, g->x16, CUDA_R_16F, cols, &zero, y16 ? (void *)y16 : (void *)y,
+                                    CUDA_R_16F, cols, g->x16, CUDA_R_16F, cols, accumulate ? &one : &zero,
+                                    y16 ? (void *)y16 : (void *)y,
                                     y16 ? CUDA_R_16F : CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS) {
         m40_set_err(err, errlen, "gpu %d: cublasGemmEx failed (%d)", g->device, (int)s);
@@ -460,7 +461,7 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
         CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F32, cols, g->stream));
         return sgemm_rows(g, (const float *)g->deq, rows, cols, x, n, y, ldy, err, errlen);
     }
-    return tiled_gemm(g, w, x, n, y, NULL, ldy, x16_ready, err, errlen);
+    return tiled_gemm(g, w, x, n, y, NULL, ldy, 0, x16_ready, err, errlen);
 }
 
 /* Whether a product of n rows told x16_ready (wants_x16) reads only the F16 copy of x:
@@ -598,11 +599,56 @@ static int matmul_h16(m40_gpu *g, const gproj *pr, const float *x, int32_t n, ui
 {
     int64_t off = 0;
     for (int i = 0; i < pr->n_parts; i++) {
-        if (tiled_gemm(g, &pr->part[i], x, n, NULL, y16 + off, pr->rows, &x16_ready, err, errlen))
+        if (tiled_gemm(g, &pr->part[i], x, n, NULL, y16 + off, pr->rows, 0, &x16_ready, err, errlen))
             return -1;
         off += pr->part[i].rows;
     }
     return 0;
+}
+
+/* Whether product pr of n rows adds its output into the residual itself (cuBLAS with
+ * beta 1 into xc) instead of writing xd for the add + RMSNorm after it: every part on
+ * the tiled path, one GPU (ranks sum their parts first), no norm of the output before
+ * the add (post_norm: Gemma's), the norm after it not quantizing for a GEMV (xq_next),
+ * and not turned off (M40_FUSE_RESIDUAL=0). At 512 rows of Mistral that is 8 MB a
+ * product less written and read (xd), and the norm after it reads one stream. */
+static int res_fuse_ok(const m40_gpu *g, const gproj *pr, int32_t n, const float *post_norm, int xq_next)
+{
+    if (!g->fuse_residual || g->tp_n > 1 || post_norm || xq_next || pr->n_parts == 0)
+        return 0;
+    for (int i = 0; i < pr->n_parts; i++)
+        if (!tiled_takes(g, &pr->part[i], n))
+            return 0;
+    return 1;
+}
+
+/* xc += the product pr of n rows (res_fuse_ok said so), its bias included */
+static int matmul_res(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *xc, int x16_ready, char *err,
+                      size_t errlen)
+{
+    int64_t off = 0;
+    for (int i = 0; i < pr->n_parts; i++) {
+        if (tiled_gemm(g, &pr->part[i], x, n, xc + off, NULL, pr->rows, 1, &x16_ready, err, errlen))
+            return -1;
+        off += pr->part[i].rows;
+    }
+    if (pr->bias)
+        CK(m40k_add_bias(xc, pr->rows, pr->bias, n, (int)pr->rows, g->stream));
+    return 0;
+}
+
+/* The RMSNorm of the residual xc (its add done by the product before: matmul_res) into
+ * the F16 copy g->x16 where the product after reads it (x16), and into out (F32) unless
+ * that product reads the copy only. */
+static int norm_res(m40_gpu *g, const float *xc, const float *w, float *out, int32_t n, int x16)
+{
+    const int64_t dim = g->p.dim;
+    int e = 0;
+    if (x16)
+        e = m40k_rmsnorm(xc, dim, w, g->x16, M40K_TYPE_F16, dim, n, (int)dim, g->p.norm_eps, g->stream);
+    if (!e && !x16_only(x16, n))
+        e = m40k_rmsnorm(xc, dim, w, out, M40K_TYPE_F32, dim, n, (int)dim, g->p.norm_eps, g->stream);
+    return e;
 }
 
 /* The residual add fused with an RMSNorm: *xo = *xc + xd, out = rmsnorm(*xo) * w (and
@@ -720,6 +766,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     /* folded: the last GEMV added its output into the residual and wrote the next
      * product's normalized input (g->xq2, g->nss: nin) itself (kernels.h 8d) */
     int folded = 0;
+    int res_added = 0; /* the last down projection added into xc itself (matmul_res) */
     const gnorm_in nin = {g->xq2, g->nss, p->norm_eps};
     /* Every row wants logits, one row a sequence (decode steps): see the end */
     const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
@@ -734,13 +781,16 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         /* the previous layer's FFN residual is still in xd: added here, fused with this norm
          * (and with the int8 quantization of its output when the GEMV takes that) */
         const int xq_qkv = wants_xq(g, &L->qkv, n), x16_qkv = wants_x16(g, &L->qkv, n);
-        if (l == 0)
-            CK(m40k_rmsnorm(xc, dim, L->attn_norm, g->xb, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps, g->stream));
+        /* l == 0 or the previous down projection added into xc itself (res_added): the
+         * norm alone, into the F16 copy where qkv reads it */
+        if (l == 0 || res_added)
+            CK(norm_res(g, xc, L->attn_norm, g->xb, n, x16_qkv));
         else if (!folded) /* else the previous layer's down projection did it (kernels.h 8d) */
             CK(add_norm(g, &xc, &xo, L->attn_norm, g->xb, n, xq_qkv, x16_qkv));
-        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && xq_qkv, l > 0 && x16_qkv, folded ? &nin : NULL, err,
+        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && !res_added && xq_qkv, x16_qkv, folded ? &nin : NULL, err,
                    errlen))
             return -1;
+        res_added = 0;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
         if (L->q_norm) /* per-head Q/K norms before RoPE, where the layer has them: one launch (k follows q) */
             CK(m40k_rmsnorm_qk(q, qkvd, p->n_heads, p->n_kv_heads, hd, L->q_norm, L->k_norm, n, p->norm_eps,
@@ -790,6 +840,10 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             if (!xq_wo)
                 CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
             CK(gemv_add_norm(g, &L->wo, &xc, &xo, L->ffn_norm));
+        } else if (res_fuse_ok(g, &L->wo, n, L->post_attn_norm, xq_gu)) {
+            if (matmul_res(g, &L->wo, g->att, n, xc, att16, err, errlen))
+                return -1;
+            CK(norm_res(g, xc, L->ffn_norm, g->xb, n, x16_gu));
         } else {
             if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, att16, NULL, err, errlen))
                 return -1;
@@ -838,9 +892,15 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             folded = xq_dn && (last ? out_all && fold_norm_ok(g, &L->down, L->post_ffw_norm, &g->output, 1, n)
                                     : fold_norm_ok(g, &L->down, L->post_ffw_norm, g->layers[l + 1].qkv.part,
                                                    g->layers[l + 1].qkv.n_parts, n));
+            /* not the last layer's: the end of the pass adds and norms as it does */
+            res_added = !folded && !last &&
+                        res_fuse_ok(g, &L->down, n, L->post_ffw_norm, wants_xq(g, &g->layers[l + 1].qkv, n));
             if (folded)
                 CK(gemv_add_norm(g, &L->down, &xc, &xo, last ? g->output_norm : g->layers[l + 1].attn_norm));
-            else if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, NULL, err, errlen))
+            else if (res_added) {
+                if (matmul_res(g, &L->down, g->hb2, n, xc, x16_dn, err, errlen))
+                    return -1;
+            } else if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, NULL, err, errlen))
                 return -1;
         }
         if (g->tp_n > 1) /* each rank holds its FFN units' part of the sum */

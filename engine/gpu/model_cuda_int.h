@@ -144,6 +144,7 @@ struct m40_gpu {
      * its sums of squares per 32 elements */
     int fuse_norm;
     int fuse_pick;       /* greedy picks of one row folded into the head's int8 GEMV (kernels.h 9c; M40_FUSE_PICK) */
+    int fuse_residual;   /* tiled products add into the residual themselves (M40_FUSE_RESIDUAL) */
     int prefill_f16;     /* prompt chunks: the cuBLAS gate/up product and the attention write
                           * F16 where the next kernel reads F16 (kernels.h 4d, 7f; M40_PREFILL_F16) */
     void *xq2;

@@ -35,6 +35,7 @@ void m40_tuning_from_env(m40_tuning *t)
     t->fuse_norm = on_unless_zero("M40_FUSE_NORM");
     t->fuse_pick = on_unless_zero("M40_FUSE_PICK");
     t->prefill_f16 = on_unless_zero("M40_PREFILL_F16");
+    t->fuse_residual = on_unless_zero("M40_FUSE_RESIDUAL");
     t->gemm_q = on_unless_zero("M40_GEMM_Q");
     const char *mr = getenv("M40_GEMM_Q_ROWS");
     t->gemm_q_rows = mr ? atoi(mr) : 128;
@@ -69,10 +70,10 @@ int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)
         snprintf(pick, sizeof pick, "%d", (int)t->pick_threads);
     return snprintf(buf, len,
                     "M40_GEMM=%s M40_PDL=%d M40_CLUSTER=%d M40_SKINNY=%d M40_CUDA_GRAPHS=%d M40_WARMUP=%d "
-                    "M40_G8=%d M40_FUSE_NORM=%d M40_FUSE_PICK=%d M40_PREFILL_F16=%d M40_GEMM_Q=%d M40_GEMM_Q_ROWS=%d "
+                    "M40_G8=%d M40_FUSE_NORM=%d M40_FUSE_PICK=%d M40_PREFILL_F16=%d M40_FUSE_RESIDUAL=%d M40_GEMM_Q=%d M40_GEMM_Q_ROWS=%d "
                     "M40_GEMM_Q_REG=%d M40_GEMV_ROWS=%d M40_MOE_GEMV_ROWS=%d M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d "
                     "M40_PICK_THREADS=%s M40_GPU_SAMPLE=%d M40_GPU_UNVALIDATED=%d",
                     gemm[t->gemm], t->pdl, t->clusters, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
-                    t->fuse_pick, t->prefill_f16, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->gemv_rows,
+                    t->fuse_pick, t->prefill_f16, t->fuse_residual, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->gemv_rows,
                     (int)t->moe_gemv_rows, (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->gpu_unvalidated);
 }

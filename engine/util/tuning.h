@@ -26,6 +26,8 @@ typedef struct {
     int g8;               /* M40_G8=0: Q8_0 and Q6_K keep the file's layout on the GPU */
     int fuse_norm;        /* M40_FUSE_NORM=0: batch-1 decode keeps its add+RMSNorm kernels */
     int fuse_pick;        /* M40_FUSE_PICK=0: a greedy row's pick by the sampling kernel */
+    int fuse_residual;    /* M40_FUSE_RESIDUAL=0: the tiled (cuBLAS) products feeding the residual
+                           * write their output for the add + RMSNorm instead of adding into it */
     int prefill_f16;      /* M40_PREFILL_F16=0: prompt chunks keep F32 outputs of the gate/up
                            * product (cuBLAS) and of the attention where the next kernel reads F16 */
     int gemm_q;           /* M40_GEMM_Q=0: quantized products of more than 8 rows dequantize

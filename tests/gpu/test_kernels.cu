@@ -145,10 +145,14 @@ static void test_embed_g8(void)
 /* ---------------------------------------------------------------- 2. rmsnorm */
 static void test_rmsnorm(void)
 {
-    for (int dim : {7, 64, 4096 + 64 + 1})
-        for (int rows : {1, 3, 17})
+    /* odd strides: the one-element kernel; strides of 4: the four-element one */
+    for (int dim : {7, 64, 4096 + 64 + 1, 512, 4096})
+        for (int rows : {1, 3, 17, 512})
             for (int out_type : {M40K_TYPE_F32, M40K_TYPE_F16}) {
-                const int64_t xs = dim + 5, os = dim + 2;
+                if (rows == 512 && dim != 4096)
+                    continue;
+                const bool v4 = dim == 512 || dim == 4096;
+                const int64_t xs = dim + (v4 ? 4 : 5), os = dim + (v4 ? 8 : 2);
                 std::vector<float> x = rand_vec(rows * xs, -3, 3), w = rand_vec(dim, 0.5f, 1.5f);
                 float *dx = dup(x), *dw = dup(w);
                 void *dout;

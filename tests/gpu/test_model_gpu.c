@@ -856,6 +856,75 @@ out:
     unlink(path_nowin);
 }
 
+/* A llama-shaped model (mkmodel's tiny, F16) with the F16 tiled path forced (M40_GEMM=f16)
+ * through a 150-token prefill: the prompt-chunk paths that only models past 1B parameters
+ * take otherwise (the residual added by cuBLAS itself, the gate/up product and the
+ * attention's output in F16: M40_FUSE_RESIDUAL, M40_PREFILL_F16), against the CPU's F32
+ * logits, and with those paths turned off. */
+static void test_tiny_tiled(void)
+{
+    char path[64], err[512];
+    snprintf(path, sizeof path, "/tmp/m40-gpu-tiny-f16-%d.gguf", (int)getpid());
+    m40_mkmodel_opts o = {.shape = m40_mkmodel_find_shape("tiny"), .seed = 11, .n_threads = 2};
+    if (!o.shape || m40_mkmodel_parse_type("F16", &o.ftype) || m40_mkmodel_write(&o, path, NULL, err, sizeof err)) {
+        CHECK(0, "mkmodel tiny F16: %s", err);
+        return;
+    }
+    m40_model *cpu = NULL, *on = NULL, *off = NULL;
+    m40_model_options oc = {.n_threads = 2, .device = -1}, og = {.n_threads = 2, .device = 0};
+    setenv("M40_GEMM", "f16", 1);
+    int rc = m40_model_load_opts(path, &oc, &cpu, err, sizeof err) || m40_model_load_opts(path, &og, &on, err, sizeof err);
+    setenv("M40_FUSE_RESIDUAL", "0", 1);
+    setenv("M40_PREFILL_F16", "0", 1);
+    rc = rc || m40_model_load_opts(path, &og, &off, err, sizeof err);
+    unsetenv("M40_FUSE_RESIDUAL");
+    unsetenv("M40_PREFILL_F16");
+    unsetenv("M40_GEMM");
+    if (rc) {
+        CHECK(0, "tiny F16 load: %s", err);
+        goto out;
+    }
+    {
+        const int32_t V = m40_model_get_params(cpu)->n_vocab;
+        int32_t toks[G3_SEQ];
+        uint64_t x = 4242;
+        for (int i = 0; i < G3_SEQ; i++) {
+            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+            toks[i] = (int32_t)(3 + (x >> 33) % (uint64_t)(V - 3));
+        }
+        float *lc = malloc((size_t)G3_SEQ * V * sizeof(float)), *ln = malloc((size_t)G3_SEQ * V * sizeof(float)),
+              *lf = malloc((size_t)G3_SEQ * V * sizeof(float)), *ld = malloc((size_t)G3_SEQ * V * sizeof(float));
+        if (lc && ln && lf && ld && g3_logits(cpu, toks, G3_SEQ, G3_SEQ, lc) == 0 &&
+            g3_logits(on, toks, G3_SEQ, G3_SEQ, ln) == 0 && g3_logits(off, toks, G3_SEQ, G3_SEQ, lf) == 0 &&
+            g3_logits(on, toks, G3_SEQ, 50, ld) == 0) {
+            double w_on = 0, w_off = 0, w_dec = 0;
+            for (int i = 0; i < G3_SEQ; i++) {
+                const double a = max_logprob_diff(ln + (size_t)i * V, lc + (size_t)i * V, V);
+                const double b = max_logprob_diff(lf + (size_t)i * V, lc + (size_t)i * V, V);
+                const double c = max_logprob_diff(ld + (size_t)i * V, lc + (size_t)i * V, V);
+                w_on = a > w_on ? a : w_on;
+                w_off = b > w_off ? b : w_off;
+                w_dec = c > w_dec ? c : w_dec;
+            }
+            printf("tiny F16, M40_GEMM=f16, %d tokens: gpu vs cpu max |dlogprob| %.3g (prefill), %.3g (the fused "
+                   "residual and F16 outputs off), %.3g (prefill 50 + decode)\n",
+                   G3_SEQ, w_on, w_off, w_dec);
+            CHECK(w_on <= 5e-2, "tiny F16 tiled prefill differs from the CPU by %g", w_on);
+            CHECK(w_off <= 5e-2, "tiny F16 tiled prefill (paths off) differs from the CPU by %g", w_off);
+            CHECK(w_dec <= 5e-2, "tiny F16 decode differs from the CPU by %g", w_dec);
+        }
+        free(lc);
+        free(ln);
+        free(lf);
+        free(ld);
+    }
+out:
+    m40_model_free(cpu);
+    m40_model_free(on);
+    m40_model_free(off);
+    unlink(path);
+}
+
 /* The real Gemma 3 270M against its NumPy reference (scripts/fetch-gemma3.sh). */
 static void test_gemma3_real(void)
 {
@@ -1303,6 +1372,7 @@ int main(void)
     test_gemma3_synthetic(256, 0, 0.0f, M40_TYPE_F16);
     unsetenv("M40_GEMM");
     test_gemma3_real();
+    test_tiny_tiled();
     test_small_batches_register("Q4_K_M");
     test_small_batches_register("Q8_0");
     const char *shared = check_shared_dir();
