@@ -103,6 +103,18 @@ __device__ __forceinline__ uint32_t mx_h2(float lo, float hi)
     return *reinterpret_cast<const uint32_t *>(&h);
 }
 
+/* a warp's accumulators (tiles x n8 tiles x 4) cleared */
+template <typename V, int A, int B> __device__ __forceinline__ void mx_zero(V (&v)[A][B][4])
+{
+#pragma unroll
+    for (int i = 0; i < A; i++)
+#pragma unroll
+        for (int b = 0; b < B; b++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                v[i][b][e] = 0;
+}
+
 /* Quantizer: one warp per token and chunk of 256; lane l holds elements 8(l % 4) ..
  * 8(l % 4) + 7 of block l / 4. d = max|x| / 127 over the chunk, q = rint(x / d), s =
  * F16(sum of the block's q). */
@@ -201,13 +213,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
     };
 
     float acc[WR][NT][4];
-#pragma unroll
-    for (int i = 0; i < WR; i++)
-#pragma unroll
-        for (int b = 0; b < NT; b++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                acc[i][b][c] = 0.0f;
+    mx_zero(acc);
 
     auto wait_x = [&] {
         xq = m40k_grid_wait_for(xq);
@@ -243,13 +249,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
                     am[i][h] = mx_h2(-dmin * (float)mx_byte(mm, (2 * t4) & 3), -dmin * (float)mx_byte(mm, (2 * t4 + 1) & 3));
                 }
             int ai[WR][NT][4];
-#pragma unroll
-            for (int i = 0; i < WR; i++)
-#pragma unroll
-                for (int b = 0; b < NT; b++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        ai[i][b][e] = 0;
+            mx_zero(ai);
 #pragma unroll 1
             for (int p = 0; p < 4; p++) { /* blocks 2p and 2p + 1 (a loop: unrolled, the
                                              * 64-row instance's loads hoisted past its registers) */
@@ -307,13 +307,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
             /* Q8_0_G8: the 8 blocks' d as F16 in the row's first 16 bytes (read a pair at a
              * time); block 2p at bytes 16 + 64p, block 2p + 1 at 48 + 64p */
             float ef[WR][NT][4];
-#pragma unroll
-            for (int i = 0; i < WR; i++)
-#pragma unroll
-                for (int b = 0; b < NT; b++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        ef[i][b][e] = 0.0f;
+            mx_zero(ef);
 #pragma unroll 1
             for (int p = 0; p < 4; p++) {
                 uint32_t a[WR][2][4];
