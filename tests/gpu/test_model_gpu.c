@@ -922,6 +922,11 @@ out:
     m40_model_free(cpu);
     m40_model_free(on);
     m40_model_free(off);
+    /* batched == alone through the same paths (the batched prefill: 68 interleaved rows) */
+    setenv("M40_GEMM", "f16", 1);
+    printf("tiny F16, M40_GEMM=f16:\n");
+    test_batched(path);
+    unsetenv("M40_GEMM");
     unlink(path);
 }
 
