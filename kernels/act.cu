@@ -47,7 +47,7 @@ __global__ void glu4_kernel(int act, const float *__restrict__ gate, const float
             *reinterpret_cast<float4 *>(out + r * out_stride + 4 * i) = o;
         if (o16)
             *reinterpret_cast<uint2 *>(o16 + (size_t)r * 4 * n4 + 4 * i) =
-                make_uint2(m40k_f2h(o.x) | (uint32_t)m40k_f2h(o.y) << 16, m40k_f2h(o.z) | (uint32_t)m40k_f2h(o.w) << 16);
+                m40k_pack_h4(o);
     }
 }
 
@@ -74,7 +74,7 @@ __global__ void glu_h_kernel(int act, const uint16_t *__restrict__ gate, const u
                 const float o0 = m40k_glu_one(act, scale * m40k_h2f((uint16_t)gw[k]), scale * m40k_h2f((uint16_t)uw[k]));
                 const float o1 = m40k_glu_one(act, scale * m40k_h2f((uint16_t)(gw[k] >> 16)),
                                               scale * m40k_h2f((uint16_t)(uw[k] >> 16)));
-                ow[k] = m40k_f2h(o0) | (uint32_t)m40k_f2h(o1) << 16;
+                ow[k] = m40k_pack_h2(o0, o1);
             }
             *reinterpret_cast<uint2 *>(o16 + (size_t)r * n + 4 * i) = make_uint2(ow[0], ow[1]);
         } else {

@@ -116,11 +116,6 @@ __device__ __forceinline__ void tc_mma(float c[4], const uint32_t a[4], uint32_t
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t tc_pack_h2(float lo, float hi)
-{
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&h);
-}
 #endif
 
 /* (sequence, row tile) of block blockIdx.x, by a scan over q_indptr; the last (most
@@ -152,7 +147,7 @@ __device__ __forceinline__ void tc_store2(float *dst, float x, float y, bool vec
 __device__ __forceinline__ void tc_store2(uint16_t *dst, float x, float y, bool vec)
 {
     if (vec) {
-        *reinterpret_cast<uint32_t *>(dst) = m40k_f2h(x) | (uint32_t)m40k_f2h(y) << 16;
+        *reinterpret_cast<uint32_t *>(dst) = m40k_pack_h2(x, y);
     } else {
         dst[0] = m40k_f2h(x);
         dst[1] = m40k_f2h(y);
@@ -214,8 +209,8 @@ __global__ __launch_bounds__(TC_THREADS *KH, KH == 2 ? 2 : 1) void attn_prefill_
                         : make_float4(__ldg(src), __ldg(src + 1), __ldg(src + 2), __ldg(src + 3));
             }
             uint2 h;
-            h.x = tc_pack_h2(v.x * scale_log2, v.y * scale_log2);
-            h.y = tc_pack_h2(v.z * scale_log2, v.w * scale_log2);
+            h.x = m40k_pack_h2(v.x * scale_log2, v.y * scale_log2);
+            h.y = m40k_pack_h2(v.z * scale_log2, v.w * scale_log2);
             *reinterpret_cast<uint2 *>(Qs + r * LDS + c) = h;
         }
         if constexpr (KH == 2)
@@ -342,10 +337,10 @@ __global__ __launch_bounds__(TC_THREADS *KH, KH == 2 ? 2 : 1) void attn_prefill_
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
                 /* the S accumulators of n-tiles 2kk, 2kk+1 are the A fragment of P[:, 16kk..16kk+16) */
-                const uint32_t a[4] = {tc_pack_h2(sc[2 * kk][0], sc[2 * kk][1]),
-                                       tc_pack_h2(sc[2 * kk][2], sc[2 * kk][3]),
-                                       tc_pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                       tc_pack_h2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+                const uint32_t a[4] = {m40k_pack_h2(sc[2 * kk][0], sc[2 * kk][1]),
+                                       m40k_pack_h2(sc[2 * kk][2], sc[2 * kk][3]),
+                                       m40k_pack_h2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                       m40k_pack_h2(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
                 for (int dp = 0; dp < D / 16; dp++) {
                     uint32_t b[4];

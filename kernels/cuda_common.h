@@ -216,13 +216,24 @@ static inline int m40k_launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 bloc
             return e_;                                                                                                 \
     } while (0)
 
-/* Eight floats to F16 (round to nearest, as m40k_f2h), packed in a uint4. */
+/* Two floats to F16 (round to nearest, as m40k_f2h), lo in the low half: one paired
+ * conversion instruction on sm_80+. */
+__device__ __forceinline__ uint32_t m40k_pack_h2(float lo, float hi)
+{
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
+
+/* Four floats to F16, packed in a uint2 (an 8-byte store). */
+__device__ __forceinline__ uint2 m40k_pack_h4(float4 v) { return make_uint2(m40k_pack_h2(v.x, v.y), m40k_pack_h2(v.z, v.w)); }
+
+/* Eight floats to F16, packed in a uint4. */
 __device__ __forceinline__ uint4 m40k_pack_h8(const float f[8])
 {
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
-        w[i] = (uint32_t)m40k_f2h(f[2 * i]) | (uint32_t)m40k_f2h(f[2 * i + 1]) << 16;
+        w[i] = m40k_pack_h2(f[2 * i], f[2 * i + 1]);
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -26,45 +26,57 @@ __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t x_stride, co
     }
 }
 
-/* The same four elements a thread (16-byte loads, held in registers between the two
- * passes) for rows whose strides and pointers allow it, up to 4 * R4_V * 1024 wide: a
- * prompt chunk's norm of a residual that cuBLAS added itself. Same values as
- * rmsnorm_kernel but for the order of the sum of squares. */
-#define R4_V 4
-__global__ void rmsnorm4_kernel(const float *__restrict__ x, int64_t x_stride, const float *__restrict__ w,
-                                void *__restrict__ out, int out_f16, int64_t out_stride, int dim, float eps)
+/* Many rows without the int8 records (prefill chunks): a block a row, four elements a
+ * thread and round in 16-byte loads, the thread's sums and weights held for the second
+ * pass (rows up to 16 * blockDim.x wide), the F16 copy in 8-byte stores (rows o16_stride
+ * apart). One element a thread at 1,024 threads ran at a quarter of the bandwidth in a
+ * prefill chunk (BENCHMARKS.md). x_out may be x (each thread rewrites only what it read).
+ * d and x_out NULL: the norm of x alone (m40k_rmsnorm's rows that allow 16-byte loads: a
+ * prompt chunk's norm of a residual that cuBLAS added itself). */
+#define AR4_V 4
+__global__ void add_rmsnorm4_kernel(const float *x, float *x_out, int64_t x_stride, const float *d, int64_t d_stride,
+                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
+                                    uint16_t *__restrict__ o16, int64_t o16_stride)
 {
     m40k_pdl_begin();
     M40K_LAUNDER(x);
+    M40K_LAUNDER(x_out);
+    M40K_LAUNDER(d);
     M40K_LAUNDER(w);
     M40K_LAUNDER(out);
+    M40K_LAUNDER(o16);
     __shared__ float partial[32];
     const int r = blockIdx.x, n4 = dim / 4;
-    float4 xv[R4_V];
+    float4 xv[AR4_V], wv[AR4_V];
     float ss = 0.0f;
 #pragma unroll
-    for (int k = 0; k < R4_V; k++) {
+    for (int k = 0; k < AR4_V; k++) {
         const int j = threadIdx.x + k * blockDim.x;
-        xv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        xv[k] = wv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (j < n4) {
-            xv[k] = *reinterpret_cast<const float4 *>(x + r * x_stride + 4 * j);
-            ss += xv[k].x * xv[k].x + xv[k].y * xv[k].y + xv[k].z * xv[k].z + xv[k].w * xv[k].w;
+            float4 v = *reinterpret_cast<const float4 *>(x + r * x_stride + 4 * j);
+            if (d) {
+                const float4 b = *reinterpret_cast<const float4 *>(d + r * d_stride + 4 * j);
+                v = make_float4(v.x + b.x, v.y + b.y, v.z + b.z, v.w + b.w);
+            }
+            if (x_out)
+                *reinterpret_cast<float4 *>(x_out + r * x_stride + 4 * j) = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            xv[k] = v;
+            wv[k] = *reinterpret_cast<const float4 *>(w + 4 * j);
         }
     }
     const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
 #pragma unroll
-    for (int k = 0; k < R4_V; k++) {
+    for (int k = 0; k < AR4_V; k++) {
         const int j = threadIdx.x + k * blockDim.x;
         if (j < n4) {
-            const float4 wv = *reinterpret_cast<const float4 *>(w + 4 * j);
-            const float4 o = make_float4(xv[k].x * scale * wv.x, xv[k].y * scale * wv.y, xv[k].z * scale * wv.z,
-                                         xv[k].w * scale * wv.w);
-            if (out_f16)
-                *reinterpret_cast<uint2 *>((uint16_t *)out + r * out_stride + 4 * j) =
-                    make_uint2(m40k_f2h(o.x) | (uint32_t)m40k_f2h(o.y) << 16,
-                               m40k_f2h(o.z) | (uint32_t)m40k_f2h(o.w) << 16);
-            else
-                *reinterpret_cast<float4 *>((float *)out + r * out_stride + 4 * j) = o;
+            const float4 o = make_float4(xv[k].x * scale * wv[k].x, xv[k].y * scale * wv[k].y,
+                                         xv[k].z * scale * wv[k].z, xv[k].w * scale * wv[k].w);
+            if (out)
+                *reinterpret_cast<float4 *>(out + r * out_stride + 4 * j) = o;
+            if (o16)
+                *reinterpret_cast<uint2 *>(o16 + r * o16_stride + 4 * j) = m40k_pack_h4(o);
         }
     }
 }
@@ -77,11 +89,13 @@ extern "C" int m40k_rmsnorm(const float *x, int64_t x_stride, const float *w, vo
     if (dim <= 0 || (out_type != M40K_TYPE_F32 && out_type != M40K_TYPE_F16))
         return M40K_INVALID;
     const int f16 = out_type == M40K_TYPE_F16;
-    if (dim % 4 == 0 && dim <= 4 * R4_V * 1024 && x_stride % 4 == 0 && out_stride % 4 == 0 &&
+    if (dim % 4 == 0 && dim <= 4 * AR4_V * 1024 && x_stride % 4 == 0 && out_stride % 4 == 0 &&
         ((uintptr_t)x & 15) == 0 && ((uintptr_t)w & 15) == 0 && ((uintptr_t)out & (f16 ? 7 : 15)) == 0 &&
         (const void *)x != out) {
-        const int t4 = (dim / 4 + R4_V - 1) / R4_V, nt4 = (t4 + 31) / 32 * 32;
-        M40K_LAUNCH_PDL(rmsnorm4_kernel, rows, nt4, 0, stream, x, x_stride, w, out, f16, out_stride, dim, eps);
+        const int t4 = (dim / 4 + AR4_V - 1) / AR4_V, nt4 = (t4 + 31) / 32 * 32;
+        M40K_LAUNCH_PDL(add_rmsnorm4_kernel, rows, nt4, 0, stream, x, (float *)nullptr, x_stride, (const float *)nullptr,
+                        (int64_t)0, w, f16 ? nullptr : (float *)out, out_stride, dim, eps,
+                        f16 ? (uint16_t *)out : nullptr, out_stride);
         return m40k_launch_status();
     }
     int threads = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
@@ -250,58 +264,6 @@ __global__ __launch_bounds__(AR_THREADS) void add_rmsnorm_rep_kernel(const float
     }
 }
 
-/* Many rows without the int8 records (prefill chunks): a block a row, four elements a
- * thread and round in 16-byte loads, the thread's sums and weights held for the second
- * pass (rows up to 16 * blockDim.x wide), the F16 copy in 8-byte stores. One element a
- * thread at 1,024 threads ran at a quarter of the bandwidth in a prefill chunk
- * (BENCHMARKS.md). x_out may be x (each thread rewrites only what it read). */
-#define AR4_V 4
-__global__ void add_rmsnorm4_kernel(const float *x, float *x_out, int64_t x_stride, const float *d, int64_t d_stride,
-                                    const float *__restrict__ w, float *out, int64_t out_stride, int dim, float eps,
-                                    uint16_t *__restrict__ o16)
-{
-    m40k_pdl_begin();
-    M40K_LAUNDER(x);
-    M40K_LAUNDER(x_out);
-    M40K_LAUNDER(d);
-    M40K_LAUNDER(w);
-    M40K_LAUNDER(out);
-    M40K_LAUNDER(o16);
-    __shared__ float partial[32];
-    const int r = blockIdx.x, n4 = dim / 4;
-    float4 xv[AR4_V], wv[AR4_V];
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < AR4_V; k++) {
-        const int j = threadIdx.x + k * blockDim.x;
-        xv[k] = wv[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (j < n4) {
-            const float4 a = *reinterpret_cast<const float4 *>(x + r * x_stride + 4 * j);
-            const float4 b = *reinterpret_cast<const float4 *>(d + r * d_stride + 4 * j);
-            const float4 v = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-            *reinterpret_cast<float4 *>(x_out + r * x_stride + 4 * j) = v;
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            xv[k] = v;
-            wv[k] = *reinterpret_cast<const float4 *>(w + 4 * j);
-        }
-    }
-    const float scale = rsqrtf(m40k_block_sum(ss, partial) / dim + eps);
-#pragma unroll
-    for (int k = 0; k < AR4_V; k++) {
-        const int j = threadIdx.x + k * blockDim.x;
-        if (j < n4) {
-            const float4 o = make_float4(xv[k].x * scale * wv[k].x, xv[k].y * scale * wv[k].y,
-                                         xv[k].z * scale * wv[k].z, xv[k].w * scale * wv[k].w);
-            if (out)
-                *reinterpret_cast<float4 *>(out + r * out_stride + 4 * j) = o;
-            if (o16)
-                *reinterpret_cast<uint2 *>(o16 + (size_t)r * dim + 4 * j) =
-                    make_uint2(m40k_f2h(o.x) | (uint32_t)m40k_f2h(o.y) << 16,
-                               m40k_f2h(o.z) | (uint32_t)m40k_f2h(o.w) << 16);
-        }
-    }
-}
-
 /* whether rows x [p, p + (rows-1)*stride + dim) of floats and of q overlap (never, for a
  * NULL p) */
 static bool ar_overlap(const float *p, int64_t ps, const float *q, int64_t qs, int rows, int dim)
@@ -336,7 +298,7 @@ static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, co
         ((uintptr_t)o16 & 7) == 0 && !(out && ar_overlap(out, out_stride, x, x_stride, rows, dim))) {
         const int t4 = (dim / 4 + AR4_V - 1) / AR4_V, nt4 = (t4 + 31) / 32 * 32;
         M40K_LAUNCH_PDL(add_rmsnorm4_kernel, rows, nt4, 0, stream, x, x_out, x_stride, d, d_stride, w, out, out_stride,
-                        dim, eps, o16);
+                        dim, eps, o16, (int64_t)dim);
         return m40k_launch_status();
     }
     int nt = dim >= 1024 ? 1024 : (dim + 31) / 32 * 32;
