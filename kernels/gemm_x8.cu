@@ -97,12 +97,6 @@ __device__ __forceinline__ float mx_i2f(int d) { return __int_as_float(d) - 1258
 
 __device__ __forceinline__ int mx_byte(uint32_t w, int i) { return (int)((w >> (8 * i)) & 0xFFu); }
 
-__device__ __forceinline__ uint32_t mx_h2(float lo, float hi)
-{
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t *>(&h);
-}
-
 /* a warp's accumulators (tiles x n8 tiles x 4) cleared */
 template <typename V, int A, int B> __device__ __forceinline__ void mx_zero(V (&v)[A][B][4])
 {
@@ -113,6 +107,20 @@ template <typename V, int A, int B> __device__ __forceinline__ void mx_zero(V (&
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 v[i][b][e] = 0;
+}
+
+/* The staged x's B fragments of lane (g, t) for blocks 2p and 2p + 1 of token row r (its
+ * .x .y for block 2p's mma, .z .w for block 2p + 1's) */
+__device__ __forceinline__ uint4 mx_xfrag(const uint8_t *xs, int r, int p, int t4)
+{
+    return *reinterpret_cast<const uint4 *>(xs + r * MX_XLD + mx_swz(r, 4 * p + t4));
+}
+
+/* The chunk's dx of token rows r + 2t and r + 2t + 1 (accumulators e & 1 = 0 and 1) */
+__device__ __forceinline__ float2 mx_dx(const uint8_t *rs, int r, int t4)
+{
+    return make_float2(*reinterpret_cast<const float *>(rs + (r + 2 * t4) * MX_REC),
+                       *reinterpret_cast<const float *>(rs + (r + 2 * t4 + 1) * MX_REC));
 }
 
 /* Quantizer: one warp per token and chunk of 256; lane l holds elements 8(l % 4) ..
@@ -246,13 +254,13 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
                                                : ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 6) & 0x03030303u) << 4;
                     dw[i][h] = m40k_h2f((uint16_t)(hd.x & 0xFFFFu));
                     const float dmin = m40k_h2f((uint16_t)(hd.x >> 16));
-                    am[i][h] = mx_h2(-dmin * (float)mx_byte(mm, (2 * t4) & 3), -dmin * (float)mx_byte(mm, (2 * t4 + 1) & 3));
+                    am[i][h] = m40k_pack_h2(-dmin * (float)mx_byte(mm, (2 * t4) & 3), -dmin * (float)mx_byte(mm, (2 * t4 + 1) & 3));
                 }
             int ai[WR][NT][4];
             mx_zero(ai);
 #pragma unroll 1
-            for (int p = 0; p < 4; p++) { /* blocks 2p and 2p + 1 (a loop: unrolled, the
-                                             * 64-row instance's loads hoisted past its registers) */
+            for (int p = 0; p < 4; p++) { /* blocks 2p and 2p + 1; kept a loop: unrolled, the
+                                             * 64-row instance hoisted its loads and spilled */
                 uint32_t a[WR][2][4];
                 int s0[WR][2], s1[WR][2];
 #pragma unroll
@@ -271,8 +279,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
                     }
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const int r = tb + nt * 8 + g;
-                    const uint4 b = *reinterpret_cast<const uint4 *>(xs + r * MX_XLD + mx_swz(r, 4 * p + t4));
+                    const uint4 b = mx_xfrag(xs, tb + nt * 8 + g, p, t4);
 #pragma unroll
                     for (int i = 0; i < WR; i++) {
                         int d0[4], d1[4];
@@ -288,8 +295,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const int r = tb + nt * 8;
-                const float dx0 = *reinterpret_cast<const float *>(rs + (r + 2 * t4) * MX_REC);
-                const float dx1 = *reinterpret_cast<const float *>(rs + (r + 2 * t4 + 1) * MX_REC);
+                const float2 dx = mx_dx(rs, r, t4);
                 const uint32_t sb = *reinterpret_cast<const uint32_t *>(rs + (r + g) * MX_REC + 16 + 4 * t4);
 #pragma unroll
                 for (int i = 0; i < WR; i++) {
@@ -300,7 +306,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
                     mx_mma_h8(e, am[i], sb);
 #pragma unroll
                     for (int k = 0; k < 4; k++)
-                        acc[i][nt][k] = fmaf(k & 1 ? dx1 : dx0, e[k], acc[i][nt][k]);
+                        acc[i][nt][k] = fmaf(k & 1 ? dx.y : dx.x, e[k], acc[i][nt][k]);
                 }
             }
         } else {
@@ -328,8 +334,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
                     }
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    const int r = tb + nt * 8 + g;
-                    const uint4 b = *reinterpret_cast<const uint4 *>(xs + r * MX_XLD + mx_swz(r, 4 * p + t4));
+                    const uint4 b = mx_xfrag(xs, tb + nt * 8 + g, p, t4);
 #pragma unroll
                     for (int i = 0; i < WR; i++) {
                         int d0[4], d1[4];
@@ -346,13 +351,12 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mx_smem<T, BM>::BLOCKS) void mx_kern
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {
                 const int r = tb + nt * 8;
-                const float dx0 = *reinterpret_cast<const float *>(rs + (r + 2 * t4) * MX_REC);
-                const float dx1 = *reinterpret_cast<const float *>(rs + (r + 2 * t4 + 1) * MX_REC);
+                const float2 dx = mx_dx(rs, r, t4);
 #pragma unroll
                 for (int i = 0; i < WR; i++)
 #pragma unroll
                     for (int k = 0; k < 4; k++)
-                        acc[i][nt][k] = fmaf(k & 1 ? dx1 : dx0, ef[i][nt][k], acc[i][nt][k]);
+                        acc[i][nt][k] = fmaf(k & 1 ? dx.y : dx.x, ef[i][nt][k], acc[i][nt][k]);
             }
         }
     });
