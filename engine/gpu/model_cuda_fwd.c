@@ -479,6 +479,17 @@ static int tiled_takes(const m40_gpu *g, const gmat *w, int32_t n)
            !gemm_q_takes(g, w, n) && !g->gemm_f32;
 }
 
+/* Whether every part of pr takes the tiled path at n rows (and pr has parts). */
+static int all_tiled(const m40_gpu *g, const gproj *pr, int32_t n)
+{
+    if (pr->n_parts == 0)
+        return 0;
+    for (int i = 0; i < pr->n_parts; i++)
+        if (!tiled_takes(g, &pr->part[i], n))
+            return 0;
+    return 1;
+}
+
 /* Whether the gate/up product pr of n rows is written in F16 for the GLU (m40k_glu_h16):
  * every part on the tiled path (prompt chunks), no bias, the down projection reading the
  * GLU's F16 copy only (x16_dn past 8 rows), and not turned off (M40_PREFILL_F16=0). Its F32
@@ -486,12 +497,7 @@ static int tiled_takes(const m40_gpu *g, const gmat *w, int32_t n)
  * read by the GLU at 512 rows. */
 static int glu_h16_ok(const m40_gpu *g, const gproj *pr, int32_t n, int x16_dn)
 {
-    if (!g->prefill_f16 || pr->bias || pr->n_parts == 0 || !x16_only(x16_dn, n))
-        return 0;
-    for (int i = 0; i < pr->n_parts; i++)
-        if (!tiled_takes(g, &pr->part[i], n))
-            return 0;
-    return 1;
+    return g->prefill_f16 && !pr->bias && x16_only(x16_dn, n) && all_tiled(g, pr, n);
 }
 
 /* Whether the product pr over n rows starts with the int8-activation GEMV: then the
@@ -591,18 +597,21 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
     return 0;
 }
 
-
-/* The product pr of n rows on the tiled path into y16 (F16, times 1/GLU_H16_SCALE; rows
- * of pr->rows), its parts side by side (glu_h16_ok said every part takes that path). */
-static int matmul_h16(m40_gpu *g, const gproj *pr, const float *x, int32_t n, uint16_t *y16, int x16_ready, char *err,
-                      size_t errlen)
+/* The product pr of n rows on the tiled path (all_tiled), its parts side by side in rows
+ * of pr->rows: into y16 (F16, times 1/GLU_H16_SCALE; glu_h16_ok: no bias) or, with y16
+ * NULL, added into y (the residual: res_fuse_ok; its bias included). */
+static int matmul_tiled(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *y, uint16_t *y16,
+                        int x16_ready, char *err, size_t errlen)
 {
     int64_t off = 0;
     for (int i = 0; i < pr->n_parts; i++) {
-        if (tiled_gemm(g, &pr->part[i], x, n, NULL, y16 + off, pr->rows, 0, &x16_ready, err, errlen))
+        if (tiled_gemm(g, &pr->part[i], x, n, y16 ? NULL : y + off, y16 ? y16 + off : NULL, pr->rows, !y16,
+                       &x16_ready, err, errlen))
             return -1;
         off += pr->part[i].rows;
     }
+    if (pr->bias && !y16)
+        CK(m40k_add_bias(y, pr->rows, pr->bias, n, (int)pr->rows, g->stream));
     return 0;
 }
 
@@ -614,30 +623,10 @@ static int matmul_h16(m40_gpu *g, const gproj *pr, const float *x, int32_t n, ui
  * product less written and read (xd), and the norm after it reads one stream. */
 static int res_fuse_ok(const m40_gpu *g, const gproj *pr, int32_t n, const float *post_norm, int xq_next)
 {
-    if (!g->fuse_residual || g->tp_n > 1 || post_norm || xq_next || pr->n_parts == 0)
-        return 0;
-    for (int i = 0; i < pr->n_parts; i++)
-        if (!tiled_takes(g, &pr->part[i], n))
-            return 0;
-    return 1;
+    return g->fuse_residual && g->tp_n == 1 && !post_norm && !xq_next && all_tiled(g, pr, n);
 }
 
-/* xc += the product pr of n rows (res_fuse_ok said so), its bias included */
-static int matmul_res(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float *xc, int x16_ready, char *err,
-                      size_t errlen)
-{
-    int64_t off = 0;
-    for (int i = 0; i < pr->n_parts; i++) {
-        if (tiled_gemm(g, &pr->part[i], x, n, xc + off, NULL, pr->rows, 1, &x16_ready, err, errlen))
-            return -1;
-        off += pr->part[i].rows;
-    }
-    if (pr->bias)
-        CK(m40k_add_bias(xc, pr->rows, pr->bias, n, (int)pr->rows, g->stream));
-    return 0;
-}
-
-/* The RMSNorm of the residual xc (its add done by the product before: matmul_res) into
+/* The RMSNorm of the residual xc (its add done by the product before: matmul_tiled) into
  * the F16 copy g->x16 where the product after reads it (x16), and into out (F32) unless
  * that product reads the copy only. */
 static int norm_res(m40_gpu *g, const float *xc, const float *w, float *out, int32_t n, int x16)
@@ -766,7 +755,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     /* folded: the last GEMV added its output into the residual and wrote the next
      * product's normalized input (g->xq2, g->nss: nin) itself (kernels.h 8d) */
     int folded = 0;
-    int res_added = 0; /* the last down projection added into xc itself (matmul_res) */
+    int res_added = 0; /* the last down projection added into xc itself (matmul_tiled) */
     const gnorm_in nin = {g->xq2, g->nss, p->norm_eps};
     /* Every row wants logits, one row a sequence (decode steps): see the end */
     const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
@@ -841,7 +830,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                 CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
             CK(gemv_add_norm(g, &L->wo, &xc, &xo, L->ffn_norm));
         } else if (res_fuse_ok(g, &L->wo, n, L->post_attn_norm, xq_gu)) {
-            if (matmul_res(g, &L->wo, g->att, n, xc, att16, err, errlen))
+            if (matmul_tiled(g, &L->wo, g->att, n, xc, NULL, att16, err, errlen))
                 return -1;
             CK(norm_res(g, xc, L->ffn_norm, g->xb, n, x16_gu));
         } else {
@@ -857,7 +846,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         /* a prompt chunk's gate/up product in F16 for the GLU (glu_h16_ok) */
         const int h16 = !L->router && glu_h16_ok(g, &L->gate_up, n, x16_dn);
         if (h16) {
-            if (matmul_h16(g, &L->gate_up, g->xb, n, (uint16_t *)g->hb, x16_gu, err, errlen))
+            if (matmul_tiled(g, &L->gate_up, g->xb, n, NULL, (uint16_t *)g->hb, x16_gu, err, errlen))
                 return -1;
         } else if (!L->router &&
                    matmul(g, &L->gate_up, g->xb, n, g->hb, xq_gu, x16_gu, folded ? &nin : NULL, err, errlen)) {
@@ -898,7 +887,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             if (folded)
                 CK(gemv_add_norm(g, &L->down, &xc, &xo, last ? g->output_norm : g->layers[l + 1].attn_norm));
             else if (res_added) {
-                if (matmul_res(g, &L->down, g->hb2, n, xc, x16_dn, err, errlen))
+                if (matmul_tiled(g, &L->down, g->hb2, n, xc, NULL, x16_dn, err, errlen))
                     return -1;
             } else if (matmul(g, &L->down, g->hb2, n, g->xd, xq_dn, x16_dn, NULL, err, errlen))
                 return -1;
