@@ -142,6 +142,17 @@ static void test_embed_g8(void)
         }
 }
 
+/* Whether h (rows x width, rows contiguous) is the F16 of f (rows at stride fs), bit for bit:
+ * the F16 copies the norm and GLU kernels write beside (or instead of) their F32 output. */
+static bool is_f16_of(const std::vector<uint16_t> &h, const std::vector<float> &f, int rows, int width, int64_t fs)
+{
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < width; i++)
+            if (h[(size_t)r * width + i] != m40_fp32_to_fp16(f[(size_t)r * fs + i]))
+                return false;
+    return true;
+}
+
 /* ---------------------------------------------------------------- 2. rmsnorm */
 static void test_rmsnorm(void)
 {
@@ -342,10 +353,7 @@ static void test_fused_f16(void)
             snprintf(what, sizeof what, "add_rmsnorm_f16 rows %d dim %d: out", rows, dim);
             compare(what, go.data(), d.data(), go.size(), 1e-5f, 1e-5f);
             std::vector<uint16_t> h = back(dh, (size_t)rows * dim);
-            bool same = true;
-            for (int r = 0; r < rows; r++)
-                for (int i = 0; i < dim; i++)
-                    same = same && h[(size_t)r * dim + i] == m40_fp32_to_fp16(go[(size_t)r * ds + i]);
+            const bool same = is_f16_of(h, go, rows, dim, ds);
             snprintf(what, sizeof what, "add_rmsnorm_f16 rows %d dim %d: F16 copy", rows, dim);
             check(what, same);
             cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dh);
@@ -367,10 +375,7 @@ static void test_fused_f16(void)
                 snprintf(what, sizeof what, "glu_f16 act %d n %d rows %d: out", act, n, rows);
                 compare(what, g.data(), c.data(), c.size(), 1e-5f, 1e-5f);
                 std::vector<uint16_t> h = back(dh, (size_t)rows * n);
-                bool same = true;
-                for (int r = 0; r < rows; r++)
-                    for (int i = 0; i < n; i++)
-                        same = same && h[(size_t)r * n + i] == m40_fp32_to_fp16(g[(size_t)r * os + i]);
+                const bool same = is_f16_of(h, g, rows, n, os);
                 snprintf(what, sizeof what, "glu_f16 act %d n %d rows %d: F16 copy", act, n, rows);
                 check(what, same);
                 cudaFree(din), cudaFree(dout), cudaFree(dh);
@@ -399,10 +404,7 @@ static void test_fused_f16(void)
             snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: x_out", rows, dim);
             check(what, gx == xr);
             std::vector<uint16_t> h = back(dh, (size_t)rows * dim), h2 = back(dh2, (size_t)rows * dim);
-            bool same = true;
-            for (int r = 0; r < rows; r++)
-                for (int i = 0; i < dim; i++)
-                    same = same && h[(size_t)r * dim + i] == m40_fp32_to_fp16(go[(size_t)r * ds + i]);
+            const bool same = is_f16_of(h, go, rows, dim, ds);
             snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: F16 copy", rows, dim);
             check(what, same);
             snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: without out, the same copy", rows, dim);
@@ -428,10 +430,7 @@ static void test_fused_f16(void)
                 snprintf(what, sizeof what, "glu_f16 16-byte act %d n %d rows %d: out", act, n, rows);
                 compare(what, g.data(), c.data(), c.size(), 1e-5f, 1e-5f);
                 std::vector<uint16_t> h = back(dh, (size_t)rows * n), h2 = back(dh2, (size_t)rows * n);
-                bool same = true;
-                for (int r = 0; r < rows; r++)
-                    for (int i = 0; i < n; i++)
-                        same = same && h[(size_t)r * n + i] == m40_fp32_to_fp16(g[(size_t)r * os + i]);
+                const bool same = is_f16_of(h, g, rows, n, os);
                 snprintf(what, sizeof what, "glu_f16 16-byte act %d n %d rows %d: F16 copy", act, n, rows);
                 check(what, same);
                 snprintf(what, sizeof what, "glu_f16 16-byte act %d n %d rows %d: without out, the same copy", act, n,
@@ -540,10 +539,7 @@ static void test_add_rmsnorm_to(void)
                 }
                 if (f16) {
                     std::vector<uint16_t> h = back(dh, (size_t)rows * dim);
-                    bool same = true;
-                    for (int r = 0; r < rows; r++)
-                        for (int i = 0; i < dim; i++)
-                            same = same && h[(size_t)r * dim + i] == m40_fp32_to_fp16(go[(size_t)r * os + i]);
+                    const bool same = is_f16_of(h, go, rows, dim, os);
                     check((std::string(what) + ": F16 copy").c_str(), same);
                 }
                 cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dq), cudaFree(dh);
