@@ -536,6 +536,12 @@ static int mq_reg_rows = 64;
 
 extern "C" void m40k_gemm_q_tune(int reg_rows) { mq_reg_rows = reg_rows < 0 ? 0 : reg_rows; }
 
+/* Tiles of up to this many rows of the experts' grouped product take the register
+ * kernel's grouped kernel where it reads the type (m40k_moe_gemm_q_tune). */
+static int mq_reg_rows_grouped = 64;
+
+extern "C" void m40k_moe_gemm_q_tune(int reg_rows) { mq_reg_rows_grouped = reg_rows < 0 ? 0 : reg_rows; }
+
 static bool mq_reg_takes(int w_type, int K, int M, const void *w, size_t row_bytes)
 {
     return M <= mq_reg_rows && mr_reads(w_type, K, M, w, row_bytes);
@@ -780,7 +786,8 @@ static int mq_grouped_bm(int bm, const void *w, size_t rb, size_t eb, int n_expe
     }
 }
 
-/* Staged where the shared-memory kernel would stage this matrix (K a multiple of 256, rows
+/* The register kernel's grouped kernel where it reads the type (gemm_q_reg.cu); else
+ * staged where the shared-memory kernel would stage this matrix (K a multiple of 256, rows
  * and every expert's matrix 16-byte aligned), direct otherwise. */
 template <int T>
 static int mq_grouped_type(const void *w, int n_expert, int N, int K, const uint16_t *x, int64_t x_stride,
@@ -791,6 +798,10 @@ static int mq_grouped_type(const void *w, int n_expert, int N, int K, const uint
     if (K % ti::BE)
         return M40K_INVALID;
     const size_t rb = (size_t)K / ti::BE * ti::BB, eb = rb * (size_t)N;
+    /* tiles of up to 64 rows in the register kernel's types take its grouped kernel, as a
+     * product of that many rows would (every expert's matrix 16-byte aligned too) */
+    if (bm <= 64 && bm <= mq_reg_rows_grouped && eb % 16 == 0 && mr_reads(T, K, bm, w, rb))
+        return mr_grouped(T, w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, bm, y, ldy, st);
     if constexpr (mq_stage<T>::RB > 0)
         if (K % MQ_KC == 0 && rb % 16 == 0 && ((uintptr_t)w & 15) == 0)
             return mq_grouped_bm<T, true>(bm, w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);

@@ -250,5 +250,10 @@ int mr_pick_splits(int w_type, int N, int K, int M, int sm_count);
 int mr_prepare(void);
 int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride, int M,
             float *y, int64_t ldy, int S, float *ws, int *counters, cudaStream_t st);
+/* Its grouped product of the experts (m40k_moe_gemm_q where mr_reads the type and the
+ * tiles are at most 64 rows: bm 16, 32 or 64). */
+int mr_grouped(int w_type, const void *w, size_t row_bytes, size_t expert_bytes, int n_expert, int N, int K,
+               const uint16_t *x, int64_t x_stride, const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm,
+               float *y, int64_t ldy, cudaStream_t st);
 
 #endif

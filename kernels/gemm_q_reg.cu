@@ -122,10 +122,12 @@ __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr
     }
 }
 
+/* One block: weight rows 128 * bx .. of the product, split s of S over K (mr_kernel), or
+ * one tile of an expert's rows (mr_grouped_kernel, S 1). */
 template <int T, int BM>
-__global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kernel(
-    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride,
-    int M, float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters)
+__device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K,
+                                         const uint16_t *x, int64_t x_stride, int M, float *__restrict__ y,
+                                         int64_t ldy, int S, float *ws, int *counters, int bx, int s)
 {
     typedef mr_smem<T, BM> sm;
     constexpr int NT = BM / 8;
@@ -134,7 +136,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
     /* stage b: weights at mr_sm + b * STAGE (ROWS rows of WLD bytes), then x (BM rows of
      * MR_XLD halves) */
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int n0 = blockIdx.x * MR_ROWS, s = blockIdx.z;
+    const int n0 = bx * MR_ROWS;
     const int nc = K / MQ_KC;
     const int c0 = (int)((int64_t)s * nc / S), c1 = (int)((int64_t)(s + 1) * nc / S);
 
@@ -236,6 +238,38 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kern
     mq_frag_store<NT>(acc, n0, MR_ROWS, wrow, t4, N, M, y, ldy, S, s, ws, counters);
 }
 
+template <int T, int BM>
+__global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kernel(
+    const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride,
+    int M, float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters)
+{
+    mr_block<T, BM>(w, row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters, blockIdx.x, blockIdx.z);
+}
+
+/* The experts' grouped product on the register kernel (kernels.h 10g; the tile table of
+ * m40k_moe_group with tiles of at most BM rows): block (bx, i) takes tile i, (expert e,
+ * its first row m0), and computes weight rows 128 * bx .. of expert e for rows m0 ..
+ * m0 + BM of e's group (rows offsets[e] .. offsets[e+1] of x and y), as mr_kernel's block
+ * bx of that expert's product with no split of K. The tile table is the product of an
+ * earlier kernel: read after the grid dependency wait (a no-op on a plain launch), so no
+ * weight copy goes out before it. */
+template <int T, int BM>
+__global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_grouped_kernel(
+    const uint8_t *__restrict__ w, size_t row_bytes, size_t expert_bytes, int n_expert, int N, int K,
+    const uint16_t *x, int64_t x_stride, const int32_t *offsets, const int32_t *tiles, float *__restrict__ y,
+    int64_t ldy)
+{
+    tiles = m40k_grid_wait_for(tiles);
+    const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
+    if (e < 0 || e >= n_expert)
+        return; /* the whole block: before any barrier */
+    const int base = offsets[e], M = offsets[e + 1] - base;
+    if (m0 >= M)
+        return;
+    mr_block<T, BM>(w + (size_t)e * expert_bytes, row_bytes, N, K, x + (size_t)(base + m0) * x_stride, x_stride,
+                    min(M - m0, BM), y + (size_t)(base + m0) * ldy, ldy, 1, nullptr, nullptr, blockIdx.x, 0);
+}
+
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
 {
     return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8) && M >= 1 &&
@@ -245,8 +279,12 @@ int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
 
 template <int T> static int mr_prepare_type(void)
 {
-    return mq_smem_limits(mr_kernel<T, 16>, mr_smem<T, 16>::BYTES, mr_kernel<T, 32>, mr_smem<T, 32>::BYTES,
-                          mr_kernel<T, 64>, mr_smem<T, 64>::BYTES);
+    int e = mq_smem_limits(mr_kernel<T, 16>, mr_smem<T, 16>::BYTES, mr_kernel<T, 32>, mr_smem<T, 32>::BYTES,
+                           mr_kernel<T, 64>, mr_smem<T, 64>::BYTES);
+    if (!e)
+        e = mq_smem_limits(mr_grouped_kernel<T, 16>, mr_smem<T, 16>::BYTES, mr_grouped_kernel<T, 32>,
+                           mr_smem<T, 32>::BYTES, mr_grouped_kernel<T, 64>, mr_smem<T, 64>::BYTES);
+    return e;
 }
 
 /* Raises the shared-memory limit of every instance on the current device, once. */
@@ -305,4 +343,44 @@ int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uin
                                             row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters);
         return e2 ? e2 : m40k_launch_status();
     });
+}
+
+typedef void (*mr_grouped_fn)(const uint8_t *, size_t, size_t, int, int, int, const uint16_t *, int64_t,
+                              const int32_t *, const int32_t *, float *, int64_t);
+
+template <int T> static mr_grouped_fn mr_grouped_pick(int bm)
+{
+    return bm == 16 ? mr_grouped_kernel<T, 16> : bm == 32 ? mr_grouped_kernel<T, 32> : mr_grouped_kernel<T, 64>;
+}
+
+template <int T> static int mr_grouped_bytes(int bm)
+{
+    return bm == 16 ? (int)mr_smem<T, 16>::BYTES : bm == 32 ? (int)mr_smem<T, 32>::BYTES : (int)mr_smem<T, 64>::BYTES;
+}
+
+int mr_grouped(int w_type, const void *w, size_t row_bytes, size_t expert_bytes, int n_expert, int N, int K,
+               const uint16_t *x, int64_t x_stride, const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm,
+               float *y, int64_t ldy, cudaStream_t st)
+{
+    if (bm != 16 && bm != 32 && bm != 64)
+        return M40K_INVALID;
+    const int e = mr_prepare(); /* once per device */
+    if (e)
+        return e;
+    mr_grouped_fn fn;
+    int bytes;
+    switch (w_type) {
+    case M40K_TYPE_Q4_K: fn = mr_grouped_pick<M40K_TYPE_Q4_K>(bm), bytes = mr_grouped_bytes<M40K_TYPE_Q4_K>(bm); break;
+    case M40K_TYPE_Q8_0_G8:
+        fn = mr_grouped_pick<M40K_TYPE_Q8_0_G8>(bm), bytes = mr_grouped_bytes<M40K_TYPE_Q8_0_G8>(bm);
+        break;
+    case M40K_TYPE_Q6_K_G8:
+        fn = mr_grouped_pick<M40K_TYPE_Q6_K_G8>(bm), bytes = mr_grouped_bytes<M40K_TYPE_Q6_K_G8>(bm);
+        break;
+    default: return M40K_INVALID;
+    }
+    const dim3 grid((unsigned)((N + MR_ROWS - 1) / MR_ROWS), (unsigned)max_tiles);
+    fn<<<grid, MQ_WARPS * 32, (size_t)bytes, st>>>((const uint8_t *)w, row_bytes, expert_bytes, n_expert, N, K, x,
+                                                   x_stride, offsets, tiles, y, ldy);
+    return m40k_launch_status();
 }

@@ -683,13 +683,18 @@ int m40k_moe_gather_f16(const float *x, int64_t x_stride, int dim, const int32_t
 /* 10g. The grouped quantized product, one launch for every expert: for each expert e and
  * sorted row i in offsets[e] .. offsets[e+1],
  *   y[i*ldy + r] = sum_c W[e][r][c] * x[i*x_stride + c],  r < N,
- * with m40k_gemm_q's weights and sums (8e: the shared-memory kernel, staged or direct as
- * there; its types, MXFP4 included; twin: m40_ref_gemm_q per expert). tiles / max_tiles /
- * bm as m40k_moe_group wrote them with the same bm. x 16-byte aligned, x_stride a
- * multiple of 8 and >= K. */
+ * with m40k_gemm_q's weights and sums (8e; its types, MXFP4 included; twin:
+ * m40_ref_gemm_q per expert): tiles of 16-64 rows (bm) in the register kernel's types
+ * (Q4_K, Q8_0_G8, Q6_K_G8 with aligned rows and expert matrices) on its grouped kernel,
+ * everything else on the shared-memory kernel, staged or direct as there. tiles /
+ * max_tiles / bm as m40k_moe_group wrote them with the same bm. x 16-byte aligned,
+ * x_stride a multiple of 8 and >= K. m40k_moe_gemm_q_tune(reg_rows): tiles of up to
+ * reg_rows rows may take the register kernel (default 64; 0: never; process-wide, before
+ * any launch). */
 int m40k_moe_gemm_q(const void *w, int w_type, int n_expert, int N, int K, const uint16_t *x, int64_t x_stride,
                     const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm, float *y, int64_t ldy,
                     m40k_stream stream);
+void m40k_moe_gemm_q_tune(int reg_rows);
 /* 10h. The activation between the grouped products, per sorted row i (pair p = perm[i],
  * expert e = ids[p]): out16[i*out_stride + n] = f16(act(gate[i*in_stride + n] +
  * gate_b[e*n_ff + n], up[i*in_stride + n] + up_b[e*n_ff + n])) (act and NULL biases as

@@ -678,6 +678,9 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         g->gemm_q_rows = t->gemm_q_rows;
         /* products of up to M40_GEMM_Q_REG token rows (default 64) take the register kernel */
         m40k_gemm_q_tune(t->gemm_q_reg);
+        /* the experts' grouped products: tiles of up to M40_MOE_GEMM_REG rows (default 64)
+         * on the register kernel */
+        m40k_moe_gemm_q_tune(t->moe_gemm_reg);
         g->gemv_rows = t->gemv_rows;
     }
     m40k_set_launch_tuning(t->pdl, t->clusters); /* M40_PDL, M40_CLUSTER */

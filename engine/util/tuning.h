@@ -40,6 +40,9 @@ typedef struct {
     int32_t gemv_rows;    /* M40_GEMV_ROWS=N: quantized products of up to N rows (1..8) take the
                            * GEMVs, of N+1..8 rows the quantized GEMM's register kernel where
                            * it reads the type (default 2; 8: the GEMVs up to 8 rows; 0 reads as 1) */
+    int32_t moe_gemm_reg; /* M40_MOE_GEMM_REG=N: tiles of up to N rows of the experts' grouped
+                           * products take the register kernel (default 64; 0: the
+                           * shared-memory kernel) */
     int32_t moe_gemv_rows;/* M40_MOE_GEMV_ROWS=N: mixture-of-experts steps of up to N rows take
                            * the expert GEMVs, larger ones the grouped products (default 8;
                            * 0: every step grouped) */

@@ -8,7 +8,7 @@ static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_S
                                     "M40_WARMUP", "M40_G8", "M40_FUSE_NORM", "M40_FUSE_PICK", "M40_GEMM_Q",
                                     "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE",
                                     "M40_GPU_UNVALIDATED", "M40_MOE_GEMV_ROWS", "M40_PICK_THREADS", "M40_GPU_SAMPLE",
-                                    "M40_GEMV_ROWS", "M40_PREFILL_F16", "M40_FUSE_RESIDUAL"};
+                                    "M40_GEMV_ROWS", "M40_PREFILL_F16", "M40_FUSE_RESIDUAL", "M40_MOE_GEMM_REG"};
 
 static void clear(void)
 {
@@ -27,6 +27,7 @@ int main(void)
           "every on/off switch on by default");
     CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 128 && t.gemm_q_reg == 64 && t.kv_blocks == 0, "numbers' defaults");
     CHECK(t.moe_gemv_rows == 8, "M40_MOE_GEMV_ROWS unset: 8");
+    CHECK(t.moe_gemm_reg == 64, "M40_MOE_GEMM_REG unset: 64");
     CHECK(t.gemv_rows == 2, "M40_GEMV_ROWS unset: 2");
     CHECK(t.pick_threads == -1, "M40_PICK_THREADS unset: -1 (the engine's default for its device)");
     CHECK(!t.gpu_unvalidated, "M40_GPU_UNVALIDATED unset: unvalidated rows refused on a GPU");
@@ -45,7 +46,7 @@ int main(void)
               !t.prefix_cache && !t.gpu_sample && !t.prefill_f16 && !t.fuse_residual,
           "\"0\" turns each off");
     CHECK(t.cuda_graphs == 0 && t.gemm_q_rows == 0 && t.gemm_q_reg == 0 && t.kv_blocks == 0 &&
-              t.moe_gemv_rows == 0 && t.pick_threads == 0,
+              t.moe_gemv_rows == 0 && t.pick_threads == 0 && t.moe_gemm_reg == 0,
           "numbers at 0");
     CHECK(t.gemv_rows == 1, "M40_GEMV_ROWS=0 reads as 1 (a row alone always takes a GEMV)");
 
@@ -55,6 +56,7 @@ int main(void)
     setenv("M40_GEMM_Q_ROWS", "32", 1);
     setenv("M40_KV_BLOCKS", "12", 1);
     setenv("M40_MOE_GEMV_ROWS", "3", 1);
+    setenv("M40_MOE_GEMM_REG", "16", 1);
     setenv("M40_PICK_THREADS", "4", 1);
     setenv("M40_GEMV_ROWS", "5", 1);
     setenv("M40_GEMM", "f32", 1);
@@ -62,7 +64,7 @@ int main(void)
     CHECK(t.pdl, "a value other than \"0\" leaves a switch on");
     CHECK(t.cuda_graphs == 64, "an empty M40_CUDA_GRAPHS: the default (%d)", t.cuda_graphs);
     CHECK(t.gemm_q_rows == 32 && t.kv_blocks == 12 && t.moe_gemv_rows == 3 && t.pick_threads == 4 &&
-              t.gemv_rows == 5,
+              t.gemv_rows == 5 && t.moe_gemm_reg == 16,
           "numbers read");
     CHECK(t.gemm == M40_GEMM_F32, "f32");
     setenv("M40_CUDA_GRAPHS", "-5", 1);
@@ -81,7 +83,7 @@ int main(void)
     m40_tuning_line(&t, line, sizeof line);
     CHECK(strstr(line, "M40_GEMM=f16 ") && strstr(line, "M40_KV_BLOCKS=0 ") && strstr(line, "M40_CUDA_GRAPHS=0 ") &&
               strstr(line, "M40_PICK_THREADS=auto ") &&
-              strstr(line, "M40_GEMV_ROWS=8 "),
+              strstr(line, "M40_GEMV_ROWS=8 ") && strstr(line, "M40_MOE_GEMM_REG=16 "),
           "the log line: %s", line);
     clear();
     return check_done();
