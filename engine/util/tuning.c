@@ -47,7 +47,7 @@ void m40_tuning_from_env(m40_tuning *t)
     const char *mgr = getenv("M40_MOE_GEMM_REG");
     t->moe_gemm_reg = mgr && *mgr ? atoi(mgr) : 64;
     const char *mv = getenv("M40_MOE_GEMV_ROWS");
-    t->moe_gemv_rows = mv && *mv ? atoi(mv) : 8;
+    t->moe_gemv_rows = mv && *mv ? atoi(mv) : 4;
     if (t->moe_gemv_rows < 0)
         t->moe_gemv_rows = 0;
     const char *kb = getenv("M40_KV_BLOCKS");

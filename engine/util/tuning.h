@@ -44,7 +44,7 @@ typedef struct {
                            * products take the register kernel (default 64; 0: the
                            * shared-memory kernel) */
     int32_t moe_gemv_rows;/* M40_MOE_GEMV_ROWS=N: mixture-of-experts steps of up to N rows take
-                           * the expert GEMVs, larger ones the grouped products (default 8;
+                           * the expert GEMVs, larger ones the grouped products (default 4;
                            * 0: every step grouped) */
     int64_t kv_blocks;    /* M40_KV_BLOCKS=N: the GPU KV pool holds at most N blocks (a test
                            * seam; 0: no cap) */

@@ -26,7 +26,7 @@ int main(void)
               t.prefix_cache && t.gpu_sample && t.prefill_f16 && t.fuse_residual,
           "every on/off switch on by default");
     CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 128 && t.gemm_q_reg == 64 && t.kv_blocks == 0, "numbers' defaults");
-    CHECK(t.moe_gemv_rows == 8, "M40_MOE_GEMV_ROWS unset: 8");
+    CHECK(t.moe_gemv_rows == 4, "M40_MOE_GEMV_ROWS unset: 4");
     CHECK(t.moe_gemm_reg == 64, "M40_MOE_GEMM_REG unset: 64");
     CHECK(t.gemv_rows == 2, "M40_GEMV_ROWS unset: 2");
     CHECK(t.pick_threads == -1, "M40_PICK_THREADS unset: -1 (the engine's default for its device)");
