@@ -445,11 +445,8 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_grouped_ke
     const uint16_t *__restrict__ x, int64_t x_stride, const int32_t *__restrict__ offsets,
     const int32_t *__restrict__ tiles, float *__restrict__ y, int64_t ldy)
 {
-    const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
-    if (e < 0 || e >= n_expert)
-        return; /* the whole block: before any barrier */
-    const int base = offsets[e], M = offsets[e + 1] - base;
-    if (m0 >= M)
+    int e, m0, base, M;
+    if (!mq_group_tile(tiles, offsets, n_expert, blockIdx.y, e, m0, base, M))
         return;
     mq_block<T, BM, STAGED>(w + (size_t)e * expert_bytes, row_bytes, N, K, x + (size_t)base * x_stride, x_stride, M,
                             y + (size_t)base * ldy, ldy, 1, nullptr, nullptr, blockIdx.x, m0 / BM, 0, 0);

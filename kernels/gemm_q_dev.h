@@ -163,6 +163,20 @@ __device__ __forceinline__ void mq_split_end(int S, int N, int M, int n0, int m0
         atomicExch(counters + tile, 0); /* every split has counted: nothing else touches it now */
 }
 
+/* The tile of the experts' grouped product (kernels.h 10g) that block row i takes: tile i
+ * of the table is (expert e, its first sorted row m0); base is the expert's first sorted
+ * row and M its count. False where the block has no work (the table's unused tail, or m0
+ * past the expert's rows): it returns before any barrier. */
+__device__ __forceinline__ bool mq_group_tile(const int32_t *tiles, const int32_t *offsets, int n_expert, int i, int &e,
+                                              int &m0, int &base, int &M)
+{
+    e = tiles[2 * i], m0 = tiles[2 * i + 1];
+    if (e < 0 || e >= n_expert)
+        return false;
+    base = offsets[e], M = offsets[e + 1] - base;
+    return m0 < M;
+}
+
 /* The chunk ring of the register-fragment kernels (gemm_q_reg.cu, gemm_x8.cu), chunks
  * c0 .. c1 - 1 through NS stages. They are launched with programmatic dependent launch:
  * the weights of the first NS - 1 chunks do not depend on the kernel before, so their

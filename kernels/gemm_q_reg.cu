@@ -259,12 +259,11 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_grou
     const uint16_t *x, int64_t x_stride, const int32_t *offsets, const int32_t *tiles, float *__restrict__ y,
     int64_t ldy)
 {
-    tiles = m40k_grid_wait_for(tiles);
-    const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
-    if (e < 0 || e >= n_expert)
-        return; /* the whole block: before any barrier */
-    const int base = offsets[e], M = offsets[e + 1] - base;
-    if (m0 >= M)
+    m40k_grid_wait();
+    M40K_LAUNDER(tiles);
+    M40K_LAUNDER(offsets);
+    int e, m0, base, M;
+    if (!mq_group_tile(tiles, offsets, n_expert, blockIdx.y, e, m0, base, M))
         return;
     mr_block<T, BM>(w + (size_t)e * expert_bytes, row_bytes, N, K, x + (size_t)(base + m0) * x_stride, x_stride,
                     min(M - m0, BM), y + (size_t)(base + m0) * ldy, ldy, 1, nullptr, nullptr, blockIdx.x, 0);
@@ -303,14 +302,20 @@ int mr_prepare(void)
 
 typedef void (*mr_fn)(const uint8_t *, size_t, int, int, const uint16_t *, int64_t, int, float *, int64_t, int, float *,
                       int *);
+typedef void (*mr_grouped_fn)(const uint8_t *, size_t, size_t, int, int, int, const uint16_t *, int64_t,
+                              const int32_t *, const int32_t *, float *, int64_t);
 
-/* f(kernel, blocks an SM, shared-memory bytes) for the instance of the type and M rows */
+/* f(kernel, its grouped kernel, blocks an SM, shared-memory bytes) for the instance of the
+ * type and M rows */
 template <int T, typename F> static int mr_with(int M, F f)
 {
     switch (mq_frag_bm(M)) {
-    case 16: return f(mr_kernel<T, 16>, (int)mr_smem<T, 16>::BLOCKS, (int)mr_smem<T, 16>::BYTES);
-    case 32: return f(mr_kernel<T, 32>, (int)mr_smem<T, 32>::BLOCKS, (int)mr_smem<T, 32>::BYTES);
-    default: return f(mr_kernel<T, 64>, (int)mr_smem<T, 64>::BLOCKS, (int)mr_smem<T, 64>::BYTES);
+    case 16:
+        return f(mr_kernel<T, 16>, mr_grouped_kernel<T, 16>, (int)mr_smem<T, 16>::BLOCKS, (int)mr_smem<T, 16>::BYTES);
+    case 32:
+        return f(mr_kernel<T, 32>, mr_grouped_kernel<T, 32>, (int)mr_smem<T, 32>::BLOCKS, (int)mr_smem<T, 32>::BYTES);
+    default:
+        return f(mr_kernel<T, 64>, mr_grouped_kernel<T, 64>, (int)mr_smem<T, 64>::BLOCKS, (int)mr_smem<T, 64>::BYTES);
     }
 }
 
@@ -327,7 +332,8 @@ template <typename F> static int mr_dispatch(int w_type, int M, F f)
 int mr_pick_splits(int w_type, int N, int K, int M, int sm_count)
 {
     const int S = mr_dispatch(
-        w_type, M, [&](mr_fn, int blocks, int) { return mq_one_wave_splits(blocks, sm_count, N, MR_ROWS, K); });
+        w_type, M,
+        [&](mr_fn, mr_grouped_fn, int blocks, int) { return mq_one_wave_splits(blocks, sm_count, N, MR_ROWS, K); });
     return S < 1 ? 1 : S;
 }
 
@@ -337,7 +343,7 @@ int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uin
     const int e = mr_prepare(); /* once per device */
     if (e)
         return e;
-    return mr_dispatch(w_type, M, [&](mr_fn fn, int, int bytes) {
+    return mr_dispatch(w_type, M, [&](mr_fn fn, mr_grouped_fn, int, int bytes) {
         const dim3 grid((unsigned)((N + MR_ROWS - 1) / MR_ROWS), 1, (unsigned)S);
         const int e2 = m40k_launch_pdl_smem(fn, grid, dim3(MQ_WARPS * 32), (size_t)bytes, st, (const uint8_t *)w,
                                             row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters);
@@ -345,42 +351,19 @@ int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uin
     });
 }
 
-typedef void (*mr_grouped_fn)(const uint8_t *, size_t, size_t, int, int, int, const uint16_t *, int64_t,
-                              const int32_t *, const int32_t *, float *, int64_t);
-
-template <int T> static mr_grouped_fn mr_grouped_pick(int bm)
-{
-    return bm == 16 ? mr_grouped_kernel<T, 16> : bm == 32 ? mr_grouped_kernel<T, 32> : mr_grouped_kernel<T, 64>;
-}
-
-template <int T> static int mr_grouped_bytes(int bm)
-{
-    return bm == 16 ? (int)mr_smem<T, 16>::BYTES : bm == 32 ? (int)mr_smem<T, 32>::BYTES : (int)mr_smem<T, 64>::BYTES;
-}
-
 int mr_grouped(int w_type, const void *w, size_t row_bytes, size_t expert_bytes, int n_expert, int N, int K,
                const uint16_t *x, int64_t x_stride, const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm,
                float *y, int64_t ldy, cudaStream_t st)
 {
-    if (bm != 16 && bm != 32 && bm != 64)
+    if (bm != 16 && bm != 32 && bm != 64) /* the tiles must be one of the token tiles */
         return M40K_INVALID;
     const int e = mr_prepare(); /* once per device */
     if (e)
         return e;
-    mr_grouped_fn fn;
-    int bytes;
-    switch (w_type) {
-    case M40K_TYPE_Q4_K: fn = mr_grouped_pick<M40K_TYPE_Q4_K>(bm), bytes = mr_grouped_bytes<M40K_TYPE_Q4_K>(bm); break;
-    case M40K_TYPE_Q8_0_G8:
-        fn = mr_grouped_pick<M40K_TYPE_Q8_0_G8>(bm), bytes = mr_grouped_bytes<M40K_TYPE_Q8_0_G8>(bm);
-        break;
-    case M40K_TYPE_Q6_K_G8:
-        fn = mr_grouped_pick<M40K_TYPE_Q6_K_G8>(bm), bytes = mr_grouped_bytes<M40K_TYPE_Q6_K_G8>(bm);
-        break;
-    default: return M40K_INVALID;
-    }
-    const dim3 grid((unsigned)((N + MR_ROWS - 1) / MR_ROWS), (unsigned)max_tiles);
-    fn<<<grid, MQ_WARPS * 32, (size_t)bytes, st>>>((const uint8_t *)w, row_bytes, expert_bytes, n_expert, N, K, x,
-                                                   x_stride, offsets, tiles, y, ldy);
-    return m40k_launch_status();
+    return mr_dispatch(w_type, bm, [&](mr_fn, mr_grouped_fn fn, int, int bytes) {
+        const dim3 grid((unsigned)((N + MR_ROWS - 1) / MR_ROWS), (unsigned)max_tiles);
+        fn<<<grid, MQ_WARPS * 32, (size_t)bytes, st>>>((const uint8_t *)w, row_bytes, expert_bytes, n_expert, N, K, x,
+                                                       x_stride, offsets, tiles, y, ldy);
+        return m40k_launch_status();
+    });
 }
