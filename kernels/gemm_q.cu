@@ -81,7 +81,7 @@ __device__ __forceinline__ uint32_t mq_spread4(uint32_t b) { return ((b & 15u) *
  * the q of m40k_group8 as bytes, t[0..3] elements 0-15 and t[4..7] elements 16-31 (4 a
  * word, in order), and the scale and offset of each half; read with the widest loads each
  * layout's alignment allows, the scales decoded once for all 32. j: Q6_K_G8's superblock
- * within its group (its d). */
+ * within its group (its d; Q6_K_P's d follows its superblock). */
 template <int T>
 __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_t (&t)[8], float (&sc)[2],
                                          float (&off)[2])
@@ -167,7 +167,7 @@ __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_
             t[k] = (v[k] >> sh) & 0x0F0F0F0Fu;
         sc[0] = sc[1] = m40k_h2f((uint16_t)(dm & 0xFFFFu)) * (float)scv;
         off[0] = off[1] = m40k_h2f((uint16_t)(dm >> 16)) * (float)mnv;
-    } else if constexpr (T == M40K_TYPE_Q6_K_G8) {
+    } else if constexpr (T == M40K_TYPE_Q6_K_G8 || T == M40K_TYPE_Q6_K_P) {
         const int n = e >> 7, k = (e & 127) >> 5;
         const uint4 *ql = reinterpret_cast<const uint4 *>(p + 64 * n + 32 * (k & 1));
         const uint4 *qh = reinterpret_cast<const uint4 *>(p + 128 + 32 * n);
@@ -178,7 +178,7 @@ __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_
 #pragma unroll
         for (int i = 0; i < 8; i++)
             t[i] = ((lo[i] >> shl) & 0x0F0F0F0Fu) | (((hi[i] >> shh) & 0x03030303u) << 4);
-        const float d = m40k_h2f((uint16_t)mq_lds16(p + 208 + 2 * j));
+        const float d = m40k_h2f((uint16_t)mq_lds16(p + 208 + (T == M40K_TYPE_Q6_K_G8 ? 2 * j : 0)));
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             sc[h] = d * (float)(int8_t)p[192 + (e >> 4) + h];
@@ -669,6 +669,7 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     X(M40K_TYPE_Q6_K)                                                                                                  \
     X(M40K_TYPE_Q8_0_G8)                                                                                               \
     X(M40K_TYPE_Q6_K_G8)                                                                                               \
+    X(M40K_TYPE_Q6_K_P)                                                                                                \
     X(M40K_TYPE_Q2_K)                                                                                                  \
     X(M40K_TYPE_Q3_K)                                                                                                  \
     X(M40K_TYPE_Q5_K)                                                                                                  \

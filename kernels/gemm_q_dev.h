@@ -56,8 +56,8 @@ __device__ __forceinline__ void mq_mma(float (&c)[4], const uint32_t (&a)[4], ui
  * bytes as the file lays them out, RB bytes a row (a multiple of 16, so cp.async moves
  * them 16 bytes at a time): one superblock of the K-quants, 8 blocks of the 32-element
  * types, one group of Q8_0_G8; Q6_K_G8's superblock (208 bytes) followed by its group's
- * 16 bytes of scales d[8]. 0: the type has no such chunk (plain Q6_K: 210 bytes; Q2_K, Q3_K: 84, 110;
- * MXFP4: 136) or
+ * 16 bytes of scales d[8]; Q6_K_P's padded superblock (224 bytes, its d at 208). 0: the
+ * type has no such chunk (plain Q6_K: 210 bytes; Q2_K, Q3_K: 84, 110; MXFP4: 136) or
  * mq_deq32 does not read it yet (Q5_K, BF16): the direct kernel. */
 #define MQ_KC 256
 template <int T> struct mq_stage {

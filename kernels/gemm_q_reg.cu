@@ -1,6 +1,6 @@
 /* The register kernel of the quantized GEMM (kernels.h 8e) for decode batches of 1..64
- * token rows, in the types of the files people serve (Q4_K, and the regrouped Q8_0_G8 and
- * Q6_K_G8 of Q8_0 and Q4_K_M files): y[t][r] = sum_k W[r][k] x[t][k], the same F16
+ * token rows, in the types of the files people serve (Q4_K, the regrouped Q8_0_G8 and
+ * Q6_K_G8 of Q8_0 and Q4_K_M files, and the padded Q6_K_P of Q6_K experts): y[t][r] = sum_k W[r][k] x[t][k], the same F16
  * weights and F32 sums of F16 products as the shared-memory kernel of gemm_q.cu (twin:
  * m40_ref_gemm_q), summed in another order.
  *
@@ -56,7 +56,7 @@ template <int T, int BM> struct mr_smem {
 
 /* What a lane decodes once per chunk and row: the scales of the row's chunk. */
 struct mr_cs {
-    uint32_t a, b, c, d; /* Q4_K: scales 0-3, 4-7, mins 0-3, 4-7 (a byte each); Q8_0_G8: d[8]; Q6_K_G8: d in a */
+    uint32_t a, b, c, d; /* Q4_K: scales 0-3, 4-7, mins 0-3, 4-7 (a byte each); Q8_0_G8: d[8]; Q6_K_G8, Q6_K_P: d in a */
     float d0, d1;        /* Q4_K: d, dmin */
 };
 
@@ -75,8 +75,8 @@ template <int T> __device__ __forceinline__ mr_cs mr_chunk_scales(const uint8_t 
         const uint4 h = *reinterpret_cast<const uint4 *>(p);
         cs.a = h.x, cs.b = h.y, cs.c = h.z, cs.d = h.w;
         cs.d0 = cs.d1 = 0.0f;
-    } else { /* Q6_K_G8 */
-        cs.a = mq_lds16(p + 208 + 2 * j);
+    } else { /* Q6_K_G8: the group's d[j]; Q6_K_P: the superblock's d */
+        cs.a = mq_lds16(p + 208 + (T == M40K_TYPE_Q6_K_G8 ? 2 * j : 0));
         cs.b = cs.c = cs.d = 0;
         cs.d0 = m40k_h2f((uint16_t)cs.a);
         cs.d1 = 0.0f;
@@ -110,7 +110,7 @@ __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr
         const uint32_t dw = jb < 2 ? cs.a : jb < 4 ? cs.b : jb < 6 ? cs.c : cs.d;
         sc = m40k_h2f((uint16_t)(dw >> (16 * (jb & 1))));
         off = 128.0f * sc;
-    } else { /* Q6_K_G8: superblock ql[128] | qh[64] | scales[16] (quant_dev.h) */
+    } else { /* Q6_K_G8, Q6_K_P: superblock ql[128] | qh[64] | scales[16] (quant_dev.h) */
         const int n = s >> 2, k = s & 3;
         const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
         const uint2 hi = *reinterpret_cast<const uint2 *>(p + 128 + 32 * n + l);
@@ -271,7 +271,8 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_grou
 
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
 {
-    return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8) && M >= 1 &&
+    return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8 ||
+            w_type == M40K_TYPE_Q6_K_P) && M >= 1 &&
            M <= 64 && K % (w_type == M40K_TYPE_Q6_K_G8 ? 2048 : MQ_KC) == 0 && row_bytes % 16 == 0 &&
            ((uintptr_t)w & 15) == 0;
 }
@@ -296,6 +297,8 @@ int mr_prepare(void)
             e = mr_prepare_type<M40K_TYPE_Q8_0_G8>();
         if (!e)
             e = mr_prepare_type<M40K_TYPE_Q6_K_G8>();
+        if (!e)
+            e = mr_prepare_type<M40K_TYPE_Q6_K_P>();
         return e;
     });
 }
@@ -325,6 +328,7 @@ template <typename F> static int mr_dispatch(int w_type, int M, F f)
     case M40K_TYPE_Q4_K: return mr_with<M40K_TYPE_Q4_K>(M, f);
     case M40K_TYPE_Q8_0_G8: return mr_with<M40K_TYPE_Q8_0_G8>(M, f);
     case M40K_TYPE_Q6_K_G8: return mr_with<M40K_TYPE_Q6_K_G8>(M, f);
+    case M40K_TYPE_Q6_K_P: return mr_with<M40K_TYPE_Q6_K_P>(M, f);
     default: return M40K_INVALID;
     }
 }

@@ -2,8 +2,8 @@
  * moe.cu): per type the segment a warp stages (SEG elements) and the sub-block scales it
  * decodes once a segment (NSC), the group decode gf_group (lane l's 8 elements 8l + 256i of
  * a staged segment as floats f with contribution A*sum(f*x) + C*sum(x)) and gf_scales.
- * The staged segment starts at byte off of the buffer (0 for F16, BF16 and Q4_K, whose rows
- * the callers keep 16-byte aligned; any for the others). */
+ * The staged segment starts at byte off of the buffer (0 for F16, BF16, Q4_K and Q6_K_P,
+ * whose rows the callers keep 16-byte aligned; any for the others). */
 #ifndef M40_GEMV_FAST_DEV_H
 #define M40_GEMV_FAST_DEV_H
 
@@ -16,6 +16,7 @@ template <> struct gf_cfg<M40K_TYPE_Q8_0> { enum { SEG = 1024, NSC = 0 }; };
 template <> struct gf_cfg<M40K_TYPE_Q4_0> { enum { SEG = 2048, NSC = 0 }; };
 template <> struct gf_cfg<M40K_TYPE_Q4_K> { enum { SEG = 2048, NSC = 64 }; };  /* (A, C) per 32-sub-block */
 template <> struct gf_cfg<M40K_TYPE_Q6_K> { enum { SEG = 1024, NSC = 64 }; };  /* A per 16-sub-block */
+template <> struct gf_cfg<M40K_TYPE_Q6_K_P> { enum { SEG = 1024, NSC = 64 }; }; /* the experts' GEMV only */
 template <> struct gf_cfg<M40K_TYPE_MXFP4> { enum { SEG = 1024, NSC = 0 }; }; /* the experts' GEMV only */
 
 template <int T> struct gf_dims {
@@ -114,11 +115,17 @@ __device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2
         }
         const float2 ac = sc[8 * i + (lane >> 2)];
         A = ac.x, C = ac.y;
-    } else if (T == M40K_TYPE_Q6_K) {
+    } else if (T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P) {
         const int n = lane >> 4, r = 8 * (lane & 15), k = r >> 5, l = r & 31;
-        const int bo = off + 210 * i;
-        const uint2 ql = gf_ld8(p, bo + 64 * n + l + 32 * (k & 1));
-        const uint2 qh = gf_ld8(p, bo + 128 + 32 * n + l);
+        const int bo = off + m40k_tinfo<T>::BB * i;
+        uint2 ql, qh;
+        if (T == M40K_TYPE_Q6_K_P) { /* off == 0, 224-byte superblocks: 8-byte loads */
+            ql = *reinterpret_cast<const uint2 *>(p + bo + 64 * n + l + 32 * (k & 1));
+            qh = *reinterpret_cast<const uint2 *>(p + bo + 128 + 32 * n + l);
+        } else {
+            ql = gf_ld8(p, bo + 64 * n + l + 32 * (k & 1));
+            qh = gf_ld8(p, bo + 128 + 32 * n + l);
+        }
         const int shl = k < 2 ? 0 : 4, shh = 2 * k;
         const uint32_t ux =
             (((ql.x >> shl) & 0x0F0F0F0Fu) | (((qh.x >> shh) & 0x03030303u) << 4)) * 2u + 0x80808080u;
@@ -196,11 +203,11 @@ __device__ __forceinline__ void gf_scales(const uint8_t *p, int off, float2 *sc,
             const float a = d * (float)scv, m = dmin * (float)mnv;
             sc[idx] = make_float2(16.0f * a, -(16.0f * a + m));
         }
-    } else if (T == M40K_TYPE_Q6_K) {
+    } else if (T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P) {
 #pragma unroll
         for (int idx = lane; idx < gf_cfg<T>::NSC; idx += 32) {
             const int blk = idx >> 4, t = idx & 15;
-            const uint8_t *b = p + off + 210 * blk;
+            const uint8_t *b = p + off + m40k_tinfo<T>::BB * blk;
             const float d = m40k_h2f((uint16_t)(b[208] | (b[209] << 8)));
             sc[idx] = make_float2(64.0f * d * (float)(int8_t)b[192 + t], 0.0f);
         }

@@ -948,3 +948,17 @@ extern "C" int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, i
         }
     return 0;
 }
+
+extern "C" int m40k_repack_q6_k_p(const void *src, void *dst, int64_t rows, int64_t K)
+{
+    if (K <= 0 || K % 256 || rows < 0)
+        return M40K_INVALID;
+    const size_t blocks = (size_t)rows * (size_t)(K / 256);
+    const uint8_t *s = (const uint8_t *)src;
+    uint8_t *d = (uint8_t *)dst;
+    for (size_t b = 0; b < blocks; b++, s += 210, d += 224) {
+        memcpy(d, s, 210);
+        memset(d + 210, 0, 14);
+    }
+    return 0;
+}

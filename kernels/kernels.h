@@ -54,7 +54,9 @@ enum {
     /* Device-only layouts (never in a GGUF file): the same blocks regrouped by 8 so that
      * every piece the int8 GEMV reads starts 16-byte aligned (m40k_repack_g8). */
     M40K_TYPE_Q8_0_G8 = 1008,
-    M40K_TYPE_Q6_K_G8 = 1014
+    M40K_TYPE_Q6_K_G8 = 1014,
+    /* Q6_K superblocks padded to 224 bytes (m40k_repack_q6_k_p) */
+    M40K_TYPE_Q6_K_P = 2014
 };
 
 /* 0. Regrouped layouts. GGUF's Q8_0 (34-byte) and Q6_K (210-byte) blocks start at any
@@ -70,6 +72,17 @@ enum {
  * M40K_INVALID when there is no such layout. Host functions, no device work. */
 int m40k_g8_type(int t, int64_t K);
 int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, int64_t K);
+/* Q6_K_P (224 B / 256 elements): a Q6_K superblock (ql | qh | scales | d, 210 bytes)
+ * followed by 14 zero bytes, so that every superblock of every row starts 16-byte
+ * aligned whatever K (a multiple of 256). For the matrices whose rows Q6_K_G8 cannot
+ * regroup (K not a multiple of 2048: the experts' down rows of Qwen3-30B-A3B, 768 wide),
+ * which the 16-byte copies of the quantized GEMM's register and staged kernels could not
+ * read otherwise (6.7% more bytes than the file's). Rows are K/256 * 224 bytes: NOT the
+ * file's row length. The expert kernels (10c, 10d, 10g) and the quantized GEMM (8e) read
+ * it. m40k_repack_q6_k_p: rows of K elements of Q6_K (src, packed) into dst in Q6_K_P
+ * (dst holds rows * K/256 * 224 bytes; no overlap); M40K_INVALID where K is not a
+ * positive multiple of 256. Host function, no device work. */
+int m40k_repack_q6_k_p(const void *src, void *dst, int64_t rows, int64_t K);
 
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
  * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 or a regrouped layout (0.) (dim a
@@ -462,8 +475,8 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
 /* 8e. Quantized GEMM on the tensor cores (kernels/gemm_q.cu) for products of 9 and more
  * token rows, decode batches and prefill chunks alike: y[t*ldy + r] = sum_k W[r][k] *
  * x[t*x_stride + k], r < N, t < M. W: rows of K elements of w_type packed (F16, Q8_0, Q4_0,
- * Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 (direct kernel), Q8_0_G8, Q6_K_G8:
- * m40k_gemm_q_supported; BF16 values are rounded to F16), K a multiple of
+ * Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16, MXFP4 (direct kernel), Q8_0_G8, Q6_K_G8,
+ * Q6_K_P: m40k_gemm_q_supported; BF16 values are rounded to F16), K a multiple of
  * the type's block (and of 8); any alignment. x F16, 16-byte aligned, x_stride a multiple
  * of 8. Each weight is dequantized in shared memory to F16(q * F16(scale) - F16(offset))
  * (one F16 fused multiply-add; q, scale and offset of its group as in quant_dev.h): for
@@ -483,8 +496,8 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
  *     later call up to that size on one stream).
  * The split sums are added in a fixed order: results do not depend on timing.
  * Two kernels (m40k_gemm_q_kernel says which takes a product): products of 1..64 token
- * rows in Q4_K, Q8_0_G8 and Q6_K_G8 with aligned rows (K a multiple of 256, 2048 for
- * Q6_K_G8) take the register kernel (gemm_q_reg.cu: the weights formed straight into the
+ * rows in Q4_K, Q8_0_G8, Q6_K_G8 and Q6_K_P with aligned rows (K a multiple of 256, 2048
+ * for Q6_K_G8) take the register kernel (gemm_q_reg.cu: the weights formed straight into the
  * mma fragments); everything else the shared-memory tile kernel (staged or direct, as
  * above). Same weights, same F32 sums of F16 products; the order of the sums differs
  * between the two kernels (and is fixed within each).
@@ -635,7 +648,7 @@ int m40k_moe_topk(const float *logits, int n_tokens, int n_expert, int k, int ga
  * uc = clamp(u, -7, 7): gc * sigmoid(1.702 * gc) * (uc + 1). Biases may be NULL (0). A
  * pair whose id is out of range gets a zero row. Only the chosen experts' rows are read.
  * W_gate and W_up: the same w_type (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
- * Q4_K, Q5_K, Q6_K, MXFP4), n_expert matrices of n_ff x dim; dim a multiple of the block
+ * Q4_K, Q5_K, Q6_K, Q6_K_P, MXFP4), n_expert matrices of n_ff x dim; dim a multiple of the block
  * (8 for F16 / BF16), x 16-byte aligned, x_stride a multiple of 4. n_tokens * k pairs.
  * 10d. The down projection with the weighted sum over the token's experts:
  *   out[t*out_stride + n] = (accumulate ? out[..] : 0) +
@@ -645,8 +658,8 @@ int m40k_moe_topk(const float *logits, int n_tokens, int n_expert, int k, int ga
  * h_stride a multiple of 4. accumulate adds into out (the residual, or a shared expert's
  * output). Twins: m40_ref_moe_gate_up, m40_ref_moe_down.
  * Both are launched with programmatic dependent launch where their fast kernels take the
- * type (F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, MXFP4; 16-byte aligned matrices, and rows of
- * 16-byte multiples for F16, BF16, Q4_K): the gate/up kernel waits for the kernel before it
+ * type (F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, Q6_K_P, MXFP4; 16-byte aligned matrices, and rows
+ * of 16-byte multiples for F16, BF16, Q4_K, Q6_K_P): the gate/up kernel waits for the kernel before it
  * first; the down kernel reads ids BEFORE its wait (its first weight rows load while the
  * gate/up kernel ends), so ids must not be the output of the kernel launched just before
  * m40k_moe_down (in the pipeline router -> top-k -> gate/up -> down they are top-k's). */
@@ -685,7 +698,7 @@ int m40k_moe_gather_f16(const float *x, int64_t x_stride, int dim, const int32_t
  *   y[i*ldy + r] = sum_c W[e][r][c] * x[i*x_stride + c],  r < N,
  * with m40k_gemm_q's weights and sums (8e; its types, MXFP4 included; twin:
  * m40_ref_gemm_q per expert): tiles of 16-64 rows (bm) in the register kernel's types
- * (Q4_K, Q8_0_G8, Q6_K_G8 with aligned rows and expert matrices) on its grouped kernel,
+ * (Q4_K, Q8_0_G8, Q6_K_G8, Q6_K_P with aligned rows and expert matrices) on its grouped kernel,
  * everything else on the shared-memory kernel, staged or direct as there. tiles /
  * max_tiles / bm as m40k_moe_group wrote them with the same bm. x 16-byte aligned,
  * x_stride a multiple of 8 and >= K. m40k_moe_gemm_q_tune(reg_rows): tiles of up to

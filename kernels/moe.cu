@@ -433,7 +433,7 @@ __global__ __launch_bounds__(MG_WARPS * 32) void moe_down_kernel(const uint8_t *
  * output rows; or one output row of 4 experts), the work a warp does being a sequence of
  * (round, segment) units whose loads go out one unit ahead: the next round's rows load
  * while this one's last segment is summed. Types: F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K,
- * MXFP4 (rows 16-byte aligned for F16, BF16, Q4_K; any row for the others). */
+ * Q6_K_P, MXFP4 (rows 16-byte aligned for F16, BF16, Q4_K, Q6_K_P; any row for the others). */
 #define MF_R 4
 
 template <int T> struct mf_dims {
@@ -658,10 +658,10 @@ __global__ __launch_bounds__(MG_WARPS * 32) void moe_down_fast_kernel(const uint
 template <int T> static bool mf_takes(const void *w, size_t row_bytes)
 {
     constexpr bool typed = T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                           T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_MXFP4;
+                           T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4;
     if (!typed || ((uintptr_t)w & 15))
         return false;
-    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q4_K)
+    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K_P)
         return row_bytes % 16 == 0;
     return true;
 }
@@ -680,6 +680,7 @@ template <int T> static bool mf_takes(const void *w, size_t row_bytes)
     X(M40K_TYPE_Q4_K, 256)                                                                                             \
     X(M40K_TYPE_Q5_K, 256)                                                                                             \
     X(M40K_TYPE_Q6_K, 256)                                                                                             \
+    X(M40K_TYPE_Q6_K_P, 256)                                                                                           \
     X(M40K_TYPE_MXFP4, 32)
 
 /* Launches of the fast kernels (only instantiated for their types). */
@@ -689,7 +690,7 @@ static int mg_fast_gate_up(const void *wg, const void *wu, int n_expert, int n_f
                             int k, float *h, int64_t hs, cudaStream_t st)
 {
     if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_MXFP4) {
+                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4) {
         const size_t rb = (size_t)dim / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
         const dim3 grid((unsigned)((n_ff + 2 * MG_WARPS - 1) / (2 * MG_WARPS)), (unsigned)(n_tokens * k));
         return m40k_launch_pdl(moe_gate_up_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wg,
@@ -703,7 +704,7 @@ static int mg_fast_down(const void *wd, int n_expert, int dim, int n_ff, const f
                          cudaStream_t st)
 {
     if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_MXFP4) {
+                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4) {
         const size_t rb = (size_t)n_ff / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
         const dim3 grid((unsigned)((dim + MG_WARPS - 1) / MG_WARPS), (unsigned)n_tokens);
         return m40k_launch_pdl(moe_down_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wd, rb,

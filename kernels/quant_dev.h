@@ -21,7 +21,8 @@
  *                      levels 0, 1, 2, 3, 4, 6, 8, 12 with the sign in bit 3, times
  *                      2^(e - 128)): q the SIGNED level (-12..12), scale 2^(e - 128) and
  *                      offset 0, the one type whose q can be negative
- * and the regrouped device layouts of kernels.h (0.): Q8_0_G8, Q6_K_G8.
+ * and the device layouts of kernels.h (0.): Q8_0_G8, Q6_K_G8 (regrouped), Q6_K_P (Q6_K
+ * padded to 224 bytes a superblock).
  * A group of 8 (first element e0, a multiple of 8) always lies in one scale sub-block,
  * so it comes back as small integers q[8] with one scale and one offset:
  * w[i] = scale * q[i] - offset. Sums of q*x are then scaled once per group. */
@@ -46,6 +47,7 @@ template <> struct m40k_tinfo<M40K_TYPE_BF16> { enum { BE = 1, BB = 2 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K> { enum { BE = 256, BB = 210 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q8_0_G8> { enum { BE = 256, BB = 272 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K_G8> { enum { BE = 2048, BB = 1680 }; };
+template <> struct m40k_tinfo<M40K_TYPE_Q6_K_P> { enum { BE = 256, BB = 224 }; };
 template <> struct m40k_tinfo<M40K_TYPE_MXFP4> { enum { BE = 32, BB = 17 }; };
 
 /* MXFP4: nibble v as its signed doubled E2M1 level (the magnitudes 0,1,2,3 | 4,6,8,12 are
@@ -184,11 +186,11 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
             q[i] = m40k_u8f(g[16 + 32 * j + l + i] ^ 0x80u); /* int8 + 128 */
         scale = m40k_ldh(g + 2 * j);
         offset = 128.0f * scale;
-    } else if (T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_G8) {
+    } else if (T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_G8 || T == M40K_TYPE_Q6_K_P) {
         /* b: the superblock's ql | qh | scales; dp: its d */
         const uint8_t *b, *dp;
-        if (T == M40K_TYPE_Q6_K) {
-            b = p + 210 * (e0 >> 8);
+        if (T != M40K_TYPE_Q6_K_G8) {
+            b = p + m40k_tinfo<T>::BB * (e0 >> 8);
             dp = b + 208;
         } else {
             const uint8_t *g = p + 1680 * (e0 >> 11);

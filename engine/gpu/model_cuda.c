@@ -410,25 +410,74 @@ static int64_t moe_block(int t)
     case M40K_TYPE_Q3_K:
     case M40K_TYPE_Q4_K:
     case M40K_TYPE_Q5_K:
-    case M40K_TYPE_Q6_K: return 256;
+    case M40K_TYPE_Q6_K:
+    case M40K_TYPE_Q6_K_P: return 256;
     default: return 0;
     }
 }
 
-/* An expert tensor (n_experts matrices seen as one, model_gpu.h) on the device as the
- * file has it (GGUF layout, never regrouped: the expert kernels read those layouts), or
- * converted to F16 (as_f16: a type they do not read, or gate and up of different types,
- * which kernels.h 10c multiplies with one type). */
+/* The device type of an expert tensor: F16 where it is converted (as_f16: a type the
+ * expert kernels do not read, or gate and up of different types, which kernels.h 10c
+ * multiplies with one type); Q6_K padded to Q6_K_P (kernels.h 0.: its 210-byte
+ * superblocks at rows of 768, Qwen3-30B-A3B's down experts, start at any even offset, and
+ * the register and staged kernels of the grouped product copy 16 bytes at a time;
+ * M40_MOE_PAD=0 keeps the file's layout); the file's type otherwise (never regrouped: the
+ * expert GEMVs do not read the G8 layouts). */
+static int experts_type(const m40_gpu *g, const m40_matrix *m, int as_f16)
+{
+    if (as_f16)
+        return M40K_TYPE_F16;
+    if (m->type == M40_TYPE_Q6_K && g->moe_pad)
+        return M40K_TYPE_Q6_K_P;
+    return (int)m->type;
+}
+
+/* Bytes of a row of an expert tensor on the device. */
+static size_t experts_row_bytes(const m40_gpu *g, const m40_matrix *m, int as_f16)
+{
+    switch (experts_type(g, m, as_f16)) {
+    case M40K_TYPE_F16: return (size_t)m->cols * 2;
+    case M40K_TYPE_Q6_K_P: return (size_t)m->cols / 256 * 224;
+    default: return m->row_bytes;
+    }
+}
+
+/* Device bytes of an expert tensor (upload_experts). */
+static size_t experts_bytes(const m40_gpu *g, const m40_matrix *m, int as_f16)
+{
+    return experts_row_bytes(g, m, as_f16) * (size_t)m->rows;
+}
+
+/* rows r0..r1 of Q6_K padded to Q6_K_P */
+static int fill_q6_k_p(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch)
+{
+    (void)scratch;
+    for (int64_t r = r0; r < r1; r++)
+        if (m40k_repack_q6_k_p(m->data + (size_t)r * m->row_bytes, stage + (size_t)(r - r0) * (m->cols / 256 * 224),
+                               1, m->cols))
+            return -1;
+    return 0;
+}
+
+/* An expert tensor (n_experts matrices seen as one, model_gpu.h) on the device in
+ * experts_type's layout. */
 static int upload_experts(uploader *u, const m40_matrix *m, int as_f16, gmat *out, char *err, size_t errlen)
 {
     m40_gpu *g = u->g;
-    const size_t bytes = as_f16 ? (size_t)m->rows * (size_t)m->cols * 2 : m->row_bytes * (size_t)m->rows;
+    const int type = experts_type(g, m, as_f16);
+    const size_t rb = experts_row_bytes(g, m, as_f16), bytes = rb * (size_t)m->rows;
     void *buf;
     if (dev_alloc(g, &buf, bytes, err, errlen, "expert weights"))
         return -1;
-    *out = (gmat){.data = buf, .type = as_f16 ? M40K_TYPE_F16 : (int)m->type, .rows = m->rows, .cols = m->cols,
-                  .row_bytes = as_f16 ? (size_t)m->cols * 2 : m->row_bytes};
-    if (as_f16 ? upload_converted(u, buf, m) : upload_bytes(u, buf, m->data, bytes)) {
+    *out = (gmat){.data = buf, .type = type, .rows = m->rows, .cols = m->cols, .row_bytes = rb};
+    int rc;
+    if (type == M40K_TYPE_F16)
+        rc = upload_converted(u, buf, m);
+    else if (type == M40K_TYPE_Q6_K_P)
+        rc = upload_rows(u, buf, m, rb, fill_q6_k_p, NULL);
+    else
+        rc = upload_bytes(u, buf, m->data, bytes);
+    if (rc) {
         m40_set_err(err, errlen, "gpu %d: expert weight upload failed: %s", g->device, cudaGetErrorString(u->status));
         return -1;
     }
@@ -437,12 +486,6 @@ static int upload_experts(uploader *u, const m40_matrix *m, int as_f16, gmat *ou
 
 /* Whether an expert tensor stays in its file type on the device (else F16). */
 static int experts_native(const m40_matrix *m) { return gpu_type_native(m->type) && moe_block((int)m->type) > 0; }
-
-/* Device bytes of an expert tensor (upload_experts). */
-static size_t experts_bytes(const m40_matrix *m, int as_f16)
-{
-    return as_f16 ? (size_t)m->rows * (size_t)m->cols * 2 : m->row_bytes * (size_t)m->rows;
-}
 
 /* The router as F32 on the device (kernels.h 10a reads F32; GGUF keeps it in F32, any
  * other type is dequantized here). */
@@ -666,6 +709,8 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     {
         /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); M40_G8=0: as in the file */
         g->g8 = t->g8;
+        /* Q6_K experts padded to Q6_K_P (experts_type); M40_MOE_PAD=0: as in the file */
+        g->moe_pad = t->moe_pad;
     }
     {
         g->skinny = prop.major >= 8 && t->skinny;
@@ -735,8 +780,8 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         if (L->router.data) {
             const int gu_f16 = !experts_native(&L->exp_gate) || !experts_native(&L->exp_up) ||
                                L->exp_gate.type != L->exp_up.type;
-            u.total += experts_bytes(&L->exp_gate, gu_f16) + experts_bytes(&L->exp_up, gu_f16) +
-                       experts_bytes(&L->exp_down, !experts_native(&L->exp_down));
+            u.total += experts_bytes(g, &L->exp_gate, gu_f16) + experts_bytes(g, &L->exp_up, gu_f16) +
+                       experts_bytes(g, &L->exp_down, !experts_native(&L->exp_down));
         }
     }
     if (log_progress)

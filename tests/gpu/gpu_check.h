@@ -104,4 +104,32 @@ static inline void compare(const char *what, const float *g, const float *c, siz
     }
 }
 
+/* The device layouts of kernels.h 0. in the tests: the GGUF type whose bytes a layout
+ * rewrites (the twins read that type), the suffix a test name gives it, and a matrix of
+ * rows x K of the base type rewritten into it (kernels.h must be included before). */
+#ifdef M40_KERNELS_H
+static inline int dev_base(int type)
+{
+    return type == M40K_TYPE_Q8_0_G8                                      ? M40K_TYPE_Q8_0
+           : type == M40K_TYPE_Q6_K_G8 || type == M40K_TYPE_Q6_K_P ? M40K_TYPE_Q6_K
+                                                                          : type;
+}
+static inline const char *dev_suffix(int type)
+{
+    return type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8 ? "_G8" : type == M40K_TYPE_Q6_K_P ? "_P" : "";
+}
+static inline std::vector<uint8_t> dev_layout(int type, const std::vector<uint8_t> &w, int64_t rows, int64_t K)
+{
+    if (type == M40K_TYPE_Q6_K_P) {
+        std::vector<uint8_t> p((size_t)rows * (size_t)(K / 256) * 224);
+        CK(m40k_repack_q6_k_p(w.data(), p.data(), rows, K) == 0 ? cudaSuccess : cudaErrorInvalidValue);
+        return p;
+    }
+    std::vector<uint8_t> d = w;
+    if (type != dev_base(type))
+        CK(m40k_repack_g8(dev_base(type), w.data(), d.data(), rows, K) == 0 ? cudaSuccess : cudaErrorInvalidValue);
+    return d;
+}
+#endif
+
 #endif

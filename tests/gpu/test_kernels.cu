@@ -1084,14 +1084,16 @@ static void test_gemm_q(void)
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int types[] = {M40K_TYPE_F16,  M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q4_1,    M40K_TYPE_Q5_0,
                          M40K_TYPE_Q5_1, M40K_TYPE_Q4_K, M40K_TYPE_Q6_K, M40K_TYPE_Q8_0_G8, M40K_TYPE_Q6_K_G8,
-                         M40K_TYPE_Q2_K, M40K_TYPE_Q3_K, M40K_TYPE_Q5_K, M40K_TYPE_BF16};
+                         M40K_TYPE_Q6_K_P, M40K_TYPE_Q2_K, M40K_TYPE_Q3_K, M40K_TYPE_Q5_K, M40K_TYPE_BF16};
     for (int type : types) {
-        const bool g8 = type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8;
-        const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : type;
+        const int base = dev_base(type);
+        const char *sfx = dev_suffix(type);
         const int be = m40_type_get((uint32_t)base)->block_elems;
         std::vector<int> Ks;
         if (type == M40K_TYPE_Q6_K_G8)
             Ks = {2048, 4096};
+        else if (type == M40K_TYPE_Q6_K_P)
+            Ks = {256, 768, 256 * 5}; /* 768: the experts' down rows of Qwen3-30B-A3B */
         else if (be == 256 || type == M40K_TYPE_Q8_0_G8)
             Ks = {256, 256 * 5};
         else
@@ -1101,9 +1103,7 @@ static void test_gemm_q(void)
                 for (int M : {1, 5, 9, 16, 27, 33, 64, 65, 130}) {
                     const int64_t xs = K + 8, ldy = N + 3;
                     std::vector<uint8_t> w = quant_matrix(base, N, K);
-                    std::vector<uint8_t> wd = w;
-                    if (g8)
-                        CK(m40k_repack_g8(base, w.data(), wd.data(), N, K));
+                    std::vector<uint8_t> wd = dev_layout(type, w, N, K);
                     std::vector<float> xf = rand_vec((size_t)M * xs);
                     std::vector<uint16_t> x(xf.size());
                     for (size_t i = 0; i < xf.size(); i++)
@@ -1130,7 +1130,7 @@ static void test_gemm_q(void)
                                            type != M40K_TYPE_Q3_K && type != M40K_TYPE_Q5_K;
                         char what[128];
                         snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d %s", m40_type_name(base),
-                                 g8 ? "_G8" : "", N, K, takes ? "runs" : "refuses");
+                                 sfx, N, K, takes ? "runs" : "refuses");
                         check(what, takes ? e == 0 : e != 0);
                         if (takes && e == 0) {
                             std::vector<uint16_t> got = back(dq, (size_t)N * K), ref((size_t)N * K);
@@ -1145,7 +1145,7 @@ static void test_gemm_q(void)
                                         far++;
                                 }
                             snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d: %zu of %zu one ulp off",
-                                     m40_type_name(base), g8 ? "_G8" : "", N, K, off1, got.size());
+                                     m40_type_name(base), sfx, N, K, off1, got.size());
                             check(what, far == 0 && off1 * 1000 <= got.size());
                         }
                         cudaFree(dq);
@@ -1161,7 +1161,7 @@ static void test_gemm_q(void)
                     for (int S : {1, pick, maxS}) {
                         char what[128];
                         snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d", m40_type_name(base),
-                                 g8 ? "_G8" : "", N, K, M, S);
+                                 sfx, N, K, M, S);
                         const std::vector<float> g = check_split_run(
                             what, [&] { CK(m40k_gemm_q(dw, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0)); }, dy, c,
                             M, N, ldy, (float)(2e-6 * mag), 1e-4f, dcnt, m40k_gemm_q_counter_ints(N, M));
@@ -1184,7 +1184,7 @@ static void test_gemm_q(void)
                                     for (int64_t r = N; r < ldy; r++)
                                         g3[(size_t)t * ldy + r] = 0.0f;
                                 snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: W+2 (direct)",
-                                         m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                                         m40_type_name(base), sfx, N, K, M, S);
                                 compare(what, g3.data(), c.data(), c.size(), (float)(2e-6 * mag), 1e-4f);
                             } else {
                                 bool same3 = true;
@@ -1193,7 +1193,7 @@ static void test_gemm_q(void)
                                         same3 = same3 &&
                                                 memcmp(&g3[(size_t)t * ldy + r], &g[(size_t)t * ldy + r], 4) == 0;
                                 snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d: W+2 same bits",
-                                         m40_type_name(base), g8 ? "_G8" : "", N, K, M, S);
+                                         m40_type_name(base), sfx, N, K, M, S);
                                 check(what, same3);
                             }
                             cudaFree(dw2);
@@ -1592,6 +1592,19 @@ static void test_gemv_q8(void)
     check("repack_g8 refuses a type or K without a layout",
           m40k_repack_g8(M40K_TYPE_Q4_K, hb, hb + 32, 1, 256) == bad &&
               m40k_repack_g8(M40K_TYPE_Q6_K, hb, hb + 32, 1, 256) == bad);
+    {
+        /* Q6_K_P: each 210-byte superblock, then 14 zero bytes; K not a multiple of 256 refused */
+        std::vector<uint8_t> q(2 * 3 * 210), p(2 * 3 * 224, 0xAB);
+        for (auto &v : q)
+            v = (uint8_t)rnd32();
+        bool same = m40k_repack_q6_k_p(q.data(), p.data(), 2, 768) == 0;
+        for (int b = 0; b < 6; b++)
+            for (int i = 0; i < 224; i++)
+                same = same && p[(size_t)224 * b + i] == (i < 210 ? q[(size_t)210 * b + i] : 0);
+        check("repack_q6_k_p: 2 rows of 768, superblocks padded with zeros", same);
+        check("repack_q6_k_p refuses K 100 and K 0", m40k_repack_q6_k_p(q.data(), p.data(), 1, 100) == bad &&
+                                                          m40k_repack_q6_k_p(q.data(), p.data(), 1, 0) == bad);
+    }
     uint8_t *dw;
     void *dws;
     float *dy;

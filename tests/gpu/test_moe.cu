@@ -214,15 +214,16 @@ static std::vector<int32_t> random_ids(int T, int k, int E, bool bad)
     return ids;
 }
 
-static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0, M40K_TYPE_Q5_1,
-                                 M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K, M40K_TYPE_MXFP4};
+static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0,   M40K_TYPE_Q5_1,
+                                 M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K, M40K_TYPE_Q6_K_P, M40K_TYPE_MXFP4};
 
 static void test_expert_gemv(void)
 {
     struct { int E, k, T; bool bad; } cases[] = {{1, 1, 1, false}, {4, 2, 1, false}, {32, 4, 1, false},
                                                  {128, 8, 1, false}, {256, 8, 3, true}, {7, 3, 5, false}};
     for (int type : gemv_types) {
-        const int be = m40_type_get((uint32_t)type)->block_elems;
+        const int base = dev_base(type); /* the twins read the GGUF type, the kernels its device layout */
+        const int be = m40_type_get((uint32_t)base)->block_elems;
         for (auto cs : cases) {
             const int E = cs.E, k = cs.k, T = cs.T, P = T * k;
             /* dims: odd block counts, more than a 1024-element segment where the experts are
@@ -230,14 +231,15 @@ static void test_expert_gemv(void)
             const bool many = E >= 64;
             const int dim = be == 256 ? (many ? 512 : 256 * 5) : be == 32 ? (many ? 32 * 13 : 32 * 37) : (many ? 8 * 67 : 8 * 131);
             const int n_ff = be == 256 ? (many ? 256 : 256 * 3) : be == 32 ? (many ? 32 * 5 : 32 * 9) : 8 * 21;
-            std::vector<uint8_t> wg = quant_matrix(type, E * n_ff, dim), wu = quant_matrix(type, E * n_ff, dim),
-                                 wd = quant_matrix(type, E * dim, n_ff);
+            std::vector<uint8_t> wg = quant_matrix(base, E * n_ff, dim), wu = quant_matrix(base, E * n_ff, dim),
+                                 wd = quant_matrix(base, E * dim, n_ff);
             std::vector<float> gb = rand_vec((size_t)E * n_ff), ub = rand_vec((size_t)E * n_ff),
                                db = rand_vec((size_t)E * dim);
             const int64_t xs = dim + 4, hs = n_ff + 8, os = dim + 1;
             std::vector<float> x = rand_vec((size_t)T * xs), w = rand_vec((size_t)P, 0.0f, 1.0f);
             std::vector<int32_t> ids = random_ids(T, k, E, cs.bad);
-            uint8_t *dwg = dup(wg), *dwu = dup(wu), *dwd = dup(wd);
+            uint8_t *dwg = dup(dev_layout(type, wg, E * n_ff, dim)), *dwu = dup(dev_layout(type, wu, E * n_ff, dim)),
+                    *dwd = dup(dev_layout(type, wd, E * dim, n_ff));
             float *dgb = dup(gb), *dub = dup(ub), *ddb = dup(db), *dx = dup(x), *dw = dup(w), *dh, *dout;
             int32_t *dids = dup(ids);
             CK(cudaMalloc(&dh, (size_t)P * hs * 4));
@@ -247,14 +249,14 @@ static void test_expert_gemv(void)
                 CK(m40k_moe_gate_up(dwg, dwu, type, E, n_ff, dim, bias ? dgb : nullptr, bias ? dub : nullptr, act, dx,
                                     xs, dids, T, k, dh, hs, 0));
                 std::vector<float> gh = back(dh, (size_t)P * hs), ch((size_t)P * hs, 0.0f);
-                m40_ref_moe_gate_up(wg.data(), wu.data(), type, E, n_ff, dim, bias ? gb.data() : nullptr,
+                m40_ref_moe_gate_up(wg.data(), wu.data(), base, E, n_ff, dim, bias ? gb.data() : nullptr,
                                     bias ? ub.data() : nullptr, act, x.data(), xs, ids.data(), T, k, ch.data(), hs);
                 for (int p = 0; p < P; p++) /* the stride's padding is not written */
                     for (int n = n_ff; n < hs; n++)
                         gh[(size_t)p * hs + n] = ch[(size_t)p * hs + n] = 0.0f;
                 char what[128];
-                snprintf(what, sizeof what, "moe_gate_up %s E %d k %d T %d %s%s", m40_type_name(type), E, k, T,
-                         act ? "swiglu_oai+bias" : "silu", cs.bad ? " bad ids" : "");
+                snprintf(what, sizeof what, "moe_gate_up %s%s E %d k %d T %d %s%s", m40_type_name(base),
+                         dev_suffix(type), E, k, T, act ? "swiglu_oai+bias" : "silu", cs.bad ? " bad ids" : "");
                 compare_scaled(what, gh, ch, 2e-5);
                 /* down on the twin's h (same input on both sides) */
                 float *dch = dup(ch);
@@ -264,10 +266,10 @@ static void test_expert_gemv(void)
                     CK(m40k_moe_down(dwd, type, E, dim, n_ff, bias ? ddb : nullptr, dch, hs, dids, dw, T, k, dout, os,
                                      acc, 0));
                     std::vector<float> go = back(dout, o0.size()), co = o0;
-                    m40_ref_moe_down(wd.data(), type, E, dim, n_ff, bias ? db.data() : nullptr, ch.data(), hs,
+                    m40_ref_moe_down(wd.data(), base, E, dim, n_ff, bias ? db.data() : nullptr, ch.data(), hs,
                                      ids.data(), w.data(), T, k, co.data(), os, acc);
-                    snprintf(what, sizeof what, "moe_down %s E %d k %d T %d%s%s", m40_type_name(type), E, k, T,
-                             bias ? " +bias" : "", acc ? " accumulate" : "");
+                    snprintf(what, sizeof what, "moe_down %s%s E %d k %d T %d%s%s", m40_type_name(base),
+                             dev_suffix(type), E, k, T, bias ? " +bias" : "", acc ? " accumulate" : "");
                     compare_scaled(what, go, co, 2e-5);
                 }
                 cudaFree(dch);
@@ -322,14 +324,19 @@ static void test_batched(void)
         {M40K_TYPE_Q6_K, 17, 8, 16, M40K_GLU_SILU},         {M40K_TYPE_F16, 25, 3, 5, M40K_GLU_SWIGLU_OAI},
         {M40K_TYPE_Q5_K, 9, 4, 64, M40K_GLU_SILU},          {M40K_TYPE_MXFP4, 1, 4, 1, M40K_GLU_SILU},
         {M40K_TYPE_Q4_K, 100, 2, 8, M40K_GLU_SILU},         {M40K_TYPE_Q4_K, 130, 4, 8, M40K_GLU_SILU},
+        {M40K_TYPE_Q6_K_P, 64, 8, 128, M40K_GLU_SILU},      {M40K_TYPE_Q6_K_P, 17, 8, 16, M40K_GLU_SILU},
+        {M40K_TYPE_Q6_K_P, 130, 4, 8, M40K_GLU_SILU},
     };
     for (auto cs : cases) {
         const int type = cs.type, T = cs.T, k = std::min(cs.k, cs.E), E = cs.E, P = T * k;
-        const int be = m40_type_get((uint32_t)type)->block_elems;
-        const int dim = be == 256 ? 512 : be == 32 ? 32 * 11 : 8 * 45, n_ff = be == 256 ? 256 * 2 : be == 32 ? 32 * 7 : 8 * 29;
+        const int base = dev_base(type); /* the twins read the GGUF type, the kernels its device layout */
+        const int be = m40_type_get((uint32_t)base)->block_elems;
+        /* Q6_K_P: down rows of 768 as Qwen3-30B-A3B's (no whole Q6_K_G8 group) */
+        const int dim = be == 256 ? 512 : be == 32 ? 32 * 11 : 8 * 45,
+                  n_ff = type == M40K_TYPE_Q6_K_P ? 768 : be == 256 ? 256 * 2 : be == 32 ? 32 * 7 : 8 * 29;
         const bool bias = cs.act == M40K_GLU_SWIGLU_OAI;
-        std::vector<uint8_t> wg = quant_matrix(type, E * n_ff, dim), wu = quant_matrix(type, E * n_ff, dim),
-                             wd = quant_matrix(type, E * dim, n_ff);
+        std::vector<uint8_t> wg = quant_matrix(base, E * n_ff, dim), wu = quant_matrix(base, E * n_ff, dim),
+                             wd = quant_matrix(base, E * dim, n_ff);
         std::vector<float> gb = rand_vec((size_t)E * n_ff), ub = rand_vec((size_t)E * n_ff),
                            db = rand_vec((size_t)E * dim);
         const int64_t xs = dim + 4, xs16 = dim + 8, ys = n_ff + 3, hs16 = n_ff + 8, ds = dim + 5, os = dim + 1;
@@ -340,7 +347,8 @@ static void test_batched(void)
                 ids[(size_t)t * k] = 0;
         /* the engine's tile rows (model_cuda_fwd.c) */
         const int bm = P / E <= 16 ? 16 : P / E <= 32 ? 32 : 64, mt = m40k_moe_max_tiles(P, E, bm);
-        uint8_t *dwg = dup(wg), *dwu = dup(wu), *dwd = dup(wd);
+        uint8_t *dwg = dup(dev_layout(type, wg, E * n_ff, dim)), *dwu = dup(dev_layout(type, wu, E * n_ff, dim)),
+                *dwd = dup(dev_layout(type, wd, E * dim, n_ff));
         float *dgb = dup(gb), *dub = dup(ub), *ddb = dup(db), *dx = dup(x), *dw = dup(w);
         int32_t *dids = dup(ids), *dc, *doff, *dperm, *dinv, *dt;
         CK(cudaMalloc(&dc, E * 4));
@@ -351,7 +359,8 @@ static void test_batched(void)
         CK(m40k_moe_group(dids, P, E, bm, dc, doff, dperm, dinv, dt, 0));
         std::vector<int32_t> off = back(doff, E + 1), perm = back(dperm, P), inv = back(dinv, P);
         char what[160];
-        const char *tn = m40_type_name(type);
+        char tn[32];
+        snprintf(tn, sizeof tn, "%s%s", m40_type_name(base), dev_suffix(type));
         /* gather */
         uint16_t *dxg, *dh16;
         CK(cudaMalloc(&dxg, (size_t)P * xs16 * 2));
@@ -373,8 +382,8 @@ static void test_batched(void)
         CK(m40k_moe_gemm_q(dwu, type, E, n_ff, dim, dxg, xs16, doff, dt, mt, bm, dyu, ys, 0));
         std::vector<float> yg = back(dyg, (size_t)P * ys), yu = back(dyu, (size_t)P * ys);
         std::vector<float> cyg((size_t)P * ys, 0.0f), cyu((size_t)P * ys, 0.0f);
-        m40_ref_moe_gemm_q(wg.data(), type, E, n_ff, dim, xg.data(), xs16, off.data(), cyg.data(), ys);
-        m40_ref_moe_gemm_q(wu.data(), type, E, n_ff, dim, xg.data(), xs16, off.data(), cyu.data(), ys);
+        m40_ref_moe_gemm_q(wg.data(), base, E, n_ff, dim, xg.data(), xs16, off.data(), cyg.data(), ys);
+        m40_ref_moe_gemm_q(wu.data(), base, E, n_ff, dim, xg.data(), xs16, off.data(), cyu.data(), ys);
         snprintf(what, sizeof what, "moe_gemm_q gate %s T %d k %d E %d bm %d", tn, T, k, E, bm);
         compare_scaled(what, yg, cyg, 1e-5);
         snprintf(what, sizeof what, "moe_gemm_q up %s T %d k %d E %d bm %d", tn, T, k, E, bm);
@@ -408,7 +417,7 @@ static void test_batched(void)
         /* down, combine */
         CK(m40k_moe_gemm_q(dwd, type, E, dim, n_ff, dh16, hs16, doff, dt, mt, bm, dyd, ds, 0));
         std::vector<float> yd = back(dyd, (size_t)P * ds), cyd((size_t)P * ds, 0.0f);
-        m40_ref_moe_gemm_q(wd.data(), type, E, dim, n_ff, h16.data(), hs16, off.data(), cyd.data(), ds);
+        m40_ref_moe_gemm_q(wd.data(), base, E, dim, n_ff, h16.data(), hs16, off.data(), cyd.data(), ds);
         snprintf(what, sizeof what, "moe_gemm_q down %s T %d k %d E %d bm %d", tn, T, k, E, bm);
         compare_scaled(what, yd, cyd, 1e-5);
         float *dout;
@@ -531,35 +540,47 @@ static void test_mxfp4_dense(void)
 
 /* ---------------------------------------------------------------- benchmarks */
 
+/* Bytes of a row of cols elements in a device layout (kernels.h 0.) or a GGUF type. */
+static size_t dev_row_bytes(int type, int cols)
+{
+    return type == M40K_TYPE_Q6_K_P ? (size_t)cols / 256 * 224 : row_bytes(dev_base(type), cols);
+}
+
 /* Weights for timing: random bytes, with every block's scale fields made sane (F16 scales
- * of Q4_K small and positive; MXFP4's exponent near 2^-6), filled on the host. */
+ * of Q4_K and Q6_K small and positive; MXFP4's exponent near 2^-6), filled on the host and
+ * rewritten into the device layout. */
 static uint8_t *bench_weights(int type, size_t rows, int cols)
 {
-    const size_t rb = row_bytes(type, cols), n = rb * rows;
+    const int base = dev_base(type);
+    const size_t rb = row_bytes(base, cols), n = rb * rows;
     std::vector<uint8_t> h(n);
     uint64_t s = 0x243F6A8885A308D3ull;
     for (size_t i = 0; i + 8 <= n; i += 8) {
         s ^= s << 13, s ^= s >> 7, s ^= s << 17;
         memcpy(&h[i], &s, 8);
     }
-    const int bb = m40_type_get((uint32_t)type)->block_bytes;
+    const int bb = m40_type_get((uint32_t)base)->block_bytes;
     for (size_t b = 0; b + bb <= n; b += bb) {
-        if (type == M40K_TYPE_Q4_K) {
+        if (base == M40K_TYPE_Q4_K) {
             const uint16_t d = m40_fp32_to_fp16(0.002f), dm = m40_fp32_to_fp16(0.001f);
             memcpy(&h[b], &d, 2), memcpy(&h[b + 2], &dm, 2);
-        } else if (type == M40K_TYPE_MXFP4) {
+        } else if (base == M40K_TYPE_Q6_K) {
+            const uint16_t d = m40_fp32_to_fp16(0.0005f);
+            memcpy(&h[b + 208], &d, 2);
+        } else if (base == M40K_TYPE_MXFP4) {
             h[b] = 122;
         }
     }
+    const std::vector<uint8_t> dl = dev_layout(type, h, (int64_t)rows, cols);
     uint8_t *d;
-    CK(cudaMalloc(&d, n + 64));
-    CK(cudaMemcpy(d, h.data(), n, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&d, dl.size() + 64));
+    CK(cudaMemcpy(d, dl.data(), dl.size(), cudaMemcpyHostToDevice));
     return d;
 }
 
 static void bench_layer(const char *name, int type, int dim, int E, int k, int n_ff, int act, bool bias)
 {
-    const size_t rb_in = row_bytes(type, dim), rb_ff = row_bytes(type, n_ff);
+    const size_t rb_in = dev_row_bytes(type, dim), rb_ff = dev_row_bytes(type, n_ff);
     uint8_t *wg = bench_weights(type, (size_t)E * n_ff, dim), *wu = bench_weights(type, (size_t)E * n_ff, dim);
     uint8_t *wd = bench_weights(type, (size_t)E * dim, n_ff);
     const size_t expert_bytes = 2 * (size_t)n_ff * rb_in + (size_t)dim * rb_ff; /* gate + up + down */
@@ -677,6 +698,9 @@ static void bench_layer(const char *name, int type, int dim, int E, int k, int n
 static void bench(void)
 {
     bench_layer("qwen3-30b-a3b", M40K_TYPE_Q4_K, 2048, 128, 8, 768, M40K_GLU_SILU, false);
+    /* Q4_K_M files' Q6_K down experts: every matrix in the file's layout, then padded */
+    bench_layer("qwen3 Q6_K", M40K_TYPE_Q6_K, 2048, 128, 8, 768, M40K_GLU_SILU, false);
+    bench_layer("qwen3 Q6_K_P", M40K_TYPE_Q6_K_P, 2048, 128, 8, 768, M40K_GLU_SILU, false);
     bench_layer("gpt-oss-20b", M40K_TYPE_MXFP4, 2880, 32, 4, 2880, M40K_GLU_SWIGLU_OAI, true);
 }
 
