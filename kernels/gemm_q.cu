@@ -184,6 +184,18 @@ __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_
             sc[h] = d * (float)(int8_t)p[192 + (e >> 4) + h];
             off[h] = 32.0f * sc[h];
         }
+    } else if constexpr (T == M40K_TYPE_MXFP4_P) {
+        /* block e / 32 of the chunk: the low nibbles are elements 0-15, the high ones
+         * 16-31; as bytes level + 12, so the offset is 12 scales */
+        const uint4 v = *reinterpret_cast<const uint4 *>(p + 16 * (e >> 5));
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            t[k] = m40k_mxfp4_bytes(w[k] & 0x0F0F0F0Fu);
+            t[4 + k] = m40k_mxfp4_bytes((w[k] >> 4) & 0x0F0F0F0Fu);
+        }
+        sc[0] = sc[1] = m40k_e8m0_half(p[128 + (e >> 5)]);
+        off[0] = off[1] = 12.0f * sc[0];
     }
 }
 
@@ -504,7 +516,7 @@ template <int T> static int mq_dequant_type(const void *w, int N, int K, uint16_
 {
     if constexpr (mq_stage<T>::RB > 0) {
         typedef m40k_tinfo<T> ti;
-        const size_t rb = (size_t)K / ti::BE * ti::BB;
+        const size_t rb = m40k_row_bytes<T>(K);
         if (K % ti::BE || K % MQ_KC || rb % 16 || ((uintptr_t)w & 15) || ((uintptr_t)out & 15))
             return M40K_INVALID;
         const dim3 grid((unsigned)((N + MQ_DQ_ROWS - 1) / MQ_DQ_ROWS), (unsigned)(K / MQ_KC));
@@ -628,8 +640,7 @@ static int mq_bm_launch(const void *w, size_t rb, int N, int K, const uint16_t *
  * 16-byte aligned); the direct one otherwise. */
 template <int T> static int mq_kind(const void *w, int K, int M)
 {
-    typedef m40k_tinfo<T> ti;
-    const size_t rb = (size_t)K / ti::BE * ti::BB;
+    const size_t rb = m40k_row_bytes<T>(K);
     if (mq_reg_takes(T, K, M, w, rb))
         return M40K_GEMM_Q_REGISTER;
     if constexpr (mq_stage<T>::RB > 0)
@@ -642,10 +653,9 @@ template <int T>
 static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y, int64_t ldy,
                    int S, float *ws, int *counters, cudaStream_t st)
 {
-    typedef m40k_tinfo<T> ti;
-    if (K % ti::BE)
+    if (K % m40k_kstep<T>())
         return M40K_INVALID;
-    const size_t rb = (size_t)K / ti::BE * ti::BB;
+    const size_t rb = m40k_row_bytes<T>(K);
     switch (mq_kind<T>(w, K, M)) {
     case M40K_GEMM_Q_REGISTER: return mr_gemm(T, w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
     case M40K_GEMM_Q_STAGED:
@@ -670,6 +680,7 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     X(M40K_TYPE_Q8_0_G8)                                                                                               \
     X(M40K_TYPE_Q6_K_G8)                                                                                               \
     X(M40K_TYPE_Q6_K_P)                                                                                                \
+    X(M40K_TYPE_MXFP4_P)                                                                                               \
     X(M40K_TYPE_Q2_K)                                                                                                  \
     X(M40K_TYPE_Q3_K)                                                                                                  \
     X(M40K_TYPE_Q5_K)                                                                                                  \
@@ -693,7 +704,7 @@ extern "C" int m40k_gemm_q_kernel(int w_type, int K, int M, const void *w)
         return M40K_INVALID;
     switch (w_type) {
 #define MQ_CASE(t)                                                                                                     \
-    case t: return K % m40k_tinfo<t>::BE ? M40K_INVALID : mq_kind<t>(w, K, M);
+    case t: return K % m40k_kstep<t>() ? M40K_INVALID : mq_kind<t>(w, K, M);
         MQ_TYPES(MQ_CASE)
 #undef MQ_CASE
     default: return M40K_INVALID;
@@ -792,10 +803,9 @@ static int mq_grouped_type(const void *w, int n_expert, int N, int K, const uint
                            const int32_t *offsets, const int32_t *tiles, int max_tiles, int bm, float *y, int64_t ldy,
                            cudaStream_t st)
 {
-    typedef m40k_tinfo<T> ti;
-    if (K % ti::BE)
+    if (K % m40k_kstep<T>())
         return M40K_INVALID;
-    const size_t rb = (size_t)K / ti::BE * ti::BB, eb = rb * (size_t)N;
+    const size_t rb = m40k_row_bytes<T>(K), eb = rb * (size_t)N;
     /* tiles of up to 64 rows in the register kernel's types take its grouped kernel, as a
      * product of that many rows would (every expert's matrix 16-byte aligned too) */
     if (bm <= 64 && bm <= mq_reg_rows_grouped && eb % 16 == 0 && mr_reads(T, K, bm, w, rb))

@@ -1,8 +1,8 @@
 /* The register kernel of the quantized GEMM (kernels.h 8e) for decode batches of 1..64
  * token rows, in the types of the files people serve (Q4_K, the regrouped Q8_0_G8 and
- * Q6_K_G8 of Q8_0 and Q4_K_M files, and the padded Q6_K_P of Q6_K experts): y[t][r] = sum_k W[r][k] x[t][k], the same F16
- * weights and F32 sums of F16 products as the shared-memory kernel of gemm_q.cu (twin:
- * m40_ref_gemm_q), summed in another order.
+ * Q6_K_G8 of Q8_0 and Q4_K_M files, and the padded Q6_K_P and MXFP4_P of the experts):
+ * y[t][r] = sum_k W[r][k] x[t][k], the same F16 weights and F32 sums of F16 products as
+ * the shared-memory kernel of gemm_q.cu (twin: m40_ref_gemm_q), summed in another order.
  *
  * Why a second kernel: the shared-memory kernel forms each 128 x 64 weight tile in F16
  * in shared memory, then every warp reads it back; its warps meet at a barrier every 64
@@ -56,7 +56,8 @@ template <int T, int BM> struct mr_smem {
 
 /* What a lane decodes once per chunk and row: the scales of the row's chunk. */
 struct mr_cs {
-    uint32_t a, b, c, d; /* Q4_K: scales 0-3, 4-7, mins 0-3, 4-7 (a byte each); Q8_0_G8: d[8]; Q6_K_G8, Q6_K_P: d in a */
+    uint32_t a, b, c, d; /* Q4_K: scales 0-3, 4-7, mins 0-3, 4-7 (a byte each); Q8_0_G8: d[8]; Q6_K_G8, Q6_K_P: d in a;
+                          * MXFP4_P: e[8] in a, b */
     float d0, d1;        /* Q4_K: d, dmin */
 };
 
@@ -74,6 +75,10 @@ template <int T> __device__ __forceinline__ mr_cs mr_chunk_scales(const uint8_t 
     } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
         const uint4 h = *reinterpret_cast<const uint4 *>(p);
         cs.a = h.x, cs.b = h.y, cs.c = h.z, cs.d = h.w;
+        cs.d0 = cs.d1 = 0.0f;
+    } else if constexpr (T == M40K_TYPE_MXFP4_P) { /* the chunk's 8 scale bytes e[8] */
+        const uint2 h = *reinterpret_cast<const uint2 *>(p + 128);
+        cs.a = h.x, cs.b = h.y, cs.c = cs.d = 0;
         cs.d0 = cs.d1 = 0.0f;
     } else { /* Q6_K_G8: the group's d[j]; Q6_K_P: the superblock's d */
         cs.a = mq_lds16(p + 208 + (T == M40K_TYPE_Q6_K_G8 ? 2 * j : 0));
@@ -110,6 +115,15 @@ __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr
         const uint32_t dw = jb < 2 ? cs.a : jb < 4 ? cs.b : jb < 6 ? cs.c : cs.d;
         sc = m40k_h2f((uint16_t)(dw >> (16 * (jb & 1))));
         off = 128.0f * sc;
+    } else if constexpr (T == M40K_TYPE_MXFP4_P) {
+        /* block s: elements l .. l+7 are the low nibbles of its bytes l .. l+7 (l < 16) or
+         * the high ones of l-16 .. l-9; as bytes level + 12, so the offset is 12 scales */
+        const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 * s + (l & 15));
+        const int sh = l < 16 ? 0 : 4;
+        t0 = m40k_mxfp4_bytes((v.x >> sh) & 0x0F0F0F0Fu);
+        t1 = m40k_mxfp4_bytes((v.y >> sh) & 0x0F0F0F0Fu);
+        sc = m40k_e8m0_half(mr_byte(s < 4 ? cs.a : cs.b, s & 3));
+        off = 12.0f * sc;
     } else { /* Q6_K_G8, Q6_K_P: superblock ql[128] | qh[64] | scales[16] (quant_dev.h) */
         const int n = s >> 2, k = s & 3;
         const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
@@ -137,7 +151,7 @@ __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t r
      * MR_XLD halves) */
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
     const int n0 = bx * MR_ROWS;
-    const int nc = K / MQ_KC;
+    const int nc = (K + MQ_KC - 1) / MQ_KC; /* MXFP4_P: a last chunk past K (zero weights, zero x) */
     const int c0 = (int)((int64_t)s * nc / S), c1 = (int)((int64_t)(s + 1) * nc / S);
 
     /* Each thread's copies are the same pieces of every chunk (consecutive threads,
@@ -188,7 +202,7 @@ __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t r
 #pragma unroll
             for (int k = 0; k < KX; k++) {
                 const int r = xr0 + 8 * k;
-                const bool in = r < M; /* past M: zeros, and the source stays within x */
+                const bool in = r < M && c * MQ_KC + 8 * xp < K; /* past M or K: zeros, the source within x */
                 mq_cp16(xs + 2 * r * MR_XLD, in ? x0 + (size_t)8 * k * x_stride + (size_t)c * MQ_KC : x, in ? 16 : 0);
             }
         }
@@ -272,8 +286,9 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_grou
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
 {
     return (w_type == M40K_TYPE_Q4_K || w_type == M40K_TYPE_Q8_0_G8 || w_type == M40K_TYPE_Q6_K_G8 ||
-            w_type == M40K_TYPE_Q6_K_P) && M >= 1 &&
-           M <= 64 && K % (w_type == M40K_TYPE_Q6_K_G8 ? 2048 : MQ_KC) == 0 && row_bytes % 16 == 0 &&
+            w_type == M40K_TYPE_Q6_K_P || w_type == M40K_TYPE_MXFP4_P) && M >= 1 &&
+           M <= 64 && K % (w_type == M40K_TYPE_Q6_K_G8 ? 2048 : w_type == M40K_TYPE_MXFP4_P ? 32 : MQ_KC) == 0 &&
+           row_bytes % 16 == 0 &&
            ((uintptr_t)w & 15) == 0;
 }
 
@@ -299,6 +314,8 @@ int mr_prepare(void)
             e = mr_prepare_type<M40K_TYPE_Q6_K_G8>();
         if (!e)
             e = mr_prepare_type<M40K_TYPE_Q6_K_P>();
+        if (!e)
+            e = mr_prepare_type<M40K_TYPE_MXFP4_P>();
         return e;
     });
 }
@@ -329,6 +346,7 @@ template <typename F> static int mr_dispatch(int w_type, int M, F f)
     case M40K_TYPE_Q8_0_G8: return mr_with<M40K_TYPE_Q8_0_G8>(M, f);
     case M40K_TYPE_Q6_K_G8: return mr_with<M40K_TYPE_Q6_K_G8>(M, f);
     case M40K_TYPE_Q6_K_P: return mr_with<M40K_TYPE_Q6_K_P>(M, f);
+    case M40K_TYPE_MXFP4_P: return mr_with<M40K_TYPE_MXFP4_P>(M, f);
     default: return M40K_INVALID;
     }
 }

@@ -2,8 +2,8 @@
  * moe.cu): per type the segment a warp stages (SEG elements) and the sub-block scales it
  * decodes once a segment (NSC), the group decode gf_group (lane l's 8 elements 8l + 256i of
  * a staged segment as floats f with contribution A*sum(f*x) + C*sum(x)) and gf_scales.
- * The staged segment starts at byte off of the buffer (0 for F16, BF16, Q4_K and Q6_K_P,
- * whose rows the callers keep 16-byte aligned; any for the others). */
+ * The staged segment starts at byte off of the buffer (0 for F16, BF16, Q4_K, Q6_K_P and
+ * MXFP4_P, whose rows the callers keep 16-byte aligned; any for the others). */
 #ifndef M40_GEMV_FAST_DEV_H
 #define M40_GEMV_FAST_DEV_H
 
@@ -18,6 +18,7 @@ template <> struct gf_cfg<M40K_TYPE_Q4_K> { enum { SEG = 2048, NSC = 64 }; };  /
 template <> struct gf_cfg<M40K_TYPE_Q6_K> { enum { SEG = 1024, NSC = 64 }; };  /* A per 16-sub-block */
 template <> struct gf_cfg<M40K_TYPE_Q6_K_P> { enum { SEG = 1024, NSC = 64 }; }; /* the experts' GEMV only */
 template <> struct gf_cfg<M40K_TYPE_MXFP4> { enum { SEG = 1024, NSC = 0 }; }; /* the experts' GEMV only */
+template <> struct gf_cfg<M40K_TYPE_MXFP4_P> { enum { SEG = 1024, NSC = 0 }; }; /* the experts' GEMV only */
 
 template <int T> struct gf_dims {
     typedef m40k_tinfo<T> ti;
@@ -138,17 +139,24 @@ __device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2
         }
         A = sc[16 * i + (lane >> 1)].x;
         C = -1.5f * A;
-    } else if (T == M40K_TYPE_MXFP4) {
+    } else if (T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P) {
         /* block 8i + lane/4 of 17 bytes, its qs bytes 4q .. 4q+3 (q = lane % 4): elements
          * 4q .. 4q+3 (low nibbles: f[0..3]) and 16+4q .. 16+4q+3 (high: f[4..7]); x at
          * gf_xoff's offsets. Each level plus 12 (0..24) as a byte from a table by byte
          * permutes: the nibbles' low 3 bits select the magnitude from the table of positive
          * or of negative levels, their sign bit (bit 3: PTX prmt's sign-replicate flag, on
          * a table of 0x80 bytes) picks between the two. Then A = the scale, C = -12 A. */
-        const int j = 8 * i + (lane >> 2), bo = off + 17 * j;
-        const int a = bo + 1 + 4 * (lane & 3);
-        const uint32_t *wp = reinterpret_cast<const uint32_t *>(p + (a & ~3));
-        const uint32_t w = __funnelshift_r(wp[0], wp[1], (a & 3) * 8);
+        uint32_t w, e;
+        if (T == M40K_TYPE_MXFP4_P) { /* off == 0: chunk i, its block lane/4 (kernels.h 0.) */
+            w = *reinterpret_cast<const uint32_t *>(p + 144 * i + 16 * (lane >> 2) + 4 * (lane & 3));
+            e = p[144 * i + 128 + (lane >> 2)];
+        } else {
+            const int j = 8 * i + (lane >> 2), bo = off + 17 * j;
+            const int a = bo + 1 + 4 * (lane & 3);
+            const uint32_t *wp = reinterpret_cast<const uint32_t *>(p + (a & ~3));
+            w = __funnelshift_r(wp[0], wp[1], (a & 3) * 8);
+            e = p[bo];
+        }
         uint32_t u[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) { /* nibbles 4h .. 4h+3: elements 2h, 16+2h, 2h+1, 16+2h+1 */
@@ -163,7 +171,7 @@ __device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2
         }
         f[0] = gf_b2f_int(u[0], 0), f[1] = gf_b2f_int(u[0], 2), f[2] = gf_b2f_int(u[1], 0), f[3] = gf_b2f_int(u[1], 2);
         f[4] = gf_b2f_int(u[0], 1), f[5] = gf_b2f_int(u[0], 3), f[6] = gf_b2f_int(u[1], 1), f[7] = gf_b2f_int(u[1], 3);
-        A = m40k_e8m0_half(p[bo]), C = -12.0f * A;
+        A = m40k_e8m0_half(e), C = -12.0f * A;
     }
 }
 
@@ -171,7 +179,7 @@ __device__ __forceinline__ void gf_group(const uint8_t *p, int off, const float2
  * ob .. ob+3 of the segment; 8l + 256i and 4 more for every type but MXFP4. */
 template <int T> __device__ __forceinline__ void gf_xoff(int lane, int i, int &oa, int &ob)
 {
-    if (T == M40K_TYPE_MXFP4) {
+    if (T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P) {
         oa = 32 * (8 * i + (lane >> 2)) + 4 * (lane & 3);
         ob = oa + 16;
     } else {

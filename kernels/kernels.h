@@ -56,7 +56,9 @@ enum {
     M40K_TYPE_Q8_0_G8 = 1008,
     M40K_TYPE_Q6_K_G8 = 1014,
     /* Q6_K superblocks padded to 224 bytes (m40k_repack_q6_k_p) */
-    M40K_TYPE_Q6_K_P = 2014
+    M40K_TYPE_Q6_K_P = 2014,
+    /* MXFP4 blocks in 144-byte chunks of 8 (m40k_repack_mxfp4_p) */
+    M40K_TYPE_MXFP4_P = 2039
 };
 
 /* 0. Regrouped layouts. GGUF's Q8_0 (34-byte) and Q6_K (210-byte) blocks start at any
@@ -83,6 +85,18 @@ int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, int64_t K);
  * (dst holds rows * K/256 * 224 bytes; no overlap); M40K_INVALID where K is not a
  * positive multiple of 256. Host function, no device work. */
 int m40k_repack_q6_k_p(const void *src, void *dst, int64_t rows, int64_t K);
+/* MXFP4_P (144 B / 256 elements): a row's MXFP4 blocks (17 bytes: E8M0 scale | 16 bytes
+ * of nibbles) in chunks of 8, each chunk qs[8][16] | e[8] | 8 zero bytes, so that every
+ * block's nibbles start 16-byte aligned; a row of K elements (K a multiple of 32) takes
+ * ceil(K/256) chunks, the blocks past K zero (scale byte 0, nibbles 0: weights 0). For
+ * gpt-oss's experts (rows of 2,880), which the quantized GEMM otherwise reads with byte
+ * loads on its direct kernel. Row bytes: ceil(K/256) * 144 (m40k_row_bytes). The expert
+ * kernels (10c, 10d, 10g) and the quantized GEMM (8e) read it; the register kernel and
+ * the expert GEMVs at any K of whole blocks, the staged kernel where K is a multiple of
+ * 256. m40k_repack_mxfp4_p: rows of K elements of MXFP4 (src, packed) into dst (rows *
+ * ceil(K/256) * 144 bytes; no overlap); M40K_INVALID where K is not a positive multiple
+ * of 32. Host function, no device work. */
+int m40k_repack_mxfp4_p(const void *src, void *dst, int64_t rows, int64_t K);
 
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
  * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 or a regrouped layout (0.) (dim a

@@ -279,7 +279,7 @@ __device__ __forceinline__ void mg_warp_dot(const uint8_t *const (&rows)[NR], co
             if (!rows[q])
                 continue;
             const uintptr_t b0 = (uintptr_t)(rows[q] + (size_t)sg * SEGB);
-            const uintptr_t b1 = b0 + (size_t)elems / ti::BE * ti::BB;
+            const uintptr_t b1 = b0 + m40k_row_bytes<T>(elems);
             const uint4 *a0 = reinterpret_cast<const uint4 *>(b0 & ~(uintptr_t)15);
             const int nch = (int)((((b1 + 15) & ~(uintptr_t)15) - (b0 & ~(uintptr_t)15)) / 16);
 #pragma unroll
@@ -319,7 +319,8 @@ __device__ __forceinline__ void mg_warp_dot(const uint8_t *const (&rows)[NR], co
                     const float4 xa = __ldca(reinterpret_cast<const float4 *>(x + e0));
                     const float4 xb = __ldca(reinterpret_cast<const float4 *>(x + e0 + 4));
                     const float d = m40k_dot8(v, xa, xb);
-                    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_MXFP4) {
+                    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_MXFP4 ||
+                        T == M40K_TYPE_MXFP4_P) {
                         acc[q] = fmaf(s, d, acc[q]); /* no offset */
                     } else {
                         const float sx = m40k_sum8(xa, xb);
@@ -433,7 +434,8 @@ __global__ __launch_bounds__(MG_WARPS * 32) void moe_down_kernel(const uint8_t *
  * output rows; or one output row of 4 experts), the work a warp does being a sequence of
  * (round, segment) units whose loads go out one unit ahead: the next round's rows load
  * while this one's last segment is summed. Types: F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K,
- * Q6_K_P, MXFP4 (rows 16-byte aligned for F16, BF16, Q4_K, Q6_K_P; any row for the others). */
+ * Q6_K_P, MXFP4, MXFP4_P (rows 16-byte aligned for F16, BF16, Q4_K and the padded layouts;
+ * any row for the others). */
 #define MF_R 4
 
 template <int T> struct mf_dims {
@@ -470,7 +472,7 @@ __device__ __forceinline__ void mf_warp(int rounds, int K, RowF rows, XF xs, End
             const uint8_t *rp = rows(rd, q);
             if (!rp)
                 continue;
-            const uintptr_t b0 = (uintptr_t)(rp + (size_t)sg * SEGB), b1 = b0 + (size_t)elems / ti::BE * ti::BB;
+            const uintptr_t b0 = (uintptr_t)(rp + (size_t)sg * SEGB), b1 = b0 + m40k_row_bytes<T>(elems);
             const uint4 *a0 = reinterpret_cast<const uint4 *>(b0 & ~(uintptr_t)15);
             const int nch = (int)((((b1 + 15) & ~(uintptr_t)15) - (b0 & ~(uintptr_t)15)) / 16);
 #pragma unroll
@@ -658,10 +660,11 @@ __global__ __launch_bounds__(MG_WARPS * 32) void moe_down_fast_kernel(const uint
 template <int T> static bool mf_takes(const void *w, size_t row_bytes)
 {
     constexpr bool typed = T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                           T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4;
+                           T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P;
     if (!typed || ((uintptr_t)w & 15))
         return false;
-    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K_P)
+    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K_P ||
+        T == M40K_TYPE_MXFP4_P)
         return row_bytes % 16 == 0;
     return true;
 }
@@ -681,7 +684,8 @@ template <int T> static bool mf_takes(const void *w, size_t row_bytes)
     X(M40K_TYPE_Q5_K, 256)                                                                                             \
     X(M40K_TYPE_Q6_K, 256)                                                                                             \
     X(M40K_TYPE_Q6_K_P, 256)                                                                                           \
-    X(M40K_TYPE_MXFP4, 32)
+    X(M40K_TYPE_MXFP4, 32)                                                                                             \
+    X(M40K_TYPE_MXFP4_P, 32)
 
 /* Launches of the fast kernels (only instantiated for their types). */
 template <int T>
@@ -690,8 +694,8 @@ static int mg_fast_gate_up(const void *wg, const void *wu, int n_expert, int n_f
                             int k, float *h, int64_t hs, cudaStream_t st)
 {
     if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4) {
-        const size_t rb = (size_t)dim / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P) {
+        const size_t rb = m40k_row_bytes<T>(dim);
         const dim3 grid((unsigned)((n_ff + 2 * MG_WARPS - 1) / (2 * MG_WARPS)), (unsigned)(n_tokens * k));
         return m40k_launch_pdl(moe_gate_up_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wg,
                                (const uint8_t *)wu, rb, n_expert, n_ff, dim, gb, ub, act, x, xs, ids, k, h, hs);
@@ -704,8 +708,8 @@ static int mg_fast_down(const void *wd, int n_expert, int dim, int n_ff, const f
                          cudaStream_t st)
 {
     if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4) {
-        const size_t rb = (size_t)n_ff / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P) {
+        const size_t rb = m40k_row_bytes<T>(n_ff);
         const dim3 grid((unsigned)((dim + MG_WARPS - 1) / MG_WARPS), (unsigned)n_tokens);
         return m40k_launch_pdl(moe_down_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wd, rb,
                                n_expert, dim, n_ff, db, h, hs, ids, w, k, out, os, acc);
@@ -729,15 +733,15 @@ extern "C" int m40k_moe_gate_up(const void *w_gate, const void *w_up, int w_type
     case t:                                                                                                            \
         if (dim % be)                                                                                                  \
             return M40K_INVALID;                                                                                       \
-        if (mf_takes<t>(w_gate, (size_t)dim / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB) &&                               \
-            mf_takes<t>(w_up, (size_t)dim / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB)) {                                  \
+        if (mf_takes<t>(w_gate, m40k_row_bytes<t>(dim)) &&                               \
+            mf_takes<t>(w_up, m40k_row_bytes<t>(dim))) {                                  \
             return mg_fast_gate_up<t>(w_gate, w_up, n_expert, n_ff, dim, gate_b, up_b, act, x, x_stride, ids, n_tokens, \
                                       k, h, h_stride, st);                                                             \
         }                                                                                                              \
         moe_gate_up_kernel<t><<<dim3((unsigned)((n_ff + MG_WARPS * mg_cfg<t>::RPW - 1) / (MG_WARPS * mg_cfg<t>::RPW)), \
                                      (unsigned)(n_tokens * k)),                                                        \
                                 MG_WARPS * 32, 0, st>>>(                                                               \
-            (const uint8_t *)w_gate, (const uint8_t *)w_up, (size_t)dim / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB,      \
+            (const uint8_t *)w_gate, (const uint8_t *)w_up, m40k_row_bytes<t>(dim),      \
             n_expert, n_ff, dim, gate_b, up_b, act, x, x_stride, ids, k, h, h_stride);                                 \
         return m40k_launch_status();
         MG_TYPES(MG_CASE)
@@ -761,12 +765,12 @@ extern "C" int m40k_moe_down(const void *w_down, int w_type, int n_expert, int d
     case t:                                                                                                            \
         if (n_ff % be)                                                                                                 \
             return M40K_INVALID;                                                                                       \
-        if (mf_takes<t>(w_down, (size_t)n_ff / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB)) {                              \
+        if (mf_takes<t>(w_down, m40k_row_bytes<t>(n_ff))) {                              \
             return mg_fast_down<t>(w_down, n_expert, dim, n_ff, down_b, h, h_stride, ids, weights, n_tokens, k, out,  \
                                    out_stride, accumulate, st);                                                        \
         }                                                                                                              \
         moe_down_kernel<t><<<grid, MG_WARPS * 32, 0, st>>>(                                                            \
-            (const uint8_t *)w_down, (size_t)n_ff / m40k_tinfo<t>::BE * m40k_tinfo<t>::BB, n_expert, dim, n_ff, down_b, \
+            (const uint8_t *)w_down, m40k_row_bytes<t>(n_ff), n_expert, dim, n_ff, down_b, \
             h, h_stride, ids, weights, k, out, out_stride, accumulate);                                                \
         return m40k_launch_status();
         MG_TYPES(MG_CASE)

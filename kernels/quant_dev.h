@@ -22,7 +22,7 @@
  *                      2^(e - 128)): q the SIGNED level (-12..12), scale 2^(e - 128) and
  *                      offset 0, the one type whose q can be negative
  * and the device layouts of kernels.h (0.): Q8_0_G8, Q6_K_G8 (regrouped), Q6_K_P (Q6_K
- * padded to 224 bytes a superblock).
+ * padded to 224 bytes a superblock), MXFP4_P (MXFP4 in 144-byte chunks of 8 blocks).
  * A group of 8 (first element e0, a multiple of 8) always lies in one scale sub-block,
  * so it comes back as small integers q[8] with one scale and one offset:
  * w[i] = scale * q[i] - offset. Sums of q*x are then scaled once per group. */
@@ -49,6 +49,15 @@ template <> struct m40k_tinfo<M40K_TYPE_Q8_0_G8> { enum { BE = 256, BB = 272 }; 
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K_G8> { enum { BE = 2048, BB = 1680 }; };
 template <> struct m40k_tinfo<M40K_TYPE_Q6_K_P> { enum { BE = 256, BB = 224 }; };
 template <> struct m40k_tinfo<M40K_TYPE_MXFP4> { enum { BE = 32, BB = 17 }; };
+template <> struct m40k_tinfo<M40K_TYPE_MXFP4_P> { enum { BE = 256, BB = 144 }; };
+
+/* The elements a row's length must be a multiple of (the type's block; MXFP4_P: whole
+ * MXFP4 blocks, its rows padded to whole chunks of 256), and the bytes of such a row. */
+template <int T> __host__ __device__ constexpr int m40k_kstep() { return T == M40K_TYPE_MXFP4_P ? 32 : (int)m40k_tinfo<T>::BE; }
+template <int T> __host__ __device__ constexpr size_t m40k_row_bytes(int64_t K)
+{
+    return (size_t)((K + m40k_tinfo<T>::BE - 1) / m40k_tinfo<T>::BE) * (size_t)m40k_tinfo<T>::BB;
+}
 
 /* MXFP4: nibble v as its signed doubled E2M1 level (the magnitudes 0,1,2,3 | 4,6,8,12 are
  * the bytes of two words, picked by one byte permute), and the block scale 2^(e - 128)
@@ -62,6 +71,16 @@ __device__ __forceinline__ float m40k_mxfp4_level(uint32_t v)
 __device__ __forceinline__ float m40k_e8m0_half(uint32_t e)
 {
     return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+/* Four MXFP4 nibbles (one a byte, each 0..15) as four bytes level + 12 (0..24): the
+ * magnitude picked by one byte permute, negative levels as 24 minus it (no byte borrows). */
+__device__ __forceinline__ uint32_t m40k_mxfp4_bytes(uint32_t n)
+{
+    const uint32_t c = n | (n >> 4); /* byte 0: nibbles 0, 1; byte 2: nibbles 2, 3 */
+    const uint32_t sel = ((c & 0xFFu) | ((c >> 8) & 0xFF00u)) & 0x7777u;
+    const uint32_t pos = __byte_perm(0x0F0E0D0Cu, 0x18141210u, sel);
+    const uint32_t m = ((n >> 3) & 0x01010101u) * 0xFFu;
+    return (pos & ~m) | ((0x18181818u - pos) & m);
 }
 
 /* A group's q[0..7] . x (x in two float4s), summed in the order every GEMV here keeps
@@ -214,6 +233,14 @@ __device__ __forceinline__ void m40k_group8(const uint8_t *__restrict__ p, int e
         for (int i = 0; i < 8; i++)
             q[i] = m40k_mxfp4_level((uint32_t)(b[1 + (j & 15) + i] >> sh));
         scale = m40k_e8m0_half(b[0]);
+        offset = 0.0f;
+    } else if (T == M40K_TYPE_MXFP4_P) {
+        const uint8_t *c = p + 144 * (e0 >> 8);
+        const int b = (e0 >> 5) & 7, j = e0 & 31, sh = j < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            q[i] = m40k_mxfp4_level((uint32_t)(c[16 * b + (j & 15) + i] >> sh));
+        scale = m40k_e8m0_half(c[128 + b]);
         offset = 0.0f;
     }
 }

@@ -412,23 +412,26 @@ static int64_t moe_block(int t)
     case M40K_TYPE_Q5_K:
     case M40K_TYPE_Q6_K:
     case M40K_TYPE_Q6_K_P: return 256;
+    case M40K_TYPE_MXFP4_P: return 32; /* whole MXFP4 blocks: its rows are padded to 256 */
     default: return 0;
     }
 }
 
 /* The device type of an expert tensor: F16 where it is converted (as_f16: a type the
  * expert kernels do not read, or gate and up of different types, which kernels.h 10c
- * multiplies with one type); Q6_K padded to Q6_K_P (kernels.h 0.: its 210-byte
- * superblocks at rows of 768, Qwen3-30B-A3B's down experts, start at any even offset, and
- * the register and staged kernels of the grouped product copy 16 bytes at a time;
- * M40_MOE_PAD=0 keeps the file's layout); the file's type otherwise (never regrouped: the
- * expert GEMVs do not read the G8 layouts). */
+ * multiplies with one type); Q6_K and MXFP4 padded to Q6_K_P and MXFP4_P (kernels.h 0.:
+ * Q6_K's 210-byte superblocks at rows of 768, Qwen3-30B-A3B's down experts, and MXFP4's
+ * 17-byte blocks start at any offset, and the register and staged kernels of the grouped
+ * product copy 16 bytes at a time; M40_MOE_PAD=0 keeps the file's layout); the file's
+ * type otherwise (never regrouped: the expert GEMVs do not read the G8 layouts). */
 static int experts_type(const m40_gpu *g, const m40_matrix *m, int as_f16)
 {
     if (as_f16)
         return M40K_TYPE_F16;
     if (m->type == M40_TYPE_Q6_K && g->moe_pad)
         return M40K_TYPE_Q6_K_P;
+    if (m->type == M40_TYPE_MXFP4 && g->moe_pad)
+        return M40K_TYPE_MXFP4_P;
     return (int)m->type;
 }
 
@@ -438,6 +441,7 @@ static size_t experts_row_bytes(const m40_gpu *g, const m40_matrix *m, int as_f1
     switch (experts_type(g, m, as_f16)) {
     case M40K_TYPE_F16: return (size_t)m->cols * 2;
     case M40K_TYPE_Q6_K_P: return (size_t)m->cols / 256 * 224;
+    case M40K_TYPE_MXFP4_P: return (size_t)(m->cols + 255) / 256 * 144;
     default: return m->row_bytes;
     }
 }
@@ -448,14 +452,17 @@ static size_t experts_bytes(const m40_gpu *g, const m40_matrix *m, int as_f16)
     return experts_row_bytes(g, m, as_f16) * (size_t)m->rows;
 }
 
-/* rows r0..r1 of Q6_K padded to Q6_K_P */
-static int fill_q6_k_p(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch)
+/* rows r0..r1 of Q6_K or MXFP4 in their padded layouts (scratch: the device row's bytes) */
+static int fill_padded(const m40_matrix *m, int64_t r0, int64_t r1, uint8_t *stage, void *scratch)
 {
-    (void)scratch;
-    for (int64_t r = r0; r < r1; r++)
-        if (m40k_repack_q6_k_p(m->data + (size_t)r * m->row_bytes, stage + (size_t)(r - r0) * (m->cols / 256 * 224),
-                               1, m->cols))
+    const size_t out = *(const size_t *)scratch;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *src = m->data + (size_t)r * m->row_bytes;
+        uint8_t *dst = stage + (size_t)(r - r0) * out;
+        if (m->type == M40_TYPE_Q6_K ? m40k_repack_q6_k_p(src, dst, 1, m->cols)
+                                     : m40k_repack_mxfp4_p(src, dst, 1, m->cols))
             return -1;
+    }
     return 0;
 }
 
@@ -473,8 +480,8 @@ static int upload_experts(uploader *u, const m40_matrix *m, int as_f16, gmat *ou
     int rc;
     if (type == M40K_TYPE_F16)
         rc = upload_converted(u, buf, m);
-    else if (type == M40K_TYPE_Q6_K_P)
-        rc = upload_rows(u, buf, m, rb, fill_q6_k_p, NULL);
+    else if (type == M40K_TYPE_Q6_K_P || type == M40K_TYPE_MXFP4_P)
+        rc = upload_rows(u, buf, m, rb, fill_padded, (void *)&rb);
     else
         rc = upload_bytes(u, buf, m->data, bytes);
     if (rc) {
@@ -709,7 +716,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     {
         /* Q8_0 and Q6_K weights regrouped for aligned loads (kernels.h 0.); M40_G8=0: as in the file */
         g->g8 = t->g8;
-        /* Q6_K experts padded to Q6_K_P (experts_type); M40_MOE_PAD=0: as in the file */
+        /* Q6_K and MXFP4 experts padded to Q6_K_P and MXFP4_P (experts_type); M40_MOE_PAD=0: as in the file */
         g->moe_pad = t->moe_pad;
     }
     {

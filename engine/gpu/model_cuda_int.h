@@ -78,7 +78,7 @@ struct m40_gpu {
     cublasHandle_t blas;
     int sm_count;
     int g8;              /* regrouped device layouts for Q8_0 / Q6_K (M40_G8, kernels.h 0.) */
-    int moe_pad;         /* Q6_K experts padded to Q6_K_P (M40_MOE_PAD, kernels.h 0.) */
+    int moe_pad;         /* Q6_K and MXFP4 experts padded to Q6_K_P, MXFP4_P (M40_MOE_PAD, kernels.h 0.) */
     m40_model_params p;
     int32_t q_dim, kv_dim, qkv_dim;
     gmat tok_embd, output;

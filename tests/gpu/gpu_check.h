@@ -110,19 +110,27 @@ static inline void compare(const char *what, const float *g, const float *c, siz
 #ifdef M40_KERNELS_H
 static inline int dev_base(int type)
 {
-    return type == M40K_TYPE_Q8_0_G8                                      ? M40K_TYPE_Q8_0
+    return type == M40K_TYPE_Q8_0_G8                                ? M40K_TYPE_Q8_0
            : type == M40K_TYPE_Q6_K_G8 || type == M40K_TYPE_Q6_K_P ? M40K_TYPE_Q6_K
-                                                                          : type;
+           : type == M40K_TYPE_MXFP4_P                             ? M40K_TYPE_MXFP4
+                                                                    : type;
 }
 static inline const char *dev_suffix(int type)
 {
-    return type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8 ? "_G8" : type == M40K_TYPE_Q6_K_P ? "_P" : "";
+    return type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8                ? "_G8"
+           : type == M40K_TYPE_Q6_K_P || type == M40K_TYPE_MXFP4_P ? "_P"
+                                                                      : "";
 }
 static inline std::vector<uint8_t> dev_layout(int type, const std::vector<uint8_t> &w, int64_t rows, int64_t K)
 {
     if (type == M40K_TYPE_Q6_K_P) {
         std::vector<uint8_t> p((size_t)rows * (size_t)(K / 256) * 224);
         CK(m40k_repack_q6_k_p(w.data(), p.data(), rows, K) == 0 ? cudaSuccess : cudaErrorInvalidValue);
+        return p;
+    }
+    if (type == M40K_TYPE_MXFP4_P) {
+        std::vector<uint8_t> p((size_t)rows * (size_t)((K + 255) / 256) * 144);
+        CK(m40k_repack_mxfp4_p(w.data(), p.data(), rows, K) == 0 ? cudaSuccess : cudaErrorInvalidValue);
         return p;
     }
     std::vector<uint8_t> d = w;

@@ -215,7 +215,8 @@ static std::vector<int32_t> random_ids(int T, int k, int E, bool bad)
 }
 
 static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0, M40K_TYPE_Q4_0,   M40K_TYPE_Q5_1,
-                                 M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K, M40K_TYPE_Q6_K_P, M40K_TYPE_MXFP4};
+                                 M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K, M40K_TYPE_Q6_K_P, M40K_TYPE_MXFP4,
+                                 M40K_TYPE_MXFP4_P};
 
 static void test_expert_gemv(void)
 {
@@ -326,6 +327,8 @@ static void test_batched(void)
         {M40K_TYPE_Q4_K, 100, 2, 8, M40K_GLU_SILU},         {M40K_TYPE_Q4_K, 130, 4, 8, M40K_GLU_SILU},
         {M40K_TYPE_Q6_K_P, 64, 8, 128, M40K_GLU_SILU},      {M40K_TYPE_Q6_K_P, 17, 8, 16, M40K_GLU_SILU},
         {M40K_TYPE_Q6_K_P, 130, 4, 8, M40K_GLU_SILU},
+        {M40K_TYPE_MXFP4_P, 40, 4, 32, M40K_GLU_SWIGLU_OAI}, {M40K_TYPE_MXFP4_P, 64, 4, 32, M40K_GLU_SWIGLU_OAI},
+        {M40K_TYPE_MXFP4_P, 130, 4, 8, M40K_GLU_SILU},
     };
     for (auto cs : cases) {
         const int type = cs.type, T = cs.T, k = std::min(cs.k, cs.E), E = cs.E, P = T * k;
@@ -340,7 +343,10 @@ static void test_batched(void)
         std::vector<float> gb = rand_vec((size_t)E * n_ff), ub = rand_vec((size_t)E * n_ff),
                            db = rand_vec((size_t)E * dim);
         const int64_t xs = dim + 4, xs16 = dim + 8, ys = n_ff + 3, hs16 = n_ff + 8, ds = dim + 5, os = dim + 1;
-        std::vector<float> x = rand_vec((size_t)T * xs), w = rand_vec((size_t)P, 0.0f, 1.0f);
+        /* x of Q6_K layers in [-1/4, 1/4]: their random blocks' weights reach 20, and the
+         * GLU of sums over 512 such terms would overflow the F16 rows the down product reads */
+        const float xr = base == M40K_TYPE_Q6_K ? 0.25f : 1.0f;
+        std::vector<float> x = rand_vec((size_t)T * xs, -xr, xr), w = rand_vec((size_t)P, 0.0f, 1.0f);
         std::vector<int32_t> ids = random_ids(T, k, E, false);
         if (T >= 32) /* one expert with more than one tile of rows */
             for (int t = 0; t < T; t++)
@@ -486,6 +492,7 @@ static double product_mag(const std::vector<uint8_t> &w, int type, int N, int K,
 static void test_mxfp4_dense(void)
 {
     const int t = M40K_TYPE_MXFP4;
+    char what_buf[96];
     for (int K : {32, 32 * 37, 2880})
         for (int N : {1, 33, 130}) {
             std::vector<uint8_t> w = quant_matrix(t, N, K);
@@ -523,6 +530,41 @@ static void test_mxfp4_dense(void)
                 compare_scaled(what, g, c, 1e-5);
                 cudaFree(dx), cudaFree(dy);
             }
+            /* the padded layout MXFP4_P (kernels.h 0.): the register kernel up to 64 rows (a
+             * last chunk past K), the staged kernel above where K is a multiple of 256, the
+             * direct one otherwise; split in two where K has two chunks */
+            {
+                std::vector<uint8_t> wp = dev_layout(M40K_TYPE_MXFP4_P, w, N, K);
+                uint8_t *dwp = dup(wp);
+                for (int M : {1, 5, 16, 40, 64, 65}) {
+                    const int64_t xs = K + 8, ldy = N + 3;
+                    std::vector<uint16_t> x((size_t)M * xs);
+                    for (auto &v : x)
+                        v = m40_fp32_to_fp16(frand(-1.0f, 1.0f));
+                    std::vector<float> c((size_t)M * ldy, 0.0f);
+                    m40_ref_gemm_q(w.data(), t, N, K, x.data(), xs, M, c.data(), ldy);
+                    uint16_t *dx = dup(x);
+                    float *dy, *dws;
+                    const int S = K > 256 ? 2 : 1;
+                    int *dcnt = dup(std::vector<int>(m40k_gemm_q_counter_ints(N, M), 0));
+                    CK(cudaMalloc(&dy, c.size() * 4));
+                    CK(cudaMalloc(&dws, m40k_gemm_q_ws_floats(N, M, S) * 4 + 16));
+                    CK(cudaMemset(dy, 0, c.size() * 4));
+                    const int kind = m40k_gemm_q_kernel(M40K_TYPE_MXFP4_P, K, M, dwp);
+                    const int want = M <= 64 ? M40K_GEMM_Q_REGISTER : K % 256 ? M40K_GEMM_Q_DIRECT : M40K_GEMM_Q_STAGED;
+                    snprintf(what, sizeof what, "gemm_q MXFP4_P N %d K %d M %d: kernel %d", N, K, M, want);
+                    check(what, kind == want);
+                    CK(m40k_gemm_q(dwp, M40K_TYPE_MXFP4_P, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
+                    std::vector<float> g = back(dy, c.size());
+                    for (int tt = 0; tt < M; tt++) /* the register kernel leaves columns past N alone */
+                        for (int64_t r = N; r < ldy; r++)
+                            g[(size_t)tt * ldy + r] = c[(size_t)tt * ldy + r];
+                    snprintf(what, sizeof what, "gemm_q MXFP4_P N %d K %d M %d splits %d", N, K, M, S);
+                    compare_scaled(what, g, c, 1e-5);
+                    cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
+                }
+                cudaFree(dwp);
+            }
             /* embedding rows */
             std::vector<int32_t> ids = {0, N - 1, N / 2, -1, N};
             int32_t *di = dup(ids);
@@ -535,7 +577,30 @@ static void test_mxfp4_dense(void)
             check(what, g == c);
             cudaFree(di), cudaFree(de), cudaFree(dw);
         }
-    check("gemm_q reads MXFP4", m40k_gemm_q_supported(M40K_TYPE_MXFP4) == 1);
+    check("gemm_q reads MXFP4 and MXFP4_P",
+          m40k_gemm_q_supported(M40K_TYPE_MXFP4) == 1 && m40k_gemm_q_supported(M40K_TYPE_MXFP4_P) == 1);
+    {
+        /* MXFP4_P: a row of 40 blocks (K 1,280: five chunks) and one of 3 (K 96: one chunk,
+         * 5 blocks of zeros); the scales at 128 + j, nibbles at 16 j, zeros past K */
+        for (int K : {1280, 96}) {
+            std::vector<uint8_t> w = quant_matrix(t, 1, K), p = dev_layout(M40K_TYPE_MXFP4_P, w, 1, K);
+            bool ok = p.size() == (size_t)(K + 255) / 256 * 144;
+            for (int b = 0; b < (K + 255) / 256 * 8; b++) {
+                const uint8_t *c = p.data() + (b / 8) * 144;
+                for (int i = 0; i < 17; i++) {
+                    const uint8_t want = b < K / 32 ? w[(size_t)17 * b + i] : 0;
+                    ok = ok && (i == 0 ? c[128 + b % 8] : c[16 * (b % 8) + i - 1]) == want;
+                }
+            }
+            for (size_t c = 0; c < p.size(); c += 144)
+                for (int i = 136; i < 144; i++)
+                    ok = ok && p[c + i] == 0;
+            snprintf(what_buf, sizeof what_buf, "repack_mxfp4_p K %d: blocks, scales, zeros", K);
+            check(what_buf, ok);
+        }
+        std::vector<uint8_t> w(17 * 3), p(144);
+        check("repack_mxfp4_p refuses K 48", m40k_repack_mxfp4_p(w.data(), p.data(), 1, 48) == (int)cudaErrorInvalidValue);
+    }
 }
 
 /* ---------------------------------------------------------------- benchmarks */
@@ -543,7 +608,9 @@ static void test_mxfp4_dense(void)
 /* Bytes of a row of cols elements in a device layout (kernels.h 0.) or a GGUF type. */
 static size_t dev_row_bytes(int type, int cols)
 {
-    return type == M40K_TYPE_Q6_K_P ? (size_t)cols / 256 * 224 : row_bytes(dev_base(type), cols);
+    return type == M40K_TYPE_Q6_K_P     ? (size_t)cols / 256 * 224
+           : type == M40K_TYPE_MXFP4_P ? (size_t)(cols + 255) / 256 * 144
+                                        : row_bytes(dev_base(type), cols);
 }
 
 /* Weights for timing: random bytes, with every block's scale fields made sane (F16 scales
@@ -702,6 +769,7 @@ static void bench(void)
     bench_layer("qwen3 Q6_K", M40K_TYPE_Q6_K, 2048, 128, 8, 768, M40K_GLU_SILU, false);
     bench_layer("qwen3 Q6_K_P", M40K_TYPE_Q6_K_P, 2048, 128, 8, 768, M40K_GLU_SILU, false);
     bench_layer("gpt-oss-20b", M40K_TYPE_MXFP4, 2880, 32, 4, 2880, M40K_GLU_SWIGLU_OAI, true);
+    bench_layer("gpt-oss MXFP4_P", M40K_TYPE_MXFP4_P, 2880, 32, 4, 2880, M40K_GLU_SWIGLU_OAI, true);
 }
 
 int main(int argc, char **argv)
