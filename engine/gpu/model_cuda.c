@@ -689,9 +689,8 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     g->sm_count = prop.multiProcessorCount;
     /* MoE steps of up to this many rows take the expert GEMVs (kernels.h 10c/d: each pair
      * reads its expert's rows), larger ones the grouped products (10e-10i: each expert
-     * read once for its tokens); M40_MOE_GEMV_ROWS, default 4: with the grouped products
-     * on the register kernel the crossover lies between 4 and 8 rows (BENCHMARKS.md,
-     * twenty-fifth session) */
+     * read once for its tokens); M40_MOE_GEMV_ROWS, unset (-1): by the experts' type
+     * (moe_grouped) */
     g->moe_gemv_rows = t->moe_gemv_rows;
     {
         /* CUDA graphs for decode steps of up to this many sequences (0: off) */

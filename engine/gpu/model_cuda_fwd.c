@@ -656,11 +656,16 @@ static int add_norm(m40_gpu *g, float **xc, float **xo, const float *w, float *o
 /* Whether n rows of layer L's experts take the grouped products (kernels.h 10e-10i: the
  * pairs sorted by expert, each expert's weights read once for its rows on the quantized
  * tensor-core GEMM) rather than the expert GEMVs (10c/d: each pair reads its expert's
- * rows): more than moe_gemv_rows rows, where the GEMM runs (cc >= 8.0, M40_GEMM_Q) and
- * reads both types, rows a multiple of 8 wide. */
+ * rows): more than moe_gemv_rows rows (unset: by the experts' type, below), where the
+ * GEMM runs (cc >= 8.0, M40_GEMM_Q) and reads both types, rows a multiple of 8 wide. */
 static int moe_grouped(const m40_gpu *g, const glayer *L, int32_t n)
 {
-    return n > g->moe_gemv_rows && g->gemm_q && m40k_gemm_q_supported(L->exp_gate.type) &&
+    /* unset (-1): the GEMVs for one row, the grouped products from two (qwen3-30b-a3b
+     * Q4_K_M with its padded Q6_K experts: a tie at 2 rows, grouped 15% faster at 4); for
+     * MXFP4 experts the grouped products from one row (gpt-oss-20b: 1-2% faster at 1, 9% at
+     * 2, 35% at 4; BENCHMARKS.md, twenty-sixth session) */
+    const int32_t rows = g->moe_gemv_rows >= 0 ? g->moe_gemv_rows : L->exp_gate.type == M40K_TYPE_MXFP4_P ? 0 : 1;
+    return n > rows && g->gemm_q && m40k_gemm_q_supported(L->exp_gate.type) &&
            m40k_gemm_q_supported(L->exp_down.type) && g->p.dim % 8 == 0 && g->p.expert_ffn_dim % 8 == 0;
 }
 

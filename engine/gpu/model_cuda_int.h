@@ -97,7 +97,8 @@ struct m40_gpu {
      * [cap*k][moe_ldx], the gate and up products [cap*k][F] each, the activation
      * (F32 [cap*k][moe_ldh] for the GEMV path; F16 [cap*k][moe_ldh] for the grouped
      * one) and the down products [cap*k][dim]. moe_gemv_rows: steps of up to so many
-     * rows take the expert GEMVs (kernels.h 10c/d), larger ones the grouped products. */
+     * rows take the expert GEMVs (kernels.h 10c/d), larger ones the grouped products
+     * (-1: by the experts' type, moe_grouped). */
     int moe;
     int32_t moe_gemv_rows;
     int64_t moe_ldx, moe_ldh;

@@ -48,8 +48,8 @@ void m40_tuning_from_env(m40_tuning *t)
     const char *mgr = getenv("M40_MOE_GEMM_REG");
     t->moe_gemm_reg = mgr && *mgr ? atoi(mgr) : 64;
     const char *mv = getenv("M40_MOE_GEMV_ROWS");
-    t->moe_gemv_rows = mv && *mv ? atoi(mv) : 4;
-    if (t->moe_gemv_rows < 0)
+    t->moe_gemv_rows = mv && *mv ? atoi(mv) : -1; /* unset: by the experts' type (model_cuda_fwd.c) */
+    if (mv && *mv && t->moe_gemv_rows < 0)
         t->moe_gemv_rows = 0;
     const char *kb = getenv("M40_KV_BLOCKS");
     t->kv_blocks = kb && atoll(kb) > 0 ? atoll(kb) : 0;
@@ -68,15 +68,17 @@ void m40_tuning_from_env(m40_tuning *t)
 int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)
 {
     static const char *const gemm[] = {"auto", "f16", "f32"};
-    char pick[16] = "auto";
+    char pick[16] = "auto", moe_rows[16] = "auto";
     if (t->pick_threads >= 0)
         snprintf(pick, sizeof pick, "%d", (int)t->pick_threads);
+    if (t->moe_gemv_rows >= 0)
+        snprintf(moe_rows, sizeof moe_rows, "%d", (int)t->moe_gemv_rows);
     return snprintf(buf, len,
                     "M40_GEMM=%s M40_PDL=%d M40_CLUSTER=%d M40_SKINNY=%d M40_CUDA_GRAPHS=%d M40_WARMUP=%d "
                     "M40_G8=%d M40_FUSE_NORM=%d M40_FUSE_PICK=%d M40_PREFILL_F16=%d M40_FUSE_RESIDUAL=%d M40_GEMM_Q=%d M40_GEMM_Q_ROWS=%d "
-                    "M40_GEMM_Q_REG=%d M40_GEMV_ROWS=%d M40_MOE_GEMV_ROWS=%d M40_MOE_GEMM_REG=%d M40_MOE_PAD=%d M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d "
+                    "M40_GEMM_Q_REG=%d M40_GEMV_ROWS=%d M40_MOE_GEMV_ROWS=%s M40_MOE_GEMM_REG=%d M40_MOE_PAD=%d M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d "
                     "M40_PICK_THREADS=%s M40_GPU_SAMPLE=%d M40_GPU_UNVALIDATED=%d",
                     gemm[t->gemm], t->pdl, t->clusters, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
                     t->fuse_pick, t->prefill_f16, t->fuse_residual, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->gemv_rows,
-                    (int)t->moe_gemv_rows, (int)t->moe_gemm_reg, t->moe_pad, (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->gpu_unvalidated);
+                    moe_rows, (int)t->moe_gemm_reg, t->moe_pad, (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->gpu_unvalidated);
 }

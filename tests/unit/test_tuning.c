@@ -27,7 +27,7 @@ int main(void)
               t.prefix_cache && t.gpu_sample && t.prefill_f16 && t.fuse_residual && t.moe_pad,
           "every on/off switch on by default");
     CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 128 && t.gemm_q_reg == 64 && t.kv_blocks == 0, "numbers' defaults");
-    CHECK(t.moe_gemv_rows == 4, "M40_MOE_GEMV_ROWS unset: 4");
+    CHECK(t.moe_gemv_rows == -1, "M40_MOE_GEMV_ROWS unset: -1 (by the experts' type)");
     CHECK(t.moe_gemm_reg == 64, "M40_MOE_GEMM_REG unset: 64");
     CHECK(t.gemv_rows == 2, "M40_GEMV_ROWS unset: 2");
     CHECK(t.pick_threads == -1, "M40_PICK_THREADS unset: -1 (the engine's default for its device)");
@@ -85,7 +85,8 @@ int main(void)
     CHECK(strstr(line, "M40_GEMM=f16 ") && strstr(line, "M40_KV_BLOCKS=0 ") && strstr(line, "M40_CUDA_GRAPHS=0 ") &&
               strstr(line, "M40_PICK_THREADS=auto ") &&
               strstr(line, "M40_GEMV_ROWS=8 ") && strstr(line, "M40_MOE_GEMM_REG=16 ") &&
-              strstr(line, "M40_MOE_PAD=1 ") && strstr(line, "M40_GPU_UNVALIDATED=0"),
+              strstr(line, "M40_MOE_PAD=1 ") && strstr(line, "M40_MOE_GEMV_ROWS=3 ") &&
+              strstr(line, "M40_GPU_UNVALIDATED=0"),
           "the log line: %s", line);
     clear();
     return check_done();
