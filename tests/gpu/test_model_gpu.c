@@ -525,9 +525,10 @@ static void test_moe_batched(const char *path)
            MS, strrchr(path, '/') + 1, worst, worst_solo, worst_bat, ws_at, (int)lens[ws_at], wt_at, over_solo, over_bat,
            MS * (MSTEPS + 1));
     /* Batched and alone run the same kernels on the same activations except the expert
-     * products (GEMVs on F32 activations for <= M40_MOE_GEMV_ROWS rows, grouped products
-     * on F16 ones above): measured 0.0107 (f16), 0.0464 (q4km: with every row grouped
-     * 0.0165), 0.0171 (mxfp4). Against the exact CPU model, an expert flipped at a near
+     * products (GEMVs on F32 activations where M40_MOE_GEMV_ROWS leaves a step to them --
+     * unset: one row, but for MXFP4 experts -- grouped products on F16 ones otherwise):
+     * measured 0.0107 (f16), 0.0464 (q4km: with every row grouped 0.0165), 0.0171 (mxfp4,
+     * before it was grouped alone too). Against the exact CPU model, an expert flipped at a near
      * tie (test_vocab_sweep) reaches the later tokens through attention (q4km: 0.31 at
      * sequence 2's last step, the same alone and batched): a row in ten may miss. */
     CHECK(worst <= 7.5e-2, "%s: batched differs from alone by %g", path, worst);
