@@ -512,8 +512,13 @@ static void test_mxfp4_dense(void)
                 compare(what, g.data(), c.data(), c.size(), (float)(2e-6 * product_mag(w, t, N, K, x, xs, B)), 1e-5f);
                 cudaFree(dx), cudaFree(dy);
             }
-            /* quantized GEMM (the direct kernel) */
-            for (int M : {9, 40}) {
+            /* quantized GEMM: the file's layout on the direct kernel; the padded layout
+             * MXFP4_P (kernels.h 0.) on the register kernel up to 64 rows (a last chunk past
+             * K), the staged kernel above where K is a multiple of 256, the direct one
+             * otherwise; split in two where K has two chunks */
+            std::vector<uint8_t> wp = dev_layout(M40K_TYPE_MXFP4_P, w, N, K);
+            uint8_t *dwp = dup(wp);
+            for (int M : {1, 5, 9, 16, 40, 64, 65}) {
                 const int64_t xs = K + 8, ldy = N + 3;
                 std::vector<uint16_t> x((size_t)M * xs);
                 for (auto &v : x)
@@ -521,50 +526,29 @@ static void test_mxfp4_dense(void)
                 std::vector<float> c((size_t)M * ldy, 0.0f);
                 m40_ref_gemm_q(w.data(), t, N, K, x.data(), xs, M, c.data(), ldy);
                 uint16_t *dx = dup(x);
-                float *dy;
+                float *dy, *dws;
+                const int S = K > 256 ? 2 : 1;
+                int *dcnt = dup(std::vector<int>(m40k_gemm_q_counter_ints(N, M), 0));
                 CK(cudaMalloc(&dy, c.size() * 4));
+                CK(cudaMalloc(&dws, m40k_gemm_q_ws_floats(N, M, S) * 4 + 16));
                 CK(cudaMemset(dy, 0, c.size() * 4));
                 CK(m40k_gemm_q(dw, t, N, K, dx, xs, M, dy, ldy, 1, nullptr, nullptr, 0));
-                std::vector<float> g = back(dy, c.size());
                 snprintf(what, sizeof what, "gemm_q MXFP4 N %d K %d M %d", N, K, M);
+                compare_scaled(what, back(dy, c.size()), c, 1e-5);
+                const int kind = m40k_gemm_q_kernel(M40K_TYPE_MXFP4_P, K, M, dwp);
+                const int want = M <= 64 ? M40K_GEMM_Q_REGISTER : K % 256 ? M40K_GEMM_Q_DIRECT : M40K_GEMM_Q_STAGED;
+                snprintf(what, sizeof what, "gemm_q MXFP4_P N %d K %d M %d: kernel %d", N, K, M, want);
+                check(what, kind == want);
+                CK(m40k_gemm_q(dwp, M40K_TYPE_MXFP4_P, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
+                std::vector<float> g = back(dy, c.size());
+                for (int tt = 0; tt < M; tt++) /* the register kernel leaves columns past N alone */
+                    for (int64_t r = N; r < ldy; r++)
+                        g[(size_t)tt * ldy + r] = c[(size_t)tt * ldy + r];
+                snprintf(what, sizeof what, "gemm_q MXFP4_P N %d K %d M %d splits %d", N, K, M, S);
                 compare_scaled(what, g, c, 1e-5);
-                cudaFree(dx), cudaFree(dy);
+                cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
             }
-            /* the padded layout MXFP4_P (kernels.h 0.): the register kernel up to 64 rows (a
-             * last chunk past K), the staged kernel above where K is a multiple of 256, the
-             * direct one otherwise; split in two where K has two chunks */
-            {
-                std::vector<uint8_t> wp = dev_layout(M40K_TYPE_MXFP4_P, w, N, K);
-                uint8_t *dwp = dup(wp);
-                for (int M : {1, 5, 16, 40, 64, 65}) {
-                    const int64_t xs = K + 8, ldy = N + 3;
-                    std::vector<uint16_t> x((size_t)M * xs);
-                    for (auto &v : x)
-                        v = m40_fp32_to_fp16(frand(-1.0f, 1.0f));
-                    std::vector<float> c((size_t)M * ldy, 0.0f);
-                    m40_ref_gemm_q(w.data(), t, N, K, x.data(), xs, M, c.data(), ldy);
-                    uint16_t *dx = dup(x);
-                    float *dy, *dws;
-                    const int S = K > 256 ? 2 : 1;
-                    int *dcnt = dup(std::vector<int>(m40k_gemm_q_counter_ints(N, M), 0));
-                    CK(cudaMalloc(&dy, c.size() * 4));
-                    CK(cudaMalloc(&dws, m40k_gemm_q_ws_floats(N, M, S) * 4 + 16));
-                    CK(cudaMemset(dy, 0, c.size() * 4));
-                    const int kind = m40k_gemm_q_kernel(M40K_TYPE_MXFP4_P, K, M, dwp);
-                    const int want = M <= 64 ? M40K_GEMM_Q_REGISTER : K % 256 ? M40K_GEMM_Q_DIRECT : M40K_GEMM_Q_STAGED;
-                    snprintf(what, sizeof what, "gemm_q MXFP4_P N %d K %d M %d: kernel %d", N, K, M, want);
-                    check(what, kind == want);
-                    CK(m40k_gemm_q(dwp, M40K_TYPE_MXFP4_P, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
-                    std::vector<float> g = back(dy, c.size());
-                    for (int tt = 0; tt < M; tt++) /* the register kernel leaves columns past N alone */
-                        for (int64_t r = N; r < ldy; r++)
-                            g[(size_t)tt * ldy + r] = c[(size_t)tt * ldy + r];
-                    snprintf(what, sizeof what, "gemm_q MXFP4_P N %d K %d M %d splits %d", N, K, M, S);
-                    compare_scaled(what, g, c, 1e-5);
-                    cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
-                }
-                cudaFree(dwp);
-            }
+            cudaFree(dwp);
             /* embedding rows */
             std::vector<int32_t> ids = {0, N - 1, N / 2, -1, N};
             int32_t *di = dup(ids);
