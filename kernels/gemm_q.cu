@@ -184,18 +184,6 @@ __device__ __forceinline__ void mq_deq32(const uint8_t *p, int e, int j, uint32_
             sc[h] = d * (float)(int8_t)p[192 + (e >> 4) + h];
             off[h] = 32.0f * sc[h];
         }
-    } else if constexpr (T == M40K_TYPE_MXFP4_P) {
-        /* block e / 32 of the chunk: the low nibbles are elements 0-15, the high ones
-         * 16-31; as bytes level + 12, so the offset is 12 scales */
-        const uint4 v = *reinterpret_cast<const uint4 *>(p + 16 * (e >> 5));
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            t[k] = m40k_mxfp4_bytes(w[k] & 0x0F0F0F0Fu);
-            t[4 + k] = m40k_mxfp4_bytes((w[k] >> 4) & 0x0F0F0F0Fu);
-        }
-        sc[0] = sc[1] = m40k_e8m0_half(p[128 + (e >> 5)]);
-        off[0] = off[1] = 12.0f * sc[0];
     }
 }
 
@@ -514,7 +502,7 @@ __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restri
 
 template <int T> static int mq_dequant_type(const void *w, int N, int K, uint16_t *out, cudaStream_t st)
 {
-    if constexpr (mq_stage<T>::RB > 0) {
+    if constexpr (mq_stage<T>::STAGED) {
         typedef m40k_tinfo<T> ti;
         const size_t rb = m40k_row_bytes<T>(K);
         if (K % ti::BE || K % MQ_KC || rb % 16 || ((uintptr_t)w & 15) || ((uintptr_t)out & 15))
@@ -604,7 +592,7 @@ template <int T, bool STAGED> static int mq_prepare_all(void)
 template <int T> static int mq_prepare_type(void)
 {
     int e = mq_prepare_all<T, false>();
-    if constexpr (mq_stage<T>::RB > 0)
+    if constexpr (mq_stage<T>::STAGED)
         if (!e)
             e = mq_prepare_all<T, true>();
     return e;
@@ -643,7 +631,7 @@ template <int T> static int mq_kind(const void *w, int K, int M)
     const size_t rb = m40k_row_bytes<T>(K);
     if (mq_reg_takes(T, K, M, w, rb))
         return M40K_GEMM_Q_REGISTER;
-    if constexpr (mq_stage<T>::RB > 0)
+    if constexpr (mq_stage<T>::STAGED)
         if (K % MQ_KC == 0 && rb % 16 == 0 && ((uintptr_t)w & 15) == 0)
             return M40K_GEMM_Q_STAGED;
     return M40K_GEMM_Q_DIRECT;
@@ -659,7 +647,7 @@ static int mq_type(const void *w, int N, int K, const uint16_t *x, int64_t x_str
     switch (mq_kind<T>(w, K, M)) {
     case M40K_GEMM_Q_REGISTER: return mr_gemm(T, w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
     case M40K_GEMM_Q_STAGED:
-        if constexpr (mq_stage<T>::RB > 0)
+        if constexpr (mq_stage<T>::STAGED)
             return mq_bm_launch<T, true>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
         return M40K_INVALID;
     default: return mq_bm_launch<T, false>(w, rb, N, K, x, x_stride, M, y, ldy, S, ws, counters, st);
@@ -810,7 +798,7 @@ static int mq_grouped_type(const void *w, int n_expert, int N, int K, const uint
      * product of that many rows would (every expert's matrix 16-byte aligned too) */
     if (bm <= 64 && bm <= mq_reg_rows_grouped && eb % 16 == 0 && mr_reads(T, K, bm, w, rb))
         return mr_grouped(T, w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, bm, y, ldy, st);
-    if constexpr (mq_stage<T>::RB > 0)
+    if constexpr (mq_stage<T>::STAGED)
         if (K % MQ_KC == 0 && rb % 16 == 0 && ((uintptr_t)w & 15) == 0)
             return mq_grouped_bm<T, true>(bm, w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);
     return mq_grouped_bm<T, false>(bm, w, rb, eb, n_expert, N, K, x, x_stride, offsets, tiles, max_tiles, y, ldy, st);

@@ -58,7 +58,9 @@ __device__ __forceinline__ void mq_mma(float (&c)[4], const uint32_t (&a)[4], ui
  * types, one group of Q8_0_G8; Q6_K_G8's superblock (208 bytes) followed by its group's
  * 16 bytes of scales d[8]; Q6_K_P's padded superblock (224 bytes, its d at 208). 0: the
  * type has no such chunk (plain Q6_K: 210 bytes; Q2_K, Q3_K: 84, 110; MXFP4: 136) or
- * mq_deq32 does not read it yet (Q5_K, BF16): the direct kernel. */
+ * mq_deq32 does not read it yet (Q5_K, BF16): the direct kernel. STAGED: the shared-memory
+ * kernel stages the type (MXFP4_P's chunks are the register kernel's only: products of
+ * more rows take the direct kernel). */
 #define MQ_KC 256
 template <int T> struct mq_stage {
     enum {
@@ -66,7 +68,8 @@ template <int T> struct mq_stage {
              : T == M40K_TYPE_Q6_K || T == M40K_TYPE_F16 || T == M40K_TYPE_F32 || T == M40K_TYPE_BF16 ||
                        T == M40K_TYPE_Q2_K || T == M40K_TYPE_Q3_K || T == M40K_TYPE_Q5_K || T == M40K_TYPE_MXFP4
                  ? 0
-                 : MQ_KC / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB
+                 : MQ_KC / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB,
+        STAGED = RB > 0 && T != M40K_TYPE_MXFP4_P
     };
     static_assert(RB % 16 == 0, "staged chunks move in 16-byte pieces");
 };

@@ -91,9 +91,9 @@ int m40k_repack_q6_k_p(const void *src, void *dst, int64_t rows, int64_t K);
  * ceil(K/256) chunks, the blocks past K zero (scale byte 0, nibbles 0: weights 0). For
  * gpt-oss's experts (rows of 2,880), which the quantized GEMM otherwise reads with byte
  * loads on its direct kernel. Row bytes: ceil(K/256) * 144 (m40k_row_bytes). The expert
- * kernels (10c, 10d, 10g) and the quantized GEMM (8e) read it; the register kernel and
- * the expert GEMVs at any K of whole blocks, the staged kernel where K is a multiple of
- * 256. m40k_repack_mxfp4_p: rows of K elements of MXFP4 (src, packed) into dst (rows *
+ * kernels (10c, 10d, 10g) and the quantized GEMM (8e) read it: the register kernel and
+ * the expert GEMVs at any K of whole blocks, products of more than 64 rows on the direct
+ * kernel (no staged kernel, no F16 dequantization). m40k_repack_mxfp4_p: rows of K elements of MXFP4 (src, packed) into dst (rows *
  * ceil(K/256) * 144 bytes; no overlap); M40K_INVALID where K is not a positive multiple
  * of 32. Host function, no device work. */
 int m40k_repack_mxfp4_p(const void *src, void *dst, int64_t rows, int64_t K);

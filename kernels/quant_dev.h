@@ -72,16 +72,6 @@ __device__ __forceinline__ float m40k_e8m0_half(uint32_t e)
 {
     return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
 }
-/* Four MXFP4 nibbles (one a byte, each 0..15) as four bytes level + 12 (0..24): the
- * magnitude picked by one byte permute, negative levels as 24 minus it (no byte borrows). */
-__device__ __forceinline__ uint32_t m40k_mxfp4_bytes(uint32_t n)
-{
-    const uint32_t c = n | (n >> 4); /* byte 0: nibbles 0, 1; byte 2: nibbles 2, 3 */
-    const uint32_t sel = ((c & 0xFFu) | ((c >> 8) & 0xFF00u)) & 0x7777u;
-    const uint32_t pos = __byte_perm(0x0F0E0D0Cu, 0x18141210u, sel);
-    const uint32_t m = ((n >> 3) & 0x01010101u) * 0xFFu;
-    return (pos & ~m) | ((0x18181818u - pos) & m);
-}
 
 /* A group's q[0..7] . x (x in two float4s), summed in the order every GEMV here keeps
  * (a product, then seven fused multiply-adds), and the sum of the eight x (for the

@@ -493,7 +493,7 @@ static void test_mxfp4_dense(void)
 {
     const int t = M40K_TYPE_MXFP4;
     char what_buf[96];
-    for (int K : {32, 32 * 37, 2880})
+    for (int K : {32, 32 * 37, 2880, 512})
         for (int N : {1, 33, 130}) {
             std::vector<uint8_t> w = quant_matrix(t, N, K);
             uint8_t *dw = dup(w);
@@ -514,8 +514,7 @@ static void test_mxfp4_dense(void)
             }
             /* quantized GEMM: the file's layout on the direct kernel; the padded layout
              * MXFP4_P (kernels.h 0.) on the register kernel up to 64 rows (a last chunk past
-             * K), the staged kernel above where K is a multiple of 256, the direct one
-             * otherwise; split in two where K has two chunks */
+             * K), the direct one above; split in two where K has two chunks */
             std::vector<uint8_t> wp = dev_layout(M40K_TYPE_MXFP4_P, w, N, K);
             uint8_t *dwp = dup(wp);
             for (int M : {1, 5, 9, 16, 40, 64, 65}) {
@@ -536,7 +535,7 @@ static void test_mxfp4_dense(void)
                 snprintf(what, sizeof what, "gemm_q MXFP4 N %d K %d M %d", N, K, M);
                 compare_scaled(what, back(dy, c.size()), c, 1e-5);
                 const int kind = m40k_gemm_q_kernel(M40K_TYPE_MXFP4_P, K, M, dwp);
-                const int want = M <= 64 ? M40K_GEMM_Q_REGISTER : K % 256 ? M40K_GEMM_Q_DIRECT : M40K_GEMM_Q_STAGED;
+                const int want = M <= 64 ? M40K_GEMM_Q_REGISTER : M40K_GEMM_Q_DIRECT;
                 snprintf(what, sizeof what, "gemm_q MXFP4_P N %d K %d M %d: kernel %d", N, K, M, want);
                 check(what, kind == want);
                 CK(m40k_gemm_q(dwp, M40K_TYPE_MXFP4_P, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0));
@@ -563,6 +562,16 @@ static void test_mxfp4_dense(void)
         }
     check("gemm_q reads MXFP4 and MXFP4_P",
           m40k_gemm_q_supported(M40K_TYPE_MXFP4) == 1 && m40k_gemm_q_supported(M40K_TYPE_MXFP4_P) == 1);
+    {
+        /* neither is dequantized to F16 (no staged chunk: the direct kernel takes large products) */
+        uint8_t *dw;
+        uint16_t *dq;
+        CK(cudaMalloc(&dw, 4 * 144 + 64));
+        CK(cudaMalloc(&dq, 4 * 256 * 2));
+        check("gemm_q_dequant refuses MXFP4 and MXFP4_P", m40k_gemm_q_dequant(dw, M40K_TYPE_MXFP4, 4, 256, dq, 0) != 0 &&
+                                                              m40k_gemm_q_dequant(dw, M40K_TYPE_MXFP4_P, 4, 256, dq, 0) != 0);
+        cudaFree(dw), cudaFree(dq);
+    }
     {
         /* MXFP4_P: a row of 40 blocks (K 1,280: five chunks) and one of 3 (K 96: one chunk,
          * 5 blocks of zeros); the scales at 128 + j, nibbles at 16 j, zeros past K */
