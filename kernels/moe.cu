@@ -267,7 +267,6 @@ template <int T, int NR>
 __device__ __forceinline__ void mg_warp_dot(const uint8_t *const (&rows)[NR], const float *const (&xs)[NR], int K,
                                             uint8_t *buf, float (&out)[NR])
 {
-    typedef m40k_tinfo<T> ti;
     constexpr int CH = mg_cfg<T>::CH, SEGB = mg_cfg<T>::SEGB;
     const int lane = threadIdx.x & 31;
     const int nseg = (K + MG_SEG - 1) / MG_SEG;
@@ -459,7 +458,6 @@ __device__ __forceinline__ void mf_warp(int rounds, int K, RowF rows, XF xs, End
                                         uint8_t (&sb)[MF_R][mf_dims<T>::SMB], float2 (&ssc)[MF_R][mf_dims<T>::NSC])
 {
     typedef mf_dims<T> D;
-    typedef m40k_tinfo<T> ti;
     constexpr int SEG = D::SEG, SEGB = D::SEGB, CH = D::CH;
     const int lane = threadIdx.x & 31;
     const int nseg = (K + SEG - 1) / SEG, units = rounds * nseg;
