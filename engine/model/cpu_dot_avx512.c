@@ -9,6 +9,7 @@
 
 #define X86_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
 #define X86_NAME(n) avx512_##n
+#define X86_MASKS /* AVX-512BW's byte masks (x86_bit5) */
 
 #include <immintrin.h>
 

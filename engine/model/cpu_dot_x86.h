@@ -6,7 +6,8 @@
  *   X86_NAME(n)  the kernel's name in this instance,
  *   x86_dotw     (lo, hi, q): the 16-bit weights lo (elements 0..15) and hi (16..31)
  *                times the record's int16 q -> 8 int32 lanes, each the sum of 4 products;
- *   x86_dotw_acc (acc, lo, hi, q): acc + x86_dotw(lo, hi, q).
+ *   x86_dotw_acc (acc, lo, hi, q): acc + x86_dotw(lo, hi, q),
+ * and X86_MASKS where the target has AVX-512BW (its byte masks).
  * The twins are the portable kernels of cpu_dot.c: the same integers per block, the F32
  * sums in another order (8 lanes per block, added across blocks, reduced at the end). */
 #include <immintrin.h>
@@ -48,17 +49,22 @@ X86_FN __m256i x86_nibbles(const uint8_t *qs)
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
 
-/* Bit i of qh as 0x10 in byte i (Q5_0/Q5_1's 5th bit). */
+/* Bit i of qh as 0x10 in byte i (Q5_0/Q5_1's 5th bit): one byte-masked move where the
+ * includer has AVX-512BW's mask registers (X86_MASKS), else a shuffle and a compare. */
 X86_FN __m256i x86_bit5(const uint8_t *qh4)
 {
     uint32_t qh;
     memcpy(&qh, qh4, sizeof qh);
+#ifdef X86_MASKS
+    return _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10));
+#else
     __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
                                     _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
                                                        0x0303030303030303LL));
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     b = _mm256_cmpeq_epi8(_mm256_and_si256(b, bit), bit);
     return _mm256_and_si256(b, _mm256_set1_epi8(0x10));
+#endif
 }
 
 /* Software prefetch X86_PF bytes ahead of the block being read. The weights stream from
