@@ -24,19 +24,28 @@ static uint8_t rnd8(void)
     return (uint8_t)(rng >> 24);
 }
 
+/* src: n_in random bytes; dst: n_out bytes of 0xA5 (every one the repack must write). */
+static int buffers(size_t n_in, size_t n_out, uint8_t **src, uint8_t **dst)
+{
+    *src = malloc(n_in), *dst = malloc(n_out);
+    if (!*src || !*dst) {
+        CHECK(0, "out of memory");
+        free(*src);
+        free(*dst);
+        return -1;
+    }
+    for (size_t i = 0; i < n_in; i++)
+        (*src)[i] = rnd8();
+    memset(*dst, 0xA5, n_out);
+    return 0;
+}
+
 static void check_q6(int64_t K, int rows)
 {
     const size_t in_row = (size_t)(K / 256) * 210, out_row = (size_t)(K / 256) * 224;
-    uint8_t *src = malloc(in_row * rows), *dst = malloc(out_row * rows);
-    if (!src || !dst) {
-        CHECK(0, "out of memory");
-        free(src);
-        free(dst);
+    uint8_t *src, *dst;
+    if (buffers(in_row * rows, out_row * rows, &src, &dst))
         return;
-    }
-    for (size_t i = 0; i < in_row * rows; i++)
-        src[i] = rnd8();
-    memset(dst, 0xA5, out_row * rows);
     CHECK(m40k_repack_q6_k_p(src, dst, rows, K) == 0, "Q6_K_P K %lld: repack", (long long)K);
     size_t bad = 0;
     for (int r = 0; r < rows; r++)
@@ -54,16 +63,9 @@ static void check_mxfp4(int64_t K, int rows)
 {
     const int64_t blocks = K / 32, chunks = (K + 255) / 256;
     const size_t in_row = (size_t)blocks * 17, out_row = (size_t)chunks * 144;
-    uint8_t *src = malloc(in_row * rows), *dst = malloc(out_row * rows);
-    if (!src || !dst) {
-        CHECK(0, "out of memory");
-        free(src);
-        free(dst);
+    uint8_t *src, *dst;
+    if (buffers(in_row * rows, out_row * rows, &src, &dst))
         return;
-    }
-    for (size_t i = 0; i < in_row * rows; i++)
-        src[i] = rnd8();
-    memset(dst, 0xA5, out_row * rows);
     CHECK(m40k_repack_mxfp4_p(src, dst, rows, K) == 0, "MXFP4_P K %lld: repack", (long long)K);
     size_t bad = 0;
     for (int r = 0; r < rows; r++) {
