@@ -97,6 +97,9 @@ int m40k_repack_q6_k_p(const void *src, void *dst, int64_t rows, int64_t K);
  * ceil(K/256) * 144 bytes; no overlap); M40K_INVALID where K is not a positive multiple
  * of 32. Host function, no device work. */
 int m40k_repack_mxfp4_p(const void *src, void *dst, int64_t rows, int64_t K);
+/* The bytes of a row of K elements in padded layout t (Q6_K_P, MXFP4_P); 0 for another
+ * type or a K the layout does not take. */
+int64_t m40k_padded_row_bytes(int t, int64_t K);
 
 /* 1. Embedding gather: out[i][0..dim) = dequant(table row ids[i]). table_type is F32,
  * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 or a regrouped layout (0.) (dim a

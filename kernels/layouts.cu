@@ -41,9 +41,18 @@ extern "C" int m40k_repack_g8(int t, const void *src, void *dst, int64_t rows, i
     return 0;
 }
 
+extern "C" int64_t m40k_padded_row_bytes(int t, int64_t K)
+{
+    if (t == M40K_TYPE_Q6_K_P && K > 0 && K % 256 == 0)
+        return K / 256 * 224;
+    if (t == M40K_TYPE_MXFP4_P && K > 0 && K % 32 == 0)
+        return (K + 255) / 256 * 144;
+    return 0;
+}
+
 extern "C" int m40k_repack_q6_k_p(const void *src, void *dst, int64_t rows, int64_t K)
 {
-    if (K <= 0 || K % 256 || rows < 0)
+    if (!m40k_padded_row_bytes(M40K_TYPE_Q6_K_P, K) || rows < 0)
         return M40K_INVALID;
     const size_t blocks = (size_t)rows * (size_t)(K / 256);
     const uint8_t *s = (const uint8_t *)src;
@@ -57,13 +66,14 @@ extern "C" int m40k_repack_q6_k_p(const void *src, void *dst, int64_t rows, int6
 
 extern "C" int m40k_repack_mxfp4_p(const void *src, void *dst, int64_t rows, int64_t K)
 {
-    if (K <= 0 || K % 32 || rows < 0)
+    const int64_t out = m40k_padded_row_bytes(M40K_TYPE_MXFP4_P, K);
+    if (!out || rows < 0)
         return M40K_INVALID;
-    const int64_t blocks = K / 32, chunks = (K + 255) / 256;
+    const int64_t blocks = K / 32;
     const uint8_t *s = (const uint8_t *)src;
     uint8_t *d = (uint8_t *)dst;
-    for (int64_t r = 0; r < rows; r++, s += blocks * 17, d += chunks * 144) {
-        memset(d, 0, (size_t)chunks * 144);
+    for (int64_t r = 0; r < rows; r++, s += blocks * 17, d += out) {
+        memset(d, 0, (size_t)out);
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *c = d + (b / 8) * 144;
             c[128 + b % 8] = s[b * 17];                 /* e */

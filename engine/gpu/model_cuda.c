@@ -435,15 +435,16 @@ static int experts_type(const m40_gpu *g, const m40_matrix *m, int as_f16)
     return (int)m->type;
 }
 
-/* Bytes of a row of an expert tensor on the device. */
+/* Bytes of a row of an expert tensor on the device (a padded row of a K the layout does
+ * not take: 0, and its upload refuses it). */
 static size_t experts_row_bytes(const m40_gpu *g, const m40_matrix *m, int as_f16)
 {
-    switch (experts_type(g, m, as_f16)) {
-    case M40K_TYPE_F16: return (size_t)m->cols * 2;
-    case M40K_TYPE_Q6_K_P: return (size_t)m->cols / 256 * 224;
-    case M40K_TYPE_MXFP4_P: return (size_t)(m->cols + 255) / 256 * 144;
-    default: return m->row_bytes;
-    }
+    const int t = experts_type(g, m, as_f16);
+    if (t == M40K_TYPE_F16)
+        return (size_t)m->cols * 2;
+    if (t == M40K_TYPE_Q6_K_P || t == M40K_TYPE_MXFP4_P)
+        return (size_t)m40k_padded_row_bytes(t, m->cols);
+    return m->row_bytes;
 }
 
 /* Device bytes of an expert tensor (upload_experts). */
@@ -473,6 +474,11 @@ static int upload_experts(uploader *u, const m40_matrix *m, int as_f16, gmat *ou
     m40_gpu *g = u->g;
     const int type = experts_type(g, m, as_f16);
     const size_t rb = experts_row_bytes(g, m, as_f16), bytes = rb * (size_t)m->rows;
+    if (rb == 0) { /* the GGUF loader refuses rows of no whole block: not reached from a file */
+        m40_set_err(err, errlen, "gpu %d: expert rows of %lld elements fit no device layout", g->device,
+                    (long long)m->cols);
+        return -1;
+    }
     void *buf;
     if (dev_alloc(g, &buf, bytes, err, errlen, "expert weights"))
         return -1;

@@ -123,14 +123,12 @@ static inline const char *dev_suffix(int type)
 }
 static inline std::vector<uint8_t> dev_layout(int type, const std::vector<uint8_t> &w, int64_t rows, int64_t K)
 {
-    if (type == M40K_TYPE_Q6_K_P) {
-        std::vector<uint8_t> p((size_t)rows * (size_t)(K / 256) * 224);
-        CK(m40k_repack_q6_k_p(w.data(), p.data(), rows, K) == 0 ? cudaSuccess : cudaErrorInvalidValue);
-        return p;
-    }
-    if (type == M40K_TYPE_MXFP4_P) {
-        std::vector<uint8_t> p((size_t)rows * (size_t)((K + 255) / 256) * 144);
-        CK(m40k_repack_mxfp4_p(w.data(), p.data(), rows, K) == 0 ? cudaSuccess : cudaErrorInvalidValue);
+    if (type == M40K_TYPE_Q6_K_P || type == M40K_TYPE_MXFP4_P) {
+        std::vector<uint8_t> p((size_t)rows * (size_t)m40k_padded_row_bytes(type, K));
+        CK((type == M40K_TYPE_Q6_K_P ? m40k_repack_q6_k_p(w.data(), p.data(), rows, K)
+                                      : m40k_repack_mxfp4_p(w.data(), p.data(), rows, K)) == 0
+               ? cudaSuccess
+               : cudaErrorInvalidValue);
         return p;
     }
     std::vector<uint8_t> d = w;

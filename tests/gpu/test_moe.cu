@@ -601,9 +601,8 @@ static void test_mxfp4_dense(void)
 /* Bytes of a row of cols elements in a device layout (kernels.h 0.) or a GGUF type. */
 static size_t dev_row_bytes(int type, int cols)
 {
-    return type == M40K_TYPE_Q6_K_P     ? (size_t)cols / 256 * 224
-           : type == M40K_TYPE_MXFP4_P ? (size_t)(cols + 255) / 256 * 144
-                                        : row_bytes(dev_base(type), cols);
+    const int64_t padded = m40k_padded_row_bytes(type, cols);
+    return padded ? (size_t)padded : row_bytes(dev_base(type), cols);
 }
 
 /* Weights for timing: random bytes, with every block's scale fields made sane (F16 scales

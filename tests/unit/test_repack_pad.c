@@ -46,6 +46,7 @@ static void check_q6(int64_t K, int rows)
     uint8_t *src, *dst;
     if (buffers(in_row * rows, out_row * rows, &src, &dst))
         return;
+    CHECK(m40k_padded_row_bytes(M40K_TYPE_Q6_K_P, K) == (int64_t)out_row, "Q6_K_P K %lld: row bytes", (long long)K);
     CHECK(m40k_repack_q6_k_p(src, dst, rows, K) == 0, "Q6_K_P K %lld: repack", (long long)K);
     size_t bad = 0;
     for (int r = 0; r < rows; r++)
@@ -66,6 +67,8 @@ static void check_mxfp4(int64_t K, int rows)
     uint8_t *src, *dst;
     if (buffers(in_row * rows, out_row * rows, &src, &dst))
         return;
+    CHECK(m40k_padded_row_bytes(M40K_TYPE_MXFP4_P, K) == (int64_t)out_row, "MXFP4_P K %lld: row bytes",
+          (long long)K);
     CHECK(m40k_repack_mxfp4_p(src, dst, rows, K) == 0, "MXFP4_P K %lld: repack", (long long)K);
     size_t bad = 0;
     for (int r = 0; r < rows; r++) {
@@ -102,6 +105,9 @@ int main(void)
               m40k_repack_q6_k_p(a, b, -1, 256) != 0 && m40k_repack_mxfp4_p(a, b, 1, 48) != 0 &&
               m40k_repack_mxfp4_p(a, b, 1, -32) != 0 && b[0] == 0x5A && b[2047] == 0x5A,
           "K of no whole block, K <= 0, rows < 0: refused, nothing written");
+    CHECK(m40k_padded_row_bytes(M40K_TYPE_Q6_K_P, 100) == 0 && m40k_padded_row_bytes(M40K_TYPE_MXFP4_P, 48) == 0 &&
+              m40k_padded_row_bytes(M40K_TYPE_MXFP4_P, 0) == 0 && m40k_padded_row_bytes(M40K_TYPE_Q6_K, 256) == 0,
+          "no padded row for a K of no whole block, K 0, or a type without a padded layout");
     return check_done();
 }
 #else
