@@ -654,17 +654,26 @@ __global__ __launch_bounds__(MG_WARPS * 32) void moe_down_fast_kernel(const uint
     }
 }
 
+/* The types the fast kernels are built for (gemv_fast_dev.h's decode), and those of them
+ * that read a row from byte 0 of its staged segment (rows 16-byte aligned). */
+template <int T> static constexpr bool mf_typed()
+{
+    return T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
+           T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4 ||
+           T == M40K_TYPE_MXFP4_P;
+}
+template <int T> static constexpr bool mf_aligned_rows()
+{
+    return T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K_P ||
+           T == M40K_TYPE_MXFP4_P;
+}
+
 /* The fast kernels take the type where its rows allow. */
 template <int T> static bool mf_takes(const void *w, size_t row_bytes)
 {
-    constexpr bool typed = T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                           T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P;
-    if (!typed || ((uintptr_t)w & 15))
+    if (!mf_typed<T>() || ((uintptr_t)w & 15))
         return false;
-    if (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K_P ||
-        T == M40K_TYPE_MXFP4_P)
-        return row_bytes % 16 == 0;
-    return true;
+    return !mf_aligned_rows<T>() || row_bytes % 16 == 0;
 }
 
 /* The types the expert GEMV reads: one list for both entries. */
@@ -691,8 +700,7 @@ static int mg_fast_gate_up(const void *wg, const void *wu, int n_expert, int n_f
                             const float *ub, int act, const float *x, int64_t xs, const int32_t *ids, int n_tokens,
                             int k, float *h, int64_t hs, cudaStream_t st)
 {
-    if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P) {
+    if constexpr (mf_typed<T>()) {
         const size_t rb = m40k_row_bytes<T>(dim);
         const dim3 grid((unsigned)((n_ff + 2 * MG_WARPS - 1) / (2 * MG_WARPS)), (unsigned)(n_tokens * k));
         return m40k_launch_pdl(moe_gate_up_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wg,
@@ -705,8 +713,7 @@ static int mg_fast_down(const void *wd, int n_expert, int dim, int n_ff, const f
                          const int32_t *ids, const float *w, int n_tokens, int k, float *out, int64_t os, int acc,
                          cudaStream_t st)
 {
-    if constexpr (T == M40K_TYPE_F16 || T == M40K_TYPE_BF16 || T == M40K_TYPE_Q8_0 || T == M40K_TYPE_Q4_0 ||
-                  T == M40K_TYPE_Q4_K || T == M40K_TYPE_Q6_K || T == M40K_TYPE_Q6_K_P || T == M40K_TYPE_MXFP4 || T == M40K_TYPE_MXFP4_P) {
+    if constexpr (mf_typed<T>()) {
         const size_t rb = m40k_row_bytes<T>(n_ff);
         const dim3 grid((unsigned)((dim + MG_WARPS - 1) / MG_WARPS), (unsigned)n_tokens);
         return m40k_launch_pdl(moe_down_fast_kernel<T>, grid, dim3(MG_WARPS * 32), st, (const uint8_t *)wd, rb,
@@ -731,15 +738,15 @@ extern "C" int m40k_moe_gate_up(const void *w_gate, const void *w_up, int w_type
     case t:                                                                                                            \
         if (dim % be)                                                                                                  \
             return M40K_INVALID;                                                                                       \
-        if (mf_takes<t>(w_gate, m40k_row_bytes<t>(dim)) &&                               \
-            mf_takes<t>(w_up, m40k_row_bytes<t>(dim))) {                                  \
+        if (mf_takes<t>(w_gate, m40k_row_bytes<t>(dim)) &&                                                             \
+            mf_takes<t>(w_up, m40k_row_bytes<t>(dim))) {                                                               \
             return mg_fast_gate_up<t>(w_gate, w_up, n_expert, n_ff, dim, gate_b, up_b, act, x, x_stride, ids, n_tokens, \
                                       k, h, h_stride, st);                                                             \
         }                                                                                                              \
         moe_gate_up_kernel<t><<<dim3((unsigned)((n_ff + MG_WARPS * mg_cfg<t>::RPW - 1) / (MG_WARPS * mg_cfg<t>::RPW)), \
                                      (unsigned)(n_tokens * k)),                                                        \
                                 MG_WARPS * 32, 0, st>>>(                                                               \
-            (const uint8_t *)w_gate, (const uint8_t *)w_up, m40k_row_bytes<t>(dim),      \
+            (const uint8_t *)w_gate, (const uint8_t *)w_up, m40k_row_bytes<t>(dim),                                    \
             n_expert, n_ff, dim, gate_b, up_b, act, x, x_stride, ids, k, h, h_stride);                                 \
         return m40k_launch_status();
         MG_TYPES(MG_CASE)
@@ -763,12 +770,12 @@ extern "C" int m40k_moe_down(const void *w_down, int w_type, int n_expert, int d
     case t:                                                                                                            \
         if (n_ff % be)                                                                                                 \
             return M40K_INVALID;                                                                                       \
-        if (mf_takes<t>(w_down, m40k_row_bytes<t>(n_ff))) {                              \
+        if (mf_takes<t>(w_down, m40k_row_bytes<t>(n_ff))) {                                                            \
             return mg_fast_down<t>(w_down, n_expert, dim, n_ff, down_b, h, h_stride, ids, weights, n_tokens, k, out,  \
                                    out_stride, accumulate, st);                                                        \
         }                                                                                                              \
         moe_down_kernel<t><<<grid, MG_WARPS * 32, 0, st>>>(                                                            \
-            (const uint8_t *)w_down, m40k_row_bytes<t>(n_ff), n_expert, dim, n_ff, down_b, \
+            (const uint8_t *)w_down, m40k_row_bytes<t>(n_ff), n_expert, dim, n_ff, down_b,                             \
             h, h_stride, ids, weights, k, out, out_stride, accumulate);                                                \
         return m40k_launch_status();
         MG_TYPES(MG_CASE)
