@@ -623,7 +623,7 @@ static int matmul_tiled(m40_gpu *g, const gproj *pr, const float *x, int32_t n, 
  * product less written and read (xd), and the norm after it reads one stream. */
 static int res_fuse_ok(const m40_gpu *g, const gproj *pr, int32_t n, const float *post_norm, int xq_next)
 {
-    return g->fuse_residual && g->tp_n == 1 && !post_norm && !xq_next && all_tiled(g, pr, n);
+    return g->fuse_residual && g->tp_n <= 1 && !post_norm && !xq_next && all_tiled(g, pr, n);
 }
 
 /* The RMSNorm of the residual xc (its add done by the product before: matmul_tiled) into

@@ -79,6 +79,7 @@ struct m40_gpu {
     int sm_count;
     int g8;              /* regrouped device layouts for Q8_0 / Q6_K (M40_G8, kernels.h 0.) */
     int moe_pad;         /* Q6_K and MXFP4 experts padded to Q6_K_P, MXFP4_P (M40_MOE_PAD, kernels.h 0.) */
+    int moe_q8;          /* a decode row's expert gate/up GEMV on x's int8 records (M40_MOE_Q8, kernels.h 10c') */
     m40_model_params p;
     int32_t q_dim, kv_dim, qkv_dim;
     gmat tok_embd, output;
@@ -176,7 +177,7 @@ struct m40_gpu {
     int32_t *perm, *out_rows;
     int32_t host_cap;
 
-    /* Tensor parallelism (tp.c; tp_n 1: none). This rank's place, its NCCL communicator
+    /* Tensor parallelism (tp.c; tp_n 0 or 1: none). This rank's place, its NCCL communicator
      * (ncclComm_t), its share of the head's rows (model/tp_shard.h), its piece of the
      * logits [cap_out][tp_vocab_stride] and the gathered pieces [tp_n][cap_out][stride];
      * on rank 0 (the model's m40_gpu) the group, which owns the other ranks. */
