@@ -78,6 +78,7 @@
 
 #include "quant_dev.h"
 #include "q8_dev.h"
+#include "moe_act_dev.h"
 
 #define GQ_WARPS 4
 #define GQ_R 2               /* rows per warp */
@@ -678,6 +679,70 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
                                         n);
 }
 
+/* The experts' gate/up GEMV (kernels.h 10c') on x's int8 records: warp w of block
+ * (b, pair p) takes FR rows n0.. of the gate matrix and the same rows of the up matrix of
+ * expert ids[p], each lane its units of all 2*FR rows (gq_row: x loaded once a scale
+ * group for all of them), and lane 0 writes act(g, u). FR = 2 for Q4_K (four rows a warp,
+ * as gq_rows at batch 1), 1 for the others (Q6_K spills at four). Where the F32 kernel
+ * (moe.cu) unpacked each weight to a float and multiplied it by an F32 x, ~7.6
+ * instructions a weight (qwen3-30b-a3b's layer under Nsight Compute, BENCHMARKS.md), the
+ * int8 dot products take four weights an instruction. */
+template <int T, int FR>
+__global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void moe_gate_up_q8_kernel(
+    const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, size_t row_bytes, int n_expert, int n_ff, int K,
+    const float *__restrict__ gate_b, const float *__restrict__ up_b, int act, const gq_blk *xs, const int32_t *ids,
+    int k, float *__restrict__ h, int64_t h_stride)
+{
+    typedef gq<T> Q;
+    constexpr int R = 2 * FR;
+    /* PDL: the routing (the kernel before) is complete and visible before ids or x are
+     * read; only then may the down projection start (it reads ids before its own wait) */
+    m40k_grid_wait();
+    m40k_grid_launch_dependents();
+    M40K_LAUNDER(xs);
+    M40K_LAUNDER(ids);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = (blockIdx.x * GQ_WARPS + warp) * FR, p = blockIdx.y;
+    if (n0 >= n_ff)
+        return;
+    const int e = ids[p];
+    float *hp = h + (size_t)p * h_stride;
+    if (e < 0 || e >= n_expert) {
+        if (lane < FR && n0 + lane < n_ff)
+            hp[n0 + lane] = 0.0f;
+        return;
+    }
+    const uint8_t *rowp[R];
+#pragma unroll
+    for (int f = 0; f < FR; f++) { /* rows past n_ff: computed, not written */
+        const size_t r = (size_t)e * n_ff + (size_t)min(n0 + f, n_ff - 1);
+        rowp[f] = wg + r * row_bytes;
+        rowp[FR + f] = wu + r * row_bytes;
+    }
+    const gq_blk *xb = xs + (size_t)(p / k) * (size_t)(K / 32);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        acc[r] = 0.0f;
+    for (int u = lane; u < K / Q::UE; u += 32) {
+        typename Q::W wr[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            Q::load_w(rowp[r], u, wr[r]);
+        gq_row<T, R>(wr, xb, u, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        acc[r] = m40k_warp_sum(acc[r]);
+    if (lane == 0)
+#pragma unroll
+        for (int f = 0; f < FR; f++)
+            if (n0 + f < n_ff) {
+                const size_t bi = (size_t)e * n_ff + n0 + f;
+                hp[n0 + f] = moe_act(act, acc[f] + (gate_b ? gate_b[bi] : 0.0f), acc[FR + f] + (up_b ? up_b[bi] : 0.0f));
+            }
+}
+
 /* The split S (warps a row) of a product: m40k_gemv_pick_split, but for Q8_0 at batch 1,
  * measured on the model (mistral-7b, H100, tokens/s, against the pick: 4 at K 4096, 2 at
  * 14336): S 2 where K <= 4096 (half the blocks, two iterations a warp) and the grid still
@@ -833,6 +898,56 @@ static int gq_dispatch(const void *w, int w_type, int N, int K, const void *ws, 
     case M40K_TYPE_Q8_0_G8: return gq_launch<M40K_TYPE_Q8_0_G8>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
     case M40K_TYPE_Q6_K_G8: return gq_launch<M40K_TYPE_Q6_K_G8>(wb, N, K, xs, y, y_stride, batch, nin, amax, stream);
     default: return M40K_INVALID;
+    }
+}
+
+extern "C" int m40k_moe_gate_up_q8_supported(int w_type, int dim)
+{
+    return dim > 0 &&
+           (w_type == M40K_TYPE_Q8_0 || w_type == M40K_TYPE_Q4_0 || w_type == M40K_TYPE_Q4_K ||
+            w_type == M40K_TYPE_Q6_K) &&
+           gq_takes(w_type, dim);
+}
+
+template <int T, int FR>
+static int gq_moe_launch(const void *wg, const void *wu, int n_expert, int n_ff, int dim, const float *gb,
+                         const float *ub, int act, const void *xq, const int32_t *ids, int pairs, int k, float *h,
+                         int64_t h_stride, cudaStream_t st)
+{
+    const size_t row_bytes = (size_t)dim / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+    const dim3 grid((unsigned)((n_ff + GQ_WARPS * FR - 1) / (GQ_WARPS * FR)), (unsigned)pairs);
+    M40K_LAUNCH_PDL((moe_gate_up_q8_kernel<T, FR>), grid, GQ_WARPS * 32, 0, st, (const uint8_t *)wg,
+                    (const uint8_t *)wu, row_bytes, n_expert, n_ff, dim, gb, ub, act, (const gq_blk *)xq, ids, k, h,
+                    h_stride);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, int n_expert, int n_ff, int dim,
+                                   const float *gate_b, const float *up_b, int act, const void *xq,
+                                   const int32_t *ids, int n_tokens, int k, float *h, int64_t h_stride,
+                                   m40k_stream stream)
+{
+    if (n_tokens <= 0 || n_ff <= 0)
+        return n_tokens < 0 || n_ff < 0 ? M40K_INVALID : 0;
+    if (!m40k_moe_gate_up_q8_supported(w_type, dim) || n_expert < 1 || k < 1 || n_tokens > 8 ||
+        (act != M40K_GLU_SILU && act != M40K_GLU_SWIGLU_OAI) || h_stride < n_ff || ((uintptr_t)wg & 15) ||
+        ((uintptr_t)wu & 15) || ((uintptr_t)xq & 15) || (int64_t)n_tokens * k > 65535)
+        return M40K_INVALID;
+    const cudaStream_t st = (cudaStream_t)stream;
+    const int pairs = n_tokens * k;
+    switch (w_type) {
+    case M40K_TYPE_Q8_0:
+        return gq_moe_launch<M40K_TYPE_Q8_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
+                                                h_stride, st);
+    case M40K_TYPE_Q4_0:
+        return gq_moe_launch<M40K_TYPE_Q4_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
+                                                h_stride, st);
+    case M40K_TYPE_Q4_K:
+        return gq_moe_launch<M40K_TYPE_Q4_K, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
+                                                h_stride, st);
+    default:
+        return gq_moe_launch<M40K_TYPE_Q6_K, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
+                                                h_stride, st);
     }
 }
 

@@ -689,6 +689,17 @@ int m40k_moe_gate_up(const void *w_gate, const void *w_up, int w_type, int n_exp
 int m40k_moe_down(const void *w_down, int w_type, int n_expert, int dim, int n_ff, const float *down_b,
                   const float *h, int64_t h_stride, const int32_t *ids, const float *weights, int n_tokens, int k,
                   float *out, int64_t out_stride, int accumulate, m40k_stream stream);
+/* 10c'. 10c on x's int8 records (kernels/gemv_q8.cu): h as 10c with each dot product
+ * W[e][n] . x_t replaced by m40k_gemv_q8's product of that row and the records of token t
+ * (xq: m40k_quantize_q8 of x with K = dim, batch n_tokens; the record error bound of 8b
+ * applies). Types Q8_0, Q4_0, Q4_K, Q6_K (the file's layout), dim a multiple of their
+ * block (m40k_moe_gate_up_q8_supported), W_gate, W_up and xq 16-byte aligned, n_tokens
+ * <= 8. Launched with PDL as 10c: waits for the kernel before it first. Twin: per pair,
+ * m40_ref_gemv_q8 of the expert's gate and up rows, then act. */
+int m40k_moe_gate_up_q8_supported(int w_type, int dim);
+int m40k_moe_gate_up_q8(const void *w_gate, const void *w_up, int w_type, int n_expert, int n_ff, int dim,
+                        const float *gate_b, const float *up_b, int act, const void *xq, const int32_t *ids,
+                        int n_tokens, int k, float *h, int64_t h_stride, m40k_stream stream);
 
 /* 10e. Batches: the pairs grouped by expert, on the GPU (one block). counts[e] = pairs
  * choosing e; offsets[0..n_expert] their exclusive prefix sum (offsets[n_expert] = pairs

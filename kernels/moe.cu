@@ -16,19 +16,7 @@
  * The weights are dequantized by quant_dev.h's m40k_group8, the one definition the GEMV,
  * the embedding gather and the GEMM share. */
 #include "gemv_fast_dev.h"
-
-/* ------------------------------------------------------------------ activation */
-
-/* act(g, u) of kernels.h 10c: SiLU-gated, or gpt-oss's clamped SwiGLU. expf, not __expf:
- * the twin's values to a few ulp. */
-__device__ __forceinline__ float moe_act(int act, float g, float u)
-{
-    if (act == M40K_GLU_SWIGLU_OAI) {
-        const float gc = fminf(g, M40K_OAI_LIMIT), uc = fminf(fmaxf(u, -M40K_OAI_LIMIT), M40K_OAI_LIMIT);
-        return gc / (1.0f + expf(-M40K_OAI_ALPHA * gc)) * (uc + 1.0f);
-    }
-    return g / (1.0f + expf(-g)) * u;
-}
+#include "moe_act_dev.h"
 
 /* ------------------------------------------------------------------ router */
 

@@ -669,6 +669,16 @@ static int moe_grouped(const m40_gpu *g, const glayer *L, int32_t n)
            m40k_gemm_q_supported(L->exp_down.type) && g->p.dim % 8 == 0 && g->p.expert_ffn_dim % 8 == 0;
 }
 
+/* Whether the expert GEMV of n rows of layer L takes its gate/up product on x's int8
+ * records (kernels.h 10c'), which the add + RMSNorm before it then writes into g->xq:
+ * a decode row on the GEMVs (not the grouped products), types it reads. qwen3-30b-a3b
+ * Q4_K_M batch 1: BENCHMARKS.md, twenty-seventh session. */
+static int moe_q8(const m40_gpu *g, const glayer *L, int32_t n)
+{
+    return g->moe_q8 && L->router && n <= 8 && g->tp_n <= 1 && !moe_grouped(g, L, n) &&
+           m40k_moe_gate_up_q8_supported(L->exp_gate.type, (int)g->p.dim);
+}
+
 /* Layer L's mixture of experts on the n normalized rows in g->xb, its output (the
  * weighted sum of each row's chosen experts) into g->xd. All on the device: the router's
  * logits, the top-k and its weights, the grouping, never the host (a decode step stays
@@ -691,8 +701,12 @@ static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, char *err, size_t err
         CK(m40k_moe_topk(g->moe_logits, m, E, k, gating, NULL, g->sc.norm_topk, g->sc.expert_scale, g->moe_ids,
                          g->moe_w, g->stream));
         if (!moe_grouped(g, L, m)) {
-            CK(m40k_moe_gate_up(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
-                                L->exp_up_b, act, x, D, g->moe_ids, m, k, g->moe_h, g->moe_ldh, g->stream));
+            if (moe_q8(g, L, m)) /* x's records: written by the add + RMSNorm before (enqueue_step) */
+                CK(m40k_moe_gate_up_q8(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
+                                       L->exp_up_b, act, g->xq, g->moe_ids, m, k, g->moe_h, g->moe_ldh, g->stream));
+            else
+                CK(m40k_moe_gate_up(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
+                                    L->exp_up_b, act, x, D, g->moe_ids, m, k, g->moe_h, g->moe_ldh, g->stream));
             CK(m40k_moe_down(L->exp_down.data, L->exp_down.type, E, D, F, L->exp_down_b, g->moe_h, g->moe_ldh,
                              g->moe_ids, g->moe_w, m, k, out, D, 0, g->stream));
             continue;
@@ -827,7 +841,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         if (!tuned)
             CK(m40k_attn_generic_sinks(g->att, g->q_dim, q, qkvd, d_rs, d_pos, n, kc, vc, d_ip, d_idx, p->n_heads,
                                        p->n_kv_heads, hd, scale, win, cap, L->sinks, g->stream));
-        const int xq_gu = wants_xq(g, &L->gate_up, n), xq_dn = wants_xq(g, &L->down, n);
+        const int xq_gu = wants_xq(g, &L->gate_up, n) || moe_q8(g, L, n), xq_dn = wants_xq(g, &L->down, n);
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
         folded = fold_norm_ok(g, &L->wo, L->post_attn_norm, L->gate_up.part, L->gate_up.n_parts, n);
         if (folded) { /* the attention output projection adds into the residual and normalizes */

@@ -218,6 +218,57 @@ static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0,
                                  M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K, M40K_TYPE_Q6_K_P, M40K_TYPE_MXFP4,
                                  M40K_TYPE_MXFP4_P};
 
+/* act(g, u) of kernels.h 10c on the host (the twin's definition) */
+static float host_act(int act, float g, float u)
+{
+    if (act == M40K_GLU_SWIGLU_OAI) {
+        const float gc = fminf(g, M40K_OAI_LIMIT), uc = fminf(fmaxf(u, -M40K_OAI_LIMIT), M40K_OAI_LIMIT);
+        return gc / (1.0f + expf(-M40K_OAI_ALPHA * gc)) * (uc + 1.0f);
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
+
+/* 10c' (the gate/up GEMV on x's int8 records) against its twin: x quantized by
+ * m40_ref_quantize_q8 (the same records as m40k_quantize_q8), each pair's gate and up rows
+ * by m40_ref_gemv_q8, then act; out-of-range ids give zero rows. */
+static void check_gate_up_q8(int type, const std::vector<uint8_t> &wg, const std::vector<uint8_t> &wu, int E, int n_ff,
+                             int dim, const float *gb, const float *ub, int act, const std::vector<float> &x,
+                             int64_t xs, const float *dx, const std::vector<int32_t> &ids, const int32_t *dids, int T,
+                             int k, const uint8_t *dwg, const uint8_t *dwu, const float *dgb, const float *dub,
+                             bool bad)
+{
+    const int P = T * k;
+    const int64_t hs = n_ff + 3;
+    const m40_type_info *ti = m40_type_get((uint32_t)type);
+    const size_t ws_bytes = m40k_gemv_q8_ws_bytes(dim, T), rb = (size_t)dim / ti->block_elems * ti->block_bytes;
+    void *dws;
+    float *dh;
+    CK(cudaMalloc(&dws, ws_bytes));
+    CK(cudaMalloc(&dh, (size_t)P * hs * 4));
+    CK(cudaMemset(dh, 0, (size_t)P * hs * 4));
+    CK(m40k_quantize_q8(dx, xs, dim, T, dws, 0));
+    CK(m40k_moe_gate_up_q8(dwg, dwu, type, E, n_ff, dim, dgb, dub, act, dws, dids, T, k, dh, hs, 0));
+    std::vector<float> gh = back(dh, (size_t)P * hs), ch((size_t)P * hs, 0.0f), g(n_ff), u(n_ff);
+    std::vector<uint8_t> ws(ws_bytes);
+    m40_ref_quantize_q8(x.data(), xs, dim, T, ws.data());
+    for (int p = 0; p < P; p++) {
+        const int e = ids[p], t = p / k;
+        if (e < 0 || e >= E)
+            continue;
+        const uint8_t *wst = ws.data() + (size_t)t * (dim / 32) * 80;
+        m40_ref_gemv_q8(wg.data() + (size_t)e * n_ff * rb, type, n_ff, dim, wst, 1, g.data(), n_ff);
+        m40_ref_gemv_q8(wu.data() + (size_t)e * n_ff * rb, type, n_ff, dim, wst, 1, u.data(), n_ff);
+        for (int n = 0; n < n_ff; n++)
+            ch[(size_t)p * hs + n] = host_act(act, g[n] + (gb ? gb[(size_t)e * n_ff + n] : 0.0f),
+                                              u[n] + (ub ? ub[(size_t)e * n_ff + n] : 0.0f));
+    }
+    char what[128];
+    snprintf(what, sizeof what, "moe_gate_up_q8 %s E %d k %d T %d %s%s", m40_type_name(type), E, k, T,
+             act ? "swiglu_oai+bias" : "silu", bad ? " bad ids" : "");
+    compare_scaled(what, gh, ch, 2e-5);
+    cudaFree(dws), cudaFree(dh);
+}
+
 static void test_expert_gemv(void)
 {
     struct { int E, k, T; bool bad; } cases[] = {{1, 1, 1, false}, {4, 2, 1, false}, {32, 4, 1, false},
@@ -259,6 +310,10 @@ static void test_expert_gemv(void)
                 snprintf(what, sizeof what, "moe_gate_up %s%s E %d k %d T %d %s%s", m40_type_name(base),
                          dev_suffix(type), E, k, T, act ? "swiglu_oai+bias" : "silu", cs.bad ? " bad ids" : "");
                 compare_scaled(what, gh, ch, 2e-5);
+                if (m40k_moe_gate_up_q8_supported(type, dim))
+                    check_gate_up_q8(type, wg, wu, E, n_ff, dim, bias ? gb.data() : nullptr,
+                                     bias ? ub.data() : nullptr, act, x, xs, dx, ids, dids, T, k, dwg, dwu,
+                                     bias ? dgb : nullptr, bias ? dub : nullptr, cs.bad);
                 /* down on the twin's h (same input on both sides) */
                 float *dch = dup(ch);
                 for (int acc = 0; acc < 2; acc++) {
