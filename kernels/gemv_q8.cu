@@ -390,10 +390,30 @@ template <> struct gq<M40K_TYPE_Q6_K_G8> : gq<M40K_TYPE_Q6_K> {
     }
 };
 
-/* The GGUF type whose blocks (and so whose arithmetic) a regrouped layout has. */
+/* Q6_K_P (kernels.h 0., the experts' padded Q6_K: 210 bytes and 14 zero bytes a
+ * superblock), unit u as Q6_K: every piece 16-byte aligned, so three 16-byte loads of
+ * quants, one of 8 scale bytes and the word holding d, as Q6_K_G8. */
+template <> struct gq<M40K_TYPE_Q6_K_P> : gq<M40K_TYPE_Q6_K> {
+    static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
+    {
+        const int n = (u >> 1) & 1, h = u & 1;
+        const uint8_t *sb = row + 224 * (u >> 2);
+        const uint4 a = __ldcs(reinterpret_cast<const uint4 *>(sb + 64 * n + 16 * h));
+        const uint4 b = __ldcs(reinterpret_cast<const uint4 *>(sb + 64 * n + 32 + 16 * h));
+        const uint4 c = __ldcs(reinterpret_cast<const uint4 *>(sb + 128 + 32 * n + 16 * h));
+        const uint2 sc = __ldcs(reinterpret_cast<const uint2 *>(sb + 192 + 8 * n));
+        const uint32_t dw = __ldcs(reinterpret_cast<const unsigned int *>(sb + 208));
+        const uint32_t A[4] = {a.x, a.y, a.z, a.w}, Bq[4] = {b.x, b.y, b.z, b.w}, H[4] = {c.x, c.y, c.z, c.w};
+        decode(A, Bq, H, sc.x, sc.y, h, m40k_h2f((uint16_t)(dw & 0xFFFF)), w);
+    }
+};
+
+/* The GGUF type whose blocks (and so whose arithmetic) a regrouped or padded layout has. */
 __host__ __device__ constexpr int gq_base(int T)
 {
-    return T == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : T == M40K_TYPE_Q6_K_G8 ? M40K_TYPE_Q6_K : T;
+    return T == M40K_TYPE_Q8_0_G8                                   ? M40K_TYPE_Q8_0
+           : T == M40K_TYPE_Q6_K_G8 || T == M40K_TYPE_Q6_K_P ? M40K_TYPE_Q6_K
+                                                                    : T;
 }
 
 /* ------------------------------------------------------------------ kernel */
@@ -679,68 +699,171 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
                                         n);
 }
 
-/* The experts' gate/up GEMV (kernels.h 10c') on x's int8 records: warp w of block
- * (b, pair p) takes FR rows n0.. of the gate matrix and the same rows of the up matrix of
- * expert ids[p], each lane its units of all 2*FR rows (gq_row: x loaded once a scale
- * group for all of them), and lane 0 writes act(g, u). FR = 2 for Q4_K (four rows a warp,
- * as gq_rows at batch 1), 1 for the others (Q6_K spills at four). Where the F32 kernel
+/* The experts' GEMVs on int8 records (kernels.h 10c', 10d'). Where the F32 kernels
  * (moe.cu) unpacked each weight to a float and multiplied it by an F32 x, ~7.6
  * instructions a weight (qwen3-30b-a3b's layer under Nsight Compute, BENCHMARKS.md), the
- * int8 dot products take four weights an instruction. */
+ * int8 dot products of gq take four weights an instruction. */
+#define MQ_GU_WARPS 16 /* a gate/up block: 32 rows of h, one record of 32 */
+#define MQ_DN_MAXW 8   /* a down block: at most this many warps */
+
+/* Gate/up: block (b, pair p) forms h[32b .. 32b+32) of pair p (expert ids[p]), warp w its
+ * rows 32b + 2w, +1, FR at a time (FR = 2 for Q4_K: four matrix rows a warp, as gq_rows
+ * at batch 1; 1 for the others, Q6_K spills at four), each lane its units of the gate and
+ * up rows (gq_row: x loaded once a scale group for all of them); then warp 0 writes the 32
+ * values' record for the down GEMV (hq, when not NULL). */
 template <int T, int FR>
-__global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void moe_gate_up_q8_kernel(
+__global__ __launch_bounds__(MQ_GU_WARPS * 32, 1) void moe_gate_up_q8_kernel(
     const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, size_t row_bytes, int n_expert, int n_ff, int K,
     const float *__restrict__ gate_b, const float *__restrict__ up_b, int act, const gq_blk *xs, const int32_t *ids,
-    int k, float *__restrict__ h, int64_t h_stride)
+    int k, float *__restrict__ h, int64_t h_stride, gq_blk *hq)
 {
     typedef gq<T> Q;
     constexpr int R = 2 * FR;
+    __shared__ float hs[32];
     /* PDL: the routing (the kernel before) is complete and visible before ids or x are
      * read; only then may the down projection start (it reads ids before its own wait) */
     m40k_grid_wait();
     m40k_grid_launch_dependents();
     M40K_LAUNDER(xs);
     M40K_LAUNDER(ids);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * GQ_WARPS + warp) * FR, p = blockIdx.y;
-    if (n0 >= n_ff)
-        return;
+    M40K_LAUNDER(hq);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, p = blockIdx.y;
     const int e = ids[p];
+    const bool valid = e >= 0 && e < n_expert;
     float *hp = h + (size_t)p * h_stride;
-    if (e < 0 || e >= n_expert) {
-        if (lane < FR && n0 + lane < n_ff)
-            hp[n0 + lane] = 0.0f;
-        return;
-    }
-    const uint8_t *rowp[R];
-#pragma unroll
-    for (int f = 0; f < FR; f++) { /* rows past n_ff: computed, not written */
-        const size_t r = (size_t)e * n_ff + (size_t)min(n0 + f, n_ff - 1);
-        rowp[f] = wg + r * row_bytes;
-        rowp[FR + f] = wu + r * row_bytes;
-    }
     const gq_blk *xb = xs + (size_t)(p / k) * (size_t)(K / 32);
+#pragma unroll 1
+    for (int f0 = 0; f0 < 2; f0 += FR) {
+        const int n0 = blockIdx.x * 32 + 2 * warp + f0; /* rows n0 .. n0 + FR */
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[r] = 0.0f;
+        if (valid && n0 < n_ff) {
+            const uint8_t *rowp[R];
+#pragma unroll
+            for (int f = 0; f < FR; f++) { /* rows past n_ff: computed, not written */
+                const size_t r = (size_t)e * n_ff + (size_t)min(n0 + f, n_ff - 1);
+                rowp[f] = wg + r * row_bytes;
+                rowp[FR + f] = wu + r * row_bytes;
+            }
+            for (int u = lane; u < K / Q::UE; u += 32) {
+                typename Q::W wr[R];
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    Q::load_w(rowp[r], u, wr[r]);
+                gq_row<T, R>(wr, xb, u, acc);
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                acc[r] = m40k_warp_sum(acc[r]);
+        }
+        if (lane == 0)
+#pragma unroll
+            for (int f = 0; f < FR; f++) {
+                const int n = n0 + f;
+                float v = 0.0f; /* a pair whose id is out of range: a zero row */
+                if (valid && n < n_ff) {
+                    const size_t bi = (size_t)e * n_ff + n;
+                    v = moe_act(act, acc[f] + (gate_b ? gate_b[bi] : 0.0f), acc[FR + f] + (up_b ? up_b[bi] : 0.0f));
+                }
+                if (n < n_ff)
+                    hp[n] = v;
+                hs[2 * warp + f0 + f] = v;
+            }
+    }
+    if (!hq)
+        return;
+    __syncthreads();
+    if (warp == 0) /* (hq only where n_ff is a multiple of 32) */
+        gq_quantize_block(hs[lane], lane, hq + (size_t)p * (size_t)(n_ff / 32) + blockIdx.x);
+}
+
+/* Down: block (b, token t) forms out[R*b .. R*b + R) of token t. Its W warps (W*32 >=
+ * k * units a row, up to MQ_DN_MAXW) share the (expert j, unit u) pairs of those rows, one
+ * a lane (at qwen3-30b-a3b's 8 x 12 all of them in flight at once, loaded before the PDL
+ * wait: ids are not the previous kernel's output, kernels.h 10d); a lane's sum of a pair
+ * is weighted by weights[t*k + j]; the warps' sums meet in shared memory in warp order, and
+ * thread r adds row r's biases (in order j) and writes it. */
+template <int T, int R>
+__global__ __launch_bounds__(MQ_DN_MAXW * 32) void moe_down_q8_kernel(
+    const uint8_t *__restrict__ wd, size_t row_bytes, int n_expert, int dim, int n_ff,
+    const float *__restrict__ down_b, const gq_blk *hq, const int32_t *__restrict__ ids,
+    const float *__restrict__ weights, int k, float *__restrict__ out, int64_t out_stride, int accumulate)
+{
+    typedef gq<T> Q;
+    __shared__ float red[MQ_DN_MAXW][R];
+    m40k_grid_launch_dependents();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+    const int n0 = blockIdx.x * R, t = blockIdx.y, nu = n_ff / Q::UE;
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++)
         acc[r] = 0.0f;
-    for (int u = lane; u < K / Q::UE; u += 32) {
-        typename Q::W wr[R];
+    int q = (int)threadIdx.x;
+    const int total = k * nu;
+    /* the first pair's weights, before the wait */
+    typename Q::W wr[R];
+    int j = q / nu, u = q % nu, e = -1;
+    if (q < total) {
+        e = ids[(size_t)t * k + j];
+        if (e >= 0 && e < n_expert) {
 #pragma unroll
-        for (int r = 0; r < R; r++)
-            Q::load_w(rowp[r], u, wr[r]);
-        gq_row<T, R>(wr, xb, u, acc);
+            for (int r = 0; r < R; r++)
+                Q::load_w(wd + ((size_t)e * dim + (size_t)min(n0 + r, dim - 1)) * row_bytes, u, wr[r]);
+        } else {
+            e = -1;
+        }
+    }
+    m40k_grid_wait(); /* h's records: the gate/up kernel's output */
+    M40K_LAUNDER(hq);
+    M40K_LAUNDER(out);
+    while (q < total) {
+        if (e >= 0) {
+            float part[R];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                part[r] = 0.0f;
+            gq_row<T, R>(wr, hq + ((size_t)t * k + j) * (size_t)(n_ff / 32), u, part);
+            const float wj = weights[(size_t)t * k + j];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                acc[r] = fmaf(wj, part[r], acc[r]);
+        }
+        q += W * 32;
+        if (q >= total)
+            break;
+        j = q / nu, u = q % nu;
+        e = ids[(size_t)t * k + j];
+        if (e >= 0 && e < n_expert) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                Q::load_w(wd + ((size_t)e * dim + (size_t)min(n0 + r, dim - 1)) * row_bytes, u, wr[r]);
+        } else {
+            e = -1;
+        }
     }
 #pragma unroll
-    for (int r = 0; r < R; r++)
-        acc[r] = m40k_warp_sum(acc[r]);
-    if (lane == 0)
-#pragma unroll
-        for (int f = 0; f < FR; f++)
-            if (n0 + f < n_ff) {
-                const size_t bi = (size_t)e * n_ff + n0 + f;
-                hp[n0 + f] = moe_act(act, acc[f] + (gate_b ? gate_b[bi] : 0.0f), acc[FR + f] + (up_b ? up_b[bi] : 0.0f));
+    for (int r = 0; r < R; r++) {
+        const float v = m40k_warp_sum(acc[r]);
+        if (lane == 0)
+            red[warp][r] = v;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < R && n0 + (int)threadIdx.x < dim) {
+        const int r = threadIdx.x, n = n0 + r;
+        float v = 0.0f;
+        for (int w = 0; w < W; w++)
+            v += red[w][r];
+        if (down_b)
+            for (int jj = 0; jj < k; jj++) {
+                const int ej = ids[(size_t)t * k + jj];
+                if (ej >= 0 && ej < n_expert)
+                    v = fmaf(weights[(size_t)t * k + jj], down_b[(size_t)ej * dim + n], v);
             }
+        float *o = out + (size_t)t * out_stride + n;
+        *o = accumulate ? *o + v : v;
+    }
 }
 
 /* The split S (warps a row) of a product: m40k_gemv_pick_split, but for Q8_0 at batch 1,
@@ -909,45 +1032,105 @@ extern "C" int m40k_moe_gate_up_q8_supported(int w_type, int dim)
            gq_takes(w_type, dim);
 }
 
+extern "C" int m40k_moe_down_q8_supported(int w_type, int n_ff)
+{
+    if (n_ff <= 0 || n_ff % 32)
+        return 0;
+    if (w_type == M40K_TYPE_Q6_K_P)
+        return n_ff % 256 == 0;
+    return (w_type == M40K_TYPE_Q8_0 || w_type == M40K_TYPE_Q4_0 || w_type == M40K_TYPE_Q4_K ||
+            w_type == M40K_TYPE_Q6_K) &&
+           gq_takes(w_type, n_ff);
+}
+
+extern "C" size_t m40k_moe_q8_records_bytes(int n_pairs, int n_ff)
+{
+    return n_pairs > 0 && n_ff > 0 && n_ff % 32 == 0 ? (size_t)n_pairs * (size_t)(n_ff / 32) * sizeof(gq_blk) : 0;
+}
+
 template <int T, int FR>
-static int gq_moe_launch(const void *wg, const void *wu, int n_expert, int n_ff, int dim, const float *gb,
-                         const float *ub, int act, const void *xq, const int32_t *ids, int pairs, int k, float *h,
-                         int64_t h_stride, cudaStream_t st)
+static int gq_moe_gu_launch(const void *wg, const void *wu, int n_expert, int n_ff, int dim, const float *gb,
+                            const float *ub, int act, const void *xq, const int32_t *ids, int pairs, int k, float *h,
+                            int64_t h_stride, void *hq, cudaStream_t st)
 {
     const size_t row_bytes = (size_t)dim / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
-    const dim3 grid((unsigned)((n_ff + GQ_WARPS * FR - 1) / (GQ_WARPS * FR)), (unsigned)pairs);
-    M40K_LAUNCH_PDL((moe_gate_up_q8_kernel<T, FR>), grid, GQ_WARPS * 32, 0, st, (const uint8_t *)wg,
+    const dim3 grid((unsigned)((n_ff + 31) / 32), (unsigned)pairs);
+    M40K_LAUNCH_PDL((moe_gate_up_q8_kernel<T, FR>), grid, MQ_GU_WARPS * 32, 0, st, (const uint8_t *)wg,
                     (const uint8_t *)wu, row_bytes, n_expert, n_ff, dim, gb, ub, act, (const gq_blk *)xq, ids, k, h,
-                    h_stride);
+                    h_stride, (gq_blk *)hq);
     return m40k_launch_status();
 }
 
 extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, int n_expert, int n_ff, int dim,
                                    const float *gate_b, const float *up_b, int act, const void *xq,
-                                   const int32_t *ids, int n_tokens, int k, float *h, int64_t h_stride,
+                                   const int32_t *ids, int n_tokens, int k, float *h, int64_t h_stride, void *hq,
                                    m40k_stream stream)
 {
     if (n_tokens <= 0 || n_ff <= 0)
         return n_tokens < 0 || n_ff < 0 ? M40K_INVALID : 0;
     if (!m40k_moe_gate_up_q8_supported(w_type, dim) || n_expert < 1 || k < 1 || n_tokens > 8 ||
         (act != M40K_GLU_SILU && act != M40K_GLU_SWIGLU_OAI) || h_stride < n_ff || ((uintptr_t)wg & 15) ||
-        ((uintptr_t)wu & 15) || ((uintptr_t)xq & 15) || (int64_t)n_tokens * k > 65535)
+        ((uintptr_t)wu & 15) || ((uintptr_t)xq & 15) || ((uintptr_t)hq & 15) || (hq && n_ff % 32) ||
+        (int64_t)n_tokens * k > 65535)
         return M40K_INVALID;
     const cudaStream_t st = (cudaStream_t)stream;
     const int pairs = n_tokens * k;
     switch (w_type) {
     case M40K_TYPE_Q8_0:
-        return gq_moe_launch<M40K_TYPE_Q8_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
-                                                h_stride, st);
+        return gq_moe_gu_launch<M40K_TYPE_Q8_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
+                                                   h, h_stride, hq, st);
     case M40K_TYPE_Q4_0:
-        return gq_moe_launch<M40K_TYPE_Q4_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
-                                                h_stride, st);
+        return gq_moe_gu_launch<M40K_TYPE_Q4_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
+                                                   h, h_stride, hq, st);
     case M40K_TYPE_Q4_K:
-        return gq_moe_launch<M40K_TYPE_Q4_K, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
-                                                h_stride, st);
+        return gq_moe_gu_launch<M40K_TYPE_Q4_K, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
+                                                   h, h_stride, hq, st);
     default:
-        return gq_moe_launch<M40K_TYPE_Q6_K, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k, h,
-                                                h_stride, st);
+        return gq_moe_gu_launch<M40K_TYPE_Q6_K, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
+                                                   h, h_stride, hq, st);
+    }
+}
+
+/* Rows a down block takes: 4 for Q4_K (its registers allow, as gq_rows), 2 for the rest. */
+template <int T, int R>
+static int gq_moe_dn_launch(const void *wd, int n_expert, int dim, int n_ff, const float *db, const void *hq,
+                            const int32_t *ids, const float *w, int n_tokens, int k, float *out, int64_t os, int acc,
+                            cudaStream_t st)
+{
+    const size_t row_bytes = (size_t)n_ff / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+    const int total = k * (n_ff / gq<T>::UE), W = min(MQ_DN_MAXW, (total + 31) / 32);
+    const dim3 grid((unsigned)((dim + R - 1) / R), (unsigned)n_tokens);
+    M40K_LAUNCH_PDL((moe_down_q8_kernel<T, R>), grid, W * 32, 0, st, (const uint8_t *)wd, row_bytes, n_expert, dim,
+                    n_ff, db, (const gq_blk *)hq, ids, w, k, out, os, acc);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_moe_down_q8(const void *wd, int w_type, int n_expert, int dim, int n_ff, const float *down_b,
+                                const void *hq, const int32_t *ids, const float *weights, int n_tokens, int k,
+                                float *out, int64_t out_stride, int accumulate, m40k_stream stream)
+{
+    if (n_tokens <= 0 || dim <= 0)
+        return n_tokens < 0 || dim < 0 ? M40K_INVALID : 0;
+    if (!m40k_moe_down_q8_supported(w_type, n_ff) || n_expert < 1 || k < 1 || k > 8 || n_tokens > 65535 ||
+        out_stride < dim || ((uintptr_t)wd & 15) || !hq || ((uintptr_t)hq & 15))
+        return M40K_INVALID;
+    const cudaStream_t st = (cudaStream_t)stream;
+    switch (w_type) {
+    case M40K_TYPE_Q8_0:
+        return gq_moe_dn_launch<M40K_TYPE_Q8_0, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
+                                                   out, out_stride, accumulate, st);
+    case M40K_TYPE_Q4_0:
+        return gq_moe_dn_launch<M40K_TYPE_Q4_0, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
+                                                   out, out_stride, accumulate, st);
+    case M40K_TYPE_Q4_K:
+        return gq_moe_dn_launch<M40K_TYPE_Q4_K, 4>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
+                                                   out, out_stride, accumulate, st);
+    case M40K_TYPE_Q6_K_P:
+        return gq_moe_dn_launch<M40K_TYPE_Q6_K_P, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
+                                                     out, out_stride, accumulate, st);
+    default:
+        return gq_moe_dn_launch<M40K_TYPE_Q6_K, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
+                                                   out, out_stride, accumulate, st);
     }
 }
 

@@ -694,12 +694,26 @@ int m40k_moe_down(const void *w_down, int w_type, int n_expert, int dim, int n_f
  * (xq: m40k_quantize_q8 of x with K = dim, batch n_tokens; the record error bound of 8b
  * applies). Types Q8_0, Q4_0, Q4_K, Q6_K (the file's layout), dim a multiple of their
  * block (m40k_moe_gate_up_q8_supported), W_gate, W_up and xq 16-byte aligned, n_tokens
- * <= 8. Launched with PDL as 10c: waits for the kernel before it first. Twin: per pair,
- * m40_ref_gemv_q8 of the expert's gate and up rows, then act. */
+ * <= 8. hq, where not NULL (n_ff a multiple of 32, 16-byte aligned,
+ * m40k_moe_q8_records_bytes(n_tokens * k, n_ff) bytes), also receives the records of each
+ * pair's h (as m40k_quantize_q8 of h with K = n_ff writes them; pair p's at record
+ * p * n_ff / 32) for 10d'. Launched with PDL as 10c: waits for the kernel before it
+ * first. Twin: per pair, m40_ref_gemv_q8 of the expert's gate and up rows, then act.
+ * 10d'. 10d on those records of h: out as 10d with each W_down[e_j][n] . h_(t,j) replaced
+ * by m40k_gemv_q8's product of that row and pair (t, j)'s records; the weighted sum over j
+ * in an order of its own, then the biases in order j. Types as 10c' and Q6_K_P, n_ff a
+ * multiple of their block and of 32 (m40k_moe_down_q8_supported), W_down and hq 16-byte
+ * aligned. Reads ids before its PDL wait, as 10d. Twin: per pair, m40_ref_gemv_q8 of the
+ * expert's down rows on m40_ref_quantize_q8 of h, weighted and summed. */
 int m40k_moe_gate_up_q8_supported(int w_type, int dim);
+int m40k_moe_down_q8_supported(int w_type, int n_ff);
+size_t m40k_moe_q8_records_bytes(int n_pairs, int n_ff);
 int m40k_moe_gate_up_q8(const void *w_gate, const void *w_up, int w_type, int n_expert, int n_ff, int dim,
                         const float *gate_b, const float *up_b, int act, const void *xq, const int32_t *ids,
-                        int n_tokens, int k, float *h, int64_t h_stride, m40k_stream stream);
+                        int n_tokens, int k, float *h, int64_t h_stride, void *hq, m40k_stream stream);
+int m40k_moe_down_q8(const void *w_down, int w_type, int n_expert, int dim, int n_ff, const float *down_b,
+                     const void *hq, const int32_t *ids, const float *weights, int n_tokens, int k, float *out,
+                     int64_t out_stride, int accumulate, m40k_stream stream);
 
 /* 10e. Batches: the pairs grouped by expert, on the GPU (one block). counts[e] = pairs
  * choosing e; offsets[0..n_expert] their exclusive prefix sum (offsets[n_expert] = pairs

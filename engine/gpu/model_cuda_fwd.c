@@ -139,7 +139,7 @@ static size_t moe_row_bytes(const m40_gpu *g)
     const m40_model_params *p = &g->p;
     const size_t k = (size_t)p->n_experts_used, E = (size_t)p->n_experts;
     return 4 * E + k * (4 + 4 + 4 + 4 + 2 * (size_t)g->moe_ldx + 4 * 2 * (size_t)p->expert_ffn_dim +
-                        (4 + 2) * (size_t)g->moe_ldh + 4 * (size_t)p->dim) +
+                        (4 + 2) * (size_t)g->moe_ldh + 4 * (size_t)p->dim + 80 * (size_t)(p->expert_ffn_dim / 32)) +
            8 * (size_t)(E < k ? E : k) + 64;
 }
 
@@ -160,7 +160,8 @@ static int moe_scratch(m40_gpu *g, int32_t c)
            grow_dev((void **)&g->moe_yu, P * (size_t)p->expert_ffn_dim * 4) ||
            grow_dev((void **)&g->moe_h, P * (size_t)g->moe_ldh * 4) ||
            grow_dev((void **)&g->moe_h16, P * (size_t)g->moe_ldh * 2) ||
-           grow_dev((void **)&g->moe_yd, P * (size_t)p->dim * 4);
+           grow_dev((void **)&g->moe_yd, P * (size_t)p->dim * 4) ||
+           grow_dev(&g->moe_hq, m40k_moe_q8_records_bytes((int)P, p->expert_ffn_dim));
 }
 
 size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max_rows, int32_t max_out)
@@ -701,14 +702,22 @@ static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, char *err, size_t err
         CK(m40k_moe_topk(g->moe_logits, m, E, k, gating, NULL, g->sc.norm_topk, g->sc.expert_scale, g->moe_ids,
                          g->moe_w, g->stream));
         if (!moe_grouped(g, L, m)) {
-            if (moe_q8(g, L, m)) /* x's records: written by the add + RMSNorm before (enqueue_step) */
+            /* on int8 records (10c', 10d'): x's, written by the add + RMSNorm before
+             * (enqueue_step), and h's, by the gate/up kernel where the down GEMV reads them */
+            const int q8 = moe_q8(g, L, m), q8_down = q8 && m40k_moe_down_q8_supported(L->exp_down.type, F);
+            if (q8)
                 CK(m40k_moe_gate_up_q8(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
-                                       L->exp_up_b, act, g->xq, g->moe_ids, m, k, g->moe_h, g->moe_ldh, g->stream));
+                                       L->exp_up_b, act, g->xq, g->moe_ids, m, k, g->moe_h, g->moe_ldh,
+                                       q8_down ? g->moe_hq : NULL, g->stream));
             else
                 CK(m40k_moe_gate_up(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
                                     L->exp_up_b, act, x, D, g->moe_ids, m, k, g->moe_h, g->moe_ldh, g->stream));
-            CK(m40k_moe_down(L->exp_down.data, L->exp_down.type, E, D, F, L->exp_down_b, g->moe_h, g->moe_ldh,
-                             g->moe_ids, g->moe_w, m, k, out, D, 0, g->stream));
+            if (q8_down)
+                CK(m40k_moe_down_q8(L->exp_down.data, L->exp_down.type, E, D, F, L->exp_down_b, g->moe_hq, g->moe_ids,
+                                    g->moe_w, m, k, out, D, 0, g->stream));
+            else
+                CK(m40k_moe_down(L->exp_down.data, L->exp_down.type, E, D, F, L->exp_down_b, g->moe_h, g->moe_ldh,
+                                 g->moe_ids, g->moe_w, m, k, out, D, 0, g->stream));
             continue;
         }
         /* block rows of the grouped product by the pairs an expert gets on average (as

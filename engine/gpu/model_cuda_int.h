@@ -106,6 +106,7 @@ struct m40_gpu {
     float *moe_logits, *moe_w, *moe_yg, *moe_yu, *moe_h, *moe_yd;
     int32_t *moe_ids, *moe_counts, *moe_offsets, *moe_perm, *moe_inv, *moe_tiles;
     uint16_t *moe_x16, *moe_h16;
+    void *moe_hq; /* the int8 records of a decode row's h (kernels.h 10c', 10d') */
     size_t weight_bytes;
 
     /* Tiled path: F16 (F32 when gemm_f32) copy of one dequantized weight. */

@@ -228,45 +228,101 @@ static float host_act(int act, float g, float u)
     return g / (1.0f + expf(-g)) * u;
 }
 
-/* 10c' (the gate/up GEMV on x's int8 records) against its twin: x quantized by
+/* 10c' and 10d' (the expert GEMVs on int8 records) against their twins: x quantized by
  * m40_ref_quantize_q8 (the same records as m40k_quantize_q8), each pair's gate and up rows
- * by m40_ref_gemv_q8, then act; out-of-range ids give zero rows. */
-static void check_gate_up_q8(int type, const std::vector<uint8_t> &wg, const std::vector<uint8_t> &wu, int E, int n_ff,
-                             int dim, const float *gb, const float *ub, int act, const std::vector<float> &x,
-                             int64_t xs, const float *dx, const std::vector<int32_t> &ids, const int32_t *dids, int T,
-                             int k, const uint8_t *dwg, const uint8_t *dwu, const float *dgb, const float *dub,
-                             bool bad)
+ * by m40_ref_gemv_q8, then act (out-of-range ids: zero rows); h's records as the twin
+ * quantizes the kernel's h, byte for byte; then the down GEMV on those records against
+ * m40_ref_gemv_q8 of each chosen expert's rows, weighted and summed, with its biases. */
+static void check_experts_q8(int type, int base, const std::vector<uint8_t> &wg, const std::vector<uint8_t> &wu,
+                             const std::vector<uint8_t> &wd, int E, int n_ff, int dim, const float *gb,
+                             const float *ub, const float *db, int act, const std::vector<float> &x, int64_t xs,
+                             const float *dx, const std::vector<int32_t> &ids, const int32_t *dids,
+                             const std::vector<float> &w, const float *dw, int T, int k, const uint8_t *dwg,
+                             const uint8_t *dwu, const uint8_t *dwd, const float *dgb, const float *dub,
+                             const float *ddb, bool bad)
 {
     const int P = T * k;
-    const int64_t hs = n_ff + 3;
-    const m40_type_info *ti = m40_type_get((uint32_t)type);
+    const int64_t hs = n_ff + 3, os = dim + 2;
+    const m40_type_info *ti = m40_type_get((uint32_t)base);
     const size_t ws_bytes = m40k_gemv_q8_ws_bytes(dim, T), rb = (size_t)dim / ti->block_elems * ti->block_bytes;
-    void *dws;
-    float *dh;
+    const size_t rbd = (size_t)n_ff / ti->block_elems * ti->block_bytes;
+    const bool gate_up = m40k_moe_gate_up_q8_supported(type, dim), down = m40k_moe_down_q8_supported(type, n_ff);
+    const size_t hq_bytes = m40k_moe_q8_records_bytes(P, n_ff);
+    void *dws, *dhq = nullptr;
+    float *dh, *dout;
     CK(cudaMalloc(&dws, ws_bytes));
     CK(cudaMalloc(&dh, (size_t)P * hs * 4));
-    CK(cudaMemset(dh, 0, (size_t)P * hs * 4));
-    CK(m40k_quantize_q8(dx, xs, dim, T, dws, 0));
-    CK(m40k_moe_gate_up_q8(dwg, dwu, type, E, n_ff, dim, dgb, dub, act, dws, dids, T, k, dh, hs, 0));
-    std::vector<float> gh = back(dh, (size_t)P * hs), ch((size_t)P * hs, 0.0f), g(n_ff), u(n_ff);
-    std::vector<uint8_t> ws(ws_bytes);
-    m40_ref_quantize_q8(x.data(), xs, dim, T, ws.data());
-    for (int p = 0; p < P; p++) {
-        const int e = ids[p], t = p / k;
-        if (e < 0 || e >= E)
-            continue;
-        const uint8_t *wst = ws.data() + (size_t)t * (dim / 32) * 80;
-        m40_ref_gemv_q8(wg.data() + (size_t)e * n_ff * rb, type, n_ff, dim, wst, 1, g.data(), n_ff);
-        m40_ref_gemv_q8(wu.data() + (size_t)e * n_ff * rb, type, n_ff, dim, wst, 1, u.data(), n_ff);
-        for (int n = 0; n < n_ff; n++)
-            ch[(size_t)p * hs + n] = host_act(act, g[n] + (gb ? gb[(size_t)e * n_ff + n] : 0.0f),
-                                              u[n] + (ub ? ub[(size_t)e * n_ff + n] : 0.0f));
-    }
+    CK(cudaMalloc(&dout, (size_t)T * os * 4));
+    if (hq_bytes)
+        CK(cudaMalloc(&dhq, hq_bytes));
     char what[128];
-    snprintf(what, sizeof what, "moe_gate_up_q8 %s E %d k %d T %d %s%s", m40_type_name(type), E, k, T,
-             act ? "swiglu_oai+bias" : "silu", bad ? " bad ids" : "");
-    compare_scaled(what, gh, ch, 2e-5);
-    cudaFree(dws), cudaFree(dh);
+    std::vector<float> gh((size_t)P * hs, 0.0f);
+    if (gate_up) {
+        CK(cudaMemset(dh, 0, (size_t)P * hs * 4));
+        CK(m40k_quantize_q8(dx, xs, dim, T, dws, 0));
+        CK(m40k_moe_gate_up_q8(dwg, dwu, type, E, n_ff, dim, dgb, dub, act, dws, dids, T, k, dh, hs, dhq, 0));
+        gh = back(dh, (size_t)P * hs);
+        std::vector<float> ch((size_t)P * hs, 0.0f), g(n_ff), u(n_ff);
+        std::vector<uint8_t> ws(ws_bytes);
+        m40_ref_quantize_q8(x.data(), xs, dim, T, ws.data());
+        for (int p = 0; p < P; p++) {
+            const int e = ids[p], t = p / k;
+            if (e < 0 || e >= E)
+                continue;
+            const uint8_t *wst = ws.data() + (size_t)t * (dim / 32) * 80;
+            m40_ref_gemv_q8(wg.data() + (size_t)e * n_ff * rb, base, n_ff, dim, wst, 1, g.data(), n_ff);
+            m40_ref_gemv_q8(wu.data() + (size_t)e * n_ff * rb, base, n_ff, dim, wst, 1, u.data(), n_ff);
+            for (int n = 0; n < n_ff; n++)
+                ch[(size_t)p * hs + n] = host_act(act, g[n] + (gb ? gb[(size_t)e * n_ff + n] : 0.0f),
+                                                  u[n] + (ub ? ub[(size_t)e * n_ff + n] : 0.0f));
+        }
+        snprintf(what, sizeof what, "moe_gate_up_q8 %s E %d k %d T %d %s%s", m40_type_name(base), E, k, T,
+                 act ? "swiglu_oai+bias" : "silu", bad ? " bad ids" : "");
+        compare_scaled(what, gh, ch, 2e-5);
+        if (dhq) { /* h's records: the twin's quantization of the kernel's h, byte for byte */
+            std::vector<uint8_t> rq((size_t)P * (n_ff / 32) * 80);
+            for (int p = 0; p < P; p++)
+                m40_ref_quantize_q8(gh.data() + (size_t)p * hs, n_ff, n_ff, 1, rq.data() + (size_t)p * (n_ff / 32) * 80);
+            snprintf(what, sizeof what, "moe_gate_up_q8 %s E %d k %d T %d: h's records", m40_type_name(base), E, k,
+                     T);
+            check(what, back((const uint8_t *)dhq, rq.size()) == rq);
+        }
+    }
+    if (down && dhq) {
+        if (!gate_up) { /* records of a random h */
+            gh = rand_vec((size_t)P * hs);
+            float *dh2 = dup(gh);
+            for (int p = 0; p < P; p++)
+                CK(m40k_quantize_q8(dh2 + (size_t)p * hs, n_ff, n_ff, 1, (uint8_t *)dhq + (size_t)80 * p * (n_ff / 32), 0));
+            cudaFree(dh2);
+        }
+        std::vector<uint8_t> rq(80 * (size_t)(n_ff / 32));
+        std::vector<float> y(dim);
+        for (int acc = 0; acc < 2; acc++) {
+            std::vector<float> o0 = rand_vec((size_t)T * os), co = o0;
+            CK(cudaMemcpy(dout, o0.data(), o0.size() * 4, cudaMemcpyHostToDevice));
+            CK(m40k_moe_down_q8(dwd, type, E, dim, n_ff, ddb, dhq, dids, dw, T, k, dout, os, acc, 0));
+            for (int t = 0; t < T; t++) {
+                std::vector<double> sum(dim, 0.0);
+                for (int j = 0; j < k; j++) {
+                    const int p = t * k + j, e = ids[p];
+                    if (e < 0 || e >= E)
+                        continue;
+                    m40_ref_quantize_q8(gh.data() + (size_t)p * hs, n_ff, n_ff, 1, rq.data());
+                    m40_ref_gemv_q8(wd.data() + (size_t)e * dim * rbd, base, dim, n_ff, rq.data(), 1, y.data(), dim);
+                    for (int n = 0; n < dim; n++)
+                        sum[n] += (double)w[p] * ((double)y[n] + (db ? db[(size_t)e * dim + n] : 0.0));
+                }
+                for (int n = 0; n < dim; n++)
+                    co[(size_t)t * os + n] = (float)((acc ? (double)o0[(size_t)t * os + n] : 0.0) + sum[n]);
+            }
+            std::vector<float> go = back(dout, o0.size());
+            snprintf(what, sizeof what, "moe_down_q8 %s E %d k %d T %d%s%s%s", m40_type_name(base), E, k, T,
+                     db ? " +bias" : "", acc ? " accumulate" : "", bad ? " bad ids" : "");
+            compare_scaled(what, go, co, 2e-5);
+        }
+    }
+    cudaFree(dws), cudaFree(dh), cudaFree(dout), cudaFree(dhq);
 }
 
 static void test_expert_gemv(void)
@@ -310,10 +366,11 @@ static void test_expert_gemv(void)
                 snprintf(what, sizeof what, "moe_gate_up %s%s E %d k %d T %d %s%s", m40_type_name(base),
                          dev_suffix(type), E, k, T, act ? "swiglu_oai+bias" : "silu", cs.bad ? " bad ids" : "");
                 compare_scaled(what, gh, ch, 2e-5);
-                if (m40k_moe_gate_up_q8_supported(type, dim))
-                    check_gate_up_q8(type, wg, wu, E, n_ff, dim, bias ? gb.data() : nullptr,
-                                     bias ? ub.data() : nullptr, act, x, xs, dx, ids, dids, T, k, dwg, dwu,
-                                     bias ? dgb : nullptr, bias ? dub : nullptr, cs.bad);
+                if (m40k_moe_gate_up_q8_supported(type, dim) || m40k_moe_down_q8_supported(type, n_ff))
+                    check_experts_q8(type, base, wg, wu, wd, E, n_ff, dim, bias ? gb.data() : nullptr,
+                                     bias ? ub.data() : nullptr, bias ? db.data() : nullptr, act, x, xs, dx, ids,
+                                     dids, w, dw, T, k, dwg, dwu, dwd, bias ? dgb : nullptr, bias ? dub : nullptr,
+                                     bias ? ddb : nullptr, cs.bad);
                 /* down on the twin's h (same input on both sides) */
                 float *dch = dup(ch);
                 for (int acc = 0; acc < 2; acc++) {
