@@ -800,48 +800,42 @@ __global__ __launch_bounds__(MQ_DN_MAXW * 32) void moe_down_q8_kernel(
 #pragma unroll
     for (int r = 0; r < R; r++)
         acc[r] = 0.0f;
-    int q = (int)threadIdx.x;
     const int total = k * nu;
-    /* the first pair's weights, before the wait */
+    /* pair q's (expert j, unit u) weights of the block's rows into wr; e = -1 where the
+     * id is out of range (nothing loaded, nothing added) */
     typename Q::W wr[R];
-    int j = q / nu, u = q % nu, e = -1;
-    if (q < total) {
+    int j = 0, u = 0, e = -1;
+    auto fetch = [&](int q) {
+        j = q / nu, u = q % nu;
         e = ids[(size_t)t * k + j];
-        if (e >= 0 && e < n_expert) {
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                Q::load_w(wd + ((size_t)e * dim + (size_t)min(n0 + r, dim - 1)) * row_bytes, u, wr[r]);
-        } else {
+        if (e < 0 || e >= n_expert) {
             e = -1;
+            return;
         }
-    }
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            Q::load_w(wd + ((size_t)e * dim + (size_t)min(n0 + r, dim - 1)) * row_bytes, u, wr[r]);
+    };
+    int q = (int)threadIdx.x;
+    if (q < total)
+        fetch(q); /* the first pair, before the wait */
     m40k_grid_wait(); /* h's records: the gate/up kernel's output */
     M40K_LAUNDER(hq);
     M40K_LAUNDER(out);
-    while (q < total) {
-        if (e >= 0) {
-            float part[R];
+    for (; q < total; q += W * 32) {
+        if (q != (int)threadIdx.x)
+            fetch(q);
+        if (e < 0)
+            continue;
+        float part[R];
 #pragma unroll
-            for (int r = 0; r < R; r++)
-                part[r] = 0.0f;
-            gq_row<T, R>(wr, hq + ((size_t)t * k + j) * (size_t)(n_ff / 32), u, part);
-            const float wj = weights[(size_t)t * k + j];
+        for (int r = 0; r < R; r++)
+            part[r] = 0.0f;
+        gq_row<T, R>(wr, hq + ((size_t)t * k + j) * (size_t)(n_ff / 32), u, part);
+        const float wj = weights[(size_t)t * k + j];
 #pragma unroll
-            for (int r = 0; r < R; r++)
-                acc[r] = fmaf(wj, part[r], acc[r]);
-        }
-        q += W * 32;
-        if (q >= total)
-            break;
-        j = q / nu, u = q % nu;
-        e = ids[(size_t)t * k + j];
-        if (e >= 0 && e < n_expert) {
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                Q::load_w(wd + ((size_t)e * dim + (size_t)min(n0 + r, dim - 1)) * row_bytes, u, wr[r]);
-        } else {
-            e = -1;
-        }
+        for (int r = 0; r < R; r++)
+            acc[r] = fmaf(wj, part[r], acc[r]);
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {
