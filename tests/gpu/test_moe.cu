@@ -218,16 +218,6 @@ static const int gemv_types[] = {M40K_TYPE_F16,  M40K_TYPE_BF16, M40K_TYPE_Q8_0,
                                  M40K_TYPE_Q4_K, M40K_TYPE_Q5_K, M40K_TYPE_Q6_K, M40K_TYPE_Q6_K_P, M40K_TYPE_MXFP4,
                                  M40K_TYPE_MXFP4_P};
 
-/* act(g, u) of kernels.h 10c on the host (the twin's definition) */
-static float host_act(int act, float g, float u)
-{
-    if (act == M40K_GLU_SWIGLU_OAI) {
-        const float gc = fminf(g, M40K_OAI_LIMIT), uc = fminf(fmaxf(u, -M40K_OAI_LIMIT), M40K_OAI_LIMIT);
-        return gc / (1.0f + expf(-M40K_OAI_ALPHA * gc)) * (uc + 1.0f);
-    }
-    return g / (1.0f + expf(-g)) * u;
-}
-
 /* 10c' and 10d' (the expert GEMVs on int8 records) against their twins: x quantized by
  * m40_ref_quantize_q8 (the same records as m40k_quantize_q8), each pair's gate and up rows
  * by m40_ref_gemv_q8, then act (out-of-range ids: zero rows); h's records as the twin
@@ -273,7 +263,7 @@ static void check_experts_q8(int type, int base, const std::vector<uint8_t> &wg,
             m40_ref_gemv_q8(wg.data() + (size_t)e * n_ff * rb, base, n_ff, dim, wst, 1, g.data(), n_ff);
             m40_ref_gemv_q8(wu.data() + (size_t)e * n_ff * rb, base, n_ff, dim, wst, 1, u.data(), n_ff);
             for (int n = 0; n < n_ff; n++)
-                ch[(size_t)p * hs + n] = host_act(act, g[n] + (gb ? gb[(size_t)e * n_ff + n] : 0.0f),
+                ch[(size_t)p * hs + n] = m40_ref_moe_act(act, g[n] + (gb ? gb[(size_t)e * n_ff + n] : 0.0f),
                                                   u[n] + (ub ? ub[(size_t)e * n_ff + n] : 0.0f));
         }
         snprintf(what, sizeof what, "moe_gate_up_q8 %s E %d k %d T %d %s%s", m40_type_name(base), E, k, T,
