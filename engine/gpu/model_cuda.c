@@ -723,7 +723,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         g->g8 = t->g8;
         /* Q6_K and MXFP4 experts padded to Q6_K_P and MXFP4_P (experts_type); M40_MOE_PAD=0: as in the file */
         g->moe_pad = t->moe_pad;
-        /* a decode row's expert gate/up GEMV on x's int8 records (moe_q8); M40_MOE_Q8=0: on F32 x */
+        /* a decode row's expert GEMVs on int8 records of x and h (moe_q8); M40_MOE_Q8=0: on F32 */
         g->moe_q8 = t->moe_q8;
     }
     {

@@ -672,8 +672,9 @@ static int moe_grouped(const m40_gpu *g, const glayer *L, int32_t n)
 
 /* Whether the expert GEMV of n rows of layer L takes its gate/up product on x's int8
  * records (kernels.h 10c'), which the add + RMSNorm before it then writes into g->xq:
- * a decode row on the GEMVs (not the grouped products), types it reads. qwen3-30b-a3b
- * Q4_K_M batch 1: BENCHMARKS.md, twenty-seventh session. */
+ * a decode row on the GEMVs (not the grouped products), types it reads (the down product
+ * then reads h's records where its type allows, moe_ffn). qwen3-30b-a3b Q4_K_M batch 1:
+ * BENCHMARKS.md, twenty-seventh session. */
 static int moe_q8(const m40_gpu *g, const glayer *L, int32_t n)
 {
     return g->moe_q8 && L->router && n <= 8 && g->tp_n <= 1 && !moe_grouped(g, L, n) &&

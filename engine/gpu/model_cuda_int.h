@@ -79,7 +79,7 @@ struct m40_gpu {
     int sm_count;
     int g8;              /* regrouped device layouts for Q8_0 / Q6_K (M40_G8, kernels.h 0.) */
     int moe_pad;         /* Q6_K and MXFP4 experts padded to Q6_K_P, MXFP4_P (M40_MOE_PAD, kernels.h 0.) */
-    int moe_q8;          /* a decode row's expert gate/up GEMV on x's int8 records (M40_MOE_Q8, kernels.h 10c') */
+    int moe_q8;          /* a decode row's expert GEMVs on int8 records (M40_MOE_Q8, kernels.h 10c', 10d') */
     m40_model_params p;
     int32_t q_dim, kv_dim, qkv_dim;
     gmat tok_embd, output;

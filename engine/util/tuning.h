@@ -26,8 +26,8 @@ typedef struct {
     int g8;               /* M40_G8=0: Q8_0 and Q6_K keep the file's layout on the GPU */
     int moe_pad;          /* M40_MOE_PAD=0: Q6_K and MXFP4 experts keep the file's layout on the
                            * GPU (not padded to 16-byte aligned blocks) */
-    int moe_q8;           /* M40_MOE_Q8=0: a decode row's expert gate/up GEMV on F32 x instead of
-                           * x's int8 records */
+    int moe_q8;           /* M40_MOE_Q8=0: a decode row's expert GEMVs on F32 x and h instead of
+                           * their int8 records */
     int fuse_norm;        /* M40_FUSE_NORM=0: batch-1 decode keeps its add+RMSNorm kernels */
     int fuse_pick;        /* M40_FUSE_PICK=0: a greedy row's pick by the sampling kernel */
     int fuse_residual;    /* M40_FUSE_RESIDUAL=0: the tiled (cuBLAS) products feeding the residual
