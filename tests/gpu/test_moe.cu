@@ -381,6 +381,35 @@ static void test_expert_gemv(void)
             cudaFree(dw), cudaFree(dh), cudaFree(dout), cudaFree(dids);
         }
     }
+    /* 10c' / 10d' refuse what they do not take, before any launch (aligned dummies) */
+    alignas(16) static uint8_t a16[64];
+    void *p = a16;
+    int32_t *ip = (int32_t *)a16;
+    float *fp = (float *)a16;
+    check("gate_up_q8 refuses F16", m40k_moe_gate_up_q8(p, p, M40K_TYPE_F16, 8, 64, 256, nullptr, nullptr,
+                                                       M40K_GLU_SILU, p, ip, 1, 2, fp, 64, nullptr, 0) != 0);
+    check("gate_up_q8 refuses 9 tokens", m40k_moe_gate_up_q8(p, p, M40K_TYPE_Q4_K, 8, 64, 256, nullptr, nullptr,
+                                                            M40K_GLU_SILU, p, ip, 9, 2, fp, 64, nullptr, 0) != 0);
+    check("gate_up_q8 refuses a K-quant dim of 96", m40k_moe_gate_up_q8(p, p, M40K_TYPE_Q4_K, 8, 64, 96, nullptr,
+                                                                       nullptr, M40K_GLU_SILU, p, ip, 1, 2, fp, 64,
+                                                                       nullptr, 0) != 0);
+    check("gate_up_q8 refuses misaligned x records",
+          m40k_moe_gate_up_q8(p, p, M40K_TYPE_Q8_0, 8, 64, 256, nullptr, nullptr, M40K_GLU_SILU, a16 + 4, ip, 1, 2,
+                              fp, 64, nullptr, 0) != 0);
+    check("gate_up_q8 refuses h's records at n_ff 40", m40k_moe_gate_up_q8(p, p, M40K_TYPE_Q8_0, 8, 40, 256, nullptr,
+                                                                          nullptr, M40K_GLU_SILU, p, ip, 1, 2, fp,
+                                                                          40, p, 0) != 0);
+    check("gate_up_q8 refuses an unknown activation", m40k_moe_gate_up_q8(p, p, M40K_TYPE_Q8_0, 8, 64, 256, nullptr,
+                                                                         nullptr, 7, p, ip, 1, 2, fp, 64, nullptr,
+                                                                         0) != 0);
+    check("down_q8 refuses no records", m40k_moe_down_q8(p, M40K_TYPE_Q4_K, 8, 64, 256, nullptr, nullptr, ip, fp, 1,
+                                                         2, fp, 64, 0, 0) != 0);
+    check("down_q8 refuses k 9", m40k_moe_down_q8(p, M40K_TYPE_Q4_K, 8, 64, 256, nullptr, p, ip, fp, 1, 9, fp, 64, 0,
+                                                  0) != 0);
+    check("down_q8 refuses MXFP4 in the file's layout", m40k_moe_down_q8(p, M40K_TYPE_MXFP4, 8, 64, 256, nullptr, p,
+                                                                        ip, fp, 1, 2, fp, 64, 0, 0) != 0);
+    check("down_q8 refuses an n_ff of 48", m40k_moe_down_q8(p, M40K_TYPE_Q8_0, 8, 64, 48, nullptr, p, ip, fp, 1, 2,
+                                                           fp, 64, 0, 0) != 0);
 }
 
 /* ---------------------------------------------------------------- batches */
