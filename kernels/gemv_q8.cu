@@ -242,6 +242,66 @@ template <> struct gq<M40K_TYPE_Q4_0> {
     }
 };
 
+/* MXFP4_P (kernels.h 0., the experts' MXFP4 in chunks of 8 blocks: qs[8][16] | e[8] | 8
+ * zero bytes), unit = block u: its 16 nibble bytes (element j < 16 the low nibble of
+ * qs[j], j + 16 the high one) in one aligned load, its scale byte from the chunk's e
+ * words. Each nibble becomes its signed doubled E2M1 level as an int8 by byte permutes
+ * (gq_mxfp4_levels), w = level * 2^(e - 128), so W.X = 2^(e-128) * (d1*S1 + d2*S2). */
+__device__ __forceinline__ void gq_mxfp4_levels(uint32_t w, uint32_t &lo, uint32_t &hi)
+{
+    /* per nibble: the magnitude's index (bits 0-2) picks a byte of the positive levels
+     * 0,1,2,3 | 4,6,8,12 and of the negative ones; the sign (bit 3, moved to bit 2) then
+     * picks between the two, byte by byte */
+    const uint32_t m = w & 0x77777777u, sg = (w & 0x88888888u) >> 1;
+    uint32_t r[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const uint32_t mh = m >> (16 * h);
+        const uint32_t pos = __byte_perm(0x03020100u, 0x0C080604u, mh);
+        const uint32_t neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, mh);
+        r[h] = __byte_perm(pos, neg, 0x3210u | ((sg >> (16 * h)) & 0x4444u));
+    }
+    /* r holds the levels of the bytes' low, high, low, high nibbles: split them */
+    lo = __byte_perm(r[0], r[1], 0x6420u);
+    hi = __byte_perm(r[0], r[1], 0x7531u);
+}
+
+template <> struct gq<M40K_TYPE_MXFP4_P> {
+    enum { UE = 32, G = 1 };
+    struct W {
+        uint32_t q[8]; /* elements 0-15, then 16-31 */
+        float d;
+    };
+    struct X {
+        int4 v1[2], v2[2];
+        float2 d;
+    };
+    static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
+    {
+        const uint8_t *c = row + 144 * (u >> 3);
+        const int j = u & 7;
+        const uint4 qv = __ldcs(reinterpret_cast<const uint4 *>(c + 16 * j));
+        const uint32_t ew = __ldcs(reinterpret_cast<const unsigned int *>(c + 128) + (j >> 2));
+        w.d = m40k_e8m0_half((ew >> (8 * (j & 3))) & 0xFFu);
+        const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            gq_mxfp4_levels(qw[i], w.q[i], w.q[4 + i]);
+    }
+    static __device__ __forceinline__ void load_x(const gq_blk *p, int u, int, X &x)
+    {
+        const int4 *q = reinterpret_cast<const int4 *>(p + u);
+        x.v1[0] = __ldca(q), x.v1[1] = __ldca(q + 1), x.v2[0] = __ldca(q + 2), x.v2[1] = __ldca(q + 3);
+        x.d = __ldca(reinterpret_cast<const float2 *>(q + 4));
+    }
+    static __device__ __forceinline__ float dot(const W &w, const X &x, int, float acc)
+    {
+        const int s = gq_dot16(w.q + 4, x.v1[1], gq_dot16(w.q, x.v1[0], GQ_MAGIC));
+        const int t = gq_dot16(w.q + 4, x.v2[1], gq_dot16(w.q, x.v2[0], GQ_MAGIC));
+        return fmaf(w.d, gq_two(x.d.x, x.d.y, s, t), acc);
+    }
+};
+
 /* Q4_K, unit u = chunk c = u & 3 of superblock u >> 2 (d f16 | dmin f16 | scales[12] |
  * qs[128], 144 bytes): qs[32c .. 32c+32) hold sub-block 2c in the low nibbles and 2c+1
  * in the high ones (x blocks 2u, 2u+1), w = d*sc*q - dmin*m per sub-block, so each
@@ -1020,6 +1080,8 @@ static int gq_dispatch(const void *w, int w_type, int N, int K, const void *ws, 
 
 extern "C" int m40k_moe_gate_up_q8_supported(int w_type, int dim)
 {
+    if (w_type == M40K_TYPE_MXFP4_P)
+        return dim > 0 && dim % 32 == 0;
     return dim > 0 &&
            (w_type == M40K_TYPE_Q8_0 || w_type == M40K_TYPE_Q4_0 || w_type == M40K_TYPE_Q4_K ||
             w_type == M40K_TYPE_Q6_K) &&
@@ -1032,6 +1094,8 @@ extern "C" int m40k_moe_down_q8_supported(int w_type, int n_ff)
         return 0;
     if (w_type == M40K_TYPE_Q6_K_P)
         return n_ff % 256 == 0;
+    if (w_type == M40K_TYPE_MXFP4_P)
+        return 1;
     return (w_type == M40K_TYPE_Q8_0 || w_type == M40K_TYPE_Q4_0 || w_type == M40K_TYPE_Q4_K ||
             w_type == M40K_TYPE_Q6_K) &&
            gq_takes(w_type, n_ff);
@@ -1047,7 +1111,7 @@ static int gq_moe_gu_launch(const void *wg, const void *wu, int n_expert, int n_
                             const float *ub, int act, const void *xq, const int32_t *ids, int pairs, int k, float *h,
                             int64_t h_stride, void *hq, cudaStream_t st)
 {
-    const size_t row_bytes = (size_t)dim / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+    const size_t row_bytes = m40k_row_bytes<T>(dim); /* MXFP4_P: rows of whole chunks */
     const dim3 grid((unsigned)((n_ff + 31) / 32), (unsigned)pairs);
     M40K_LAUNCH_PDL((moe_gate_up_q8_kernel<T, FR>), grid, MQ_GU_WARPS * 32, 0, st, (const uint8_t *)wg,
                     (const uint8_t *)wu, row_bytes, n_expert, n_ff, dim, gb, ub, act, (const gq_blk *)xq, ids, k, h,
@@ -1079,6 +1143,9 @@ extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, i
     case M40K_TYPE_Q4_K:
         return gq_moe_gu_launch<M40K_TYPE_Q4_K, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
                                                    h, h_stride, hq, st);
+    case M40K_TYPE_MXFP4_P:
+        return gq_moe_gu_launch<M40K_TYPE_MXFP4_P, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs,
+                                                      k, h, h_stride, hq, st);
     default:
         return gq_moe_gu_launch<M40K_TYPE_Q6_K, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
                                                    h, h_stride, hq, st);
@@ -1091,7 +1158,7 @@ static int gq_moe_dn_launch(const void *wd, int n_expert, int dim, int n_ff, con
                             const int32_t *ids, const float *w, int n_tokens, int k, float *out, int64_t os, int acc,
                             cudaStream_t st)
 {
-    const size_t row_bytes = (size_t)n_ff / m40k_tinfo<T>::BE * m40k_tinfo<T>::BB;
+    const size_t row_bytes = m40k_row_bytes<T>(n_ff); /* MXFP4_P: rows of whole chunks */
     const int total = k * (n_ff / gq<T>::UE), W = min(MQ_DN_MAXW, (total + 31) / 32);
     const dim3 grid((unsigned)((dim + R - 1) / R), (unsigned)n_tokens);
     M40K_LAUNCH_PDL((moe_down_q8_kernel<T, R>), grid, W * 32, 0, st, (const uint8_t *)wd, row_bytes, n_expert, dim,
@@ -1119,6 +1186,9 @@ extern "C" int m40k_moe_down_q8(const void *wd, int w_type, int n_expert, int di
     case M40K_TYPE_Q4_K:
         return gq_moe_dn_launch<M40K_TYPE_Q4_K, 4>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
                                                    out, out_stride, accumulate, st);
+    case M40K_TYPE_MXFP4_P:
+        return gq_moe_dn_launch<M40K_TYPE_MXFP4_P, 4>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
+                                                      out, out_stride, accumulate, st);
     case M40K_TYPE_Q6_K_P:
         return gq_moe_dn_launch<M40K_TYPE_Q6_K_P, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
                                                      out, out_stride, accumulate, st);

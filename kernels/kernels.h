@@ -692,8 +692,8 @@ int m40k_moe_down(const void *w_down, int w_type, int n_expert, int dim, int n_f
 /* 10c'. 10c on x's int8 records (kernels/gemv_q8.cu): h as 10c with each dot product
  * W[e][n] . x_t replaced by m40k_gemv_q8's product of that row and the records of token t
  * (xq: m40k_quantize_q8 of x with K = dim, batch n_tokens; the record error bound of 8b
- * applies). Types Q8_0, Q4_0, Q4_K, Q6_K (the file's layout), dim a multiple of their
- * block (m40k_moe_gate_up_q8_supported), W_gate, W_up and xq 16-byte aligned, n_tokens
+ * applies). Types Q8_0, Q4_0, Q4_K, Q6_K (the file's layout) and MXFP4_P, dim a multiple
+ * of their block (MXFP4_P: of 32; m40k_moe_gate_up_q8_supported), W_gate, W_up and xq 16-byte aligned, n_tokens
  * <= 8. hq, where not NULL (n_ff a multiple of 32, 16-byte aligned,
  * m40k_moe_q8_records_bytes(n_tokens * k, n_ff) bytes), also receives the records of each
  * pair's h (as m40k_quantize_q8 of h with K = n_ff writes them; pair p's at record

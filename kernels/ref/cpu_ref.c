@@ -564,6 +564,17 @@ static double q8_block_term(int type, const uint8_t *row, int j, const uint8_t *
         const float d = ldh(blk);
         return (double)d * q8_two(d1, d2, s1, s2) + (double)(-8.0f * d) * sx;
     }
+    case M40K_TYPE_MXFP4: { /* e | qs[16]: the signed doubled E2M1 levels, times 2^(e - 128) */
+        static const int lv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        const uint8_t *blk = row + 17 * (size_t)j;
+        int s1 = 0, s2 = 0;
+        for (int i = 0; i < 16; i++) {
+            const int lo = lv[blk[1 + i] & 15], hi = lv[blk[1 + i] >> 4];
+            s1 += lo * q1[i] + hi * q1[16 + i];
+            s2 += lo * q2[i] + hi * q2[16 + i];
+        }
+        return (double)ldexpf(1.0f, (int)blk[0] - 128) * q8_two(d1, d2, s1, s2);
+    }
     case M40K_TYPE_Q4_K: { /* sub-block t of superblock j/8 */
         const uint8_t *sb = row + 144 * (size_t)(j / 8);
         const int t = j % 8;

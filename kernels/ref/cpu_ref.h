@@ -83,7 +83,8 @@ void m40_ref_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, 
 void m40_ref_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out);
 /* Twins of m40k_quantize_q8 / m40k_gemv_q8 (kernels.h 8b): the same workspace bytes
  * (both levels of the rounding of x), the same integer dots and F32 group terms; only
- * the order of the sum differs (here in double). */
+ * the order of the sum differs (here in double). m40_ref_gemv_q8 also reads MXFP4 (the
+ * twin of the experts' 10c' / 10d' on MXFP4_P). */
 void m40_ref_quantize_q8(const float *x, int64_t x_stride, int K, int batch, void *ws);
 void m40_ref_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y, int64_t y_stride);
 /* Twins of m40k_quantize_x8 / m40k_gemm_x8 (kernels.h 8f): the same record bytes (x F16;
