@@ -86,6 +86,9 @@ struct dec_rope {
     gq_blk *xq; /* or NULL: the cluster merge also writes out as int8 records (kernels.h 6c) */
     int xq_row; /* records a sequence row of xq */
     const float *sinks; /* [n_heads] logits joining each head's softmax (gpt-oss), or NULL */
+    /* blocks a KV head's query heads are split over in the cluster variant (dec_plan): 1,
+     * or the group size (a block a query head); 0 counts as 1 */
+    int hsplit;
 };
 
 /* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
@@ -163,7 +166,10 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
 {
     __shared__ float2 cs[ROPE ? D / 2 : 1]; /* (cos, sin) of the new token's rotation pairs */
     constexpr int TT = CL ? DEC_TT_CL : DEC_TT, TPR = D / 8, NT = DEC_THREADS / TPR, TILE = NT * TT;
-    const int kvh = CL ? blockIdx.y : blockIdx.x, s = CL ? blockIdx.z : blockIdx.y,
+    /* hsp > 1 (the RoPE cluster variant only): grid y counts (KV head, part) pairs, each
+     * block taking G / hsp of the KV head's query heads */
+    const int hsp = ROPE && CL && rp.hsplit > 1 ? rp.hsplit : 1;
+    const int gy = CL ? blockIdx.y : blockIdx.x, kvh = gy / hsp, hs = gy % hsp, s = CL ? blockIdx.z : blockIdx.y,
               split = CL ? blockIdx.x : blockIdx.z;
     const int tid = threadIdx.x, tm = tid / TPR, c = tid % TPR;
     m40k_grid_launch_dependents(); /* a PDL-launched kernel may follow */
@@ -225,7 +231,8 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
     __shared__ float S[GMAX][TILE];
     __shared__ __align__(16) float P[NT][GMAX * D]; /* the teams' partial outputs */
     __shared__ float m_s[GMAX], l_s[GMAX], alpha_s[GMAX];
-    const int G = n_heads / n_kv_heads;
+    /* G: the query heads this block takes, from head hq0 on */
+    const int G = n_heads / n_kv_heads / hsp, hq0 = gy * G;
 
     /* With RoPE, the group's q (rotated and scaled) and the step's own K and V rows are
      * formed once, 8 elements a thread, spread over the block: q into qsm, K and V
@@ -244,7 +251,7 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
         for (int u = tid; u < nq + (has_new ? 2 * TPR : 0); u += DEC_THREADS) {
             const bool isq = u < nq, isk = !isq && u < nq + TPR;
             const int cu = isq ? u % TPR : (u - nq) % TPR, d0 = 8 * cu;
-            const float *row = isq ? q + s * q_stride + (int64_t)(kvh * G + u / TPR) * D
+            const float *row = isq ? q + s * q_stride + (int64_t)(hq0 + u / TPR) * D
                                : isk ? rp.k + s * rp.k_stride + (int64_t)kvh * D
                                      : rp.v + s * rp.v_stride + (int64_t)kvh * D;
             float x8[8], p8[8], o[8];
@@ -276,7 +283,8 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
                 const int t = len - 1;
                 const size_t at =
                     (((size_t)indices[page0 + t / M40K_PAGE] * n_kv_heads + kvh) * M40K_PAGE + t % M40K_PAGE) * D + d0;
-                *reinterpret_cast<uint4 *>((isk ? kc : vc) + at) = h;
+                if (hs == 0) /* the KV head's other parts form the same row for their own use only */
+                    *reinterpret_cast<uint4 *>((isk ? kc : vc) + at) = h;
                 (isk ? nks : nvs)[cu] = h;
             }
         }
@@ -294,7 +302,7 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
             const float4 a = *reinterpret_cast<const float4 *>(qh), b = *reinterpret_cast<const float4 *>(qh + 4);
             qv[0] = a.x, qv[1] = a.y, qv[2] = a.z, qv[3] = a.w, qv[4] = b.x, qv[5] = b.y, qv[6] = b.z, qv[7] = b.w;
         } else {
-            const float *qh = q + s * q_stride + (int64_t)(kvh * G + min(g, G - 1)) * D + 8 * c;
+            const float *qh = q + s * q_stride + (int64_t)(hq0 + min(g, G - 1)) * D + 8 * c;
             const float4 a = *reinterpret_cast<const float4 *>(qh), b = *reinterpret_cast<const float4 *>(qh + 4);
             qv[0] = a.x * scale, qv[1] = a.y * scale, qv[2] = a.z * scale, qv[3] = a.w * scale;
             qv[4] = b.x * scale, qv[5] = b.y * scale, qv[6] = b.z * scale, qv[7] = b.w * scale;
@@ -422,7 +430,7 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
         }
     __syncthreads();
     for (int j = tid; j < G * D; j += DEC_THREADS) {
-        const int g = j / D, d = j % D, h = kvh * G + g;
+        const int g = j / D, d = j % D, h = hq0 + g;
         float o = 0.0f;
 #pragma unroll
         for (int t = 0; t < NT; t++)
@@ -476,10 +484,10 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
                     num += e * o[r];
                 }
             if (rp.sinks)
-                return num * m40k_sink_norm(M, den, rp.sinks[kvh * G + g]);
+                return num * m40k_sink_norm(M, den, rp.sinks[hq0 + g]);
             return den > 0.0f ? num / den : 0.0f;
         };
-        float *ob = out + s * out_stride + (int64_t)kvh * G * D;
+        float *ob = out + s * out_stride + (int64_t)hq0 * D;
         for (int j = j0 + tid; j < j1; j += DEC_THREADS) {
             const float v = merged(j);
             ob[j] = v;
@@ -489,7 +497,7 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
             if constexpr (ROPE)
                 if (rp.xq)
                     gq_quantize_block(v, tid & 31,
-                                      rp.xq + (size_t)s * rp.xq_row + ((size_t)kvh * G * D + j - (tid & 31)) / 32);
+                                      rp.xq + (size_t)s * rp.xq_row + ((size_t)hq0 * D + j - (tid & 31)) / 32);
         }
         cluster.sync(); /* no block leaves while another still reads its shared memory */
 #endif
@@ -532,7 +540,7 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
      * layer's attention and each round an L2 round trip, so 16 (H100, 1 sequence, 576
      * positions, 18 splits: 4 a round took 5 rounds) */
     constexpr int MU = 16;
-    const size_t r0 = ((size_t)s * n_heads + (size_t)kvh * G) * n_splits; /* head kvh*G, split 0 */
+    const size_t r0 = ((size_t)s * n_heads + (size_t)hq0) * n_splits; /* head hq0, split 0 */
     const float *mlb = ws + (size_t)gridDim.y * n_heads * n_splits * D + 2 * r0;
     for (int g = tid >> 5; g < G; g += DEC_THREADS / 32) {
         const int lane = tid & 31;
@@ -581,8 +589,8 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
                     num[k] += e * w[k];
             }
         }
-        float *op = out + s * out_stride + (int64_t)(kvh * G + g) * D + d;
-        const float f = rp.sinks ? m40k_sink_norm(M, den, rp.sinks[kvh * G + g]) : den > 0.0f ? 1.0f / den : 0.0f;
+        float *op = out + s * out_stride + (int64_t)(hq0 + g) * D + d;
+        const float f = rp.sinks ? m40k_sink_norm(M, den, rp.sinks[hq0 + g]) : den > 0.0f ? 1.0f / den : 0.0f;
 #pragma unroll
         for (int k = 0; k < VW; k++)
             op[k] = num[k] * f;
@@ -676,12 +684,58 @@ static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uin
     return m40k_launch_status();
 }
 
+/* A block a query head (dec_rope.hsplit = G) in the RoPE cluster variant, for the few
+ * (sequence, KV head) pairs of small batches: there a block of the whole group's G heads
+ * works through them one after the other in each thread (qwen3-30b-a3b at batch 1, G 8:
+ * 254 registers, one warp a scheduler, ~3,900 instructions a warp, 18 us under Nsight
+ * Compute; BENCHMARKS.md, twenty-seventh session). Where the cluster variant runs at all
+ * (dec_cluster_size of the one-head instance), G >= 2, at most DEC_HS_GROUPS (sequence,
+ * query head) pairs, and with a cluster size C that leaves each block whole 32-element
+ * blocks of the head's D outputs to merge (the int8 records of kernels.h 6c): the split
+ * factor G and *C; else 1. Never where the engine's M40_DEC_HSPLIT=0 turned it off. */
+#define DEC_HS_GROUPS 64
+template <int D> static int dec_head_split(int G, int n_splits, int n_seqs, int n_kv_heads, int *C)
+{
+    if (!m40k_head_split_enabled() || G < 2 || (int64_t)n_seqs * n_kv_heads * G > DEC_HS_GROUPS)
+        return 1;
+    int c = dec_cluster_size<D, 1, true>(n_splits, n_seqs, n_kv_heads);
+    while (c >= 2 && (D % c || (D / c) % 32))
+        c--;
+    if (c < 2)
+        return 1;
+    *C = c;
+    return G;
+}
+
+static int dec_head_split_any(int head_dim, int G, int n_splits, int n_seqs, int n_kv_heads, int *C)
+{
+    switch (head_dim) {
+    case 64: return dec_head_split<64>(G, n_splits, n_seqs, n_kv_heads, C);
+    case 128: return dec_head_split<128>(G, n_splits, n_seqs, n_kv_heads, C);
+    case 256: return dec_head_split<256>(G, n_splits, n_seqs, n_kv_heads, C);
+    default: return 1;
+    }
+}
+
 template <int D>
 static int decode_group(int G, float *out, int64_t os, const float *q, int64_t qs, uint16_t *kc, uint16_t *vc,
                         const int32_t *indptr, const int32_t *indices, const int32_t *lpl, int n_seqs, int n_heads,
                         int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window, float cap,
                         const dec_rope *rp, cudaStream_t st)
 {
+    if (rp) {
+        int C = 0;
+        const int hs = dec_head_split<D>(G, n_splits, n_seqs, n_kv_heads, &C);
+        if (hs > 1) { /* grid y: (KV head, query head of its group) */
+            dec_rope r = *rp;
+            r.hsplit = hs;
+            const int e = m40k_launch_ex(attn_decode_kernel<D, 1, true, true>,
+                                         dim3((unsigned)C, (unsigned)(n_kv_heads * hs), (unsigned)n_seqs),
+                                         dim3(DEC_THREADS), 0, (unsigned)C, st, out, os, q, qs, kc, vc, indptr,
+                                         indices, lpl, n_heads, n_kv_heads, scale, C, ws, cnt, window, cap, r);
+            return e ? e : m40k_launch_status();
+        }
+    }
     if (G == 1)
         return decode_launch<D, 1>(out, os, q, qs, kc, vc, indptr, indices, lpl, n_seqs, n_heads, n_kv_heads, scale,
                                    n_splits, ws, cnt, window, cap, rp, st);
@@ -760,7 +814,11 @@ extern "C" int m40k_attn_decode_q8_ok(int n_seqs, int n_heads, int n_kv_heads, i
 {
     if (n_seqs < 1 || n_seqs > 8 || n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > 8)
         return 0;
-    const int G = n_heads / n_kv_heads, C = rope_cluster_size(head_dim, G, n_splits, n_seqs, n_kv_heads);
+    const int G = n_heads / n_kv_heads;
+    int Ch = 0;
+    if (dec_head_split_any(head_dim, G, n_splits, n_seqs, n_kv_heads, &Ch) > 1)
+        return 1; /* a block a head, its cluster size picked for whole 32-element slices */
+    const int C = rope_cluster_size(head_dim, G, n_splits, n_seqs, n_kv_heads);
     if (C < 2)
         return 0;
     /* a cluster block's slice of the G*D outputs: whole 32-element blocks, one round of its threads */

@@ -128,6 +128,7 @@ __device__ __forceinline__ void m40k_pdl_begin(void)
 
 int m40k_pdl_enabled(void);      /* model_aux.cu: compute capability >= 9 and PDL not turned off */
 int m40k_clusters_enabled(void); /* model_aux.cu: compute capability >= 9 and clusters not turned off */
+int m40k_head_split_enabled(void); /* model_aux.cu: the decode attention's head split not turned off */
 
 /* kernel<<<grid, block, smem, st>>>(args) through cudaLaunchKernelEx: with programmatic
  * stream serialization (when m40k_pdl_enabled), and in thread block clusters of

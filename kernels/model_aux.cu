@@ -25,13 +25,16 @@ static int cc9_current(void)
 /* The launch switches the engine passes in (m40k_set_launch_tuning): on until told
  * otherwise, so that a program that never calls it (the kernel tests) launches as the
  * engine does by default. */
-static int pdl_on = 1, clusters_on = 1;
+static int pdl_on = 1, clusters_on = 1, head_split_on = 1;
 
-extern "C" void m40k_set_launch_tuning(int pdl, int clusters)
+extern "C" void m40k_set_launch_tuning(int pdl, int clusters, int head_split)
 {
     pdl_on = pdl != 0;
     clusters_on = clusters != 0;
+    head_split_on = head_split != 0;
 }
+
+int m40k_head_split_enabled(void) { return head_split_on; }
 
 int m40k_pdl_enabled(void) { return pdl_on && cc9_current(); }
 

@@ -17,8 +17,10 @@ extern "C" {
 /* Launch switches for every kernel family, set by the engine once per GPU model load
  * from its tuning switches (engine/util/tuning.h; no getenv in kernels/): pdl 0 turns
  * programmatic dependent launch off, clusters 0 the decode attention's thread block
- * clusters (both apply from compute capability 9 only). Both on until set. */
-void m40k_set_launch_tuning(int pdl, int clusters);
+ * clusters (both apply from compute capability 9 only), head_split 0 the clustered
+ * decode attention's block a query head at small batches (attn_decode.cu). All on until
+ * set. */
+void m40k_set_launch_tuning(int pdl, int clusters, int head_split);
 
 /* y[i] = f16(x[i]), i < n. */
 int m40k_f32_to_f16(const float *x, uint16_t *y, int64_t n, m40k_stream stream);

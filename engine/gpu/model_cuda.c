@@ -743,7 +743,7 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
         m40k_moe_gemm_q_tune(t->moe_gemm_reg);
         g->gemv_rows = t->gemv_rows;
     }
-    m40k_set_launch_tuning(t->pdl, t->clusters); /* M40_PDL, M40_CLUSTER */
+    m40k_set_launch_tuning(t->pdl, t->clusters, t->dec_hsplit); /* M40_PDL, M40_CLUSTER, M40_DEC_HSPLIT */
     if (log_progress) {
         char line[512];
         m40_tuning_line(t, line, sizeof line);

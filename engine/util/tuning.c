@@ -25,6 +25,7 @@ void m40_tuning_from_env(m40_tuning *t)
         snprintf(t->gemm_ignored, sizeof t->gemm_ignored, "%s", gm);
     t->pdl = on_unless_zero("M40_PDL");
     t->clusters = on_unless_zero("M40_CLUSTER");
+    t->dec_hsplit = on_unless_zero("M40_DEC_HSPLIT");
     t->skinny = on_unless_zero("M40_SKINNY");
     const char *cg = getenv("M40_CUDA_GRAPHS");
     t->cuda_graphs = cg && *cg ? atoi(cg) : 64;
@@ -75,11 +76,11 @@ int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)
     if (t->moe_gemv_rows >= 0)
         snprintf(moe_rows, sizeof moe_rows, "%d", (int)t->moe_gemv_rows);
     return snprintf(buf, len,
-                    "M40_GEMM=%s M40_PDL=%d M40_CLUSTER=%d M40_SKINNY=%d M40_CUDA_GRAPHS=%d M40_WARMUP=%d "
+                    "M40_GEMM=%s M40_PDL=%d M40_CLUSTER=%d M40_DEC_HSPLIT=%d M40_SKINNY=%d M40_CUDA_GRAPHS=%d M40_WARMUP=%d "
                     "M40_G8=%d M40_FUSE_NORM=%d M40_FUSE_PICK=%d M40_PREFILL_F16=%d M40_FUSE_RESIDUAL=%d M40_GEMM_Q=%d M40_GEMM_Q_ROWS=%d "
                     "M40_GEMM_Q_REG=%d M40_GEMV_ROWS=%d M40_MOE_GEMV_ROWS=%s M40_MOE_GEMM_REG=%d M40_MOE_PAD=%d M40_MOE_Q8=%d M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d "
                     "M40_PICK_THREADS=%s M40_GPU_SAMPLE=%d M40_GPU_UNVALIDATED=%d",
-                    gemm[t->gemm], t->pdl, t->clusters, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
+                    gemm[t->gemm], t->pdl, t->clusters, t->dec_hsplit, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
                     t->fuse_pick, t->prefill_f16, t->fuse_residual, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->gemv_rows,
                     moe_rows, (int)t->moe_gemm_reg, t->moe_pad, t->moe_q8, (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->gpu_unvalidated);
 }

@@ -19,6 +19,8 @@ typedef struct {
     char gemm_ignored[32];/* M40_GEMM's value when it was neither f16 nor f32 ("": none) */
     int pdl;              /* M40_PDL=0: no programmatic dependent launch on Hopper */
     int clusters;         /* M40_CLUSTER=0: no thread block clusters in the decode attention */
+    int dec_hsplit;       /* M40_DEC_HSPLIT=0: the clustered decode attention of small batches
+                           * keeps a block for all the query heads of a KV head */
     int skinny;           /* M40_SKINNY=0: no tensor-core GEMV for F16 decode products */
     int cuda_graphs;      /* M40_CUDA_GRAPHS=N: decode steps of up to N sequences as CUDA graphs
                            * (default 64; 0: none) */

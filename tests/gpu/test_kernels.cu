@@ -642,6 +642,106 @@ static void test_attention(void)
 }
 
 /* ---------------------------------------------------------------- 6c. decode attention + RoPE + append */
+/* The RoPE decode attention's block a query head (the cluster variant at small batches,
+ * attn_decode.cu dec_head_split) against the block a KV head (m40k_set_launch_tuning's
+ * head_split 0) on the same inputs, and both against the CPU: one and two sequences
+ * (577 positions; 40 and 1000), 1, 2 and 4 KV heads of groups of 2, 4 and 8 (qwen3-30b-a3b:
+ * 4 of 8), head dims 64, 128 and 256, 8 and 32 splits, with and without a 20-token window,
+ * sinks and the int8 records of out (byte for byte m40k_quantize_q8's where written). */
+static void test_attn_head_split(void)
+{
+    int n_cases = 0;
+    for (const std::vector<int> &lens : {std::vector<int>{577}, std::vector<int>{40, 1000}})
+        for (int hd : {64, 128, 256})
+            for (int nkv : {1, 2, 4})
+                for (int G : {2, 4, 8}) {
+                    const int nh = nkv * G, ns = (int)lens.size();
+                    const float scale = 1.0f / sqrtf((float)hd), base = 10000.0f;
+                    Paged p = make_paged(lens);
+                    const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
+                    std::vector<uint16_t> kc0(cache_elems), vc0(cache_elems);
+                    for (size_t i = 0; i < cache_elems; i++)
+                        kc0[i] = m40_fp32_to_fp16(frand(-1, 1)), vc0[i] = m40_fp32_to_fp16(frand(-1, 1));
+                    std::vector<int32_t> one = {0}, pos;
+                    for (int s = 0; s < ns; s++)
+                        one.push_back(s + 1), pos.push_back(p.lens[s] - 1);
+                    const int64_t rs = (int64_t)(nh + 2 * nkv) * hd + 4, os = nh * hd + 8;
+                    std::vector<float> qkv = rand_vec(ns * rs, -2, 2), sk = rand_vec(nh, -1, 3);
+                    int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *dp = dup(pos);
+                    float *dqkv = dup(qkv), *dsk = dup(sk), *dws;
+                    const size_t n_cnt = m40k_decode_counter_ints(ns, nkv);
+                    int *dcnt = dup(std::vector<int>(n_cnt, 0));
+                    CK(cudaMalloc(&dws, m40k_decode_workspace_floats(ns, nh, hd, 64) * 4));
+                    const size_t xq_bytes = m40k_gemv_q8_ws_bytes(nh * hd, ns);
+                    for (int splits : {8, 32})
+                        for (int window : {0, 20})
+                            for (int sinks : {0, 1}) {
+                                const bool q8 = m40k_attn_decode_q8_ok(ns, nh, nkv, hd, splits) == 1;
+                                std::vector<float> out[2];
+                                std::vector<uint16_t> kc[2], vc[2];
+                                std::vector<uint8_t> xq[2];
+                                for (int hs = 0; hs < 2; hs++) {
+                                    m40k_set_launch_tuning(1, 1, hs);
+                                    uint16_t *dkc = dup(kc0), *dvc = dup(vc0);
+                                    float *dout = dup(std::vector<float>((size_t)ns * os, 0.0f));
+                                    uint8_t *dxq = q8 ? dup(std::vector<uint8_t>(xq_bytes, 0xa5)) : nullptr;
+                                    CK(m40k_attn_decode_rope_q8_sinks(
+                                        dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc, dvc,
+                                        dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base, nullptr, 0,
+                                        splits, dws, dcnt, dxq, sinks ? dsk : nullptr, 0));
+                                    out[hs] = back(dout, (size_t)ns * os);
+                                    kc[hs] = back(dkc, cache_elems), vc[hs] = back(dvc, cache_elems);
+                                    if (q8) {
+                                        xq[hs] = back(dxq, xq_bytes);
+                                        uint8_t *dxq2 = dup(std::vector<uint8_t>(xq_bytes, 0));
+                                        CK(m40k_quantize_q8(dout, os, nh * hd, ns, dxq2, 0));
+                                        char w[160];
+                                        snprintf(w, sizeof w, "head split %d hd %d nkv %d G %d seqs %d splits %d: records == quantize_q8 of out",
+                                                 hs, hd, nkv, G, ns, splits);
+                                        check(w, xq[hs] == back(dxq2, xq_bytes));
+                                        cudaFree(dxq), cudaFree(dxq2);
+                                    }
+                                    cudaFree(dkc), cudaFree(dvc), cudaFree(dout);
+                                }
+                                m40k_set_launch_tuning(1, 1, 1);
+                                char what[160], w2[224];
+                                snprintf(what, sizeof what, "head split hd %d nkv %d G %d seqs %d splits %d window %d sinks %d",
+                                         hd, nkv, G, ns, splits, window, sinks);
+                                snprintf(w2, sizeof w2, "%s: out on == off", what);
+                                compare(w2, out[1].data(), out[0].data(), out[0].size(), 1e-5f, 1e-5f);
+                                snprintf(w2, sizeof w2, "%s: caches on == off", what);
+                                check(w2, kc[1] == kc[0] && vc[1] == vc[0]);
+                                snprintf(w2, sizeof w2, "%s: counters zero", what);
+                                std::vector<int> cnt = back(dcnt, n_cnt);
+                                check(w2, std::all_of(cnt.begin(), cnt.end(), [](int v) { return v == 0; }));
+                                if (!sinks) { /* the CPU twin */
+                                    std::vector<float> cq = qkv;
+                                    std::vector<uint16_t> ck = kc0, cv = vc0;
+                                    m40_ref_rope(cq.data(), rs, nh, cq.data() + nh * hd, rs, nkv, hd, hd, pos.data(), ns,
+                                                 base, nullptr, 0);
+                                    m40_ref_kv_append(ck.data(), cv.data(), cq.data() + nh * hd, rs,
+                                                      cq.data() + (nh + nkv) * hd, rs, one.data(), ns, ns,
+                                                      p.indptr.data(), p.indices.data(), p.lpl.data(), nkv, hd);
+                                    std::vector<float> c((size_t)ns * os, 0.0f);
+                                    m40_ref_attn_decode_window(c.data(), os, cq.data(), rs, ck.data(), cv.data(),
+                                                               p.indptr.data(), p.indices.data(), p.lpl.data(), ns, nh,
+                                                               nkv, hd, scale, window, 0.0f);
+                                    for (int s = 0; s < ns; s++)
+                                        for (int64_t j = (int64_t)nh * hd; j < os; j++)
+                                            c[(size_t)s * os + j] = out[1][(size_t)s * os + j];
+                                    snprintf(w2, sizeof w2, "%s: on vs cpu", what);
+                                    compare(w2, out[1].data(), c.data(), c.size(), 2e-4f, 1e-3f);
+                                    snprintf(w2, sizeof w2, "%s: v cache == cpu", what);
+                                    check(w2, vc[1] == cv);
+                                }
+                                n_cases++;
+                            }
+                    cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(dp), cudaFree(dqkv), cudaFree(dsk),
+                        cudaFree(dws), cudaFree(dcnt);
+                }
+    check("head split: cases ran", n_cases == 2 * 3 * 3 * 3 * 8);
+}
+
 /* m40k_attn_decode_rope against (a) the two-kernel path it replaces, m40k_kv_append_rope
  * (one new token a sequence) then m40k_attn_decode_window on the rotated q: the same bits
  * in both caches, out within 1e-5 (the same terms, the new token's in a tile of its own); (b) the CPU twins m40_ref_rope + m40_ref_kv_append +
@@ -2513,6 +2613,7 @@ int main(int argc, char **argv)
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
         {"fused_f16", test_fused_f16}, {"add_rmsnorm_to", test_add_rmsnorm_to}, {"attention", test_attention},
         {"kv_rope", test_kv_append_rope}, {"attn_rope", test_attn_decode_rope},
+        {"attn_hsplit", test_attn_head_split},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"gemv_q8_pair", test_gemv_q8_pair},
         {"gemv_q8_norm", test_gemv_q8_norm},
         {"gemv_q8_argmax", test_gemv_q8_argmax},
