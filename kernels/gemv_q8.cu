@@ -767,12 +767,14 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
 #define MQ_DN_MAXW 8   /* a down block: at most this many warps */
 
 /* Gate/up: block (b, pair p) forms h[32b .. 32b+32) of pair p (expert ids[p]), warp w its
- * rows 32b + 2w, +1, FR at a time (FR = 2 for Q4_K: four matrix rows a warp, as gq_rows
- * at batch 1; 1 for the others, Q6_K spills at four), each lane its units of the gate and
- * up rows (gq_row: x loaded once a scale group for all of them); then warp 0 writes the 32
+ * rows 32b + 2w, +1, FR at a time (FR 1: two matrix rows a warp in flight; FR 2 would
+ * keep four, as gq_rows at batch 1, but needs 128 registers and so one block an SM: at
+ * qwen3-30b-a3b's 192 blocks that is 1.45 waves, where Q4_K at FR 1 and MINB 2 fits in 64
+ * registers and one wave, BENCHMARKS.md), each lane its units of the gate and up rows
+ * (gq_row: x loaded once a scale group for all of them); then warp 0 writes the 32
  * values' record for the down GEMV (hq, when not NULL). */
-template <int T, int FR>
-__global__ __launch_bounds__(MQ_GU_WARPS * 32, 1) void moe_gate_up_q8_kernel(
+template <int T, int FR, int MINB = 1>
+__global__ __launch_bounds__(MQ_GU_WARPS * 32, MINB) void moe_gate_up_q8_kernel(
     const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, size_t row_bytes, int n_expert, int n_ff, int K,
     const float *__restrict__ gate_b, const float *__restrict__ up_b, int act, const gq_blk *xs, const int32_t *ids,
     int k, float *__restrict__ h, int64_t h_stride, gq_blk *hq)
@@ -1106,14 +1108,14 @@ extern "C" size_t m40k_moe_q8_records_bytes(int n_pairs, int n_ff)
     return n_pairs > 0 && n_ff > 0 && n_ff % 32 == 0 ? (size_t)n_pairs * (size_t)(n_ff / 32) * sizeof(gq_blk) : 0;
 }
 
-template <int T, int FR>
+template <int T, int FR, int MINB = 1>
 static int gq_moe_gu_launch(const void *wg, const void *wu, int n_expert, int n_ff, int dim, const float *gb,
                             const float *ub, int act, const void *xq, const int32_t *ids, int pairs, int k, float *h,
                             int64_t h_stride, void *hq, cudaStream_t st)
 {
     const size_t row_bytes = m40k_row_bytes<T>(dim); /* MXFP4_P: rows of whole chunks */
     const dim3 grid((unsigned)((n_ff + 31) / 32), (unsigned)pairs);
-    M40K_LAUNCH_PDL((moe_gate_up_q8_kernel<T, FR>), grid, MQ_GU_WARPS * 32, 0, st, (const uint8_t *)wg,
+    M40K_LAUNCH_PDL((moe_gate_up_q8_kernel<T, FR, MINB>), grid, MQ_GU_WARPS * 32, 0, st, (const uint8_t *)wg,
                     (const uint8_t *)wu, row_bytes, n_expert, n_ff, dim, gb, ub, act, (const gq_blk *)xq, ids, k, h,
                     h_stride, (gq_blk *)hq);
     return m40k_launch_status();
@@ -1141,8 +1143,8 @@ extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, i
         return gq_moe_gu_launch<M40K_TYPE_Q4_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
                                                    h, h_stride, hq, st);
     case M40K_TYPE_Q4_K:
-        return gq_moe_gu_launch<M40K_TYPE_Q4_K, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
-                                                   h, h_stride, hq, st);
+        return gq_moe_gu_launch<M40K_TYPE_Q4_K, 1, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs,
+                                                      k, h, h_stride, hq, st);
     case M40K_TYPE_MXFP4_P:
         return gq_moe_gu_launch<M40K_TYPE_MXFP4_P, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs,
                                                       k, h, h_stride, hq, st);
