@@ -642,7 +642,7 @@ int m40k_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const m40
  * (+ bias[e] where bias is not NULL); wr F32 (GGUF keeps ffn_gate_inp in F32), any dim. */
 int m40k_moe_router_logits(const float *wr, const float *bias, int n_expert, int dim, const float *x,
                            int64_t x_stride, int n_tokens, float *logits, m40k_stream stream);
-/* 10b. Top-k and gating, one warp a token, from logits [n_tokens][n_expert]:
+/* 10b. Top-k and gating, a thread block a token, from logits [n_tokens][n_expert]:
  *   M40K_MOE_SOFTMAX:      p = softmax(logits) over all experts; the k largest logits
  *                          (= the k largest p) chosen, weight p (Qwen3-MoE, Mixtral);
  *   M40K_MOE_SIGMOID:      p = sigmoid(logit); chosen by p + sel_bias[e] (sel_bias may be

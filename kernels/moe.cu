@@ -109,106 +109,126 @@ extern "C" int m40k_moe_router_logits(const float *wr, const float *bias, int n_
     return m40k_launch_status();
 }
 
-#define TK_WARPS 4
-#define TK_PER_LANE 8 /* 256 experts / 32 lanes */
+/* Top-k by rank, a thread block a token. It sits on the critical path of a decode step
+ * (once a layer, between the router and the expert GEMVs), so it is built for latency:
+ * an expert's place among the chosen is the number of experts before it in the order
+ * (score descending, then id ascending), which four threads an expert count at once over
+ * a quarter of the others each, on one 64-bit key per expert (the order-preserving bits
+ * of the score above the complement of the id: one compare a pair); the k rounds of a
+ * warp argmax this replaced were a chain of ~50 dependent shuffles (qwen3-30b-a3b, one
+ * token: 6.05 -> 5.6-5.9 us under Nsight Compute, BENCHMARKS.md). The weights come from
+ * one warp. */
+#define MOE_ROUTE_MAX_E 256 /* experts a token can have (m40k_moe_topk refuses more) */
+#define MOE_ROUTE_MAX_K 8
 
-/* (score, id) ordering of the top-k: larger score first, then the lower id. */
-__device__ __forceinline__ bool tk_better(float a, int ia, float b, int ib) { return a > b || (a == b && ia < ib); }
+struct moe_route_sm {
+    unsigned long long key[MOE_ROUTE_MAX_E]; /* larger key: chosen first */
+    float l[MOE_ROUTE_MAX_E]; /* the value the weight comes from: the logit, or sigmoid's p */
+    int id[MOE_ROUTE_MAX_K];  /* choice j's expert, in order of choice */
+    float w[MOE_ROUTE_MAX_K]; /* its weight (times scale) */
+};
 
-/* One warp a token: expert e = lane + 32*i lives in lane's slot i. k rounds of a warp
- * argmax over the slots not yet chosen; then the weights as kernels.h 10b says. */
-__global__ __launch_bounds__(TK_WARPS * 32) void topk_kernel(const float *__restrict__ logits, int n_tokens,
-                                                             int n_expert, int k, int gating,
-                                                             const float *__restrict__ sel_bias, int norm,
-                                                             float scale, int32_t *__restrict__ ids,
-                                                             float *__restrict__ weights)
+/* Float bits whose unsigned order is the float's order (-0 taken as +0: they tie). */
+__device__ __forceinline__ unsigned int moe_route_ordered(float f)
 {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * TK_WARPS + warp;
-    if (t >= n_tokens)
-        return;
-    const float *lg = logits + (size_t)t * n_expert;
-    float l[TK_PER_LANE], sc[TK_PER_LANE];
-    unsigned chosen = 0;
-#pragma unroll
-    for (int i = 0; i < TK_PER_LANE; i++) {
-        const int e = lane + 32 * i;
-        l[i] = e < n_expert ? lg[e] : -INFINITY;
-        if (l[i] != l[i])
-            l[i] = -INFINITY; /* NaN: never before a number */
-        sc[i] = l[i];
-        if (gating == M40K_MOE_SIGMOID && e < n_expert) {
-            const float pr = 1.0f / (1.0f + expf(-l[i]));
-            sc[i] = pr + (sel_bias ? sel_bias[e] : 0.0f);
-            if (sc[i] != sc[i])
-                sc[i] = -INFINITY;
-            l[i] = pr; /* the weight */
+    const unsigned int u = __float_as_uint(f == 0.0f ? 0.0f : f);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+/* Every thread of the block calls it (it synchronizes the block; blockDim.x a multiple
+ * of 32). lg: the token's n_expert logits (n_expert <= 256, 1 <= k <= 8, k <= n_expert); on
+ * return sm.id[0..k) holds the choices in order and sm.w[0..k) their weights, as
+ * kernels.h 10b says. NaN logits and scores count as -inf. */
+__device__ __forceinline__ void moe_route_block(const float *lg, int n_expert, int k, int gating,
+                                                const float *sel_bias, int norm, float scale, moe_route_sm &sm)
+{
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    for (int e = tid; e < n_expert; e += nt) {
+        float l = lg[e], sc;
+        if (l != l)
+            l = -INFINITY; /* NaN: never before a number */
+        sc = l;
+        if (gating == M40K_MOE_SIGMOID) {
+            const float pr = 1.0f / (1.0f + expf(-l));
+            sc = pr + (sel_bias ? sel_bias[e] : 0.0f);
+            if (sc != sc)
+                sc = -INFINITY;
+            l = pr; /* the weight */
         }
-        if (e >= n_expert)
-            chosen |= 1u << i; /* no such expert: never offered */
+        sm.key[e] = (unsigned long long)moe_route_ordered(sc) << 32 | (0xffffffffu - (unsigned int)e);
+        sm.l[e] = l;
     }
-    /* softmax over all: the maximum and the sum of exp over every expert */
-    float mx = -INFINITY, den = 1.0f;
-    if (gating == M40K_MOE_SOFTMAX) {
-#pragma unroll
-        for (int i = 0; i < TK_PER_LANE; i++)
-            mx = fmaxf(mx, l[i]);
-        mx = m40k_warp_max(mx);
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < TK_PER_LANE; i++)
-            if (lane + 32 * i < n_expert)
-                s += expf(l[i] == mx ? 0.0f : l[i] - mx); /* all -inf: equal weights, not NaN */
-        den = m40k_warp_sum(s);
-    }
-    int my_id = -1;      /* lane j < k keeps choice j */
-    float my_val = 0.0f; /* its logit (softmax kinds) or probability (sigmoid) */
-    for (int j = 0; j < k; j++) {
-        float bv = -INFINITY;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < TK_PER_LANE; i++)
-            if (!(chosen >> i & 1u) && tk_better(sc[i], lane + 32 * i, bv, bi))
-                bv = sc[i], bi = lane + 32 * i;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (tk_better(ov, oi, bv, bi))
-                bv = ov, bi = oi;
+    __syncthreads();
+    /* rank: item 4e + q counts the experts i = q mod 4 that come before e (the four
+     * quarters' reads at a step are adjacent keys: no bank conflict); whole warps run every
+     * round (n_expert rounded up to 8), so the quarters meet by shuffles */
+    const int items = 4 * ((n_expert + 7) / 8 * 8);
+    for (int it = tid; it < items; it += nt) {
+        const int e = it >> 2, q = it & 3;
+        int c = 0;
+        if (e < n_expert) {
+            const unsigned long long ke = sm.key[e];
+#pragma unroll 4
+            for (int i = q; i < n_expert; i += 4)
+                c += sm.key[i] > ke;
         }
-        /* the owner marks it chosen and hands over its value */
-        float v = 0.0f;
-#pragma unroll
-        for (int i = 0; i < TK_PER_LANE; i++)
-            if (lane + 32 * i == bi) {
-                chosen |= 1u << i;
-                v = l[i];
-            }
-        v = __shfl_sync(0xffffffffu, v, bi & 31);
-        if (lane == j)
-            my_id = bi, my_val = v;
+        c += __shfl_xor_sync(0xffffffffu, c, 1);
+        c += __shfl_xor_sync(0xffffffffu, c, 2);
+        if (q == 0 && e < n_expert && c < k)
+            sm.id[c] = e;
     }
-    float w = 0.0f;
-    if (gating == M40K_MOE_SOFTMAX)
-        w = expf(my_val == mx ? 0.0f : my_val - mx) / den;
-    else if (gating == M40K_MOE_SIGMOID)
-        w = my_val;
-    else { /* softmax over the k chosen logits; the first chosen is their maximum */
-        const float m0 = __shfl_sync(0xffffffffu, my_val, 0);
-        w = lane < k ? expf(my_val == m0 ? 0.0f : my_val - m0) : 0.0f;
-        const float s = m40k_warp_sum(w);
-        w = w / s;
+    __syncthreads();
+    /* softmax over all: its maximum is the first choice's logit; the sum of exp over every
+     * expert by one warp, e = lane + 32 i in order and then across the warp (the same sum
+     * whatever the block's size) */
+    if (warp == 0) {
+        float den = 1.0f, mx = -INFINITY;
+        if (gating == M40K_MOE_SOFTMAX) {
+            mx = sm.l[sm.id[0]];
+            float s = 0.0f;
+            for (int e = lane; e < n_expert; e += 32)
+                s += expf(sm.l[e] == mx ? 0.0f : sm.l[e] - mx); /* all -inf: equal weights, not NaN */
+            den = m40k_warp_sum(s);
+        }
+        const float my_val = lane < k ? sm.l[sm.id[lane]] : 0.0f;
+        float w = 0.0f;
+        if (gating == M40K_MOE_SOFTMAX)
+            w = expf(my_val == mx ? 0.0f : my_val - mx) / den;
+        else if (gating == M40K_MOE_SIGMOID)
+            w = my_val;
+        else { /* softmax over the k chosen logits; the first chosen is their maximum */
+            const float m0 = __shfl_sync(0xffffffffu, my_val, 0);
+            w = lane < k ? expf(my_val == m0 ? 0.0f : my_val - m0) : 0.0f;
+            const float s = m40k_warp_sum(w);
+            w = w / s;
+        }
+        if (lane >= k)
+            w = 0.0f;
+        if (norm) {
+            const float s = m40k_warp_sum(w);
+            w = s > 0.0f ? w / s : w;
+        }
+        if (lane < k)
+            sm.w[lane] = w * scale;
     }
-    if (lane >= k)
-        w = 0.0f;
-    if (norm) {
-        const float s = m40k_warp_sum(w);
-        w = s > 0.0f ? w / s : w;
-    }
-    if (lane < k) {
-        ids[(size_t)t * k + lane] = my_id;
-        weights[(size_t)t * k + lane] = w * scale;
+    __syncthreads();
+}
+
+
+#define TK_THREADS 512 /* 128 experts: one round of the rank count */
+
+/* A block a token: moe_route_block, then the token's k choices out. */
+__global__ __launch_bounds__(TK_THREADS) void topk_kernel(const float *__restrict__ logits, int n_expert, int k,
+                                                          int gating, const float *__restrict__ sel_bias, int norm,
+                                                          float scale, int32_t *__restrict__ ids,
+                                                          float *__restrict__ weights)
+{
+    __shared__ moe_route_sm sm;
+    const size_t t = blockIdx.x;
+    moe_route_block(logits + t * n_expert, n_expert, k, gating, sel_bias, norm, scale, sm);
+    if ((int)threadIdx.x < k) {
+        ids[t * k + threadIdx.x] = sm.id[threadIdx.x];
+        weights[t * k + threadIdx.x] = sm.w[threadIdx.x];
     }
 }
 
@@ -218,11 +238,11 @@ extern "C" int m40k_moe_topk(const float *logits, int n_tokens, int n_expert, in
 {
     if (n_tokens <= 0)
         return n_tokens < 0 ? M40K_INVALID : 0;
-    if (n_expert < 1 || n_expert > 32 * TK_PER_LANE || k < 1 || k > 8 || k > n_expert || gating < 0 ||
+    if (n_expert < 1 || n_expert > MOE_ROUTE_MAX_E || k < 1 || k > MOE_ROUTE_MAX_K || k > n_expert || gating < 0 ||
         gating > M40K_MOE_SOFTMAX_TOPK)
         return M40K_INVALID;
-    topk_kernel<<<(n_tokens + TK_WARPS - 1) / TK_WARPS, TK_WARPS * 32, 0, (cudaStream_t)stream>>>(
-        logits, n_tokens, n_expert, k, gating, sel_bias, norm, scale, ids, weights);
+    topk_kernel<<<(unsigned)n_tokens, TK_THREADS, 0, (cudaStream_t)stream>>>(logits, n_expert, k, gating, sel_bias,
+                                                                              norm, scale, ids, weights);
     return m40k_launch_status();
 }
 

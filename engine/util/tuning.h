@@ -51,8 +51,8 @@ typedef struct {
                            * shared-memory kernel) */
     int32_t moe_gemv_rows;/* M40_MOE_GEMV_ROWS=N: mixture-of-experts steps of up to N rows take
                            * the expert GEMVs, larger ones the grouped products (0: every step
-                           * grouped); unset (-1): by the experts' type, 1 row, or none for
-                           * gpt-oss's MXFP4 experts (model_cuda_fwd.c) */
+                           * grouped); unset (-1): 4 rows where the GEMVs read int8 records,
+                           * else 1, or none for gpt-oss's MXFP4 experts (model_cuda_fwd.c) */
     int64_t kv_blocks;    /* M40_KV_BLOCKS=N: the GPU KV pool holds at most N blocks (a test
                            * seam; 0: no cap) */
     int prefix_cache;     /* M40_PREFIX_CACHE=0: the GPU KV pool caches no prefixes */
