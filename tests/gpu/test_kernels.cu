@@ -676,12 +676,13 @@ static void test_attn_head_split(void)
                     for (int splits : {8, 32})
                         for (int window : {0, 20})
                             for (int sinks : {0, 1}) {
-                                const bool q8 = m40k_attn_decode_q8_ok(ns, nh, nkv, hd, splits) == 1;
                                 std::vector<float> out[2];
                                 std::vector<uint16_t> kc[2], vc[2];
                                 std::vector<uint8_t> xq[2];
                                 for (int hs = 0; hs < 2; hs++) {
                                     m40k_set_launch_tuning(1, 1, hs);
+                                    /* where records are written depends on the split */
+                                    const bool q8 = m40k_attn_decode_q8_ok(ns, nh, nkv, hd, splits) == 1;
                                     uint16_t *dkc = dup(kc0), *dvc = dup(vc0);
                                     float *dout = dup(std::vector<float>((size_t)ns * os, 0.0f));
                                     uint8_t *dxq = q8 ? dup(std::vector<uint8_t>(xq_bytes, 0xa5)) : nullptr;
