@@ -767,12 +767,13 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
 #define MQ_DN_MAXW 8   /* a down block: at most this many warps */
 
 /* Gate/up: block (b, pair p) forms h[32b .. 32b+32) of pair p (expert ids[p]), warp w its
- * rows 32b + 2w, +1, FR at a time (FR 1: two matrix rows a warp in flight; FR 2 would
- * keep four, as gq_rows at batch 1, but needs 128 registers and so one block an SM: at
- * qwen3-30b-a3b's 192 blocks that is 1.45 waves, where Q4_K at FR 1 and MINB 2 fits in 64
- * registers and one wave, BENCHMARKS.md), each lane its units of the gate and up rows
- * (gq_row: x loaded once a scale group for all of them); then warp 0 writes the 32
- * values' record for the down GEMV (hq, when not NULL). */
+ * rows 32b + 2w, +1, FR at a time: 2 FR matrix rows a warp in flight (FR 1 for Q4_K, with
+ * MINB 2: at FR 2 it took 128 registers, one block an SM, and qwen3-30b-a3b's 192 blocks
+ * ran in 1.45 waves, where at FR 1 they fit in 64 registers and one wave, BENCHMARKS.md
+ * twenty-eighth session; FR 2 for MXFP4_P, not measured at 1; FR 1 for the others, Q6_K
+ * spills at 2), each lane its units of the gate and up rows (gq_row: x loaded once a
+ * scale group for all of them); then warp 0 writes the 32 values' record for the down
+ * GEMV (hq, when not NULL). */
 template <int T, int FR, int MINB = 1>
 __global__ __launch_bounds__(MQ_GU_WARPS * 32, MINB) void moe_gate_up_q8_kernel(
     const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, size_t row_bytes, int n_expert, int n_ff, int K,

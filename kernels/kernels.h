@@ -693,8 +693,8 @@ int m40k_moe_down(const void *w_down, int w_type, int n_expert, int dim, int n_f
  * W[e][n] . x_t replaced by m40k_gemv_q8's product of that row and the records of token t
  * (xq: m40k_quantize_q8 of x with K = dim, batch n_tokens; the record error bound of 8b
  * applies). Types Q8_0, Q4_0, Q4_K, Q6_K (the file's layout) and MXFP4_P, dim a multiple
- * of their block (MXFP4_P: of 32; m40k_moe_gate_up_q8_supported), W_gate, W_up and xq 16-byte aligned, n_tokens
- * <= 8. hq, where not NULL (n_ff a multiple of 32, 16-byte aligned,
+ * of their block (MXFP4_P: of 32; m40k_moe_gate_up_q8_supported), W_gate, W_up and xq
+ * 16-byte aligned, n_tokens <= 8. hq, where not NULL (n_ff a multiple of 32, 16-byte aligned,
  * m40k_moe_q8_records_bytes(n_tokens * k, n_ff) bytes), also receives the records of each
  * pair's h (as m40k_quantize_q8 of h with K = n_ff writes them; pair p's at record
  * p * n_ff / 32) for 10d'. Launched with PDL as 10c: waits for the kernel before it

@@ -668,10 +668,9 @@ static int moe_grouped(const m40_gpu *g, const glayer *L, int32_t n)
      * records of them (moe_q8; twenty-seventh session), the GEMVs up to 4 rows
      * (qwen3-30b-a3b Q4_K_M and gpt-oss-20b's MXFP4 on an H100: twenty-eighth session) */
     const int q8 = g->moe_q8 && g->tp_n <= 1 && m40k_moe_gate_up_q8_supported(L->exp_gate.type, (int)g->p.dim);
-    const int32_t rows = g->moe_gemv_rows >= 0                           ? g->moe_gemv_rows
-                         : q8                                             ? 4
-                         : L->exp_gate.type == M40K_TYPE_MXFP4_P ? 0
-                                                                          : 1;
+    int32_t rows = q8 ? 4 : L->exp_gate.type == M40K_TYPE_MXFP4_P ? 0 : 1;
+    if (g->moe_gemv_rows >= 0)
+        rows = g->moe_gemv_rows;
     return n > rows && g->gemm_q && m40k_gemm_q_supported(L->exp_gate.type) &&
            m40k_gemm_q_supported(L->exp_down.type) && g->p.dim % 8 == 0 && g->p.expert_ffn_dim % 8 == 0;
 }
