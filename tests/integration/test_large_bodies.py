@@ -175,34 +175,44 @@ def test_client_leaves_while_body_is_parsed(instances):
     for _ in range(3):      # warm-up: the pools, the thread's arena
         r = post(base, "/v1/chat/completions", data)
         assert r.status_code == 200, r.text[:300]
-    rss0 = rss_kb(pid)
     rng = random.Random(7)
+
+    def leave_round():
+        for i in range(30):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(head + data)
+            time.sleep(rng.random() * 0.03)
+            if i % 2:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        # every job comes back (or was dropped unparsed) before the server is idle again
+        time.sleep(1.0)
+        r = post(base, "/v1/chat/completions", json.dumps(REQUESTS["/v1/chat/completions"]))
+        assert r.status_code == 200, r.text
+        m = {}
+        for line in requests.get(base + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                m[k] = float(v)
+        assert m["m40_running_sequences"] == 0 and m["m40_kv_usage_ratio"] == 0, m
+        return rss_kb(pid)
+
+    # The first round sets the worker's high-water mark: glibc keeps the freed 6 MB
+    # buffers of bodies parsed side by side (its mmap threshold rises to their size after
+    # the first is freed), more of them the busier the machine (on a loaded 2-core VM
+    # 7-17 MB over the warm-up, then flat for five rounds and 111 clients gone
+    # mid-parse). A leak grows on with every round; that mark does not.
     t0 = time.time()
-    for i in range(30):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(head + data)
-        time.sleep(rng.random() * 0.03)
-        if i % 2:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        s.close()
+    rss1 = leave_round()
+    rss = [leave_round() for _ in range(3)]
     took = time.time() - t0
-    # every job comes back (or was dropped unparsed) before the server is idle again
-    time.sleep(1.0)
-    r = post(base, "/v1/chat/completions", json.dumps(REQUESTS["/v1/chat/completions"]))
-    assert r.status_code == 200, r.text
-    m = {}
-    for line in requests.get(base + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            m[k] = float(v)
-    assert m["m40_running_sequences"] == 0 and m["m40_kv_usage_ratio"] == 0, m
-    rss1 = rss_kb(pid)
     cancelled = inst.log().count("was being parsed")
-    print(f"30 clients left in {took:.1f} s, {cancelled} while their 6 MB body was parsed; "
-          f"worker RSS {rss0} -> {rss1} kB")
+    print(f"4 x 30 clients left in {took:.1f} s, {cancelled} while their 6 MB body was parsed; "
+          f"worker RSS after the first round {rss1} kB, then {rss} kB")
     assert cancelled > 0, "no client left during a parse: the test hit nothing"
-    # one job leaked would be its 6 MB body or its 6 MB of JSON
-    assert rss1 - rss0 < 4096, f"worker RSS grew by {rss1 - rss0} kB"
+    # a job leaked stays: its 6 MB body or its 6 MB of JSON under every later round's RSS
+    # (the rounds' own spread, the mark's jitter, is up to ~9 MB above it on a loaded VM)
+    assert min(rss) - rss1 < 4096, f"worker RSS grew by {min(rss) - rss1} kB after the first round"
     assert worker_of(inst) == pid
 
 
