@@ -67,7 +67,8 @@
  * lane; batch 8 ~7.6, 22, 14.6, 16 (Q4_K and Q6_K with the batch loop rolled,
  * gq_rolled). An H100 issues ~11 per byte at 3 TB/s, so batch 1 is memory-bound and
  * batch 8 issue-bound.
- * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), no spills, >= 16 warps per SM. (Q4_K at
+ * On sm_90 at most 128 registers (GQ_MIN_BLOCKS), >= 16 warps per SM, no spills but 4
+ * bytes in Q4_0's batch-7 instance (nvcc -Xptxas -v, CUDA 13). (Q4_K at
  * batch 1 had a 64-register instance of 8 blocks an SM for rows of K <= 4096: 32 warps,
  * twice the bytes in flight; four rows a warp, gq_rows, replaced it.)
  *
@@ -976,11 +977,13 @@ static int gq_launch_b(const uint8_t *w, int N, int K, const gq_blk *xs, float *
 {
     const gq_part p = gq_part_of<T, B>(w, N, K, y);
     const dim3 grid((unsigned)p.blocks), block(GQ_WARPS * 32);
-    /* the normed instances of Q8_0 held to 64 registers, as the plain one (8 blocks an SM) */
+    /* the normed instances (batch 1 only: no others are compiled) of Q8_0 held to 64
+     * registers, as the plain one (8 blocks an SM) */
     constexpr int MN = gq_base(T) == M40K_TYPE_Q8_0 ? 8 : GQ_MIN_BLOCKS;
-    if (B == 1 && nin.ss)
-        return m40k_launch_pdl(gemv_q8_kernel<T, B, MN, gq_rows(T, B), B == 1>, grid, block, st, w, p.row_bytes, N,
-                               K, p.S, xs, y, ys, nin, amax);
+    if constexpr (B == 1)
+        if (nin.ss)
+            return m40k_launch_pdl(gemv_q8_kernel<T, B, MN, gq_rows(T, B), true>, grid, block, st, w, p.row_bytes, N,
+                                   K, p.S, xs, y, ys, nin, amax);
     return m40k_launch_pdl(gemv_q8_kernel<T, B, GQ_MIN_BLOCKS, gq_rows(T, B), false>, grid, block, st, w, p.row_bytes,
                            N, K, p.S, xs, y, ys, nin, amax);
 }
