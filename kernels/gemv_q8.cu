@@ -247,7 +247,9 @@ template <> struct gq<M40K_TYPE_Q4_0> {
  * zero bytes), unit = block u: its 16 nibble bytes (element j < 16 the low nibble of
  * qs[j], j + 16 the high one) in one aligned load, its scale byte from the chunk's e
  * words. Each nibble becomes its signed doubled E2M1 level as an int8 by byte permutes
- * (gq_mxfp4_levels), w = level * 2^(e - 128), so W.X = 2^(e-128) * (d1*S1 + d2*S2). */
+ * (gq_mxfp4_levels), w = level * 2^(e - 128), so W.X = 2^(e-128) * (d1*S1 + d2*S2): once
+ * loaded, a unit is a Q8_0 block (its int8 values and one scale), whose records, product
+ * and dot it takes. */
 __device__ __forceinline__ void gq_mxfp4_levels(uint32_t w, uint32_t &lo, uint32_t &hi)
 {
     /* per nibble: the magnitude's index (bits 0-2) picks a byte of the positive levels
@@ -267,16 +269,7 @@ __device__ __forceinline__ void gq_mxfp4_levels(uint32_t w, uint32_t &lo, uint32
     hi = __byte_perm(r[0], r[1], 0x7531u);
 }
 
-template <> struct gq<M40K_TYPE_MXFP4_P> {
-    enum { UE = 32, G = 1 };
-    struct W {
-        uint32_t q[8]; /* elements 0-15, then 16-31 */
-        float d;
-    };
-    struct X {
-        int4 v1[2], v2[2];
-        float2 d;
-    };
+template <> struct gq<M40K_TYPE_MXFP4_P> : gq<M40K_TYPE_Q8_0> {
     static __device__ __forceinline__ void load_w(const uint8_t *row, int u, W &w)
     {
         const uint8_t *c = row + 144 * (u >> 3);
@@ -287,19 +280,7 @@ template <> struct gq<M40K_TYPE_MXFP4_P> {
         const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
 #pragma unroll
         for (int i = 0; i < 4; i++)
-            gq_mxfp4_levels(qw[i], w.q[i], w.q[4 + i]);
-    }
-    static __device__ __forceinline__ void load_x(const gq_blk *p, int u, int, X &x)
-    {
-        const int4 *q = reinterpret_cast<const int4 *>(p + u);
-        x.v1[0] = __ldca(q), x.v1[1] = __ldca(q + 1), x.v2[0] = __ldca(q + 2), x.v2[1] = __ldca(q + 3);
-        x.d = __ldca(reinterpret_cast<const float2 *>(q + 4));
-    }
-    static __device__ __forceinline__ float dot(const W &w, const X &x, int, float acc)
-    {
-        const int s = gq_dot16(w.q + 4, x.v1[1], gq_dot16(w.q, x.v1[0], GQ_MAGIC));
-        const int t = gq_dot16(w.q + 4, x.v2[1], gq_dot16(w.q, x.v2[0], GQ_MAGIC));
-        return fmaf(w.d, gq_two(x.d.x, x.d.y, s, t), acc);
+            gq_mxfp4_levels(qw[i], w.q[i], w.q[4 + i]); /* elements 0-15, then 16-31 */
     }
 };
 
@@ -1137,28 +1118,22 @@ extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, i
         ((uintptr_t)wu & 15) || ((uintptr_t)xq & 15) || ((uintptr_t)hq & 15) || (hq && n_ff % 32) ||
         (int64_t)n_tokens * k > 65535)
         return M40K_INVALID;
-    const cudaStream_t st = (cudaStream_t)stream;
-    const int pairs = n_tokens * k;
+    /* the instance for the type: FR and blocks an SM as moe_gate_up_q8_kernel's comment says */
+    int (*launch)(const void *, const void *, int, int, int, const float *, const float *, int, const void *,
+                  const int32_t *, int, int, float *, int64_t, void *, cudaStream_t);
     switch (w_type) {
-    case M40K_TYPE_Q8_0:
-        return gq_moe_gu_launch<M40K_TYPE_Q8_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
-                                                   h, h_stride, hq, st);
-    case M40K_TYPE_Q4_0:
-        return gq_moe_gu_launch<M40K_TYPE_Q4_0, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
-                                                   h, h_stride, hq, st);
-    case M40K_TYPE_Q4_K:
-        return gq_moe_gu_launch<M40K_TYPE_Q4_K, 1, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs,
-                                                      k, h, h_stride, hq, st);
-    case M40K_TYPE_MXFP4_P:
-        return gq_moe_gu_launch<M40K_TYPE_MXFP4_P, 2>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs,
-                                                      k, h, h_stride, hq, st);
-    default:
-        return gq_moe_gu_launch<M40K_TYPE_Q6_K, 1>(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, pairs, k,
-                                                   h, h_stride, hq, st);
+    case M40K_TYPE_Q8_0: launch = gq_moe_gu_launch<M40K_TYPE_Q8_0, 1>; break;
+    case M40K_TYPE_Q4_0: launch = gq_moe_gu_launch<M40K_TYPE_Q4_0, 1>; break;
+    case M40K_TYPE_Q4_K: launch = gq_moe_gu_launch<M40K_TYPE_Q4_K, 1, 2>; break;
+    case M40K_TYPE_MXFP4_P: launch = gq_moe_gu_launch<M40K_TYPE_MXFP4_P, 2>; break;
+    default: launch = gq_moe_gu_launch<M40K_TYPE_Q6_K, 1>; break;
     }
+    return launch(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, n_tokens * k, k, h, h_stride, hq,
+                  (cudaStream_t)stream);
 }
 
-/* Rows a down block takes: 4 for Q4_K (its registers allow, as gq_rows), 2 for the rest. */
+/* Rows a down block takes: 4 for Q4_K (its registers allow, as gq_rows) and MXFP4_P, 2 for
+ * the rest. */
 template <int T, int R>
 static int gq_moe_dn_launch(const void *wd, int n_expert, int dim, int n_ff, const float *db, const void *hq,
                             const int32_t *ids, const float *w, int n_tokens, int k, float *out, int64_t os, int acc,
@@ -1181,27 +1156,18 @@ extern "C" int m40k_moe_down_q8(const void *wd, int w_type, int n_expert, int di
     if (!m40k_moe_down_q8_supported(w_type, n_ff) || n_expert < 1 || k < 1 || k > 8 || n_tokens > 65535 ||
         out_stride < dim || ((uintptr_t)wd & 15) || !hq || ((uintptr_t)hq & 15))
         return M40K_INVALID;
-    const cudaStream_t st = (cudaStream_t)stream;
+    int (*launch)(const void *, int, int, int, const float *, const void *, const int32_t *, const float *, int,
+                  int, float *, int64_t, int, cudaStream_t);
     switch (w_type) {
-    case M40K_TYPE_Q8_0:
-        return gq_moe_dn_launch<M40K_TYPE_Q8_0, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
-                                                   out, out_stride, accumulate, st);
-    case M40K_TYPE_Q4_0:
-        return gq_moe_dn_launch<M40K_TYPE_Q4_0, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
-                                                   out, out_stride, accumulate, st);
-    case M40K_TYPE_Q4_K:
-        return gq_moe_dn_launch<M40K_TYPE_Q4_K, 4>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
-                                                   out, out_stride, accumulate, st);
-    case M40K_TYPE_MXFP4_P:
-        return gq_moe_dn_launch<M40K_TYPE_MXFP4_P, 4>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
-                                                      out, out_stride, accumulate, st);
-    case M40K_TYPE_Q6_K_P:
-        return gq_moe_dn_launch<M40K_TYPE_Q6_K_P, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
-                                                     out, out_stride, accumulate, st);
-    default:
-        return gq_moe_dn_launch<M40K_TYPE_Q6_K, 2>(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k,
-                                                   out, out_stride, accumulate, st);
+    case M40K_TYPE_Q8_0: launch = gq_moe_dn_launch<M40K_TYPE_Q8_0, 2>; break;
+    case M40K_TYPE_Q4_0: launch = gq_moe_dn_launch<M40K_TYPE_Q4_0, 2>; break;
+    case M40K_TYPE_Q4_K: launch = gq_moe_dn_launch<M40K_TYPE_Q4_K, 4>; break;
+    case M40K_TYPE_MXFP4_P: launch = gq_moe_dn_launch<M40K_TYPE_MXFP4_P, 4>; break;
+    case M40K_TYPE_Q6_K_P: launch = gq_moe_dn_launch<M40K_TYPE_Q6_K_P, 2>; break;
+    default: launch = gq_moe_dn_launch<M40K_TYPE_Q6_K, 2>; break;
     }
+    return launch(wd, n_expert, dim, n_ff, down_b, hq, ids, weights, n_tokens, k, out, out_stride, accumulate,
+                  (cudaStream_t)stream);
 }
 
 extern "C" int m40k_gemv_q8(const void *w, int w_type, int N, int K, const void *ws, int batch, float *y,

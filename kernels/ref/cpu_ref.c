@@ -313,6 +313,10 @@ void m40_ref_gemv(const void *w, int w_type, int N, int K, const float *x, int64
 
 static float ldh(const uint8_t *p) { return m40_fp16_to_fp32((uint16_t)(p[0] | p[1] << 8)); }
 
+/* An MXFP4 nibble's E2M1 value doubled (sign bit 3, magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6):
+ * an integer, times the block's 2^(e - 128) */
+static const int8_t ref_mxfp4_level[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 /* 8 elements e0 .. e0+7 of a row of type t as the GPU's m40k_group8 (kernels/quant_dev.h)
  * gives them: small integers q with one scale and one offset, w = scale * q - offset. */
 /* Q4_K's and Q5_K's 6-bit scale and min of sub-block sb from their 12 bytes sc: pairs
@@ -427,10 +431,9 @@ static void ref_group8(int t, const uint8_t *p, int e0, float q[8], float *scale
         return;
     }
     case M40K_TYPE_MXFP4: { /* e | qs[16]: the signed doubled E2M1 level, times 2^(e - 128) */
-        static const float lv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
         b = p + 17 * (size_t)(e0 >> 5);
         for (int i = 0; i < 8; i++)
-            q[i] = lv[(b[1 + (j & 15) + i] >> (j < 16 ? 0 : 4)) & 15u];
+            q[i] = (float)ref_mxfp4_level[(b[1 + (j & 15) + i] >> (j < 16 ? 0 : 4)) & 15u];
         *scale = ldexpf(1.0f, (int)b[0] - 128), *offset = 0.0f;
         return;
     }
@@ -565,11 +568,10 @@ static double q8_block_term(int type, const uint8_t *row, int j, const uint8_t *
         return (double)d * q8_two(d1, d2, s1, s2) + (double)(-8.0f * d) * sx;
     }
     case M40K_TYPE_MXFP4: { /* e | qs[16]: the signed doubled E2M1 levels, times 2^(e - 128) */
-        static const int lv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
         const uint8_t *blk = row + 17 * (size_t)j;
         int s1 = 0, s2 = 0;
         for (int i = 0; i < 16; i++) {
-            const int lo = lv[blk[1 + i] & 15], hi = lv[blk[1 + i] >> 4];
+            const int lo = ref_mxfp4_level[blk[1 + i] & 15], hi = ref_mxfp4_level[blk[1 + i] >> 4];
             s1 += lo * q1[i] + hi * q1[16 + i];
             s2 += lo * q2[i] + hi * q2[16 + i];
         }
