@@ -116,7 +116,7 @@ extern "C" int m40k_moe_router_logits(const float *wr, const float *bias, int n_
  * a quarter of the others each, on one 64-bit key per expert (the order-preserving bits
  * of the score above the complement of the id: one compare a pair); the k rounds of a
  * warp argmax this replaced were a chain of ~50 dependent shuffles (qwen3-30b-a3b, one
- * token: 6.05 -> 5.6-5.9 us under Nsight Compute, BENCHMARKS.md). The weights come from
+ * token: 6.05 -> 5.3-5.7 us under Nsight Compute, BENCHMARKS.md). The weights come from
  * one warp. */
 #define MOE_ROUTE_MAX_E 256 /* experts a token can have (m40k_moe_topk refuses more) */
 #define MOE_ROUTE_MAX_K 8

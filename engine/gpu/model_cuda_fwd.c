@@ -654,6 +654,13 @@ static int add_norm(m40_gpu *g, float **xc, float **xo, const float *w, float *o
     return e;
 }
 
+/* Whether layer L's expert GEMVs can take their gate/up product on x's int8 records
+ * (kernels.h 10c': types it reads; M40_MOE_Q8; one GPU). */
+static int moe_reads_q8(const m40_gpu *g, const glayer *L)
+{
+    return g->moe_q8 && g->tp_n <= 1 && m40k_moe_gate_up_q8_supported(L->exp_gate.type, (int)g->p.dim);
+}
+
 /* Whether n rows of layer L's experts take the grouped products (kernels.h 10e-10i: the
  * pairs sorted by expert, each expert's weights read once for its rows on the quantized
  * tensor-core GEMM) rather than the expert GEMVs (10c/d: each pair reads its expert's
@@ -667,8 +674,7 @@ static int moe_grouped(const m40_gpu *g, const glayer *L, int32_t n)
      * 2, 35% at 4; BENCHMARKS.md, twenty-sixth session); where the GEMVs read int8
      * records of them (moe_q8; twenty-seventh session), the GEMVs up to 4 rows
      * (qwen3-30b-a3b Q4_K_M and gpt-oss-20b's MXFP4 on an H100: twenty-eighth session) */
-    const int q8 = g->moe_q8 && g->tp_n <= 1 && m40k_moe_gate_up_q8_supported(L->exp_gate.type, (int)g->p.dim);
-    int32_t rows = q8 ? 4 : L->exp_gate.type == M40K_TYPE_MXFP4_P ? 0 : 1;
+    int32_t rows = moe_reads_q8(g, L) ? 4 : L->exp_gate.type == M40K_TYPE_MXFP4_P ? 0 : 1;
     if (g->moe_gemv_rows >= 0)
         rows = g->moe_gemv_rows;
     return n > rows && g->gemm_q && m40k_gemm_q_supported(L->exp_gate.type) &&
@@ -682,8 +688,7 @@ static int moe_grouped(const m40_gpu *g, const glayer *L, int32_t n)
  * BENCHMARKS.md, twenty-seventh session. */
 static int moe_q8(const m40_gpu *g, const glayer *L, int32_t n)
 {
-    return g->moe_q8 && L->router && n <= 8 && g->tp_n <= 1 && !moe_grouped(g, L, n) &&
-           m40k_moe_gate_up_q8_supported(L->exp_gate.type, (int)g->p.dim);
+    return L->router && n <= 8 && moe_reads_q8(g, L) && !moe_grouped(g, L, n);
 }
 
 /* Layer L's mixture of experts on the n normalized rows in g->xb, its output (the
