@@ -749,11 +749,11 @@ __global__ __launch_bounds__(GQ_WARPS * 32, GQ_MIN_BLOCKS) void gemv_q8_pair_ker
 #define MQ_DN_MAXW 8   /* a down block: at most this many warps */
 
 /* Gate/up: block (b, pair p) forms h[32b .. 32b+32) of pair p (expert ids[p]), warp w its
- * rows 32b + 2w, +1, FR at a time: 2 FR matrix rows a warp in flight (FR 1 for Q4_K, with
- * MINB 2: at FR 2 it took 128 registers, one block an SM, and qwen3-30b-a3b's 192 blocks
- * ran in 1.45 waves, where at FR 1 they fit in 64 registers and one wave, BENCHMARKS.md
- * twenty-eighth session; FR 2 for MXFP4_P, not measured at 1; FR 1 for the others, Q6_K
- * spills at 2), each lane its units of the gate and up rows (gq_row: x loaded once a
+ * rows 32b + 2w, +1, FR at a time: 2 FR matrix rows a warp in flight (FR 1 for Q4_K and
+ * MXFP4_P, with MINB 2: at FR 2 they took 128 and 103 registers, one block an SM, where at
+ * FR 1 they fit in 64 and 62, two blocks an SM: qwen3-30b-a3b's 192 blocks in one wave,
+ * not 1.45, BENCHMARKS.md twenty-eighth and twenty-ninth sessions; FR 1 for the others,
+ * Q6_K spills at 2), each lane its units of the gate and up rows (gq_row: x loaded once a
  * scale group for all of them); then warp 0 writes the 32 values' record for the down
  * GEMV (hq, when not NULL). */
 template <int T, int FR, int MINB = 1>
@@ -1125,7 +1125,7 @@ extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, i
     case M40K_TYPE_Q8_0: launch = gq_moe_gu_launch<M40K_TYPE_Q8_0, 1>; break;
     case M40K_TYPE_Q4_0: launch = gq_moe_gu_launch<M40K_TYPE_Q4_0, 1>; break;
     case M40K_TYPE_Q4_K: launch = gq_moe_gu_launch<M40K_TYPE_Q4_K, 1, 2>; break;
-    case M40K_TYPE_MXFP4_P: launch = gq_moe_gu_launch<M40K_TYPE_MXFP4_P, 2>; break;
+    case M40K_TYPE_MXFP4_P: launch = gq_moe_gu_launch<M40K_TYPE_MXFP4_P, 1, 2>; break;
     default: launch = gq_moe_gu_launch<M40K_TYPE_Q6_K, 1>; break;
     }
     return launch(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, n_tokens * k, k, h, h_stride, hq,
