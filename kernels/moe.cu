@@ -43,6 +43,10 @@ __global__ __launch_bounds__(RT_THREADS) void router_logits_kernel(const float *
 #pragma unroll
     for (int t = 0; t < RT_TOK; t++)
         acc[t] = 0.0f;
+    /* the PDL-launched top-k after it is scheduled now, its blocks waiting for this grid
+     * (this kernel itself is launched plainly: with PDL and its rows loaded before the
+     * wait, the step was no faster, and slower at batch 4, BENCHMARKS.md) */
+    m40k_grid_launch_dependents();
     if (vec) {
         constexpr int U = 4, STEP = 4 * RT_THREADS;
         int i = 4 * threadIdx.x;
@@ -225,6 +229,10 @@ __global__ __launch_bounds__(TK_THREADS) void topk_kernel(const float *__restric
 {
     __shared__ moe_route_sm sm;
     const size_t t = blockIdx.x;
+    m40k_pdl_begin(); /* PDL-launched: waits for the router's logits; the expert GEMVs may follow */
+    M40K_LAUNDER(logits);
+    M40K_LAUNDER(ids);
+    M40K_LAUNDER(weights);
     moe_route_block(logits + t * n_expert, n_expert, k, gating, sel_bias, norm, scale, sm);
     if ((int)threadIdx.x < k) {
         ids[t * k + threadIdx.x] = sm.id[threadIdx.x];
@@ -241,8 +249,10 @@ extern "C" int m40k_moe_topk(const float *logits, int n_tokens, int n_expert, in
     if (n_expert < 1 || n_expert > MOE_ROUTE_MAX_E || k < 1 || k > MOE_ROUTE_MAX_K || k > n_expert || gating < 0 ||
         gating > M40K_MOE_SOFTMAX_TOPK)
         return M40K_INVALID;
-    topk_kernel<<<(unsigned)n_tokens, TK_THREADS, 0, (cudaStream_t)stream>>>(logits, n_expert, k, gating, sel_bias,
-                                                                              norm, scale, ids, weights);
+    /* launched with PDL: scheduled while the router runs, it takes 1.5% off a qwen3-30b-a3b
+     * step at batches 1 and 4 (BENCHMARKS.md twenty-ninth session) */
+    M40K_LAUNCH_PDL(topk_kernel, n_tokens, TK_THREADS, 0, stream, logits, n_expert, k, gating, sel_bias, norm, scale,
+                    ids, weights);
     return m40k_launch_status();
 }
 
