@@ -89,6 +89,10 @@ struct dec_rope {
     /* blocks a KV head's query heads are split over in the cluster variant (dec_plan): 1,
      * or the group size (a block a query head); 0 counts as 1 */
     int hsplit;
+    /* per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3: kernels.h 6e), weights of
+     * head_dim each, or NULL: none */
+    const float *q_norm, *k_norm;
+    float norm_eps;
 };
 
 /* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
@@ -104,29 +108,6 @@ __device__ __forceinline__ float dec_rope_pair(float xd, float xo, int d, int ro
     m40k_rope_rotate(first ? xd : xo, first ? xo : xd, cs[i].x, cs[i].y, &y0, &y1);
     return first ? y0 : y1;
 }
-/* The same, the pair's other value read from the head row x. */
-__device__ __forceinline__ float dec_rope_elem(const float *x, float xd, int d, int rot_dim, int neox,
-                                               const float2 *cs)
-{
-    const int half = rot_dim / 2;
-    const bool first = neox ? d < half : (d & 1) == 0;
-    return dec_rope_pair(xd, x[neox ? (first ? d + half : d - half) : (d ^ 1)], d, rot_dim, neox, cs);
-}
-
-/* 8 consecutive elements d0.. of head row x (16-byte aligned), rotated where d < rot_dim */
-__device__ __forceinline__ void dec_rope8(const float *x, int d0, const dec_rope &rp, const float2 *cs, float o[8])
-{
-    const float4 a = *reinterpret_cast<const float4 *>(x + d0), b = *reinterpret_cast<const float4 *>(x + d0 + 4);
-    o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
-    float r[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-        r[i] = d0 + i < rp.rot_dim ? dec_rope_elem(x, o[i], d0 + i, rp.rot_dim, rp.neox, cs) : o[i];
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-        o[i] = r[i];
-}
-
 /* The splits of one (sequence, KV head) as a thread block cluster (sm_90), CL: grid
  * (n_splits, n_kv_heads, n_seqs) in clusters of n_splits blocks along x. Each block keeps
  * its split's unnormalized output, max and sum in its own shared memory; after one
@@ -143,19 +124,6 @@ __device__ __forceinline__ void dec_rope8(const float *x, int d0, const dec_rope
  * longest sequence, rounded up to a power of two): 32 run as 16 blocks of up to 64
  * positions, one tile each; longer ranges keep the workspace merge and its up to 64 blocks */
 #define DEC_CL_SPLITS 32
-
-/* dec_rope8 from values in registers: x8 the 8 elements d0.. of the row, p8 (neox only)
- * the 8 elements their pairs sit at (d0 + rot_dim/2 or d0 - rot_dim/2); the same
- * operations, so the same bits. Needs rot_dim % 16 == 0 under neox (a group of 8 then
- * lies in one half). */
-__device__ __forceinline__ void dec_rope8_reg(const float (&x8)[8], const float (&p8)[8], int d0, const dec_rope &rp,
-                                              const float2 *cs, float o[8])
-{
-#pragma unroll
-    for (int i = 0; i < 8; i++) /* d0 is a multiple of 8: i ^ 1 is d's pair without neox */
-        o[i] = d0 + i < rp.rot_dim ? dec_rope_pair(x8[i], rp.neox ? p8[i] : x8[i ^ 1], d0 + i, rp.rot_dim, rp.neox, cs)
-                                   : x8[i];
-}
 
 template <int D, int GMAX, bool ROPE, bool CL>
 __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2) void attn_decode_kernel(
@@ -234,46 +202,81 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
     /* G: the query heads this block takes, from head hq0 on */
     const int G = n_heads / n_kv_heads / hsp, hq0 = gy * G;
 
-    /* With RoPE, the group's q (rotated and scaled) and the step's own K and V rows are
-     * formed once, 8 elements a thread, spread over the block: q into qsm, K and V
-     * (rotated, rounded to F16 as the cache holds them) into the cache and nks / nvs,
-     * by the last split only. Then every team reads its dims of q from qsm. (Each thread
-     * rotating its own 8 dims of every head repeated that work in every team, and its
-     * unrolled code for all the heads was most of the kernel's instructions.) RoPE of a
-     * row from registers (its 8 elements and, under neox, their pairs' loaded in one
-     * round) where rot_dim allows; else dec_rope8 reads the pairs from memory. */
+    /* With RoPE, the group's q (normalized where rp.q_norm, rotated and scaled) and the
+     * step's own K and V rows are formed once, 8 elements a thread, spread over the block: q
+     * into qsm, K and V (K normalized and rotated, both rounded to F16 as the cache holds
+     * them) into the cache and nks / nvs, by the last split only. Then every team reads its
+     * dims of q from qsm. (Each thread rotating its own 8 dims of every head repeated that
+     * work in every team, and its unrolled code for all the heads was most of the kernel's
+     * instructions.) A row's TPR units are TPR adjacent lanes of a warp (TPR divides 32,
+     * nq is a multiple of it, the rounds start at multiples of 32), so a head's sum of
+     * squares for its norm is a shuffle among them: no launch of m40k_rmsnorm_qk before
+     * this kernel. Under neox a unit's pair values (p8) come in one round where the 8 lie
+     * in one half of the rotation (rot_dim % 16 == 0), else one by one. */
     __shared__ __align__(16) float qsm[ROPE ? GMAX * D : 4];
     __shared__ uint4 nks[ROPE ? TPR : 1], nvs[ROPE ? TPR : 1];
     if constexpr (ROPE) {
         __syncthreads(); /* cs */
-        const bool reg = !rp.neox || rp.rot_dim % 16 == 0;
         const int nq = G * TPR; /* q units of 8 elements; then TPR of K and TPR of V */
-        for (int u = tid; u < nq + (has_new ? 2 * TPR : 0); u += DEC_THREADS) {
-            const bool isq = u < nq, isk = !isq && u < nq + TPR;
+        const int n_units = nq + (has_new ? 2 * TPR : 0), rot = rp.rot_dim, half = rot / 2;
+        for (int ub = 0; ub < n_units; ub += DEC_THREADS) { /* the same rounds for every thread */
+            const int u = ub + tid;
+            const bool live = u < n_units, isq = u < nq, isk = !isq && u < nq + TPR, qk = live && (isq || isk);
             const int cu = isq ? u % TPR : (u - nq) % TPR, d0 = 8 * cu;
             const float *row = isq ? q + s * q_stride + (int64_t)(hq0 + u / TPR) * D
                                : isk ? rp.k + s * rp.k_stride + (int64_t)kvh * D
                                      : rp.v + s * rp.v_stride + (int64_t)kvh * D;
-            float x8[8], p8[8], o[8];
-            const float4 a = *reinterpret_cast<const float4 *>(row + d0),
-                         b = *reinterpret_cast<const float4 *>(row + d0 + 4);
-            x8[0] = a.x, x8[1] = a.y, x8[2] = a.z, x8[3] = a.w, x8[4] = b.x, x8[5] = b.y, x8[6] = b.z, x8[7] = b.w;
-            if (!isq && !isk) {
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    o[i] = x8[i];
-            } else if (reg) {
-                if (rp.neox && d0 < rp.rot_dim) {
-                    const int half = rp.rot_dim / 2, pd = d0 < half ? d0 + half : d0 - half;
+            float x8[8] = {}, p8[8] = {}, o[8];
+            if (live) {
+                const float4 a = *reinterpret_cast<const float4 *>(row + d0),
+                             b = *reinterpret_cast<const float4 *>(row + d0 + 4);
+                x8[0] = a.x, x8[1] = a.y, x8[2] = a.z, x8[3] = a.w, x8[4] = b.x, x8[5] = b.y, x8[6] = b.z, x8[7] = b.w;
+            }
+            /* where element d's neox pair sits */
+            auto pair_at = [&](int d) { return d < half ? d + half : d - half; };
+            const bool pairs = qk && rp.neox && d0 < rot;
+            if (pairs) {
+                if (rot % 16 == 0) {
+                    const int pd = pair_at(d0);
                     const float4 e = *reinterpret_cast<const float4 *>(row + pd),
                                  f = *reinterpret_cast<const float4 *>(row + pd + 4);
                     p8[0] = e.x, p8[1] = e.y, p8[2] = e.z, p8[3] = e.w, p8[4] = f.x, p8[5] = f.y, p8[6] = f.z,
                     p8[7] = f.w;
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        if (d0 + i < rot)
+                            p8[i] = row[pair_at(d0 + i)];
                 }
-                dec_rope8_reg(x8, p8, d0, rp, cs, o);
-            } else {
-                dec_rope8(row, d0, rp, cs, o);
             }
+            if (rp.q_norm) { /* uniform: every lane takes part in the shuffles */
+                float ss = 0.0f;
+                if (qk)
+#pragma unroll
+                    for (int i = 0; i < 8; i++)
+                        ss = fmaf(x8[i], x8[i], ss);
+#pragma unroll
+                for (int m = TPR / 2; m > 0; m >>= 1)
+                    ss += __shfl_xor_sync(0xffffffffu, ss, m);
+                if (qk) {
+                    const float r = rsqrtf(ss / (float)D + rp.norm_eps);
+                    const float *w = isq ? rp.q_norm : rp.k_norm;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        x8[i] = x8[i] * r * w[d0 + i];
+                        if (pairs && d0 + i < rot)
+                            p8[i] = p8[i] * r * w[pair_at(d0 + i)];
+                    }
+                }
+            }
+            if (!live)
+                continue;
+            /* RoPE as kv_append_rope_kernel's: the same operations, the same bits (without
+             * neox, d0 is a multiple of 8, so i ^ 1 is d's pair) */
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                o[i] = qk && d0 + i < rot ? dec_rope_pair(x8[i], rp.neox ? p8[i] : x8[i ^ 1], d0 + i, rot, rp.neox, cs)
+                                          : x8[i];
             if (isq) {
                 float4 *qd = reinterpret_cast<float4 *>(qsm + (u / TPR) * D + d0);
                 qd[0] = make_float4(o[0] * scale, o[1] * scale, o[2] * scale, o[3] * scale);
@@ -863,8 +866,26 @@ extern "C" int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, co
                                               const float *freq_factors, int neox, int n_splits, float *workspace,
                                               int *counters, void *out_q8, const float *sinks, m40k_stream stream)
 {
+    return m40k_attn_decode_rope_qkn(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
+                                     indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
+                                     softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters,
+                                     out_q8, sinks, nullptr, nullptr, 0.0f, stream);
+}
+
+extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                         const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                                         uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
+                                         const int32_t *indices, const int32_t *last_page_len, int n_seqs,
+                                         int n_heads, int n_kv_heads, int head_dim, float scale, int window,
+                                         float softcap, const int32_t *pos, int rot_dim, float base,
+                                         const float *freq_factors, int neox, int n_splits, float *workspace,
+                                         int *counters, void *out_q8, const float *sinks, const float *q_norm,
+                                         const float *k_norm, float norm_eps, m40k_stream stream)
+{
     if (n_seqs <= 0)
         return 0;
+    if (!q_norm != !k_norm || (q_norm && !(norm_eps >= 0.0f)))
+        return M40K_INVALID;
     /* m40k_kv_append_rope's refusals, and the 16-byte rows the kernel reads */
     if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || (rot_dim > 0 && (!(base > 0.0f) || !pos)) || !k || !v ||
         ((uintptr_t)k & 15) || ((uintptr_t)v & 15) || k_stride % 4 || v_stride % 4)
@@ -883,7 +904,11 @@ extern "C" int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, co
                          neox,
                          (gq_blk *)out_q8,
                          n_heads * head_dim / 32,
-                         sinks};
+                         sinks,
+                         0,
+                         q_norm,
+                         k_norm,
+                         norm_eps};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
                       n_kv_heads, head_dim, scale, window, softcap, n_splits, workspace, counters, &rp, stream);
 }

@@ -19,7 +19,8 @@
  *     matmul -> residual add + RMSNorm -> fused gate/up matmul -> SwiGLU -> down matmul;
  *     everything stays on the device. Attention: the sequences with one new token come
  *     first in the step and take the decode kernel (split-K), which also does their
- *     RoPE and KV append (m40k_attn_decode_rope: one launch, not two) and, in its
+ *     per-head Q/K norms where the layer has them, their RoPE and KV append
+ *     (m40k_attn_decode_rope_qkn: one launch, not three) and, in its
  *     cluster merge, the int8 records of its output for an int8 output projection
  *     (m40k_attn_decode_rope_q8: no quantization launch between them); the prompt
  *     chunks take RoPE + append (m40k_kv_append_rope) and the prefill kernel; other
@@ -820,24 +821,27 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             return -1;
         res_added = 0;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
-        if (L->q_norm) /* per-head Q/K norms before RoPE, where the layer has them: one launch (k follows q) */
-            CK(m40k_rmsnorm_qk(q, qkvd, p->n_heads, p->n_kv_heads, hd, L->q_norm, L->k_norm, n, p->norm_eps,
-                               g->stream));
         /* Decode rows (the first n_dec, one per sequence): the decode attention kernel
-         * rotates their Q and K (RoPE) and appends their K and V to the cache itself. The
-         * other rows: RoPE on Q in place and on K on its way into the cache, one launch
-         * (k in qkv stays unrotated: the attention kernels read K from the cache only). */
+         * normalizes their Q and K heads where the layer has Q/K norms, rotates them (RoPE)
+         * and appends their K and V to the cache itself. The other rows: the per-head norms
+         * in one launch (k follows q), then RoPE on Q in place and on K on its way into the
+         * cache, one launch (k in qkv stays unrotated: the attention kernels read K from
+         * the cache only). */
         const int32_t r0 = tuned ? n_dec : 0;
+        if (L->q_norm && n > r0)
+            CK(m40k_rmsnorm_qk(q + (size_t)r0 * qkvd, qkvd, p->n_heads, p->n_kv_heads, hd, L->q_norm, L->k_norm,
+                               n - r0, p->norm_eps, g->stream));
         /* A step of decode rows only whose attention output projection takes int8 x: the
          * attention's cluster merge writes those records too, where it can (xq_wo; no
          * quantization launch between the two) */
         const int xq_wo = tuned && n_dec == n && wants_xq(g, &L->wo, n) &&
                           m40k_attn_decode_q8_ok(n_dec, p->n_heads, p->n_kv_heads, hd, win ? splits_local : splits);
         if (tuned && n_dec > 0)
-            CK(m40k_attn_decode_rope_q8_sinks(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl,
-                                              n_dec, p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos,
-                                              p->rope_dim, base, ff, p->rope_neox, win ? splits_local : splits, g->ws,
-                                              g->att_cnt, xq_wo ? g->xq : NULL, L->sinks, g->stream));
+            CK(m40k_attn_decode_rope_qkn(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
+                                         p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
+                                         p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt,
+                                         xq_wo ? g->xq : NULL, L->sinks, L->q_norm, L->k_norm, p->norm_eps,
+                                         g->stream));
         if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
             CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
                                    v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,

@@ -647,7 +647,8 @@ static void test_attention(void)
  * head_split 0) on the same inputs, and both against the CPU: one and two sequences
  * (577 positions; 40 and 1000), 1, 2 and 4 KV heads of groups of 2, 4 and 8 (qwen3-30b-a3b:
  * 4 of 8), head dims 64, 128 and 256, 8 and 32 splits, with and without a 20-token window,
- * sinks and the int8 records of out (byte for byte m40k_quantize_q8's where written). */
+ * sinks and the int8 records of out (byte for byte m40k_quantize_q8's where written); and
+ * with the per-head Q/K norms in the kernel (6e), either split, against the CPU. */
 static void test_attn_head_split(void)
 {
     int n_cases = 0;
@@ -667,8 +668,9 @@ static void test_attn_head_split(void)
                         one.push_back(s + 1), pos.push_back(p.lens[s] - 1);
                     const int64_t rs = (int64_t)(nh + 2 * nkv) * hd + 4, os = nh * hd + 8;
                     std::vector<float> qkv = rand_vec(ns * rs, -2, 2), sk = rand_vec(nh, -1, 3);
+                    std::vector<float> wq = rand_vec(hd, 0.25, 2), wk = rand_vec(hd, 0.25, 2);
                     int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *dp = dup(pos);
-                    float *dqkv = dup(qkv), *dsk = dup(sk), *dws;
+                    float *dqkv = dup(qkv), *dsk = dup(sk), *dwq = dup(wq), *dwk = dup(wk), *dws;
                     const size_t n_cnt = m40k_decode_counter_ints(ns, nkv);
                     int *dcnt = dup(std::vector<int>(n_cnt, 0));
                     CK(cudaMalloc(&dws, m40k_decode_workspace_floats(ns, nh, hd, 64) * 4));
@@ -734,11 +736,45 @@ static void test_attn_head_split(void)
                                     compare(w2, out[1].data(), c.data(), c.size(), 2e-4f, 1e-3f);
                                     snprintf(w2, sizeof w2, "%s: v cache == cpu", what);
                                     check(w2, vc[1] == cv);
+                                    /* with the Q/K norms in the kernel (6e), either split */
+                                    std::vector<float> nq = qkv, nc((size_t)ns * os, 0.0f);
+                                    std::vector<uint16_t> nk = kc0, nv = vc0;
+                                    m40_ref_rmsnorm_heads(nq.data(), rs, nh, hd, wq.data(), ns, 1e-6f);
+                                    m40_ref_rmsnorm_heads(nq.data() + nh * hd, rs, nkv, hd, wk.data(), ns, 1e-6f);
+                                    m40_ref_rope(nq.data(), rs, nh, nq.data() + nh * hd, rs, nkv, hd, hd, pos.data(), ns,
+                                                 base, nullptr, 0);
+                                    m40_ref_kv_append(nk.data(), nv.data(), nq.data() + nh * hd, rs,
+                                                      nq.data() + (nh + nkv) * hd, rs, one.data(), ns, ns,
+                                                      p.indptr.data(), p.indices.data(), p.lpl.data(), nkv, hd);
+                                    m40_ref_attn_decode_window(nc.data(), os, nq.data(), rs, nk.data(), nv.data(),
+                                                               p.indptr.data(), p.indices.data(), p.lpl.data(), ns, nh,
+                                                               nkv, hd, scale, window, 0.0f);
+                                    for (int hs = 0; hs < 2; hs++) {
+                                        m40k_set_launch_tuning(1, 1, hs);
+                                        uint16_t *dkc = dup(kc0), *dvc = dup(vc0);
+                                        float *dout = dup(std::vector<float>((size_t)ns * os, 0.0f));
+                                        CK(m40k_attn_decode_rope_qkn(
+                                            dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc,
+                                            dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base,
+                                            nullptr, 0, splits, dws, dcnt, nullptr, nullptr, dwq, dwk, 1e-6f, 0));
+                                        std::vector<float> g = back(dout, (size_t)ns * os);
+                                        for (int s = 0; s < ns; s++)
+                                            for (int64_t j = (int64_t)nh * hd; j < os; j++)
+                                                g[(size_t)s * os + j] = 0.0f;
+                                        snprintf(w2, sizeof w2, "%s head split %d: Q/K norms in the kernel vs cpu",
+                                                 what, hs);
+                                        compare(w2, g.data(), nc.data(), nc.size(), 2e-4f, 1e-3f);
+                                        snprintf(w2, sizeof w2, "%s head split %d: Q/K norms: v cache == cpu", what,
+                                                 hs);
+                                        check(w2, back(dvc, cache_elems) == nv);
+                                        cudaFree(dkc), cudaFree(dvc), cudaFree(dout);
+                                    }
+                                    m40k_set_launch_tuning(1, 1, 1);
                                 }
                                 n_cases++;
                             }
                     cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(dp), cudaFree(dqkv), cudaFree(dsk),
-                        cudaFree(dws), cudaFree(dcnt);
+                        cudaFree(dwq), cudaFree(dwk), cudaFree(dws), cudaFree(dcnt);
                 }
     check("head split: cases ran", n_cases == 2 * 3 * 3 * 3 * 8);
 }
@@ -749,8 +785,11 @@ static void test_attn_head_split(void)
  * m40_ref_attn_decode_window within the attention test's tolerance; (c) q, k and v left
  * as they were; (d) the split counters back at zero; (e) where the cluster merge can
  * (m40k_attn_decode_q8_ok), m40k_attn_decode_rope_q8 gives the same out and int8 records
- * byte for byte m40k_quantize_q8's of it. Head sizes 64/128/256, groups of
- * 1, 4, 8 (7 at 64), RoPE over the whole head, over 32 dims and none, normal and neox
+ * byte for byte m40k_quantize_q8's of it; (f) at 1 and 8 splits, with the per-head Q/K
+ * norms in the kernel (6e) against m40k_rmsnorm_qk then (a)'s call, and against the CPU
+ * twins with m40_ref_rmsnorm_heads first. Head sizes 64/128/256, groups of
+ * 1, 4, 8 (7 at 64), RoPE over the whole head, over 24 dims (neox pairs straddling a
+ * unit of 8) and none, normal and neox
  * pairs (neox with frequency factors), 1, 8, 16 and 64 splits (most empty for the short
  * sequences), with and without a 20-token window, with and without a soft-cap of the
  * scores (0.7: they reach about +-2 here, so it bends them); lengths 1..1000 across page ends,
@@ -759,6 +798,7 @@ static void test_attn_decode_rope(void)
 {
     const std::vector<int> lens = {1, 15, 16, 17, 100, 1000};
     int n_q8 = 0; /* cases that also wrote int8 records (m40k_attn_decode_rope_q8) */
+    int n_qkn = 0; /* cases with the Q/K norms (m40k_attn_decode_rope_qkn) */
     for (int hd : {64, 128, 256})
         for (int G : {1, 4, 8, 7}) {
             if (G == 7 && hd != 64)
@@ -779,15 +819,16 @@ static void test_attn_decode_rope(void)
             /* one qkv buffer as the model's: q, k, v of a row side by side */
             const int64_t rs = (int64_t)(nh + 2 * nkv) * hd + 4, os = nh * hd + 8;
             std::vector<float> qkv = rand_vec(ns * rs, -2, 2), f = rand_vec(hd / 2, 1, 8);
+            std::vector<float> wq = rand_vec(hd, 0.25, 2), wk = rand_vec(hd, 0.25, 2); /* Q/K norm weights */
             int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *done = dup(one),
                     *dp = dup(pos);
-            float *dqkv = dup(qkv), *df = dup(f), *dout, *dout2, *dws;
+            float *dqkv = dup(qkv), *df = dup(f), *dwq = dup(wq), *dwk = dup(wk), *dout, *dout2, *dws;
             const size_t n_cnt = m40k_decode_counter_ints(ns, nkv);
             int *dcnt = dup(std::vector<int>(n_cnt, 0));
             CK(cudaMalloc(&dout, (size_t)ns * os * 4));
             CK(cudaMalloc(&dout2, (size_t)ns * os * 4));
             CK(cudaMalloc(&dws, m40k_decode_workspace_floats(ns, nh, hd, 64) * 4));
-            for (int rot : {hd, 32, 0})
+            for (int rot : {hd, 24, 0}) /* 24: neox pairs that straddle a group of 8 */
                 for (int neox : {0, 1})
                     for (int window : {0, 20})
                         for (float cap : {0.0f, 0.7f})
@@ -864,11 +905,58 @@ static void test_attn_decode_rope(void)
                                 n_q8++;
                                 cudaFree(dkc3), cudaFree(dvc3), cudaFree(dout3), cudaFree(dxq), cudaFree(dxq2);
                             }
+                            if (splits <= 8) {
+                                /* (f) with the per-head Q/K norms in the kernel (6e): against
+                                 * m40k_rmsnorm_qk on a copy then the call without them (the
+                                 * heads' sums of squares in another order: out to 1e-4, K's F16
+                                 * to one step), and against the CPU twins */
+                                uint16_t *dkc4 = dup(kc0), *dvc4 = dup(vc0), *dkc5 = dup(kc0), *dvc5 = dup(vc0);
+                                float *dq5 = dup(qkv);
+                                CK(m40k_attn_decode_rope_qkn(dout, os, dqkv, rs, dqkv + nh * hd, rs,
+                                                             dqkv + (nh + nkv) * hd, rs, dkc4, dvc4, dip, dix, dlp, ns,
+                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
+                                                             splits, dws, dcnt, nullptr, nullptr, dwq, dwk, 1e-6f, 0));
+                                CK(m40k_rmsnorm_qk(dq5, rs, nh, nkv, hd, dwq, dwk, ns, 1e-6f, 0));
+                                CK(m40k_attn_decode_rope(dout2, os, dq5, rs, dq5 + nh * hd, rs, dq5 + (nh + nkv) * hd,
+                                                         rs, dkc5, dvc5, dip, dix, dlp, ns, nh, nkv, hd, scale, window,
+                                                         cap, dp, rot, base, ffp, neox, splits, dws, dcnt, 0));
+                                std::vector<float> n4 = back(dout, (size_t)ns * os), n5 = back(dout2, (size_t)ns * os);
+                                for (int s = 0; s < ns; s++)
+                                    for (int64_t j = (int64_t)nh * hd; j < os; j++)
+                                        n4[(size_t)s * os + j] = 0.0f, n5[(size_t)s * os + j] = 0.0f;
+                                snprintf(w2, sizeof w2, "%s: Q/K norms in the kernel vs rmsnorm_qk first", what);
+                                compare(w2, n4.data(), n5.data(), n4.size(), 1e-4f, 1e-4f);
+                                std::vector<float> k4 = h2f(back(dkc4, cache_elems)), k5 = h2f(back(dkc5, cache_elems));
+                                snprintf(w2, sizeof w2, "%s: Q/K norms: K cache vs rmsnorm_qk first", what);
+                                compare(w2, k4.data(), k5.data(), k4.size(), 1e-3f, 1e-3f);
+                                snprintf(w2, sizeof w2, "%s: Q/K norms: V cache == rmsnorm_qk first's, q k v unchanged",
+                                         what);
+                                check(w2, back(dvc4, cache_elems) == back(dvc5, cache_elems) &&
+                                              back(dqkv, qkv.size()) == qkv);
+                                std::vector<float> nq = qkv;
+                                std::vector<uint16_t> nk = kc0, nv = vc0;
+                                m40_ref_rmsnorm_heads(nq.data(), rs, nh, hd, wq.data(), ns, 1e-6f);
+                                m40_ref_rmsnorm_heads(nq.data() + nh * hd, rs, nkv, hd, wk.data(), ns, 1e-6f);
+                                m40_ref_rope(nq.data(), rs, nh, nq.data() + nh * hd, rs, nkv, hd, rot, pos.data(), ns,
+                                             base, neox ? f.data() : nullptr, neox);
+                                m40_ref_kv_append(nk.data(), nv.data(), nq.data() + nh * hd, rs,
+                                                  nq.data() + (nh + nkv) * hd, rs, one.data(), ns, ns, p.indptr.data(),
+                                                  p.indices.data(), p.lpl.data(), nkv, hd);
+                                std::vector<float> nc((size_t)ns * os, 0.0f);
+                                m40_ref_attn_decode_window(nc.data(), os, nq.data(), rs, nk.data(), nv.data(),
+                                                           p.indptr.data(), p.indices.data(), p.lpl.data(), ns, nh, nkv,
+                                                           hd, scale, window, cap);
+                                snprintf(w2, sizeof w2, "%s: Q/K norms in the kernel vs cpu", what);
+                                compare(w2, n4.data(), nc.data(), nc.size(), 2e-4f, 1e-3f);
+                                n_qkn++;
+                                cudaFree(dkc4), cudaFree(dvc4), cudaFree(dkc5), cudaFree(dvc5), cudaFree(dq5);
+                            }
                             cudaFree(dkc), cudaFree(dvc), cudaFree(dkc2), cudaFree(dvc2), cudaFree(dq2);
                         }
             cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(done), cudaFree(dp), cudaFree(dqkv), cudaFree(df),
-                cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
+                cudaFree(dwq), cudaFree(dwk), cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
         }
+    check("attn_decode_rope_qkn: cases ran", n_qkn == 10 * 3 * 2 * 2 * 2 * 2);
     int cc = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, 0));
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -893,6 +981,13 @@ static void test_attn_decode_rope(void)
     check("attn_decode_rope base 0 refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64, 0.0f,
                                 nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+    check("attn_decode_rope_qkn: q_norm without k_norm refused",
+          m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
+                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, nullptr, 1e-6f,
+                                    0) != 0);
+    check("attn_decode_rope_qkn: negative eps refused",
+          m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
+                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, pf, -1.0f, 0) != 0);
     check("attn_decode_rope_q8 with one split refused (no cluster merge)",
           m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, (void *)ph, 0) != 0);
