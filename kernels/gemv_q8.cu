@@ -760,11 +760,12 @@ template <int T, int FR, int MINB = 1>
 __global__ __launch_bounds__(MQ_GU_WARPS * 32, MINB) void moe_gate_up_q8_kernel(
     const uint8_t *__restrict__ wg, const uint8_t *__restrict__ wu, size_t row_bytes, int n_expert, int n_ff, int K,
     const float *__restrict__ gate_b, const float *__restrict__ up_b, int act, const gq_blk *xs, const int32_t *ids,
-    int k, float *__restrict__ h, int64_t h_stride, gq_blk *hq)
+    int k, float *__restrict__ h, int64_t h_stride, gq_blk *hq, gq_nin nin)
 {
     typedef gq<T> Q;
     constexpr int R = 2 * FR;
     __shared__ float hs[32];
+    __shared__ float red[MQ_GU_WARPS];
     /* PDL: the routing (the kernel before) is complete and visible before ids or x are
      * read; only then may the down projection start (it reads ids before its own wait) */
     m40k_grid_wait();
@@ -777,6 +778,13 @@ __global__ __launch_bounds__(MQ_GU_WARPS * 32, MINB) void moe_gate_up_q8_kernel(
     const bool valid = e >= 0 && e < n_expert;
     float *hp = h + (size_t)p * h_stride;
     const gq_blk *xb = xs + (size_t)(p / k) * (size_t)(K / 32);
+    /* the folded norm's sums of squares of the pair's token (10c'n), loaded with the first
+     * weights and summed after the products */
+    float ssv = 0.0f;
+    if (nin.ss)
+        for (int i = threadIdx.x; i < K / 32; i += MQ_GU_WARPS * 32)
+            ssv += __ldca(nin.ss + (size_t)(p / k) * (size_t)(K / 32) + i);
+    float kg0 = 0.0f, ku0 = 0.0f, kg1 = 0.0f, ku1 = 0.0f; /* lane 0: its rows' gate and up sums */
 #pragma unroll 1
     for (int f0 = 0; f0 < 2; f0 += FR) {
         const int n0 = blockIdx.x * 32 + 2 * warp + f0; /* rows n0 .. n0 + FR */
@@ -803,20 +811,28 @@ __global__ __launch_bounds__(MQ_GU_WARPS * 32, MINB) void moe_gate_up_q8_kernel(
             for (int r = 0; r < R; r++)
                 acc[r] = m40k_warp_sum(acc[r]);
         }
-        if (lane == 0)
 #pragma unroll
-            for (int f = 0; f < FR; f++) {
-                const int n = n0 + f;
-                float v = 0.0f; /* a pair whose id is out of range: a zero row */
-                if (valid && n < n_ff) {
-                    const size_t bi = (size_t)e * n_ff + n;
-                    v = moe_act(act, acc[f] + (gate_b ? gate_b[bi] : 0.0f), acc[FR + f] + (up_b ? up_b[bi] : 0.0f));
-                }
-                if (n < n_ff)
-                    hp[n] = v;
-                hs[2 * warp + f0 + f] = v;
-            }
+        for (int f = 0; f < FR; f++) /* (no array indexed by f0: it would live in local memory) */
+            if (f0 + f == 0)
+                kg0 = acc[f], ku0 = acc[FR + f];
+            else
+                kg1 = acc[f], ku1 = acc[FR + f];
     }
+    const float fac = nin.ss ? rsqrtf(gq_block_sum<MQ_GU_WARPS>(ssv, red) / (float)K + nin.eps) : 1.0f;
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int n = blockIdx.x * 32 + 2 * warp + j;
+            float v = 0.0f; /* a pair whose id is out of range: a zero row */
+            if (valid && n < n_ff) {
+                const size_t bi = (size_t)e * n_ff + n;
+                v = moe_act(act, (j ? kg1 : kg0) * fac + (gate_b ? gate_b[bi] : 0.0f),
+                            (j ? ku1 : ku0) * fac + (up_b ? up_b[bi] : 0.0f));
+            }
+            if (n < n_ff)
+                hp[n] = v;
+            hs[2 * warp + j] = v;
+        }
     if (!hq)
         return;
     __syncthreads();
@@ -1096,13 +1112,13 @@ extern "C" size_t m40k_moe_q8_records_bytes(int n_pairs, int n_ff)
 template <int T, int FR, int MINB = 1>
 static int gq_moe_gu_launch(const void *wg, const void *wu, int n_expert, int n_ff, int dim, const float *gb,
                             const float *ub, int act, const void *xq, const int32_t *ids, int pairs, int k, float *h,
-                            int64_t h_stride, void *hq, cudaStream_t st)
+                            int64_t h_stride, void *hq, gq_nin nin, cudaStream_t st)
 {
     const size_t row_bytes = m40k_row_bytes<T>(dim); /* MXFP4_P: rows of whole chunks */
     const dim3 grid((unsigned)((n_ff + 31) / 32), (unsigned)pairs);
     M40K_LAUNCH_PDL((moe_gate_up_q8_kernel<T, FR, MINB>), grid, MQ_GU_WARPS * 32, 0, st, (const uint8_t *)wg,
                     (const uint8_t *)wu, row_bytes, n_expert, n_ff, dim, gb, ub, act, (const gq_blk *)xq, ids, k, h,
-                    h_stride, (gq_blk *)hq);
+                    h_stride, (gq_blk *)hq, nin);
     return m40k_launch_status();
 }
 
@@ -1111,8 +1127,19 @@ extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, i
                                    const int32_t *ids, int n_tokens, int k, float *h, int64_t h_stride, void *hq,
                                    m40k_stream stream)
 {
+    return m40k_moe_gate_up_q8_normed(wg, wu, w_type, n_expert, n_ff, dim, gate_b, up_b, act, xq, nullptr, 0.0f, ids,
+                                      n_tokens, k, h, h_stride, hq, stream);
+}
+
+extern "C" int m40k_moe_gate_up_q8_normed(const void *wg, const void *wu, int w_type, int n_expert, int n_ff, int dim,
+                                          const float *gate_b, const float *up_b, int act, const void *xq,
+                                          const float *ss, float eps, const int32_t *ids, int n_tokens, int k,
+                                          float *h, int64_t h_stride, void *hq, m40k_stream stream)
+{
     if (n_tokens <= 0 || n_ff <= 0)
         return n_tokens < 0 || n_ff < 0 ? M40K_INVALID : 0;
+    if (ss && !(eps >= 0.0f))
+        return M40K_INVALID;
     if (!m40k_moe_gate_up_q8_supported(w_type, dim) || n_expert < 1 || k < 1 || n_tokens > 8 ||
         (act != M40K_GLU_SILU && act != M40K_GLU_SWIGLU_OAI) || h_stride < n_ff || ((uintptr_t)wg & 15) ||
         ((uintptr_t)wu & 15) || ((uintptr_t)xq & 15) || ((uintptr_t)hq & 15) || (hq && n_ff % 32) ||
@@ -1120,7 +1147,7 @@ extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, i
         return M40K_INVALID;
     /* the instance for the type: FR and blocks an SM as moe_gate_up_q8_kernel's comment says */
     int (*launch)(const void *, const void *, int, int, int, const float *, const float *, int, const void *,
-                  const int32_t *, int, int, float *, int64_t, void *, cudaStream_t);
+                  const int32_t *, int, int, float *, int64_t, void *, gq_nin, cudaStream_t);
     switch (w_type) {
     case M40K_TYPE_Q8_0: launch = gq_moe_gu_launch<M40K_TYPE_Q8_0, 1>; break;
     case M40K_TYPE_Q4_0: launch = gq_moe_gu_launch<M40K_TYPE_Q4_0, 1>; break;
@@ -1129,7 +1156,7 @@ extern "C" int m40k_moe_gate_up_q8(const void *wg, const void *wu, int w_type, i
     default: launch = gq_moe_gu_launch<M40K_TYPE_Q6_K, 1>; break;
     }
     return launch(wg, wu, n_expert, n_ff, dim, gate_b, up_b, act, xq, ids, n_tokens * k, k, h, h_stride, hq,
-                  (cudaStream_t)stream);
+                  ss ? gq_nin{ss, eps} : gq_nin{}, (cudaStream_t)stream);
 }
 
 /* Rows a down block takes: 4 for Q4_K (its registers allow, as gq_rows) and MXFP4_P, 2 for

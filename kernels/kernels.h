@@ -657,6 +657,15 @@ int m40k_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const m40
  * (+ bias[e] where bias is not NULL); wr F32 (GGUF keeps ffn_gate_inp in F32), any dim. */
 int m40k_moe_router_logits(const float *wr, const float *bias, int n_expert, int dim, const float *x,
                            int64_t x_stride, int n_tokens, float *logits, m40k_stream stream);
+/* 10a'. The same on the RMSNorm that the attention output projection before folded in
+ * (8d's producer): x holds the residual rows x_out, norm_w the norm's weights and ss their
+ * sums of squares per 32 elements (dim/32 floats a token, token t's from ss + t * dim/32);
+ * logits = (sum_i wr[e][i] * x[i] * norm_w[i]) * rsqrt(sum(ss) / dim + eps) (+ bias[e]),
+ * every block summing ss in one order. dim a multiple of 32, eps >= 0; norm_w and ss both
+ * NULL: 10a. Twin: m40_ref_moe_router_logits of x * norm_w, times m40_ref_norm_factor. */
+int m40k_moe_router_logits_normed(const float *wr, const float *bias, int n_expert, int dim, const float *x,
+                                  int64_t x_stride, const float *norm_w, const float *ss, float eps, int n_tokens,
+                                  float *logits, m40k_stream stream);
 /* 10b. Top-k and gating, a thread block a token, from logits [n_tokens][n_expert]:
  *   M40K_MOE_SOFTMAX:      p = softmax(logits) over all experts; the k largest logits
  *                          (= the k largest p) chosen, weight p (Qwen3-MoE, Mixtral);
@@ -726,6 +735,14 @@ size_t m40k_moe_q8_records_bytes(int n_pairs, int n_ff);
 int m40k_moe_gate_up_q8(const void *w_gate, const void *w_up, int w_type, int n_expert, int n_ff, int dim,
                         const float *gate_b, const float *up_b, int act, const void *xq, const int32_t *ids,
                         int n_tokens, int k, float *h, int64_t h_stride, void *hq, m40k_stream stream);
+/* 10c'n. 10c' on the records 8d's producer wrote (of x_out * norm_w, unscaled): each
+ * pair's gate and up products are multiplied by its token's factor rsqrt(sum(ss) / dim +
+ * eps) (ss: dim/32 floats a token, as 10a') before the biases and act. ss NULL: 10c'.
+ * Twin: as 10c', the products times m40_ref_norm_factor. */
+int m40k_moe_gate_up_q8_normed(const void *w_gate, const void *w_up, int w_type, int n_expert, int n_ff, int dim,
+                               const float *gate_b, const float *up_b, int act, const void *xq, const float *ss,
+                               float eps, const int32_t *ids, int n_tokens, int k, float *h, int64_t h_stride,
+                               void *hq, m40k_stream stream);
 int m40k_moe_down_q8(const void *w_down, int w_type, int n_expert, int dim, int n_ff, const float *down_b,
                      const void *hq, const int32_t *ids, const float *weights, int n_tokens, int k, float *out,
                      int64_t out_stride, int accumulate, m40k_stream stream);

@@ -23,6 +23,24 @@
 #define RT_THREADS 128
 #define RT_TOK 8
 
+/* 10a': the RMSNorm folded into the attention output projection before (kernels.h 8d):
+ * x is the residual, w the norm's weights, ss its sums of squares per 32 (NULL: 10a). */
+struct rt_norm {
+    const float *w, *ss;
+    float eps;
+};
+
+/* Four elements of x from i on (16-byte aligned), times the norm's weights where w */
+__device__ __forceinline__ float4 rt_x4(const float *x, const float *w, int i)
+{
+    float4 v = *reinterpret_cast<const float4 *>(x);
+    if (w) {
+        const float4 n = *reinterpret_cast<const float4 *>(w + i);
+        v.x *= n.x, v.y *= n.y, v.z *= n.z, v.w *= n.w;
+    }
+    return v;
+}
+
 /* Block (e, token tile): the router row e (F32) against up to 8 tokens; the row is read
  * once a block, each thread a strided share of it, then a block sum per token. Where the
  * row, x and its stride allow (vec), a thread's share is 16-byte pieces at a 512-element
@@ -33,9 +51,11 @@ __global__ __launch_bounds__(RT_THREADS) void router_logits_kernel(const float *
                                                                    const float *__restrict__ bias, int n_expert,
                                                                    int dim, const float *__restrict__ x,
                                                                    int64_t x_stride, int n_tokens,
-                                                                   float *__restrict__ logits, int vec)
+                                                                   float *__restrict__ logits, int vec,
+                                                                   rt_norm nrm)
 {
     __shared__ float part[RT_TOK][RT_THREADS / 32];
+    __shared__ float sq[RT_TOK][RT_THREADS / 32]; /* nrm.ss's sums (10a') */
     const int e = blockIdx.x, t0 = blockIdx.y * RT_TOK, nt = min(RT_TOK, n_tokens - t0);
     const float *row = wr + (size_t)e * dim;
     const float *xt = x + (size_t)t0 * x_stride;
@@ -60,7 +80,7 @@ __global__ __launch_bounds__(RT_THREADS) void router_logits_kernel(const float *
                 if (t < nt)
 #pragma unroll
                     for (int u = 0; u < U; u++) {
-                        const float4 v = *reinterpret_cast<const float4 *>(xt + (size_t)t * x_stride + i + u * STEP);
+                        const float4 v = rt_x4(xt + (size_t)t * x_stride + i + u * STEP, nrm.w, i + u * STEP);
                         acc[t] = fmaf(w[u].w, v.w, fmaf(w[u].z, v.z, fmaf(w[u].y, v.y, fmaf(w[u].x, v.x, acc[t]))));
                     }
         }
@@ -69,7 +89,7 @@ __global__ __launch_bounds__(RT_THREADS) void router_logits_kernel(const float *
 #pragma unroll
             for (int t = 0; t < RT_TOK; t++)
                 if (t < nt) {
-                    const float4 v = *reinterpret_cast<const float4 *>(xt + (size_t)t * x_stride + i);
+                    const float4 v = rt_x4(xt + (size_t)t * x_stride + i, nrm.w, i);
                     acc[t] = fmaf(w.w, v.w, fmaf(w.z, v.z, fmaf(w.y, v.y, fmaf(w.x, v.x, acc[t]))));
                 }
         }
@@ -79,7 +99,8 @@ __global__ __launch_bounds__(RT_THREADS) void router_logits_kernel(const float *
 #pragma unroll
             for (int t = 0; t < RT_TOK; t++)
                 if (t < nt)
-                    acc[t] = fmaf(w, xt[(size_t)t * x_stride + i], acc[t]);
+                    acc[t] = fmaf(w, nrm.w ? xt[(size_t)t * x_stride + i] * nrm.w[i] : xt[(size_t)t * x_stride + i],
+                                  acc[t]);
         }
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -89,11 +110,26 @@ __global__ __launch_bounds__(RT_THREADS) void router_logits_kernel(const float *
         if (lane == 0)
             part[t][warp] = v;
     }
+    if (nrm.ss) /* each token's sums of squares, every block in the same order */
+        for (int t = 0; t < nt; t++) {
+            const float *sst = nrm.ss + (size_t)(t0 + t) * (dim / 32);
+            float v = 0.0f;
+            for (int i = threadIdx.x; i < dim / 32; i += RT_THREADS)
+                v += sst[i];
+            v = m40k_warp_sum(v);
+            if (lane == 0)
+                sq[t][warp] = v;
+        }
     __syncthreads();
     if (threadIdx.x < nt) {
-        float v = 0.0f;
+        float v = 0.0f, q = 0.0f;
         for (int w = 0; w < RT_THREADS / 32; w++)
             v += part[threadIdx.x][w];
+        if (nrm.ss) {
+            for (int w = 0; w < RT_THREADS / 32; w++)
+                q += sq[threadIdx.x][w];
+            v *= rsqrtf(q / (float)dim + nrm.eps);
+        }
         logits[(size_t)(t0 + threadIdx.x) * n_expert + e] = v + (bias ? bias[e] : 0.0f);
     }
 }
@@ -101,15 +137,25 @@ __global__ __launch_bounds__(RT_THREADS) void router_logits_kernel(const float *
 extern "C" int m40k_moe_router_logits(const float *wr, const float *bias, int n_expert, int dim, const float *x,
                                       int64_t x_stride, int n_tokens, float *logits, m40k_stream stream)
 {
+    return m40k_moe_router_logits_normed(wr, bias, n_expert, dim, x, x_stride, nullptr, nullptr, 0.0f, n_tokens,
+                                         logits, stream);
+}
+
+extern "C" int m40k_moe_router_logits_normed(const float *wr, const float *bias, int n_expert, int dim, const float *x,
+                                             int64_t x_stride, const float *norm_w, const float *ss, float eps,
+                                             int n_tokens, float *logits, m40k_stream stream)
+{
     if (n_tokens <= 0 || n_expert <= 0)
         return n_tokens < 0 || n_expert < 0 ? M40K_INVALID : 0;
     if (dim <= 0 || (n_tokens > 1 && x_stride < dim) || (n_tokens + RT_TOK - 1) / RT_TOK > 65535)
         return M40K_INVALID;
+    if (!norm_w != !ss || (ss && (dim % 32 || !(eps >= 0.0f))))
+        return M40K_INVALID;
     const int vec = dim % 4 == 0 && (n_tokens == 1 || x_stride % 4 == 0) && ((uintptr_t)wr & 15) == 0 &&
-                    ((uintptr_t)x & 15) == 0;
+                    ((uintptr_t)x & 15) == 0 && ((uintptr_t)norm_w & 15) == 0;
     const dim3 grid((unsigned)n_expert, (unsigned)((n_tokens + RT_TOK - 1) / RT_TOK));
     router_logits_kernel<<<grid, RT_THREADS, 0, (cudaStream_t)stream>>>(wr, bias, n_expert, dim, x, x_stride, n_tokens,
-                                                                        logits, vec);
+                                                                        logits, vec, rt_norm{norm_w, ss, eps});
     return m40k_launch_status();
 }
 

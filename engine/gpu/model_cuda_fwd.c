@@ -692,11 +692,24 @@ static int moe_q8(const m40_gpu *g, const glayer *L, int32_t n)
     return L->router && n <= 8 && moe_reads_q8(g, L) && !moe_grouped(g, L, n);
 }
 
+/* The post-attention RMSNorm of a decode row folded into the attention output
+ * projection (kernels.h 8d), read by the router (10a') and the experts' gate/up on int8
+ * records (10c'n): one add + RMSNorm launch less in the layer. */
+static int moe_fold_ok(const m40_gpu *g, const glayer *L, int32_t n)
+{
+    const gproj *wo = &L->wo;
+    return L->router && g->fuse_norm && !L->post_attn_norm && n == 1 && wo->n_parts == 1 && !wo->bias &&
+           wo->rows == g->p.dim && g->p.dim % 32 == 0 && gemv_q8_reads(&wo->part[0]) && moe_q8(g, L, 1);
+}
+
 /* Layer L's mixture of experts on the n normalized rows in g->xb, its output (the
- * weighted sum of each row's chosen experts) into g->xd. All on the device: the router's
- * logits, the top-k and its weights, the grouping, never the host (a decode step stays
- * one CUDA graph). Rows beyond what one launch indexes run in slices (moe_rows_max). */
-static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, char *err, size_t errlen)
+ * weighted sum of each row's chosen experts) into g->xd; or, where nin is not NULL
+ * (moe_fold_ok), on the residual row x_res with the norm folded in (nin: its records and
+ * sums of squares). All on the device: the router's logits, the top-k and its weights,
+ * the grouping, never the host (a decode step stays one CUDA graph). Rows beyond what one
+ * launch indexes run in slices (moe_rows_max). */
+static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, const gnorm_in *nin, const float *x_res, char *err,
+                   size_t errlen)
 {
     const m40_model_params *p = &g->p;
     const int E = p->n_experts, k = p->n_experts_used, F = p->expert_ffn_dim, D = p->dim;
@@ -710,7 +723,11 @@ static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, char *err, size_t err
         const int P = m * k;
         const float *x = g->xb + (size_t)r0 * D;
         float *out = g->xd + (size_t)r0 * D;
-        CK(m40k_moe_router_logits(L->router, L->router_b, E, D, x, D, m, g->moe_logits, g->stream));
+        if (nin)
+            CK(m40k_moe_router_logits_normed(L->router, L->router_b, E, D, x_res, D, L->ffn_norm, nin->ss, nin->eps, m,
+                                             g->moe_logits, g->stream));
+        else
+            CK(m40k_moe_router_logits(L->router, L->router_b, E, D, x, D, m, g->moe_logits, g->stream));
         CK(m40k_moe_topk(g->moe_logits, m, E, k, gating, NULL, g->sc.norm_topk, g->sc.expert_scale, g->moe_ids,
                          g->moe_w, g->stream));
         if (!moe_grouped(g, L, m)) {
@@ -718,9 +735,10 @@ static int moe_ffn(m40_gpu *g, const glayer *L, int32_t n, char *err, size_t err
              * (enqueue_step), and h's, by the gate/up kernel where the down GEMV reads them */
             const int q8 = moe_q8(g, L, m), q8_down = q8 && m40k_moe_down_q8_supported(L->exp_down.type, F);
             if (q8)
-                CK(m40k_moe_gate_up_q8(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
-                                       L->exp_up_b, act, g->xq, g->moe_ids, m, k, g->moe_h, g->moe_ldh,
-                                       q8_down ? g->moe_hq : NULL, g->stream));
+                CK(m40k_moe_gate_up_q8_normed(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D,
+                                              L->exp_gate_b, L->exp_up_b, act, nin ? nin->xq : g->xq,
+                                              nin ? nin->ss : NULL, nin ? nin->eps : 0.0f, g->moe_ids, m, k, g->moe_h,
+                                              g->moe_ldh, q8_down ? g->moe_hq : NULL, g->stream));
             else
                 CK(m40k_moe_gate_up(L->exp_gate.data, L->exp_up.data, L->exp_gate.type, E, F, D, L->exp_gate_b,
                                     L->exp_up_b, act, x, D, g->moe_ids, m, k, g->moe_h, g->moe_ldh, g->stream));
@@ -867,7 +885,9 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                        p->n_kv_heads, hd, scale, win, cap, L->sinks, g->stream));
         const int xq_gu = wants_xq(g, &L->gate_up, n) || moe_q8(g, L, n), xq_dn = wants_xq(g, &L->down, n);
         const int x16_gu = wants_x16(g, &L->gate_up, n), x16_dn = wants_x16(g, &L->down, n);
-        folded = fold_norm_ok(g, &L->wo, L->post_attn_norm, L->gate_up.part, L->gate_up.n_parts, n);
+        folded = L->router ? moe_fold_ok(g, L, n)
+                           : fold_norm_ok(g, &L->wo, L->post_attn_norm, L->gate_up.part, L->gate_up.n_parts, n);
+        const int ffn_folded = folded; /* (folded then turns to the FFN's own fold) */
         if (folded) { /* the attention output projection adds into the residual and normalizes */
             if (!xq_wo)
                 CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
@@ -900,7 +920,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
         const gmat *dw = &L->down.part[0];
         folded = 0;
         if (L->router) { /* the layer's mixture of experts instead (its gate_up and down are empty) */
-            if (moe_ffn(g, L, n, err, errlen))
+            if (moe_ffn(g, L, n, ffn_folded ? &nin : NULL, xc, err, errlen))
                 return -1;
         } else if (L->down.n_parts == 1 && !L->down.bias && skinny_reads(g, dw, n)) {
             const int S = m40k_gemm_skinny_pick_splits((int)dw->rows, (int)dw->cols, n, g->sm_count, g->sk_ws_floats,

@@ -110,6 +110,45 @@ static void test_router(void)
                 snprintf(what, sizeof what, "router logits E %d dim %d ld %d T %d bias %d", E, dim, ld, T, with_bias);
                 compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-4f);
             }
+            if (dim % 32 == 0) {
+                /* 10a': the norm folded in before (x the residual, norm weights, its sums of
+                 * squares per 32), against the twin on x * norm_w, times the factor */
+                std::vector<float> nw = rand_vec(dim, 0.25f, 2.0f), ss((size_t)T * (dim / 32));
+                /* o 1 (where the stride leaves room): x one float past an aligned start, the
+                 * 4-byte loads */
+                for (int o = 0; o < (ld > dim ? 2 : 1); o++) {
+                std::vector<float> xn((size_t)T * ld, 0.0f);
+                for (int t = 0; t < T; t++)
+                    for (int j = 0; j < dim / 32; j++) {
+                        double q = 0.0;
+                        for (int i = 0; i < 32; i++) {
+                            const float v = x[(size_t)t * ld + 32 * j + i + o];
+                            q += (double)v * v;
+                            xn[(size_t)t * ld + 32 * j + i] = v * nw[32 * j + i];
+                        }
+                        ss[(size_t)t * (dim / 32) + j] = (float)q;
+                    }
+                float *dnw = dup(nw), *dss = dup(ss);
+                for (int with_bias = 0; with_bias < 2; with_bias++) {
+                    CK(m40k_moe_router_logits_normed(dwr, with_bias ? db : nullptr, E, dim, dx + o, ld, dnw, dss, 1e-6f,
+                                                     T, dl, 0));
+                    std::vector<float> g = back(dl, (size_t)T * E), c((size_t)T * E);
+                    m40_ref_moe_router_logits(wr.data(), nullptr, E, dim, xn.data(), ld, T, c.data());
+                    for (int t = 0; t < T; t++) {
+                        const float f = m40_ref_norm_factor(ss.data() + (size_t)t * (dim / 32), dim, 1e-6f);
+                        for (int e = 0; e < E; e++)
+                            c[(size_t)t * E + e] = c[(size_t)t * E + e] * f + (with_bias ? b[e] : 0.0f);
+                    }
+                    char what[112];
+                    snprintf(what, sizeof what, "router logits normed E %d dim %d ld %d T %d bias %d x offset %d", E,
+                             dim, ld, T, with_bias, o);
+                    compare(what, g.data(), c.data(), c.size(), 2e-4f, 1e-4f);
+                }
+                check("router normed: norm_w without ss refused",
+                      m40k_moe_router_logits_normed(dwr, nullptr, E, dim, dx, ld, dnw, nullptr, 1e-6f, T, dl, 0) != 0);
+                cudaFree(dnw), cudaFree(dss);
+                }
+            }
             cudaFree(dwr), cudaFree(dx), cudaFree(db), cudaFree(dl);
         }
 }
@@ -269,6 +308,32 @@ static void check_experts_q8(int type, int base, const std::vector<uint8_t> &wg,
         snprintf(what, sizeof what, "moe_gate_up_q8 %s E %d k %d T %d %s%s", m40_type_name(base), E, k, T,
                  act ? "swiglu_oai+bias" : "silu", bad ? " bad ids" : "");
         compare_scaled(what, gh, ch, 2e-5);
+        {
+            /* 10c'n: each token's products times its norm factor (random sums of squares),
+             * before the biases and act */
+            std::vector<float> ss = rand_vec((size_t)T * (dim / 32), 0.5f, 40.0f), nh((size_t)P * hs, 0.0f);
+            float *dss = dup(ss);
+            CK(cudaMemset(dh, 0, (size_t)P * hs * 4));
+            CK(m40k_moe_gate_up_q8_normed(dwg, dwu, type, E, n_ff, dim, dgb, dub, act, dws, dss, 1e-5f, dids, T, k, dh,
+                                          hs, nullptr, 0));
+            std::vector<float> gn = back(dh, (size_t)P * hs);
+            for (int p = 0; p < P; p++) {
+                const int e = ids[p], t = p / k;
+                if (e < 0 || e >= E)
+                    continue;
+                const float f = m40_ref_norm_factor(ss.data() + (size_t)t * (dim / 32), dim, 1e-5f);
+                const uint8_t *wst = ws.data() + (size_t)t * (dim / 32) * 80;
+                m40_ref_gemv_q8(wg.data() + (size_t)e * n_ff * rb, base, n_ff, dim, wst, 1, g.data(), n_ff);
+                m40_ref_gemv_q8(wu.data() + (size_t)e * n_ff * rb, base, n_ff, dim, wst, 1, u.data(), n_ff);
+                for (int n = 0; n < n_ff; n++)
+                    nh[(size_t)p * hs + n] = m40_ref_moe_act(act, g[n] * f + (gb ? gb[(size_t)e * n_ff + n] : 0.0f),
+                                                      u[n] * f + (ub ? ub[(size_t)e * n_ff + n] : 0.0f));
+            }
+            snprintf(what, sizeof what, "moe_gate_up_q8_normed %s E %d k %d T %d %s%s", m40_type_name(base), E, k, T,
+                     act ? "swiglu_oai+bias" : "silu", bad ? " bad ids" : "");
+            compare_scaled(what, gn, nh, 2e-5);
+            cudaFree(dss);
+        }
         if (dhq) { /* h's records: the twin's quantization of the kernel's h, byte for byte */
             std::vector<uint8_t> rq((size_t)P * (n_ff / 32) * 80);
             for (int p = 0; p < P; p++)
@@ -402,6 +467,9 @@ static void test_expert_gemv(void)
     check("gate_up_q8 refuses an unknown activation", m40k_moe_gate_up_q8(p, p, M40K_TYPE_Q8_0, 8, 64, 256, nullptr,
                                                                          nullptr, 7, p, ip, 1, 2, fp, 64, nullptr,
                                                                          0) != 0);
+    check("gate_up_q8_normed refuses a negative eps",
+          m40k_moe_gate_up_q8_normed(p, p, M40K_TYPE_Q8_0, 8, 64, 256, nullptr, nullptr, M40K_GLU_SILU, p, fp, -1.0f,
+                                     ip, 1, 2, fp, 64, nullptr, 0) != 0);
     check("down_q8 refuses no records", m40k_moe_down_q8(p, M40K_TYPE_Q4_K, 8, 64, 256, nullptr, nullptr, ip, fp, 1,
                                                          2, fp, 64, 0, 0) != 0);
     check("down_q8 refuses k 9", m40k_moe_down_q8(p, M40K_TYPE_Q4_K, 8, 64, 256, nullptr, p, ip, fp, 1, 9, fp, 64, 0,
