@@ -513,10 +513,10 @@ struct gq_nin {
 };
 
 /* gq_nout, the producer's side: instead of y, the block (which holds whole 32-row groups)
- * writes x_out = x + W.x for its rows, the records of x_out * w_norm into xq and the sum
- * of squares of x_out per group into ss. x == NULL: a plain product into y. */
+ * writes x_out = x + (W.x + bias) for its rows, the records of x_out * w_norm into xq and
+ * the sum of squares of x_out per group into ss. x == NULL: a plain product into y. */
 struct gq_nout {
-    const float *x, *w_norm;
+    const float *x, *w_norm, *bias; /* bias: [N] or NULL */
     float *x_out, *ss;
     gq_blk *xq;
 };
@@ -556,11 +556,14 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
     for (int r = 0; r < R; r++)
         rowp[r] = w + (size_t)(unsigned)min(row0 + r, N - 1) * row_bytes; /* rows past N: computed, not written */
     const int nu = K / Q::UE;
-    /* producer: lane l of warp 0 owns the block's row blk*32 + l (its norm weight is no
-     * kernel's output: loaded before the wait) */
-    float wn = 0.0f, xres = 0.0f, ssv = 0.0f;
-    if (B == 1 && nout.x && warp == 0)
+    /* producer: lane l of warp 0 owns the block's row blk*32 + l (its norm weight and bias
+     * are no kernel's output: loaded before the wait) */
+    float wn = 0.0f, bn = 0.0f, xres = 0.0f, ssv = 0.0f;
+    if (B == 1 && nout.x && warp == 0) {
         wn = nout.w_norm[blk * 32 + lane];
+        if (nout.bias)
+            bn = nout.bias[blk * 32 + lane];
+    }
 
     float acc[R][B];
 #pragma unroll
@@ -655,7 +658,7 @@ __device__ __forceinline__ void gq_block(const uint8_t *__restrict__ w, size_t r
             float v = 0.0f;
             for (int k = 0; k < S; k++)
                 v += red[gg * S + k][r][0];
-            const float xn = xres + v;
+            const float xn = xres + (nout.bias ? v + bn : v);
             nout.x_out[blk * 32 + lane] = xn;
             const float sq = m40k_warp_sum(xn * xn);
             if (lane == 0)
@@ -1252,8 +1255,8 @@ extern "C" int m40k_gemv_q8_pair_normed(const void *w0, int type0, int N0, const
     return gq_pair(w0, type0, N0, w1, type1, N1, K, ws, 1, y, y_stride, gq_nin{ss, eps}, stream);
 }
 
-extern "C" int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x,
-                                     float *x_out, const float *norm_w, void *xq_out, float *ss_out,
+extern "C" int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *bias,
+                                     const float *x, float *x_out, const float *norm_w, void *xq_out, float *ss_out,
                                      m40k_stream stream)
 {
     if (N <= 0)
@@ -1263,7 +1266,7 @@ extern "C" int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, co
         return M40K_INVALID;
     const uint8_t *wb = (const uint8_t *)w;
     const gq_blk *xs = (const gq_blk *)ws;
-    const gq_nout nout{x, norm_w, x_out, ss_out, (gq_blk *)xq_out};
+    const gq_nout nout{x, norm_w, bias, x_out, ss_out, (gq_blk *)xq_out};
     switch (w_type) {
     case M40K_TYPE_Q8_0: return gq_launch_norm<M40K_TYPE_Q8_0>(wb, N, K, xs, nout, stream);
     case M40K_TYPE_Q4_0: return gq_launch_norm<M40K_TYPE_Q4_0>(wb, N, K, xs, nout, stream);

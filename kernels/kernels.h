@@ -455,8 +455,8 @@ int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int typ
 /* 8d. The residual add + RMSNorm between two int8 GEMVs of a decode layer, folded into
  * both (batch 1). The producer, m40k_gemv_q8_add_norm, multiplies W (N x K, N a multiple
  * of 32) by the activations in ws as m40k_gemv_q8 and, instead of y, writes per row n
- * the residual x plus the product,
- *     x_out[n] = x[n] + (W . ws)[n],
+ * the residual x plus the product and its bias (NULL: none),
+ *     x_out[n] = x[n] + ((W . ws)[n] + bias[n]),
  * and per group j of 32 rows the int8 records of x_out[32j .. 32j+32) * norm_w[..] (as
  * m40k_quantize_q8 writes them) into xq_out, and the group's sum of squares of x_out
  * into ss_out[j] (N/32 floats). A block holds whole groups: no exchange between blocks.
@@ -468,8 +468,8 @@ int m40k_gemv_q8_pair(const void *w0, int type0, int N0, const void *w1, int typ
  * Every block of the consumer sums ss in one fixed order: one factor for all rows.
  * Twins: m40_ref_gemv_q8_add_norm and m40_ref_norm_factor (kernels/ref/cpu_ref.h). Types and
  * K as m40k_gemv_q8. */
-int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x, float *x_out,
-                          const float *norm_w, void *xq_out, float *ss_out, m40k_stream stream);
+int m40k_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *bias, const float *x,
+                          float *x_out, const float *norm_w, void *xq_out, float *ss_out, m40k_stream stream);
 int m40k_gemv_q8_normed(const void *w, int w_type, int N, int K, const void *ws, const float *ss, float eps,
                         float *y, int64_t y_stride, m40k_stream stream);
 int m40k_gemv_q8_pair_normed(const void *w0, int type0, int N0, const void *w1, int type1, int N1, int K,

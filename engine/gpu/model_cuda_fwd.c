@@ -536,14 +536,14 @@ static void swap_residual(float **xc, float **xo)
 
 /* Whether the add + RMSNorm between producer pr (its output added into the residual) and
  * consumer cn can be folded into their GEMVs (kernels.h 8d): batch 1, pr one int8-readable
- * part of dim rows without bias, every part of cn int8-readable (the pair of
+ * part of dim rows (its bias, if any, added there too), every part of cn int8-readable (the pair of
  * m40k_gemv_q8_pair_normed or single GEMVs), no post norm of pr's output (post_norm
  * NULL: a normed output is not what the residual adds), and not turned off
  * (M40_FUSE_NORM=0). */
 static int fold_norm_ok(const m40_gpu *g, const gproj *pr, const float *post_norm, const gmat *cn, int cn_parts,
                         int32_t n)
 {
-    if (!g->fuse_norm || post_norm || n != 1 || pr->n_parts != 1 || pr->bias || pr->rows != g->p.dim ||
+    if (!g->fuse_norm || post_norm || n != 1 || pr->n_parts != 1 || pr->rows != g->p.dim ||
         g->p.dim % 32 || !gemv_q8_reads(&pr->part[0]) || cn_parts == 0)
         return 0;
     for (int i = 0; i < cn_parts; i++)
@@ -557,7 +557,7 @@ static int fold_norm_ok(const m40_gpu *g, const gproj *pr, const float *post_nor
 static int gemv_add_norm(m40_gpu *g, const gproj *pr, float **xc, float **xo, const float *norm_w)
 {
     const gmat *w = &pr->part[0];
-    const int e = m40k_gemv_q8_add_norm(w->data, w->type, (int)w->rows, (int)w->cols, g->xq, *xc, *xo, norm_w,
+    const int e = m40k_gemv_q8_add_norm(w->data, w->type, (int)w->rows, (int)w->cols, g->xq, pr->bias, *xc, *xo, norm_w,
                                         g->xq2, g->nss, g->stream);
     swap_residual(xc, xo);
     return e;
@@ -698,7 +698,7 @@ static int moe_q8(const m40_gpu *g, const glayer *L, int32_t n)
 static int moe_fold_ok(const m40_gpu *g, const glayer *L, int32_t n)
 {
     const gproj *wo = &L->wo;
-    return L->router && g->fuse_norm && !L->post_attn_norm && n == 1 && wo->n_parts == 1 && !wo->bias &&
+    return L->router && g->fuse_norm && !L->post_attn_norm && n == 1 && wo->n_parts == 1 &&
            wo->rows == g->p.dim && g->p.dim % 32 == 0 && gemv_q8_reads(&wo->part[0]) && moe_q8(g, L, 1);
 }
 

@@ -713,8 +713,8 @@ void m40_ref_gemm_x8(const void *w, int w_type, int N, int K, const void *xq, in
         }
 }
 
-void m40_ref_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x, float *x_out,
-                              const float *norm_w, void *xq_out, float *ss_out)
+void m40_ref_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *bias,
+                              const float *x, float *x_out, const float *norm_w, void *xq_out, float *ss_out)
 {
     float *y = malloc((size_t)N * sizeof *y), *v = malloc((size_t)N * sizeof *v);
     if (!y || !v) {
@@ -724,7 +724,7 @@ void m40_ref_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const voi
     }
     m40_ref_gemv_q8(w, w_type, N, K, ws, 1, y, N);
     for (int n = 0; n < N; n++) {
-        x_out[n] = x[n] + y[n];
+        x_out[n] = x[n] + (bias ? y[n] + bias[n] : y[n]);
         v[n] = x_out[n] * norm_w[n];
     }
     m40_ref_quantize_q8(v, N, N, 1, xq_out);

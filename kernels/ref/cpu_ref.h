@@ -97,8 +97,8 @@ void m40_ref_gemm_x8(const void *w, int w_type, int N, int K, const void *xq, in
 /* Twins of kernels.h 8d (batch 1): m40k_gemv_q8_add_norm's x_out = x + W.ws (x_out may
  * be x), the records of x_out * norm_w and the sums of squares of x_out per 32 rows; and
  * the consumer's factor rsqrt(sum(ss[0 .. K/32)) / K + eps) (sums in double here). */
-void m40_ref_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *x, float *x_out,
-                              const float *norm_w, void *xq_out, float *ss_out);
+void m40_ref_gemv_q8_add_norm(const void *w, int w_type, int N, int K, const void *ws, const float *bias,
+                              const float *x, float *x_out, const float *norm_w, void *xq_out, float *ss_out);
 float m40_ref_norm_factor(const float *ss, int K, float eps);
 void m40_ref_sample_greedy(const float *logits, int64_t stride, int rows, int n_vocab, int32_t *token,
                            float *logprob, int top_k, int32_t *top_tokens, float *top_logprobs);

@@ -1930,10 +1930,12 @@ static void test_gemv_q8_norm(void)
                 const size_t wsb = m40k_gemv_q8_ws_bytes(K, 1), wsn = m40k_gemv_q8_ws_bytes(N, 1);
                 std::vector<uint8_t> ws(wsb);
                 m40_ref_quantize_q8(xin.data(), K, K, 1, ws.data());
-                std::vector<float> c(N), css(N / 32);
+                std::vector<float> c(N), cb(N), css(N / 32), bias = rand_vec(N, -2, 2);
                 std::vector<uint8_t> cq(wsn);
-                m40_ref_gemv_q8_add_norm(w.data(), type, N, K, ws.data(), xres.data(), c.data(), wn.data(), cq.data(),
-                                         css.data());
+                m40_ref_gemv_q8_add_norm(w.data(), type, N, K, ws.data(), nullptr, xres.data(), c.data(), wn.data(),
+                                         cq.data(), css.data());
+                m40_ref_gemv_q8_add_norm(w.data(), type, N, K, ws.data(), bias.data(), xres.data(), cb.data(), wn.data(),
+                                         cq.data(), css.data());
                 /* the twin bound of test_gemv_q8, simplified: 1e-5 sum |w| (|x| + 1) */
                 std::vector<double> tt(N);
                 for (int n = 0; n < N; n++) {
@@ -1945,7 +1947,7 @@ static void test_gemv_q8_norm(void)
                     tt[n] = 1e-5 * m;
                 }
                 uint8_t *dw = dup(wd);
-                float *dxr = dup(xres), *dwn = dup(wn), *dxo, *dss, *dxi = dup(xin), *dy;
+                float *dxr = dup(xres), *dwn = dup(wn), *db = dup(bias), *dxo, *dss, *dxi = dup(xin), *dy;
                 void *dws, *dq;
                 CK(cudaMalloc(&dws, wsb));
                 CK(cudaMalloc(&dq, wsn));
@@ -1954,22 +1956,24 @@ static void test_gemv_q8_norm(void)
                 CK(m40k_quantize_q8(dxi, K, K, 1, dws, 0));
                 char what[128], tn[16];
                 snprintf(tn, sizeof tn, "%s%s", m40_type_name(type), regroup ? "_G8" : "");
-                for (int inplace = 0; inplace < 2; inplace++) {
+                /* variant 0: out of place, 1: in place, 2: out of place with a bias */
+                for (int variant = 0; variant < 3; variant++) {
+                    const int inplace = variant == 1, bi = variant == 2;
                     float *out = inplace ? dxr : dxo;
-                    CK(m40k_gemv_q8_add_norm(dw, dtype, N, K, dws, dxr, out, dwn, dq, dss, 0));
+                    CK(m40k_gemv_q8_add_norm(dw, dtype, N, K, dws, bi ? db : nullptr, dxr, out, dwn, dq, dss, 0));
                     std::vector<float> g = back(out, N), gss = back(dss, N / 32);
                     std::vector<uint8_t> gq = back((uint8_t *)dq, wsn), rq(wsn);
                     if (inplace)
                         CK(cudaMemcpy(dxr, xres.data(), N * 4, cudaMemcpyHostToDevice));
                     snprintf(what, sizeof what, "gemv_q8_add_norm %s N %d K %d%s: x_out vs twin", tn, N, K,
-                             inplace ? " in place" : "");
-                    compare_bound(what, g.data(), c.data(), tt.data(), N);
+                             inplace ? " in place" : bi ? " +bias" : "");
+                    compare_bound(what, g.data(), bi ? cb.data() : c.data(), tt.data(), N);
                     std::vector<float> v(N);
                     for (int n = 0; n < N; n++)
                         v[n] = g[n] * wn[n];
                     m40_ref_quantize_q8(v.data(), N, N, 1, rq.data());
                     snprintf(what, sizeof what, "gemv_q8_add_norm %s N %d K %d%s: records of x_out*w", tn, N, K,
-                             inplace ? " in place" : "");
+                             inplace ? " in place" : bi ? " +bias" : "");
                     check(what, gq == rq);
                     bool ok = true;
                     for (int j = 0; j < N / 32; j++) {
@@ -1979,7 +1983,7 @@ static void test_gemv_q8_norm(void)
                         ok &= fabs(gss[j] - s) <= 1e-5 * s + 1e-30;
                     }
                     snprintf(what, sizeof what, "gemv_q8_add_norm %s N %d K %d%s: sums of squares", tn, N, K,
-                             inplace ? " in place" : "");
+                             inplace ? " in place" : bi ? " +bias" : "");
                     check(what, ok);
                 }
                 /* consumer: the records of xin and sums of squares of a vector of K */
@@ -2030,7 +2034,7 @@ static void test_gemv_q8_norm(void)
                     compare_bound(what, g2.data(), c0.data(), t0.data(), N0 + N);
                     cudaFree(dw0), cudaFree(dy2);
                 }
-                cudaFree(dw), cudaFree(dxr), cudaFree(dwn), cudaFree(dxo), cudaFree(dss), cudaFree(dxi);
+                cudaFree(dw), cudaFree(dxr), cudaFree(dwn), cudaFree(db), cudaFree(dxo), cudaFree(dss), cudaFree(dxi);
                 cudaFree(dws), cudaFree(dq), cudaFree(dsq), cudaFree(dy);
             }
     /* refusals */
@@ -2040,13 +2044,13 @@ static void test_gemv_q8_norm(void)
     CK(cudaMalloc(&df, 1 << 16));
     const int bad = (int)cudaErrorInvalidValue;
     check("gemv_q8_add_norm N 33 refused",
-          m40k_gemv_q8_add_norm(dw, M40K_TYPE_Q8_0, 33, 256, dw, df, df, df, dw + 4096, df, 0) == bad);
+          m40k_gemv_q8_add_norm(dw, M40K_TYPE_Q8_0, 33, 256, dw, nullptr, df, df, df, dw + 4096, df, 0) == bad);
     check("gemv_q8_add_norm xq_out == ws refused",
-          m40k_gemv_q8_add_norm(dw, M40K_TYPE_Q8_0, 32, 256, dw + 4096, df, df, df, dw + 4096, df, 0) == bad);
+          m40k_gemv_q8_add_norm(dw, M40K_TYPE_Q8_0, 32, 256, dw + 4096, nullptr, df, df, df, dw + 4096, df, 0) == bad);
     check("gemv_q8_normed without ss refused",
           m40k_gemv_q8_normed(dw, M40K_TYPE_Q8_0, 32, 256, dw + 4096, nullptr, 1e-5f, df, 32, 0) == bad);
     check("gemv_q8_add_norm F16 refused",
-          m40k_gemv_q8_add_norm(dw, M40K_TYPE_F16, 32, 256, dw + 4096, df, df, df, dw + 8192, df, 0) == bad);
+          m40k_gemv_q8_add_norm(dw, M40K_TYPE_F16, 32, 256, dw + 4096, nullptr, df, df, df, dw + 8192, df, 0) == bad);
     cudaFree(dw), cudaFree(df);
 }
 
