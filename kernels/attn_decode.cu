@@ -93,6 +93,9 @@ struct dec_rope {
      * head_dim each, or NULL: none */
     const float *q_norm, *k_norm;
     float norm_eps;
+    /* the q/k/v product's biases, added first (gpt-oss, Qwen2: kernels.h 6e): [n_heads *
+     * head_dim], [n_kv_heads * head_dim] twice, or all NULL */
+    const float *bq, *bk, *bv;
 };
 
 /* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
@@ -247,6 +250,15 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
                     for (int i = 0; i < 8; i++)
                         if (d0 + i < rot)
                             p8[i] = row[pair_at(d0 + i)];
+                }
+            }
+            if (rp.bq && live) { /* the biases, as m40k_add_bias adds them: the same bits */
+                const float *b = isq ? rp.bq + (int64_t)(hq0 + u / TPR) * D : (isk ? rp.bk : rp.bv) + (int64_t)kvh * D;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    x8[i] += b[d0 + i];
+                    if (pairs && d0 + i < rot)
+                        p8[i] += b[pair_at(d0 + i)];
                 }
             }
             if (rp.q_norm) { /* uniform: every lane takes part in the shuffles */
@@ -869,7 +881,7 @@ extern "C" int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, co
     return m40k_attn_decode_rope_qkn(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
                                      indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
                                      softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters,
-                                     out_q8, sinks, nullptr, nullptr, 0.0f, stream);
+                                     out_q8, sinks, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr, stream);
 }
 
 extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -880,11 +892,12 @@ extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const f
                                          float softcap, const int32_t *pos, int rot_dim, float base,
                                          const float *freq_factors, int neox, int n_splits, float *workspace,
                                          int *counters, void *out_q8, const float *sinks, const float *q_norm,
-                                         const float *k_norm, float norm_eps, m40k_stream stream)
+                                         const float *k_norm, float norm_eps, const float *bias_q,
+                                         const float *bias_k, const float *bias_v, m40k_stream stream)
 {
     if (n_seqs <= 0)
         return 0;
-    if (!q_norm != !k_norm || (q_norm && !(norm_eps >= 0.0f)))
+    if (!q_norm != !k_norm || (q_norm && !(norm_eps >= 0.0f)) || !bias_q != !bias_k || !bias_q != !bias_v)
         return M40K_INVALID;
     /* m40k_kv_append_rope's refusals, and the 16-byte rows the kernel reads */
     if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || (rot_dim > 0 && (!(base > 0.0f) || !pos)) || !k || !v ||
@@ -908,7 +921,10 @@ extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const f
                          0,
                          q_norm,
                          k_norm,
-                         norm_eps};
+                         norm_eps,
+                         bias_q,
+                         bias_k,
+                         bias_v};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
                       n_kv_heads, head_dim, scale, window, softcap, n_splits, workspace, counters, &rp, stream);
 }

@@ -19,8 +19,8 @@
  *     matmul -> residual add + RMSNorm -> fused gate/up matmul -> SwiGLU -> down matmul;
  *     everything stays on the device. Attention: the sequences with one new token come
  *     first in the step and take the decode kernel (split-K), which also does their
- *     per-head Q/K norms where the layer has them, their RoPE and KV append
- *     (m40k_attn_decode_rope_qkn: one launch, not three) and, in its
+ *     q/k/v biases and per-head Q/K norms where the layer has them, their RoPE and KV
+ *     append (m40k_attn_decode_rope_qkn: one launch, not four) and, in its
  *     cluster merge, the int8 records of its output for an int8 output projection
  *     (m40k_attn_decode_rope_q8: no quantization launch between them); the prompt
  *     chunks take RoPE + append (m40k_kv_append_rope) and the prefill kernel; other
@@ -834,9 +834,18 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(norm_res(g, xc, L->attn_norm, g->xb, n, x16_qkv));
         else if (!folded) /* else the previous layer's down projection did it (kernels.h 8d) */
             CK(add_norm(g, &xc, &xo, L->attn_norm, g->xb, n, xq_qkv, x16_qkv));
-        if (matmul(g, &L->qkv, g->xb, n, g->qkv, l > 0 && !res_added && xq_qkv, x16_qkv, folded ? &nin : NULL, err,
+        /* the decode attention adds the decode rows' q/k/v biases itself (kernels.h 6e): the
+         * product without them, then the other rows' added apart */
+        const float *qkv_b = L->qkv.bias;
+        const int32_t b0 = qkv_b && tuned && n_dec > 0 ? n_dec : 0;
+        gproj qkv_nb = L->qkv;
+        if (b0 > 0)
+            qkv_nb.bias = NULL;
+        if (matmul(g, &qkv_nb, g->xb, n, g->qkv, l > 0 && !res_added && xq_qkv, x16_qkv, folded ? &nin : NULL, err,
                    errlen))
             return -1;
+        if (b0 > 0 && n > b0)
+            CK(m40k_add_bias(g->qkv + (size_t)b0 * qkvd, qkvd, qkv_b, n - b0, (int)qkvd, g->stream));
         res_added = 0;
         float *q = g->qkv, *k = g->qkv + g->q_dim, *v = g->qkv + g->q_dim + g->kv_dim;
         /* Decode rows (the first n_dec, one per sequence): the decode attention kernel
@@ -859,7 +868,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                          p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
                                          p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt,
                                          xq_wo ? g->xq : NULL, L->sinks, L->q_norm, L->k_norm, p->norm_eps,
-                                         g->stream));
+                                         b0 ? qkv_b : NULL, b0 ? qkv_b + g->q_dim : NULL,
+                                         b0 ? qkv_b + g->q_dim + g->kv_dim : NULL, g->stream));
         if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
             CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
                                    v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,

@@ -756,7 +756,8 @@ static void test_attn_head_split(void)
                                         CK(m40k_attn_decode_rope_qkn(
                                             dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc,
                                             dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base,
-                                            nullptr, 0, splits, dws, dcnt, nullptr, nullptr, dwq, dwk, 1e-6f, 0));
+                                            nullptr, 0, splits, dws, dcnt, nullptr, nullptr, dwq, dwk, 1e-6f, nullptr,
+                                            nullptr, nullptr, 0));
                                         std::vector<float> g = back(dout, (size_t)ns * os);
                                         for (int s = 0; s < ns; s++)
                                             for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -786,8 +787,9 @@ static void test_attn_head_split(void)
  * as they were; (d) the split counters back at zero; (e) where the cluster merge can
  * (m40k_attn_decode_q8_ok), m40k_attn_decode_rope_q8 gives the same out and int8 records
  * byte for byte m40k_quantize_q8's of it; (f) at 1 and 8 splits, with the per-head Q/K
- * norms in the kernel (6e) against m40k_rmsnorm_qk then (a)'s call, and against the CPU
- * twins with m40_ref_rmsnorm_heads first. Head sizes 64/128/256, groups of
+ * norms, the q/k/v biases or both in the kernel (6e) against the CPU twins with the biases
+ * and m40_ref_rmsnorm_heads first, the norms alone also against m40k_rmsnorm_qk then (a)'s
+ * call. Head sizes 64/128/256, groups of
  * 1, 4, 8 (7 at 64), RoPE over the whole head, over 24 dims (neox pairs straddling a
  * unit of 8) and none, normal and neox
  * pairs (neox with frequency factors), 1, 8, 16 and 64 splits (most empty for the short
@@ -798,7 +800,7 @@ static void test_attn_decode_rope(void)
 {
     const std::vector<int> lens = {1, 15, 16, 17, 100, 1000};
     int n_q8 = 0; /* cases that also wrote int8 records (m40k_attn_decode_rope_q8) */
-    int n_qkn = 0; /* cases with the Q/K norms (m40k_attn_decode_rope_qkn) */
+    int n_qkn = 0; /* cases with Q/K norms or q/k/v biases (m40k_attn_decode_rope_qkn) */
     for (int hd : {64, 128, 256})
         for (int G : {1, 4, 8, 7}) {
             if (G == 7 && hd != 64)
@@ -820,9 +822,10 @@ static void test_attn_decode_rope(void)
             const int64_t rs = (int64_t)(nh + 2 * nkv) * hd + 4, os = nh * hd + 8;
             std::vector<float> qkv = rand_vec(ns * rs, -2, 2), f = rand_vec(hd / 2, 1, 8);
             std::vector<float> wq = rand_vec(hd, 0.25, 2), wk = rand_vec(hd, 0.25, 2); /* Q/K norm weights */
+            std::vector<float> bq = rand_vec((size_t)(nh + 2 * nkv) * hd, -1, 1); /* q/k/v biases side by side */
             int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *done = dup(one),
                     *dp = dup(pos);
-            float *dqkv = dup(qkv), *df = dup(f), *dwq = dup(wq), *dwk = dup(wk), *dout, *dout2, *dws;
+            float *dqkv = dup(qkv), *df = dup(f), *dwq = dup(wq), *dwk = dup(wk), *dbq = dup(bq), *dout, *dout2, *dws;
             const size_t n_cnt = m40k_decode_counter_ints(ns, nkv);
             int *dcnt = dup(std::vector<int>(n_cnt, 0));
             CK(cudaMalloc(&dout, (size_t)ns * os * 4));
@@ -905,38 +908,62 @@ static void test_attn_decode_rope(void)
                                 n_q8++;
                                 cudaFree(dkc3), cudaFree(dvc3), cudaFree(dout3), cudaFree(dxq), cudaFree(dxq2);
                             }
-                            if (splits <= 8) {
-                                /* (f) with the per-head Q/K norms in the kernel (6e): against
-                                 * m40k_rmsnorm_qk on a copy then the call without them (the
-                                 * heads' sums of squares in another order: out to 1e-4, K's F16
-                                 * to one step), and against the CPU twins */
-                                uint16_t *dkc4 = dup(kc0), *dvc4 = dup(vc0), *dkc5 = dup(kc0), *dvc5 = dup(vc0);
-                                float *dq5 = dup(qkv);
+                            if (splits <= 8)
+                                for (int fv = 0; fv < 3; fv++) {
+                                /* (f) with the per-head Q/K norms (fv 0), the q/k/v biases (1) or
+                                 * both (2) in the kernel (6e): against the CPU twins (the biases
+                                 * added, m40_ref_rmsnorm_heads, then (b)'s); the norms alone also
+                                 * against m40k_rmsnorm_qk on a copy then the call without them
+                                 * (the heads' sums of squares in another order: out to 1e-4, K's
+                                 * F16 to one step) */
+                                const bool nrm = fv != 1, bia = fv != 0;
+                                uint16_t *dkc4 = dup(kc0), *dvc4 = dup(vc0);
                                 CK(m40k_attn_decode_rope_qkn(dout, os, dqkv, rs, dqkv + nh * hd, rs,
                                                              dqkv + (nh + nkv) * hd, rs, dkc4, dvc4, dip, dix, dlp, ns,
                                                              nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                             splits, dws, dcnt, nullptr, nullptr, dwq, dwk, 1e-6f, 0));
-                                CK(m40k_rmsnorm_qk(dq5, rs, nh, nkv, hd, dwq, dwk, ns, 1e-6f, 0));
-                                CK(m40k_attn_decode_rope(dout2, os, dq5, rs, dq5 + nh * hd, rs, dq5 + (nh + nkv) * hd,
-                                                         rs, dkc5, dvc5, dip, dix, dlp, ns, nh, nkv, hd, scale, window,
-                                                         cap, dp, rot, base, ffp, neox, splits, dws, dcnt, 0));
-                                std::vector<float> n4 = back(dout, (size_t)ns * os), n5 = back(dout2, (size_t)ns * os);
+                                                             splits, dws, dcnt, nullptr, nullptr, nrm ? dwq : nullptr,
+                                                             nrm ? dwk : nullptr, 1e-6f, bia ? dbq : nullptr,
+                                                             bia ? dbq + nh * hd : nullptr,
+                                                             bia ? dbq + (nh + nkv) * hd : nullptr, 0));
+                                std::vector<float> n4 = back(dout, (size_t)ns * os);
                                 for (int s = 0; s < ns; s++)
                                     for (int64_t j = (int64_t)nh * hd; j < os; j++)
-                                        n4[(size_t)s * os + j] = 0.0f, n5[(size_t)s * os + j] = 0.0f;
-                                snprintf(w2, sizeof w2, "%s: Q/K norms in the kernel vs rmsnorm_qk first", what);
-                                compare(w2, n4.data(), n5.data(), n4.size(), 1e-4f, 1e-4f);
-                                std::vector<float> k4 = h2f(back(dkc4, cache_elems)), k5 = h2f(back(dkc5, cache_elems));
-                                snprintf(w2, sizeof w2, "%s: Q/K norms: K cache vs rmsnorm_qk first", what);
-                                compare(w2, k4.data(), k5.data(), k4.size(), 1e-3f, 1e-3f);
-                                snprintf(w2, sizeof w2, "%s: Q/K norms: V cache == rmsnorm_qk first's, q k v unchanged",
-                                         what);
-                                check(w2, back(dvc4, cache_elems) == back(dvc5, cache_elems) &&
-                                              back(dqkv, qkv.size()) == qkv);
+                                        n4[(size_t)s * os + j] = 0.0f;
+                                const char *fn = fv == 0 ? "Q/K norms" : fv == 1 ? "q/k/v biases" : "biases and norms";
+                                if (fv == 0) {
+                                    uint16_t *dkc5 = dup(kc0), *dvc5 = dup(vc0);
+                                    float *dq5 = dup(qkv);
+                                    CK(m40k_rmsnorm_qk(dq5, rs, nh, nkv, hd, dwq, dwk, ns, 1e-6f, 0));
+                                    CK(m40k_attn_decode_rope(dout2, os, dq5, rs, dq5 + nh * hd, rs,
+                                                             dq5 + (nh + nkv) * hd, rs, dkc5, dvc5, dip, dix, dlp, ns,
+                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
+                                                             splits, dws, dcnt, 0));
+                                    std::vector<float> n5 = back(dout2, (size_t)ns * os);
+                                    for (int s = 0; s < ns; s++)
+                                        for (int64_t j = (int64_t)nh * hd; j < os; j++)
+                                            n5[(size_t)s * os + j] = 0.0f;
+                                    snprintf(w2, sizeof w2, "%s: Q/K norms in the kernel vs rmsnorm_qk first", what);
+                                    compare(w2, n4.data(), n5.data(), n4.size(), 1e-4f, 1e-4f);
+                                    std::vector<float> k4 = h2f(back(dkc4, cache_elems)),
+                                                       k5 = h2f(back(dkc5, cache_elems));
+                                    snprintf(w2, sizeof w2, "%s: Q/K norms: K cache vs rmsnorm_qk first", what);
+                                    compare(w2, k4.data(), k5.data(), k4.size(), 1e-3f, 1e-3f);
+                                    snprintf(w2, sizeof w2, "%s: Q/K norms: V cache == rmsnorm_qk first's", what);
+                                    check(w2, back(dvc4, cache_elems) == back(dvc5, cache_elems));
+                                    cudaFree(dkc5), cudaFree(dvc5), cudaFree(dq5);
+                                }
+                                snprintf(w2, sizeof w2, "%s: %s: q, k, v unchanged", what, fn);
+                                check(w2, back(dqkv, qkv.size()) == qkv);
                                 std::vector<float> nq = qkv;
                                 std::vector<uint16_t> nk = kc0, nv = vc0;
-                                m40_ref_rmsnorm_heads(nq.data(), rs, nh, hd, wq.data(), ns, 1e-6f);
-                                m40_ref_rmsnorm_heads(nq.data() + nh * hd, rs, nkv, hd, wk.data(), ns, 1e-6f);
+                                if (bia)
+                                    for (int s = 0; s < ns; s++)
+                                        for (int j = 0; j < (nh + 2 * nkv) * hd; j++)
+                                            nq[(size_t)s * rs + j] += bq[j];
+                                if (nrm) {
+                                    m40_ref_rmsnorm_heads(nq.data(), rs, nh, hd, wq.data(), ns, 1e-6f);
+                                    m40_ref_rmsnorm_heads(nq.data() + nh * hd, rs, nkv, hd, wk.data(), ns, 1e-6f);
+                                }
                                 m40_ref_rope(nq.data(), rs, nh, nq.data() + nh * hd, rs, nkv, hd, rot, pos.data(), ns,
                                              base, neox ? f.data() : nullptr, neox);
                                 m40_ref_kv_append(nk.data(), nv.data(), nq.data() + nh * hd, rs,
@@ -946,17 +973,19 @@ static void test_attn_decode_rope(void)
                                 m40_ref_attn_decode_window(nc.data(), os, nq.data(), rs, nk.data(), nv.data(),
                                                            p.indptr.data(), p.indices.data(), p.lpl.data(), ns, nh, nkv,
                                                            hd, scale, window, cap);
-                                snprintf(w2, sizeof w2, "%s: Q/K norms in the kernel vs cpu", what);
+                                snprintf(w2, sizeof w2, "%s: %s in the kernel vs cpu", what, fn);
                                 compare(w2, n4.data(), nc.data(), nc.size(), 2e-4f, 1e-3f);
+                                snprintf(w2, sizeof w2, "%s: %s: v cache == cpu", what, fn);
+                                check(w2, back(dvc4, cache_elems) == nv);
                                 n_qkn++;
-                                cudaFree(dkc4), cudaFree(dvc4), cudaFree(dkc5), cudaFree(dvc5), cudaFree(dq5);
+                                cudaFree(dkc4), cudaFree(dvc4);
                             }
                             cudaFree(dkc), cudaFree(dvc), cudaFree(dkc2), cudaFree(dvc2), cudaFree(dq2);
                         }
             cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(done), cudaFree(dp), cudaFree(dqkv), cudaFree(df),
-                cudaFree(dwq), cudaFree(dwk), cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
+                cudaFree(dwq), cudaFree(dwk), cudaFree(dbq), cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
         }
-    check("attn_decode_rope_qkn: cases ran", n_qkn == 10 * 3 * 2 * 2 * 2 * 2);
+    check("attn_decode_rope_qkn: cases ran", n_qkn == 10 * 3 * 2 * 2 * 2 * 2 * 3);
     int cc = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, 0));
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -984,10 +1013,15 @@ static void test_attn_decode_rope(void)
     check("attn_decode_rope_qkn: q_norm without k_norm refused",
           m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                     10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, nullptr, 1e-6f,
-                                    0) != 0);
+                                    nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope_qkn: negative eps refused",
           m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, pf, -1.0f, 0) != 0);
+                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, pf, -1.0f, nullptr,
+                                    nullptr, nullptr, 0) != 0);
+    check("attn_decode_rope_qkn: a q bias without k and v biases refused",
+          m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
+                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1e-6f,
+                                    pf, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope_q8 with one split refused (no cluster merge)",
           m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, (void *)ph, 0) != 0);
