@@ -96,6 +96,9 @@ struct dec_rope {
     /* the q/k/v product's biases, added first (gpt-oss, Qwen2: kernels.h 6e): [n_heads *
      * head_dim], [n_kv_heads * head_dim] twice, or all NULL */
     const float *bq, *bk, *bv;
+    /* or NULL: out also as F16 (m40k_f2h of each F32 value, rows out_stride apart) for an
+     * output projection that reads F16 x (kernels.h 6e) */
+    uint16_t *out16;
 };
 
 /* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
@@ -452,9 +455,10 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
             o += P[t][j];
         if (n_splits == 1) {
             const float l = l_s[g];
-            out[s * out_stride + (int64_t)h * D + d] = rp.sinks ? o * m40k_sink_norm(m_s[g], l, rp.sinks[h])
-                                                       : l > 0.0f ? o / l
-                                                                  : 0.0f;
+            const float v = rp.sinks ? o * m40k_sink_norm(m_s[g], l, rp.sinks[h]) : l > 0.0f ? o / l : 0.0f;
+            out[s * out_stride + (int64_t)h * D + d] = v;
+            if (rp.out16)
+                rp.out16[s * out_stride + (int64_t)h * D + d] = m40k_f2h(v);
         } else if (CL) {
             P[0][j] = o; /* row 0's word j: read above by this thread only */
         } else {
@@ -506,6 +510,8 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
         for (int j = j0 + tid; j < j1; j += DEC_THREADS) {
             const float v = merged(j);
             ob[j] = v;
+            if (rp.out16)
+                rp.out16[s * out_stride + (int64_t)hq0 * D + j] = m40k_f2h(v);
             /* the next GEMV's int8 records of the slice, a warp a record, as m40k_quantize_q8
              * forms them from out (the same bytes): the slice is whole 32-element blocks
              * (m40k_attn_decode_q8_ok), so the loop keeps warps whole */
@@ -609,6 +615,10 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
 #pragma unroll
         for (int k = 0; k < VW; k++)
             op[k] = num[k] * f;
+        if (rp.out16)
+#pragma unroll
+            for (int k = 0; k < VW; k++)
+                rp.out16[s * out_stride + (int64_t)(hq0 + g) * D + d + k] = m40k_f2h(num[k] * f);
     }
 }
 
@@ -881,7 +891,7 @@ extern "C" int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, co
     return m40k_attn_decode_rope_qkn(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
                                      indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
                                      softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters,
-                                     out_q8, sinks, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr, stream);
+                                     out_q8, sinks, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr, nullptr, stream);
 }
 
 extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const float *q, int64_t q_stride,
@@ -893,7 +903,8 @@ extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const f
                                          const float *freq_factors, int neox, int n_splits, float *workspace,
                                          int *counters, void *out_q8, const float *sinks, const float *q_norm,
                                          const float *k_norm, float norm_eps, const float *bias_q,
-                                         const float *bias_k, const float *bias_v, m40k_stream stream)
+                                         const float *bias_k, const float *bias_v, uint16_t *out16,
+                                         m40k_stream stream)
 {
     if (n_seqs <= 0)
         return 0;
@@ -924,7 +935,8 @@ extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const f
                          norm_eps,
                          bias_q,
                          bias_k,
-                         bias_v};
+                         bias_v,
+                         out16};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
                       n_kv_heads, head_dim, scale, window, softcap, n_splits, workspace, counters, &rp, stream);
 }

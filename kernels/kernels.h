@@ -281,8 +281,10 @@ int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, const float *
  * head_dim weights each (device memory), both or neither; norm_eps >= 0. All NULL:
  * m40k_attn_decode_rope_q8_sinks. The biases add as m40k_add_bias adds them (the same
  * bits); a head's sum of squares is added in another order than m40k_rmsnorm_qk's, so
- * normed results agree to rounding, not bit for bit. Twin: the biases added, then
- * m40_ref_rmsnorm_heads on the q and k heads, then 6c's. */
+ * normed results agree to rounding, not bit for bit. out16, where not NULL, receives out
+ * as F16 too (m40k_f32_to_f16 of out: the same bits; rows out_stride elements apart) for an
+ * output projection that reads F16 x. Twin: the biases added, then m40_ref_rmsnorm_heads on
+ * the q and k heads, then 6c's. */
 int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
                               int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
                               const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
@@ -290,7 +292,7 @@ int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const float *q, in
                               const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
                               int n_splits, float *workspace, int *counters, void *out_q8, const float *sinks,
                               const float *q_norm, const float *k_norm, float norm_eps, const float *bias_q,
-                              const float *bias_k, const float *bias_v, m40k_stream stream);
+                              const float *bias_k, const float *bias_v, uint16_t *out16, m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they

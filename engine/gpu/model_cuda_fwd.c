@@ -863,13 +863,18 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
          * quantization launch between the two) */
         const int xq_wo = tuned && n_dec == n && wants_xq(g, &L->wo, n) &&
                           m40k_attn_decode_q8_ok(n_dec, p->n_heads, p->n_kv_heads, hd, win ? splits_local : splits);
+        /* A step of decode rows only whose output projection reads an F16 copy of x (the
+         * register kernel, cuBLAS): the decode attention writes that copy too (kernels.h
+         * 6e; no conversion launch) */
+        const int att16d = tuned && n_dec == n && n_dec > 0 && !xq_wo && wants_x16(g, &L->wo, n);
         if (tuned && n_dec > 0)
             CK(m40k_attn_decode_rope_qkn(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
                                          p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
                                          p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt,
                                          xq_wo ? g->xq : NULL, L->sinks, L->q_norm, L->k_norm, p->norm_eps,
                                          b0 ? qkv_b : NULL, b0 ? qkv_b + g->q_dim : NULL,
-                                         b0 ? qkv_b + g->q_dim + g->kv_dim : NULL, g->stream));
+                                         b0 ? qkv_b + g->q_dim + g->kv_dim : NULL, att16d ? g->x16 : NULL,
+                                         g->stream));
         if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
             CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
                                    v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
@@ -903,11 +908,11 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                 CK(m40k_quantize_q8(g->att, g->q_dim, (int)g->q_dim, n, g->xq, g->stream));
             CK(gemv_add_norm(g, &L->wo, &xc, &xo, L->ffn_norm));
         } else if (res_fuse_ok(g, &L->wo, n, L->post_attn_norm, xq_gu)) {
-            if (matmul_tiled(g, &L->wo, g->att, n, xc, NULL, att16, err, errlen))
+            if (matmul_tiled(g, &L->wo, g->att, n, xc, NULL, att16 || att16d, err, errlen))
                 return -1;
             CK(norm_res(g, xc, L->ffn_norm, g->xb, n, x16_gu));
         } else {
-            if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, att16, NULL, err, errlen))
+            if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, att16 || att16d, NULL, err, errlen))
                 return -1;
             if (g->tp_n > 1) /* each rank holds its heads' part of the sum */
                 CK(m40_gpu_tp_all_reduce(g, g->xd, (size_t)n * (size_t)dim));

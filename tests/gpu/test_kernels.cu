@@ -757,7 +757,7 @@ static void test_attn_head_split(void)
                                             dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc,
                                             dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base,
                                             nullptr, 0, splits, dws, dcnt, nullptr, nullptr, dwq, dwk, 1e-6f, nullptr,
-                                            nullptr, nullptr, 0));
+                                            nullptr, nullptr, nullptr, 0));
                                         std::vector<float> g = back(dout, (size_t)ns * os);
                                         for (int s = 0; s < ns; s++)
                                             for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -789,7 +789,8 @@ static void test_attn_head_split(void)
  * byte for byte m40k_quantize_q8's of it; (f) at 1 and 8 splits, with the per-head Q/K
  * norms, the q/k/v biases or both in the kernel (6e) against the CPU twins with the biases
  * and m40_ref_rmsnorm_heads first, the norms alone also against m40k_rmsnorm_qk then (a)'s
- * call. Head sizes 64/128/256, groups of
+ * call; (g) with out also written as F16 (6e's out16): the same F32 out, out16 its F16 bit
+ * for bit, nothing past the rows. Head sizes 64/128/256, groups of
  * 1, 4, 8 (7 at 64), RoPE over the whole head, over 24 dims (neox pairs straddling a
  * unit of 8) and none, normal and neox
  * pairs (neox with frequency factors), 1, 8, 16 and 64 splits (most empty for the short
@@ -883,6 +884,36 @@ static void test_attn_decode_rope(void)
                             compare(w2, g.data(), c.data(), c.size(), 2e-4f, 1e-3f);
                             snprintf(w2, sizeof w2, "%s: v cache == cpu", what);
                             check(w2, gv == cv);
+                            {
+                                /* (g) out also as F16 (6e's out16): the same F32 out, and out16
+                                 * the F16 of it bit for bit (the gap past each row unwritten) */
+                                uint16_t *dkc6 = dup(kc0), *dvc6 = dup(vc0);
+                                std::vector<uint16_t> fill((size_t)ns * os, 0x7e00);
+                                uint16_t *do16 = dup(fill);
+                                CK(m40k_attn_decode_rope_qkn(dout2, os, dqkv, rs, dqkv + nh * hd, rs,
+                                                             dqkv + (nh + nkv) * hd, rs, dkc6, dvc6, dip, dix, dlp, ns,
+                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
+                                                             splits, dws, dcnt, nullptr, nullptr, nullptr, nullptr, 0.0f,
+                                                             nullptr, nullptr, nullptr, do16, 0));
+                                std::vector<float> g6 = back(dout2, (size_t)ns * os);
+                                std::vector<uint16_t> h6 = back(do16, (size_t)ns * os);
+                                bool same = true, f16 = true;
+                                for (int s = 0; s < ns; s++)
+                                    for (int64_t j = 0; j < os; j++) {
+                                        const size_t i = (size_t)s * os + j;
+                                        if (j < (int64_t)nh * hd) {
+                                            same &= memcmp(&g6[i], &g[i], 4) == 0;
+                                            f16 &= h6[i] == m40_fp32_to_fp16(g[i]);
+                                        } else {
+                                            f16 &= h6[i] == 0x7e00;
+                                        }
+                                    }
+                                snprintf(w2, sizeof w2, "%s: with out16, the same out", what);
+                                check(w2, same);
+                                snprintf(w2, sizeof w2, "%s: out16 == f16 of out", what);
+                                check(w2, f16);
+                                cudaFree(dkc6), cudaFree(dvc6), cudaFree(do16);
+                            }
                             if (m40k_attn_decode_q8_ok(ns, nh, nkv, hd, splits)) {
                                 /* (e) with the int8 records of out for the next GEMV: the same
                                  * out, and records byte for byte m40k_quantize_q8's of it */
@@ -924,7 +955,7 @@ static void test_attn_decode_rope(void)
                                                              splits, dws, dcnt, nullptr, nullptr, nrm ? dwq : nullptr,
                                                              nrm ? dwk : nullptr, 1e-6f, bia ? dbq : nullptr,
                                                              bia ? dbq + nh * hd : nullptr,
-                                                             bia ? dbq + (nh + nkv) * hd : nullptr, 0));
+                                                             bia ? dbq + (nh + nkv) * hd : nullptr, nullptr, 0));
                                 std::vector<float> n4 = back(dout, (size_t)ns * os);
                                 for (int s = 0; s < ns; s++)
                                     for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -1013,15 +1044,15 @@ static void test_attn_decode_rope(void)
     check("attn_decode_rope_qkn: q_norm without k_norm refused",
           m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                     10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, nullptr, 1e-6f,
-                                    nullptr, nullptr, nullptr, 0) != 0);
+                                    nullptr, nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope_qkn: negative eps refused",
           m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                     10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, pf, -1.0f, nullptr,
-                                    nullptr, nullptr, 0) != 0);
+                                    nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope_qkn: a q bias without k and v biases refused",
           m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                     10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1e-6f,
-                                    pf, nullptr, nullptr, 0) != 0);
+                                    pf, nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope_q8 with one split refused (no cluster merge)",
           m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, (void *)ph, 0) != 0);
