@@ -888,28 +888,30 @@ extern "C" int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, co
                                               const float *freq_factors, int neox, int n_splits, float *workspace,
                                               int *counters, void *out_q8, const float *sinks, m40k_stream stream)
 {
-    return m40k_attn_decode_rope_qkn(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
-                                     indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
-                                     softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters,
-                                     out_q8, sinks, nullptr, nullptr, 0.0f, nullptr, nullptr, nullptr, nullptr, stream);
+    m40k_dec_opts o = {};
+    o.out_q8 = out_q8, o.sinks = sinks;
+    return m40k_attn_decode_rope_ex(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
+                                    indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
+                                    softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters, &o,
+                                    stream);
 }
 
-extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const float *q, int64_t q_stride,
-                                         const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                                         uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
-                                         const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                                         int n_heads, int n_kv_heads, int head_dim, float scale, int window,
-                                         float softcap, const int32_t *pos, int rot_dim, float base,
-                                         const float *freq_factors, int neox, int n_splits, float *workspace,
-                                         int *counters, void *out_q8, const float *sinks, const float *q_norm,
-                                         const float *k_norm, float norm_eps, const float *bias_q,
-                                         const float *bias_k, const float *bias_v, uint16_t *out16,
-                                         m40k_stream stream)
+extern "C" int m40k_attn_decode_rope_ex(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                        const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                                        uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
+                                        const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
+                                        int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                                        const int32_t *pos, int rot_dim, float base, const float *freq_factors,
+                                        int neox, int n_splits, float *workspace, int *counters,
+                                        const m40k_dec_opts *opts, m40k_stream stream)
 {
+    const m40k_dec_opts o = opts ? *opts : m40k_dec_opts{};
     if (n_seqs <= 0)
         return 0;
-    if (!q_norm != !k_norm || (q_norm && !(norm_eps >= 0.0f)) || !bias_q != !bias_k || !bias_q != !bias_v)
+    if (!o.q_norm != !o.k_norm || (o.q_norm && !(o.norm_eps >= 0.0f)) || !o.bias_q != !o.bias_k ||
+        !o.bias_q != !o.bias_v)
         return M40K_INVALID;
+    void *out_q8 = o.out_q8;
     /* m40k_kv_append_rope's refusals, and the 16-byte rows the kernel reads */
     if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || (rot_dim > 0 && (!(base > 0.0f) || !pos)) || !k || !v ||
         ((uintptr_t)k & 15) || ((uintptr_t)v & 15) || k_stride % 4 || v_stride % 4)
@@ -928,15 +930,15 @@ extern "C" int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const f
                          neox,
                          (gq_blk *)out_q8,
                          n_heads * head_dim / 32,
-                         sinks,
+                         o.sinks,
                          0,
-                         q_norm,
-                         k_norm,
-                         norm_eps,
-                         bias_q,
-                         bias_k,
-                         bias_v,
-                         out16};
+                         o.q_norm,
+                         o.k_norm,
+                         o.norm_eps,
+                         o.bias_q,
+                         o.bias_k,
+                         o.bias_v,
+                         o.out16};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
                       n_kv_heads, head_dim, scale, window, softcap, n_splits, workspace, counters, &rp, stream);
 }

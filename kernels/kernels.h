@@ -272,27 +272,35 @@ int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, const float *
                                    float scale, int window, float softcap, const int32_t *pos, int rot_dim, float base,
                                    const float *freq_factors, int neox, int n_splits, float *workspace, int *counters,
                                    void *out_q8, const float *sinks, m40k_stream stream);
-/* 6e. The same with the q/k/v product's biases and the per-head RMSNorm of q and k before
- * RoPE in the kernel: what m40k_add_bias (bias_q [n_heads * head_dim] on q, bias_k and
- * bias_v [n_kv_heads * head_dim] on k and v: gpt-oss, Qwen2; all three or none), then
- * m40k_rmsnorm_qk(q, .., n_heads, n_kv_heads, head_dim, q_norm, k_norm, n_seqs, norm_eps)
- * (Qwen3, Gemma 3) on rows whose q, k and v sit at q, k and v would do first, without
- * writing them (q, k and v are still read and left as they are). q_norm and k_norm:
- * head_dim weights each (device memory), both or neither; norm_eps >= 0. All NULL:
- * m40k_attn_decode_rope_q8_sinks. The biases add as m40k_add_bias adds them (the same
- * bits); a head's sum of squares is added in another order than m40k_rmsnorm_qk's, so
- * normed results agree to rounding, not bit for bit. out16, where not NULL, receives out
- * as F16 too (m40k_f32_to_f16 of out: the same bits; rows out_stride elements apart) for an
- * output projection that reads F16 x. Twin: the biases added, then m40_ref_rmsnorm_heads on
- * the q and k heads, then 6c's. */
-int m40k_attn_decode_rope_qkn(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
-                              int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
-                              const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                              int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
-                              const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
-                              int n_splits, float *workspace, int *counters, void *out_q8, const float *sinks,
-                              const float *q_norm, const float *k_norm, float norm_eps, const float *bias_q,
-                              const float *bias_k, const float *bias_v, uint16_t *out16, m40k_stream stream);
+/* 6e. The same with what else a layer asks of its decode rows, in m40k_dec_opts (NULL or
+ * zeroed: m40k_attn_decode_rope; each member NULL when absent):
+ *   - out_q8, sinks: as m40k_attn_decode_rope_q8_sinks;
+ *   - bias_q [n_heads * head_dim], bias_k and bias_v [n_kv_heads * head_dim]: the q/k/v
+ *     product's biases (gpt-oss, Qwen2; all three or none), added first, as m40k_add_bias
+ *     adds them (the same bits);
+ *   - q_norm, k_norm (head_dim weights each, both or neither; norm_eps >= 0): the per-head
+ *     RMSNorm of q and k before RoPE (Qwen3, Gemma 3), as m40k_rmsnorm_qk(q, .., n_heads,
+ *     n_kv_heads, head_dim, q_norm, k_norm, n_seqs, norm_eps) would do first, but a head's
+ *     sum of squares in another order: the results agree to rounding, not bit for bit;
+ *   - out16: out also as F16 (m40k_f32_to_f16 of out: the same bits; rows out_stride
+ *     elements apart), for an output projection that reads F16 x.
+ * q, k and v are read and left as they are. Twin: the biases added, m40_ref_rmsnorm_heads
+ * on the q and k heads, then 6c's. */
+typedef struct m40k_dec_opts {
+    void *out_q8;
+    const float *sinks;
+    const float *bias_q, *bias_k, *bias_v;
+    const float *q_norm, *k_norm;
+    float norm_eps;
+    uint16_t *out16;
+} m40k_dec_opts;
+int m40k_attn_decode_rope_ex(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
+                             int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
+                             const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
+                             int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                             const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
+                             int n_splits, float *workspace, int *counters, const m40k_dec_opts *opts,
+                             m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they

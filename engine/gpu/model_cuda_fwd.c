@@ -20,7 +20,7 @@
  *     everything stays on the device. Attention: the sequences with one new token come
  *     first in the step and take the decode kernel (split-K), which also does their
  *     q/k/v biases and per-head Q/K norms where the layer has them, their RoPE and KV
- *     append (m40k_attn_decode_rope_qkn: one launch, not four) and, in its
+ *     append (m40k_attn_decode_rope_ex: one launch, not four) and, in its
  *     cluster merge, the int8 records of its output for an int8 output projection
  *     (m40k_attn_decode_rope_q8: no quantization launch between them); the prompt
  *     chunks take RoPE + append (m40k_kv_append_rope) and the prefill kernel; other
@@ -867,14 +867,21 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
          * register kernel, cuBLAS): the decode attention writes that copy too (kernels.h
          * 6e; no conversion launch) */
         const int att16d = tuned && n_dec == n && n_dec > 0 && !xq_wo && wants_x16(g, &L->wo, n);
-        if (tuned && n_dec > 0)
-            CK(m40k_attn_decode_rope_qkn(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
-                                         p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
-                                         p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt,
-                                         xq_wo ? g->xq : NULL, L->sinks, L->q_norm, L->k_norm, p->norm_eps,
-                                         b0 ? qkv_b : NULL, b0 ? qkv_b + g->q_dim : NULL,
-                                         b0 ? qkv_b + g->q_dim + g->kv_dim : NULL, att16d ? g->x16 : NULL,
-                                         g->stream));
+        if (tuned && n_dec > 0) {
+            const m40k_dec_opts dop = {.out_q8 = xq_wo ? g->xq : NULL,
+                                       .sinks = L->sinks,
+                                       .bias_q = b0 ? qkv_b : NULL,
+                                       .bias_k = b0 ? qkv_b + g->q_dim : NULL,
+                                       .bias_v = b0 ? qkv_b + g->q_dim + g->kv_dim : NULL,
+                                       .q_norm = L->q_norm,
+                                       .k_norm = L->k_norm,
+                                       .norm_eps = p->norm_eps,
+                                       .out16 = att16d ? g->x16 : NULL};
+            CK(m40k_attn_decode_rope_ex(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
+                                        p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
+                                        p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, &dop,
+                                        g->stream));
+        }
         if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
             CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
                                    v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,

@@ -753,11 +753,12 @@ static void test_attn_head_split(void)
                                         m40k_set_launch_tuning(1, 1, hs);
                                         uint16_t *dkc = dup(kc0), *dvc = dup(vc0);
                                         float *dout = dup(std::vector<float>((size_t)ns * os, 0.0f));
-                                        CK(m40k_attn_decode_rope_qkn(
+                                        m40k_dec_opts o = {};
+                                        o.q_norm = dwq, o.k_norm = dwk, o.norm_eps = 1e-6f;
+                                        CK(m40k_attn_decode_rope_ex(
                                             dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc,
                                             dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base,
-                                            nullptr, 0, splits, dws, dcnt, nullptr, nullptr, dwq, dwk, 1e-6f, nullptr,
-                                            nullptr, nullptr, nullptr, 0));
+                                            nullptr, 0, splits, dws, dcnt, &o, 0));
                                         std::vector<float> g = back(dout, (size_t)ns * os);
                                         for (int s = 0; s < ns; s++)
                                             for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -801,7 +802,7 @@ static void test_attn_decode_rope(void)
 {
     const std::vector<int> lens = {1, 15, 16, 17, 100, 1000};
     int n_q8 = 0; /* cases that also wrote int8 records (m40k_attn_decode_rope_q8) */
-    int n_qkn = 0; /* cases with Q/K norms or q/k/v biases (m40k_attn_decode_rope_qkn) */
+    int n_qkn = 0; /* cases with Q/K norms or q/k/v biases (m40k_attn_decode_rope_ex) */
     for (int hd : {64, 128, 256})
         for (int G : {1, 4, 8, 7}) {
             if (G == 7 && hd != 64)
@@ -890,11 +891,12 @@ static void test_attn_decode_rope(void)
                                 uint16_t *dkc6 = dup(kc0), *dvc6 = dup(vc0);
                                 std::vector<uint16_t> fill((size_t)ns * os, 0x7e00);
                                 uint16_t *do16 = dup(fill);
-                                CK(m40k_attn_decode_rope_qkn(dout2, os, dqkv, rs, dqkv + nh * hd, rs,
-                                                             dqkv + (nh + nkv) * hd, rs, dkc6, dvc6, dip, dix, dlp, ns,
-                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                             splits, dws, dcnt, nullptr, nullptr, nullptr, nullptr, 0.0f,
-                                                             nullptr, nullptr, nullptr, do16, 0));
+                                m40k_dec_opts o6 = {};
+                                o6.out16 = do16;
+                                CK(m40k_attn_decode_rope_ex(dout2, os, dqkv, rs, dqkv + nh * hd, rs,
+                                                            dqkv + (nh + nkv) * hd, rs, dkc6, dvc6, dip, dix, dlp, ns,
+                                                            nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
+                                                            splits, dws, dcnt, &o6, 0));
                                 std::vector<float> g6 = back(dout2, (size_t)ns * os);
                                 std::vector<uint16_t> h6 = back(do16, (size_t)ns * os);
                                 bool same = true, f16 = true;
@@ -949,13 +951,15 @@ static void test_attn_decode_rope(void)
                                  * F16 to one step) */
                                 const bool nrm = fv != 1, bia = fv != 0;
                                 uint16_t *dkc4 = dup(kc0), *dvc4 = dup(vc0);
-                                CK(m40k_attn_decode_rope_qkn(dout, os, dqkv, rs, dqkv + nh * hd, rs,
-                                                             dqkv + (nh + nkv) * hd, rs, dkc4, dvc4, dip, dix, dlp, ns,
-                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                             splits, dws, dcnt, nullptr, nullptr, nrm ? dwq : nullptr,
-                                                             nrm ? dwk : nullptr, 1e-6f, bia ? dbq : nullptr,
-                                                             bia ? dbq + nh * hd : nullptr,
-                                                             bia ? dbq + (nh + nkv) * hd : nullptr, nullptr, 0));
+                                m40k_dec_opts o4 = {};
+                                if (nrm)
+                                    o4.q_norm = dwq, o4.k_norm = dwk, o4.norm_eps = 1e-6f;
+                                if (bia)
+                                    o4.bias_q = dbq, o4.bias_k = dbq + nh * hd, o4.bias_v = dbq + (nh + nkv) * hd;
+                                CK(m40k_attn_decode_rope_ex(dout, os, dqkv, rs, dqkv + nh * hd, rs,
+                                                            dqkv + (nh + nkv) * hd, rs, dkc4, dvc4, dip, dix, dlp, ns,
+                                                            nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
+                                                            splits, dws, dcnt, &o4, 0));
                                 std::vector<float> n4 = back(dout, (size_t)ns * os);
                                 for (int s = 0; s < ns; s++)
                                     for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -1016,7 +1020,7 @@ static void test_attn_decode_rope(void)
             cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(done), cudaFree(dp), cudaFree(dqkv), cudaFree(df),
                 cudaFree(dwq), cudaFree(dwk), cudaFree(dbq), cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
         }
-    check("attn_decode_rope_qkn: cases ran", n_qkn == 10 * 3 * 2 * 2 * 2 * 2 * 3);
+    check("attn_decode_rope_ex: cases ran", n_qkn == 10 * 3 * 2 * 2 * 2 * 2 * 3);
     int cc = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, 0));
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -1041,18 +1045,23 @@ static void test_attn_decode_rope(void)
     check("attn_decode_rope base 0 refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64, 0.0f,
                                 nullptr, 0, 1, nullptr, nullptr, 0) != 0);
-    check("attn_decode_rope_qkn: q_norm without k_norm refused",
-          m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, nullptr, 1e-6f,
-                                    nullptr, nullptr, nullptr, nullptr, 0) != 0);
-    check("attn_decode_rope_qkn: negative eps refused",
-          m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, pf, pf, -1.0f, nullptr,
-                                    nullptr, nullptr, nullptr, 0) != 0);
-    check("attn_decode_rope_qkn: a q bias without k and v biases refused",
-          m40k_attn_decode_rope_qkn(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 1e-6f,
-                                    pf, nullptr, nullptr, nullptr, 0) != 0);
+    {
+        /* 6e refuses half of a pair of norms, a negative eps, a q bias without k and v */
+        m40k_dec_opts o = {};
+        o.q_norm = pf, o.norm_eps = 1e-6f;
+        check("attn_decode_rope_ex: q_norm without k_norm refused",
+              m40k_attn_decode_rope_ex(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
+                                       64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
+        o.k_norm = pf, o.norm_eps = -1.0f;
+        check("attn_decode_rope_ex: negative eps refused",
+              m40k_attn_decode_rope_ex(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
+                                       64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
+        o = m40k_dec_opts{};
+        o.bias_q = pf;
+        check("attn_decode_rope_ex: a q bias without k and v biases refused",
+              m40k_attn_decode_rope_ex(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
+                                       64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
+    }
     check("attn_decode_rope_q8 with one split refused (no cluster merge)",
           m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
                                    10000.0f, nullptr, 0, 1, nullptr, nullptr, (void *)ph, 0) != 0);
