@@ -99,6 +99,10 @@ static void test_refs(const char *shared)
         char model[4096], ref_path[4096];
         snprintf(model, sizeof model, "%s/models/%.*s.gguf", shared, (int)(n - 5), de->d_name);
         snprintf(ref_path, sizeof ref_path, "%s/%s", dir, de->d_name);
+        if (access(model, R_OK) != 0) { /* a partial copy of ../shared: skip, as for an absent directory */
+            SKIP("%s is absent", model);
+            continue;
+        }
         eval_against_ref(model, ref_path, de->d_name);
     }
     closedir(d);
