@@ -41,7 +41,8 @@
  *     product's int8 input (the records of x * norm weight, unscaled) and x's sums of
  *     squares; the next GEMV scales its product by the norm factor (kernels.h 8d,
  *     fold_norm_ok; M40_FUSE_NORM=0 turns it off). The last down projection does the
- *     final norm for the head the same way.
+ *     final norm for the head the same way. A MoE layer folds its post-attention norm
+ *     the same way too (moe_fold_ok): the router and the experts' gate/up read it.
  *
  * Matmuls (y = W x over n token rows):
  *   - F32 weights (the tiny test models): cublasSgemm;
