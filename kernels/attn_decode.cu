@@ -208,10 +208,11 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
     /* G: the query heads this block takes, from head hq0 on */
     const int G = n_heads / n_kv_heads / hsp, hq0 = gy * G;
 
-    /* With RoPE, the group's q (normalized where rp.q_norm, rotated and scaled) and the
-     * step's own K and V rows are formed once, 8 elements a thread, spread over the block: q
-     * into qsm, K and V (K normalized and rotated, both rounded to F16 as the cache holds
-     * them) into the cache and nks / nvs, by the last split only. Then every team reads its
+    /* With RoPE, the group's q (plus its bias where rp.bq, normalized where rp.q_norm,
+     * rotated and scaled) and the step's own K and V rows are formed once, 8 elements a
+     * thread, spread over the block: q into qsm, K and V (both plus their biases, K
+     * normalized and rotated, both rounded to F16 as the cache holds them) into the cache
+     * and nks / nvs, by the last split only. Then every team reads its
      * dims of q from qsm. (Each thread rotating its own 8 dims of every head repeated that
      * work in every team, and its unrolled code for all the heads was most of the kernel's
      * instructions.) A row's TPR units are TPR adjacent lanes of a warp (TPR divides 32,
