@@ -535,17 +535,22 @@ static void swap_residual(float **xc, float **xo)
     *xo = t;
 }
 
-/* Whether the add + RMSNorm between producer pr (its output added into the residual) and
- * consumer cn can be folded into their GEMVs (kernels.h 8d): batch 1, pr one int8-readable
- * part of dim rows (its bias, if any, added there too), every part of cn int8-readable (the pair of
- * m40k_gemv_q8_pair_normed or single GEMVs), no post norm of pr's output (post_norm
- * NULL: a normed output is not what the residual adds), and not turned off
- * (M40_FUSE_NORM=0). */
+/* Whether producer pr (its output added into the residual) can fold the add + RMSNorm
+ * after it into its GEMV (kernels.h 8d): batch 1, pr one int8-readable part of dim rows
+ * (its bias, if any, added there too), no post norm of pr's output (post_norm NULL: a
+ * normed output is not what the residual adds), and not turned off (M40_FUSE_NORM=0). */
+static int fold_producer_ok(const m40_gpu *g, const gproj *pr, const float *post_norm, int32_t n)
+{
+    return g->fuse_norm && !post_norm && n == 1 && pr->n_parts == 1 && pr->rows == g->p.dim && g->p.dim % 32 == 0 &&
+           gemv_q8_reads(&pr->part[0]);
+}
+
+/* Whether that fold also suits consumer cn: every part of cn int8-readable (the pair of
+ * m40k_gemv_q8_pair_normed or single GEMVs) over dim columns. */
 static int fold_norm_ok(const m40_gpu *g, const gproj *pr, const float *post_norm, const gmat *cn, int cn_parts,
                         int32_t n)
 {
-    if (!g->fuse_norm || post_norm || n != 1 || pr->n_parts != 1 || pr->rows != g->p.dim ||
-        g->p.dim % 32 || !gemv_q8_reads(&pr->part[0]) || cn_parts == 0)
+    if (!fold_producer_ok(g, pr, post_norm, n) || cn_parts == 0)
         return 0;
     for (int i = 0; i < cn_parts; i++)
         if (!gemv_q8_reads(&cn[i]) || cn[i].cols != g->p.dim)
@@ -698,9 +703,7 @@ static int moe_q8(const m40_gpu *g, const glayer *L, int32_t n)
  * records (10c'n): one add + RMSNorm launch less in the layer. */
 static int moe_fold_ok(const m40_gpu *g, const glayer *L, int32_t n)
 {
-    const gproj *wo = &L->wo;
-    return L->router && g->fuse_norm && !L->post_attn_norm && n == 1 && wo->n_parts == 1 &&
-           wo->rows == g->p.dim && g->p.dim % 32 == 0 && gemv_q8_reads(&wo->part[0]) && moe_q8(g, L, 1);
+    return L->router && fold_producer_ok(g, &L->wo, L->post_attn_norm, n) && moe_q8(g, L, 1);
 }
 
 /* Layer L's mixture of experts on the n normalized rows in g->xb, its output (the
