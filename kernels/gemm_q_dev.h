@@ -106,6 +106,19 @@ __device__ __forceinline__ uint4 mq_pack(const uint32_t (&q)[4], float sc, float
     return h;
 }
 
+/* mq_pack with the scale and the negated offset already F16, each in both halves */
+__device__ __forceinline__ uint4 mq_pack_h2(const uint32_t (&q)[4], __half2 s2, __half2 o2)
+{
+    uint4 h;
+    uint32_t *o = &h.x;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __half2 r = __hfma2(*reinterpret_cast<const __half2 *>(&q[i]), s2, o2);
+        o[i] = *reinterpret_cast<const uint32_t *>(&r);
+    }
+    return h;
+}
+
 /* Two words of four unsigned bytes (each < 1024) as four F16 pairs holding them exactly:
  * the bytes under 0x64 (1024 + b), then 1024 subtracted. */
 __device__ __forceinline__ void mq_bytes_h2(uint32_t t0, uint32_t t1, uint32_t (&q)[4])

@@ -54,49 +54,70 @@ template <int T, int BM> struct mr_smem {
     static_assert(NS >= 2, "a ring of at least two stages");
 };
 
-/* What a lane decodes once per chunk and row: the scales of the row's chunk. */
+/* What a lane decodes once per chunk and row: the F16 scales and negated offsets of its
+ * groups, formed in F16 arithmetic (one rounding of an exact product, as the twin's
+ * RN(scale) and RN(offset) are: F32 would hold the same products exactly, and the F32 to
+ * F16 conversions it took cost a slow pipe four of the loop's instructions in ten).
+ * Q4_K: s[i], o[i] the pairs of sub-blocks 2i, 2i+1 (scale, -offset); Q8_0_G8: s[i] the
+ * pair d[2i], d[2i+1], o[i] the pair times -128; Q6_K_G8, Q6_K_P: s[0] = d, o[0] = -32 d
+ * (each half); MXFP4_P: the chunk's 8 scale bytes e[8] in s[0], s[1]. */
 struct mr_cs {
-    uint32_t a, b, c, d; /* Q4_K: scales 0-3, 4-7, mins 0-3, 4-7 (a byte each); Q8_0_G8: d[8]; Q6_K_G8, Q6_K_P: d in a;
-                          * MXFP4_P: e[8] in a, b */
-    float d0, d1;        /* Q4_K: d, dmin */
+    uint32_t s[4], o[4];
 };
+
+__device__ __forceinline__ uint32_t mr_byte(uint32_t w, int i) { return (w >> (8 * i)) & 0xFFu; }
+__device__ __forceinline__ uint32_t mr_h2u(__half2 h) { return *reinterpret_cast<const uint32_t *>(&h); }
+__device__ __forceinline__ __half2 mr_u2h(uint32_t u) { return *reinterpret_cast<const __half2 *>(&u); }
+
+/* bytes 2i, 2i+1 of w (each < 1024) as an F16 pair, exact: under 0x64 (1024 + b), minus 1024 */
+__device__ __forceinline__ __half2 mr_byte_pair(uint32_t w, int i)
+{
+    const __half2 k1024 = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+    return __hsub2(mr_u2h(__byte_perm(w, 0x64, i ? 0x4342u : 0x4140u)), k1024);
+}
 
 template <int T> __device__ __forceinline__ mr_cs mr_chunk_scales(const uint8_t *p, int j)
 {
     mr_cs cs;
     if constexpr (T == M40K_TYPE_Q4_K) {
         const uint4 h = *reinterpret_cast<const uint4 *>(p); /* d, dmin | scales[12] */
-        cs.a = h.y & 0x3f3f3f3fu;
-        cs.c = h.z & 0x3f3f3f3fu;
-        cs.b = (h.w & 0x0f0f0f0fu) | ((h.y >> 6) & 0x03030303u) << 4;
-        cs.d = ((h.w >> 4) & 0x0f0f0f0fu) | ((h.z >> 6) & 0x03030303u) << 4;
-        cs.d0 = m40k_h2f((uint16_t)(h.x & 0xFFFFu));
-        cs.d1 = m40k_h2f((uint16_t)(h.x >> 16));
+        const uint32_t sa = h.y & 0x3f3f3f3fu, mc = h.z & 0x3f3f3f3fu;
+        const uint32_t sb = (h.w & 0x0f0f0f0fu) | ((h.y >> 6) & 0x03030303u) << 4;
+        const uint32_t md = ((h.w >> 4) & 0x0f0f0f0fu) | ((h.z >> 6) & 0x03030303u) << 4;
+        const __half2 d = mr_u2h(__byte_perm(h.x, 0, 0x1010));                 /* d, d */
+        const __half2 nm = mr_u2h(__byte_perm(h.x, 0, 0x3232) ^ 0x80008000u); /* -dmin, -dmin */
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            cs.s[i] = mr_h2u(__hmul2(mr_byte_pair(sa, i), d));
+            cs.s[2 + i] = mr_h2u(__hmul2(mr_byte_pair(sb, i), d));
+            cs.o[i] = mr_h2u(__hmul2(mr_byte_pair(mc, i), nm));
+            cs.o[2 + i] = mr_h2u(__hmul2(mr_byte_pair(md, i), nm));
+        }
     } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
         const uint4 h = *reinterpret_cast<const uint4 *>(p);
-        cs.a = h.x, cs.b = h.y, cs.c = h.z, cs.d = h.w;
-        cs.d0 = cs.d1 = 0.0f;
+        const __half2 k = __float2half2_rn(-128.0f);
+        cs.s[0] = h.x, cs.s[1] = h.y, cs.s[2] = h.z, cs.s[3] = h.w;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            cs.o[i] = mr_h2u(__hmul2(mr_u2h(cs.s[i]), k));
     } else if constexpr (T == M40K_TYPE_MXFP4_P) { /* the chunk's 8 scale bytes e[8] */
         const uint2 h = *reinterpret_cast<const uint2 *>(p + 128);
-        cs.a = h.x, cs.b = h.y, cs.c = cs.d = 0;
-        cs.d0 = cs.d1 = 0.0f;
+        cs.s[0] = h.x, cs.s[1] = h.y;
     } else { /* Q6_K_G8: the group's d[j]; Q6_K_P: the superblock's d */
-        cs.a = mq_lds16(p + 208 + (T == M40K_TYPE_Q6_K_G8 ? 2 * j : 0));
-        cs.b = cs.c = cs.d = 0;
-        cs.d0 = m40k_h2f((uint16_t)cs.a);
-        cs.d1 = 0.0f;
+        const uint32_t d = mq_lds16(p + 208 + (T == M40K_TYPE_Q6_K_G8 ? 2 * j : 0));
+        cs.s[0] = __byte_perm(d, 0, 0x1010);
+        cs.o[0] = mr_h2u(__hmul2(mr_u2h(cs.s[0]), __float2half2_rn(-32.0f))); /* exact below 2048 */
     }
     return cs;
 }
 
-__device__ __forceinline__ uint32_t mr_byte(uint32_t w, int i) { return (w >> (8 * i)) & 0xFFu; }
-
 /* The 8 elements 32*s + l .. +7 (l a multiple of 8 below 32; s a constant after
  * unrolling) of a staged chunk row p as 8 bytes q (the q of m40k_group8: t0 elements 0-3,
- * t1 4-7), with their group's scale and offset; cs: the row's mr_chunk_scales. */
+ * t1 4-7), with their group's F16 scale and negated offset, each in both halves; cs: the
+ * row's mr_chunk_scales. */
 template <int T>
 __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr_cs &cs, uint32_t &t0, uint32_t &t1,
-                                        float &sc, float &off)
+                                        __half2 &sc, __half2 &noff)
 {
     const int e = 32 * s + l;
     if constexpr (T == M40K_TYPE_Q4_K) {
@@ -105,16 +126,16 @@ __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr
         const int sh = (s & 1) * 4;
         t0 = (v.x >> sh) & 0x0F0F0F0Fu;
         t1 = (v.y >> sh) & 0x0F0F0F0Fu;
-        sc = cs.d0 * (float)mr_byte(s < 4 ? cs.a : cs.b, s & 3);
-        off = cs.d1 * (float)mr_byte(s < 4 ? cs.c : cs.d, s & 3);
+        const __half2 sp = mr_u2h(cs.s[s >> 1]), op = mr_u2h(cs.o[s >> 1]);
+        sc = (s & 1) ? __high2half2(sp) : __low2half2(sp);
+        noff = (s & 1) ? __high2half2(op) : __low2half2(op);
     } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
-        const int jb = s;
         const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + e);
         t0 = v.x ^ 0x80808080u; /* int8 + 128 */
         t1 = v.y ^ 0x80808080u;
-        const uint32_t dw = jb < 2 ? cs.a : jb < 4 ? cs.b : jb < 6 ? cs.c : cs.d;
-        sc = m40k_h2f((uint16_t)(dw >> (16 * (jb & 1))));
-        off = 128.0f * sc;
+        const __half2 sp = mr_u2h(cs.s[s >> 1]), op = mr_u2h(cs.o[s >> 1]);
+        sc = (s & 1) ? __high2half2(sp) : __low2half2(sp);
+        noff = (s & 1) ? __high2half2(op) : __low2half2(op);
     } else { /* Q6_K_G8, Q6_K_P: superblock ql[128] | qh[64] | scales[16] (quant_dev.h); MXFP4_P: mr_frag8 */
         const int n = s >> 2, k = s & 3;
         const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
@@ -122,8 +143,11 @@ __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr
         const int shl = k < 2 ? 0 : 4, shh = 2 * k;
         t0 = ((lo.x >> shl) & 0x0F0F0F0Fu) | (((hi.x >> shh) & 0x03030303u) << 4);
         t1 = ((lo.y >> shl) & 0x0F0F0F0Fu) | (((hi.y >> shh) & 0x03030303u) << 4);
-        sc = cs.d0 * (float)(int8_t)p[192 + (e >> 4)];
-        off = 32.0f * sc;
+        /* the int8 scale as 1024 + (b + 128) in both halves, exact, minus 1152 */
+        const __half2 b = __hsub2(mr_u2h(__byte_perm((uint32_t)p[192 + (e >> 4)] ^ 0x80u, 0x64, 0x4040u)),
+                                  __float2half2_rn(1152.0f));
+        sc = __hmul2(b, mr_u2h(cs.s[0]));
+        noff = __hmul2(b, mr_u2h(cs.o[0]));
     }
 }
 
@@ -140,7 +164,7 @@ template <int T> __device__ __forceinline__ uint4 mr_frag8(const uint8_t *p, int
         const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 * s + (l & 15));
         const int sh = l < 16 ? 0 : 4;
         const uint32_t w[2] = {v.x >> sh, v.y >> sh};
-        const __half2 sc = __float2half2_rn(m40k_e8m0_half(mr_byte(s < 4 ? cs.a : cs.b, s & 3)));
+        const __half2 sc = __float2half2_rn(m40k_e8m0_half(mr_byte(cs.s[s >> 2], s & 3)));
         const __half2 k15 = __float2half2_rn(32768.0f);
         uint4 h;
         uint32_t *o = &h.x;
@@ -154,10 +178,10 @@ template <int T> __device__ __forceinline__ uint4 mr_frag8(const uint8_t *p, int
         return h;
     } else {
         uint32_t t0, t1, q[4];
-        float sc, off;
-        mr_deq8<T>(p, s, l, cs, t0, t1, sc, off);
+        __half2 sc, noff;
+        mr_deq8<T>(p, s, l, cs, t0, t1, sc, noff);
         mq_bytes_h2(t0, t1, q);
-        return mq_pack(q, sc, off);
+        return mq_pack_h2(q, sc, noff);
     }
 }
 
