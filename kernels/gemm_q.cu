@@ -517,9 +517,17 @@ template <int T> static int mq_dequant_type(const void *w, int N, int K, uint16_
 /* The block's token rows for M rows: the smallest of 16, 32, 64 that holds them, else 128. */
 static int mq_bm(int M) { return M <= 16 ? 16 : M <= 32 ? 32 : M <= 64 ? 64 : 128; }
 
-extern "C" size_t m40k_gemm_q_counter_ints(int N, int M)
+/* tiles of the staged kernel (MQ_BN weight rows by mq_bm(M) token rows) */
+static size_t mq_tiles(int N, int M)
 {
     return N > 0 && M > 0 ? (size_t)((N + MQ_BN - 1) / MQ_BN) * (size_t)((M + mq_bm(M) - 1) / mq_bm(M)) : 0;
+}
+
+/* a counter a tile: the staged kernel's, or the register kernel's (blocks of 96 rows or more) */
+extern "C" size_t m40k_gemm_q_counter_ints(int N, int M)
+{
+    const size_t reg = N > 0 && M > 0 ? (size_t)((N + MR_MIN_ROWS - 1) / MR_MIN_ROWS) : 0;
+    return mq_tiles(N, M) > reg ? mq_tiles(N, M) : reg;
 }
 
 extern "C" size_t m40k_gemm_q_ws_floats(int N, int M, int n_splits)
@@ -549,7 +557,7 @@ extern "C" int m40k_gemm_q_pick_splits(int w_type, int N, int K, int M, int sm_c
 {
     if (N <= 0 || M <= 0 || K <= 0 || sm_count <= 0 || m40k_gemm_q_counter_ints(N, M) > counter_ints)
         return 1;
-    const int tiles = (int)m40k_gemm_q_counter_ints(N, M), nc = (K + MQ_KC - 1) / MQ_KC;
+    const int tiles = (int)mq_tiles(N, M), nc = (K + MQ_KC - 1) / MQ_KC;
     /* one wave of two resident blocks an SM (the register kernel: its own count); at
      * least one 256-wide chunk a split */
     int S = mq_reg_takes(w_type, K, M, NULL, 16) ? mr_pick_splits(w_type, N, K, M, sm_count) : (2 * sm_count) / tiles;

@@ -231,10 +231,12 @@ __device__ __forceinline__ void mq_ring(int c0, int c1, IW &&issue_w, WX &&wait_
 /* The end of the register-fragment kernels (gemm_q_reg.cu, gemm_x8.cu): a warp's m16 tile
  * of weight rows by NT n8 tiles of token rows, accumulator c of tile nt at weight row
  * n0 + wrow + 8*(c >> 1), token row 8*nt + 2*t4 + (c & 1), stored to y (or split s's
- * partial in ws), then the split-K end. rows: the block's weight rows. */
+ * partial in ws), then the split-K end. rows: the block's weight rows; active: whether
+ * this warp's tile is among them (every thread takes the split-K end). */
 template <int NT>
 __device__ __forceinline__ void mq_frag_store(const float (&acc)[NT][4], int n0, int rows, int wrow, int t4, int N,
-                                              int M, float *y, int64_t ldy, int S, int s, float *ws, int *counters)
+                                              int M, float *y, int64_t ldy, int S, int s, float *ws, int *counters,
+                                              bool active = true)
 {
     float *dst = S > 1 ? ws + (size_t)s * M * N : y;
     const int64_t ld = S > 1 ? N : ldy;
@@ -244,7 +246,7 @@ __device__ __forceinline__ void mq_frag_store(const float (&acc)[NT][4], int n0,
         for (int c = 0; c < 4; c++) {
             const int r = n0 + wrow + 8 * (c >> 1);
             const int t = nt * 8 + 2 * t4 + (c & 1);
-            if (r < N && t < M)
+            if (active && r < N && t < M)
                 dst[(size_t)t * ld + r] = acc[nt][c];
         }
     if (S > 1)
@@ -293,6 +295,8 @@ static inline int mq_smem_limits(K16 k16, int b16, K32 k32, int b32, K64 k64, in
  * rows, aligned rows and K whole chunks), its split count, its shared-memory limits
  * (mr_prepare), the launch. */
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes);
+/* the fewest weight rows a register kernel's block takes (six of its eight warps multiply) */
+#define MR_MIN_ROWS 96
 int mr_pick_splits(int w_type, int N, int K, int M, int sm_count);
 int mr_prepare(void);
 int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride, int M,

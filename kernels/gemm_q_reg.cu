@@ -29,7 +29,7 @@
 #define MR_XLD (MQ_KC + 32) /* halves a row of the staged x tile: 576 bytes */
 #define MR_SMEM_MAX (227 * 1024)
 
-#define MR_ROWS (MQ_WARPS * 16) /* weight rows a block: one m16 tile a warp */
+#define MR_ROWS (MQ_WARPS * 16) /* weight rows a block at most: one m16 tile a warp */
 
 /* Shared memory of one stage and the ring. Two blocks an SM where two stages each fit,
  * one otherwise; as many stages as fit (at most 4). The weight rows are padded against
@@ -185,12 +185,13 @@ template <int T> __device__ __forceinline__ uint4 mr_frag8(const uint8_t *p, int
     }
 }
 
-/* One block: weight rows 128 * bx .. of the product, split s of S over K (mr_kernel), or
- * one tile of an expert's rows (mr_grouped_kernel, S 1). */
+/* One block: weight rows R * bx .. +R of the product (R = rows: 96, 112 or 128, the first
+ * R / 16 warps an m16 tile each, the others only copying), split s of S over K
+ * (mr_kernel), or one tile of an expert's rows (mr_grouped_kernel, R 128, S 1). */
 template <int T, int BM>
 __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t row_bytes, int N, int K,
                                          const uint16_t *x, int64_t x_stride, int M, float *__restrict__ y,
-                                         int64_t ldy, int S, float *ws, int *counters, int bx, int s)
+                                         int64_t ldy, int S, float *ws, int *counters, int bx, int s, int rows)
 {
     typedef mr_smem<T, BM> sm;
     constexpr int NT = BM / 8;
@@ -199,7 +200,7 @@ __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t r
     /* stage b: weights at mr_sm + b * STAGE (ROWS rows of WLD bytes), then x (BM rows of
      * MR_XLD halves) */
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const int n0 = bx * MR_ROWS;
+    const int n0 = bx * rows;
     const int nc = (K + MQ_KC - 1) / MQ_KC; /* MXFP4_P: a last chunk past K (zero weights, zero x) */
     const int c0 = (int)((int64_t)s * nc / S), c1 = (int)((int64_t)(s + 1) * nc / S);
 
@@ -208,16 +209,18 @@ __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t r
      * where they come from and go is worked out once here and a chunk adds only its
      * offset (the index arithmetic per chunk and copy was a quarter of the kernel's
      * instructions, BENCHMARKS.md). Weights: copy k of this thread is piece i = tid +
-     * 256k of the MR_ROWS x WP pieces (rows past N read row N - 1, never written). x: row
+     * 256k of the MR_ROWS x WP pieces (rows past N read row N - 1, never written; rows
+     * past R are zero-filled, read from nowhere: wsz's bit k clear). x: row
      * tid / 32 + 8k, piece tid % 32 of its 32 (rows past M zero-filled). */
     constexpr int WP = RB / 16, KW = (MR_ROWS * WP + MQ_WARPS * 32 - 1) / (MQ_WARPS * 32), KX = BM / 8;
     static_assert(MQ_WARPS * 32 == 256, "x: 8 rows a round of 256 threads");
     /* source offset from row n0's start for chunk 0 (bit 0, Q6_K_G8: a piece of the
      * superblock, which moves 208 bytes a chunk within its group), and stage offset */
-    uint32_t woff[KW], wdst[KW];
+    uint32_t woff[KW], wdst[KW], wsz = 0;
 #pragma unroll
     for (int k = 0; k < KW; k++) {
         const int i = tid + 256 * k, r = min(i / WP, MR_ROWS - 1), o = 16 * (i % WP);
+        wsz |= (uint32_t)(r < rows) << k;
         const uint32_t ro = (uint32_t)((size_t)(min(n0 + r, N - 1) - n0) * row_bytes);
         if constexpr (T == M40K_TYPE_Q6_K_G8)
             woff[k] = ro + (o < 208 ? (uint32_t)o + 1u : 1664u + (uint32_t)(o - 208));
@@ -241,7 +244,7 @@ __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t r
                         src = (woff[k] & ~1u) + (size_t)1680 * (c >> 3) + (woff[k] & 1u ? 208u * (c & 7) : 0u);
                     else
                         src = woff[k] + (size_t)c * RB;
-                    mq_cp16(st + wdst[k], w0 + src, 16);
+                    mq_cp16(st + wdst[k], w0 + src, (wsz >> k & 1u) * 16);
                 }
         }
     };
@@ -270,7 +273,10 @@ __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t r
         x = m40k_grid_wait_for(x);
         x0 = x + (size_t)xr0 * x_stride + 8 * xp;
     };
+    const bool active = warp * 16 < rows; /* warp-uniform */
     mq_ring<NS>(c0, c1, issue_w, wait_x, issue_x, [&](int c, int stage) {
+        if (!active)
+            return;
         const uint8_t *st = mr_sm + stage * sm::STAGE;
         const uint16_t *xs = reinterpret_cast<const uint16_t *>(st + MR_ROWS * WLD);
         const uint8_t *row[2] = {st + wrow * WLD, st + (wrow + 8) * WLD};
@@ -293,15 +299,15 @@ __device__ __forceinline__ void mr_block(const uint8_t *__restrict__ w, size_t r
         }
     });
 
-    mq_frag_store<NT>(acc, n0, MR_ROWS, wrow, t4, N, M, y, ldy, S, s, ws, counters);
+    mq_frag_store<NT>(acc, n0, rows, wrow, t4, N, M, y, ldy, S, s, ws, counters, active);
 }
 
 template <int T, int BM>
 __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_kernel(
     const uint8_t *__restrict__ w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride,
-    int M, float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters)
+    int M, float *__restrict__ y, int64_t ldy, int S, float *ws, int *counters, int rows)
 {
-    mr_block<T, BM>(w, row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters, blockIdx.x, blockIdx.z);
+    mr_block<T, BM>(w, row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters, blockIdx.x, blockIdx.z, rows);
 }
 
 /* The experts' grouped product on the register kernel (kernels.h 10g; the tile table of
@@ -324,7 +330,7 @@ __global__ __launch_bounds__(MQ_WARPS * 32, mr_smem<T, BM>::BLOCKS) void mr_grou
     if (!mq_group_tile(tiles, offsets, n_expert, blockIdx.y, e, m0, base, M))
         return;
     mr_block<T, BM>(w + (size_t)e * expert_bytes, row_bytes, N, K, x + (size_t)(base + m0) * x_stride, x_stride,
-                    min(M - m0, BM), y + (size_t)(base + m0) * ldy, ldy, 1, nullptr, nullptr, blockIdx.x, 0);
+                    min(M - m0, BM), y + (size_t)(base + m0) * ldy, ldy, 1, nullptr, nullptr, blockIdx.x, 0, MR_ROWS);
 }
 
 int mr_reads(int w_type, int K, int M, const void *w, size_t row_bytes)
@@ -365,7 +371,7 @@ int mr_prepare(void)
 }
 
 typedef void (*mr_fn)(const uint8_t *, size_t, int, int, const uint16_t *, int64_t, int, float *, int64_t, int, float *,
-                      int *);
+                      int *, int);
 typedef void (*mr_grouped_fn)(const uint8_t *, size_t, size_t, int, int, int, const uint16_t *, int64_t,
                               const int32_t *, const int32_t *, float *, int64_t);
 
@@ -395,12 +401,60 @@ template <typename F> static int mr_dispatch(int w_type, int M, F f)
     }
 }
 
+/* The rows a block R and the splits S of a product: for each R (128, 112, 96), S as many
+ * as fill the slots with one wave of blocks (mq_one_wave_splits); of those pairs, the one
+ * whose busiest SM has the least work (its blocks times R times a split's chunks), the
+ * larger R on a tie. Fewer rows than 128 even out a product whose 128-row blocks leave
+ * SMs with one block while others hold two (28672 rows: 224 blocks on 264 slots of 132
+ * SMs; at 112 rows, 256), or whose splits take uneven chunks (6144 x 4096: 48 blocks by
+ * 5 splits of 3 or 4 chunks; at 96 rows, 64 by 4 of 4). More splits than that, or fewer,
+ * leave slots empty: slower at every shape measured (BENCHMARKS.md). */
+static void mr_pick(int N, int K, int blocks_per_sm, int sm_count, int &R_out, int &S_out)
+{
+    const int nc = (K + MQ_KC - 1) / MQ_KC;
+    long best = -1;
+    R_out = MR_ROWS, S_out = 1;
+    for (int R = MR_ROWS; R >= MR_MIN_ROWS; R -= 16) {
+        const int S = mq_one_wave_splits(blocks_per_sm, sm_count, N, R, K);
+        const long blocks = (long)((N + R - 1) / R) * S;
+        const long load = (blocks + sm_count - 1) / sm_count * R * ((nc + S - 1) / S);
+        if (best < 0 || load < best)
+            best = load, R_out = R, S_out = S;
+    }
+}
+
+static int mr_blocks_per_sm(int w_type, int M)
+{
+    return mr_dispatch(w_type, M, [&](mr_fn, mr_grouped_fn, int blocks, int) { return blocks; });
+}
+
 int mr_pick_splits(int w_type, int N, int K, int M, int sm_count)
 {
-    const int S = mr_dispatch(
-        w_type, M,
-        [&](mr_fn, mr_grouped_fn, int blocks, int) { return mq_one_wave_splits(blocks, sm_count, N, MR_ROWS, K); });
-    return S < 1 ? 1 : S;
+    int R, S;
+    const int bps = mr_blocks_per_sm(w_type, M);
+    if (bps <= 0 || sm_count <= 0)
+        return 1;
+    mr_pick(N, K, bps, sm_count, R, S);
+    return S;
+}
+
+static int mr_forced_rows; /* m40k_gemm_q_rows */
+
+extern "C" void m40k_gemm_q_rows(int rows)
+{
+    mr_forced_rows = rows == 96 || rows == 112 || rows == 128 ? rows : 0;
+}
+
+/* the SMs of the current device, asked once per device */
+static int mr_sm_count(void)
+{
+    static int count[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return 0;
+    if (!count[dev] && cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        count[dev] = 0;
+    return count[dev];
 }
 
 int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride, int M,
@@ -409,10 +463,22 @@ int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uin
     const int e = mr_prepare(); /* once per device */
     if (e)
         return e;
+    const int sms = mr_sm_count();
+    /* the picked rows where S is the picked split count (the caller's workspace may have
+     * asked fewer), else 128 */
+    int R = MR_ROWS, Rp, Sp;
+    const int bps = mr_blocks_per_sm(w_type, M);
+    if (mr_forced_rows)
+        R = mr_forced_rows;
+    else if (sms > 0 && bps > 0) {
+        mr_pick(N, K, bps, sms, Rp, Sp);
+        if (Sp == S)
+            R = Rp;
+    }
     return mr_dispatch(w_type, M, [&](mr_fn fn, mr_grouped_fn, int, int bytes) {
-        const dim3 grid((unsigned)((N + MR_ROWS - 1) / MR_ROWS), 1, (unsigned)S);
+        const dim3 grid((unsigned)((N + R - 1) / R), 1, (unsigned)S);
         const int e2 = m40k_launch_pdl_smem(fn, grid, dim3(MQ_WARPS * 32), (size_t)bytes, st, (const uint8_t *)w,
-                                            row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters);
+                                            row_bytes, N, K, x, x_stride, M, y, ldy, S, ws, counters, R);
         return e2 ? e2 : m40k_launch_status();
     });
 }

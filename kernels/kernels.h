@@ -549,6 +549,9 @@ int m40k_gemm_skinny_glu(int act, const uint16_t *w, int N, int K, const float *
  * between the two kernels (and is fixed within each).
  * m40k_gemm_q_tune(reg_rows): products of up to reg_rows token rows may take the register
  * kernel (default 64, its most; 0: never). Process-wide; set it before any launch.
+ * The register kernel's blocks take 96, 112 or 128 weight rows, picked with the split
+ * count so that the busiest SM has the least work in one wave of blocks;
+ * m40k_gemm_q_rows(rows) forces one of them (0: picked; for tests), process-wide.
  * m40k_gemm_q_pick_splits: a split count for the product (its type picks the kernel)
  * within the caller's workspace and counters (1 when they are too small). */
 int m40k_gemm_q_supported(int w_type);
@@ -567,6 +570,7 @@ enum { M40K_GEMM_Q_DIRECT = 0, M40K_GEMM_Q_STAGED = 1, M40K_GEMM_Q_REGISTER = 2 
 int m40k_gemm_q_dequant(const void *w, int w_type, int N, int K, uint16_t *out, m40k_stream stream);
 int m40k_gemm_q_kernel(int w_type, int K, int M, const void *w);
 void m40k_gemm_q_tune(int reg_rows);
+void m40k_gemm_q_rows(int rows);
 int m40k_gemm_q(const void *w, int w_type, int N, int K, const uint16_t *x, int64_t x_stride, int M, float *y,
                 int64_t ldy, int n_splits, float *workspace, int *counters, m40k_stream stream);
 

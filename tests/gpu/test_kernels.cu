@@ -1345,7 +1345,8 @@ static void test_gemm_skinny(void)
  * partial last 64-wide step (32-element types) and of several steps; M in every tile
  * height (16, 32, 64, 128) and past one tile (1..64 rows of Q4_K and the G8 layouts: the
  * register kernel; the rest: the shared-memory one); x rows strided; split counts 1,
- * picked and the most. Also: y columns past N left alone, the same bits again, the
+ * picked and the most (the register kernel's picked count at each of its block sizes,
+ * 96 rows leaving two warps idle, a last block partly past N). Also: y columns past N left alone, the same bits again, the
  * counters back at zero, the unaligned copy on the direct kernel, refusals, and the F16
  * weights of m40k_gemm_q_dequant against m40_ref_gemm_q_dequant. */
 static void test_gemm_q(void)
@@ -1438,6 +1439,17 @@ static void test_gemm_q(void)
                         const int kind = m40k_gemm_q_kernel(type, K, M, dw);
                         check("gemm_q kernel named", kind == M40K_GEMM_Q_DIRECT || kind == M40K_GEMM_Q_STAGED ||
                                                          kind == M40K_GEMM_Q_REGISTER);
+                        if (kind == M40K_GEMM_Q_REGISTER && S == pick)
+                            for (int R : {96, 112, 128}) { /* each block size the pick may take */
+                                m40k_gemm_q_rows(R);
+                                snprintf(what, sizeof what, "gemm_q %s%s N %d K %d M %d splits %d rows %d",
+                                         m40_type_name(base), sfx, N, K, M, S, R);
+                                check_split_run(
+                                    what, [&] { CK(m40k_gemm_q(dw, type, N, K, dx, xs, M, dy, ldy, S, dws, dcnt, 0)); },
+                                    dy, c, M, N, ldy, (float)(2e-6 * mag), 1e-4f, dcnt,
+                                    m40k_gemm_q_counter_ints(N, M));
+                                m40k_gemm_q_rows(0);
+                            }
                         if (S == pick && (N == 17 || M == 33)) {
                             /* W 2 bytes off 16-byte alignment: the direct kernel (byte loads);
                              * the same steps and sums as the staged one, so the same bits
