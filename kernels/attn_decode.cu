@@ -15,14 +15,13 @@
  * With n_splits > 1 each split writes (unnormalized output, max, sum) to a workspace
  * and the splits are merged in the same launch, by whichever split block of a (sequence,
  * KV head) finishes last (no second kernel: its launch cost ~5 us a layer at batch 1).
- * Each split block stores its partials, fences them (__threadfence: visible to the whole
- * device before anything it does next) and counts itself in a per-(sequence, KV head)
- * counter with one atomicAdd; the block that reads n_splits - 1 knows every other split
- * has stored and fenced its rows. It fences again (the acquire side), reads all the rows
- * back through L2 (__ldcg: this SM's L1 is not coherent with the others' stores), merges
- * them for its G query heads (max over splits, den = sum exp(m_i - M) l_i, num likewise
- * per dim; an empty split leaves max -inf: skipped), writes `out` and sets the counter
- * back to 0. The counters (caller-owned, zeroed once) are therefore zero between calls
+ * Each split block stores its partials and counts itself in a per-(sequence, KV head)
+ * counter (m40k_split_last: a barrier, then one acq_rel atomic that releases the block's
+ * stores); the block that reads n_splits - 1 knows every other split has stored its rows.
+ * It reads all the rows back through L2 (__ldcg: this SM's L1 is not coherent with the
+ * others' stores), merges them for its G query heads (max over splits, den = sum
+ * exp(m_i - M) l_i, num likewise per dim; an empty split leaves max -inf: skipped),
+ * writes `out` and sets the counter back to 0. The counters (caller-owned, zeroed once) are therefore zero between calls
  * (two calls in flight at once must not share them). No block ever waits on another, so
  * any block schedule is safe; a PDL-launched GEMV that follows waits (griddepcontrol.wait)
  * for the whole grid, merging blocks included, before it reads `out`. The splits divide the
@@ -526,29 +525,14 @@ __global__ __launch_bounds__(DEC_THREADS, !CL && GMAX <= 4 ? DEC_MIN_BLOCKS : 2)
         return;
     }
 
-    /* Count this split in; the last of the (sequence, KV head) to arrive merges. Release:
-     * every thread fences its own stores above; after the barrier thread 0 fences again
-     * (cumulative over the whole block's stores, which the barrier ordered before it:
-     * the PTX model's release pattern is a fence then a write by the same thread) and
-     * then counts. Acquire: the thread that read n_splits - 1 fences before the barrier
-     * that releases the block's loads. An empty split (tok0 == tok1) also gets here: it
-     * stored zeros and max -inf, and it must be counted. */
-    __shared__ int last_s;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        int *cnt = counters + (size_t)s * n_kv_heads + kvh;
-        __threadfence();
-        const int last = atomicAdd(cnt, 1) == n_splits - 1;
-        if (last) {
-            __threadfence();
-            atomicExch(cnt, 0); /* all n_splits have counted: nothing else touches it in this launch */
-        }
-        last_s = last;
-    }
-    __syncthreads();
-    if (!last_s)
+    /* Count this split in (m40k_split_last); the last of the (sequence, KV head) to arrive
+     * merges. An empty split (tok0 == tok1) also gets here: it stored zeros and max -inf,
+     * and it must be counted. */
+    int *cnt = counters + (size_t)s * n_kv_heads + kvh;
+    if (!m40k_split_last(cnt, n_splits))
         return;
+    if (tid == 0)
+        atomicExch(cnt, 0); /* all n_splits have counted: nothing else touches it in this launch */
 
     /* Merge: every split rescaled to the common max M of its head, out = num / den with
      * den = sum_i exp(m_i - M) l_i and num = sum_i exp(m_i - M) o_i (splits with m_i

@@ -12,6 +12,25 @@
 
 static inline int m40k_launch_status(void) { return (int)cudaGetLastError(); }
 
+/* The count of a split-K block, called by every thread once its partial is stored:
+ * whether it is the last of n blocks counted on *counter. Release: the barrier orders the
+ * block's stores before thread 0's count, an acq_rel atomic at GPU scope (cumulative over
+ * them: CUTLASS's semaphore pattern; a fence in every thread instead costs each block a
+ * MEMBAR.SC.GPU). Acquire: the same atomic of the last block, then the barrier before its
+ * loads, which read the partials through L2 (__ldcg). */
+__device__ __forceinline__ bool m40k_split_last(int *counter, int n)
+{
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+        last = old == n - 1;
+    }
+    __syncthreads();
+    return last;
+}
+
 __device__ __forceinline__ float m40k_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 /* BF16 bits as a float (exact: the top half of the float's bits) */
 __device__ __forceinline__ float m40k_bf2f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }

@@ -140,20 +140,7 @@ __device__ __forceinline__ void mq_bytes_h2(uint32_t t0, uint32_t t1, uint32_t (
 __device__ __forceinline__ void mq_split_end(int S, int N, int M, int n0, int m0, int rows, int toks, float *y,
                                              int64_t ldy, const float *ws, int *counters, int tile)
 {
-    /* Release: the barrier orders the block's stores of its partial before thread 0's
-     * count, an acq_rel atomic at GPU scope (cumulative over them: CUTLASS's semaphore
-     * pattern; a fence in every thread before it, as the attention's split end has, cost
-     * each block a MEMBAR.SC.GPU). Acquire: the same atomic of the last block, then the
-     * barrier that releases the block's loads. */
-    __shared__ int last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int old;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counters + tile) : "memory");
-        last = old == S - 1;
-    }
-    __syncthreads();
-    if (!last)
+    if (!m40k_split_last(counters + tile, S))
         return;
     if (rows % 4 == 0 && n0 % 4 == 0 && N % 4 == 0 && ldy % 4 == 0 && ((uintptr_t)y & 15) == 0 &&
         ((uintptr_t)ws & 15) == 0) {

@@ -23,8 +23,8 @@
  * glu_kernel writes), so the FFN's down projection needs no separate activation kernel
  * between the gate/up product and itself (one dependent launch less a layer at decode).
  *
- * Split-K: split s writes its partial [n][128 rows] to the workspace, fences, counts on
- * the row block's counter; the block that counts last sums the splits in order 0..S-1
+ * Split-K: split s writes its partial [n][128 rows] to the workspace and counts on the
+ * row block's counter (m40k_split_last); the block that counts last sums the splits in order 0..S-1
  * (deterministic, independent of which block finished last), writes y and resets the
  * counter. */
 #include "cuda_common.h"
@@ -57,7 +57,6 @@ __global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t
 {
     m40k_grid_launch_dependents(); /* a PDL-launched kernel may follow */
     __shared__ __align__(16) uint16_t xs[SK_MAXN][SK_XS];
-    __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int rb = blockIdx.x, s = blockIdx.y;
     const int row0 = rb * SK_ROWS + warp * 16;
@@ -145,16 +144,8 @@ __global__ __launch_bounds__(SK_WARPS * 32, 2) void skinny_kernel(const uint16_t
     }
     if (S == 1)
         return;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(counters + rb, 1) == S - 1;
-    }
-    __syncthreads();
-    if (!last)
+    if (!m40k_split_last(counters + rb, S))
         return;
-    __threadfence();
     const int rows = min(SK_ROWS, N - rb * SK_ROWS);
     for (int idx = threadIdx.x; idx < n * rows; idx += SK_WARPS * 32) {
         const int col = idx / rows, row = rb * SK_ROWS + idx % rows;
