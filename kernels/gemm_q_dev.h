@@ -92,21 +92,9 @@ __device__ __forceinline__ uint32_t mq_lds16(const uint8_t *p) { return *reinter
  * offset are F16 values already (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) that is exactly the F32
  * result rounded to F16; for Q4_K and Q6_K the rounded scale adds up to 2^-11 of the
  * weight's size, thirty times below the 4-bit grid. Two elements an instruction instead of
- * a conversion, a multiply-add and half a pack each in F32. Twin: m40_ref_gemm_q. */
-__device__ __forceinline__ uint4 mq_pack(const uint32_t (&q)[4], float sc, float off)
-{
-    const __half2 s2 = __float2half2_rn(sc), o2 = __float2half2_rn(-off);
-    uint4 h;
-    uint32_t *o = &h.x;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const __half2 r = __hfma2(*reinterpret_cast<const __half2 *>(&q[i]), s2, o2);
-        o[i] = *reinterpret_cast<const uint32_t *>(&r);
-    }
-    return h;
-}
-
-/* mq_pack with the scale and the negated offset already F16, each in both halves */
+ * a conversion, a multiply-add and half a pack each in F32. Twin: m40_ref_gemm_q.
+ * mq_pack_h2 takes the scale and the negated offset already in F16, each in both halves
+ * (the register kernel forms them so); mq_pack rounds F32 ones. */
 __device__ __forceinline__ uint4 mq_pack_h2(const uint32_t (&q)[4], __half2 s2, __half2 o2)
 {
     uint4 h;
@@ -117,6 +105,11 @@ __device__ __forceinline__ uint4 mq_pack_h2(const uint32_t (&q)[4], __half2 s2, 
         o[i] = *reinterpret_cast<const uint32_t *>(&r);
     }
     return h;
+}
+
+__device__ __forceinline__ uint4 mq_pack(const uint32_t (&q)[4], float sc, float off)
+{
+    return mq_pack_h2(q, __float2half2_rn(sc), __float2half2_rn(-off));
 }
 
 /* Two words of four unsigned bytes (each < 1024) as four F16 pairs holding them exactly:
