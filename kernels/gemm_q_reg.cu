@@ -407,8 +407,9 @@ template <typename F> static int mr_dispatch(int w_type, int M, F f)
  * larger R on a tie. Fewer rows than 128 even out a product whose 128-row blocks leave
  * SMs with one block while others hold two (28672 rows: 224 blocks on 264 slots of 132
  * SMs; at 112 rows, 256), or whose splits take uneven chunks (6144 x 4096: 48 blocks by
- * 5 splits of 3 or 4 chunks; at 96 rows, 64 by 4 of 4). More splits than that, or fewer,
- * leave slots empty: slower at every shape measured (BENCHMARKS.md). */
+ * 5 splits of 3 or 4 chunks; at 96 rows, 64 by 4 of 4). Split counts past one wave, or
+ * ones that leave half the slots empty, were slower at every shape measured
+ * (BENCHMARKS.md, sessions 21 and 30). */
 static void mr_pick(int N, int K, int blocks_per_sm, int sm_count, int &R_out, int &S_out)
 {
     const int nc = (K + MQ_KC - 1) / MQ_KC;
