@@ -21,8 +21,8 @@
  * It reads all the rows back through L2 (__ldcg: this SM's L1 is not coherent with the
  * others' stores), merges them for its G query heads (max over splits, den = sum
  * exp(m_i - M) l_i, num likewise per dim; an empty split leaves max -inf: skipped),
- * writes `out` and sets the counter back to 0. The counters (caller-owned, zeroed once) are therefore zero between calls
- * (two calls in flight at once must not share them). No block ever waits on another, so
+ * writes `out` and sets the counter back to 0. The counters (caller-owned, zeroed once)
+ * are therefore zero between calls (two calls in flight at once must not share them). No block ever waits on another, so
  * any block schedule is safe; a PDL-launched GEMV that follows waits (griddepcontrol.wait)
  * for the whole grid, merging blocks included, before it reads `out`. The splits divide the
  * positions evenly (any token boundary). window > 0 (sliding-window layers, Gemma 3):

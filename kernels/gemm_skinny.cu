@@ -24,9 +24,9 @@
  * between the gate/up product and itself (one dependent launch less a layer at decode).
  *
  * Split-K: split s writes its partial [n][128 rows] to the workspace and counts on the
- * row block's counter (m40k_split_last); the block that counts last sums the splits in order 0..S-1
- * (deterministic, independent of which block finished last), writes y and resets the
- * counter. */
+ * row block's counter (m40k_split_last); the block that counts last sums the splits in
+ * order 0..S-1 (deterministic, independent of which block finished last), writes y and
+ * resets the counter. */
 #include "cuda_common.h"
 
 #define SK_WARPS 8
