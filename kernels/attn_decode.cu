@@ -25,8 +25,9 @@
  * are therefore zero between calls (two calls in flight at once must not share them).
  * No block ever waits on another, so any block schedule is safe; a PDL-launched GEMV that
  * follows waits (griddepcontrol.wait) for the whole grid, merging blocks included, before
- * it reads `out`. The splits divide the positions evenly (any token boundary). window > 0 (sliding-window layers, Gemma 3):
- * only the last `window` positions are read, and the splits divide that range.
+ * it reads `out`. The splits divide the positions evenly (any token boundary). window > 0
+ * (sliding-window layers, Gemma 3): only the last `window` positions are read, and the
+ * splits divide that range.
  * softcap > 0 (Gemma 2): the warp that runs a head's online-softmax update caps the
  * tile's scores (c * tanh(s / c)) as it reads them, masked ones (-inf) left as they are:
  * a uniform branch outside the unrolled score loop, nothing more held in registers.
