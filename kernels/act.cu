@@ -51,9 +51,16 @@ __global__ void glu4_kernel(int act, const float *__restrict__ gate, const float
     }
 }
 
-/* The GLU of F16 gate/up (a product written in F16 at a scale, m40k_glu_h16): four
- * elements a thread where the rows allow 8-byte loads (v4), else one. */
-template <bool V4>
+/* The GLU of F16 gate/up (a product written in F16 at a scale, m40k_glu_h16): V
+ * elements a thread, in one load of each input (V 8: 16 bytes, where the rows allow it;
+ * 4: 8 bytes; 1). A prompt chunk's GLU streams tens of MB: 16-byte loads keep twice the
+ * bytes in flight a thread that 8-byte ones did (BENCHMARKS.md, thirty-first session). */
+template <int V> struct glu_vec;
+template <> struct glu_vec<8> { typedef uint4 t; };
+template <> struct glu_vec<4> { typedef uint2 t; };
+template <> struct glu_vec<1> { typedef uint16_t t; };
+
+template <int V>
 __global__ void glu_h_kernel(int act, const uint16_t *__restrict__ gate, const uint16_t *__restrict__ up,
                              int64_t in_stride, float scale, int n, uint16_t *__restrict__ o16)
 {
@@ -61,25 +68,26 @@ __global__ void glu_h_kernel(int act, const uint16_t *__restrict__ gate, const u
     M40K_LAUNDER(gate);
     M40K_LAUNDER(up);
     M40K_LAUNDER(o16);
+    typedef typename glu_vec<V>::t vec;
     const int r = blockIdx.y;
-    const int m = V4 ? n / 4 : n;
+    const int m = n / V;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < m; i += gridDim.x * blockDim.x) {
-        if constexpr (V4) {
-            const uint2 g = *reinterpret_cast<const uint2 *>(gate + r * in_stride + 4 * i);
-            const uint2 u = *reinterpret_cast<const uint2 *>(up + r * in_stride + 4 * i);
-            const uint32_t gw[2] = {g.x, g.y}, uw[2] = {u.x, u.y};
-            uint32_t ow[2];
+        const vec g = *reinterpret_cast<const vec *>(gate + r * in_stride + V * i);
+        const vec u = *reinterpret_cast<const vec *>(up + r * in_stride + V * i);
+        if constexpr (V == 1) {
+            o16[(size_t)r * n + i] = m40k_f2h(m40k_glu_one(act, scale * m40k_h2f(g), scale * m40k_h2f(u)));
+        } else {
+            const uint32_t *gw = reinterpret_cast<const uint32_t *>(&g), *uw = reinterpret_cast<const uint32_t *>(&u);
+            vec o;
+            uint32_t *ow = reinterpret_cast<uint32_t *>(&o);
 #pragma unroll
-            for (int k = 0; k < 2; k++) {
+            for (int k = 0; k < V / 2; k++) {
                 const float o0 = m40k_glu_one(act, scale * m40k_h2f((uint16_t)gw[k]), scale * m40k_h2f((uint16_t)uw[k]));
                 const float o1 = m40k_glu_one(act, scale * m40k_h2f((uint16_t)(gw[k] >> 16)),
                                               scale * m40k_h2f((uint16_t)(uw[k] >> 16)));
                 ow[k] = m40k_pack_h2(o0, o1);
             }
-            *reinterpret_cast<uint2 *>(o16 + (size_t)r * n + 4 * i) = make_uint2(ow[0], ow[1]);
-        } else {
-            o16[(size_t)r * n + i] =
-                m40k_f2h(m40k_glu_one(act, scale * m40k_h2f(gate[r * in_stride + i]), scale * m40k_h2f(up[r * in_stride + i])));
+            *reinterpret_cast<vec *>(o16 + (size_t)r * n + V * i) = o;
         }
     }
 }
@@ -139,14 +147,16 @@ extern "C" int m40k_glu_h16(int act, const uint16_t *gate, const uint16_t *up, i
     if ((act != M40K_GLU_SILU && act != M40K_GLU_GELU_TANH) || rows > 65535 || !gate || !up || !out16 ||
         in_stride < n)
         return M40K_INVALID;
-    if (n % 4 == 0 && in_stride % 4 == 0 && ((uintptr_t)gate & 7) == 0 && ((uintptr_t)up & 7) == 0 &&
-        ((uintptr_t)out16 & 7) == 0) {
-        dim3 grid((unsigned)min((n / 4 + 255) / 256, 1024), (unsigned)rows);
-        M40K_LAUNCH_PDL(glu_h_kernel<true>, grid, 256, 0, stream, act, gate, up, in_stride, in_scale, n, out16);
-    } else {
-        dim3 grid((unsigned)min((n + 255) / 256, 1024), (unsigned)rows);
-        M40K_LAUNCH_PDL(glu_h_kernel<false>, grid, 256, 0, stream, act, gate, up, in_stride, in_scale, n, out16);
-    }
+    /* the widest loads the rows' width, stride and alignment allow */
+    const uintptr_t al = (uintptr_t)gate | (uintptr_t)up | (uintptr_t)out16;
+    const int v = n % 8 == 0 && in_stride % 8 == 0 && (al & 15) == 0 ? 8 : n % 4 == 0 && in_stride % 4 == 0 && (al & 7) == 0 ? 4 : 1;
+    dim3 grid((unsigned)min((n / v + 255) / 256, 1024), (unsigned)rows);
+    if (v == 8)
+        M40K_LAUNCH_PDL(glu_h_kernel<8>, grid, 256, 0, stream, act, gate, up, in_stride, in_scale, n, out16);
+    else if (v == 4)
+        M40K_LAUNCH_PDL(glu_h_kernel<4>, grid, 256, 0, stream, act, gate, up, in_stride, in_scale, n, out16);
+    else
+        M40K_LAUNCH_PDL(glu_h_kernel<1>, grid, 256, 0, stream, act, gate, up, in_stride, in_scale, n, out16);
     return m40k_launch_status();
 }
 

@@ -194,6 +194,22 @@ int m40k_kv_append_rope(float *q, int64_t q_stride, int n_q_heads, uint16_t *k_c
                         int n_seqs, int n_tokens, const int32_t *indptr, const int32_t *indices,
                         const int32_t *last_page_len, int n_kv_heads, int head_dim, const int32_t *pos, int rot_dim,
                         float base, const float *freq_factors, int neox, m40k_stream stream);
+/* 5c. The angles of RoPE as a table, for the kernels of a forward pass to read instead
+ * of each forming them again (every layer rotates the same positions): cs[2*(t*h + i)]
+ * and cs[2*(t*h + i) + 1], h = rot_dim/2, hold the cosine and sine of theta_i at pos[t],
+ * bit for bit those m40k_rope forms (the same arguments, refused as there; rot_dim 0
+ * writes nothing). cs: n_tokens * rot_dim floats, 8-byte aligned.
+ * m40k_kv_append_rope_tab is m40k_kv_append_rope with the table in place of pos, base
+ * and freq_factors (row t of the table for row t of k and q): the same bits in the
+ * cache and q, without forming the angles (in double precision) again in every block
+ * of every layer. */
+int m40k_rope_table(const int32_t *pos, int n_tokens, int rot_dim, float base, const float *freq_factors, float *cs,
+                    m40k_stream stream);
+int m40k_kv_append_rope_tab(float *q, int64_t q_stride, int n_q_heads, uint16_t *k_cache, uint16_t *v_cache,
+                            const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                            const int32_t *new_indptr, int n_seqs, int n_tokens, const int32_t *indptr,
+                            const int32_t *indices, const int32_t *last_page_len, int n_kv_heads, int head_dim,
+                            int rot_dim, const float *cs, int neox, m40k_stream stream);
 
 /* 6. Paged decode attention: one query token per sequence (the sequence's last).
  * q: [n_seqs][q_stride] F32 (head h at h*head_dim), out likewise with out_stride.

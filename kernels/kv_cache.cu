@@ -9,7 +9,9 @@
  * heads, with rope_dev.h's helpers, the ones rope_kernel uses; it writes V meanwhile,
  * then each thread rotates its K element against its pair's partner (read from k, which
  * stays untouched) and stores it. The cache then holds the same bits m40k_rope on k
- * followed by m40k_kv_append would leave there. */
+ * followed by m40k_kv_append would leave there. m40k_kv_append_rope_tab reads the pairs
+ * from the table m40k_rope_table made once for the whole forward pass (rope.cu) instead
+ * of forming them in every block of every layer. */
 #include "cuda_common.h"
 #include "rope_dev.h"
 
@@ -70,7 +72,10 @@ __global__ void kv_append_kernel(uint16_t *__restrict__ kc, uint16_t *__restrict
 
 #define KVR_QH 4 /* Q heads a block of kv_append_rope_kernel rotates */
 
-/* Dynamic shared memory: rot_dim/2 float2 (cos, sin). */
+/* TAB false: the block forms its token's (cos, sin) pairs in dynamic shared memory
+ * (rot_dim/2 float2); TAB true: it reads them from row t of the table tab (kernels.h 5c;
+ * pos, log2_base and ff unused) and needs no shared memory and no barrier. */
+template <bool TAB>
 __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, int n_q_heads,
                                       uint16_t *__restrict__ kc, uint16_t *__restrict__ vc,
                                       const float *__restrict__ k, int64_t k_stride, const float *__restrict__ v,
@@ -78,7 +83,7 @@ __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, i
                                       const int32_t *__restrict__ indptr, const int32_t *__restrict__ indices,
                                       const int32_t *__restrict__ last_page_len, int n_kv_heads, int head_dim,
                                       const int32_t *__restrict__ pos, int rot_dim, double log2_base,
-                                      const float *__restrict__ ff, int neox)
+                                      const float *__restrict__ ff, int neox, const float2 *__restrict__ tab)
 {
     m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
     M40K_LAUNDER(q);
@@ -92,7 +97,8 @@ __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, i
     M40K_LAUNDER(last_page_len);
     M40K_LAUNDER(pos);
     M40K_LAUNDER(ff);
-    extern __shared__ float2 cs[];
+    M40K_LAUNDER(tab);
+    extern __shared__ float2 cs_sm[];
     /* blockIdx.y 0: token t's K and V; 1, 2, ...: KVR_QH of its Q heads each (so that one
      * decode token is several blocks, not one) */
     const int t = blockIdx.x, part = blockIdx.y;
@@ -101,11 +107,14 @@ __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, i
      * go nowhere, its Q is still rotated (as m40k_rope would) */
     const int64_t blk = part == 0 ? kv_row_block(t, new_indptr, n_seqs, indptr, indices, last_page_len, &slot) : -1;
     const int half = rot_dim / 2, row = n_kv_heads * head_dim;
-    const int32_t pt = pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float s, c;
-        m40k_rope_sincos(pt, i, rot_dim, log2_base, ff, &s, &c);
-        cs[i] = make_float2(c, s);
+    const float2 *cs = TAB ? tab + (size_t)t * half : cs_sm;
+    if (!TAB) {
+        const int32_t pt = pos[t];
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float s, c;
+            m40k_rope_sincos(pt, i, rot_dim, log2_base, ff, &s, &c);
+            cs_sm[i] = make_float2(c, s);
+        }
     }
     const float *kr = k + t * k_stride;
     if (blk >= 0)
@@ -113,7 +122,8 @@ __global__ void kv_append_rope_kernel(float *__restrict__ q, int64_t q_stride, i
             const int h = j / head_dim, d = j % head_dim;
             vc[(((size_t)blk * n_kv_heads + h) * M40K_PAGE + slot) * head_dim + d] = m40k_f2h(v[t * v_stride + j]);
         }
-    __syncthreads();
+    if (!TAB)
+        __syncthreads();
     if (part > 0) { /* Q in place, one rotation pair a thread */
         const int h0 = (part - 1) * KVR_QH, nh = min(KVR_QH, n_q_heads - h0);
         for (int j = threadIdx.x; j < nh * half; j += blockDim.x) {
@@ -181,8 +191,33 @@ extern "C" int m40k_kv_append_rope(float *q, int64_t q_stride, int n_q_heads, ui
     int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
     const size_t smem = (size_t)(rot_dim / 2) * sizeof(float2);
     const int qparts = q ? (n_q_heads + KVR_QH - 1) / KVR_QH : 0;
-    M40K_LAUNCH_PDL(kv_append_rope_kernel, dim3((unsigned)n_tokens, (unsigned)(1 + qparts)), threads, smem, stream, q,
-                    q_stride, q ? n_q_heads : 0, k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, indptr,
-                    indices, last_page_len, n_kv_heads, head_dim, pos, rot_dim, log2((double)base), freq_factors, neox);
+    M40K_LAUNCH_PDL(kv_append_rope_kernel<false>, dim3((unsigned)n_tokens, (unsigned)(1 + qparts)), threads, smem,
+                    stream, q, q_stride, q ? n_q_heads : 0, k_cache, v_cache, k, k_stride, v, v_stride, new_indptr,
+                    n_seqs, indptr, indices, last_page_len, n_kv_heads, head_dim, pos, rot_dim, log2((double)base),
+                    freq_factors, neox, (const float2 *)nullptr);
+    return m40k_launch_status();
+}
+
+extern "C" int m40k_kv_append_rope_tab(float *q, int64_t q_stride, int n_q_heads, uint16_t *k_cache,
+                                       uint16_t *v_cache, const float *k, int64_t k_stride, const float *v,
+                                       int64_t v_stride, const int32_t *new_indptr, int n_seqs, int n_tokens,
+                                       const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len,
+                                       int n_kv_heads, int head_dim, int rot_dim, const float *cs, int neox,
+                                       m40k_stream stream)
+{
+    if (n_tokens <= 0 || n_seqs <= 0)
+        return 0;
+    if (rot_dim == 0)
+        return m40k_kv_append(k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, n_tokens, indptr, indices,
+                              last_page_len, n_kv_heads, head_dim, stream);
+    if (rot_dim < 0 || rot_dim % 2 || rot_dim > head_dim || !cs || ((uintptr_t)cs & 7) ||
+        (q && (n_q_heads < 0 || n_q_heads > 65534 * KVR_QH)))
+        return M40K_INVALID;
+    int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);
+    const int qparts = q ? (n_q_heads + KVR_QH - 1) / KVR_QH : 0;
+    M40K_LAUNCH_PDL(kv_append_rope_kernel<true>, dim3((unsigned)n_tokens, (unsigned)(1 + qparts)), threads, 0, stream,
+                    q, q_stride, q ? n_q_heads : 0, k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs,
+                    indptr, indices, last_page_len, n_kv_heads, head_dim, (const int32_t *)nullptr, rot_dim, 0.0,
+                    (const float *)nullptr, neox, reinterpret_cast<const float2 *>(cs));
     return m40k_launch_status();
 }

@@ -57,3 +57,34 @@ extern "C" int m40k_rope(float *q, int64_t q_stride, int n_q_heads, float *k, in
                     n_k_heads, head_dim, rot_dim, pos, n_tokens, log2((double)base), freq_factors, neox);
     return m40k_launch_status();
 }
+
+/* One thread an entry (token t, pair i) of the angle table (kernels.h 5c). */
+__global__ void rope_table_kernel(const int32_t *__restrict__ pos, int n_tokens, int rot_dim, double log2_base,
+                                  const float *__restrict__ ff, float2 *__restrict__ cs)
+{
+    m40k_pdl_begin(); /* PDL-launched; a PDL-launched kernel may follow */
+    M40K_LAUNDER(pos);
+    M40K_LAUNDER(ff);
+    M40K_LAUNDER(cs);
+    const int half = rot_dim / 2;
+    const int64_t id = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (int64_t)n_tokens * half)
+        return;
+    const int t = (int)(id / half), i = (int)(id % half);
+    float s, c;
+    m40k_rope_sincos(pos[t], i, rot_dim, log2_base, ff, &s, &c);
+    cs[id] = make_float2(c, s);
+}
+
+extern "C" int m40k_rope_table(const int32_t *pos, int n_tokens, int rot_dim, float base, const float *freq_factors,
+                               float *cs, m40k_stream stream)
+{
+    if (n_tokens <= 0 || rot_dim == 0)
+        return 0;
+    if (rot_dim < 0 || rot_dim % 2 || !(base > 0.0f) || ((uintptr_t)cs & 7))
+        return M40K_INVALID;
+    const int64_t n = (int64_t)n_tokens * (rot_dim / 2);
+    M40K_LAUNCH_PDL(rope_table_kernel, (unsigned)((n + 255) / 256), 256, 0, stream, pos, n_tokens, rot_dim,
+                    log2((double)base), freq_factors, reinterpret_cast<float2 *>(cs));
+    return m40k_launch_status();
+}

@@ -610,7 +610,8 @@ void m40_gpu_free(m40_gpu *g)
                     g->logits_d, g->x16, g->xq, g->xq2, g->nss, g->ws, g->att_cnt, g->ints_d, g->pick_d,
                     g->sk_ws, g->sk_cnt, g->mq_ws, g->mq_cnt, g->moe_logits, g->moe_w, g->moe_yg, g->moe_yu,
                     g->moe_h, g->moe_yd, g->moe_ids, g->moe_counts, g->moe_offsets, g->moe_perm, g->moe_inv,
-                    g->moe_tiles, g->moe_x16, g->moe_h16, g->moe_hq, g->samp_d, g->tp_logits, g->tp_gather};
+                    g->moe_tiles, g->moe_x16, g->moe_h16, g->moe_hq, g->samp_d, g->tp_logits, g->tp_gather,
+                    g->rope_cs[0], g->rope_cs[1]};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         cudaFree(bufs[i]);
     cudaFreeHost(g->ints_h);

@@ -23,7 +23,8 @@
  *     append (m40k_attn_decode_rope_ex: one launch, not four) and, in its
  *     cluster merge, the int8 records of its output for an int8 output projection
  *     (m40k_attn_decode_rope_q8: no quantization launch between them); the prompt
- *     chunks take RoPE + append (m40k_kv_append_rope) and the prefill kernel; other
+ *     chunks take RoPE + append (m40k_kv_append_rope_tab, the angles made once a step
+ *     for every layer by m40k_rope_table) and the prefill kernel; other
  *     head sizes all three separately, with a plain attention kernel. An F16 down
  *     projection on the tensor-core GEMV (1..8 rows) forms SwiGLU of its input itself
  *     (m40k_gemm_skinny_glu): one launch less there too;
@@ -172,7 +173,7 @@ size_t m40_gpu_step_reserve_bytes(const m40_gpu *g, int32_t n_slots, int32_t max
     size_t R = (size_t)(max_rows < 64 ? 64 : max_rows), O = (size_t)(max_out < 8 ? 8 : max_out);
     const size_t in_max = gpu_in_max(g);
     size_t per_row = 4 * (4 * (size_t)p->dim + (size_t)g->qkv_dim + (size_t)g->q_dim + 3 * (size_t)p->ffn_dim) +
-                     2 * in_max;
+                     2 * in_max + 8 * (size_t)p->rope_dim; /* ... + the two RoPE angle tables */
     size_t per_out = 4 * (size_t)p->dim + 4 * (size_t)p->n_vocab + 8;
     if (g->tp_n > 1) /* a rank's piece of the logits and the gathered pieces */
         per_out += 4 * (size_t)(g->tp_n + 1) * (size_t)g->tp_vocab_stride;
@@ -239,7 +240,10 @@ static int ensure_scratch(m40_gpu *g, int32_t n, int32_t n_out)
             grow_dev((void **)&g->x16, N * in_max * 2) ||
             grow_dev(&g->xq, m40k_gemv_q8_ws_bytes((int)in_max, 8)) ||
             grow_dev(&g->xq2, m40k_gemv_q8_ws_bytes((int)p->dim, 1)) ||
-            grow_dev((void **)&g->nss, ((size_t)p->dim / 32 + 1) * 4) || (g->moe && moe_scratch(g, c)))
+            grow_dev((void **)&g->nss, ((size_t)p->dim / 32 + 1) * 4) ||
+            (p->rope_dim > 0 && (grow_dev((void **)&g->rope_cs[0], N * (size_t)p->rope_dim * 4) ||
+                                 grow_dev((void **)&g->rope_cs[1], N * (size_t)p->rope_dim * 4))) ||
+            (g->moe && moe_scratch(g, c)))
             return -1;
         free(g->perm);
         free(g->out_rows);
@@ -821,6 +825,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     const gnorm_in nin = {g->xq2, g->nss, p->norm_eps};
     /* Every row wants logits, one row a sequence (decode steps): see the end */
     const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
+    int cs_made[2] = {0, 0}; /* the RoPE angle tables of this step's prompt rows (global, local layers) */
     for (int32_t l = 0; l < p->n_layers; l++) {
         const glayer *L = &g->layers[l];
         uint16_t *kc = kv->k + (size_t)l * kv->layer_elems, *vc = kv->v + (size_t)l * kv->layer_elems;
@@ -886,11 +891,18 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                         p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, &dop,
                                         g->stream));
         }
-        if (n > r0) /* the slices' tables keep their absolute offsets: the kernel takes them so */
-            CK(m40k_kv_append_rope(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
-                                   v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
-                                   d_lpl + r0, p->n_kv_heads, hd, d_pos + r0, p->rope_dim, base, ff, p->rope_neox,
-                                   g->stream));
+        if (n > r0) { /* the slices' tables keep their absolute offsets: the kernel takes them so */
+            /* the angles of these rows, once a step for each kind of layer (kernels.h 5c) */
+            const int lc = L->local != 0;
+            if (p->rope_dim > 0 && !cs_made[lc]) {
+                CK(m40k_rope_table(d_pos + r0, n - r0, p->rope_dim, base, ff, g->rope_cs[lc], g->stream));
+                cs_made[lc] = 1;
+            }
+            CK(m40k_kv_append_rope_tab(q + (size_t)r0 * qkvd, qkvd, p->n_heads, kc, vc, k + (size_t)r0 * qkvd, qkvd,
+                                       v + (size_t)r0 * qkvd, qkvd, d_qi + r0, n_grp - r0, n - r0, d_ip + r0, d_idx,
+                                       d_lpl + r0, p->n_kv_heads, hd, p->rope_dim, g->rope_cs[lc], p->rope_neox,
+                                       g->stream));
+        }
         /* A step of prompt rows only whose output projection reads an F16 copy of x: the
          * tensor-core attention writes that copy itself (kernels.h 7f; no F32 output and
          * no conversion; M40_PREFILL_F16=0: not) */

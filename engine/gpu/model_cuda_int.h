@@ -142,6 +142,10 @@ struct m40_gpu {
      * outputs (the d of the next add+RMSNorm, whose normalized output goes to xb) */
     float *x2, *xd;
     uint16_t *x16;
+    /* The RoPE angles of a step's prompt rows (m40k_rope_table, kernels.h 5c), formed
+     * once a step for all layers: [0] the global layers' base and factors, [1] the local
+     * ones' (cap * rope_dim floats each) */
+    float *rope_cs[2];
     void *xq;            /* m40k_quantize_q8 of the current GEMV input, batch <= 8 */
     /* The RMSNorm folded into the GEMVs around it (kernels.h 8d, batch 1; M40_FUSE_NORM):
      * the producer's records of the normalized input (apart from xq, which it reads) and

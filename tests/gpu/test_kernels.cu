@@ -6,7 +6,7 @@
  *                         the tensor-core F16 GEMV against m40k_gemv and cuBLAS at 1..8 rows;
  *                         the int8-activation GEMV at a 7B decode step's shapes; and
  *                         decode attention. `--bench skinny attn`: only those (names:
- *                         gemv, gemvq8, skinny, attn, gemmq).
+ *                         gemv, gemvq8, skinny, attn, gemmq, gemmqfixed, deqov).
  *   test_kernels --bench-only [names]   the same benchmarks without the comparisons.
  *   M40_TEST_ONLY=gemv_q8,embed_g8 test_kernels   only the tests named (comma-separated).
  * Without a GPU: prints why, "0 passed, 0 failed, 1 skipped", exit 0. */
@@ -440,9 +440,10 @@ static void test_fused_f16(void)
             }
     /* 4d. F16 gate/up at a scale: the twin on the same F32 inputs, rounded to F16, within
      * one F16 step (the GPU's expf and tanhf against the C library's); rows of odd
-     * length and stride take the one-element path */
+     * length and stride take the one-element path, 644 the four-element one, the others
+     * the eight-element one */
     for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
-        for (int n : {37, 640, 14336})
+        for (int n : {37, 644, 640, 14336})
             for (int rows : {1, 38, 512}) {
                 const int64_t is = 2 * n + (n & 1);
                 const float scale = 16.0f;
@@ -1147,6 +1148,36 @@ static void test_kv_append_rope(void)
                             compare(w2, gq.data(), qr.data(), qr.size(), 1e-5f, 1e-5f);
                         }
 
+                        { /* the angle table (5c) and the append that reads it: the same bits */
+                            const int half = rot / 2;
+                            float *dcs;
+                            CK(cudaMalloc(&dcs, (size_t)nt * (rot > 0 ? rot : 2) * sizeof(float)));
+                            CK(m40k_rope_table(dp, nt, rot, base, ffp, dcs, 0));
+                            uint16_t *dkc4 = dup(kc), *dvc4 = dup(vc);
+                            float *dq4 = dup(qv);
+                            CK(m40k_kv_append_rope_tab(use_q ? dq4 : nullptr, qs, nh, dkc4, dvc4, dk, ks, dv, vs, dni,
+                                                       p.n_seqs, nt, dip, dix, dlp, nkv, hd, rot, dcs, neox, 0));
+                            snprintf(w2, sizeof w2, "%s: the table's append == the fused kernel's", what);
+                            check(w2, back(dkc4, cache_elems) == gk && back(dvc4, cache_elems) == gv &&
+                                          back(dq4, qv.size()) == gq);
+                            if (half > 0) { /* the table against the angles in double on the CPU */
+                                std::vector<float> tab = back(dcs, (size_t)nt * rot);
+                                double worst = 0.0;
+                                for (int t = 0; t < nt; t++)
+                                    for (int i = 0; i < half; i++) {
+                                        double th = pos[t] * pow((double)base, -2.0 * i / rot);
+                                        if (ff)
+                                            th /= f[i];
+                                        const double ec = fabs(tab[2 * ((size_t)t * half + i)] - cos(th)),
+                                                     es = fabs(tab[2 * ((size_t)t * half + i) + 1] - sin(th));
+                                        worst = fmax(worst, fmax(ec, es));
+                                    }
+                                snprintf(w2, sizeof w2, "%s: table vs cpu (%.2g)", what, worst);
+                                check(w2, worst < 2e-6);
+                            }
+                            cudaFree(dcs), cudaFree(dkc4), cudaFree(dvc4), cudaFree(dq4);
+                        }
+
                         if (set == 1) { /* the same call in two slices of the tables (forward's decode/prefill split) */
                             const int m = 2, r = new_indptr[m];
                             uint16_t *dkc3 = dup(kc), *dvc3 = dup(vc);
@@ -1183,6 +1214,10 @@ static void test_kv_append_rope(void)
     check("kv_append_rope rot_dim > head_dim refused",
           m40k_kv_append_rope(nullptr, 0, 0, nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr,
                               nullptr, 1, 64, nullptr, 66, 10000.0f, nullptr, 0, 0) != 0);
+    check("kv_append_rope_tab without a table refused",
+          m40k_kv_append_rope_tab(nullptr, 0, 0, nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr,
+                                  nullptr, nullptr, 1, 64, 64, nullptr, 0, 0) != 0);
+    check("rope_table odd rot_dim refused", m40k_rope_table(nullptr, 1, 31, 10000.0f, nullptr, nullptr, 0) != 0);
     check("kv_append_rope base 0 refused",
           m40k_kv_append_rope(nullptr, 0, 0, nullptr, nullptr, nullptr, 8, nullptr, 8, nullptr, 1, 1, nullptr, nullptr,
                               nullptr, 1, 64, nullptr, 64, 0.0f, nullptr, 0, 0) != 0);
@@ -2538,7 +2573,16 @@ static void bench_gemm_q(void)
             size_t bytes = 0;
             std::vector<uint8_t *> dw = bench_weights(type, base, sh.N, sh.K, &bytes);
             const int copies = (int)dw.size();
-            for (int M : {4, 8, 16, 32, 64, 128, 256, 512})
+            for (int M : {4, 8, 16, 32, 64, 128, 256, 512}) {
+                /* M40_BENCH_M=16,64: those row counts only */
+                const char *ms = getenv("M40_BENCH_M");
+                if (ms && *ms) {
+                    char mb[16];
+                    snprintf(mb, sizeof mb, ",%d,", M);
+                    std::string list = std::string(",") + ms + ",";
+                    if (list.find(mb) == std::string::npos)
+                        continue;
+                }
                 /* 0 gemm_q as the engine calls it; 1 dequantize + cuBLAS; where the register
                  * kernel takes M: 2 the shared-memory kernel instead, 3 and 4 the register
                  * kernel at half and twice the picked splits */
@@ -2580,6 +2624,7 @@ static void bench_gemm_q(void)
                            gbs, 100.0 * gbs / 3020.0, tf);
                     m40k_gemm_q_tune(64);
                 }
+            }
             /* the int8 tensor-core kernel (8f): the product alone, and with the quantization of x */
             if (m40k_gemm_x8_reads(type, sh.K, 16, dw[0])) {
                 void *dxq;
@@ -2635,6 +2680,76 @@ static void bench_gemm_q(void)
         cudaFree(dx16), cudaFree(dy), cudaFree(dws), cudaFree(ddeq), cudaFree(diota), cudaFree(dcnt);
     }
     cublasDestroy(blas);
+}
+
+/* What a product of the register kernel costs that does not scale with its work: the
+ * same N and M at K 256 .. 4096 (the line's intercept), each at the picked split count
+ * and at one split, timed as the engine runs them (20 launches captured in a CUDA graph
+ * on a stream of its own, PDL edges between them), weights rotated over > 120 MB. */
+static void bench_gemm_q_fixed(void)
+{
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(m40k_gemm_q_prepare());
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const int maxM = 64, maxN = 28672, maxK = 4096, iters = 20;
+    std::vector<float> xf = rand_vec((size_t)maxM * maxK);
+    std::vector<uint16_t> x16(xf.size());
+    for (size_t i = 0; i < xf.size(); i++)
+        x16[i] = m40_fp32_to_fp16(xf[i]);
+    uint16_t *dx = dup(x16);
+    float *dy, *dws;
+    const size_t wsf = (size_t)16 << 20;
+    CK(cudaMalloc(&dy, (size_t)maxM * maxN * 4));
+    CK(cudaMalloc(&dws, wsf * 4));
+    const size_t cnt_ints = m40k_gemm_q_counter_ints(maxN, maxM);
+    int *dcnt = dup(std::vector<int>(cnt_ints, 0));
+    for (int type : {M40K_TYPE_Q4_K, M40K_TYPE_Q8_0_G8})
+        for (int N : {4096, 28672})
+            for (int K : {256, 512, 1024, 2048, 4096}) {
+                const int base = type == M40K_TYPE_Q8_0_G8 ? M40K_TYPE_Q8_0 : type;
+                size_t bytes = 0;
+                std::vector<uint8_t *> dw = bench_weights(type, base, N, K, &bytes);
+                const int copies = (int)dw.size();
+                for (int M : {16, 64}) {
+                    const int pick = m40k_gemm_q_pick_splits(type, N, K, M, sms, wsf, cnt_ints);
+                    for (int S : {pick, 1}) {
+                        cudaGraph_t g;
+                        cudaGraphExec_t ge;
+                        int turn = 0;
+                        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+                        for (int i = 0; i < iters; i++)
+                            CK(m40k_gemm_q(dw[turn++ % copies], type, N, K, dx, K, M, dy, N, S, dws, dcnt, st));
+                        CK(cudaStreamEndCapture(st, &g));
+                        CK(cudaGraphInstantiate(&ge, g, 0));
+                        auto run = [&] { CK(cudaGraphLaunch(ge, st)); };
+                        run();
+                        CK(cudaStreamSynchronize(st));
+                        cudaEvent_t e0, e1;
+                        CK(cudaEventCreate(&e0));
+                        CK(cudaEventCreate(&e1));
+                        CK(cudaEventRecord(e0, st));
+                        for (int r = 0; r < 10; r++)
+                            run();
+                        CK(cudaEventRecord(e1, st));
+                        CK(cudaEventSynchronize(e1));
+                        float ms = 0;
+                        CK(cudaEventElapsedTime(&ms, e0, e1));
+                        const double us = ms * 1000.0 / (10.0 * iters);
+                        printf("bench fixed %-6s N %5d K %5d M %2d S %2d: %7.2f us  (DRAM bound %6.2f us)\n",
+                               m40_type_name(base), N, K, M, S, us, bytes / 3020.0e3);
+                        cudaEventDestroy(e0), cudaEventDestroy(e1);
+                        cudaGraphExecDestroy(ge), cudaGraphDestroy(g);
+                        if (pick == 1)
+                            break;
+                    }
+                }
+                for (auto &d : dw)
+                    cudaFree(d);
+            }
+    cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
+    cudaStreamDestroy(st);
 }
 
 static void bench_skinny(void)
@@ -2849,6 +2964,8 @@ int main(int argc, char **argv)
             bench_attn_decode();
         if (want("gemmq"))
             bench_gemm_q();
+        if (want("gemmqfixed"))
+            bench_gemm_q_fixed();
         if (want("deqov"))
             bench_deq_overlap();
     }
