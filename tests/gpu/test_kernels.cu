@@ -1160,6 +1160,24 @@ static void test_kv_append_rope(void)
                             snprintf(w2, sizeof w2, "%s: the table's append == the fused kernel's", what);
                             check(w2, back(dkc4, cache_elems) == gk && back(dvc4, cache_elems) == gv &&
                                           back(dq4, qv.size()) == gq);
+                            if (use_q) { /* q rows 16-byte aligned: the four-wide kernel rotates q too */
+                                const int64_t qs4 = (int64_t)nh * hd + 4;
+                                std::vector<float> q4((size_t)nt * qs4, 0.0f);
+                                for (int t = 0; t < nt; t++)
+                                    memcpy(&q4[(size_t)t * qs4], &qv[(size_t)t * qs], (size_t)nh * hd * sizeof(float));
+                                float *dq5 = dup(q4);
+                                uint16_t *dkc5 = dup(kc), *dvc5 = dup(vc);
+                                CK(m40k_kv_append_rope_tab(dq5, qs4, nh, dkc5, dvc5, dk, ks, dv, vs, dni, p.n_seqs, nt,
+                                                           dip, dix, dlp, nkv, hd, rot, dcs, neox, 0));
+                                std::vector<float> g5 = back(dq5, q4.size());
+                                bool same = true;
+                                for (int t = 0; t < nt; t++)
+                                    same = same && memcmp(&g5[(size_t)t * qs4], &gq[(size_t)t * qs],
+                                                          (size_t)nh * hd * sizeof(float)) == 0;
+                                snprintf(w2, sizeof w2, "%s: the table's append, aligned q == the fused kernel's", what);
+                                check(w2, same && back(dkc5, cache_elems) == gk && back(dvc5, cache_elems) == gv);
+                                cudaFree(dq5), cudaFree(dkc5), cudaFree(dvc5);
+                            }
                             if (half > 0) { /* the table against the angles in double on the CPU */
                                 std::vector<float> tab = back(dcs, (size_t)nt * rot);
                                 double worst = 0.0;
