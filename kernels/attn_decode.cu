@@ -836,60 +836,14 @@ extern "C" int m40k_attn_decode_q8_ok(int n_seqs, int n_heads, int n_kv_heads, i
     return (G * head_dim) % C == 0 && (G * head_dim / C) % 32 == 0 && G * head_dim / C <= DEC_THREADS;
 }
 
-extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
-                                     int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache,
-                                     uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
-                                     const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads,
-                                     int head_dim, float scale, int window, float softcap, const int32_t *pos,
-                                     int rot_dim, float base, const float *freq_factors, int neox, int n_splits,
-                                     float *workspace, int *counters, m40k_stream stream)
-{
-    return m40k_attn_decode_rope_q8(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
-                                    softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters,
-                                    nullptr, stream);
-}
-
-extern "C" int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int64_t q_stride,
-                                        const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                                        uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
-                                        const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
-                                        int n_kv_heads, int head_dim, float scale, int window, float softcap,
-                                        const int32_t *pos, int rot_dim, float base, const float *freq_factors,
-                                        int neox, int n_splits, float *workspace, int *counters, void *out_q8,
-                                        m40k_stream stream)
-{
-    return m40k_attn_decode_rope_q8_sinks(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache,
-                                          indptr, indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale,
-                                          window, softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace,
-                                          counters, out_q8, nullptr, stream);
-}
-
-extern "C" int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride,
-                                              const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                                              uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
-                                              const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                                              int n_heads, int n_kv_heads, int head_dim, float scale, int window,
-                                              float softcap, const int32_t *pos, int rot_dim, float base,
-                                              const float *freq_factors, int neox, int n_splits, float *workspace,
-                                              int *counters, void *out_q8, const float *sinks, m40k_stream stream)
-{
-    m40k_dec_opts o = {};
-    o.out_q8 = out_q8, o.sinks = sinks;
-    return m40k_attn_decode_rope_ex(out, out_stride, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, indptr,
-                                    indices, last_page_len, n_seqs, n_heads, n_kv_heads, head_dim, scale, window,
-                                    softcap, pos, rot_dim, base, freq_factors, neox, n_splits, workspace, counters, &o,
-                                    stream);
-}
-
-extern "C" int m40k_attn_decode_rope_ex(float *out, int64_t out_stride, const float *q, int64_t q_stride,
-                                        const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                                        uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
-                                        const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
-                                        int n_kv_heads, int head_dim, float scale, int window, float softcap,
-                                        const int32_t *pos, int rot_dim, float base, const float *freq_factors,
-                                        int neox, int n_splits, float *workspace, int *counters,
-                                        const m40k_dec_opts *opts, m40k_stream stream)
+extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride,
+                                     const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                                     uint16_t *k_cache, uint16_t *v_cache, const int32_t *indptr,
+                                     const int32_t *indices, const int32_t *last_page_len, int n_seqs, int n_heads,
+                                     int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                                     const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
+                                     int n_splits, float *workspace, int *counters, const m40k_dec_opts *opts,
+                                     m40k_stream stream)
 {
     const m40k_dec_opts o = opts ? *opts : m40k_dec_opts{};
     if (n_seqs <= 0)

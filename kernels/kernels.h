@@ -254,25 +254,13 @@ int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_s
  * holding position len - 1 stores it; no split reads it from the cache. The rest (splits,
  * workspace, counters, window, softcap) as m40k_attn_decode_window. Twin: m40_ref_rope and
  * m40_ref_kv_append, then m40_ref_attn_decode. */
-int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
-                          int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
-                          const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                          int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
-                          const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
-                          int n_splits, float *workspace, int *counters, m40k_stream stream);
-/* The same, also writing out as the int8 records of m40k_quantize_q8(out, out_stride,
- * n_heads * head_dim, n_seqs, out_q8), byte for byte (out_q8 16-byte aligned), for the
- * int8 GEMV that reads them next: no quantization launch between the two. Only where
- * m40k_attn_decode_q8_ok(n_seqs, n_heads, n_kv_heads, head_dim, n_splits) is 1 (the
- * cluster merge of sm_90 at 1..2 sequences, every block's slice of a KV head's outputs
- * whole 32-element blocks); refused elsewhere. out_q8 NULL: m40k_attn_decode_rope. */
+/* Its option out_q8 (6e) also writes out as the int8 records of m40k_quantize_q8(out,
+ * out_stride, n_heads * head_dim, n_seqs, out_q8), byte for byte (out_q8 16-byte
+ * aligned), for the int8 GEMV that reads them next: no quantization launch between the
+ * two. Only where m40k_attn_decode_q8_ok(n_seqs, n_heads, n_kv_heads, head_dim,
+ * n_splits) is 1 (the cluster merge of sm_90 at 1..2 sequences, every block's slice of a
+ * KV head's outputs whole 32-element blocks); refused elsewhere. */
 int m40k_attn_decode_q8_ok(int n_seqs, int n_heads, int n_kv_heads, int head_dim, int n_splits);
-int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
-                             int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
-                             const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                             int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
-                             const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
-                             int n_splits, float *workspace, int *counters, void *out_q8, m40k_stream stream);
 /* 6d. Attention sinks (gpt-oss): the _sinks calls take sinks[n_heads] (device memory,
  * or NULL: none, then exactly the call without the suffix): head h's softmax gets one
  * more logit, sinks[h], compared with the scaled (and soft-capped) scores as it is, with
@@ -280,17 +268,10 @@ int m40k_attn_decode_rope_q8(float *out, int64_t out_stride, const float *q, int
  * The kernels apply it where they normalize (the last split's merge), one uniform
  * branch: nothing more in the loops. Twins: m40_ref_attn_prefill_sinks (decode rows are
  * a prefill of one row each) and m40_ref_attn_generic_sinks. Decode: the RoPE variant
- * only (6c; rot_dim 0 rotates nothing). */
-int m40k_attn_decode_rope_q8_sinks(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
-                                   int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache,
-                                   uint16_t *v_cache, const int32_t *indptr, const int32_t *indices,
-                                   const int32_t *last_page_len, int n_seqs, int n_heads, int n_kv_heads, int head_dim,
-                                   float scale, int window, float softcap, const int32_t *pos, int rot_dim, float base,
-                                   const float *freq_factors, int neox, int n_splits, float *workspace, int *counters,
-                                   void *out_q8, const float *sinks, m40k_stream stream);
-/* 6e. The same with what else a layer asks of its decode rows, in m40k_dec_opts (NULL or
- * zeroed: m40k_attn_decode_rope; each member NULL when absent):
- *   - out_q8, sinks: as m40k_attn_decode_rope_q8_sinks;
+ * only (6c's option sinks; rot_dim 0 rotates nothing). */
+/* 6e. What else a layer asks of its decode rows, in m40k_dec_opts (NULL or zeroed: the
+ * attention alone; each member NULL when absent):
+ *   - out_q8: the int8 records of out (6c); sinks: the heads' sink logits (6d);
  *   - bias_q [n_heads * head_dim], bias_k and bias_v [n_kv_heads * head_dim]: the q/k/v
  *     product's biases (gpt-oss, Qwen2; all three or none), added first, as m40k_add_bias
  *     adds them (the same bits);
@@ -310,13 +291,13 @@ typedef struct m40k_dec_opts {
     float norm_eps;
     uint16_t *out16;
 } m40k_dec_opts;
-int m40k_attn_decode_rope_ex(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
-                             int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
-                             const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
-                             int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
-                             const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
-                             int n_splits, float *workspace, int *counters, const m40k_dec_opts *opts,
-                             m40k_stream stream);
+int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
+                          int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,
+                          const int32_t *indptr, const int32_t *indices, const int32_t *last_page_len, int n_seqs,
+                          int n_heads, int n_kv_heads, int head_dim, float scale, int window, float softcap,
+                          const int32_t *pos, int rot_dim, float base, const float *freq_factors, int neox,
+                          int n_splits, float *workspace, int *counters, const m40k_dec_opts *opts,
+                          m40k_stream stream);
 
 /* 7. Prefill attention, causal, over the paged cache (the new tokens already appended
  * with m40k_kv_append). Query rows of sequence s are q_indptr[s] .. q_indptr[s+1]; they

@@ -20,9 +20,9 @@
  *     everything stays on the device. Attention: the sequences with one new token come
  *     first in the step and take the decode kernel (split-K), which also does their
  *     q/k/v biases and per-head Q/K norms where the layer has them, their RoPE and KV
- *     append (m40k_attn_decode_rope_ex: one launch, not four) and, in its
+ *     append (m40k_attn_decode_rope: one launch, not four) and, in its
  *     cluster merge, the int8 records of its output for an int8 output projection
- *     (m40k_attn_decode_rope_q8: no quantization launch between them); the prompt
+ *     (its option out_q8: no quantization launch between them); the prompt
  *     chunks take RoPE + append (m40k_kv_append_rope_tab, the angles made once a step
  *     for every layer by m40k_rope_table) and the prefill kernel; other
  *     head sizes all three separately, with a plain attention kernel. An F16 down
@@ -886,7 +886,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                        .k_norm = L->k_norm,
                                        .norm_eps = p->norm_eps,
                                        .out16 = att16d ? g->x16 : NULL};
-            CK(m40k_attn_decode_rope_ex(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
+            CK(m40k_attn_decode_rope(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
                                         p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
                                         p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, &dop,
                                         g->stream));

@@ -108,6 +108,16 @@ static inline void compare(const char *what, const float *g, const float *c, siz
  * rewrites (the twins read that type), the suffix a test name gives it, and a matrix of
  * rows x K of the base type rewritten into it (kernels.h must be included before). */
 #ifdef M40_KERNELS_H
+/* m40k_attn_decode_rope's options with only the int8 records and the sinks set (valid
+ * until the next call: pass it straight to the kernel call) */
+static inline const m40k_dec_opts *dec_opts_q8(void *out_q8, const float *sinks = nullptr)
+{
+    static m40k_dec_opts o;
+    o = m40k_dec_opts{};
+    o.out_q8 = out_q8, o.sinks = sinks;
+    return &o;
+}
+
 static inline int dev_base(int type)
 {
     return type == M40K_TYPE_Q8_0_G8                                ? M40K_TYPE_Q8_0

@@ -689,10 +689,10 @@ static void test_attn_head_split(void)
                                     uint16_t *dkc = dup(kc0), *dvc = dup(vc0);
                                     float *dout = dup(std::vector<float>((size_t)ns * os, 0.0f));
                                     uint8_t *dxq = q8 ? dup(std::vector<uint8_t>(xq_bytes, 0xa5)) : nullptr;
-                                    CK(m40k_attn_decode_rope_q8_sinks(
+                                    CK(m40k_attn_decode_rope(
                                         dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc, dvc,
                                         dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base, nullptr, 0,
-                                        splits, dws, dcnt, dxq, sinks ? dsk : nullptr, 0));
+                                        splits, dws, dcnt, dec_opts_q8(dxq, sinks ? dsk : nullptr), 0));
                                     out[hs] = back(dout, (size_t)ns * os);
                                     kc[hs] = back(dkc, cache_elems), vc[hs] = back(dvc, cache_elems);
                                     if (q8) {
@@ -756,7 +756,7 @@ static void test_attn_head_split(void)
                                         float *dout = dup(std::vector<float>((size_t)ns * os, 0.0f));
                                         m40k_dec_opts o = {};
                                         o.q_norm = dwq, o.k_norm = dwk, o.norm_eps = 1e-6f;
-                                        CK(m40k_attn_decode_rope_ex(
+                                        CK(m40k_attn_decode_rope(
                                             dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc,
                                             dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base,
                                             nullptr, 0, splits, dws, dcnt, &o, 0));
@@ -787,7 +787,7 @@ static void test_attn_head_split(void)
  * in both caches, out within 1e-5 (the same terms, the new token's in a tile of its own); (b) the CPU twins m40_ref_rope + m40_ref_kv_append +
  * m40_ref_attn_decode_window within the attention test's tolerance; (c) q, k and v left
  * as they were; (d) the split counters back at zero; (e) where the cluster merge can
- * (m40k_attn_decode_q8_ok), m40k_attn_decode_rope_q8 gives the same out and int8 records
+ * (m40k_attn_decode_q8_ok), the option out_q8 gives the same out and int8 records
  * byte for byte m40k_quantize_q8's of it; (f) at 1 and 8 splits, with the per-head Q/K
  * norms, the q/k/v biases or both in the kernel (6e) against the CPU twins with the biases
  * and m40_ref_rmsnorm_heads first, the norms alone also against m40k_rmsnorm_qk then (a)'s
@@ -802,8 +802,8 @@ static void test_attn_head_split(void)
 static void test_attn_decode_rope(void)
 {
     const std::vector<int> lens = {1, 15, 16, 17, 100, 1000};
-    int n_q8 = 0; /* cases that also wrote int8 records (m40k_attn_decode_rope_q8) */
-    int n_qkn = 0; /* cases with Q/K norms or q/k/v biases (m40k_attn_decode_rope_ex) */
+    int n_q8 = 0; /* cases that also wrote int8 records (the option out_q8) */
+    int n_qkn = 0; /* cases with Q/K norms or q/k/v biases (6e's options) */
     for (int hd : {64, 128, 256})
         for (int G : {1, 4, 8, 7}) {
             if (G == 7 && hd != 64)
@@ -844,7 +844,7 @@ static void test_attn_decode_rope(void)
                             float *dq2 = dup(qkv); /* the two-kernel path rotates q in place */
                             CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd,
                                                      rs, dkc, dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, cap,
-                                                     dp, rot, base, ffp, neox, splits, dws, dcnt, 0));
+                                                     dp, rot, base, ffp, neox, splits, dws, dcnt, nullptr, 0));
                             CK(m40k_kv_append_rope(dq2, rs, nh, dkc2, dvc2, dq2 + nh * hd, rs, dq2 + (nh + nkv) * hd,
                                                    rs, done, ns, ns, dip, dix, dlp, nkv, hd, dp, rot, base, ffp, neox,
                                                    0));
@@ -894,7 +894,7 @@ static void test_attn_decode_rope(void)
                                 uint16_t *do16 = dup(fill);
                                 m40k_dec_opts o6 = {};
                                 o6.out16 = do16;
-                                CK(m40k_attn_decode_rope_ex(dout2, os, dqkv, rs, dqkv + nh * hd, rs,
+                                CK(m40k_attn_decode_rope(dout2, os, dqkv, rs, dqkv + nh * hd, rs,
                                                             dqkv + (nh + nkv) * hd, rs, dkc6, dvc6, dip, dix, dlp, ns,
                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
                                                             splits, dws, dcnt, &o6, 0));
@@ -926,10 +926,10 @@ static void test_attn_decode_rope(void)
                                 const size_t xq_bytes = m40k_gemv_q8_ws_bytes(nh * hd, ns);
                                 uint8_t *dxq = dup(std::vector<uint8_t>(xq_bytes, 0xa5)),
                                         *dxq2 = dup(std::vector<uint8_t>(xq_bytes, 0));
-                                CK(m40k_attn_decode_rope_q8(dout3, os, dqkv, rs, dqkv + nh * hd, rs,
+                                CK(m40k_attn_decode_rope(dout3, os, dqkv, rs, dqkv + nh * hd, rs,
                                                             dqkv + (nh + nkv) * hd, rs, dkc3, dvc3, dip, dix, dlp, ns,
                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                            splits, dws, dcnt, dxq, 0));
+                                                            splits, dws, dcnt, dec_opts_q8(dxq), 0));
                                 CK(m40k_quantize_q8(dout3, os, nh * hd, ns, dxq2, 0));
                                 std::vector<float> g3 = back(dout3, (size_t)ns * os);
                                 for (int s = 0; s < ns; s++)
@@ -957,7 +957,7 @@ static void test_attn_decode_rope(void)
                                     o4.q_norm = dwq, o4.k_norm = dwk, o4.norm_eps = 1e-6f;
                                 if (bia)
                                     o4.bias_q = dbq, o4.bias_k = dbq + nh * hd, o4.bias_v = dbq + (nh + nkv) * hd;
-                                CK(m40k_attn_decode_rope_ex(dout, os, dqkv, rs, dqkv + nh * hd, rs,
+                                CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs,
                                                             dqkv + (nh + nkv) * hd, rs, dkc4, dvc4, dip, dix, dlp, ns,
                                                             nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
                                                             splits, dws, dcnt, &o4, 0));
@@ -973,7 +973,7 @@ static void test_attn_decode_rope(void)
                                     CK(m40k_attn_decode_rope(dout2, os, dq5, rs, dq5 + nh * hd, rs,
                                                              dq5 + (nh + nkv) * hd, rs, dkc5, dvc5, dip, dix, dlp, ns,
                                                              nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                             splits, dws, dcnt, 0));
+                                                             splits, dws, dcnt, nullptr, 0));
                                     std::vector<float> n5 = back(dout2, (size_t)ns * os);
                                     for (int s = 0; s < ns; s++)
                                         for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -1021,12 +1021,12 @@ static void test_attn_decode_rope(void)
             cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(done), cudaFree(dp), cudaFree(dqkv), cudaFree(df),
                 cudaFree(dwq), cudaFree(dwk), cudaFree(dbq), cudaFree(dout), cudaFree(dout2), cudaFree(dws), cudaFree(dcnt);
         }
-    check("attn_decode_rope_ex: cases ran", n_qkn == 10 * 3 * 2 * 2 * 2 * 2 * 3);
+    check("attn_decode_rope with norms or biases: cases ran", n_qkn == 10 * 3 * 2 * 2 * 2 * 2 * 3);
     int cc = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, 0));
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     if (cc >= 9) { /* the cluster merge runs (sm_90) */
-        check("attn_decode_rope_q8: int8 records written in some cases", n_q8 > 0);
+        check("attn_decode_rope out_q8: int8 records written in some cases", n_q8 > 0);
         /* Mistral-7B's heads at batch 1, ~600 positions: the engine's split pick (bucket 1024) */
         check("attn_decode_q8_ok: 1 sequence, 32/8 heads of 128, the engine's splits",
               m40k_attn_decode_q8_ok(1, 32, 8, 128, m40k_decode_pick_splits(1, 8, 1024, sms)) == 1);
@@ -1039,39 +1039,39 @@ static void test_attn_decode_rope(void)
     const int32_t *pi = (const int32_t *)16;
     check("attn_decode_rope odd rot_dim refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 31,
-                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope rot_dim > head_dim refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 66,
-                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope base 0 refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64, 0.0f,
-                                nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+                                nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
     {
         /* 6e refuses half of a pair of norms, a negative eps, a q bias without k and v */
         m40k_dec_opts o = {};
         o.q_norm = pf, o.norm_eps = 1e-6f;
-        check("attn_decode_rope_ex: q_norm without k_norm refused",
-              m40k_attn_decode_rope_ex(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
+        check("attn_decode_rope: q_norm without k_norm refused",
+              m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
                                        64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
         o.k_norm = pf, o.norm_eps = -1.0f;
-        check("attn_decode_rope_ex: negative eps refused",
-              m40k_attn_decode_rope_ex(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
+        check("attn_decode_rope: negative eps refused",
+              m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
                                        64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
         o = m40k_dec_opts{};
         o.bias_q = pf;
-        check("attn_decode_rope_ex: a q bias without k and v biases refused",
-              m40k_attn_decode_rope_ex(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
+        check("attn_decode_rope: a q bias without k and v biases refused",
+              m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
                                        64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
     }
-    check("attn_decode_rope_q8 with one split refused (no cluster merge)",
-          m40k_attn_decode_rope_q8(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                   10000.0f, nullptr, 0, 1, nullptr, nullptr, (void *)ph, 0) != 0);
+    check("attn_decode_rope out_q8 with one split refused (no cluster merge)",
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
+                                   10000.0f, nullptr, 0, 1, nullptr, nullptr, dec_opts_q8((void *)ph), 0) != 0);
     check("attn_decode_rope negative soft-cap refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, -1.0f, pi, 64,
-                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope misaligned k refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf + 1, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                10000.0f, nullptr, 0, 1, nullptr, nullptr, 0) != 0);
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
 }
 
 /* ---------------------------------------------------------------- 5b. kv append with RoPE on K */
@@ -2896,7 +2896,7 @@ static void bench_attn_decode(void)
                 auto fused = [&] {
                     CK(m40k_attn_decode_rope(dout, nh * hd, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs,
                                              dk, dv, dip, dix, dlp, n_seqs, nh, nkv, hd, 0.088f, 0, 0.0f, dp, hd, 1e6f,
-                                             nullptr, 0, pick, dws, dcnt, 0));
+                                             nullptr, 0, pick, dws, dcnt, nullptr, 0));
                 };
                 auto two = [&] {
                     CK(m40k_kv_append_rope(dqkv, rs, nh, dk, dv, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, done,

@@ -1,6 +1,6 @@
 /* Attention sinks (gpt-oss; kernels.h 6d, 7e, model_aux.h) against their CPU twins
  * (m40_ref_attn_prefill_sinks, m40_ref_attn_generic_sinks) on random paged caches:
- *   - the decode kernel with its own K/V append (m40k_attn_decode_rope_q8_sinks, rot_dim
+ *   - the decode kernel with its own K/V append (m40k_attn_decode_rope, option sinks, rot_dim
  *     0), one block a sequence and split 3, 8 and 40 ways (the workspace merge, and the
  *     cluster merge where sm_90 takes it), twice each (the counters come back zero);
  *   - the SIMT prefill, the tensor-core prefill in one block and in 1..4 key splits
@@ -100,10 +100,10 @@ static void test_sinks(const std::vector<int> &lens, const std::vector<int> &new
                             for (int splits : {1, 3, 8, 40})
                                 for (int rep = 0; rep < 2; rep++) {
                                     CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
-                                    CK(m40k_attn_decode_rope_q8_sinks(
+                                    CK(m40k_attn_decode_rope(
                                         dout, os, dq, qs, dkn, kvs, dvn, kvs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh,
                                         nkv, hd, scale, window, cap, ddp, 0, 10000.0f, nullptr, 1, splits,
-                                        splits > 1 ? dws : nullptr, splits > 1 ? dcnt : nullptr, nullptr, ds, 0));
+                                        splits > 1 ? dws : nullptr, splits > 1 ? dcnt : nullptr, dec_opts_q8(nullptr, ds), 0));
                                     std::vector<float> g = back(dout, c.size());
                                     snprintf(what, sizeof what,
                                              "decode sinks %d hd %d G %d seqs %d window %d cap %g splits %d call %d",
