@@ -9,6 +9,8 @@
  *                         gemv, gemvq8, skinny, attn, gemmq, gemmqfixed, deqov).
  *   test_kernels --bench-only [names]   the same benchmarks without the comparisons.
  *   M40_TEST_ONLY=gemv_q8,embed_g8 test_kernels   only the tests named (comma-separated).
+ *   gemmq's benchmark: M40_BENCH_SHAPE=NxK one of its shapes, M40_BENCH_M=16,64 those row
+ *   counts only.
  * Without a GPU: prints why, "0 passed, 0 failed, 1 skipped", exit 0. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
