@@ -82,7 +82,8 @@ __global__ void glu_h_kernel(int act, const uint16_t *__restrict__ gate, const u
             uint32_t *ow = reinterpret_cast<uint32_t *>(&o);
 #pragma unroll
             for (int k = 0; k < V / 2; k++) {
-                const float o0 = m40k_glu_one(act, scale * m40k_h2f((uint16_t)gw[k]), scale * m40k_h2f((uint16_t)uw[k]));
+                const float o0 =
+                    m40k_glu_one(act, scale * m40k_h2f((uint16_t)gw[k]), scale * m40k_h2f((uint16_t)uw[k]));
                 const float o1 = m40k_glu_one(act, scale * m40k_h2f((uint16_t)(gw[k] >> 16)),
                                               scale * m40k_h2f((uint16_t)(uw[k] >> 16)));
                 ow[k] = m40k_pack_h2(o0, o1);
@@ -149,7 +150,9 @@ extern "C" int m40k_glu_h16(int act, const uint16_t *gate, const uint16_t *up, i
         return M40K_INVALID;
     /* the widest loads the rows' width, stride and alignment allow */
     const uintptr_t al = (uintptr_t)gate | (uintptr_t)up | (uintptr_t)out16;
-    const int v = n % 8 == 0 && in_stride % 8 == 0 && (al & 15) == 0 ? 8 : n % 4 == 0 && in_stride % 4 == 0 && (al & 7) == 0 ? 4 : 1;
+    const int v = n % 8 == 0 && in_stride % 8 == 0 && (al & 15) == 0  ? 8
+                  : n % 4 == 0 && in_stride % 4 == 0 && (al & 7) == 0 ? 4
+                                                                      : 1;
     dim3 grid((unsigned)min((n / v + 255) / 256, 1024), (unsigned)rows);
     if (v == 8)
         M40K_LAUNCH_PDL(glu_h_kernel<8>, grid, 256, 0, stream, act, gate, up, in_stride, in_scale, n, out16);

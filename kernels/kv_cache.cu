@@ -319,13 +319,13 @@ extern "C" int m40k_kv_append_rope_tab(float *q, int64_t q_stride, int n_q_heads
         const int qparts = q ? (n_q_heads + KVR_QH4 - 1) / KVR_QH4 : 0;
         const dim3 grid((unsigned)n_tokens, (unsigned)(1 + qparts));
         if (neox)
-            M40K_LAUNCH_PDL(kv_append_rope_tab4_kernel<true>, grid, threads, 0, stream, q, q_stride,
-                            q ? n_q_heads : 0, k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, indptr,
-                            indices, last_page_len, n_kv_heads, head_dim, rot_dim, reinterpret_cast<const float2 *>(cs));
+            M40K_LAUNCH_PDL(kv_append_rope_tab4_kernel<true>, grid, threads, 0, stream, q, q_stride, q ? n_q_heads : 0,
+                            k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, indptr, indices,
+                            last_page_len, n_kv_heads, head_dim, rot_dim, reinterpret_cast<const float2 *>(cs));
         else
-            M40K_LAUNCH_PDL(kv_append_rope_tab4_kernel<false>, grid, threads, 0, stream, q, q_stride,
-                            q ? n_q_heads : 0, k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, indptr,
-                            indices, last_page_len, n_kv_heads, head_dim, rot_dim, reinterpret_cast<const float2 *>(cs));
+            M40K_LAUNCH_PDL(kv_append_rope_tab4_kernel<false>, grid, threads, 0, stream, q, q_stride, q ? n_q_heads : 0,
+                            k_cache, v_cache, k, k_stride, v, v_stride, new_indptr, n_seqs, indptr, indices,
+                            last_page_len, n_kv_heads, head_dim, rot_dim, reinterpret_cast<const float2 *>(cs));
         return m40k_launch_status();
     }
     int threads = min(256, (n_kv_heads * head_dim + 31) / 32 * 32);

@@ -887,9 +887,8 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                        .norm_eps = p->norm_eps,
                                        .out16 = att16d ? g->x16 : NULL};
             CK(m40k_attn_decode_rope(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
-                                        p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
-                                        p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, &dop,
-                                        g->stream));
+                                     p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
+                                     p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, &dop, g->stream));
         }
         if (n > r0) { /* the slices' tables keep their absolute offsets: the kernel takes them so */
             /* the angles of these rows, once a step for each kind of layer (kernels.h 5c) */

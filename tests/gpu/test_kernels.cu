@@ -758,10 +758,10 @@ static void test_attn_head_split(void)
                                         float *dout = dup(std::vector<float>((size_t)ns * os, 0.0f));
                                         m40k_dec_opts o = {};
                                         o.q_norm = dwq, o.k_norm = dwk, o.norm_eps = 1e-6f;
-                                        CK(m40k_attn_decode_rope(
-                                            dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc,
-                                            dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base,
-                                            nullptr, 0, splits, dws, dcnt, &o, 0));
+                                        CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs,
+                                                                 dqkv + (nh + nkv) * hd, rs, dkc, dvc, dip, dix, dlp,
+                                                                 ns, nh, nkv, hd, scale, window, 0.0f, dp, hd, base,
+                                                                 nullptr, 0, splits, dws, dcnt, &o, 0));
                                         std::vector<float> g = back(dout, (size_t)ns * os);
                                         for (int s = 0; s < ns; s++)
                                             for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -844,9 +844,9 @@ static void test_attn_decode_rope(void)
                             const float *ffp = neox ? df : nullptr;
                             uint16_t *dkc = dup(kc0), *dvc = dup(vc0), *dkc2 = dup(kc0), *dvc2 = dup(vc0);
                             float *dq2 = dup(qkv); /* the two-kernel path rotates q in place */
-                            CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd,
-                                                     rs, dkc, dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, cap,
-                                                     dp, rot, base, ffp, neox, splits, dws, dcnt, nullptr, 0));
+                            CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs,
+                                                     dkc, dvc, dip, dix, dlp, ns, nh, nkv, hd, scale, window, cap, dp,
+                                                     rot, base, ffp, neox, splits, dws, dcnt, nullptr, 0));
                             CK(m40k_kv_append_rope(dq2, rs, nh, dkc2, dvc2, dq2 + nh * hd, rs, dq2 + (nh + nkv) * hd,
                                                    rs, done, ns, ns, dip, dix, dlp, nkv, hd, dp, rot, base, ffp, neox,
                                                    0));
@@ -897,9 +897,9 @@ static void test_attn_decode_rope(void)
                                 m40k_dec_opts o6 = {};
                                 o6.out16 = do16;
                                 CK(m40k_attn_decode_rope(dout2, os, dqkv, rs, dqkv + nh * hd, rs,
-                                                            dqkv + (nh + nkv) * hd, rs, dkc6, dvc6, dip, dix, dlp, ns,
-                                                            nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                            splits, dws, dcnt, &o6, 0));
+                                                         dqkv + (nh + nkv) * hd, rs, dkc6, dvc6, dip, dix, dlp, ns, nh,
+                                                         nkv, hd, scale, window, cap, dp, rot, base, ffp, neox, splits,
+                                                         dws, dcnt, &o6, 0));
                                 std::vector<float> g6 = back(dout2, (size_t)ns * os);
                                 std::vector<uint16_t> h6 = back(do16, (size_t)ns * os);
                                 bool same = true, f16 = true;
@@ -929,9 +929,9 @@ static void test_attn_decode_rope(void)
                                 uint8_t *dxq = dup(std::vector<uint8_t>(xq_bytes, 0xa5)),
                                         *dxq2 = dup(std::vector<uint8_t>(xq_bytes, 0));
                                 CK(m40k_attn_decode_rope(dout3, os, dqkv, rs, dqkv + nh * hd, rs,
-                                                            dqkv + (nh + nkv) * hd, rs, dkc3, dvc3, dip, dix, dlp, ns,
-                                                            nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                            splits, dws, dcnt, dec_opts_q8(dxq), 0));
+                                                         dqkv + (nh + nkv) * hd, rs, dkc3, dvc3, dip, dix, dlp, ns, nh,
+                                                         nkv, hd, scale, window, cap, dp, rot, base, ffp, neox, splits,
+                                                         dws, dcnt, dec_opts_q8(dxq), 0));
                                 CK(m40k_quantize_q8(dout3, os, nh * hd, ns, dxq2, 0));
                                 std::vector<float> g3 = back(dout3, (size_t)ns * os);
                                 for (int s = 0; s < ns; s++)
@@ -959,10 +959,9 @@ static void test_attn_decode_rope(void)
                                     o4.q_norm = dwq, o4.k_norm = dwk, o4.norm_eps = 1e-6f;
                                 if (bia)
                                     o4.bias_q = dbq, o4.bias_k = dbq + nh * hd, o4.bias_v = dbq + (nh + nkv) * hd;
-                                CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs,
-                                                            dqkv + (nh + nkv) * hd, rs, dkc4, dvc4, dip, dix, dlp, ns,
-                                                            nh, nkv, hd, scale, window, cap, dp, rot, base, ffp, neox,
-                                                            splits, dws, dcnt, &o4, 0));
+                                CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd,
+                                                         rs, dkc4, dvc4, dip, dix, dlp, ns, nh, nkv, hd, scale, window,
+                                                         cap, dp, rot, base, ffp, neox, splits, dws, dcnt, &o4, 0));
                                 std::vector<float> n4 = back(dout, (size_t)ns * os);
                                 for (int s = 0; s < ns; s++)
                                     for (int64_t j = (int64_t)nh * hd; j < os; j++)
@@ -1046,34 +1045,34 @@ static void test_attn_decode_rope(void)
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 66,
                                 10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope base 0 refused",
-          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64, 0.0f,
-                                nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
+                                0.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
     {
         /* 6e refuses half of a pair of norms, a negative eps, a q bias without k and v */
         m40k_dec_opts o = {};
         o.q_norm = pf, o.norm_eps = 1e-6f;
         check("attn_decode_rope: q_norm without k_norm refused",
               m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
-                                       64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
+                                    64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
         o.k_norm = pf, o.norm_eps = -1.0f;
         check("attn_decode_rope: negative eps refused",
               m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
-                                       64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
+                                    64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
         o = m40k_dec_opts{};
         o.bias_q = pf;
         check("attn_decode_rope: a q bias without k and v biases refused",
               m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
-                                       64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
+                                    64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, &o, 0) != 0);
     }
     check("attn_decode_rope out_q8 with one split refused (no cluster merge)",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                   10000.0f, nullptr, 0, 1, nullptr, nullptr, dec_opts_q8((void *)ph), 0) != 0);
+                                10000.0f, nullptr, 0, 1, nullptr, nullptr, dec_opts_q8((void *)ph), 0) != 0);
     check("attn_decode_rope negative soft-cap refused",
           m40k_attn_decode_rope(pf, 64, pf, 64, pf, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, -1.0f, pi, 64,
                                 10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
     check("attn_decode_rope misaligned k refused",
-          m40k_attn_decode_rope(pf, 64, pf, 64, pf + 1, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi, 64,
-                                10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
+          m40k_attn_decode_rope(pf, 64, pf, 64, pf + 1, 64, pf, 64, ph, ph, pi, pi, pi, 1, 1, 1, 64, 1.0f, 0, 0.0f, pi,
+                                64, 10000.0f, nullptr, 0, 1, nullptr, nullptr, nullptr, 0) != 0);
 }
 
 /* ---------------------------------------------------------------- 5b. kv append with RoPE on K */

@@ -100,10 +100,10 @@ static void test_sinks(const std::vector<int> &lens, const std::vector<int> &new
                             for (int splits : {1, 3, 8, 40})
                                 for (int rep = 0; rep < 2; rep++) {
                                     CK(cudaMemset(dout, 0, (size_t)nt * os * 4));
-                                    CK(m40k_attn_decode_rope(
-                                        dout, os, dq, qs, dkn, kvs, dvn, kvs, dkc, dvc, dip, dix, dlp, p.n_seqs, nh,
-                                        nkv, hd, scale, window, cap, ddp, 0, 10000.0f, nullptr, 1, splits,
-                                        splits > 1 ? dws : nullptr, splits > 1 ? dcnt : nullptr, dec_opts_q8(nullptr, ds), 0));
+                                    CK(m40k_attn_decode_rope(dout, os, dq, qs, dkn, kvs, dvn, kvs, dkc, dvc, dip, dix,
+                                                             dlp, p.n_seqs, nh, nkv, hd, scale, window, cap, ddp, 0,
+                                                             10000.0f, nullptr, 1, splits, splits > 1 ? dws : nullptr,
+                                                             splits > 1 ? dcnt : nullptr, dec_opts_q8(nullptr, ds), 0));
                                     std::vector<float> g = back(dout, c.size());
                                     snprintf(what, sizeof what,
                                              "decode sinks %d hd %d G %d seqs %d window %d cap %g splits %d call %d",
