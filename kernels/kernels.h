@@ -252,8 +252,10 @@ int m40k_attn_decode(float *out, int64_t out_stride, const float *q, int64_t q_s
  * tables and the cached K/V rows before position len - 1, the first tile of which is
  * prefetched then as well (that kernel must not append to the cache). The split
  * holding position len - 1 stores it; no split reads it from the cache. The rest (splits,
- * workspace, counters, window, softcap) as m40k_attn_decode_window. Twin: m40_ref_rope and
- * m40_ref_kv_append, then m40_ref_attn_decode. */
+ * workspace, counters, window, softcap) as m40k_attn_decode_window; what else the layer
+ * asks (int8 records, sinks, biases, Q/K norms, an F16 copy) in opts (6e; NULL: none).
+ * The call is declared after 6e. Twin: m40_ref_rope and m40_ref_kv_append, then
+ * m40_ref_attn_decode. */
 /* Its option out_q8 (6e) also writes out as the int8 records of m40k_quantize_q8(out,
  * out_stride, n_heads * head_dim, n_seqs, out_q8), byte for byte (out_q8 16-byte
  * aligned), for the int8 GEMV that reads them next: no quantization launch between the
