@@ -104,9 +104,6 @@ static inline void compare(const char *what, const float *g, const float *c, siz
     }
 }
 
-/* The device layouts of kernels.h 0. in the tests: the GGUF type whose bytes a layout
- * rewrites (the twins read that type), the suffix a test name gives it, and a matrix of
- * rows x K of the base type rewritten into it (kernels.h must be included before). */
 #ifdef M40_KERNELS_H
 /* m40k_attn_decode_rope's options with only the int8 records and the sinks set (valid
  * until the next call: pass it straight to the kernel call) */
@@ -118,6 +115,9 @@ static inline const m40k_dec_opts *dec_opts_q8(void *out_q8, const float *sinks 
     return &o;
 }
 
+/* The device layouts of kernels.h 0. in the tests: the GGUF type whose bytes a layout
+ * rewrites (the twins read that type), the suffix a test name gives it, and a matrix of
+ * rows x K of the base type rewritten into it (kernels.h must be included before). */
 static inline int dev_base(int type)
 {
     return type == M40K_TYPE_Q8_0_G8                                ? M40K_TYPE_Q8_0
