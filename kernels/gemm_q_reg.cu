@@ -111,6 +111,15 @@ template <int T> __device__ __forceinline__ mr_cs mr_chunk_scales(const uint8_t 
     return cs;
 }
 
+/* Group s's F16 scale and negated offset, each in both halves, where mr_chunk_scales
+ * holds them in pairs (Q4_K, Q8_0_G8: pair s / 2, half s % 2) */
+__device__ __forceinline__ void mr_group_scale(const mr_cs &cs, int s, __half2 &sc, __half2 &noff)
+{
+    const __half2 sp = mr_u2h(cs.s[s >> 1]), op = mr_u2h(cs.o[s >> 1]);
+    sc = (s & 1) ? __high2half2(sp) : __low2half2(sp);
+    noff = (s & 1) ? __high2half2(op) : __low2half2(op);
+}
+
 /* The 8 elements 32*s + l .. +7 (l a multiple of 8 below 32; s a constant after
  * unrolling) of a staged chunk row p as 8 bytes q (the q of m40k_group8: t0 elements 0-3,
  * t1 4-7), with their group's F16 scale and negated offset, each in both halves; cs: the
@@ -126,16 +135,12 @@ __device__ __forceinline__ void mr_deq8(const uint8_t *p, int s, int l, const mr
         const int sh = (s & 1) * 4;
         t0 = (v.x >> sh) & 0x0F0F0F0Fu;
         t1 = (v.y >> sh) & 0x0F0F0F0Fu;
-        const __half2 sp = mr_u2h(cs.s[s >> 1]), op = mr_u2h(cs.o[s >> 1]);
-        sc = (s & 1) ? __high2half2(sp) : __low2half2(sp);
-        noff = (s & 1) ? __high2half2(op) : __low2half2(op);
+        mr_group_scale(cs, s, sc, noff);
     } else if constexpr (T == M40K_TYPE_Q8_0_G8) {
         const uint2 v = *reinterpret_cast<const uint2 *>(p + 16 + e);
         t0 = v.x ^ 0x80808080u; /* int8 + 128 */
         t1 = v.y ^ 0x80808080u;
-        const __half2 sp = mr_u2h(cs.s[s >> 1]), op = mr_u2h(cs.o[s >> 1]);
-        sc = (s & 1) ? __high2half2(sp) : __low2half2(sp);
-        noff = (s & 1) ? __high2half2(op) : __low2half2(op);
+        mr_group_scale(cs, s, sc, noff);
     } else { /* Q6_K_G8, Q6_K_P: superblock ql[128] | qh[64] | scales[16] (quant_dev.h); MXFP4_P: mr_frag8 */
         const int n = s >> 2, k = s & 3;
         const uint2 lo = *reinterpret_cast<const uint2 *>(p + 64 * n + 32 * (k & 1) + l);
