@@ -813,6 +813,28 @@ int m40k_moe_combine(const float *y, int64_t ldy, const int32_t *inv, const int3
                      const float *down_b, int n_expert, int n_tokens, int k, int dim, float *out, int64_t out_stride,
                      int accumulate, m40k_stream stream);
 
+/* 11. Tensor parallelism's all-reduce of a small product on NCCL's device API
+ * (kernels/tp_allreduce.cu): out[i] = the sum over the LSA team's ranks r = 0, 1, .., n-1,
+ * in that order, of float i at byte offset in_off of rank r's window (i < count). Every
+ * rank of the team calls it with the same count, each on its own GPU; each rank's input
+ * is complete on its stream when the call is enqueued and stays unwritten until the
+ * team's next call (kernels/tp_allreduce.cu says why). dev_comm: the bytes of the
+ * rank's ncclDevComm (m40k_tp_devcomm_bytes of them: 0 where the build had no NCCL
+ * device headers, and the call returns cudaErrorNotSupported) from ncclDevCommCreate
+ * with the requirements m40k_tp_devcomm_reqs writes into reqs (at most cap bytes; returns
+ * their size, 0 where they do not fit): M40K_TP_AR_BLOCKS LSA barriers, nothing else;
+ * win: the rank's ncclWindow_t of its input. The engine calls NCCL's host API itself
+ * (engine/gpu/tp.c), so these keep NCCL's device types out of its C. Twin:
+ * m40_ref_tp_allreduce; test: tests/gpu/test_tp_allreduce.cu. */
+#define M40K_TP_AR_BLOCKS 32
+size_t m40k_tp_devcomm_bytes(void);
+size_t m40k_tp_devcomm_reqs(void *reqs, size_t cap);
+/* NCCL_VERSION_CODE of the headers these were built with (0: none): the device API's
+ * structures are those of that release, so the engine takes it only from a libnccl of the
+ * same major and minor version. */
+int m40k_tp_nccl_version(void);
+int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off, float *out, int64_t count, m40k_stream stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -799,7 +799,7 @@ static int tp_head(m40_gpu *g, int32_t n_out, int xq_ready, int x16_ready, char 
 /* Enqueues a step's device work, embedding to logits (in g->logits_d), on g->stream:
  * kernel launches and cuBLAS calls only, nothing that waits on the host, so that a
  * decode step can be captured into a CUDA graph as it is. */
-static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, size_t errlen)
+static int enqueue_pass(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, size_t errlen)
 {
     const m40_model_params *p = &g->p;
     const int32_t n = sp->n, n_dec = sp->n_dec, n_grp = sp->n_grp, n_out = sp->n_out;
@@ -937,7 +937,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             if (matmul(g, &L->wo, g->att, n, g->xd, xq_wo, att16 || att16d, NULL, err, errlen))
                 return -1;
             if (g->tp_n > 1) /* each rank holds its heads' part of the sum */
-                CK(m40_gpu_tp_all_reduce(g, g->xd, (size_t)n * (size_t)dim));
+                CK(m40_gpu_tp_reduce_xd(g, (size_t)n * (size_t)dim));
             if (L->post_attn_norm)
                 CK(m40k_rmsnorm(g->xd, dim, L->post_attn_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                                 g->stream));
@@ -993,7 +993,7 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                 return -1;
         }
         if (g->tp_n > 1) /* each rank holds its FFN units' part of the sum */
-            CK(m40_gpu_tp_all_reduce(g, g->xd, (size_t)n * (size_t)dim));
+            CK(m40_gpu_tp_reduce_xd(g, (size_t)n * (size_t)dim));
         if (L->post_ffw_norm)
             CK(m40k_rmsnorm(g->xd, dim, L->post_ffw_norm, g->xd, M40K_TYPE_F32, dim, n, (int)dim, p->norm_eps,
                             g->stream));
@@ -1025,6 +1025,20 @@ static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
             CK(m40k_softcap(g->logits_d, (int64_t)n_out * p->n_vocab, g->sc.logit_softcap, g->stream));
     }
     return 0;
+}
+
+/* enqueue_pass; under tensor parallelism a step that fits the symmetric buffers (tp_sym)
+ * has its layers' outputs written there instead of into xd, each all-reduce moving them
+ * from one buffer to the other (m40_gpu_tp_reduce_xd). Two all-reduces a layer: every
+ * step starts from the same buffer, so a CUDA graph captured once replays right. */
+static int enqueue_step(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *err, size_t errlen)
+{
+    float *const own = g->xd;
+    if (g->tp_sym[0] && (int64_t)sp->n * g->p.dim <= g->tp_sym_floats)
+        g->xd = g->tp_sym[0];
+    const int rc = enqueue_pass(g, kv, sp, err, errlen);
+    g->xd = own;
+    return rc;
 }
 
 /* Runs a step's device work (enqueue_step). A pure decode step of at most g->graph_max

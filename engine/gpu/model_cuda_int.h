@@ -191,6 +191,16 @@ struct m40_gpu {
     int64_t tp_vocab_rows, tp_vocab_stride;
     float *tp_logits, *tp_gather;
     struct m40_gpu_tp *tp;
+    /* Two buffers of tp_sym_floats each from ncclMemAlloc, registered in NCCL symmetric
+     * windows, and the rank's NCCL device communicator (ncclDevComm's bytes; NULL where
+     * NCCL lacks the device API or M40_TP_SYMMETRIC=0): a step of at most tp_sym_floats /
+     * dim rows writes its layers' outputs there instead of xd, and each all-reduce goes
+     * from one to the other (m40_gpu_tp_reduce_xd, m40k_tp_allreduce). */
+    float *tp_sym[2];
+    void *tp_win[2];
+    void *tp_devcomm;
+    int tp_devcomm_made;
+    int64_t tp_sym_floats;
     /* The collectives timed (rank 0, time_steps on, steps run without a CUDA graph): an
      * event before and after each, summed after the step (tp_coll_ms, tp_coll_calls). */
     cudaEvent_t *tp_ev;
@@ -207,12 +217,17 @@ struct m40_gpu {
  * abort_on_fail: fn enqueues collectives, so a rank that fails aborts the group's
  * communicators (the others would wait for it for ever) and the group refuses every
  * later job with an error.
+ * sym_rows: steps of up to that many rows all-reduce between NCCL symmetric windows
+ * (0: never; see tp_sym).
  * all_reduce (sum) and all_gather: enqueued on g->stream (capturable). */
-int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen);
+int m40_gpu_tp_init(m40_gpu **ranks, int n, int64_t sym_rows, char *err, size_t errlen);
 void m40_gpu_tp_free(m40_gpu *g0);
 int m40_gpu_tp_run(m40_gpu *g0, int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen), void *ctx,
                    int abort_on_fail, char *err, size_t errlen);
 int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count);
+/* The sum of every rank's g->xd[0..count): in place, or where g->xd is one of the
+ * symmetric buffers (tp_sym), into the other one, which g->xd then points at. */
+int m40_gpu_tp_reduce_xd(m40_gpu *g, size_t count);
 int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t count);
 /* After a step's synchronization: the timed collectives' device time added up. */
 void m40_gpu_tp_time_step(m40_gpu *g);

@@ -49,6 +49,16 @@ typedef struct {
     const char *(*error_string)(ncclResult_t);
     ncclResult_t (*get_version)(int *);
     ncclResult_t (*comm_abort)(ncclComm_t);
+    /* symmetric windows (NCCL 2.27 on; all NULL where the library lacks them) */
+    ncclResult_t (*mem_alloc)(void **, size_t);
+    ncclResult_t (*mem_free)(void *);
+    ncclResult_t (*win_register)(ncclComm_t, void *, size_t, ncclWindow_t *, int);
+    ncclResult_t (*win_deregister)(ncclComm_t, ncclWindow_t);
+    ncclResult_t (*group_start)(void);
+    ncclResult_t (*group_end)(void);
+    /* the device API (NCCL 2.28 on): m40k_tp_allreduce's communicator */
+    ncclResult_t (*dev_create)(ncclComm_t, const void *, void *);
+    ncclResult_t (*dev_destroy)(ncclComm_t, const void *);
 } nccl_api;
 
 static nccl_api nccl;
@@ -73,6 +83,17 @@ static void nccl_open(void)
     *(void **)&nccl.error_string = dlsym(nccl.h, "ncclGetErrorString");
     *(void **)&nccl.get_version = dlsym(nccl.h, "ncclGetVersion");
     *(void **)&nccl.comm_abort = dlsym(nccl.h, "ncclCommAbort");
+    *(void **)&nccl.mem_alloc = dlsym(nccl.h, "ncclMemAlloc");
+    *(void **)&nccl.mem_free = dlsym(nccl.h, "ncclMemFree");
+    *(void **)&nccl.win_register = dlsym(nccl.h, "ncclCommWindowRegister");
+    *(void **)&nccl.win_deregister = dlsym(nccl.h, "ncclCommWindowDeregister");
+    *(void **)&nccl.group_start = dlsym(nccl.h, "ncclGroupStart");
+    *(void **)&nccl.group_end = dlsym(nccl.h, "ncclGroupEnd");
+    *(void **)&nccl.dev_create = dlsym(nccl.h, "ncclDevCommCreate");
+    *(void **)&nccl.dev_destroy = dlsym(nccl.h, "ncclDevCommDestroy");
+    if (!nccl.mem_alloc || !nccl.mem_free || !nccl.win_register || !nccl.win_deregister || !nccl.group_start ||
+        !nccl.group_end || !nccl.dev_create || !nccl.dev_destroy)
+        nccl.win_register = NULL; /* no device API: NCCL's own all-reduces only */
     if (!nccl.comm_abort || !nccl.comm_init_all || !nccl.comm_destroy || !nccl.all_reduce || !nccl.all_gather || !nccl.error_string ||
         !nccl.get_version) {
         snprintf(nccl_err, sizeof nccl_err, "libnccl.so.2 lacks the functions m40 calls (%s)", dlerror());
@@ -110,6 +131,138 @@ static void comms_end(struct m40_gpu_tp *t, ncclResult_t (*end)(ncclComm_t))
             end((ncclComm_t)t->ranks[r]->tp_comm);
             t->ranks[r]->tp_comm = NULL;
         }
+}
+
+/* The symmetric buffers: their windows deregistered (a collective call: grouped, as one
+ * thread makes it for every rank) while the communicators live, then the memory freed. */
+static void sym_free(struct m40_gpu_tp *t)
+{
+    int registered = 0, devcomms = 0;
+    for (int r = 0; r < t->n; r++)
+        if (t->ranks[r] && t->ranks[r]->tp_comm) {
+            registered |= t->ranks[r]->tp_win[0] || t->ranks[r]->tp_win[1];
+            devcomms |= t->ranks[r]->tp_devcomm_made;
+        }
+    if (devcomms) {
+        nccl.group_start();
+        for (int r = 0; r < t->n; r++) {
+            m40_gpu *g = t->ranks[r];
+            if (g && g->tp_comm && g->tp_devcomm_made) {
+                cudaSetDevice(g->device);
+                nccl.dev_destroy((ncclComm_t)g->tp_comm, g->tp_devcomm);
+            }
+        }
+        nccl.group_end();
+    }
+    if (registered) {
+        nccl.group_start();
+        for (int r = 0; r < t->n; r++) {
+            m40_gpu *g = t->ranks[r];
+            if (!g || !g->tp_comm)
+                continue;
+            cudaSetDevice(g->device);
+            for (int b = 0; b < 2; b++)
+                if (g->tp_win[b])
+                    nccl.win_deregister((ncclComm_t)g->tp_comm, (ncclWindow_t)g->tp_win[b]);
+        }
+        nccl.group_end();
+    }
+    for (int r = 0; r < t->n; r++) {
+        m40_gpu *g = t->ranks[r];
+        if (!g)
+            continue;
+        cudaSetDevice(g->device);
+        for (int b = 0; b < 2; b++) {
+            if (g->tp_sym[b])
+                nccl.mem_free(g->tp_sym[b]);
+            g->tp_sym[b] = NULL;
+            g->tp_win[b] = NULL;
+        }
+        free(g->tp_devcomm);
+        g->tp_devcomm = NULL;
+        g->tp_devcomm_made = 0;
+        g->tp_sym_floats = 0;
+    }
+}
+
+/* The windows' sizes, a multiple of the GPUs' virtual-memory granularity (2 MiB), which
+ * ncclMemAlloc allocates in. */
+#define TP_SYM_ALIGN ((size_t)2 << 20)
+
+/* Two buffers of rows x dim floats a rank from ncclMemAlloc, each registered in a
+ * symmetric window (NCCL_WIN_COLL_SYMMETRIC; every rank's at the same offset, 0), and a
+ * device communicator (ncclDevCommCreate) with the LSA barriers of m40k_tp_allreduce
+ * (kernels.h 11), which sums a small product's partials straight from the peers' windows
+ * (m40_gpu_tp_reduce_xd): NCCL's default all-reduce of 16-32 KB took 13.3 us on four
+ * H100s, 2.1 ms of a 70B step (session 19). NCCL's own symmetric kernels on these windows
+ * are not used: on NCCL 2.28.9 (four H200s, session 32) they summed wrong on models of
+ * dim 64 and 256, in place and out of place, with and without CUDA graphs. Any failure
+ * leaves the model on NCCL's all-reduces in place on xd, with a line in the log. */
+static void sym_init(struct m40_gpu_tp *t, int64_t rows)
+{
+    if (rows <= 0 || !nccl.win_register)
+        return;
+    const int64_t floats = rows * t->ranks[0]->p.dim;
+    const size_t bytes = ((size_t)floats * 4 + TP_SYM_ALIGN - 1) / TP_SYM_ALIGN * TP_SYM_ALIGN;
+    ncclResult_t r = ncclSuccess;
+    for (int k = 0; k < t->n && r == ncclSuccess; k++) {
+        m40_gpu *g = t->ranks[k];
+        cudaSetDevice(g->device);
+        for (int b = 0; b < 2 && r == ncclSuccess; b++)
+            r = nccl.mem_alloc((void **)&g->tp_sym[b], bytes);
+    }
+    if (r == ncclSuccess) {
+        r = nccl.group_start();
+        for (int k = 0; k < t->n && r == ncclSuccess; k++) {
+            m40_gpu *g = t->ranks[k];
+            cudaSetDevice(g->device);
+            for (int b = 0; b < 2 && r == ncclSuccess; b++)
+                r = nccl.win_register((ncclComm_t)g->tp_comm, g->tp_sym[b], bytes, (ncclWindow_t *)&g->tp_win[b],
+                                      NCCL_WIN_COLL_SYMMETRIC);
+        }
+        const ncclResult_t e = nccl.group_end();
+        if (r == ncclSuccess)
+            r = e;
+    }
+    for (int k = 0; k < t->n && r == ncclSuccess; k++)
+        if (!t->ranks[k]->tp_win[0] || !t->ranks[k]->tp_win[1])
+            r = ncclInternalError;
+    _Alignas(16) char reqs[512]; /* an ncclDevCommRequirements (m40k_tp_devcomm_reqs) */
+    const size_t dc_bytes = m40k_tp_devcomm_bytes();
+    int have = 0;
+    nccl.get_version(&have);
+    const int built = m40k_tp_nccl_version();
+    if (r == ncclSuccess && (!dc_bytes || !m40k_tp_devcomm_reqs(reqs, sizeof reqs) || have / 100 != built / 100)) {
+        fprintf(stderr, "m40: tensor parallelism: the kernels' NCCL device API is from NCCL %d.%d.%d (0: none), the "
+                        "library is %d.%d.%d\n", built / 10000, built / 100 % 100, built % 100, have / 10000,
+                have / 100 % 100, have % 100);
+        r = ncclInvalidUsage;
+    }
+    for (int k = 0; k < t->n && r == ncclSuccess; k++)
+        if (!(t->ranks[k]->tp_devcomm = calloc(1, dc_bytes)))
+            r = ncclSystemError;
+    if (r == ncclSuccess) {
+        r = nccl.group_start();
+        for (int k = 0; k < t->n && r == ncclSuccess; k++) {
+            m40_gpu *g = t->ranks[k];
+            cudaSetDevice(g->device);
+            r = nccl.dev_create((ncclComm_t)g->tp_comm, reqs, g->tp_devcomm);
+            g->tp_devcomm_made = r == ncclSuccess;
+        }
+        const ncclResult_t e = nccl.group_end();
+        if (r == ncclSuccess)
+            r = e;
+    }
+    if (r != ncclSuccess) {
+        fprintf(stderr, "m40: tensor parallelism: NCCL's symmetric windows or device API unavailable (%s): NCCL's "
+                        "all-reduces only\n", nccl.error_string(r));
+        sym_free(t);
+        return;
+    }
+    for (int k = 0; k < t->n; k++)
+        t->ranks[k]->tp_sym_floats = floats;
+    fprintf(stderr, "m40: tensor parallelism: steps of up to %lld rows all-reduce through NCCL's device API (2 x %.1f "
+                    "MiB of symmetric windows a GPU)\n", (long long)rows, (double)bytes / 1048576.0);
 }
 #endif
 
@@ -182,6 +335,7 @@ void m40_gpu_tp_free(m40_gpu *g0)
         return;
     m40_threadpool_free(t->crew);
 #ifdef M40_HAVE_NCCL_H
+    sym_free(t);
     comms_end(t, nccl.comm_destroy);
 #endif
     for (int r = 1; r < t->n; r++)
@@ -194,11 +348,12 @@ void m40_gpu_tp_free(m40_gpu *g0)
     g0->tp = NULL;
 }
 
-int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen)
+int m40_gpu_tp_init(m40_gpu **ranks, int n, int64_t sym_rows, char *err, size_t errlen)
 {
 #ifndef M40_HAVE_NCCL_H
     (void)ranks;
     (void)n;
+    (void)sym_rows;
     m40_set_err(err, errlen, "tensor parallelism needs NCCL, and this build found no nccl.h");
     return -1;
 #else
@@ -238,6 +393,7 @@ int m40_gpu_tp_init(m40_gpu **ranks, int n, char *err, size_t errlen)
         ranks[r]->tp_n = n;
     }
     ranks[0]->tp = t;
+    sym_init(t, sym_rows);
     if (!(t->crew = m40_threadpool_new(n))) {
         m40_set_err(err, errlen, "cannot start the %d threads of tensor parallelism", n);
         goto fail_started; /* tp_free frees the ranks past 0 and the communicators */
@@ -332,6 +488,23 @@ int m40_gpu_tp_all_reduce(m40_gpu *g, float *buf, size_t count)
 #endif
 }
 
+int m40_gpu_tp_reduce_xd(m40_gpu *g, size_t count)
+{
+#ifdef M40_HAVE_NCCL_H
+    const int b = g->xd == g->tp_sym[0] ? 0 : g->xd == g->tp_sym[1] ? 1 : -1;
+    if (b < 0 || (int64_t)count > g->tp_sym_floats)
+        return m40_gpu_tp_all_reduce(g, g->xd, count);
+    float *to = g->tp_sym[1 - b];
+    time_mark(g);
+    const int e = m40k_tp_allreduce(g->tp_devcomm, g->tp_win[b], 0, to, (int64_t)count, g->stream);
+    time_mark(g);
+    g->xd = to;
+    return e;
+#else
+    return m40_gpu_tp_all_reduce(g, g->xd, count);
+#endif
+}
+
 int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t count)
 {
 #ifdef M40_HAVE_NCCL_H
@@ -346,6 +519,11 @@ int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t cou
 }
 
 /* ------------------------------------------------------------- loading ---- */
+
+/* Steps of up to this many rows all-reduce through m40k_tp_allreduce, larger ones through
+ * NCCL's ncclAllReduce in place on xd: each rank of the former reads every rank's whole
+ * product, where NCCL's ring moves 2 (n-1)/n of it, so it pays where latency rules. */
+#define TP_SYM_ROWS 16
 
 /* A split model's upload: each rank's shard (model/tp_shard.h) on its GPU, every rank at
  * once from a thread each (each reads its own part of the mmap), then the group. */
@@ -434,7 +612,7 @@ int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int
         g->fuse_norm = 0;
         g->fuse_pick = 0;
     }
-    if (m40_gpu_tp_init(gs, n, err, errlen))
+    if (m40_gpu_tp_init(gs, n, t->tp_symmetric ? TP_SYM_ROWS : 0, err, errlen))
         goto out;
     *out = gs[0];
     gs[0] = NULL;

@@ -62,6 +62,8 @@ typedef struct {
                            * masks during the forward pass, the rows' picks; 0: none); unset
                            * (-1): half the CPUs, 2..8, on a GPU engine, none on the CPU one */
     int gpu_sample;       /* M40_GPU_SAMPLE=0: every sampled (not greedy) row's draw on the host */
+    int tp_symmetric;     /* M40_TP_SYMMETRIC=0: a tensor-parallel model's all-reduces stay in
+                           * place on its scratch, without NCCL's symmetric windows */
     int gpu_unvalidated;  /* M40_GPU_UNVALIDATED=1: a GPU loads an architecture whose row is not
                            * gpu_validated (a test seam to validate it without a rebuild;
                            * logged loudly at every such load) */

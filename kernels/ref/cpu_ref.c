@@ -903,3 +903,13 @@ void m40_ref_sample(float *logits, int64_t stride, int n_seq, int n_vocab, const
     free(rank);
     free(cum);
 }
+
+void m40_ref_tp_allreduce(const float *const *in, int n_ranks, float *out, int64_t count)
+{
+    for (int64_t i = 0; i < count; i++) {
+        float s = in[0][i];
+        for (int r = 1; r < n_ranks; r++)
+            s += in[r][i];
+        out[i] = s;
+    }
+}

@@ -139,6 +139,10 @@ void m40_ref_moe_combine(const float *y, int64_t ldy, const int32_t *inv, const 
                          const float *down_b, int n_expert, int n_tokens, int k, int dim, float *out,
                          int64_t out_stride, int accumulate);
 
+/* 11: out[i] = in[0][i] + in[1][i] + .. + in[n_ranks-1][i], added in that order (the
+ * order every rank of m40k_tp_allreduce adds in). */
+void m40_ref_tp_allreduce(const float *const *in, int n_ranks, float *out, int64_t count);
+
 /* Length of sequence s in the CSR page table. */
 static inline int64_t m40_ref_seq_len(const int32_t *indptr, const int32_t *last_page_len, int s)
 {

@@ -34,6 +34,14 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep
     exit 0
 fi
 passed=0 failed=0 skipped=0
+# NCCL (tensor parallelism: test_tp_allreduce.cu in step 1, step 5) from the system or,
+# where only PyTorch brings it, its wheel's lib folder
+n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+if [ "$n_gpus" -ge 2 ] && ! ldconfig -p 2>/dev/null | grep -q libnccl.so.2; then
+    for d in /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib /usr/local/lib/python3*/dist-packages/nvidia/nccl/lib; do
+        [ -f "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+    done
+fi
 tally() { # adds the last "N passed, N failed, N skipped" line of a log
     local line
     line=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$1" | tail -n 1)
@@ -190,13 +198,7 @@ fi
 #    PyTorch brings it, its wheel's lib folder): tp = 2 (4) against tp = 1 on synthetic
 #    and shared models (test_tp_gpu.c), and `m40 eval --device 0 --tp 2` against the shared
 #    references of the models that split (heads, KV heads, blocks) at the GPU's 5e-2.
-n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
 if [ "$n_gpus" -ge 2 ]; then
-    if ! ldconfig -p 2>/dev/null | grep -q libnccl.so.2; then
-        for d in /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib /usr/local/lib/python3*/dist-packages/nvidia/nccl/lib; do
-            [ -f "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
-        done
-    fi
     engine_test test_tp_gpu "${M40_TP_TEST:-}"
     if [ -x "$M40_BIN" ] && [ -d "$M40_SHARED/models/ref" ]; then
         for name in stories260K tiny-llama-spm-gqa-f16 tiny-qwen2-gpt2-f16 tiny-llama-q8_0; do

@@ -9,7 +9,7 @@ static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_S
                                     "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE",
                                     "M40_GPU_UNVALIDATED", "M40_MOE_GEMV_ROWS", "M40_PICK_THREADS", "M40_GPU_SAMPLE",
                                     "M40_GEMV_ROWS", "M40_PREFILL_F16", "M40_FUSE_RESIDUAL", "M40_MOE_GEMM_REG",
-                                    "M40_MOE_PAD", "M40_MOE_Q8", "M40_DEC_HSPLIT"};
+                                    "M40_MOE_PAD", "M40_MOE_Q8", "M40_DEC_HSPLIT", "M40_TP_SYMMETRIC"};
 
 static void clear(void)
 {
@@ -25,7 +25,7 @@ int main(void)
     CHECK(t.gemm == M40_GEMM_AUTO && !t.gemm_ignored[0], "M40_GEMM unset: auto");
     CHECK(t.pdl && t.clusters && t.skinny && t.warmup && t.g8 && t.fuse_norm && t.fuse_pick && t.gemm_q &&
               t.prefix_cache && t.gpu_sample && t.prefill_f16 && t.fuse_residual && t.moe_pad && t.moe_q8 &&
-              t.dec_hsplit,
+              t.dec_hsplit && t.tp_symmetric,
           "every on/off switch on by default");
     CHECK(t.cuda_graphs == 64 && t.gemm_q_rows == 128 && t.gemm_q_reg == 64 && t.kv_blocks == 0, "numbers' defaults");
     CHECK(t.moe_gemv_rows == -1, "M40_MOE_GEMV_ROWS unset: -1 (by the experts' type)");
@@ -46,7 +46,7 @@ int main(void)
     m40_tuning_from_env(&t);
     CHECK(!t.pdl && !t.clusters && !t.skinny && !t.warmup && !t.g8 && !t.fuse_norm && !t.fuse_pick && !t.gemm_q &&
               !t.prefix_cache && !t.gpu_sample && !t.prefill_f16 && !t.fuse_residual && !t.moe_pad && !t.moe_q8 &&
-              !t.dec_hsplit,
+              !t.dec_hsplit && !t.tp_symmetric,
           "\"0\" turns each off");
     CHECK(t.cuda_graphs == 0 && t.gemm_q_rows == 0 && t.gemm_q_reg == 0 && t.kv_blocks == 0 &&
               t.moe_gemv_rows == 0 && t.pick_threads == 0 && t.moe_gemm_reg == 0,
