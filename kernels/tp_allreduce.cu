@@ -3,9 +3,8 @@
  * rank's block b meets the other ranks' block b at an LSA barrier, then reads the slice it
  * owns from each rank's window over NVLink (ncclGetLsaPointer) and writes the sum into its
  * own output. One barrier and one pass over n x count floats of loads: the latency of a
- * 16-64 KB all-reduce is that of the barrier, where NCCL's own kernels took 13.3 us on
- * four H100s (BENCHMARKS.md, session 19) and its symmetric ones summed wrong on NCCL
- * 2.28.9 (session 32).
+ * 16-64 KB all-reduce is about that of the barrier (NCCL's own all-reduces and its
+ * symmetric kernels: BENCHMARKS.md, sessions 19 and 32).
  *
  * Why one barrier is enough: a rank arrives only once the kernels before it on its stream
  * wrote its input, so after the wait every input is complete; nobody writes a peer's

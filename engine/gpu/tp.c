@@ -193,11 +193,11 @@ static void sym_free(struct m40_gpu_tp *t)
  * symmetric window (NCCL_WIN_COLL_SYMMETRIC; every rank's at the same offset, 0), and a
  * device communicator (ncclDevCommCreate) with the LSA barriers of m40k_tp_allreduce
  * (kernels.h 11), which sums a small product's partials straight from the peers' windows
- * (m40_gpu_tp_reduce_xd): NCCL's default all-reduce of 16-32 KB took 13.3 us on four
- * H100s, 2.1 ms of a 70B step (session 19). NCCL's own symmetric kernels on these windows
- * are not used: on NCCL 2.28.9 (four H200s, session 32) they summed wrong on models of
- * dim 64 and 256, in place and out of place, with and without CUDA graphs. Any failure
- * leaves the model on NCCL's all-reduces in place on xd, with a line in the log. */
+ * (m40_gpu_tp_reduce_xd): the latency of NCCL's all-reduce of 16-64 KB was a large part
+ * of a split model's decode step (BENCHMARKS.md, sessions 19 and 32). NCCL's own
+ * symmetric kernels on these windows are not used: on NCCL 2.28.9 they summed wrong on
+ * models of dim 64 and 256 (session 32). Any failure leaves the model on NCCL's
+ * all-reduces in place on xd, with a line in the log. */
 static void sym_init(struct m40_gpu_tp *t, int64_t rows)
 {
     if (rows <= 0 || !nccl.win_register)
@@ -247,11 +247,12 @@ static void sym_init(struct m40_gpu_tp *t, int64_t rows)
             m40_gpu *g = t->ranks[k];
             cudaSetDevice(g->device);
             r = nccl.dev_create((ncclComm_t)g->tp_comm, reqs, g->tp_devcomm);
-            g->tp_devcomm_made = r == ncclSuccess;
         }
         const ncclResult_t e = nccl.group_end();
         if (r == ncclSuccess)
             r = e;
+        for (int k = 0; k < t->n; k++) /* made, as far as the group says (else left, not destroyed) */
+            t->ranks[k]->tp_devcomm_made = r == ncclSuccess;
     }
     if (r != ncclSuccess) {
         fprintf(stderr, "m40: tensor parallelism: NCCL's symmetric windows or device API unavailable (%s): NCCL's "
@@ -492,8 +493,10 @@ int m40_gpu_tp_reduce_xd(m40_gpu *g, size_t count)
 {
 #ifdef M40_HAVE_NCCL_H
     const int b = g->xd == g->tp_sym[0] ? 0 : g->xd == g->tp_sym[1] ? 1 : -1;
-    if (b < 0 || (int64_t)count > g->tp_sym_floats)
+    if (b < 0)
         return m40_gpu_tp_all_reduce(g, g->xd, count);
+    if ((int64_t)count > g->tp_sym_floats) /* enqueue_step chose the windows for a step that fits */
+        return (int)cudaErrorInvalidValue;
     float *to = g->tp_sym[1 - b];
     time_mark(g);
     const int e = m40k_tp_allreduce(g->tp_devcomm, g->tp_win[b], 0, to, (int64_t)count, g->stream);
@@ -524,9 +527,8 @@ int m40_gpu_tp_all_gather(m40_gpu *g, const float *send, float *recv, size_t cou
  * ((n - 1) x rows x dim x 4) go through m40k_tp_allreduce, larger ones through NCCL's
  * ncclAllReduce in place on xd: the former's ranks each read every other rank's whole
  * part, where NCCL's ring moves 2 (n - 1) / n of the product, so it pays where latency
- * rules. Measured on four H200s, mistral-7b F16 (dim 4096), decode tok/s, NCCL's against
- * this: tp=4 batch 32 (1.5 MiB read) 9,397-9,514 -> 10,034-10,161, batch 64 (3 MiB)
- * 17,396-17,586 -> 17,071-17,080; tp=2 batch 64 (1 MiB) 14,455 -> 15,431-15,437. */
+ * rules. The bound sits between the batches where it won (1 and 1.5 MiB read) and the one
+ * where it lost (3 MiB): BENCHMARKS.md, session 32. */
 #define TP_AR_READ_BYTES ((int64_t)2 << 20)
 
 static int64_t tp_sym_rows(const m40_gpu *g, int n)
