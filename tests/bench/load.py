@@ -34,6 +34,12 @@ the streams in the quiet phase and while the long prompt is processed (from its
 arrival until its response ends: tokenization, prefill and one token), the long
 request's time and prompt tokens, and streams that ended before it did.
 
+--compare-alone N checks that batching does not change what a request gets: after the
+timed run (and outside its numbers) the first N requests run again one at a time, and
+each greedy output (temperature 0) must equal the text and finish reason that the same
+request got among the concurrent ones. The report says how many matched and where the
+first ones differ; any difference makes the exit status 1.
+
 The run is bounded (a fixed number of requests, a timeout per request) and only
 talks to loopback addresses: it refuses any other target.
 """
@@ -146,7 +152,7 @@ async def body_pieces(reader, headers):
 
 class Result:
     __slots__ = ("ok", "error", "status", "ttft", "itl", "times", "chunks", "completion_tokens", "prompt_tokens",
-                 "cached_tokens", "finish", "start", "end", "usage_seen")
+                 "cached_tokens", "finish", "start", "end", "usage_seen", "text")
 
     def __init__(self):
         self.ok = False
@@ -162,6 +168,7 @@ class Result:
         self.finish = None
         self.start = self.end = 0.0
         self.usage_seen = False
+        self.text = []      # the content chunks, for --compare-alone
 
 
 async def one_request(args, addr, port, path, body, res):
@@ -202,6 +209,7 @@ async def one_request(args, addr, port, path, body, res):
                 for ch in obj.get("choices") or []:
                     content = (ch.get("delta") or {}).get("content")
                     if content:
+                        res.text.append(content)
                         res.chunks += 1
                         res.times.append(now)
                         if last is None:
@@ -376,7 +384,32 @@ async def run(args):
     m_after = None
     if args.metrics and m_before is not None:
         m_after, m_err = await fetch_metrics(args, addr, port)
-    return summarize(args, results, wall, m_before, m_after, m_err)
+    s = summarize(args, results, wall, m_before, m_after, m_err)
+    if args.compare_alone > 0:
+        s["alone"] = await compare_alone(args, addr, port, path, bodies, results)
+    return s
+
+
+async def compare_alone(args, addr, port, path, bodies, results):
+    """The first --compare-alone requests again, one at a time: each output against the
+    one the same request got among the concurrent ones."""
+    n = min(args.compare_alone, len(bodies))
+    same, errors, diffs = 0, 0, []
+    for i in range(n):
+        alone = Result()
+        await run_one(args, addr, port, path, bodies[i], alone)
+        busy = results[i]
+        if not alone.ok or not busy.ok:
+            errors += 1
+            continue
+        a, b = "".join(alone.text), "".join(busy.text)
+        if a == b and alone.finish == busy.finish:
+            same += 1
+            continue
+        at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        diffs.append({"request": i, "at_char": at, "concurrent": b[max(0, at - 20):at + 40],
+                      "alone": a[max(0, at - 20):at + 40], "finish": [busy.finish, alone.finish]})
+    return {"compared": n, "identical": same, "errors": errors, "differ": len(diffs), "first_diffs": diffs[:3]}
 
 
 async def run_long_prompt(args, addr, port, path):
@@ -572,6 +605,13 @@ def print_report(s):
         print(f"engine:     {st:.0f} steps, {e['step_tokens'] / st:.1f} tokens/step; per step "
               f"forward {1e3 * e['forward'] / st:.2f} ms, sample+events {1e3 * e['sample'] / st:.2f} ms, "
               f"schedule {1e3 * e['schedule'] / st:.2f} ms")
+    if "alone" in s:
+        a = s["alone"]
+        print(f"alone:      {a['identical']} of {a['compared']} outputs identical to the same request run alone"
+              + (f", {a['errors']} not comparable (a request failed)" if a["errors"] else ""))
+        for d in a["first_diffs"]:
+            print(f"  request {d['request']} differs at char {d['at_char']} (finish {d['finish'][0]} / "
+                  f"{d['finish'][1]}):\n    concurrent: {d['concurrent']!r}\n    alone:      {d['alone']!r}")
     if s["ok"] and s["max_tokens"] and s["mean_tokens_per_request"] < 0.9 * s["max_tokens"]:
         print(f"note:       outputs averaged {s['mean_tokens_per_request']:.1f} of max_tokens {s['max_tokens']} "
               "('stop': end of sequence, which OpenAI's API can not forbid -- see --extra-json; "
@@ -600,6 +640,9 @@ def main():
                          "this many tokens")
     ap.add_argument("--quiet-seconds", type=float, default=5.0,
                     help="long-prompt case: seconds of streaming measured before the long prompt arrives")
+    ap.add_argument("--compare-alone", type=int, default=0, metavar="N",
+                    help="then run the first N requests one at a time: each greedy output must equal the "
+                         "concurrent one (exit status 1 otherwise)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per request on stderr")
     args = ap.parse_args()
@@ -611,6 +654,8 @@ def main():
         ap.error("--prompt-words and --max-tokens must be positive, --shared-prefix-words >= 0, --timeout > 0")
     if args.long_prompt_tokens < 0 or args.quiet_seconds < 0:
         ap.error("--long-prompt-tokens and --quiet-seconds must not be negative")
+    if args.compare_alone < 0 or (args.compare_alone and (args.temperature != 0 or args.long_prompt_tokens)):
+        ap.error("--compare-alone needs greedy requests (--temperature 0) and no --long-prompt-tokens")
     args.extra = {}
     if args.extra_json:
         try:
@@ -624,7 +669,8 @@ def main():
         print(json.dumps(summary))
     else:
         print_report(summary)
-    return 0 if summary["ok"] else 1
+    alone = summary.get("alone")
+    return 0 if summary["ok"] and not (alone and alone["differ"]) else 1
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@
 #   --port N              loopback port of the server [18090]
 #   --out DIR             logs and raw results [build/bench-results/<date>]
 #   --extra-json JSON     passed to load.py (e.g. '{"ignore_eos": true}')
+#   --compare-alone N     after each streaming run, its first N requests again one at a
+#                         time: the column 'alone' counts the greedy outputs equal to the
+#                         concurrent ones (load.py --compare-alone) [0: not checked]
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
@@ -84,6 +87,7 @@ BANDWIDTH=3020
 PORT=18090
 OUT=
 EXTRA_JSON=
+COMPARE_ALONE=0
 
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
@@ -119,11 +123,12 @@ while [ $# -gt 0 ]; do
         --port) PORT=$2 ;;
         --out) OUT=$2 ;;
         --extra-json) EXTRA_JSON=$2 ;;
+        --compare-alone) COMPARE_ALONE=$2 ;;
         *) echo "run-all.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift 2
 done
-for v in "$PROMPT_WORDS" "$MAX_TOKENS" "$PREFIX_WORDS" "$RAG_WORDS" "$RAG_MAX_TOKENS" "$LONG_TOKENS" "$LONG_STREAMS" "$LONG_STREAM_TOKENS" $RAG_CONC $CONCURRENCY; do
+for v in "$COMPARE_ALONE" "$PROMPT_WORDS" "$MAX_TOKENS" "$PREFIX_WORDS" "$RAG_WORDS" "$RAG_MAX_TOKENS" "$LONG_TOKENS" "$LONG_STREAMS" "$LONG_STREAM_TOKENS" $RAG_CONC $CONCURRENCY; do
     case $v in ''|*[!0-9]*) echo "run-all.sh: '$v' is not a number" >&2; exit 2 ;; esac
 done
 if [ -z "$MAX_SEQS" ]; then
@@ -329,8 +334,10 @@ start_server() {
 load_row() {
     local c=$1 words=$2 maxtok=$3 seed=$4 kind=$5
     say "load.py --concurrency $c --requests $((RPS * c)) --prompt-words $words --max-tokens $maxtok --seed $seed"
+    local cmp=()
+    [ "$COMPARE_ALONE" -gt 0 ] && cmp=(--compare-alone "$COMPARE_ALONE")
     $LOAD --url "http://127.0.0.1:$PORT" --model "$name" --concurrency "$c" --requests $((RPS * c)) \
-        --prompt-words "$words" --max-tokens "$maxtok" --seed "$seed" --metrics "${extra[@]}" \
+        --prompt-words "$words" --max-tokens "$maxtok" --seed "$seed" --metrics "${extra[@]}" "${cmp[@]}" \
         --json >"$res" 2>"$res.err"
     if ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$res" 2>/dev/null; then
         SERVER_ROWS+=("$label	$kind	load.py failed: $(tail -1 "$res.err")")
@@ -340,7 +347,13 @@ load_row() {
         SERVER_ROWS+=("$label	$kind	$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("0/%d ok (%d rejected with 429, %d failed): %s" % (d["requests"], d["rejected"], d["failed"], "; ".join(d["error_kinds"])[:200]))' "$res")")
         return
     fi
-    SERVER_ROWS+=("$label	$kind	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" rejected)	$(jget "$res" failed)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)	$(estep "$res")")
+    SERVER_ROWS+=("$label	$kind	$(jget "$res" ok)/$(jget "$res" requests)	$(jget "$res" rejected)	$(jget "$res" failed)	$(jget "$res" gen_tok_s)	$(jget "$res" ttft_p50_ms)	$(jget "$res" ttft_p99_ms)	$(jget "$res" itl_p50_ms)	$(jget "$res" itl_p99_ms)	$(jget "$res" mean_tokens_per_request)	$(estep "$res")$(alone_col "$res")")
+}
+
+# "<TAB>same/compared" of a run with --compare-alone, else nothing
+alone_col() {
+    [ "$COMPARE_ALONE" -gt 0 ] || return 0
+    python3 -c 'import json,sys; a=json.load(open(sys.argv[1])).get("alone") or {}; print("\t%s/%s" % (a.get("identical", "-"), a.get("compared", "-")), end="")' "$1"
 }
 
 for e in "${ENTRIES[@]}"; do
@@ -462,7 +475,7 @@ if [ ${#SERVER_ROWS[@]} -gt 0 ]; then
     echo "server (m40 serve + load.py: streaming chats, $PROMPT_WORDS-word prompts, max_tokens $MAX_TOKENS, temperature 0;"
     echo "  'rag N': N streams of $RAG_WORDS-word prompts, max_tokens $RAG_MAX_TOKENS, on a server with --ctx-size $LONG_CTX;"
     echo "  429: requests refused with the queue full; failed: other errors)"
-    row "model	load	ok/req	429	failed	gen tok/s	TTFT p50 ms	TTFT p99 ms	ITL p50 ms	ITL p99 ms	tokens/req	tok/step  ms/step fwd/sample/sched" 18 11 9 5 7 10 12 12 11 11 10 30
+    row "model	load	ok/req	429	failed	gen tok/s	TTFT p50 ms	TTFT p99 ms	ITL p50 ms	ITL p99 ms	tokens/req	tok/step  ms/step fwd/sample/sched$([ "$COMPARE_ALONE" -gt 0 ] && printf '\talone')" 18 11 9 5 7 10 12 12 11 11 10 30
     for r in "${SERVER_ROWS[@]}"; do row "$r" 18 11 9 5 7 10 12 12 11 11 10 30; done
 fi
 if [ ${#LONG_ROWS[@]} -gt 0 ]; then
