@@ -823,7 +823,9 @@ int m40k_moe_combine(const float *y, int64_t ldy, const int32_t *inv, const int3
  * device headers, and the call returns cudaErrorNotSupported) from ncclDevCommCreate
  * with the requirements m40k_tp_devcomm_reqs writes into reqs (at most cap bytes; returns
  * their size, 0 where they do not fit): M40K_TP_AR_BLOCKS LSA barriers, nothing else;
- * win: the rank's ncclWindow_t of its input. The engine calls NCCL's host API itself
+ * win: the rank's ncclWindow_t of its input; abort: NULL, or an int the GPU can read
+ * (mapped host memory) that the host sets to nonzero to end the calls still waiting for
+ * a peer that will not come (their outputs are then not written). The engine calls NCCL's host API itself
  * (engine/gpu/tp.c), so these keep NCCL's device types out of its C. Twin:
  * m40_ref_tp_allreduce; test: tests/gpu/test_tp_allreduce.cu. */
 #define M40K_TP_AR_BLOCKS 32
@@ -833,7 +835,8 @@ size_t m40k_tp_devcomm_reqs(void *reqs, size_t cap);
  * structures are those of that release, so the engine takes it only from a libnccl of the
  * same major and minor version. */
 int m40k_tp_nccl_version(void);
-int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off, float *out, int64_t count, m40k_stream stream);
+int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off, float *out, int64_t count, const int *abort,
+                      m40k_stream stream);
 
 #ifdef __cplusplus
 }

@@ -28,14 +28,42 @@ static __device__ __forceinline__ float4 add4(float4 a, float4 b)
     return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
+/* ncclLsaBarrierSession::wait (unicast, NCCL 2.28's nccl_device/impl/lsa_barrier__funcs.h:
+ * each peer's inbox slot reaches this session's epoch + 1), and every 64 polls (tens of
+ * microseconds; a barrier of a step takes a few) a look at *abort, which the host sets when it aborts the group (engine/gpu/tp.c,
+ * group_abort): NCCL's own kernels end on ncclCommAbort, a spin on its barrier would not,
+ * and the GPUs whose peer failed inside a step would wait for ever. false: aborted (the
+ * block returns without its sums; the group takes no more work). */
+static __device__ bool tp_wait(ncclLsaBarrierSession<ncclCoopCta> &bar, const volatile int *abort)
+{
+    bool ok = true;
+    for (int i = threadIdx.x; i < bar.team.nRanks - 1 && ok; i += blockDim.x) {
+        const int peer = i + (bar.team.rank <= i ? 1 : 0);
+        cuda::atomic_ref<uint32_t> inbox(*bar.ucInbox(bar.team.rank, peer));
+        for (unsigned spin = 1;; spin++) {
+            const uint32_t got = inbox.load(cuda::memory_order_acquire);
+            if (got - (bar.epoch + 1) <= uint32_t(-1) >> 1)
+                break;
+            if ((spin & 63) == 0 && abort && *abort) {
+                ok = false;
+                break;
+            }
+        }
+    }
+    bar.epoch += 1;
+    return __syncthreads_and(ok) != 0;
+}
+
 __global__ void __launch_bounds__(256) tp_allreduce_kernel(ncclDevComm comm, ncclWindow_t win, size_t in_off,
-                                                           float *__restrict__ out, int64_t count)
+                                                           float *__restrict__ out, int64_t count,
+                                                           const volatile int *abort)
 {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), comm, ncclTeamTagLsa(), blockIdx.x);
     /* arrive relaxed (the inputs were written by earlier kernels, complete in each
      * owner's memory), wait with acquire before the peers' loads */
     bar.arrive(ncclCoopCta(), cuda::memory_order_relaxed);
-    bar.wait(ncclCoopCta(), cuda::memory_order_acquire);
+    if (!tp_wait(bar, abort)) /* the group was aborted: a peer will never arrive */
+        return;
     const int nr = comm.lsaSize;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x, t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if ((in_off & 15) == 0 && ((uintptr_t)out & 15) == 0) {
@@ -78,7 +106,7 @@ extern "C" size_t m40k_tp_devcomm_reqs(void *reqs, size_t cap)
 }
 
 extern "C" int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off, float *out, int64_t count,
-                                 m40k_stream stream)
+                                 const int *abort, m40k_stream stream)
 {
     if (!dev_comm || !win || !out || count < 0)
         return M40K_INVALID;
@@ -91,7 +119,8 @@ extern "C" int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off,
         blocks = M40K_TP_AR_BLOCKS;
     ncclDevComm c;
     memcpy(&c, dev_comm, sizeof c);
-    tp_allreduce_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(c, (ncclWindow_t)win, in_off, out, count);
+    tp_allreduce_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(c, (ncclWindow_t)win, in_off, out, count,
+                                                                           abort);
     return m40k_launch_status();
 }
 
@@ -108,9 +137,9 @@ extern "C" size_t m40k_tp_devcomm_reqs(void *reqs, size_t cap)
 }
 
 extern "C" int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off, float *out, int64_t count,
-                                 m40k_stream stream)
+                                 const int *abort, m40k_stream stream)
 {
-    (void)dev_comm, (void)win, (void)in_off, (void)out, (void)count, (void)stream;
+    (void)dev_comm, (void)win, (void)in_off, (void)out, (void)count, (void)abort, (void)stream;
     return (int)cudaErrorNotSupported;
 }
 

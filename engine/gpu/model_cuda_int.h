@@ -200,6 +200,7 @@ struct m40_gpu {
     void *tp_win[2];
     void *tp_devcomm;
     int tp_devcomm_made;
+    const int *tp_abort; /* the group's abort flag (mapped host memory; tp.c, group_abort) */
     int64_t tp_sym_floats;
     /* The collectives timed (rank 0, time_steps on, steps run without a CUDA graph): an
      * event before and after each, summed after the step (tp_coll_ms, tp_coll_calls). */

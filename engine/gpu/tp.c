@@ -116,6 +116,7 @@ struct m40_gpu_tp {
     int (*fn)(m40_gpu *g, void *ctx, char *err, size_t errlen);
     void *ctx;
     int abort_on_fail;    /* the job enqueues collectives: a rank that fails aborts them all */
+    volatile int *abort_flag; /* mapped host memory the device all-reduce polls (group_abort sets it) */
     int broken;           /* aborted: every later job fails (the model must be loaded again) */
     int broken_rank;
 };
@@ -180,6 +181,7 @@ static void sym_free(struct m40_gpu_tp *t)
         }
         free(g->tp_devcomm);
         g->tp_devcomm = NULL;
+        g->tp_abort = NULL;
         g->tp_devcomm_made = 0;
         g->tp_sym_floats = 0;
     }
@@ -241,6 +243,15 @@ static void sym_init(struct m40_gpu_tp *t, int64_t rows)
     for (int k = 0; k < t->n && r == ncclSuccess; k++)
         if (!(t->ranks[k]->tp_devcomm = calloc(1, dc_bytes)))
             r = ncclSystemError;
+    if (r == ncclSuccess && !t->abort_flag) {
+        void *f = NULL; /* portable and mapped: one address every GPU reads (UVA) */
+        if (cudaHostAlloc(&f, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
+            r = ncclSystemError;
+        else
+            *(volatile int *)f = 0, t->abort_flag = f;
+    }
+    for (int k = 0; k < t->n && r == ncclSuccess; k++)
+        t->ranks[k]->tp_abort = (const int *)t->abort_flag;
     if (r == ncclSuccess) {
         r = nccl.group_start();
         for (int k = 0; k < t->n && r == ncclSuccess; k++) {
@@ -282,6 +293,10 @@ static void group_abort(struct m40_gpu_tp *t, int rank)
         return;
     fprintf(stderr, "m40: tensor-parallel rank %d failed inside a step: aborting the group's NCCL communicators; "
                     "this model answers no more requests until it is loaded again\n", rank);
+    if (t->abort_flag) { /* the device all-reduces waiting for that rank end too (kernels.h 11) */
+        *t->abort_flag = 1;
+        __sync_synchronize();
+    }
 #ifdef M40_HAVE_NCCL_H
     comms_end(t, nccl.comm_abort);
 #endif
@@ -339,6 +354,8 @@ void m40_gpu_tp_free(m40_gpu *g0)
     sym_free(t);
     comms_end(t, nccl.comm_destroy);
 #endif
+    if (t->abort_flag)
+        cudaFreeHost((void *)t->abort_flag);
     for (int r = 1; r < t->n; r++)
         m40_gpu_free(t->ranks[r]);
     pthread_mutex_destroy(&t->mu);
@@ -499,7 +516,7 @@ int m40_gpu_tp_reduce_xd(m40_gpu *g, size_t count)
         return (int)cudaErrorInvalidValue;
     float *to = g->tp_sym[1 - b];
     time_mark(g);
-    const int e = m40k_tp_allreduce(g->tp_devcomm, g->tp_win[b], 0, to, (int64_t)count, g->stream);
+    const int e = m40k_tp_allreduce(g->tp_devcomm, g->tp_win[b], 0, to, (int64_t)count, g->tp_abort, g->stream);
     time_mark(g);
     g->xd = to;
     return e;

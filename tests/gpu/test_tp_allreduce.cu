@@ -5,8 +5,9 @@
  * 16 and 4 bytes (the scalar path), every rank's output checked against the twin's sum
  * and against rank 0's (the ranks must agree exactly); then 200 calls in a row that
  * alternate two windows as the engine does, on fresh inputs each time (a rank that ran
- * ahead and overwrote its input before a peer read it shows as a wrong sum); and one
- * timing line with --bench.
+ * ahead and overwrote its input before a peer read it shows as a wrong sum); the abort
+ * of calls waiting for a rank that never comes (the flag the engine sets when a rank
+ * fails inside a step); and one timing line with --bench.
  * NCCL is opened at run time (libnccl.so.2, as engine/gpu/tp.c does). Skips with fewer
  * than 2 GPUs, without NCCL, or without its device headers at build time. */
 #include <cuda_runtime.h>
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <algorithm>
 #include <vector>
 
@@ -150,7 +152,7 @@ static std::vector<std::vector<float>> call(group &g, int b, size_t off, int64_t
     for (int r = 0; r < g.n; r++) {
         CK(cudaSetDevice(r));
         float *o = to_win ? (float *)((char *)g.buf[r][1 - b] + off) : g.out[r];
-        CK(m40k_tp_allreduce(g.dev[r].data(), g.win[r][b], off, o, count, (m40k_stream)g.st[r]));
+        CK(m40k_tp_allreduce(g.dev[r].data(), g.win[r][b], off, o, count, nullptr, (m40k_stream)g.st[r]));
     }
     std::vector<std::vector<float>> res(g.n, std::vector<float>((size_t)count));
     for (int r = 0; r < g.n; r++) {
@@ -183,6 +185,49 @@ static void check(const char *what, const std::vector<std::vector<float>> &in, c
         }
     }
     n_pass++;
+}
+
+/* The last rank never calls: the others wait at the barrier until the abort flag (mapped
+ * host memory) is set, then end without their sums, within a second. Last on a group: its
+ * barriers' epochs no longer agree afterwards. */
+static void abort_case(group &g)
+{
+    int *flag = nullptr, *dflag = nullptr;
+    CK(cudaHostAlloc((void **)&flag, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+    *(volatile int *)flag = 0;
+    CK(cudaHostGetDevicePointer((void **)&dflag, flag, 0));
+    for (int r = 0; r + 1 < g.n; r++) {
+        CK(cudaSetDevice(r));
+        CK(m40k_tp_allreduce(g.dev[r].data(), g.win[r][0], 0, g.out[r], 4096, dflag, (m40k_stream)g.st[r]));
+    }
+    usleep(50 * 1000);
+    bool waiting = true;
+    for (int r = 0; r + 1 < g.n; r++) {
+        CK(cudaSetDevice(r));
+        waiting = waiting && cudaStreamQuery(g.st[r]) == cudaErrorNotReady;
+    }
+    *(volatile int *)flag = 1;
+    __sync_synchronize();
+    bool ended = false;
+    for (int ms = 0; ms < 5000 && !ended; ms += 10) {
+        ended = true;
+        for (int r = 0; r + 1 < g.n; r++) {
+            CK(cudaSetDevice(r));
+            ended = ended && cudaStreamQuery(g.st[r]) == cudaSuccess;
+        }
+        if (!ended)
+            usleep(10 * 1000);
+    }
+    if (waiting && ended) {
+        n_pass++;
+    } else {
+        n_fail++;
+        printf("FAIL tp_allreduce n=%d abort: %s\n", g.n,
+               !waiting ? "the calls did not wait for the missing rank" : "still waiting 5 s after the abort");
+        if (!ended)
+            exit(1); /* kernels that never end: only the process's end stops them */
+    }
+    cudaFreeHost(flag);
 }
 
 static void run(int n, bool bench)
@@ -236,7 +281,7 @@ static void run(int n, bool bench)
                 for (int r = 0; r < n; r++) {
                     CK(cudaSetDevice(r));
                     CK(m40k_tp_allreduce(g.dev[r].data(), g.win[r][it & 1], 0,
-                                         (float *)g.buf[r][1 - (it & 1)], count, (m40k_stream)g.st[r]));
+                                         (float *)g.buf[r][1 - (it & 1)], count, nullptr, (m40k_stream)g.st[r]));
                 }
             }
             CK(cudaSetDevice(0));
@@ -249,6 +294,7 @@ static void run(int n, bool bench)
             cudaEventDestroy(e0), cudaEventDestroy(e1);
         }
     }
+    abort_case(g);
     group_close(g);
 }
 #endif
