@@ -30,10 +30,11 @@ static __device__ __forceinline__ float4 add4(float4 a, float4 b)
 
 /* ncclLsaBarrierSession::wait (unicast, NCCL 2.28's nccl_device/impl/lsa_barrier__funcs.h:
  * each peer's inbox slot reaches this session's epoch + 1), and every 64 polls (tens of
- * microseconds; a barrier of a step takes a few) a look at *abort, which the host sets when it aborts the group (engine/gpu/tp.c,
- * group_abort): NCCL's own kernels end on ncclCommAbort, a spin on its barrier would not,
- * and the GPUs whose peer failed inside a step would wait for ever. false: aborted (the
- * block returns without its sums; the group takes no more work). */
+ * microseconds; a step's barrier takes a few) a look at *abort, which the host sets when
+ * it aborts the group (engine/gpu/tp.c, group_abort): NCCL's own kernels end on
+ * ncclCommAbort, a spin on its barrier would not, and the GPUs whose peer failed inside a
+ * step would wait for ever. false: aborted (the block returns without its sums; the group
+ * takes no more work). */
 static __device__ bool tp_wait(ncclLsaBarrierSession<ncclCoopCta> &bar, const volatile int *abort)
 {
     bool ok = true;
@@ -54,9 +55,9 @@ static __device__ bool tp_wait(ncclLsaBarrierSession<ncclCoopCta> &bar, const vo
     return __syncthreads_and(ok) != 0;
 }
 
-__global__ void __launch_bounds__(256) tp_allreduce_kernel(ncclDevComm comm, ncclWindow_t win, size_t in_off,
-                                                           float *__restrict__ out, int64_t count,
-                                                           const volatile int *abort)
+__global__ void __launch_bounds__(256)
+    tp_allreduce_kernel(ncclDevComm comm, ncclWindow_t win, size_t in_off, float *__restrict__ out, int64_t count,
+                        const volatile int *abort)
 {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), comm, ncclTeamTagLsa(), blockIdx.x);
     /* arrive relaxed (the inputs were written by earlier kernels, complete in each
@@ -90,9 +91,15 @@ __global__ void __launch_bounds__(256) tp_allreduce_kernel(ncclDevComm comm, ncc
     }
 }
 
-extern "C" size_t m40k_tp_devcomm_bytes(void) { return sizeof(ncclDevComm); }
+extern "C" size_t m40k_tp_devcomm_bytes(void)
+{
+    return sizeof(ncclDevComm);
+}
 
-extern "C" int m40k_tp_nccl_version(void) { return NCCL_VERSION_CODE; }
+extern "C" int m40k_tp_nccl_version(void)
+{
+    return NCCL_VERSION_CODE;
+}
 
 extern "C" size_t m40k_tp_devcomm_reqs(void *reqs, size_t cap)
 {
@@ -120,15 +127,21 @@ extern "C" int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off,
     ncclDevComm c;
     memcpy(&c, dev_comm, sizeof c);
     tp_allreduce_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(c, (ncclWindow_t)win, in_off, out, count,
-                                                                           abort);
+                                                                            abort);
     return m40k_launch_status();
 }
 
 #else
 
-extern "C" size_t m40k_tp_devcomm_bytes(void) { return 0; }
+extern "C" size_t m40k_tp_devcomm_bytes(void)
+{
+    return 0;
+}
 
-extern "C" int m40k_tp_nccl_version(void) { return 0; }
+extern "C" int m40k_tp_nccl_version(void)
+{
+    return 0;
+}
 
 extern "C" size_t m40k_tp_devcomm_reqs(void *reqs, size_t cap)
 {

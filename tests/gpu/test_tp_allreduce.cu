@@ -10,6 +10,7 @@
  * fails inside a step); and one timing line with --bench.
  * NCCL is opened at run time (libnccl.so.2, as engine/gpu/tp.c does). Skips with fewer
  * than 2 GPUs, without NCCL, or without its device headers at build time. */
+#include <algorithm>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <math.h>
@@ -17,7 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <algorithm>
 #include <vector>
 
 #include "kernels.h"
@@ -66,13 +66,13 @@ static bool nccl_open(void)
            nc.dev_create && nc.dev_destroy && nc.group_start && nc.group_end;
 }
 
-#define NC(call)                                                                       \
-    do {                                                                               \
-        ncclResult_t r_ = (call);                                                      \
-        if (r_ != ncclSuccess) {                                                       \
-            fprintf(stderr, "%s:%d: %s: NCCL error %d\n", __FILE__, __LINE__, #call, (int)r_); \
-            exit(2);                                                                   \
-        }                                                                              \
+#define NC(call)                                                                                                       \
+    do {                                                                                                               \
+        ncclResult_t r_ = (call);                                                                                      \
+        if (r_ != ncclSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s: NCCL error %d\n", __FILE__, __LINE__, #call, (int)r_);                         \
+            exit(2);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 struct group {
@@ -164,7 +164,8 @@ static std::vector<std::vector<float>> call(group &g, int b, size_t off, int64_t
     return res;
 }
 
-static void check(const char *what, const std::vector<std::vector<float>> &in, const std::vector<std::vector<float>> &got)
+static void check(const char *what, const std::vector<std::vector<float>> &in,
+                  const std::vector<std::vector<float>> &got)
 {
     const int n = (int)in.size();
     const int64_t count = (int64_t)in[0].size();
@@ -280,8 +281,8 @@ static void run(int n, bool bench)
                     CK(cudaEventRecord(e0, g.st[0]));
                 for (int r = 0; r < n; r++) {
                     CK(cudaSetDevice(r));
-                    CK(m40k_tp_allreduce(g.dev[r].data(), g.win[r][it & 1], 0,
-                                         (float *)g.buf[r][1 - (it & 1)], count, nullptr, (m40k_stream)g.st[r]));
+                    CK(m40k_tp_allreduce(g.dev[r].data(), g.win[r][it & 1], 0, (float *)g.buf[r][1 - (it & 1)], count,
+                                         nullptr, (m40k_stream)g.st[r]));
                 }
             }
             CK(cudaSetDevice(0));
