@@ -27,6 +27,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "model/tp_shard.h"
 #include "util/threadpool.h"
@@ -293,9 +294,15 @@ static void group_abort(struct m40_gpu_tp *t, int rank)
         return;
     fprintf(stderr, "m40: tensor-parallel rank %d failed inside a step: aborting the group's NCCL communicators; "
                     "this model answers no more requests until it is loaded again\n", rank);
-    if (t->abort_flag) { /* the device all-reduces waiting for that rank end too (kernels.h 11) */
+    if (t->abort_flag) {
+        /* the device all-reduces waiting for that rank end too (kernels.h 11): they poll
+         * the flag every few tens of microseconds, and their barrier lives in the
+         * communicators' memory, which the abort below frees, so they get 2 ms to see it
+         * first; the ranks launch no more of them (m40_gpu_tp_reduce_xd) */
         *t->abort_flag = 1;
         __sync_synchronize();
+        const struct timespec ms2 = {0, 2000000};
+        nanosleep(&ms2, NULL);
     }
 #ifdef M40_HAVE_NCCL_H
     comms_end(t, nccl.comm_abort);
@@ -514,6 +521,8 @@ int m40_gpu_tp_reduce_xd(m40_gpu *g, size_t count)
         return m40_gpu_tp_all_reduce(g, g->xd, count);
     if ((int64_t)count > g->tp_sym_floats) /* enqueue_step chose the windows for a step that fits */
         return (int)cudaErrorInvalidValue;
+    if (g->tp_abort && *(const volatile int *)g->tp_abort) /* the group was aborted (group_abort) */
+        return (int)cudaErrorLaunchFailure;
     float *to = g->tp_sym[1 - b];
     time_mark(g);
     const int e = m40k_tp_allreduce(g->tp_devcomm, g->tp_win[b], 0, to, (int64_t)count, g->tp_abort, g->stream);
