@@ -67,27 +67,19 @@ __global__ void __launch_bounds__(256)
         return;
     const int nr = comm.lsaSize;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x, t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if ((in_off & 15) == 0 && ((uintptr_t)out & 15) == 0) {
-        const int64_t n4 = count >> 2;
-        for (int64_t i = t0; i < n4; i += stride) {
-            float4 s = __ldcg((const float4 *)ncclGetLsaPointer(win, in_off, 0) + i);
-            for (int r = 1; r < nr; r++)
-                s = add4(s, __ldcg((const float4 *)ncclGetLsaPointer(win, in_off, r) + i));
-            reinterpret_cast<float4 *>(out)[i] = s;
-        }
-        for (int64_t i = (n4 << 2) + t0; i < count; i += stride) {
-            float s = __ldcg((const float *)ncclGetLsaPointer(win, in_off, 0) + i);
-            for (int r = 1; r < nr; r++)
-                s += __ldcg((const float *)ncclGetLsaPointer(win, in_off, r) + i);
-            out[i] = s;
-        }
-    } else {
-        for (int64_t i = t0; i < count; i += stride) {
-            float s = __ldcg((const float *)ncclGetLsaPointer(win, in_off, 0) + i);
-            for (int r = 1; r < nr; r++)
-                s += __ldcg((const float *)ncclGetLsaPointer(win, in_off, r) + i);
-            out[i] = s;
-        }
+    /* float4 where the window offset and out allow it, then the rest (all of it otherwise) */
+    const int64_t n4 = (in_off & 15) == 0 && ((uintptr_t)out & 15) == 0 ? count >> 2 : 0;
+    for (int64_t i = t0; i < n4; i += stride) {
+        float4 s = __ldcg((const float4 *)ncclGetLsaPointer(win, in_off, 0) + i);
+        for (int r = 1; r < nr; r++)
+            s = add4(s, __ldcg((const float4 *)ncclGetLsaPointer(win, in_off, r) + i));
+        reinterpret_cast<float4 *>(out)[i] = s;
+    }
+    for (int64_t i = (n4 << 2) + t0; i < count; i += stride) {
+        float s = __ldcg((const float *)ncclGetLsaPointer(win, in_off, 0) + i);
+        for (int r = 1; r < nr; r++)
+            s += __ldcg((const float *)ncclGetLsaPointer(win, in_off, r) + i);
+        out[i] = s;
     }
 }
 
