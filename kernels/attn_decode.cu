@@ -99,6 +99,9 @@ struct dec_rope {
     /* or NULL: out also as F16 (m40k_f2h of each F32 value, rows out_stride apart) for an
      * output projection that reads F16 x (kernels.h 6e) */
     uint16_t *out16;
+    /* the host's launch choice only (m40k_dec_opts.plain): the workspace merge of n_splits
+     * blocks, never a cluster, whatever the batch */
+    int plain;
 };
 
 /* RoPE of element d (< rot_dim) whose own value is xd and whose pair's other value is xo
@@ -667,7 +670,7 @@ static int decode_launch(float *out, int64_t os, const float *q, int64_t qs, uin
                          const dec_rope *rp, cudaStream_t st)
 {
     if (rp) {
-        const int C = dec_cluster_size<D, GMAX, true>(n_splits, n_seqs, n_kv_heads);
+        const int C = rp->plain ? 0 : dec_cluster_size<D, GMAX, true>(n_splits, n_seqs, n_kv_heads);
         if (C > 0) {
             const int e = m40k_launch_ex(attn_decode_kernel<D, GMAX, true, true>,
                                          dim3((unsigned)C, (unsigned)n_kv_heads, (unsigned)n_seqs), dim3(DEC_THREADS),
@@ -734,7 +737,7 @@ static int decode_group(int G, float *out, int64_t os, const float *q, int64_t q
                         int n_kv_heads, float scale, int n_splits, float *ws, int *cnt, int window, float cap,
                         const dec_rope *rp, cudaStream_t st)
 {
-    if (rp) {
+    if (rp && !rp->plain) {
         int C = 0;
         const int hs = dec_head_split<D>(G, n_splits, n_seqs, n_kv_heads, &C);
         if (hs > 1) { /* grid y: (KV head, query head of its group) */
@@ -878,7 +881,8 @@ extern "C" int m40k_attn_decode_rope(float *out, int64_t out_stride, const float
                          o.bias_q,
                          o.bias_k,
                          o.bias_v,
-                         o.out16};
+                         o.out16,
+                         o.plain};
     return decode_any(out, out_stride, q, q_stride, k_cache, v_cache, indptr, indices, last_page_len, n_seqs, n_heads,
                       n_kv_heads, head_dim, scale, window, softcap, n_splits, workspace, counters, &rp, stream);
 }

@@ -187,7 +187,10 @@ __global__ __launch_bounds__(TC_THREADS *KH, KH == 2 ? 2 : 1) void attn_prefill_
     const int base = len - nq;
     const int first_pos = base + row0 / G, last_pos = base + (row0 + nrows - 1) / G;
     const int kv_end = min(len, last_pos + 1);
-    const int kv_begin = window > 0 ? max(0, first_pos - window + 1) / BN * BN : 0;
+    /* whole pairs of tiles under two key halves: a tile's half is then the parity of its
+     * absolute index, so a row's sums do not depend on where its query tile starts (a
+     * prompt cut into other chunks gets the same bits: the engine's batch invariance) */
+    const int kv_begin = window > 0 ? max(0, first_pos - window + 1) / (KH * BN) * (KH * BN) : 0;
     /* key split blockIdx.z of n_splits: whole BN tiles of [kv_begin, kv_end) */
     int my_begin = kv_begin, my_end = kv_end;
     if (n_splits > 1) {

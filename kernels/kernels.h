@@ -136,6 +136,12 @@ int m40k_add_rmsnorm_f16(float *x, int64_t x_stride, const float *d, int64_t d_s
 int m40k_add_rmsnorm_to(const float *x, int64_t x_stride, const float *d, int64_t d_stride, float *x_out,
                         const float *w, float *out, int64_t out_stride, int rows, int dim, float eps, void *xq,
                         uint16_t *out16, m40k_stream stream);
+/* 2f. 2e without xq, on one kernel whatever rows is: a row's outputs are then the same bits
+ * at any row count (2e takes a kernel of several blocks a row for few rows, whose sums
+ * run in another order). Twin: 2e's. */
+int m40k_add_rmsnorm_to_any(const float *x, int64_t x_stride, const float *d, int64_t d_stride, float *x_out,
+                            const float *w, float *out, int64_t out_stride, int rows, int dim, float eps,
+                            uint16_t *out16, m40k_stream stream);
 
 /* 3. RoPE in place on q (and k unless NULL): token t's head h starts at
  * q + t*q_stride + h*head_dim. The first rot_dim (even, <= head_dim) dims rotate by
@@ -282,7 +288,11 @@ int m40k_attn_decode_q8_ok(int n_seqs, int n_heads, int n_kv_heads, int head_dim
  *     n_kv_heads, head_dim, q_norm, k_norm, n_seqs, norm_eps) would do first, but a head's
  *     sum of squares in another order: the results agree to rounding, not bit for bit;
  *   - out16: out also as F16 (m40k_f32_to_f16 of out: the same bits; rows out_stride
- *     elements apart), for an output projection that reads F16 x.
+ *     elements apart), for an output projection that reads F16 x;
+ *   - plain (non-zero): the n_splits blocks a (sequence, KV head) merged through the
+ *     workspace, never as a cluster: a sequence's output then depends on its own length
+ *     and n_splits only, not on how many sequences the launch has (the engine's batch
+ *     invariance).
  * q, k and v are read and left as they are. Twin: the biases added, m40_ref_rmsnorm_heads
  * on the q and k heads, then 6c's. */
 typedef struct m40k_dec_opts {
@@ -292,6 +302,7 @@ typedef struct m40k_dec_opts {
     const float *q_norm, *k_norm;
     float norm_eps;
     uint16_t *out16;
+    int plain;
 } m40k_dec_opts;
 int m40k_attn_decode_rope(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
                           int64_t k_stride, const float *v, int64_t v_stride, uint16_t *k_cache, uint16_t *v_cache,

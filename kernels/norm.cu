@@ -275,16 +275,17 @@ static bool ar_overlap(const float *p, int64_t ps, const float *q, int64_t qs, i
 }
 
 /* xq: also the int8 quantization of out (dim a multiple of 32); o16: also its F16 copy */
+/* any_rows: one kernel for every row count (2f), never the replicated one of few rows */
 static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, const float *d, int64_t d_stride,
                               const float *w, float *out, int64_t out_stride, int rows, int dim, float eps, gq_blk *xq,
-                              uint16_t *o16, m40k_stream stream)
+                              uint16_t *o16, m40k_stream stream, bool any_rows = false)
 {
     if (rows <= 0)
         return 0;
     if (dim <= 0 || (xq && dim % 32) || (!out && !xq && !o16))
         return M40K_INVALID;
     const int threads = dim / AR_BLOCKS < AR_THREADS ? dim / AR_BLOCKS : AR_THREADS;
-    if (rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads && x_stride % 4 == 0 &&
+    if (!any_rows && rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads && x_stride % 4 == 0 &&
         d_stride % 4 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)d & 15) == 0 &&
         !ar_overlap(x_out, x_stride, x, x_stride, rows, dim) && !ar_overlap(x_out, x_stride, d, d_stride, rows, dim) &&
         !ar_overlap(out, out_stride, x, x_stride, rows, dim) && !ar_overlap(out, out_stride, d, d_stride, rows, dim)) {
@@ -292,7 +293,7 @@ static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, co
                         x_stride, d, d_stride, w, out, out_stride, dim, eps, xq, o16);
         return m40k_launch_status();
     }
-    if (!xq && rows > AR_MAX_ROWS && dim % 4 == 0 && dim <= 16 * 1024 && x_stride % 4 == 0 && d_stride % 4 == 0 &&
+    if (!xq && (any_rows || rows > AR_MAX_ROWS) && dim % 4 == 0 && dim <= 16 * 1024 && x_stride % 4 == 0 && d_stride % 4 == 0 &&
         (!out || out_stride % 4 == 0) && ((uintptr_t)x & 15) == 0 && ((uintptr_t)x_out & 15) == 0 &&
         ((uintptr_t)d & 15) == 0 && ((uintptr_t)w & 15) == 0 && ((uintptr_t)out & 15) == 0 &&
         ((uintptr_t)o16 & 7) == 0 && !(out && ar_overlap(out, out_stride, x, x_stride, rows, dim))) {
@@ -313,6 +314,14 @@ extern "C" int m40k_add_rmsnorm_to(const float *x, int64_t x_stride, const float
 {
     return add_rmsnorm_launch(x, x_out, x_stride, d, d_stride, w, out, out_stride, rows, dim, eps, (gq_blk *)xq, out16,
                               stream);
+}
+
+extern "C" int m40k_add_rmsnorm_to_any(const float *x, int64_t x_stride, const float *d, int64_t d_stride,
+                                       float *x_out, const float *w, float *out, int64_t out_stride, int rows, int dim,
+                                       float eps, uint16_t *out16, m40k_stream stream)
+{
+    return add_rmsnorm_launch(x, x_out, x_stride, d, d_stride, w, out, out_stride, rows, dim, eps, nullptr, out16,
+                              stream, true);
 }
 
 extern "C" int m40k_add_rmsnorm(float *x, int64_t x_stride, const float *d, int64_t d_stride, const float *w,

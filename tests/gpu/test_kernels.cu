@@ -413,6 +413,50 @@ static void test_fused_f16(void)
             check(what, h == h2);
             cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dxo), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
         }
+    /* 2f: one kernel at every row count: against the twin, and each row the same bits
+     * (out, x_out, the F16 copy) as that row alone; without out, the same copy */
+    for (int dim : {64, 100, 256, 4096, 5152})
+        for (int rows : {1, 3, 16, 17, 64}) {
+            const int64_t xs = dim, ds = dim + 4;
+            std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
+                               w = rand_vec(dim, 0.5f, 1.5f);
+            float *dx = dup(x), *dd = dup(d), *dw = dup(w), *dxo, *dout = dup(d), *dxo1, *dout1;
+            CK(cudaMalloc(&dxo, x.size() * 4));
+            CK(cudaMalloc(&dxo1, x.size() * 4));
+            CK(cudaMalloc(&dout1, d.size() * 4));
+            CK(cudaMemset(dout1, 0, d.size() * 4));
+            uint16_t *dh, *dh1, *dh2;
+            CK(cudaMalloc(&dh, (size_t)rows * dim * 2));
+            CK(cudaMalloc(&dh1, (size_t)rows * dim * 2));
+            CK(cudaMalloc(&dh2, (size_t)rows * dim * 2));
+            CK(m40k_add_rmsnorm_to_any(dx, xs, dd, ds, dxo, dw, dout, ds, rows, dim, 1e-5f, dh, 0));
+            CK(m40k_add_rmsnorm_to_any(dx, xs, dd, ds, dxo, dw, nullptr, ds, rows, dim, 1e-5f, dh2, 0));
+            for (int r = 0; r < rows; r++) /* each row alone */
+                CK(m40k_add_rmsnorm_to_any(dx + r * xs, xs, dd + r * ds, ds, dxo1 + r * xs, dw, dout1 + r * ds, ds, 1,
+                                           dim, 1e-5f, dh1 + (size_t)r * dim, 0));
+            std::vector<float> c = d, xr = x;
+            m40_ref_add_rmsnorm(xr.data(), xs, d.data(), ds, w.data(), c.data(), ds, rows, dim, 1e-5f);
+            std::vector<float> go = back(dout, c.size()), gx = back(dxo, x.size());
+            std::vector<float> go1 = back(dout1, c.size()), gx1 = back(dxo1, x.size());
+            char what[112];
+            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: out", rows, dim);
+            compare(what, go.data(), c.data(), go.size(), 1e-5f, 1e-5f);
+            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: x_out", rows, dim);
+            check(what, gx == xr);
+            std::vector<uint16_t> h = back(dh, (size_t)rows * dim), h1 = back(dh1, (size_t)rows * dim),
+                                  h2 = back(dh2, (size_t)rows * dim);
+            bool alone = h == h1 && gx == gx1;
+            for (int r = 0; r < rows; r++)
+                alone = alone && !memcmp(go.data() + r * ds, go1.data() + r * ds, (size_t)dim * 4);
+            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: each row as alone, bit for bit", rows, dim);
+            check(what, alone);
+            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: F16 copy", rows, dim);
+            check(what, is_f16_of(h, go, rows, dim, ds));
+            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: without out, the same copy", rows, dim);
+            check(what, h == h2);
+            cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dxo), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
+            cudaFree(dxo1), cudaFree(dout1), cudaFree(dh1);
+        }
     for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
         for (int n : {36, 640, 14336})
             for (int rows : {1, 38, 512}) {
@@ -801,6 +845,58 @@ static void test_attn_head_split(void)
  * sequences), with and without a 20-token window, with and without a soft-cap of the
  * scores (0.7: they reach about +-2 here, so it bends them); lengths 1..1000 across page ends,
  * positions the cache's for even sequences and large random ones for odd. */
+/* 6e's plain option: each sequence's output (and what it appends to the cache) the same
+ * bits in a launch of one sequence as in a launch of all of them, at 1 and 16 splits,
+ * where the default takes a cluster for few sequences */
+static void test_attn_decode_plain(void)
+{
+    const std::vector<int> lens = {1, 17, 100, 1000, 33};
+    for (int hd : {64, 128})
+        for (int G : {1, 4})
+            for (int splits : {1, 16}) {
+                const int nkv = 2, nh = nkv * G;
+                Paged p = make_paged(lens);
+                const int ns = p.n_seqs;
+                const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
+                std::vector<uint16_t> kc0(cache_elems), vc0(cache_elems);
+                for (size_t i = 0; i < cache_elems; i++)
+                    kc0[i] = m40_fp32_to_fp16(frand(-1, 1)), vc0[i] = m40_fp32_to_fp16(frand(-1, 1));
+                std::vector<int32_t> pos;
+                for (int s = 0; s < ns; s++)
+                    pos.push_back(p.lens[s] - 1);
+                const int64_t rs = (int64_t)(nh + 2 * nkv) * hd, os = nh * hd;
+                std::vector<float> qkv = rand_vec(ns * rs, -2, 2);
+                int32_t *dip = dup(p.indptr), *dix = dup(p.indices), *dlp = dup(p.lpl), *dp = dup(pos);
+                float *dqkv = dup(qkv), *dout, *dout1, *dws;
+                int *dcnt = dup(std::vector<int>(m40k_decode_counter_ints(ns, nkv), 0));
+                CK(cudaMalloc(&dout, (size_t)ns * os * 4));
+                CK(cudaMalloc(&dout1, (size_t)ns * os * 4));
+                CK(cudaMalloc(&dws, m40k_decode_workspace_floats(ns, nh, hd, splits) * 4));
+                uint16_t *dkc = dup(kc0), *dvc = dup(vc0), *dkc1 = dup(kc0), *dvc1 = dup(vc0);
+                m40k_dec_opts o = {};
+                o.plain = 1;
+                CK(m40k_attn_decode_rope(dout, os, dqkv, rs, dqkv + nh * hd, rs, dqkv + (nh + nkv) * hd, rs, dkc, dvc,
+                                         dip, dix, dlp, ns, nh, nkv, hd, 1.0f / sqrtf((float)hd), 0, 0.0f, dp, hd,
+                                         10000.0f, nullptr, 0, splits, dws, dcnt, &o, 0));
+                for (int s = 0; s < ns; s++) { /* each alone: its table entries, row and position */
+                    const float *q = dqkv + (size_t)s * rs;
+                    CK(m40k_attn_decode_rope(dout1 + (size_t)s * os, os, q, rs, q + nh * hd, rs, q + (nh + nkv) * hd,
+                                             rs, dkc1, dvc1, dip + s, dix, dlp + s, 1, nh, nkv, hd,
+                                             1.0f / sqrtf((float)hd), 0, 0.0f, dp + s, hd, 10000.0f, nullptr, 0,
+                                             splits, dws, dcnt, &o, 0));
+                }
+                std::vector<float> g = back(dout, (size_t)ns * os), g1 = back(dout1, (size_t)ns * os);
+                char what[112];
+                snprintf(what, sizeof what, "attn_decode_rope plain hd %d G %d splits %d: alone == batched, bit for bit",
+                         hd, G, splits);
+                check(what, g == g1 && back(dkc, cache_elems) == back(dkc1, cache_elems) &&
+                                back(dvc, cache_elems) == back(dvc1, cache_elems));
+                cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(dp), cudaFree(dqkv), cudaFree(dout);
+                cudaFree(dout1), cudaFree(dws), cudaFree(dcnt), cudaFree(dkc), cudaFree(dvc), cudaFree(dkc1),
+                    cudaFree(dvc1);
+            }
+}
+
 static void test_attn_decode_rope(void)
 {
     const std::vector<int> lens = {1, 15, 16, 17, 100, 1000};
@@ -2933,7 +3029,7 @@ int main(int argc, char **argv)
         {"rope", test_rope},           {"act", test_act}, {"fused_q8", test_fused_q8},
         {"fused_f16", test_fused_f16}, {"add_rmsnorm_to", test_add_rmsnorm_to}, {"attention", test_attention},
         {"kv_rope", test_kv_append_rope}, {"attn_rope", test_attn_decode_rope},
-        {"attn_hsplit", test_attn_head_split},
+        {"attn_hsplit", test_attn_head_split}, {"attn_plain", test_attn_decode_plain},
         {"gemv", test_gemv},           {"gemv_q8", test_gemv_q8}, {"gemv_q8_pair", test_gemv_q8_pair},
         {"gemv_q8_norm", test_gemv_q8_norm},
         {"gemv_q8_argmax", test_gemv_q8_argmax},
