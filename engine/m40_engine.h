@@ -58,6 +58,9 @@ typedef struct {
      * and the activation reserve), after kv_keep_bytes are set aside for what loads after
      * it (the weights of later models on the card). 0 (both): the whole room, as alone. */
     float kv_share;                /* [0, 1]; 0: 1 */
+    int batch_invariant;           /* GPU: 1 computes every row of a step as it would be computed
+                                    * alone (m40_model_options.batch_invariant): a greedy
+                                    * request's text does not depend on what else runs; slower */
     int64_t kv_keep_bytes;         /* >= 0 */
 } m40_engine_config;
 

@@ -606,6 +606,8 @@ void m40_gpu_free(m40_gpu *g)
     cudaFree(g->rope_ff_local);
     cudaFree(g->deq);
     cudaFree(g->iota);
+    cudaFree(g->inv_x);
+    cudaFree(g->inv_y);
     void *bufs[] = {g->x, g->x2, g->xd, g->xb, g->qkv, g->att, g->hb, g->hb2, g->xg,
                     g->logits_d, g->x16, g->xq, g->xq2, g->nss, g->ws, g->att_cnt, g->ints_d, g->pick_d,
                     g->sk_ws, g->sk_cnt, g->mq_ws, g->mq_cnt, g->moe_logits, g->moe_w, g->moe_yg, g->moe_yu,
@@ -743,6 +745,19 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
          * on the register kernel */
         m40k_moe_gemm_q_tune(t->moe_gemm_reg);
         g->gemv_rows = t->gemv_rows;
+    }
+    if (t->batch_invariant) {
+        /* Batch invariance: none of the paths that a step's size picks (the fused norms
+         * and pick of batch 1, the F16 outputs of prompt-only steps, the GEMVs and the
+         * skinny kernel of small batches, the expert GEMVs) */
+        g->invariant = 1;
+        g->fuse_norm = g->fuse_pick = g->prefill_f16 = g->fuse_residual = g->skinny = g->moe_q8 = 0;
+        g->moe_gemv_rows = 0; /* every mixture-of-experts step on the grouped products */
+        /* the quantized products in tiles that the register kernel takes whole (M40_GEMM_Q_REG) */
+        g->inv_rows = t->gemm_q_reg >= 1 && t->gemm_q_reg < 64 ? t->gemm_q_reg : 64;
+        /* the decode attention's ranges a sequence, whatever its length (the default's
+         * unit of 32 positions a range at 512) */
+        g->inv_splits = 16;
     }
     m40k_set_launch_tuning(t->pdl, t->clusters, t->dec_hsplit); /* M40_PDL, M40_CLUSTER, M40_DEC_HSPLIT */
     if (log_progress) {
@@ -948,6 +963,24 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     if (e != cudaSuccess) {
         m40_set_err(err, errlen, "gpu %d: cannot allocate the dequantization scratch: %s", device, cudaGetErrorString(e));
         goto fail;
+    }
+    if (g->invariant) { /* the last tile of a product on cuBLAS (inv_matmul): F32 or F16 rows */
+        int64_t in_max = p->dim > p->ffn_dim ? p->dim : p->ffn_dim;
+        if (g->q_dim > in_max)
+            in_max = g->q_dim;
+        /* output rows: as wide as any product's row stride (the head's vocabulary, the
+         * fused [q; k; v] and [gate; up]) */
+        int64_t out_max = max_rows > g->qkv_dim ? max_rows : g->qkv_dim;
+        if (2 * (int64_t)p->ffn_dim > out_max)
+            out_max = 2 * (int64_t)p->ffn_dim;
+        e = cudaMalloc(&g->inv_x, (size_t)g->inv_rows * (size_t)in_max * 4);
+        if (e == cudaSuccess)
+            e = cudaMalloc((void **)&g->inv_y, (size_t)g->inv_rows * (size_t)out_max * 4);
+        if (e != cudaSuccess) {
+            m40_set_err(err, errlen, "gpu %d: cannot allocate the batch-invariant scratch: %s", device,
+                        cudaGetErrorString(e));
+            goto fail;
+        }
     }
     if (log_progress)
         fprintf(stderr, "m40: gpu %d: %.2f GB of weights resident in %.2f s\n", device, g->weight_bytes / 1e9,

@@ -420,12 +420,90 @@ static int tiled_gemm(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
     return 0;
 }
 
+/* ------------------------------------------------- batch invariance ---- */
+
+/* y = W x for one tile of r <= g->inv_rows token rows on cuBLAS, always called as a
+ * product of inv_rows rows: cuBLAS picks its algorithm (tiles, split of K) by the
+ * shape, so one shape is one algorithm, and a row's sums do not depend on how many rows
+ * the step has. A full tile reads x and writes y where they are; a short one goes
+ * through inv_x and inv_y (the rows past r there are whatever they hold: each output
+ * row reads its own x row only). xt / xsz: x's type and element size. */
+static int inv_blas_tile(m40_gpu *g, const void *w, cudaDataType wt, int rows, int cols, const void *x,
+                         cudaDataType xt, size_t xsz, int32_t r, float *y, int64_t ldy, char *err, size_t errlen)
+{
+    const float one = 1.0f, zero = 0.0f;
+    const int T = g->inv_rows;
+    const void *xa = x;
+    float *ya = y;
+    if (r < T) {
+        CK(cudaMemcpyAsync(g->inv_x, x, (size_t)r * (size_t)cols * xsz, cudaMemcpyDeviceToDevice, g->stream));
+        xa = g->inv_x;
+        ya = g->inv_y;
+    }
+    /* the same leading dimensions for every tile (inv_y holds inv_rows rows of the widest ldy) */
+    cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, T, cols, &one, w, wt, cols, xa, xt, cols,
+                                    &zero, ya, CUDA_R_32F, (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        m40_set_err(err, errlen, "gpu %d: cublasGemmEx failed (%d)", g->device, (int)s);
+        return -1;
+    }
+    if (r < T)
+        CK(cudaMemcpy2DAsync(y, (size_t)ldy * 4, g->inv_y, (size_t)ldy * 4, (size_t)rows * 4, (size_t)r,
+                             cudaMemcpyDeviceToDevice, g->stream));
+    return 0;
+}
+
+/* The products of batch invariance (g->invariant): y[t] = W x[t] for t < n, in tiles of
+ * g->inv_rows rows, each row summed the same way whatever n is. Quantized types the
+ * GEMM reads: m40k_gemm_q on the F16 copy of x with one split count for the matrix (its
+ * pick at inv_rows rows), each tile whole in one block of its kernel (a token's column of
+ * the tensor-core sums does not depend on the others). F16 weights, and the types it does
+ * not read dequantized to F16 first: cuBLAS (inv_blas_tile). F32 weights, and every
+ * product of models under 1B parameters (gemm_f32): cuBLAS in F32. */
+static int inv_matmul(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *x16_ready,
+                      char *err, size_t errlen)
+{
+    const int rows = (int)w->rows, cols = (int)w->cols, T = g->inv_rows;
+    const int f32 = w->type == M40K_TYPE_F32 || g->gemm_f32;
+    const void *wf = w->data;
+    if (!f32 && !*x16_ready) {
+        CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
+        *x16_ready = 1;
+    }
+    if (!f32 && gemm_q_reads(g, w)) {
+        const int S = m40k_gemm_q_pick_splits(w->type, rows, cols, T, g->sm_count, g->mq_ws_floats, g->mq_cnt_ints);
+        for (int32_t t0 = 0; t0 < n; t0 += T)
+            CK(m40k_gemm_q(w->data, w->type, rows, cols, g->x16 + (size_t)t0 * cols, cols, n - t0 < T ? n - t0 : T,
+                           y + (size_t)t0 * ldy, ldy, S, g->mq_ws, g->mq_cnt, g->stream));
+        return 0;
+    }
+    if (w->type != (f32 ? M40K_TYPE_F32 : M40K_TYPE_F16)) { /* the weights in the product's type first */
+        if ((size_t)rows * (size_t)cols > g->deq_cap) {
+            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+            return -1;
+        }
+        if (f32 || m40k_gemm_q_dequant(w->data, w->type, rows, cols, (uint16_t *)g->deq, g->stream) != 0)
+            CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, f32 ? M40K_TYPE_F32 : M40K_TYPE_F16,
+                          cols, g->stream));
+        wf = g->deq;
+    }
+    for (int32_t t0 = 0; t0 < n; t0 += T)
+        if (inv_blas_tile(g, wf, f32 ? CUDA_R_32F : CUDA_R_16F, rows, cols,
+                          f32 ? (const void *)(x + (size_t)t0 * cols) : (const void *)(g->x16 + (size_t)t0 * cols),
+                          f32 ? CUDA_R_32F : CUDA_R_16F, f32 ? 4 : 2, n - t0 < T ? n - t0 : T, y + (size_t)t0 * ldy,
+                          ldy, err, errlen))
+            return -1;
+    return 0;
+}
+
 /* pick (or NULL): the greedy pick's key (kernels.h 9c) for a product of one row on the
  * int8 GEMV (w int8-readable, n 1, ldy rows: m40_gpu_forward asks for it only then) */
 static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, float *y, int64_t ldy, int *xq_ready,
                       int *x16_ready, const gnorm_in *nrm, uint64_t *pick, char *err, size_t errlen)
 {
     int rows = (int)w->rows, cols = (int)w->cols;
+    if (g->invariant) /* no fold, no pick there: fuse_norm and fuse_pick are off */
+        return inv_matmul(g, w, x, n, y, ldy, x16_ready, err, errlen);
     if (nrm) { /* fold_norm_ok: batch 1, every part int8-readable */
         CK(pick ? m40k_gemv_q8_argmax(w->data, w->type, rows, cols, nrm->xq, nrm->ss, nrm->eps, y, pick, g->stream)
                 : m40k_gemv_q8_normed(w->data, w->type, rows, cols, nrm->xq, nrm->ss, nrm->eps, y, ldy, g->stream));
@@ -582,7 +660,8 @@ static int matmul(m40_gpu *g, const gproj *pr, const float *x, int32_t n, float 
     /* Two int8-activation parts at batch 1 (Q4_K_M's [q; k] in Q4_K and v in Q6_K): one
      * launch where the kernel has an instance for the pair (m40k_gemv_q8_pair) */
     const gmat *p0 = &pr->part[0], *p1 = &pr->part[1];
-    if (pr->n_parts == 2 && n == 1 && gemv_q8_reads(p0) && gemv_q8_reads(p1) && p0->cols == p1->cols) {
+    if (!g->invariant && pr->n_parts == 2 && n == 1 && gemv_q8_reads(p0) && gemv_q8_reads(p1) &&
+        p0->cols == p1->cols) {
         const int cols = (int)p0->cols;
         int e;
         if (nrm) {
@@ -659,8 +738,13 @@ static int norm_res(m40_gpu *g, const float *xc, const float *w, float *out, int
 static int add_norm(m40_gpu *g, float **xc, float **xo, const float *w, float *out, int32_t n, int xq, int x16)
 {
     const int64_t dim = g->p.dim;
-    const int e = m40k_add_rmsnorm_to(*xc, dim, g->xd, dim, *xo, w, x16_only(x16, n) ? NULL : out, dim, n, (int)dim,
-                                      g->p.norm_eps, xq ? g->xq : NULL, x16 ? g->x16 : NULL, g->stream);
+    float *o = x16_only(x16, n) ? NULL : out;
+    uint16_t *o16 = x16 ? g->x16 : NULL;
+    /* batch invariance: one kernel at any n (xq is never asked for there: no GEMV) */
+    const int e = g->invariant ? m40k_add_rmsnorm_to_any(*xc, dim, g->xd, dim, *xo, w, o, dim, n, (int)dim,
+                                                         g->p.norm_eps, o16, g->stream)
+                               : m40k_add_rmsnorm_to(*xc, dim, g->xd, dim, *xo, w, o, dim, n, (int)dim, g->p.norm_eps,
+                                                     xq ? g->xq : NULL, o16, g->stream);
     swap_residual(xc, xo);
     return e;
 }
@@ -823,8 +907,9 @@ static int enqueue_pass(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
     int folded = 0;
     int res_added = 0; /* the last down projection added into xc itself (matmul_tiled) */
     const gnorm_in nin = {g->xq2, g->nss, p->norm_eps};
-    /* Every row wants logits, one row a sequence (decode steps): see the end */
-    const int out_all = p->n_layers > 0 && n_out == n && n_grp == n;
+    /* Every row wants logits, one row a sequence (decode steps): see the end (not under
+     * batch invariance: every step's last norm then takes one kernel, the gathered rows') */
+    const int out_all = !g->invariant && p->n_layers > 0 && n_out == n && n_grp == n;
     int cs_made[2] = {0, 0}; /* the RoPE angle tables of this step's prompt rows (global, local layers) */
     for (int32_t l = 0; l < p->n_layers; l++) {
         const glayer *L = &g->layers[l];
@@ -885,7 +970,8 @@ static int enqueue_pass(m40_gpu *g, m40_gpu_kv *kv, const step_plan *sp, char *e
                                        .q_norm = L->q_norm,
                                        .k_norm = L->k_norm,
                                        .norm_eps = p->norm_eps,
-                                       .out16 = att16d ? g->x16 : NULL};
+                                       .out16 = att16d ? g->x16 : NULL,
+                                       .plain = g->invariant};
             CK(m40k_attn_decode_rope(g->att, g->q_dim, q, qkvd, k, qkvd, v, qkvd, kc, vc, d_ip, d_idx, d_lpl, n_dec,
                                      p->n_heads, p->n_kv_heads, hd, scale, win, cap, d_pos, p->rope_dim, base, ff,
                                      p->rope_neox, win ? splits_local : splits, g->ws, g->att_cnt, &dop, g->stream));

@@ -133,6 +133,18 @@ struct m40_gpu {
     size_t mq_ws_floats;
     int *mq_cnt;
     size_t mq_cnt_ints;
+    /* Batch invariance (M40_BATCH_INVARIANT, m40_model_options.batch_invariant): every row
+     * of a step computed as it would be alone (model_cuda_fwd.c, inv_matmul; step_plan.c):
+     * the products in tiles of inv_rows token rows on one kernel with one split count
+     * whatever the step's rows (cuBLAS calls always of inv_rows rows, the last tile
+     * through inv_x / inv_y), the decode attention in inv_splits ranges a sequence merged
+     * without clusters, the prompt rows' attention unsplit, and none of the fusions or
+     * GEMVs picked by the batch's size. */
+    int invariant;
+    int32_t inv_rows;
+    int inv_splits;
+    void *inv_x;  /* inv_rows rows of the widest product input (F32, or F16) */
+    float *inv_y; /* inv_rows rows of the widest product output */
 
     /* Per-forward scratch, grown on demand to cap tokens / cap_out logit rows. */
     int32_t cap, cap_out;
@@ -251,10 +263,11 @@ static inline int gemm_q_takes(const m40_gpu *g, const gmat *w, int32_t n)
 }
 /* Whether a product of n rows with w takes a GEMV (n <= 8): unless n is past
  * M40_GEMV_ROWS and the quantized GEMM's register kernel reads w (a row alone always
- * does: the fused norm and greedy pick are the GEMV's). */
+ * does: the fused norm and greedy pick are the GEMV's); never under batch invariance
+ * (inv_matmul). */
 static inline int gemv_batch(const m40_gpu *g, const gmat *w, int32_t n)
 {
-    return n <= 8 && (n <= 1 || n <= g->gemv_rows || !gemm_q_takes(g, w, n) ||
+    return !g->invariant && n <= 8 && (n <= 1 || n <= g->gemv_rows || !gemm_q_takes(g, w, n) ||
                       m40k_gemm_q_kernel(w->type, (int)w->cols, (int)n, w->data) != M40K_GEMM_Q_REGISTER);
 }
 

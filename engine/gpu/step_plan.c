@@ -126,6 +126,8 @@ int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int
         splits_local = window > 0 && window < max_len
                            ? m40k_decode_pick_splits(n_dec, p->n_kv_heads, window, g->sm_count)
                            : splits;
+        if (g->invariant) /* one split count whatever else the step holds (model_cuda_int.h) */
+            splits = splits_local = g->inv_splits;
         if (splits_local < 1)
             splits_local = 1;
         size_t need_ws = m40k_decode_workspace_floats(n_dec, p->n_heads, hd, splits > splits_local ? splits : splits_local);
@@ -157,6 +159,8 @@ int m40_gpu_plan_step(m40_gpu *g, const m40_kv_step *st, const m40_batch *b, int
                             ? m40k_attn_prefill_pick_splits(pn, pseqs, p->n_heads, p->n_kv_heads, hd, window + pn,
                                                             g->sm_count, M40_PREFILL_SPLIT_WS_FLOATS)
                             : psplits;
+        if (g->invariant) /* a prompt row's sums over its keys in one walk, however it is chunked */
+            psplits = psplits_local = 1;
         const int most = psplits > psplits_local ? psplits : psplits_local;
         if (most > 1 &&
             ensure_ws(g, m40k_attn_prefill_split_ws_floats(pn, pseqs, p->n_heads, p->n_kv_heads, hd, most), err, errlen))

@@ -65,6 +65,8 @@ int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_mod
         return -1;
     }
     m40_tuning_from_env(&m->tuning);
+    if (opts && opts->batch_invariant)
+        m->tuning.batch_invariant = 1;
     m->ctx_request = opts && opts->ctx_size > 0 ? opts->ctx_size : 0;
     char sub[512];
     if (m40_gguf_open(path, &m->gguf, sub, sizeof sub) != 0) {

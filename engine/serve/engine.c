@@ -557,6 +557,7 @@ int m40_engine_create(const m40_engine_config *cfg, m40_engine **out, char *err,
     e->kv_keep_bytes = cfg->kv_keep_bytes;
     e->n_threads = cfg->n_threads;
     e->cpu_fast = cfg->cpu_fast;
+    e->batch_invariant = cfg->batch_invariant != 0;
     /* The chunk caps one sequence and the budget all of them: a chunk beyond the budget
      * could never be taken, so it is cut to it. */
     int32_t chunk = cfg->prefill_chunk > 0 ? cfg->prefill_chunk : M40_DEFAULT_PREFILL_CHUNK;

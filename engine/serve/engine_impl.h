@@ -155,6 +155,7 @@ struct m40_engine {
                                    * statistics (a change no event carries) */
     int32_t n_threads;
     int cpu_fast;
+    int batch_invariant; /* m40_engine_config.batch_invariant */
     m40_prefill_policy prefill;   /* budget, chunk, floor, guard (0: off); set at create */
     int prefill_budget_auto;
 

@@ -190,7 +190,7 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
     }
     m40_model_options mo = {.n_threads = e->n_threads, .device = e->device < 0 ? -1 : e->device, .log_progress = 1,
                             .ctx_size = e->ctx_cfg > 0 ? e->ctx_cfg : 0, .cpu_fast = e->cpu_fast,
-                            .tp = e->device >= 0 ? e->tp : 1};
+                            .tp = e->device >= 0 ? e->tp : 1, .batch_invariant = e->batch_invariant};
     if (m40_model_load_opts(e->model_path, &mo, &e->model, merr, sizeof merr) != 0) {
         snprintf(err, errlen, "%s: %s", e->model_path, merr);
         return -1;

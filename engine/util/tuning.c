@@ -64,6 +64,8 @@ void m40_tuning_from_env(m40_tuning *t)
     t->pick_threads = pt && *pt && atoi(pt) >= 0 ? atoi(pt) : -1;
     if (t->pick_threads > 64)
         t->pick_threads = 64;
+    const char *bi = getenv("M40_BATCH_INVARIANT");
+    t->batch_invariant = bi && atoi(bi) == 1;
     const char *gu = getenv("M40_GPU_UNVALIDATED");
     t->gpu_unvalidated = gu && atoi(gu) == 1;
 }
@@ -80,8 +82,8 @@ int m40_tuning_line(const m40_tuning *t, char *buf, size_t len)
                     "M40_GEMM=%s M40_PDL=%d M40_CLUSTER=%d M40_DEC_HSPLIT=%d M40_SKINNY=%d M40_CUDA_GRAPHS=%d M40_WARMUP=%d "
                     "M40_G8=%d M40_FUSE_NORM=%d M40_FUSE_PICK=%d M40_PREFILL_F16=%d M40_FUSE_RESIDUAL=%d M40_GEMM_Q=%d M40_GEMM_Q_ROWS=%d "
                     "M40_GEMM_Q_REG=%d M40_GEMV_ROWS=%d M40_MOE_GEMV_ROWS=%s M40_MOE_GEMM_REG=%d M40_MOE_PAD=%d M40_MOE_Q8=%d M40_KV_BLOCKS=%lld M40_PREFIX_CACHE=%d "
-                    "M40_PICK_THREADS=%s M40_GPU_SAMPLE=%d M40_TP_SYMMETRIC=%d M40_GPU_UNVALIDATED=%d",
+                    "M40_PICK_THREADS=%s M40_GPU_SAMPLE=%d M40_TP_SYMMETRIC=%d M40_BATCH_INVARIANT=%d M40_GPU_UNVALIDATED=%d",
                     gemm[t->gemm], t->pdl, t->clusters, t->dec_hsplit, t->skinny, t->cuda_graphs, t->warmup, t->g8, t->fuse_norm,
                     t->fuse_pick, t->prefill_f16, t->fuse_residual, t->gemm_q, (int)t->gemm_q_rows, (int)t->gemm_q_reg, (int)t->gemv_rows,
-                    moe_rows, (int)t->moe_gemm_reg, t->moe_pad, t->moe_q8, (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->tp_symmetric, t->gpu_unvalidated);
+                    moe_rows, (int)t->moe_gemm_reg, t->moe_pad, t->moe_q8, (long long)t->kv_blocks, t->prefix_cache, pick, t->gpu_sample, t->tp_symmetric, t->batch_invariant, t->gpu_unvalidated);
 }

@@ -64,6 +64,10 @@ typedef struct {
     int gpu_sample;       /* M40_GPU_SAMPLE=0: every sampled (not greedy) row's draw on the host */
     int tp_symmetric;     /* M40_TP_SYMMETRIC=0: a tensor-parallel model's all-reduces stay in
                            * place on its scratch, without NCCL's symmetric windows */
+    int batch_invariant;  /* M40_BATCH_INVARIANT=1 (or m40_model_options.batch_invariant): every
+                           * row of a step computed as it would be alone (model_cuda_fwd.c,
+                           * inv_*: one kernel and split a product, whatever the batch); off
+                           * by default: slower */
     int gpu_unvalidated;  /* M40_GPU_UNVALIDATED=1: a GPU loads an architecture whose row is not
                            * gpu_validated (a test seam to validate it without a rebuild;
                            * logged loudly at every such load) */

@@ -24,7 +24,12 @@
  *   7. batches of 2..8 rows on the quantized GEMM's register kernel (M40_GEMV_ROWS=1)
  *      give the logits of each row alone (a GEMV), as the GEMVs do (M40_GEMV_ROWS=8): tiny
  *      synthetic Q4_K_M and Q8_0 models (`m40 mkmodel --shape tiny`, written here), whose
- *      rows of 256 and 768 the register kernel reads. */
+ *      rows of 256 and 768 the register kernel reads;
+ *   8. batch invariance: with m40_model_options.batch_invariant each sequence's logits are
+ *      the same bits alone and in batches of other shapes (prompts in other chunks, decode
+ *      rows beside prompts and other decode rows): tiny synthetic Q4_K_M, Q8_0 and F16
+ *      models with F16 products, Q4_K_M with F32 ones, and the shared stories260K,
+ *      tiny-llama-q4km, tiny-gemma2-f16, tiny-qwen3moe-q4km and tiny-gpt-oss-mxfp4. */
 #include <cuda_runtime.h>
 #include <dirent.h>
 #include <math.h>
@@ -1365,6 +1370,143 @@ static void test_small_batches_register(const char *ft)
     unlink(path);
 }
 
+/* 8. Batch invariance (m40_model_options.batch_invariant): each sequence's logits, prefill
+ * and every decode step, are the same bits alone and in batches of other shapes: its
+ * prompt cut into two chunks beside other prompts, its decode rows beside prompt rows
+ * and beside 2..4 other decode rows, in other row orders. */
+#define BI_N 4     /* sequences: 0..2 compared, 3 only joins the batches */
+#define BI_STEPS 5 /* greedy decode steps after the prompt */
+static void test_batch_invariant(const char *path, const char *label)
+{
+    char err[512];
+    if (access(path, R_OK)) {
+        SKIP("%s is absent", path);
+        return;
+    }
+    m40_model *m = NULL;
+    m40_model_options mo = {.n_threads = 2, .device = 0, .batch_invariant = 1};
+    if (m40_model_load_opts(path, &mo, &m, err, sizeof err)) {
+        CHECK(0, "%s: %s", path, err);
+        return;
+    }
+    const int32_t V = m40_model_get_params(m)->n_vocab;
+    const int32_t lens[BI_N] = {23, 5, 70, 37};
+    int32_t toks[BI_N][80 + BI_STEPS];
+    uint64_t x = 777;
+    for (int s = 0; s < BI_N; s++)
+        for (int i = 0; i < lens[s]; i++) {
+            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+            toks[s][i] = (int32_t)((x >> 33) % (uint64_t)V);
+        }
+    const size_t per = (size_t)(BI_STEPS + 1) * V; /* a sequence's logits: prompt's last row, then each step */
+    float *solo = malloc(3 * per * sizeof(float)), *bat = malloc(3 * per * sizeof(float));
+    float *out = malloc((size_t)8 * V * sizeof(float));
+    /* Alone: the prompt in one call, then greedy steps (their tokens appended to toks). */
+    for (int s = 0; s < 3 && solo; s++) {
+        m40_kv *kv = m40_kv_new(m, 1, 128);
+        int32_t pos[128], slot[128] = {0};
+        for (int i = 0; i < lens[s] + BI_STEPS; i++)
+            pos[i] = i;
+        m40_batch b = {.n = lens[s], .tokens = toks[s], .pos = pos, .slot = slot};
+        CHECK(m40_model_forward(m, kv, &b, solo + s * per, err, sizeof err) == 0, "%s", err);
+        for (int t = 0; t < BI_STEPS; t++) {
+            const float *l = solo + s * per + (size_t)t * V;
+            int32_t best = 0;
+            for (int32_t i = 1; i < V; i++)
+                if (l[i] > l[best])
+                    best = i;
+            toks[s][lens[s] + t] = best;
+            m40_batch d = {.n = 1, .tokens = &toks[s][lens[s] + t], .pos = &pos[lens[s] + t], .slot = slot};
+            CHECK(m40_model_forward(m, kv, &d, solo + s * per + (size_t)(t + 1) * V, err, sizeof err) == 0, "%s",
+                  err);
+        }
+        m40_kv_free(kv);
+    }
+    for (int t = 0; t < BI_STEPS; t++) /* sequence 3's "generated" tokens: any */
+        toks[3][lens[3] + t] = (toks[3][t] + 1) % V;
+    /* Together. done[s]: tokens of s in the cache; step[s]: its logits rows written. */
+    m40_kv *kv = m40_kv_new(m, BI_N, 128);
+    int32_t done[BI_N] = {0}, step[BI_N] = {0};
+    /* call c: how many tokens each sequence adds (0: none); a prompt may take several
+     * calls, a decode row one token */
+    static const int32_t plan[][BI_N] = {
+        {10, 5, 33, 0}, /* 0: a first chunk, 1: its whole prompt, 2: a first chunk */
+        {13, 1, 37, 0}, /* 0 and 2: the rest of their prompts beside 1's first decode row */
+        {1, 1, 1, 37},  /* three decode rows beside a whole prompt (3) */
+        {1, 1, 1, 1}, {1, 0, 1, 1}, {1, 1, 1, 0}, {1, 1, 0, 1}, {1, 1, 1, 1}, {0, 1, 1, 1}, {0, 0, 1, 0}};
+    const int n_calls = (int)(sizeof plan / sizeof plan[0]);
+    for (int c = 0; c < n_calls && bat; c++) {
+        int32_t bt[256], bp[256], bs[256], n = 0, who[8];
+        uint8_t bw[256];
+        int n_out = 0;
+        for (int k = 0; k < BI_N; k++) {
+            const int s = (k + c) % BI_N; /* the sequences' order changes from call to call */
+            const int32_t total = lens[s] + BI_STEPS;
+            for (int32_t i = 0; i < plan[c][s] && done[s] < total; i++, n++) {
+                bt[n] = toks[s][done[s]];
+                bp[n] = done[s];
+                bs[n] = s;
+                done[s]++;
+                bw[n] = done[s] >= lens[s] && i + 1 == plan[c][s]; /* the row that gives logits */
+                if (bw[n])
+                    who[n_out++] = s;
+            }
+        }
+        if (n == 0) /* every sequence of the call done already */
+            continue;
+        m40_batch b = {.n = n, .tokens = bt, .pos = bp, .slot = bs, .want_logits = bw};
+        const int rc = m40_model_forward(m, kv, &b, out, err, sizeof err);
+        CHECK(rc == 0, "%s call %d: %s", label, c, err);
+        if (rc)
+            break;
+        for (int j = 0; j < n_out; j++)
+            if (who[j] < 3 && step[who[j]] <= BI_STEPS)
+                memcpy(bat + who[j] * per + (size_t)step[who[j]]++ * V, out + (size_t)j * V, (size_t)V * 4);
+    }
+    int same = 0, rows = 0, first_s = -1, first_t = -1;
+    for (int s = 0; s < 3 && bat && solo; s++) {
+        CHECK(step[s] == BI_STEPS + 1, "%s: sequence %d got %d of %d logits rows", label, s, step[s], BI_STEPS + 1);
+        for (int t = 0; t < step[s]; t++, rows++) {
+            if (!memcmp(solo + s * per + (size_t)t * V, bat + s * per + (size_t)t * V, (size_t)V * 4))
+                same++;
+            else if (first_s < 0)
+                first_s = s, first_t = t;
+        }
+    }
+    printf("batch invariance %-28s %d of %d logits rows the same bits alone and batched\n", label, same, rows);
+    CHECK(same == rows, "%s: %d of %d rows differ (first: sequence %d, row %d; max |dlogprob| there %.3g)", label,
+          rows - same, rows, first_s, first_t,
+          first_s < 0 ? 0.0
+                      : max_logprob_diff(solo + first_s * per + (size_t)first_t * V,
+                                         bat + first_s * per + (size_t)first_t * V, V));
+    m40_kv_free(kv);
+    free(solo);
+    free(bat);
+    free(out);
+    m40_model_free(m);
+}
+
+/* 8 on tiny synthetic models (mkmodel shape tiny) of file type ft; f16: the F16 products
+ * forced (M40_GEMM=f16: the quantized GEMM and cuBLAS in F16, as a 7B model takes them;
+ * else F32 products, as a model this small takes them) */
+static void test_batch_invariant_tiny(const char *ft, int f16)
+{
+    char path[64], err[512], label[48];
+    snprintf(path, sizeof path, "/tmp/m40-gpu-bi-%s-%d.gguf", ft, (int)getpid());
+    m40_mkmodel_opts o = {.shape = m40_mkmodel_find_shape("tiny"), .seed = 11, .n_threads = 2};
+    CHECK(o.shape && m40_mkmodel_parse_type(ft, &o.ftype) == 0, "mkmodel shape tiny / type %s", ft);
+    if (!o.shape || m40_mkmodel_write(&o, path, NULL, err, sizeof err) != 0) {
+        CHECK(0, "mkmodel tiny %s: %s", ft, err);
+        return;
+    }
+    if (f16)
+        setenv("M40_GEMM", "f16", 1);
+    snprintf(label, sizeof label, "tiny %s%s", ft, f16 ? " (F16 products)" : "");
+    test_batch_invariant(path, label);
+    unsetenv("M40_GEMM");
+    unlink(path);
+}
+
 int main(void)
 {
     int ndev = 0;
@@ -1385,6 +1527,10 @@ int main(void)
     test_tiny_tiled();
     test_small_batches_register("Q4_K_M");
     test_small_batches_register("Q8_0");
+    test_batch_invariant_tiny("Q4_K_M", 1);
+    test_batch_invariant_tiny("Q8_0", 1);
+    test_batch_invariant_tiny("F16", 1);
+    test_batch_invariant_tiny("Q4_K_M", 0);
     const char *shared = check_shared_dir();
     if (!shared) {
         SKIP("../shared is absent");
@@ -1419,6 +1565,18 @@ int main(void)
     test_graphs(path);
     snprintf(path, sizeof path, "%s/models/tiny-llama-q4km.gguf", shared_copy);
     test_graphs(path);
+    snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
+    test_batch_invariant(path, "stories260K");
+    snprintf(path, sizeof path, "%s/models/tiny-llama-q4km.gguf", shared_copy);
+    test_batch_invariant(path, "tiny-llama-q4km");
+    snprintf(path, sizeof path, "%s/models/next/tiny-gemma2-f16.gguf", shared_copy);
+    test_batch_invariant(path, "tiny-gemma2-f16"); /* sliding-window layers, soft-capping */
+    snprintf(path, sizeof path, "%s/models/next/tiny-qwen3moe-q4km.gguf", shared_copy);
+    if (moe_allowed(path, "qwen3moe"))
+        test_batch_invariant(path, "tiny-qwen3moe-q4km");
+    snprintf(path, sizeof path, "%s/models/next/tiny-gpt-oss-mxfp4.gguf", shared_copy);
+    if (moe_allowed(path, "gpt-oss")) /* sinks, biases, windows of 128 */
+        test_batch_invariant(path, "tiny-gpt-oss-mxfp4");
     snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
     test_engine(path);
     snprintf(path, sizeof path, "%s/models/tiny-llama-q8_0.gguf", shared_copy);

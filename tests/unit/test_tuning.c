@@ -9,7 +9,8 @@ static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_S
                                     "M40_GEMM_Q_ROWS", "M40_GEMM_Q_REG", "M40_KV_BLOCKS", "M40_PREFIX_CACHE",
                                     "M40_GPU_UNVALIDATED", "M40_MOE_GEMV_ROWS", "M40_PICK_THREADS", "M40_GPU_SAMPLE",
                                     "M40_GEMV_ROWS", "M40_PREFILL_F16", "M40_FUSE_RESIDUAL", "M40_MOE_GEMM_REG",
-                                    "M40_MOE_PAD", "M40_MOE_Q8", "M40_DEC_HSPLIT", "M40_TP_SYMMETRIC"};
+                                    "M40_MOE_PAD", "M40_MOE_Q8", "M40_DEC_HSPLIT", "M40_TP_SYMMETRIC",
+                                    "M40_BATCH_INVARIANT"};
 
 static void clear(void)
 {
@@ -40,6 +41,14 @@ int main(void)
     m40_tuning_from_env(&t);
     CHECK(t.gpu_unvalidated, "M40_GPU_UNVALIDATED=1");
     unsetenv("M40_GPU_UNVALIDATED");
+    CHECK(!t.batch_invariant, "M40_BATCH_INVARIANT unset: off");
+    setenv("M40_BATCH_INVARIANT", "on", 1);
+    m40_tuning_from_env(&t);
+    CHECK(!t.batch_invariant, "M40_BATCH_INVARIANT takes 1 only");
+    setenv("M40_BATCH_INVARIANT", "1", 1);
+    m40_tuning_from_env(&t);
+    CHECK(t.batch_invariant, "M40_BATCH_INVARIANT=1");
+    unsetenv("M40_BATCH_INVARIANT");
 
     for (size_t i = 1; i < sizeof names / sizeof names[0]; i++)
         setenv(names[i], "0", 1);
@@ -88,7 +97,7 @@ int main(void)
               strstr(line, "M40_PICK_THREADS=auto ") &&
               strstr(line, "M40_GEMV_ROWS=8 ") && strstr(line, "M40_MOE_GEMM_REG=16 ") &&
               strstr(line, "M40_MOE_PAD=1 ") && strstr(line, "M40_MOE_Q8=1 ") && strstr(line, "M40_MOE_GEMV_ROWS=3 ") &&
-              strstr(line, "M40_GPU_UNVALIDATED=0"),
+              strstr(line, "M40_BATCH_INVARIANT=0 ") && strstr(line, "M40_GPU_UNVALIDATED=0"),
           "the log line: %s", line);
     clear();
     return check_done();
