@@ -460,23 +460,35 @@ X86_FN __m256 x86_exp(__m256 x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* gate = gate * up / (1 + e^(-a(gate))): SiLU (a = x), GELU's tanh form (a = 2c(x +
- * 0.044715 x^3)); the tail of n % 8 through the scalar formulas of the portable kernel. */
-X86_FN void x86_glu(float *gate, const float *up, int64_t n, int gelu)
+/* 8 lanes of gate = gate * up / (1 + e^(-a(gate))) */
+X86_FN __m256 x86_glu8(__m256 x, __m256 u, int gelu)
 {
     const __m256 one = _mm256_set1_ps(1.0f), c2 = _mm256_set1_ps(2.0f * 0.7978845608028654f),
                  k = _mm256_set1_ps(0.044715f);
+    __m256 a = x;
+    if (gelu)
+        a = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
+    const __m256 d = _mm256_add_ps(one, x86_exp(_mm256_sub_ps(_mm256_setzero_ps(), a)));
+    return _mm256_div_ps(_mm256_mul_ps(x, u), d);
+}
+
+/* gate = gate * up / (1 + e^(-a(gate))): SiLU (a = x), GELU's tanh form (a = 2c(x +
+ * 0.044715 x^3)). The tail of n % 8 takes the same lanes (through a zero-padded copy),
+ * so every element gets the same bits wherever the call's range starts and ends: a row
+ * of the FFN is the same alone and among a prompt's rows (m40_batch_invariant's promise
+ * on the CPU; the portable formula, with expf, rounds otherwise). */
+X86_FN void x86_glu(float *gate, const float *up, int64_t n, int gelu)
+{
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 x = _mm256_loadu_ps(gate + i);
-        __m256 a = x;
-        if (gelu)
-            a = _mm256_mul_ps(c2, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
-        const __m256 d = _mm256_add_ps(one, x86_exp(_mm256_sub_ps(_mm256_setzero_ps(), a)));
-        _mm256_storeu_ps(gate + i, _mm256_div_ps(_mm256_mul_ps(x, _mm256_loadu_ps(up + i)), d));
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(gate + i, x86_glu8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), gelu));
+    if (i < n) {
+        float g[8] = {0}, u[8] = {0};
+        memcpy(g, gate + i, (size_t)(n - i) * sizeof *g);
+        memcpy(u, up + i, (size_t)(n - i) * sizeof *u);
+        _mm256_storeu_ps(g, x86_glu8(_mm256_loadu_ps(g), _mm256_loadu_ps(u), gelu));
+        memcpy(gate + i, g, (size_t)(n - i) * sizeof *g);
     }
-    if (i < n)
-        m40_glu_kernel(gelu ? M40_GLU_GELU_TANH : M40_GLU_SILU, M40_ISA_PORTABLE)(gate + i, up + i, n - i);
 }
 
 X86_KERNEL void X86_NAME(glu_silu)(float *gate, const float *up, int64_t n) { x86_glu(gate, up, n, 0); }

@@ -371,22 +371,27 @@ out:
     m40_model_free(m);
 }
 
-/* Mixtures of experts route each token on its own: a prompt prefilled in one call, one
- * token per call, and interleaved with another slot's prompt in one call (the two
- * routed to different experts) give the same logits. gpt-oss's long prompt (75 tokens)
- * passes its 32-token window, so the sliding-window layers are in it. */
-static void test_moe_batching(const char *name)
+/* A prompt prefilled in one call, one token per call, and interleaved with another
+ * slot's prompt in one call give the same logits, bit for bit: mixtures of experts route
+ * each token on its own (the two prompts routed to different experts; gpt-oss's long
+ * prompt, 75 tokens, passes its 32-token window, so the sliding-window layers are in
+ * it), and the CPU's products, exact or fast (fast: m40_model_options.cpu_fast, its
+ * one-token kernels against its tiles of several tokens), compute a row the same way
+ * at any batch size: what the README says of m40_batch_invariant on the CPU. dir: the
+ * model's folder under ../shared. */
+static void test_rows_alone(const char *dir, const char *name, int fast)
 {
     char rel[256], path[4096], rpath[4096], err[512];
-    snprintf(rel, sizeof rel, "models/next/%s.gguf", name);
+    snprintf(rel, sizeof rel, "%s/%s.gguf", dir, name);
     if (!check_shared_file(rel, path, sizeof path)) {
         SKIP("%s absent: no batching test", rel);
         return;
     }
-    snprintf(rel, sizeof rel, "models/next/ref/%s.json", name);
+    snprintf(rel, sizeof rel, "%s/ref/%s.json", dir, name);
     m40_model *m = NULL;
     m40_ref *ref = NULL;
-    if (!check_shared_file(rel, rpath, sizeof rpath) || m40_model_load(path, 2, &m, err, sizeof err) ||
+    const m40_model_options o = {.n_threads = 2, .device = -1, .cpu_fast = fast};
+    if (!check_shared_file(rel, rpath, sizeof rpath) || m40_model_load_opts(path, &o, &m, err, sizeof err) ||
         m40_ref_load(rpath, &ref, err, sizeof err)) {
         CHECK(0, "%s: %s", name, err);
         m40_model_free(m);
@@ -399,7 +404,7 @@ static void test_moe_batching(const char *name)
     float *one = malloc((size_t)nB * V * sizeof(float)), *both = malloc((size_t)n * V * sizeof(float));
     m40_kv *kvA = m40_kv_new(m, 1, 128), *kvB = m40_kv_new(m, 1, 128), *kv1 = m40_kv_new(m, 1, 128),
            *kv2 = m40_kv_new(m, 2, 128);
-    if (!sepA || !sepB || !one || !both || !kvA || !kvB || !kv1 || !kv2 || nB > 100 || nA > 100 || nB <= 32) {
+    if (!sepA || !sepB || !one || !both || !kvA || !kvB || !kv1 || !kv2 || nB > 100 || nA > 100 || nB < 2) {
         CHECK(0, "%s: setup (prompts of %d and %d tokens)", name, nA, nB);
         goto out;
     }
@@ -622,8 +627,16 @@ int main(void)
     test_next_references();
     test_gpu_refusal();
     test_batching();
-    test_moe_batching("tiny-qwen3moe-q4km");
-    test_moe_batching("tiny-gpt-oss-mxfp4");
+    test_rows_alone("models/next", "tiny-qwen3moe-q4km", 0);
+    test_rows_alone("models/next", "tiny-gpt-oss-mxfp4", 0);
+    static const char *const fast_dense[] = {"tiny-llama-q4km", "tiny-llama-q8_0", "tiny-llama-q4_0",
+                                             "tiny-qwen2-gpt2-f16", "stories260K"};
+    for (size_t i = 0; i < sizeof fast_dense / sizeof fast_dense[0]; i++)
+        test_rows_alone("models", fast_dense[i], 1);
+    test_rows_alone("models/next", "tiny-qwen3moe-q4km", 1);
+    test_rows_alone("models/next", "tiny-gpt-oss-mxfp4", 1);
+    test_rows_alone("models/next", "tiny-gemma2-f16", 1);
+    test_rows_alone("models", "stories260K", 0);
     test_argmax();
     test_load_errors();
     test_moe_load_errors();
