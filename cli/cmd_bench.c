@@ -38,6 +38,7 @@ typedef struct {
     double bandwidth_gbs;
     int gpu_time;
     int exact;
+    int batch_invariant;
 } bench_opts;
 
 typedef struct {
@@ -68,7 +69,10 @@ static void bench_usage(FILE *f)
             "  --gpu-time        also time each decode step's device work with CUDA events and print\n"
             "                    it beside the wall time (the difference: host work and launch gaps)\n"
             "  --exact           CPU: the exact F32 reference products (as m40 eval) instead of the fast\n"
-            "                    int16 path\n",
+            "                    int16 path\n"
+            "  --batch-invariant GPU: every row computed as if the batch held it alone, as m40 serve\n"
+            "                    --batch-invariant does (the price of the guarantee; not with --tp;\n"
+            "                    no change on the cpu)\n",
             BENCH_DEFAULT_BANDWIDTH_GBS);
 }
 
@@ -243,6 +247,10 @@ static int parse_args(int argc, char **argv, bench_opts *o)
             o->exact = 1;
             continue;
         }
+        if (!strcmp(a, "--batch-invariant")) {
+            o->batch_invariant = 1;
+            continue;
+        }
         if (!(a[0] == '-' && a[1] == '-')) {
             if (o->model_path) {
                 fprintf(stderr, "m40 bench: more than one model given ('%s')\n", a);
@@ -330,8 +338,12 @@ int m40_cmd_bench(int argc, char **argv)
     char err[512], stored[PATH_MAX];
     o.model_path = m40_model_arg("bench", o.model_path, stored, sizeof stored);
     m40_model *m = NULL;
-    m40_model_options mo = {.n_threads = (int)o.threads, .device = (int)o.device, .log_progress = 1,
-                            .cpu_fast = !o.exact, .tp = (int)o.tp};
+    m40_model_options mo = {.n_threads = (int)o.threads,
+                            .device = (int)o.device,
+                            .log_progress = 1,
+                            .cpu_fast = !o.exact,
+                            .tp = (int)o.tp,
+                            .batch_invariant = o.batch_invariant};
     if (m40_model_load_opts(o.model_path, &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 bench: %s\n", err);
         return 1;
@@ -392,9 +404,11 @@ int m40_cmd_bench(int argc, char **argv)
         print_bytes(weight_bytes);
         printf(" (%.1f%% of the expert tensors, all the others)\n", 100.0 * expert_share);
     }
+    /* the option, or M40_BATCH_INVARIANT=1: what the model loaded with */
+    const int batch_invariant = m40_model_tuning(m)->batch_invariant;
     if (on_gpu)
-        printf("device:   cuda:%d (paged KV pool of %d blocks of 16 tokens)\n", m40_model_device(m),
-               (int)m40_kv_pool_blocks(kv));
+        printf("device:   cuda:%d (paged KV pool of %d blocks of 16 tokens%s)\n", m40_model_device(m),
+               (int)m40_kv_pool_blocks(kv), batch_invariant ? "; batch invariant" : "");
     else
         printf("device:   cpu, %d threads, %s path\n", m40_model_n_threads(m), m40_model_cpu_path(m));
     printf("setup:    prompt %ld random tokens (chunks of %ld), decode %ld greedy steps, batch %ld, %ld reps "

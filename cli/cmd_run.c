@@ -14,7 +14,7 @@
 static void run_usage(FILE *f)
 {
     fprintf(f, "usage: m40 run MODEL -p PROMPT [-n N] [--temp T] [--top-p P] [--top-k K] [--min-p P]\n"
-               "                 [--seed S] [--threads N] [--device D] [--tp N] [--exact]\n"
+               "                 [--seed S] [--threads N] [--device D] [--tp N] [--exact] [--batch-invariant]\n"
                "  -n N         tokens to generate (default 128)\n"
                "  --temp T     temperature (default 0.8; 0 = greedy)\n"
                "  --top-p P    nucleus sampling mass (default 1 = off)\n"
@@ -25,7 +25,10 @@ static void run_usage(FILE *f)
                "  --device D   cpu (default) or a CUDA device index\n"
                "  --tp N       tensor parallelism: GPUs D .. D+N-1 (NCCL), or N simulated CPU ranks\n"
                "  --exact      CPU: the exact F32 reference products (as m40 eval) instead of the\n"
-               "               fast int16 path\n");
+               "               fast int16 path\n"
+               "  --batch-invariant\n"
+               "               GPU: every row computed as if the batch held it alone, as m40 serve\n"
+               "               --batch-invariant does (slower; not with --tp; no change on the cpu)\n");
 }
 
 static double now_s(void)
@@ -57,7 +60,7 @@ int m40_cmd_run(int argc, char **argv)
     const char *model_path = NULL, *prompt = NULL;
     long long n_gen = 128, threads = 0, top_k = 0, seed = -1, device = -1, tp = 1;
     double temp = 0.8, top_p = 1.0, min_p = 0.0;
-    int exact = 0;
+    int exact = 0, batch_invariant = 0;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -86,6 +89,8 @@ int m40_cmd_run(int argc, char **argv)
             bad = !has_val || parse_long(argv[++i], &threads) || threads < 0 || threads > 1024;
         } else if (!strcmp(a, "--exact")) {
             exact = 1;
+        } else if (!strcmp(a, "--batch-invariant")) {
+            batch_invariant = 1;
         } else if (!strcmp(a, "--tp")) {
             bad = !has_val || parse_long(argv[++i], &tp) || tp < 1 || tp > 64;
         } else if (!strcmp(a, "--device")) {
@@ -119,8 +124,12 @@ int m40_cmd_run(int argc, char **argv)
     char err[512], stored[PATH_MAX];
     model_path = m40_model_arg("run", model_path, stored, sizeof stored);
     m40_model *m = NULL;
-    m40_model_options mo = {.n_threads = (int)threads, .device = (int)device, .log_progress = 1, .cpu_fast = !exact,
-                            .tp = (int)tp};
+    m40_model_options mo = {.n_threads = (int)threads,
+                            .device = (int)device,
+                            .log_progress = 1,
+                            .cpu_fast = !exact,
+                            .tp = (int)tp,
+                            .batch_invariant = batch_invariant};
     if (m40_model_load_opts(model_path, &mo, &m, err, sizeof err)) {
         fprintf(stderr, "m40 run: %s\n", err);
         return 1;

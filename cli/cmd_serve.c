@@ -62,6 +62,10 @@ static void serve_usage(FILE *f)
             "  --no-ui         no chat page at / (the API alone)\n"
             "  --exact         CPU: the exact F32 reference products (m40_cpu_exact on) instead\n"
             "                  of the fast int16 path\n"
+            "  --batch-invariant\n"
+            "                  GPU: every request computed as if it ran alone (m40_batch_invariant\n"
+            "                  on): greedy output does not depend on the load; slower. Not with\n"
+            "                  --tp; no change on the cpu\n"
             "  --module PATH   ngx_http_m40_module.so (default: beside the m40 binary)\n"
             "  --nginx PATH    nginx binary (default " SERVE_DEFAULT_NGINX ")\n"
             "  --user USER     user of the worker process when started as root\n"
@@ -187,7 +191,7 @@ int m40_cmd_serve(int argc, char **argv)
     const char *name = NULL, *threads = NULL, *ctx_size = NULL, *max_seqs = NULL, *max_queue = NULL;
     const char *mem_fraction = NULL, *prefill_budget = NULL, *prefill_chunk = NULL, *itl_guard = NULL;
     const char *module = NULL, *nginx = SERVE_DEFAULT_NGINX, *user = NULL, *gpus = "1", *tp = "1";
-    int ui = 1, exact = 0;
+    int ui = 1, exact = 0, batch_invariant = 0;
     enum { MAX_ALSO = 7 };
     const char *also[MAX_ALSO];
     int n_also = 0;
@@ -204,6 +208,10 @@ int m40_cmd_serve(int argc, char **argv)
         }
         if (!strcmp(a, "--exact")) {
             exact = 1;
+            continue;
+        }
+        if (!strcmp(a, "--batch-invariant")) {
+            batch_invariant = 1;
             continue;
         }
         if (a[0] == '-' && a[1] == '-') {
@@ -286,6 +294,10 @@ int m40_cmd_serve(int argc, char **argv)
     const int n_gpus = atoi(gpus);
     if (!is_number(tp, 1, 64) || (atoi(tp) > 1 && !strcmp(device, "cpu"))) {
         fprintf(stderr, "m40 serve: --tp must be 1..64 and needs a GPU device (--device D)\n");
+        return 2;
+    }
+    if (batch_invariant && atoi(tp) > 1) {
+        fprintf(stderr, "m40 serve: --batch-invariant does not work with --tp %d\n", atoi(tp));
         return 2;
     }
     if (n_gpus > 1 && !strcmp(device, "cpu")) {
@@ -476,6 +488,8 @@ int m40_cmd_serve(int argc, char **argv)
     fprintf(f, "    m40_device %s;\n", device);
     if (exact)
         fprintf(f, "    m40_cpu_exact on;\n");
+    if (batch_invariant)
+        fprintf(f, "    m40_batch_invariant on;\n");
     /* the options given, as their directives */
     const struct {
         const char *directive, *value;

@@ -100,6 +100,7 @@ ngx_http_m40_start_engine(ngx_cycle_t *cycle, ngx_http_m40_model_t *m)
     ec.prefill_chunk = (int32_t) m->prefill_chunk;
     ec.prefill_budget = (int32_t) m->prefill_budget;
     ec.itl_guard = (float) m->itl_guard;
+    ec.batch_invariant = m->batch_invariant ? 1 : 0;
     ec.chat_template = m->chat_template.len
                        ? (const char *) m->chat_template.data : NULL;
 
@@ -130,14 +131,19 @@ ngx_http_m40_start_engine(ngx_cycle_t *cycle, ngx_http_m40_model_t *m)
 
     if (ec.device < 0) {
         ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
-                      "m40: worker %ui loading \"%V\" as \"%V\" on the cpu",
-                      ngx_worker, &m->model_path, &m->model_name);
+                      "m40: worker %ui loading \"%V\" as \"%V\" on the cpu%s",
+                      ngx_worker, &m->model_path, &m->model_name,
+                      ec.batch_invariant
+                      ? " (batch invariant: the cpu computes a row the same "
+                        "way at any batch size already)"
+                      : "");
     } else {
         ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
                       "m40: worker %ui loading \"%V\" as \"%V\" on gpu %d "
-                      "(KV share %.2f, %.2f GiB kept for the models after it)",
+                      "(KV share %.2f, %.2f GiB kept for the models after it%s)",
                       ngx_worker, &m->model_path, &m->model_name, ec.device,
-                      m->kv_share, (double) m->kv_keep_bytes / 1073741824.0);
+                      m->kv_share, (double) m->kv_keep_bytes / 1073741824.0,
+                      ec.batch_invariant ? "; batch invariant" : "");
     }
 
     return NGX_OK;

@@ -188,6 +188,13 @@ static ngx_command_t  ngx_http_m40_commands[] = {
       offsetof(ngx_http_m40_main_conf_t, cpu_exact),
       NULL },
 
+    { ngx_string("m40_batch_invariant"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_FLAG,
+      ngx_conf_set_flag_slot,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      offsetof(ngx_http_m40_main_conf_t, batch_invariant),
+      NULL },
+
     { ngx_string("m40_load_wait"),
       NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_msec_slot,
@@ -285,6 +292,7 @@ ngx_http_m40_create_main_conf(ngx_conf_t *cf)
     mcf->max_tokens_limit = NGX_CONF_UNSET;
     mcf->threads = NGX_CONF_UNSET;
     mcf->cpu_exact = NGX_CONF_UNSET;
+    mcf->batch_invariant = NGX_CONF_UNSET;
     mcf->gpu_memory_fraction = -1.0;
     mcf->prefill_chunk = NGX_CONF_UNSET;
     mcf->prefill_budget = NGX_CONF_UNSET;
@@ -326,6 +334,7 @@ ngx_http_m40_init_main_conf(ngx_conf_t *cf, void *conf)
     ngx_conf_init_value(mcf->max_tokens_limit, 4096);
     ngx_conf_init_value(mcf->threads, 0);
     ngx_conf_init_value(mcf->cpu_exact, 0);
+    ngx_conf_init_value(mcf->batch_invariant, 0);
 
     if (mcf->max_tokens_default > mcf->max_tokens_limit) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
@@ -384,6 +393,19 @@ ngx_http_m40_models_merge(ngx_conf_t *cf, ngx_http_m40_main_conf_t *mcf)
                                "m40_device N)", &m->model_path, m->tp);
             return NGX_ERROR;
         }
+
+        ngx_conf_merge_value(m->batch_invariant, NGX_CONF_UNSET,
+                             mcf->batch_invariant);
+
+        if (m->batch_invariant && m->tp > 1) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "m40_model \"%V\": batch_invariant does not "
+                               "work with tensor parallelism (tp=%i): use "
+                               "tp=1 or batch_invariant=off",
+                               &m->model_path, m->tp);
+            return NGX_ERROR;
+        }
+
         ngx_conf_merge_value(m->ctx_size, NGX_CONF_UNSET, mcf->ctx_size);
         ngx_conf_merge_value(m->max_seqs, NGX_CONF_UNSET, mcf->max_seqs);
         ngx_conf_merge_value(m->max_queue, NGX_CONF_UNSET, mcf->max_queue);
@@ -549,7 +571,7 @@ ngx_http_m40_param_enum(ngx_conf_t *cf, ngx_str_t *param, ngx_str_t *v,
 /* m40_model PATH [name=NAME] [device=cpu|N] [tp=N] [ctx_size=N] [max_seqs=N] [max_queue=N]
  *     [threads=N] [kv_share=F] [gpu_memory_fraction=F] [chat_template=PATH]
  *     [tool_parser=P] [reasoning=R] [prefill_chunk=N] [prefill_budget=N]
- *     [itl_guard=F|off]
+ *     [itl_guard=F|off] [batch_invariant=on|off] [keep_alive=TIME|off]
  * May appear several times: the first model is the default (requests without a
  * "model" field). A parameter left out takes the http block's directive of the same
  * name (m40_device, m40_ctx_size, ...). */
@@ -586,6 +608,7 @@ ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     m->gpu_memory_fraction = -1.0;
     m->kv_share = -1.0;
     m->itl_guard = -2.0;
+    m->batch_invariant = NGX_CONF_UNSET;
     m->tool_parser = NGX_CONF_UNSET_UINT;
     m->reasoning = NGX_CONF_UNSET_UINT;
 
@@ -717,6 +740,24 @@ ngx_http_m40_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                 return NGX_CONF_ERROR;
             } else {
                 m->itl_guard = f;
+            }
+
+        } else if (ngx_http_m40_is("batch_invariant")) {
+            if (v.len == 2
+                && ngx_strncasecmp(v.data, (u_char *) "on", 2) == 0)
+            {
+                m->batch_invariant = 1;
+
+            } else if (v.len == 3
+                       && ngx_strncasecmp(v.data, (u_char *) "off", 3) == 0)
+            {
+                m->batch_invariant = 0;
+
+            } else {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid m40_model parameter \"%V\": "
+                                   "\"on\" or \"off\" expected", &value[i]);
+                return NGX_CONF_ERROR;
             }
 
         } else if (ngx_http_m40_is("chat_template")) {

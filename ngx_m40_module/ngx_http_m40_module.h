@@ -84,6 +84,7 @@ typedef struct {
     ngx_int_t            prefill_chunk;
     ngx_int_t            prefill_budget;
     double               itl_guard;           /* -2: unset; -1: off; 0: the engine's default */
+    ngx_flag_t           batch_invariant;     /* every row computed as alone (GPU) */
     ngx_str_t            chat_template;       /* file content, NUL-terminated */
     ngx_uint_t           tool_parser;
     ngx_uint_t           reasoning;
@@ -115,6 +116,7 @@ struct ngx_http_m40_main_conf_s {
     ngx_int_t            max_tokens_limit;
     ngx_int_t            threads;
     ngx_flag_t           cpu_exact;           /* m40_cpu_exact: the CPU's exact products */
+    ngx_flag_t           batch_invariant;     /* m40_batch_invariant */
     double               gpu_memory_fraction; /* -1: unset; 0: the engine's default */
     ngx_int_t            prefill_chunk;       /* 0: the engine's default */
     ngx_int_t            prefill_budget;      /* 0: automatic (the engine's) */

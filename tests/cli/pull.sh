@@ -252,6 +252,15 @@ check "serve --tp 2: NCCL_NVLS_ENABLE reaches the workers" grep -q '^env NCCL_NV
 "$M40" serve org/multi:Q4_0 --tp 2 --nginx "$tmp/fake-nginx" >/dev/null 2>"$tmp/err"; rc=$?
 check "serve --tp 2 on the cpu: exit 2" [ $rc -eq 2 ]
 check "serve --tp 2 on the cpu: says why" grep -q "needs a GPU device" "$tmp/err"
+# --batch-invariant: m40_batch_invariant on (every model); refused with --tp N
+TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --batch-invariant --nginx "$tmp/fake-nginx" --module "$tmp/fake-nginx" \
+    >/dev/null 2>"$tmp/err"
+check "serve --batch-invariant: m40_batch_invariant on" grep -q '^    m40_batch_invariant on;$' "$tmp/served.conf"
+TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --nginx "$tmp/fake-nginx" --module "$tmp/fake-nginx" >/dev/null 2>"$tmp/err"
+check "serve: no m40_batch_invariant by default" bash -c "! grep -q m40_batch_invariant '$tmp/served.conf'"
+"$M40" serve org/multi:Q4_0 --device 0 --tp 2 --batch-invariant --nginx "$tmp/fake-nginx" >/dev/null 2>"$tmp/err"; rc=$?
+check "serve --batch-invariant --tp 2: exit 2" [ $rc -eq 2 ]
+check "serve --batch-invariant --tp 2: says why" grep -q "does not work with --tp 2" "$tmp/err"
 FAKE_WAIT=1 TMPDIR=$tmp/t "$M40" serve org/multi:Q4_0 --nginx "$tmp/fake-nginx" --module "$tmp/fake-nginx" >/dev/null 2>"$tmp/err" &
 spid=$!
 for _ in $(seq 50); do [ -n "$(ls -A "$tmp/t")" ] && [ -s "$tmp/served.conf" ] && break; sleep 0.1; done

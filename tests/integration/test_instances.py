@@ -220,7 +220,7 @@ def test_api_without_model_rejected_by_nginx_t():
     "m40_gpu_memory_fraction 0;", "m40_gpu_memory_fraction 1.5;", "m40_gpu_memory_fraction 0.9x;",
     "m40_gpu_memory_fraction -0.5;", "m40_prefill_budget 0;", "m40_prefill_budget 65537;",
     "m40_prefill_chunk -1;", "m40_prefill_chunk many;", "m40_itl_guard 0.5;", "m40_itl_guard on;",
-    "m40_itl_guard 101;", "m40_itl_guard 2x;",
+    "m40_itl_guard 101;", "m40_itl_guard 2x;", "m40_batch_invariant maybe;", "m40_batch_invariant;",
 ])
 def test_bad_directives_rejected_by_nginx_t(directive):
     workdir = harness.make_workdir("baddir")
@@ -391,7 +391,7 @@ def test_m40_serve():
     # clears its workers' environment): the written conf passes them with env
     proc = subprocess.Popen([m40, "serve", harness.MODEL, "--port", str(port), "--name", "served", "--threads", "1",
                              "--max-queue", "5", "--gpu-memory-fraction", "0.8", "--prefill-budget", "64",
-                             "--prefill-chunk", "16", "--itl-guard", "off",
+                             "--prefill-chunk", "16", "--itl-guard", "off", "--batch-invariant",
                              "--module", harness.MODULE, "--nginx", harness.NGINX],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict({k: v for k, v in os.environ.items() if k != "M40_SKINNY"}, TMPDIR=workdir,
@@ -414,7 +414,7 @@ def test_m40_serve():
         assert "\nenv M40_PDL;\n" in conf and "env M40_SKINNY;" not in conf
         assert "\n    m40_max_queue 5;\n" in conf and "\n    m40_gpu_memory_fraction 0.8;\n" in conf, conf
         assert ("\n    m40_prefill_budget 64;\n" in conf and "\n    m40_prefill_chunk 16;\n" in conf
-                and "\n    m40_itl_guard off;\n" in conf), conf
+                and "\n    m40_itl_guard off;\n" in conf and "\n    m40_batch_invariant on;\n" in conf), conf
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["served"]
         r = client.chat.completions.create(model="served", messages=MSGS, max_tokens=4)
@@ -498,6 +498,9 @@ def test_m40_serve_usage_errors():
         r = subprocess.run([m40, "serve", harness.MODEL] + bad, capture_output=True)
         assert r.returncode == 2 and bad[0].encode() in r.stderr, (bad, r.stderr)
     assert subprocess.run([m40, "serve", "/nonexistent.gguf"], capture_output=True).returncode == 1
+    r = subprocess.run([m40, "serve", harness.MODEL, "--device", "0", "--tp", "2", "--batch-invariant"],
+                       capture_output=True)
+    assert r.returncode == 2 and b"--batch-invariant does not work with --tp 2" in r.stderr, r.stderr
     r = subprocess.run([m40, "serve", harness.MODEL, "--module", "/nonexistent.so"], capture_output=True)
     assert r.returncode == 1
 

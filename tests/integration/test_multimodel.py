@@ -315,6 +315,9 @@ def nginx_t(text):
     (["{a} tp=0"], 'invalid m40_model parameter "tp=0"'),
     (["{a} tp=65"], 'invalid m40_model parameter "tp=65"'),
     (["{a} tp=2 device=cpu"], "needs a GPU device"),
+    (["{a} batch_invariant=maybe"], 'invalid m40_model parameter "batch_invariant=maybe": "on" or "off" expected'),
+    (["{a} batch_invariant="], 'invalid m40_model parameter "batch_invariant="'),
+    (["{a} device=0 tp=2 batch_invariant=on"], "batch_invariant does not work with tensor parallelism (tp=2)"),
 ])
 def test_config_errors(tiny_models, models, message):
     a, b = tiny_models
@@ -327,11 +330,26 @@ def test_config_accepts_every_parameter(tiny_models):
     r = nginx_t(conf(harness.free_port(), [
         f"{a} name=one device=cpu ctx_size=128 max_seqs=2 max_queue=8 threads=1 kv_share=0.5 "
         "gpu_memory_fraction=0.8 tool_parser=hermes reasoning=none prefill_chunk=64 prefill_budget=128 "
-        "itl_guard=off keep_alive=5m",
-        f"{b} name=two device=0 tp=2 itl_guard=2 keep_alive=off"], extra="    m40_max_resident 1;\n"))
+        "itl_guard=off keep_alive=5m batch_invariant=on",
+        f"{b} name=two device=0 tp=2 itl_guard=2 keep_alive=off batch_invariant=off"],
+        extra="    m40_max_resident 1;\n"))
     assert r.returncode == 0, r.stderr
     # kv_share on the CPU is a warning, not an error
     assert "kv_share of \"one\" has no effect on the cpu" in r.stderr, r.stderr
+
+
+def test_batch_invariant_directive(tiny_models):
+    # m40_batch_invariant on | off: the default of every model; a model's
+    # batch_invariant= overrides it (tp=2 refuses it, unless the model turns it off)
+    a, b = tiny_models
+    r = nginx_t(conf(harness.free_port(), [a], extra="    m40_batch_invariant maybe;\n"))
+    assert r.returncode != 0, r.stderr
+    assert 'invalid value "maybe" in "m40_batch_invariant" directive, it must be "on" or "off"' in r.stderr, r.stderr
+    r = nginx_t(conf(harness.free_port(), [a, f"{b} device=0 tp=2"], extra="    m40_batch_invariant on;\n"))
+    assert r.returncode != 0 and "batch_invariant does not work with tensor parallelism (tp=2)" in r.stderr, r.stderr
+    for extra in ("    m40_batch_invariant on;\n", "    m40_batch_invariant off;\n", ""):
+        r = nginx_t(conf(harness.free_port(), [a, f"{b} device=0 tp=2 batch_invariant=off"], extra=extra))
+        assert r.returncode == 0, (extra, r.stderr)
 
 
 def test_killed_worker_counts_kept(tiny_models):
