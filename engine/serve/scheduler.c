@@ -248,6 +248,38 @@ static int first_chunk(void *ctx, int32_t i, int32_t *n_prefilled)
     return 1;
 }
 
+/* Batch invariance (m40_engine_config.batch_invariant): the GPU computes a sequence's
+ * one row in a step as a decode query (engine/kv/paged_kv.c) and the rows of a longer
+ * group as a prompt chunk, which round differently; so that a prompt token is computed
+ * the same way whatever else runs (the GPU's prefix cache is off then: gpu_kv.c), no
+ * prompt chunk is one token unless the whole prompt is, and none leaves one token
+ * behind: such a chunk is a token shorter, or waits a step for a longer one while other
+ * rows go ahead. Not where the limits allow no better (prefill_chunk or budget 1; a
+ * prompt of three tokens left under chunks of two; a sequence alone under a budget of
+ * two). */
+static void invariant_chunks(const m40_engine *e, int32_t *take)
+{
+    if (e->prefill.chunk < 2 || e->prefill.budget < 2)
+        return;
+    int32_t rows = 0; /* the step's rows: a chunk waits only where others go ahead */
+    for (int32_t i = 0; i < e->max_seqs; i++)
+        rows += take[i] > 0 ? take[i] : 0;
+    for (int32_t i = 0; i < e->max_seqs; i++) {
+        const m40_slot *s = &e->slots[i];
+        const int32_t left = s->n_prompt - s->n_prefilled;
+        if (take[i] <= 0 || left < 2)
+            continue;
+        if (take[i] == left - 1 && take[i] >= 3) {
+            take[i]--, rows--;
+        } else if ((take[i] == 1 || (take[i] == 2 && left == 3 && e->prefill.chunk >= 3)) && rows > take[i]) {
+            /* what the budget left this step: the whole rest in a later one (the oldest
+             * prompt gets its full chunk), never a token alone */
+            rows -= take[i];
+            take[i] = 0;
+        }
+    }
+}
+
 /* Builds the step's batch from the slots' state; returns its size. */
 static int32_t build_batch(m40_engine *e, int32_t *rows_out)
 {
@@ -265,6 +297,8 @@ static int32_t build_batch(m40_engine *e, int32_t *rows_out)
                                     .streaming = s->t_first};
     }
     m40_step_plan(&e->prefill, &e->cost, e->plan, e->max_seqs, first_chunk, e, take, &e->shape, &e->plan_info);
+    if (e->batch_invariant)
+        invariant_chunks(e, take);
     /* Decode rows first (the GPU forward orders them so anyway), then the chunks. */
     for (int32_t i = 0; i < e->max_seqs; i++) {
         const m40_slot *s = &e->slots[i];

@@ -156,11 +156,11 @@ static const char *prompts[] = {
 };
 #define NR ((int)(sizeof prompts / sizeof prompts[0]))
 
-static m40_engine *start(const char *path, int max_seqs, int32_t chunk, int32_t budget, float guard)
+static m40_engine *start(const char *path, int max_seqs, int32_t chunk, int32_t budget, float guard, int invariant)
 {
     m40_engine_config cfg = {.model_path = path, .model_name = "stories", .device = -1, .ctx_size = 512,
                              .max_seqs = max_seqs, .max_queue = 64, .n_threads = 2, .prefill_chunk = chunk,
-                             .prefill_budget = budget, .itl_guard = guard};
+                             .prefill_budget = budget, .itl_guard = guard, .batch_invariant = invariant};
     m40_engine *e = NULL;
     char err[512];
     if (m40_engine_create(&cfg, &e, err, sizeof err) != 0) {
@@ -245,7 +245,7 @@ static void test_engine_policies(void)
     /* alone, with the whole prompt in one step */
     static char alone[NR][8192];
     for (int i = 0; i < NR; i++) {
-        m40_engine *e = start(path, 1, 4096, 4096, -1.0f);
+        m40_engine *e = start(path, 1, 4096, 4096, -1.0f, 0);
         if (!e)
             return;
         job j, *js[1] = {&j};
@@ -263,16 +263,19 @@ static void test_engine_policies(void)
         int max_seqs;
         int32_t chunk, budget;
         float guard;
+        int invariant; /* batch_invariant: no chunk of one token (scheduler.c, invariant_chunks) */
     } cfgs[] = {
-        {4, 1, 1, 0.0f},     /* one prompt token a step */
-        {4, 3, 5, 0.0f},     /* the budget split 3 + 2 over two prompts */
-        {4, 3, 5, -1.0f},    /* the same without the guard */
-        {6, 64, 256, 1.0f},  /* the strictest guard: the floor only for prompts among streams */
-        {3, 4096, 4096, 0.0f}, /* whole prompts, several a step */
-        {4, 0, 0, 0.0f},     /* the defaults */
+        {4, 1, 1, 0.0f, 0},     /* one prompt token a step */
+        {4, 3, 5, 0.0f, 0},     /* the budget split 3 + 2 over two prompts */
+        {4, 3, 5, -1.0f, 0},    /* the same without the guard */
+        {6, 64, 256, 1.0f, 0},  /* the strictest guard: the floor only for prompts among streams */
+        {3, 4096, 4096, 0.0f, 0}, /* whole prompts, several a step */
+        {4, 0, 0, 0.0f, 0},     /* the defaults */
+        {4, 3, 5, 0.0f, 1},     /* chunks shortened or held a step where they would be one token */
+        {4, 2, 3, 0.0f, 1},     /* the same at chunks of two (three tokens left: 2 + 1 still) */
     };
     for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; c++) {
-        m40_engine *e = start(path, cfgs[c].max_seqs, cfgs[c].chunk, cfgs[c].budget, cfgs[c].guard);
+        m40_engine *e = start(path, cfgs[c].max_seqs, cfgs[c].chunk, cfgs[c].budget, cfgs[c].guard, cfgs[c].invariant);
         if (!e)
             continue;
         static char texts[NR][8192];
