@@ -626,6 +626,7 @@ void m40_gpu_free(m40_gpu *g)
     free(g->tp_ev);
     if (g->blas)
         cublasDestroy(g->blas);
+    cudaFree(g->blas_ws);
     if (g->stream)
         cudaStreamDestroy(g->stream);
     free(g);
@@ -768,6 +769,15 @@ int m40_gpu_load(const m40_gpu_src *src, const m40_tuning *t, int device, int lo
     if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(g->blas, g->stream) != CUBLAS_STATUS_SUCCESS) {
         g->blas = NULL;
         m40_set_err(err, errlen, "gpu %d: cannot initialize cuBLAS", device);
+        goto fail;
+    }
+    /* Batch invariance: cuBLAS gets a workspace of its own, the same for a CUDA graph's
+     * capture as for a plain call, so that what it may pick for a shape does not depend
+     * on whether a decode step is graphed (NVIDIA's advice for capture; the configuration
+     * BENCHMARKS.md measured invariant) */
+    if (g->invariant && ((e = cudaMalloc(&g->blas_ws, M40_BLAS_WS_BYTES)) != cudaSuccess ||
+                         cublasSetWorkspace(g->blas, g->blas_ws, M40_BLAS_WS_BYTES) != CUBLAS_STATUS_SUCCESS)) {
+        m40_set_err(err, errlen, "gpu %d: cannot set cuBLAS's workspace", device);
         goto fail;
     }
 

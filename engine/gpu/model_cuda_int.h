@@ -71,6 +71,9 @@ typedef struct {
     float *exp_gate_b, *exp_up_b, *exp_down_b;
 } glayer;
 
+/* cuBLAS's workspace under batch invariance: 32 MiB, what NVIDIA advises for Hopper */
+#define M40_BLAS_WS_BYTES ((size_t)32 << 20)
+
 struct m40_gpu {
     int device;
     m40_tuning tuning;   /* the model's switches (util/tuning.h), read at its load */
@@ -145,6 +148,7 @@ struct m40_gpu {
     int inv_splits;
     void *inv_x;  /* inv_rows rows of the widest product input (F32, or F16) */
     float *inv_y; /* inv_rows rows of the widest product output */
+    void *blas_ws; /* cuBLAS's workspace (cublasSetWorkspace), M40_BLAS_WS_BYTES */
 
     /* Per-forward scratch, grown on demand to cap tokens / cap_out logit rows. */
     int32_t cap, cap_out;

@@ -29,7 +29,8 @@
  *      the same bits alone and in batches of other shapes (prompts in other chunks, decode
  *      rows beside prompts and other decode rows): tiny synthetic Q4_K_M, Q8_0 and F16
  *      models with F16 products, Q4_K_M with F32 ones, and the shared stories260K,
- *      tiny-llama-q4km, tiny-gemma2-f16, tiny-qwen3moe-q4km and tiny-gpt-oss-mxfp4. */
+ *      tiny-llama-q4km, tiny-gemma2-f16, tiny-qwen3moe-q4km and tiny-gpt-oss-mxfp4
+ *      (M40_TEST_BI_MODEL=PATH: that test alone, on PATH: a 7B file, say). */
 #include <cuda_runtime.h>
 #include <dirent.h>
 #include <math.h>
@@ -1467,10 +1468,14 @@ static void test_batch_invariant(const char *path, const char *label)
     for (int s = 0; s < 3 && bat && solo; s++) {
         CHECK(step[s] == BI_STEPS + 1, "%s: sequence %d got %d of %d logits rows", label, s, step[s], BI_STEPS + 1);
         for (int t = 0; t < step[s]; t++, rows++) {
-            if (!memcmp(solo + s * per + (size_t)t * V, bat + s * per + (size_t)t * V, (size_t)V * 4))
+            if (!memcmp(solo + s * per + (size_t)t * V, bat + s * per + (size_t)t * V, (size_t)V * 4)) {
                 same++;
-            else if (first_s < 0)
-                first_s = s, first_t = t;
+            } else {
+                if (first_s < 0)
+                    first_s = s, first_t = t;
+                printf("  %s: sequence %d row %d differs (max |dlogprob| %.3g)\n", label, s, t,
+                       max_logprob_diff(solo + s * per + (size_t)t * V, bat + s * per + (size_t)t * V, V));
+            }
         }
     }
     printf("batch invariance %-28s %d of %d logits rows the same bits alone and batched\n", label, same, rows);
@@ -1486,22 +1491,22 @@ static void test_batch_invariant(const char *path, const char *label)
     m40_model_free(m);
 }
 
-/* 8 on tiny synthetic models (mkmodel shape tiny) of file type ft; f16: the F16 products
+/* 8 on small synthetic models (mkmodel shape) of file type ft; f16: the F16 products
  * forced (M40_GEMM=f16: the quantized GEMM and cuBLAS in F16, as a 7B model takes them;
  * else F32 products, as a model this small takes them) */
-static void test_batch_invariant_tiny(const char *ft, int f16)
+static void test_batch_invariant_tiny(const char *shape, const char *ft, int f16)
 {
     char path[64], err[512], label[48];
-    snprintf(path, sizeof path, "/tmp/m40-gpu-bi-%s-%d.gguf", ft, (int)getpid());
-    m40_mkmodel_opts o = {.shape = m40_mkmodel_find_shape("tiny"), .seed = 11, .n_threads = 2};
-    CHECK(o.shape && m40_mkmodel_parse_type(ft, &o.ftype) == 0, "mkmodel shape tiny / type %s", ft);
+    snprintf(path, sizeof path, "/tmp/m40-gpu-bi-%s-%s-%d.gguf", shape, ft, (int)getpid());
+    m40_mkmodel_opts o = {.shape = m40_mkmodel_find_shape(shape), .seed = 11, .n_threads = 2};
+    CHECK(o.shape && m40_mkmodel_parse_type(ft, &o.ftype) == 0, "mkmodel shape %s / type %s", shape, ft);
     if (!o.shape || m40_mkmodel_write(&o, path, NULL, err, sizeof err) != 0) {
-        CHECK(0, "mkmodel tiny %s: %s", ft, err);
+        CHECK(0, "mkmodel %s %s: %s", shape, ft, err);
         return;
     }
     if (f16)
         setenv("M40_GEMM", "f16", 1);
-    snprintf(label, sizeof label, "tiny %s%s", ft, f16 ? " (F16 products)" : "");
+    snprintf(label, sizeof label, "%s %s%s", shape, ft, f16 ? " (F16 products)" : "");
     test_batch_invariant(path, label);
     unsetenv("M40_GEMM");
     unlink(path);
@@ -1512,6 +1517,12 @@ int main(void)
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
         SKIP("no CUDA device");
+        return check_done();
+    }
+    /* M40_TEST_BI_MODEL=PATH: test 8 alone, on that model (a 7B file, say) */
+    const char *bi_model = getenv("M40_TEST_BI_MODEL");
+    if (bi_model && *bi_model) {
+        test_batch_invariant(bi_model, bi_model);
         return check_done();
     }
     test_gemma3_synthetic(256, 1, 0.0f, M40_TYPE_F32);
@@ -1527,10 +1538,12 @@ int main(void)
     test_tiny_tiled();
     test_small_batches_register("Q4_K_M");
     test_small_batches_register("Q8_0");
-    test_batch_invariant_tiny("Q4_K_M", 1);
-    test_batch_invariant_tiny("Q8_0", 1);
-    test_batch_invariant_tiny("F16", 1);
-    test_batch_invariant_tiny("Q4_K_M", 0);
+    test_batch_invariant_tiny("tiny", "Q4_K_M", 1);
+    test_batch_invariant_tiny("tiny", "Q8_0", 1);
+    test_batch_invariant_tiny("tiny", "F16", 1);
+    test_batch_invariant_tiny("tiny", "Q4_K_M", 0);
+    /* dim 1024, FFN 4096: cuBLAS's algorithms for products of that size (split K) */
+    test_batch_invariant_tiny("tiny-tp", "F16", 1);
     const char *shared = check_shared_dir();
     if (!shared) {
         SKIP("../shared is absent");
