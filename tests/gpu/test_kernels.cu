@@ -384,79 +384,57 @@ static void test_fused_f16(void)
             }
     /* Rows at 16-byte strides past the decode kernel's 16 take the 16-byte-load kernels
      * (prefill chunks), 9 and 16 rows of 4096 the decode one, the rest the one-block
-     * kernel; without out (NULL) each writes only the F16 copy, the same bits. */
-    for (int dim : {64, 100, 4096, 5152})
-        for (int rows : {9, 16, 17, 38, 512}) {
-            const int64_t xs = dim, ds = dim + 4;
-            std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
-                               w = rand_vec(dim, 0.5f, 1.5f);
-            float *dx = dup(x), *dd = dup(d), *dw = dup(w), *dxo, *dout = dup(d); /* gaps: d, as the twin's */
-            CK(cudaMalloc(&dxo, x.size() * 4));
-            uint16_t *dh, *dh2;
-            CK(cudaMalloc(&dh, (size_t)rows * dim * 2));
-            CK(cudaMalloc(&dh2, (size_t)rows * dim * 2));
-            CK(m40k_add_rmsnorm_to(dx, xs, dd, ds, dxo, dw, dout, ds, rows, dim, 1e-5f, nullptr, dh, 0));
-            CK(m40k_add_rmsnorm_to(dx, xs, dd, ds, dxo, dw, nullptr, ds, rows, dim, 1e-5f, nullptr, dh2, 0));
-            std::vector<float> c = d, xr = x;
-            m40_ref_add_rmsnorm(xr.data(), xs, d.data(), ds, w.data(), c.data(), ds, rows, dim, 1e-5f);
-            std::vector<float> go = back(dout, c.size()), gx = back(dxo, x.size());
-            char what[112];
-            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: out", rows, dim);
-            compare(what, go.data(), c.data(), go.size(), 1e-5f, 1e-5f);
-            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: x_out", rows, dim);
-            check(what, gx == xr);
-            std::vector<uint16_t> h = back(dh, (size_t)rows * dim), h2 = back(dh2, (size_t)rows * dim);
-            const bool same = is_f16_of(h, go, rows, dim, ds);
-            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: F16 copy", rows, dim);
-            check(what, same);
-            snprintf(what, sizeof what, "add_rmsnorm_to 16-byte rows %d dim %d: without out, the same copy", rows, dim);
-            check(what, h == h2);
-            cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dxo), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
-        }
-    /* 2f: one kernel at every row count: against the twin, and each row the same bits
-     * (out, x_out, the F16 copy) as that row alone; without out, the same copy */
-    for (int dim : {64, 100, 256, 4096, 5152})
-        for (int rows : {1, 3, 16, 17, 64}) {
-            const int64_t xs = dim, ds = dim + 4;
-            std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
-                               w = rand_vec(dim, 0.5f, 1.5f);
-            float *dx = dup(x), *dd = dup(d), *dw = dup(w), *dxo, *dout = dup(d), *dxo1, *dout1;
-            CK(cudaMalloc(&dxo, x.size() * 4));
-            CK(cudaMalloc(&dxo1, x.size() * 4));
-            CK(cudaMalloc(&dout1, d.size() * 4));
-            CK(cudaMemset(dout1, 0, d.size() * 4));
-            uint16_t *dh, *dh1, *dh2;
-            CK(cudaMalloc(&dh, (size_t)rows * dim * 2));
-            CK(cudaMalloc(&dh1, (size_t)rows * dim * 2));
-            CK(cudaMalloc(&dh2, (size_t)rows * dim * 2));
-            CK(m40k_add_rmsnorm_to_any(dx, xs, dd, ds, dxo, dw, dout, ds, rows, dim, 1e-5f, dh, 0));
-            CK(m40k_add_rmsnorm_to_any(dx, xs, dd, ds, dxo, dw, nullptr, ds, rows, dim, 1e-5f, dh2, 0));
-            for (int r = 0; r < rows; r++) /* each row alone */
-                CK(m40k_add_rmsnorm_to_any(dx + r * xs, xs, dd + r * ds, ds, dxo1 + r * xs, dw, dout1 + r * ds, ds, 1,
-                                           dim, 1e-5f, dh1 + (size_t)r * dim, 0));
-            std::vector<float> c = d, xr = x;
-            m40_ref_add_rmsnorm(xr.data(), xs, d.data(), ds, w.data(), c.data(), ds, rows, dim, 1e-5f);
-            std::vector<float> go = back(dout, c.size()), gx = back(dxo, x.size());
-            std::vector<float> go1 = back(dout1, c.size()), gx1 = back(dxo1, x.size());
-            char what[112];
-            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: out", rows, dim);
-            compare(what, go.data(), c.data(), go.size(), 1e-5f, 1e-5f);
-            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: x_out", rows, dim);
-            check(what, gx == xr);
-            std::vector<uint16_t> h = back(dh, (size_t)rows * dim), h1 = back(dh1, (size_t)rows * dim),
-                                  h2 = back(dh2, (size_t)rows * dim);
-            bool alone = h == h1 && gx == gx1;
-            for (int r = 0; r < rows; r++)
-                alone = alone && !memcmp(go.data() + r * ds, go1.data() + r * ds, (size_t)dim * 4);
-            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: each row as alone, bit for bit", rows, dim);
-            check(what, alone);
-            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: F16 copy", rows, dim);
-            check(what, is_f16_of(h, go, rows, dim, ds));
-            snprintf(what, sizeof what, "add_rmsnorm_to_any rows %d dim %d: without out, the same copy", rows, dim);
-            check(what, h == h2);
-            cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dxo), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
-            cudaFree(dxo1), cudaFree(dout1), cudaFree(dh1);
-        }
+     * kernel; without out (NULL) each writes only the F16 copy, the same bits. 2f (any):
+     * one kernel at every row count, each row the same bits (out, x_out, the F16 copy)
+     * as that row alone. */
+    for (int any : {0, 1})
+        for (int dim : {64, 100, 256, 4096, 5152})
+            for (int rows : {1, 3, 9, 16, 17, 38, 64, 512}) {
+                const char *name = any ? "add_rmsnorm_to_any" : "add_rmsnorm_to 16-byte";
+                const int64_t xs = dim, ds = dim + 4;
+                std::vector<float> x = rand_vec(rows * xs, -3, 3), d = rand_vec(rows * ds, -3, 3),
+                                   w = rand_vec(dim, 0.5f, 1.5f);
+                float *dx = dup(x), *dd = dup(d), *dw = dup(w), *dxo, *dout = dup(d); /* gaps: d, as the twin's */
+                CK(cudaMalloc(&dxo, x.size() * 4));
+                uint16_t *dh, *dh2;
+                CK(cudaMalloc(&dh, (size_t)rows * dim * 2));
+                CK(cudaMalloc(&dh2, (size_t)rows * dim * 2));
+                auto run = [&](int r0, int nr, float *xo, float *out, uint16_t *h) {
+                    const float *xa = dx + r0 * xs, *da = dd + r0 * ds;
+                    float *xoa = xo + r0 * xs, *oa = out ? out + r0 * ds : nullptr;
+                    uint16_t *ha = h + (size_t)r0 * dim;
+                    return any ? m40k_add_rmsnorm_to_any(xa, xs, da, ds, xoa, dw, oa, ds, nr, dim, 1e-5f, ha, 0)
+                               : m40k_add_rmsnorm_to(xa, xs, da, ds, xoa, dw, oa, ds, nr, dim, 1e-5f, nullptr, ha, 0);
+                };
+                CK(run(0, rows, dxo, dout, dh));
+                CK(run(0, rows, dxo, nullptr, dh2));
+                std::vector<float> c = d, xr = x;
+                m40_ref_add_rmsnorm(xr.data(), xs, d.data(), ds, w.data(), c.data(), ds, rows, dim, 1e-5f);
+                std::vector<float> go = back(dout, c.size()), gx = back(dxo, x.size());
+                char what[112];
+                snprintf(what, sizeof what, "%s rows %d dim %d: out", name, rows, dim);
+                compare(what, go.data(), c.data(), go.size(), 1e-5f, 1e-5f);
+                snprintf(what, sizeof what, "%s rows %d dim %d: x_out", name, rows, dim);
+                check(what, gx == xr);
+                std::vector<uint16_t> h = back(dh, (size_t)rows * dim), h2 = back(dh2, (size_t)rows * dim);
+                snprintf(what, sizeof what, "%s rows %d dim %d: F16 copy", name, rows, dim);
+                check(what, is_f16_of(h, go, rows, dim, ds));
+                snprintf(what, sizeof what, "%s rows %d dim %d: without out, the same copy", name, rows, dim);
+                check(what, h == h2);
+                if (any) { /* each row alone, into fresh buffers */
+                    float *dxo1 = dup(std::vector<float>(x.size(), 0.0f)), *dout1 = dup(std::vector<float>(d.size(), 0.0f));
+                    for (int r = 0; r < rows; r++)
+                        CK(run(r, 1, dxo1, dout1, dh2));
+                    std::vector<float> go1 = back(dout1, c.size());
+                    bool alone = back(dh2, (size_t)rows * dim) == h && back(dxo1, x.size()) == gx;
+                    for (int r = 0; r < rows; r++)
+                        alone = alone && !memcmp(go.data() + r * ds, go1.data() + r * ds, (size_t)dim * 4);
+                    snprintf(what, sizeof what, "%s rows %d dim %d: each row as alone, bit for bit", name, rows, dim);
+                    check(what, alone);
+                    cudaFree(dxo1), cudaFree(dout1);
+                }
+                cudaFree(dx), cudaFree(dd), cudaFree(dw), cudaFree(dxo), cudaFree(dout), cudaFree(dh), cudaFree(dh2);
+            }
     for (int act : {M40K_GLU_SILU, M40K_GLU_GELU_TANH})
         for (int n : {36, 640, 14336})
             for (int rows : {1, 38, 512}) {

@@ -1,6 +1,8 @@
 /* The tuning switches (engine/util/tuning.c) read the environment as the code that read
  * each of them before did: unset means the default, "0" turns an on-by-default switch
  * off and any other value leaves it on, numbers as atoi/atoll read them. */
+#include <stddef.h>
+
 #include "check.h"
 #include "util/tuning.h"
 
@@ -33,22 +35,23 @@ int main(void)
     CHECK(t.moe_gemm_reg == 64, "M40_MOE_GEMM_REG unset: 64");
     CHECK(t.gemv_rows == 2, "M40_GEMV_ROWS unset: 2");
     CHECK(t.pick_threads == -1, "M40_PICK_THREADS unset: -1 (the engine's default for its device)");
-    CHECK(!t.gpu_unvalidated, "M40_GPU_UNVALIDATED unset: unvalidated rows refused on a GPU");
-    setenv("M40_GPU_UNVALIDATED", "yes", 1);
-    m40_tuning_from_env(&t);
-    CHECK(!t.gpu_unvalidated, "M40_GPU_UNVALIDATED takes 1 only (an opt-in test seam)");
-    setenv("M40_GPU_UNVALIDATED", "1", 1);
-    m40_tuning_from_env(&t);
-    CHECK(t.gpu_unvalidated, "M40_GPU_UNVALIDATED=1");
-    unsetenv("M40_GPU_UNVALIDATED");
-    CHECK(!t.batch_invariant, "M40_BATCH_INVARIANT unset: off");
-    setenv("M40_BATCH_INVARIANT", "on", 1);
-    m40_tuning_from_env(&t);
-    CHECK(!t.batch_invariant, "M40_BATCH_INVARIANT takes 1 only");
-    setenv("M40_BATCH_INVARIANT", "1", 1);
-    m40_tuning_from_env(&t);
-    CHECK(t.batch_invariant, "M40_BATCH_INVARIANT=1");
-    unsetenv("M40_BATCH_INVARIANT");
+    /* the opt-in switches: off unset, off at any value but 1, on at 1 */
+    static const struct {
+        const char *name;
+        size_t off;
+    } opt_in[] = {{"M40_GPU_UNVALIDATED", offsetof(m40_tuning, gpu_unvalidated)},
+                  {"M40_BATCH_INVARIANT", offsetof(m40_tuning, batch_invariant)}};
+    for (size_t i = 0; i < sizeof opt_in / sizeof opt_in[0]; i++) {
+        const char *v[] = {NULL, "yes", "1"};
+        for (int k = 0; k < 3; k++) {
+            if (v[k])
+                setenv(opt_in[i].name, v[k], 1);
+            m40_tuning_from_env(&t);
+            const int on = *(const int *)((const char *)&t + opt_in[i].off);
+            CHECK(on == (k == 2), "%s=%s: %s", opt_in[i].name, v[k] ? v[k] : "(unset)", on ? "on" : "off");
+        }
+        unsetenv(opt_in[i].name);
+    }
 
     for (size_t i = 1; i < sizeof names / sizeof names[0]; i++)
         setenv(names[i], "0", 1);
