@@ -155,6 +155,14 @@ static bool is_f16_of(const std::vector<uint16_t> &h, const std::vector<float> &
     return true;
 }
 
+/* A paged cache's K and V (n elements each) of random F16 values in [-1, 1) */
+static void rand_kv(size_t n, std::vector<uint16_t> &k, std::vector<uint16_t> &v)
+{
+    k.resize(n), v.resize(n);
+    for (size_t i = 0; i < n; i++)
+        k[i] = m40_fp32_to_fp16(frand(-1, 1)), v[i] = m40_fp32_to_fp16(frand(-1, 1));
+}
+
 /* ---------------------------------------------------------------- 2. rmsnorm */
 static void test_rmsnorm(void)
 {
@@ -685,9 +693,8 @@ static void test_attn_head_split(void)
                     const float scale = 1.0f / sqrtf((float)hd), base = 10000.0f;
                     Paged p = make_paged(lens);
                     const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
-                    std::vector<uint16_t> kc0(cache_elems), vc0(cache_elems);
-                    for (size_t i = 0; i < cache_elems; i++)
-                        kc0[i] = m40_fp32_to_fp16(frand(-1, 1)), vc0[i] = m40_fp32_to_fp16(frand(-1, 1));
+                    std::vector<uint16_t> kc0, vc0;
+                    rand_kv(cache_elems, kc0, vc0);
                     std::vector<int32_t> one = {0}, pos;
                     for (int s = 0; s < ns; s++)
                         one.push_back(s + 1), pos.push_back(p.lens[s] - 1);
@@ -836,9 +843,8 @@ static void test_attn_decode_plain(void)
                 Paged p = make_paged(lens);
                 const int ns = p.n_seqs;
                 const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
-                std::vector<uint16_t> kc0(cache_elems), vc0(cache_elems);
-                for (size_t i = 0; i < cache_elems; i++)
-                    kc0[i] = m40_fp32_to_fp16(frand(-1, 1)), vc0[i] = m40_fp32_to_fp16(frand(-1, 1));
+                std::vector<uint16_t> kc0, vc0;
+                rand_kv(cache_elems, kc0, vc0);
                 std::vector<int32_t> pos;
                 for (int s = 0; s < ns; s++)
                     pos.push_back(p.lens[s] - 1);
@@ -889,9 +895,8 @@ static void test_attn_decode_rope(void)
             Paged p = make_paged(lens);
             const int ns = p.n_seqs;
             const size_t cache_elems = (size_t)p.n_blocks * nkv * M40K_PAGE * hd;
-            std::vector<uint16_t> kc0(cache_elems), vc0(cache_elems);
-            for (size_t i = 0; i < cache_elems; i++)
-                kc0[i] = m40_fp32_to_fp16(frand(-1, 1)), vc0[i] = m40_fp32_to_fp16(frand(-1, 1));
+            std::vector<uint16_t> kc0, vc0;
+            rand_kv(cache_elems, kc0, vc0);
             std::vector<int32_t> one = {0}, pos;
             for (int s = 0; s < ns; s++) {
                 one.push_back(s + 1);
