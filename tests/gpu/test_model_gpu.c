@@ -30,7 +30,9 @@
  *      rows beside prompts and other decode rows): tiny synthetic Q4_K_M, Q8_0 and F16
  *      models with F16 products, Q4_K_M with F32 ones, and the shared stories260K,
  *      tiny-llama-q4km, tiny-gemma2-f16, tiny-qwen3moe-q4km and tiny-gpt-oss-mxfp4
- *      (M40_TEST_BI_MODEL=PATH: that test alone, on PATH: a 7B file, say). */
+ *      (M40_TEST_BI_MODEL=PATH: that test alone, on PATH: a 7B file, say; with
+ *      M40_TEST_BI_CACHE=1 also 8b, a prompt's cached blocks reused under batch
+ *      invariance, which the product does not do yet). */
 #include <cuda_runtime.h>
 #include <dirent.h>
 #include <math.h>
@@ -1491,6 +1493,96 @@ static void test_batch_invariant(const char *path, const char *label)
     m40_model_free(m);
 }
 
+/* 8b (M40_TEST_BI_CACHE=1 only: the product turns the prefix cache off under batch
+ * invariance, BENCHMARKS.md's thirty-third session): with the cache kept on
+ * (M40_BATCH_INVARIANT_CACHE=1), a prompt computed in two chunks beside another slot's
+ * rows, then greedy steps, against the same prompt in a second slot that starts on the
+ * first one's cached blocks and computes only its tail: the logits, bit for bit. */
+static void test_batch_invariant_cached(const char *path, const char *label)
+{
+    char err[512];
+    if (access(path, R_OK)) {
+        SKIP("%s is absent", path);
+        return;
+    }
+    setenv("M40_BATCH_INVARIANT_CACHE", "1", 1);
+    m40_model *m = NULL;
+    m40_model_options mo = {.n_threads = 2, .device = 0, .batch_invariant = 1};
+    const int rc = m40_model_load_opts(path, &mo, &m, err, sizeof err);
+    unsetenv("M40_BATCH_INVARIANT_CACHE");
+    if (rc) {
+        CHECK(0, "%s: %s", path, err);
+        return;
+    }
+    enum { P = 45, OTHER = 30, NS = 5 }; /* prompt, the other slot's prompt, steps */
+    const int32_t V = m40_model_get_params(m)->n_vocab;
+    int32_t toks[P + NS], other[OTHER + NS];
+    uint64_t x = 4242;
+    for (int i = 0; i < P; i++)
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL, toks[i] = (int32_t)((x >> 33) % (uint64_t)V);
+    for (int i = 0; i < OTHER + NS; i++)
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL, other[i] = (int32_t)((x >> 33) % (uint64_t)V);
+    float *first = malloc((size_t)(NS + 1) * V * 4), *again = malloc((size_t)(NS + 1) * V * 4),
+          *out = malloc((size_t)4 * V * 4);
+    m40_kv *kv = m40_kv_new(m, 3, 256);
+    CHECK(kv && m40_kv_prefix_cache_enabled(kv), "%s: the prefix cache kept on", label);
+    /* slot 0: the prompt in 28 + 17 tokens beside slot 2's prompt, then steps beside slot 2's */
+    int32_t done = 0, odone = 0, t_out = 0;
+    for (int c = 0; c < 2 + NS && kv && first && again && out; c++) {
+        int32_t bt[96], bp[96], bs[96], n = 0;
+        uint8_t bw[96];
+        const int32_t mine = c == 0 ? 28 : c == 1 ? P - 28 : 1, theirs = c == 0 ? OTHER : 1;
+        for (int32_t i = 0; i < theirs; i++, n++)
+            bt[n] = other[odone], bp[n] = odone++, bs[n] = 2, bw[n] = 0;
+        for (int32_t i = 0; i < mine; i++, n++) {
+            bt[n] = toks[done], bp[n] = done++, bs[n] = 0, bw[n] = i + 1 == mine && done >= P;
+        }
+        if (m40_model_forward(m, kv, &(m40_batch){.n = n, .tokens = bt, .pos = bp, .slot = bs, .want_logits = bw}, out,
+                              err, sizeof err)) {
+            CHECK(0, "%s call %d: %s", label, c, err);
+            break;
+        }
+        if (done >= P) {
+            memcpy(first + (size_t)t_out * V, out, (size_t)V * 4);
+            if (t_out < NS) { /* the greedy token, fed next */
+                int32_t best = 0;
+                for (int32_t i = 1; i < V; i++)
+                    if (out[i] > out[best])
+                        best = i;
+                toks[P + t_out] = best;
+            }
+            t_out++;
+        }
+    }
+    /* slot 1: the cached blocks of the prompt, its tail in one call, then the same tokens alone */
+    const int32_t hit = kv ? m40_kv_slot_match_prefix(kv, 1, toks, P) : 0;
+    CHECK(hit == 32, "%s: %d cached tokens of %d (want 32)", label, hit, P);
+    int same = 0;
+    for (int t = 0; t <= NS && kv && hit > 0; t++) {
+        int32_t bt[64], bp[64], bs[64], n = 0;
+        for (int32_t i = t == 0 ? hit : P + t - 1; i < (t == 0 ? P : P + t); i++, n++)
+            bt[n] = toks[i], bp[n] = i, bs[n] = 1;
+        if (m40_model_forward(m, kv, &(m40_batch){.n = n, .tokens = bt, .pos = bp, .slot = bs}, again + (size_t)t * V,
+                              err, sizeof err)) {
+            CHECK(0, "%s alone %d: %s", label, t, err);
+            break;
+        }
+        if (!memcmp(again + (size_t)t * V, first + (size_t)t * V, (size_t)V * 4))
+            same++;
+        else
+            printf("  %s: row %d differs on the cached prefix (max |dlogprob| %.3g)\n", label, t,
+                   max_logprob_diff(again + (size_t)t * V, first + (size_t)t * V, V));
+    }
+    printf("batch invariance, cached prefix %-22s %d of %d logits rows the same bits\n", label, same, NS + 1);
+    CHECK(same == NS + 1, "%s: %d of %d rows on the cached prefix differ", label, NS + 1 - same, NS + 1);
+    if (kv)
+        m40_kv_free(kv);
+    free(first);
+    free(again);
+    free(out);
+    m40_model_free(m);
+}
+
 /* 8 on small synthetic models (mkmodel shape) of file type ft; f16: the F16 products
  * forced (M40_GEMM=f16: the quantized GEMM and cuBLAS in F16, as a 7B model takes them;
  * else F32 products, as a model this small takes them) */
@@ -1523,6 +1615,8 @@ int main(void)
     const char *bi_model = getenv("M40_TEST_BI_MODEL");
     if (bi_model && *bi_model) {
         test_batch_invariant(bi_model, bi_model);
+        if (getenv("M40_TEST_BI_CACHE") && atoi(getenv("M40_TEST_BI_CACHE")) == 1)
+            test_batch_invariant_cached(bi_model, bi_model);
         return check_done();
     }
     test_gemma3_synthetic(256, 1, 0.0f, M40_TYPE_F32);
