@@ -285,18 +285,19 @@ static int add_rmsnorm_launch(const float *x, float *x_out, int64_t x_stride, co
     if (dim <= 0 || (xq && dim % 32) || (!out && !xq && !o16))
         return M40K_INVALID;
     const int threads = dim / AR_BLOCKS < AR_THREADS ? dim / AR_BLOCKS : AR_THREADS;
-    if (!any_rows && rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads && x_stride % 4 == 0 &&
-        d_stride % 4 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)d & 15) == 0 &&
+    if (!any_rows && rows <= AR_MAX_ROWS && dim % (AR_BLOCKS * 32) == 0 && dim <= 4 * AR_REG * threads &&
+        x_stride % 4 == 0 && d_stride % 4 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)d & 15) == 0 &&
         !ar_overlap(x_out, x_stride, x, x_stride, rows, dim) && !ar_overlap(x_out, x_stride, d, d_stride, rows, dim) &&
         !ar_overlap(out, out_stride, x, x_stride, rows, dim) && !ar_overlap(out, out_stride, d, d_stride, rows, dim)) {
         M40K_LAUNCH_PDL(add_rmsnorm_rep_kernel, dim3(AR_BLOCKS, (unsigned)rows), threads, 0, stream, x, x_out,
                         x_stride, d, d_stride, w, out, out_stride, dim, eps, xq, o16);
         return m40k_launch_status();
     }
-    if (!xq && (any_rows || rows > AR_MAX_ROWS) && dim % 4 == 0 && dim <= 16 * 1024 && x_stride % 4 == 0 && d_stride % 4 == 0 &&
-        (!out || out_stride % 4 == 0) && ((uintptr_t)x & 15) == 0 && ((uintptr_t)x_out & 15) == 0 &&
-        ((uintptr_t)d & 15) == 0 && ((uintptr_t)w & 15) == 0 && ((uintptr_t)out & 15) == 0 &&
-        ((uintptr_t)o16 & 7) == 0 && !(out && ar_overlap(out, out_stride, x, x_stride, rows, dim))) {
+    if (!xq && (any_rows || rows > AR_MAX_ROWS) && dim % 4 == 0 && dim <= 16 * 1024 && x_stride % 4 == 0 &&
+        d_stride % 4 == 0 && (!out || out_stride % 4 == 0) && ((uintptr_t)x & 15) == 0 &&
+        ((uintptr_t)x_out & 15) == 0 && ((uintptr_t)d & 15) == 0 && ((uintptr_t)w & 15) == 0 &&
+        ((uintptr_t)out & 15) == 0 && ((uintptr_t)o16 & 7) == 0 &&
+        !(out && ar_overlap(out, out_stride, x, x_stride, rows, dim))) {
         const int t4 = (dim / 4 + AR4_V - 1) / AR4_V, nt4 = (t4 + 31) / 32 * 32;
         M40K_LAUNCH_PDL(add_rmsnorm4_kernel, rows, nt4, 0, stream, x, x_out, x_stride, d, d_stride, w, out, out_stride,
                         dim, eps, o16, (int64_t)dim);

@@ -589,7 +589,7 @@ int m40_gpu_load_tp(const m40_gpu_src *src, const m40_tuning *t, int device, int
     *out = NULL;
     if (n <= 1)
         return m40_gpu_load(src, t, device, log_progress, out, err, errlen);
-    if (t->batch_invariant) { /* the all-reduces' sums would take the step's size into account */
+    if (t->batch_invariant) { /* NCCL's all-reduce sums in an order that depends on the step's size */
         m40_set_err(err, errlen, "batch invariance does not run with tensor parallelism yet (tp=%d): use tp=1", n);
         return -1;
     }

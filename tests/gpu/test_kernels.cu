@@ -430,7 +430,8 @@ static void test_fused_f16(void)
                 snprintf(what, sizeof what, "%s rows %d dim %d: without out, the same copy", name, rows, dim);
                 check(what, h == h2);
                 if (any) { /* each row alone, into fresh buffers */
-                    float *dxo1 = dup(std::vector<float>(x.size(), 0.0f)), *dout1 = dup(std::vector<float>(d.size(), 0.0f));
+                    float *dxo1 = dup(std::vector<float>(x.size(), 0.0f));
+                    float *dout1 = dup(std::vector<float>(d.size(), 0.0f));
                     for (int r = 0; r < rows; r++)
                         CK(run(r, 1, dxo1, dout1, dh2));
                     std::vector<float> go1 = back(dout1, c.size());
@@ -871,8 +872,8 @@ static void test_attn_decode_plain(void)
                 }
                 std::vector<float> g = back(dout, (size_t)ns * os), g1 = back(dout1, (size_t)ns * os);
                 char what[112];
-                snprintf(what, sizeof what, "attn_decode_rope plain hd %d G %d splits %d: alone == batched, bit for bit",
-                         hd, G, splits);
+                snprintf(what, sizeof what,
+                         "attn_decode_rope plain hd %d G %d splits %d: alone == batched, bit for bit", hd, G, splits);
                 check(what, g == g1 && back(dkc, cache_elems) == back(dkc1, cache_elems) &&
                                 back(dvc, cache_elems) == back(dvc1, cache_elems));
                 cudaFree(dip), cudaFree(dix), cudaFree(dlp), cudaFree(dp), cudaFree(dqkv), cudaFree(dout);
