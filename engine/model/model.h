@@ -62,8 +62,8 @@ typedef struct {
     int tp;
     /* GPU: 1 computes every row of a step as it would be computed alone, whatever else the
      * step holds (a greedy request's text does not depend on the load; slower: the GPU's
-     * model_cuda_fwd.c, inv_*). The CPU's products are row by row already. Also set by
-     * M40_BATCH_INVARIANT=1. */
+     * model_cuda_fwd.c, inv_*). The CPU computes a row the same way at any batch size
+     * already. Also set by M40_BATCH_INVARIANT=1. */
     int batch_invariant;
 } m40_model_options;
 int m40_model_load_opts(const char *path, const m40_model_options *opts, m40_model **out, char *err, size_t errlen);
