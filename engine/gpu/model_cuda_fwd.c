@@ -386,6 +386,35 @@ typedef struct {
  * F16's range from 65,504 to 1,048,064 (pre-activations past it would be infinities). */
 #define GLU_H16_SCALE 16.0f
 
+/* x (n rows of cols) rounded to F16 into g->x16 for the tensor-core products, unless
+ * *x16_ready says it is there already; then it is (quantize_once's twin). */
+static int f16_once(m40_gpu *g, const float *x, int cols, int32_t n, int *x16_ready)
+{
+    if (*x16_ready)
+        return 0;
+    *x16_ready = 1;
+    return m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream);
+}
+
+/* *out: W's weights as type (M40K_TYPE_F16 or M40K_TYPE_F32) for cuBLAS: w's own data
+ * where it has that type, else dequantized into g->deq (to F16 the weights gemm_q forms,
+ * where its dequantizer reads the type; else, and to F32, the gather's). */
+static int weights_as(m40_gpu *g, const gmat *w, int type, const void **out, char *err, size_t errlen)
+{
+    const int rows = (int)w->rows, cols = (int)w->cols;
+    *out = w->data;
+    if (w->type == type)
+        return 0;
+    if ((size_t)rows * (size_t)cols > g->deq_cap) {
+        m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+        return -1;
+    }
+    if (type != M40K_TYPE_F16 || m40k_gemm_q_dequant(w->data, w->type, rows, cols, (uint16_t *)g->deq, g->stream) != 0)
+        CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, type, cols, g->stream));
+    *out = g->deq;
+    return 0;
+}
+
 /* The tiled path: W dequantized to F16 where it is not (g->deq), then cuBLAS, F16 x F16
  * with F32 sums, into y (F32; added to what y holds where accumulate is set) or, where
  * y16 is not NULL, into y16 (F16, times 1/GLU_H16_SCALE). */
@@ -394,21 +423,10 @@ static int tiled_gemm(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
 {
     const float one = 1.0f, zero = 0.0f, inv = 1.0f / GLU_H16_SCALE;
     const int rows = (int)w->rows, cols = (int)w->cols;
-    const void *wf16 = w->data;
-    if (w->type != M40K_TYPE_F16) {
-        if ((size_t)rows * (size_t)cols > g->deq_cap) {
-            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
-            return -1;
-        }
-        /* the weights gemm_q forms, where its dequantizer reads the type; else the gather's */
-        if (m40k_gemm_q_dequant(w->data, w->type, rows, cols, (uint16_t *)g->deq, g->stream) != 0)
-            CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F16, cols, g->stream));
-        wf16 = g->deq;
-    }
-    if (!*x16_ready) {
-        CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
-        *x16_ready = 1;
-    }
+    const void *wf16;
+    if (weights_as(g, w, M40K_TYPE_F16, &wf16, err, errlen))
+        return -1;
+    CK(f16_once(g, x, cols, n, x16_ready));
     cublasStatus_t s = cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, y16 ? &inv : &one, wf16,
                                     CUDA_R_16F, cols, g->x16, CUDA_R_16F, cols, accumulate ? &one : &zero,
                                     y16 ? (void *)y16 : (void *)y,
@@ -465,11 +483,8 @@ static int inv_matmul(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
 {
     const int rows = (int)w->rows, cols = (int)w->cols, T = g->inv_rows;
     const int f32 = w->type == M40K_TYPE_F32 || g->gemm_f32;
-    const void *wf = w->data;
-    if (!f32 && !*x16_ready) {
-        CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
-        *x16_ready = 1;
-    }
+    if (!f32)
+        CK(f16_once(g, x, cols, n, x16_ready));
     if (!f32 && gemm_q_reads(g, w)) {
         const int S = m40k_gemm_q_pick_splits(w->type, rows, cols, T, g->sm_count, g->mq_ws_floats, g->mq_cnt_ints);
         for (int32_t t0 = 0; t0 < n; t0 += T)
@@ -477,16 +492,9 @@ static int inv_matmul(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
                            y + (size_t)t0 * ldy, ldy, S, g->mq_ws, g->mq_cnt, g->stream));
         return 0;
     }
-    if (w->type != (f32 ? M40K_TYPE_F32 : M40K_TYPE_F16)) { /* the weights in the product's type first */
-        if ((size_t)rows * (size_t)cols > g->deq_cap) {
-            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
-            return -1;
-        }
-        if (f32 || m40k_gemm_q_dequant(w->data, w->type, rows, cols, (uint16_t *)g->deq, g->stream) != 0)
-            CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, f32 ? M40K_TYPE_F32 : M40K_TYPE_F16,
-                          cols, g->stream));
-        wf = g->deq;
-    }
+    const void *wf;
+    if (weights_as(g, w, f32 ? M40K_TYPE_F32 : M40K_TYPE_F16, &wf, err, errlen))
+        return -1;
     for (int32_t t0 = 0; t0 < n; t0 += T)
         if (inv_blas_tile(g, wf, f32 ? CUDA_R_32F : CUDA_R_16F, rows, cols,
                           f32 ? (const void *)(x + (size_t)t0 * cols) : (const void *)(g->x16 + (size_t)t0 * cols),
@@ -530,21 +538,16 @@ static int matmul_one(m40_gpu *g, const gmat *w, const float *x, int32_t n, floa
                               cols, (int)n),
                       -1);
     if (gemm_q_takes(g, w, n)) { /* past gemv_batch: the quantized tensor-core GEMM on the F16 copy of x */
-        if (!*x16_ready) {
-            CK(m40k_f32_to_f16(x, g->x16, (int64_t)n * cols, g->stream));
-            *x16_ready = 1;
-        }
+        CK(f16_once(g, x, cols, n, x16_ready));
         const int S = m40k_gemm_q_pick_splits(w->type, rows, cols, n, g->sm_count, g->mq_ws_floats, g->mq_cnt_ints);
         CK(m40k_gemm_q(w->data, w->type, rows, cols, g->x16, cols, n, y, ldy, S, g->mq_ws, g->mq_cnt, g->stream));
         return 0;
     }
     if (g->gemm_f32) { /* the tiled path in F32: exact weights and activations */
-        if ((size_t)rows * (size_t)cols > g->deq_cap) {
-            m40_set_err(err, errlen, "gpu %d: dequantization scratch too small", g->device);
+        const void *wf32;
+        if (weights_as(g, w, M40K_TYPE_F32, &wf32, err, errlen))
             return -1;
-        }
-        CK(m40k_embed(w->data, w->type, rows, cols, g->iota, rows, g->deq, M40K_TYPE_F32, cols, g->stream));
-        return sgemm_rows(g, (const float *)g->deq, rows, cols, x, n, y, ldy, err, errlen);
+        return sgemm_rows(g, (const float *)wf32, rows, cols, x, n, y, ldy, err, errlen);
     }
     return tiled_gemm(g, w, x, n, y, NULL, ldy, 0, x16_ready, err, errlen);
 }
