@@ -143,11 +143,19 @@ static double max_logprob_diff(const float *a, const float *b, int32_t n)
     return worst;
 }
 
+/* The next of a test's random token ids below V (a 64-bit LCG, state x) */
+static int32_t rand_tok(uint64_t *x, uint64_t V)
+{
+    *x = *x * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (int32_t)((*x >> 33) % V);
+}
+
 #define NB 3
 #define STEPS 6
 
-/* path loaded onto GPU 0; NULL after a SKIP (absent) or a failed CHECK (load error) */
-static m40_model *load_on_gpu(const char *path)
+/* path loaded onto GPU 0 (batch_invariant: m40_model_options'); NULL after a SKIP (absent) or a
+ * failed CHECK (load error) */
+static m40_model *load_on_gpu_as(const char *path, int batch_invariant)
 {
     char err[512];
     if (access(path, R_OK)) {
@@ -155,12 +163,17 @@ static m40_model *load_on_gpu(const char *path)
         return NULL;
     }
     m40_model *m = NULL;
-    m40_model_options o = {.n_threads = 2, .device = 0};
+    m40_model_options o = {.n_threads = 2, .device = 0, .batch_invariant = batch_invariant};
     if (m40_model_load_opts(path, &o, &m, err, sizeof err)) {
         CHECK(0, "%s: %s", path, err);
         return NULL;
     }
     return m;
+}
+
+static m40_model *load_on_gpu(const char *path)
+{
+    return load_on_gpu_as(path, 0);
 }
 
 
@@ -247,10 +260,8 @@ static void test_batched(const char *path)
     int32_t toks[NB][64];
     uint64_t x = 12345;
     for (int s = 0; s < NB; s++)
-        for (int i = 0; i < lens[s]; i++) {
-            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-            toks[s][i] = (int32_t)((x >> 33) % (uint64_t)V);
-        }
+        for (int i = 0; i < lens[s]; i++)
+            toks[s][i] = rand_tok(&x, (uint64_t)V);
     float *solo = malloc((size_t)NB * (STEPS + 1) * V * sizeof(float));
     float *bat = malloc((size_t)NB * (STEPS + 1) * V * sizeof(float));
     int32_t next[NB];
@@ -434,10 +445,8 @@ static void test_moe_batched(const char *path)
     uint64_t x = 987654321;
     for (int s = 0; s < MS; s++) {
         lens[s] = 1 + (s * 17 + 5) % 60;
-        for (int i = 0; i < lens[s]; i++) {
-            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-            toks[s][i] = (int32_t)((x >> 33) % (uint64_t)V);
-        }
+        for (int i = 0; i < lens[s]; i++)
+            toks[s][i] = rand_tok(&x, (uint64_t)V);
     }
     float *solo = malloc((size_t)MS * (MSTEPS + 1) * V * sizeof(float));
     float *bat = malloc((size_t)MS * (MSTEPS + 1) * V * sizeof(float));
@@ -584,10 +593,8 @@ static void test_graphs(const char *path)
     uint64_t x = 777;
     for (int s = 0; s < GS && ok; s++) {
         int32_t t[64], p[64], sl[64];
-        for (int i = 0; i < lens[s]; i++) {
-            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-            t[i] = (int32_t)((x >> 33) % (uint64_t)V), p[i] = i, sl[i] = s;
-        }
+        for (int i = 0; i < lens[s]; i++)
+            t[i] = rand_tok(&x, (uint64_t)V), p[i] = i, sl[i] = s;
         m40_batch b = {.n = lens[s], .tokens = t, .pos = p, .slot = sl};
         ok = m40_model_forward(plain, ka, &b, la, err, sizeof err) == 0 &&
              m40_model_forward(gm, kb, &b, lb, err, sizeof err) == 0;
@@ -831,10 +838,8 @@ static void test_gemma3_synthetic(int hd, int scaled, float softcap, uint32_t qt
     }
     int32_t toks[G3_SEQ];
     uint64_t x = 777;
-    for (int i = 0; i < G3_SEQ; i++) {
-        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-        toks[i] = (int32_t)(3 + (x >> 33) % (G3_VOCAB - 3));
-    }
+    for (int i = 0; i < G3_SEQ; i++)
+        toks[i] = 3 + rand_tok(&x, G3_VOCAB - 3);
     const size_t V = G3_VOCAB;
     float *lc = malloc(G3_SEQ * V * sizeof(float)), *lg = malloc(G3_SEQ * V * sizeof(float)),
           *lg2 = malloc(G3_SEQ * V * sizeof(float)), *lnw = malloc(G3_SEQ * V * sizeof(float));
@@ -901,10 +906,8 @@ static void test_tiny_tiled(void)
         const int32_t V = m40_model_get_params(cpu)->n_vocab;
         int32_t toks[G3_SEQ];
         uint64_t x = 4242;
-        for (int i = 0; i < G3_SEQ; i++) {
-            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-            toks[i] = (int32_t)(3 + (x >> 33) % (uint64_t)(V - 3));
-        }
+        for (int i = 0; i < G3_SEQ; i++)
+            toks[i] = 3 + rand_tok(&x, (uint64_t)(V - 3));
         float *lc = malloc((size_t)G3_SEQ * V * sizeof(float)), *ln = malloc((size_t)G3_SEQ * V * sizeof(float)),
               *lf = malloc((size_t)G3_SEQ * V * sizeof(float)), *ld = malloc((size_t)G3_SEQ * V * sizeof(float));
         if (lc && ln && lf && ld && g3_logits(cpu, toks, G3_SEQ, G3_SEQ, lc) == 0 &&
@@ -1382,25 +1385,16 @@ static void test_small_batches_register(const char *ft)
 static void test_batch_invariant(const char *path, const char *label)
 {
     char err[512];
-    if (access(path, R_OK)) {
-        SKIP("%s is absent", path);
+    m40_model *m = load_on_gpu_as(path, 1);
+    if (!m)
         return;
-    }
-    m40_model *m = NULL;
-    m40_model_options mo = {.n_threads = 2, .device = 0, .batch_invariant = 1};
-    if (m40_model_load_opts(path, &mo, &m, err, sizeof err)) {
-        CHECK(0, "%s: %s", path, err);
-        return;
-    }
     const int32_t V = m40_model_get_params(m)->n_vocab;
     const int32_t lens[BI_N] = {23, 5, 70, 37};
     int32_t toks[BI_N][80 + BI_STEPS];
     uint64_t x = 777;
     for (int s = 0; s < BI_N; s++)
-        for (int i = 0; i < lens[s]; i++) {
-            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-            toks[s][i] = (int32_t)((x >> 33) % (uint64_t)V);
-        }
+        for (int i = 0; i < lens[s]; i++)
+            toks[s][i] = rand_tok(&x, (uint64_t)V);
     const size_t per = (size_t)(BI_STEPS + 1) * V; /* a sequence's logits: prompt's last row, then each step */
     float *solo = malloc(3 * per * sizeof(float)), *bat = malloc(3 * per * sizeof(float));
     float *out = malloc((size_t)8 * V * sizeof(float));
@@ -1501,27 +1495,19 @@ static void test_batch_invariant(const char *path, const char *label)
 static void test_batch_invariant_cached(const char *path, const char *label)
 {
     char err[512];
-    if (access(path, R_OK)) {
-        SKIP("%s is absent", path);
-        return;
-    }
     setenv("M40_BATCH_INVARIANT_CACHE", "1", 1);
-    m40_model *m = NULL;
-    m40_model_options mo = {.n_threads = 2, .device = 0, .batch_invariant = 1};
-    const int rc = m40_model_load_opts(path, &mo, &m, err, sizeof err);
+    m40_model *m = load_on_gpu_as(path, 1);
     unsetenv("M40_BATCH_INVARIANT_CACHE");
-    if (rc) {
-        CHECK(0, "%s: %s", path, err);
+    if (!m)
         return;
-    }
     enum { P = 45, OTHER = 30, NS = 5 }; /* prompt, the other slot's prompt, steps */
     const int32_t V = m40_model_get_params(m)->n_vocab;
     int32_t toks[P + NS], other[OTHER + NS];
     uint64_t x = 4242;
     for (int i = 0; i < P; i++)
-        x = x * 6364136223846793005ULL + 1442695040888963407ULL, toks[i] = (int32_t)((x >> 33) % (uint64_t)V);
+        toks[i] = rand_tok(&x, (uint64_t)V);
     for (int i = 0; i < OTHER + NS; i++)
-        x = x * 6364136223846793005ULL + 1442695040888963407ULL, other[i] = (int32_t)((x >> 33) % (uint64_t)V);
+        other[i] = rand_tok(&x, (uint64_t)V);
     float *first = malloc((size_t)(NS + 1) * V * 4), *again = malloc((size_t)(NS + 1) * V * 4),
           *out = malloc((size_t)4 * V * 4);
     m40_kv *kv = m40_kv_new(m, 3, 256);
