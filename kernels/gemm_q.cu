@@ -453,51 +453,92 @@ __global__ __launch_bounds__(MQ_WARPS * 32, BM <= 32 ? 3 : 2) void mq_grouped_ke
 }
 
 /* The weights as F16, for products of many rows (prefill chunks) that multiply them with
- * cuBLAS (m40k_gemm_q_dequant): a block dequantizes one 256-element chunk of MQ_DQ_ROWS
- * rows, the raw chunk rows staged in shared memory by 16-byte loads, a run of 32 a thread
- * (mq_deq32, as the staged kernel); the F16 results are staged again so that a warp
- * stores 512 contiguous bytes of one row an instruction (each thread's 64 bytes stored
- * straight out, 16 bytes at a 64-byte stride a lane, ran at 1.3-1.8 TB/s of weights read
- * plus F16 written against 2.0-2.55 this way on an H100: BENCHMARKS.md). */
+ * cuBLAS (m40k_gemm_q_dequant). A tile is one 256-element chunk of MQ_DQ_ROWS rows: its
+ * raw chunk rows staged in shared memory by 16-byte copies, a run of 32 a thread formed
+ * (mq_deq32, as the staged kernel), the F16 results staged again so that a warp stores
+ * 512 contiguous bytes of one row an instruction (each thread's 64 bytes stored straight
+ * out, 16 bytes at a 64-byte stride a lane, ran at 1.3-1.8 TB/s of weights read plus F16
+ * written against 2.0-2.55 this way on an H100: BENCHMARKS.md). The grid is what fits on
+ * the GPU at once, each block walking tiles with the next tile's raw bytes copied
+ * (cp.async) while it forms and stores this one: a block that loaded, formed and stored
+ * one tile and ended left DRAM idle between its phases. Tiles go chunk-fastest, so the
+ * blocks running at once read and write whole rows. */
 #define MQ_DQ_ROWS 32
 #define MQ_DQ_OUT_LD (MQ_KC * 2 + 16) /* bytes a staged output row (16 of padding) */
 template <int T>
 __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int N,
                                                            int K, uint16_t *__restrict__ out)
 {
-    constexpr int RB = mq_stage<T>::RB;
-    __shared__ __align__(16) uint8_t raw[MQ_DQ_ROWS * RB];
+    /* NS: tiles in the ring (a third stage measured no faster on an H200, BENCHMARKS.md) */
+    constexpr int RB = mq_stage<T>::RB, NS = 2;
+    __shared__ __align__(16) uint8_t raw[NS][MQ_DQ_ROWS * RB];
     __shared__ __align__(16) uint8_t o16[MQ_DQ_ROWS * MQ_DQ_OUT_LD];
-    const int n0 = blockIdx.x * MQ_DQ_ROWS, c = blockIdx.y;
-    for (int i = threadIdx.x; i < MQ_DQ_ROWS * (RB / 16); i += blockDim.x) {
-        const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
-        const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes;
-        const uint8_t *src = mq_chunk_src<T>(row, c, o);
-        *reinterpret_cast<uint4 *>(raw + r * RB + o) = __ldg(reinterpret_cast<const uint4 *>(src));
-    }
-    __syncthreads();
-    {
-        const int r = threadIdx.x >> 3, e = 32 * (threadIdx.x & 7);
-        uint32_t t[8];
-        float sc[2], off[2];
-        mq_deq32<T>(raw + r * RB, e, c & 7, t, sc, off);
-        uint4 *o = reinterpret_cast<uint4 *>(o16 + r * MQ_DQ_OUT_LD + 2 * e);
+    const int nc = K / MQ_KC, tiles = (N + MQ_DQ_ROWS - 1) / MQ_DQ_ROWS * nc;
+    auto issue = [&](int t, int b) {
+        const int n0 = t / nc * MQ_DQ_ROWS, c = t % nc;
+        for (int i = threadIdx.x; i < MQ_DQ_ROWS * (RB / 16); i += blockDim.x) {
+            const int r = i / (RB / 16), o = 16 * (i % (RB / 16));
+            const uint8_t *row = w + (size_t)min(n0 + r, N - 1) * row_bytes;
+            mq_cp16(raw[b] + r * RB + o, mq_chunk_src<T>(row, c, o), 16);
+        }
+        mq_commit();
+    };
+    const int G = gridDim.x;
+    int t = blockIdx.x, b = 0;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            uint32_t qh[4];
-            mq_bytes_h2(t[2 * i], t[2 * i + 1], qh);
-            o[i] = mq_pack(qh, sc[i >> 1], off[i >> 1]);
+    for (int s = 0; s < NS - 1; s++)
+        if (t + s * G < tiles)
+            issue(t + s * G, s);
+        else
+            mq_commit(); /* empty groups keep the count of the waits below */
+    for (; t < tiles; t += G, b = b + 1 == NS ? 0 : b + 1) {
+        /* the buffer of the tile formed last: every thread formed it before the last barrier */
+        const int ahead = t + (NS - 1) * G, bn = b == 0 ? NS - 1 : b - 1;
+        if (ahead < tiles)
+            issue(ahead, bn);
+        else
+            mq_commit();
+        mq_wait<NS - 1>();
+        __syncthreads(); /* tile t's raw bytes from every thread; the last tile's stores read o16 */
+        const int n0 = t / nc * MQ_DQ_ROWS, c = t % nc;
+        {
+            const int r = threadIdx.x >> 3, e = 32 * (threadIdx.x & 7);
+            uint32_t q[8];
+            float sc[2], off[2];
+            mq_deq32<T>(raw[b] + r * RB, e, c & 7, q, sc, off);
+            uint4 *o = reinterpret_cast<uint4 *>(o16 + r * MQ_DQ_OUT_LD + 2 * e);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint32_t qh[4];
+                mq_bytes_h2(q[2 * i], q[2 * i + 1], qh);
+                o[i] = mq_pack(qh, sc[i >> 1], off[i >> 1]);
+            }
+        }
+        __syncthreads();
+        /* row r = idx / 32, 16-byte piece idx % 32: a warp one row's 512 bytes */
+#pragma unroll
+        for (int k = 0; k < MQ_DQ_ROWS * 32 / 256; k++) {
+            const int idx = threadIdx.x + 256 * k, r = idx >> 5, p = idx & 31;
+            if (n0 + r < N)
+                *reinterpret_cast<uint4 *>(out + (size_t)(n0 + r) * K + (size_t)c * MQ_KC + 8 * p) =
+                    *reinterpret_cast<const uint4 *>(o16 + r * MQ_DQ_OUT_LD + 16 * p);
         }
     }
-    __syncthreads();
-    /* row r = idx / 32, 16-byte piece idx % 32: a warp one row's 512 bytes */
-#pragma unroll
-    for (int k = 0; k < MQ_DQ_ROWS * 32 / 256; k++) {
-        const int idx = threadIdx.x + 256 * k, r = idx >> 5, p = idx & 31;
-        if (n0 + r < N)
-            *reinterpret_cast<uint4 *>(out + (size_t)(n0 + r) * K + (size_t)c * MQ_KC + 8 * p) =
-                *reinterpret_cast<const uint4 *>(o16 + r * MQ_DQ_OUT_LD + 16 * p);
-    }
+    mq_wait<0>();
+}
+
+/* blocks of mq_dequant_kernel<T> that run at once on the current device, asked once per
+ * device */
+template <int T> static int mq_dequant_grid(void)
+{
+    static int grid[64];
+    int dev = 0, sms = 0, per = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return 0;
+    if (!grid[dev] && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, mq_dequant_kernel<T>, 256, 0) == cudaSuccess)
+        grid[dev] = sms * (per > 0 ? per : 1);
+    return grid[dev];
 }
 
 template <int T> static int mq_dequant_type(const void *w, int N, int K, uint16_t *out, cudaStream_t st)
@@ -507,7 +548,13 @@ template <int T> static int mq_dequant_type(const void *w, int N, int K, uint16_
         const size_t rb = m40k_row_bytes<T>(K);
         if (K % ti::BE || K % MQ_KC || rb % 16 || ((uintptr_t)w & 15) || ((uintptr_t)out & 15))
             return M40K_INVALID;
-        const dim3 grid((unsigned)((N + MQ_DQ_ROWS - 1) / MQ_DQ_ROWS), (unsigned)(K / MQ_KC));
+        const int64_t tiles = (int64_t)((N + MQ_DQ_ROWS - 1) / MQ_DQ_ROWS) * (K / MQ_KC);
+        if (tiles > INT32_MAX)
+            return M40K_INVALID;
+        if (tiles == 0)
+            return 0;
+        const int fit = mq_dequant_grid<T>();
+        const unsigned grid = (unsigned)(fit > 0 && tiles > fit ? fit : tiles);
         mq_dequant_kernel<T><<<grid, 256, 0, st>>>((const uint8_t *)w, rb, N, K, out);
         return m40k_launch_status();
     }

@@ -1472,6 +1472,40 @@ static void test_gemm_skinny(void)
           m40k_gemm_skinny(pw, 4, 128, px, 128, 1, py, 4, 2, py, (int *)16, 0) != 0);
 }
 
+/* m40k_gemm_q_dequant of the device weights dw (N x K of type; w: the same matrix in the
+ * file's type base) against its twin m40_ref_gemm_q_dequant: the same F16 bits but rare
+ * ties one ulp apart; refused where the type has no staged chunk. */
+static void check_dequant(int type, int base, const char *sfx, const std::vector<uint8_t> &w, const uint8_t *dw, int N,
+                          int K)
+{
+    uint16_t *dq;
+    CK(cudaMalloc(&dq, (size_t)N * K * 2));
+    const int e = m40k_gemm_q_dequant(dw, type, N, K, dq, 0);
+    const bool takes = K % 256 == 0 && type != M40K_TYPE_F16 && type != M40K_TYPE_Q6_K && type != M40K_TYPE_BF16 &&
+                       type != M40K_TYPE_Q2_K && type != M40K_TYPE_Q3_K && type != M40K_TYPE_Q5_K;
+    char what[128];
+    snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d %s", m40_type_name(base), sfx, N, K,
+             takes ? "runs" : "refuses");
+    check(what, takes ? e == 0 : e != 0);
+    if (takes && e == 0) {
+        std::vector<uint16_t> got = back(dq, (size_t)N * K), ref((size_t)N * K);
+        m40_ref_gemm_q_dequant(w.data(), base, N, K, ref.data());
+        size_t far = 0, off1 = 0;
+        for (size_t i = 0; i < got.size(); i++)
+            if (got[i] != ref[i]) {
+                const int d = abs((int)(got[i] & 0x7fff) - (int)(ref[i] & 0x7fff));
+                if (d == 1 && (got[i] & 0x8000) == (ref[i] & 0x8000))
+                    off1++;
+                else
+                    far++;
+            }
+        snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d: %zu of %zu one ulp off", m40_type_name(base), sfx,
+                 N, K, off1, got.size());
+        check(what, far == 0 && off1 * 1000 <= got.size());
+    }
+    cudaFree(dq);
+}
+
 /* 8e. The quantized tensor-core GEMM (m40k_gemm_q) against its twin m40_ref_gemm_q (the
  * weights dequantized and rounded to F16, x F16, double sums: only the order of the sum
  * and, rarely, the last F16 bit of a weight differ). Every type it reads, the regrouped
@@ -1526,35 +1560,8 @@ static void test_gemm_q(void)
                     }
                     uint8_t *dw = dup(wd);
                     uint16_t *dx = dup(x);
-                    if (M == 9) { /* the F16 weights for cuBLAS: the twin's, to the last bit but rare ties */
-                        uint16_t *dq;
-                        CK(cudaMalloc(&dq, (size_t)N * K * 2));
-                        const int e = m40k_gemm_q_dequant(dw, type, N, K, dq, 0);
-                        const bool takes = K % 256 == 0 && type != M40K_TYPE_F16 && type != M40K_TYPE_Q6_K &&
-                                           type != M40K_TYPE_BF16 && type != M40K_TYPE_Q2_K &&
-                                           type != M40K_TYPE_Q3_K && type != M40K_TYPE_Q5_K;
-                        char what[128];
-                        snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d %s", m40_type_name(base),
-                                 sfx, N, K, takes ? "runs" : "refuses");
-                        check(what, takes ? e == 0 : e != 0);
-                        if (takes && e == 0) {
-                            std::vector<uint16_t> got = back(dq, (size_t)N * K), ref((size_t)N * K);
-                            m40_ref_gemm_q_dequant(w.data(), base, N, K, ref.data());
-                            size_t far = 0, off1 = 0;
-                            for (size_t i = 0; i < got.size(); i++)
-                                if (got[i] != ref[i]) {
-                                    const int d = abs((int)(got[i] & 0x7fff) - (int)(ref[i] & 0x7fff));
-                                    if (d == 1 && (got[i] & 0x8000) == (ref[i] & 0x8000))
-                                        off1++;
-                                    else
-                                        far++;
-                                }
-                            snprintf(what, sizeof what, "gemm_q_dequant %s%s N %d K %d: %zu of %zu one ulp off",
-                                     m40_type_name(base), sfx, N, K, off1, got.size());
-                            check(what, far == 0 && off1 * 1000 <= got.size());
-                        }
-                        cudaFree(dq);
-                    }
+                    if (M == 9)
+                        check_dequant(type, base, sfx, w, dw, N, K);
                     float *dy, *dws;
                     const int maxS = (K + 255) / 256;
                     CK(cudaMalloc(&dy, c.size() * 4));
@@ -1617,6 +1624,16 @@ static void test_gemm_q(void)
                     }
                     cudaFree(dw), cudaFree(dx), cudaFree(dy), cudaFree(dws), cudaFree(dcnt);
                 }
+        /* the dequantizer's blocks walk several tiles each (its grid is what fits at once:
+         * 6757 rows x 8 chunks are 1,696 tiles), the last rows a partial tile */
+        if (type == M40K_TYPE_Q4_K || type == M40K_TYPE_Q8_0_G8 || type == M40K_TYPE_Q6_K_G8 ||
+            type == M40K_TYPE_Q4_0) {
+            const int N = 32 * 211 + 5, K = 2048;
+            std::vector<uint8_t> w = quant_matrix(base, N, K);
+            uint8_t *dw = dup(dev_layout(type, w, N, K));
+            check_dequant(type, base, sfx, w, dw, N, K);
+            cudaFree(dw);
+        }
     }
     /* refusals: K not a multiple of the type's block, x misaligned or strided oddly, a
      * type it does not read, splits past K/64 without a workspace */
