@@ -242,7 +242,12 @@ static int first_chunk(void *ctx, int32_t i, int32_t *n_prefilled)
         return 1;
     if (prefix_in_flight(e, i))
         return 0;
-    int32_t hit = m40_kv_slot_match_prefix(e->kv, i, s->prompt, s->n_prompt);
+    /* Batch invariance: a match that left one prompt token would have it computed alone,
+     * as a decode query (invariant_chunks), where the prompt's first computation had it
+     * in a chunk; so the match leaves at least two (it stops a block short where it
+     * would have left one). */
+    const int32_t n = e->batch_invariant && s->n_prompt > 2 ? s->n_prompt - 1 : s->n_prompt;
+    int32_t hit = m40_kv_slot_match_prefix(e->kv, i, s->prompt, n);
     if (hit > 0 && hit < s->n_prompt)
         s->n_prefilled = s->n_past = *n_prefilled = hit;
     return 1;
@@ -251,12 +256,12 @@ static int first_chunk(void *ctx, int32_t i, int32_t *n_prefilled)
 /* Batch invariance (m40_engine_config.batch_invariant): the GPU computes a sequence's
  * one row in a step as a decode query (engine/kv/paged_kv.c) and the rows of a longer
  * group as a prompt chunk, which round differently; so that a prompt token is computed
- * the same way whatever else runs (the GPU's prefix cache is off then: gpu_kv.c), no
- * prompt chunk is one token unless the whole prompt is, and none leaves one token
- * behind: such a chunk is a token shorter, or waits a step for a longer one while other
- * rows go ahead. Not where the limits allow no better (prefill_chunk or budget 1; a
- * prompt of three tokens left under chunks of two; a sequence alone under a budget of
- * two). */
+ * the same way whatever else runs, no prompt chunk is one token unless the whole prompt
+ * is, and none leaves one token behind: such a chunk is a token shorter, or waits a step
+ * for a longer one while other rows go ahead (and a cached prefix leaves two tokens:
+ * first_chunk; the GPU keeps its prefix cache off under batch invariance for now,
+ * gpu_kv.c). Not where the limits allow no better (prefill_chunk or budget 1; a prompt
+ * of three tokens left under chunks of two; a sequence alone under a budget of two). */
 static void invariant_chunks(const m40_engine *e, int32_t *take)
 {
     if (e->prefill.chunk < 2 || e->prefill.budget < 2)

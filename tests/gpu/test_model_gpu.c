@@ -30,9 +30,12 @@
  *      rows beside prompts and other decode rows): tiny synthetic Q4_K_M, Q8_0 and F16
  *      models with F16 products, Q4_K_M with F32 ones, and the shared stories260K,
  *      tiny-llama-q4km, tiny-gemma2-f16, tiny-qwen3moe-q4km and tiny-gpt-oss-mxfp4
- *      (M40_TEST_BI_MODEL=PATH: that test alone, on PATH: a 7B file, say; with
- *      M40_TEST_BI_CACHE=1 also 8b, a prompt's cached blocks reused under batch
- *      invariance, which the product does not do yet). */
+ *      (M40_TEST_BI_MODEL=PATH: 8, 8b and 8c alone, on PATH: a 7B file, say); 8b, a
+ *      prompt's cached blocks reused in another slot, the same bits (stories260K,
+ *      tiny-gemma2-f16); 8c, the engine with its prefix cache: a prompt of 16k + 1
+ *      tokens alone on its cached blocks computes its last 17 and gives the text it
+ *      gave among others (both with M40_BATCH_INVARIANT_CACHE=1: the product keeps the
+ *      cache off under batch invariance until a server run confirms the fix). */
 #include <cuda_runtime.h>
 #include <dirent.h>
 #include <math.h>
@@ -1117,14 +1120,16 @@ static void test_engine(const char *path)
 #define PC_N 8
 #define PC_GEN 24
 
-static m40_engine *pc_start(const char *path, int max_seqs, int chunk, const char *kv_blocks, int cache)
+static m40_engine *pc_start_as(const char *path, int max_seqs, int chunk, const char *kv_blocks, int cache,
+                               int invariant)
 {
     if (kv_blocks)
         setenv("M40_KV_BLOCKS", kv_blocks, 1);
     if (!cache)
         setenv("M40_PREFIX_CACHE", "0", 1);
     m40_engine_config cfg = {.model_path = path, .model_name = "t", .device = 0, .ctx_size = 512,
-                             .max_seqs = max_seqs, .max_queue = 32, .n_threads = 2, .prefill_chunk = chunk};
+                             .max_seqs = max_seqs, .max_queue = 32, .n_threads = 2, .prefill_chunk = chunk,
+                             .batch_invariant = invariant};
     m40_engine *e = NULL;
     char err[512];
     int rc = m40_engine_create(&cfg, &e, err, sizeof err);
@@ -1143,6 +1148,11 @@ static m40_engine *pc_start(const char *path, int max_seqs, int chunk, const cha
         e = NULL;
     }
     return rc == 0 ? e : NULL;
+}
+
+static m40_engine *pc_start(const char *path, int max_seqs, int chunk, const char *kv_blocks, int cache)
+{
+    return pc_start_as(path, max_seqs, chunk, kv_blocks, cache, 0);
 }
 
 /* Stats once the engine thread has published the step that finished the last request. */
@@ -1487,11 +1497,11 @@ static void test_batch_invariant(const char *path, const char *label)
     m40_model_free(m);
 }
 
-/* 8b (M40_TEST_BI_CACHE=1 only: the product turns the prefix cache off under batch
- * invariance, BENCHMARKS.md's thirty-third session): with the cache kept on
- * (M40_BATCH_INVARIANT_CACHE=1), a prompt computed in two chunks beside another slot's
- * rows, then greedy steps, against the same prompt in a second slot that starts on the
- * first one's cached blocks and computes only its tail: the logits, bit for bit. */
+/* 8b. Batch invariance with the prefix cache (kept on by the seam
+ * M40_BATCH_INVARIANT_CACHE=1 until a server run confirms it: gpu_kv.c): a prompt
+ * computed in two chunks beside another slot's rows, then greedy steps, against the
+ * same prompt in a second slot that starts on the first one's cached blocks and
+ * computes only its tail: the logits, bit for bit. */
 static void test_batch_invariant_cached(const char *path, const char *label)
 {
     char err[512];
@@ -1502,16 +1512,16 @@ static void test_batch_invariant_cached(const char *path, const char *label)
         return;
     enum { P = 45, OTHER = 30, NS = 5 }; /* prompt, the other slot's prompt, steps */
     const int32_t V = m40_model_get_params(m)->n_vocab;
-    int32_t toks[P + NS], other[OTHER + NS];
+    int32_t toks[P + NS], other[OTHER + NS + 1]; /* the other slot: its prompt, then a token a call */
     uint64_t x = 4242;
     for (int i = 0; i < P; i++)
         toks[i] = rand_tok(&x, (uint64_t)V);
-    for (int i = 0; i < OTHER + NS; i++)
+    for (int i = 0; i < OTHER + NS + 1; i++)
         other[i] = rand_tok(&x, (uint64_t)V);
     float *first = malloc((size_t)(NS + 1) * V * 4), *again = malloc((size_t)(NS + 1) * V * 4),
           *out = malloc((size_t)4 * V * 4);
     m40_kv *kv = m40_kv_new(m, 3, 256);
-    CHECK(kv && m40_kv_prefix_cache_enabled(kv), "%s: the prefix cache kept on", label);
+    CHECK(kv && m40_kv_prefix_cache_enabled(kv), "%s: the prefix cache on under batch invariance", label);
     /* slot 0: the prompt in 28 + 17 tokens beside slot 2's prompt, then steps beside slot 2's */
     int32_t done = 0, odone = 0, t_out = 0;
     for (int c = 0; c < 2 + NS && kv && first && again && out; c++) {
@@ -1569,6 +1579,71 @@ static void test_batch_invariant_cached(const char *path, const char *label)
     m40_model_free(m);
 }
 
+/* 8c. The engine under batch invariance with its prefix cache: a prompt of 16k + 1 tokens
+ * served among PC_N - 1 others, then alone on its cached blocks: the same greedy text,
+ * and the alone request reuses 16(k - 1) of its tokens, not 16k (the scheduler leaves
+ * two prompt tokens to compute: one alone would be computed as a decode query, not as
+ * the chunk that computed it the first time; BENCHMARKS.md, thirty-fourth session). */
+static void test_batch_invariant_engine(const char *path)
+{
+    char err[512];
+    if (access(path, R_OK)) {
+        SKIP("%s is absent", path);
+        return;
+    }
+    m40_model *m = NULL;
+    if (m40_model_load(path, 1, &m, err, sizeof err) != 0) {
+        CHECK(0, "%s: %s", path, err);
+        return;
+    }
+    const m40_tokenizer *tok = m40_model_tokenizer(m);
+    ban_ids[0] = m40_tokenizer_eos(tok);
+    static char pr[PC_N][2048];
+    static int32_t ids[1024];
+    static const char *words[] = {"the", "little", "dog", "ran", "to", "a", "park", "and", "saw", "big", "red", "ball"};
+    /* prompt 0: words until its tokens are 16k + 1 with k >= 4 */
+    int64_t n0 = 0;
+    pr[0][0] = '\0';
+    for (int w = 0; strlen(pr[0]) + 16 < sizeof pr[0] && !(n0 >= 65 && n0 % 16 == 1); w++) {
+        strcat(pr[0], w ? " " : "");
+        strcat(pr[0], words[(w * 7 + w / 12) % 12]);
+        n0 = m40_tokenize(tok, pr[0], strlen(pr[0]), m40_tokenizer_add_bos(tok), 0, ids, 1024, err, sizeof err);
+    }
+    m40_model_free(m);
+    CHECK(n0 >= 65 && n0 % 16 == 1, "a prompt of 16k + 1 tokens (%lld)", (long long)n0);
+    for (int i = 1; i < PC_N; i++)
+        snprintf(pr[i], sizeof pr[i], "%s %s %s and the %s", prompts[i % 6], words[i], words[(i * 5) % 12],
+                 words[(i * 3) % 12]);
+    static job conc[PC_N], alone;
+    m40_engine_stats st0, st1;
+    setenv("M40_BATCH_INVARIANT_CACHE", "1", 1); /* read when the engine loads (8b) */
+    m40_engine *e = pc_start_as(path, PC_N, 32, NULL, 1, 1);
+    unsetenv("M40_BATCH_INVARIANT_CACHE");
+    if (!e)
+        return;
+    CHECK(pc_run(e, pr, conc) == 0, "batch invariant: the concurrent requests did not finish");
+    settle_stats(e, &st0);
+    m40_request_params p;
+    params(&p, pr[0], PC_GEN);
+    job *js[1] = {&alone};
+    memset(&alone, 0, sizeof alone);
+    CHECK(m40_engine_submit(e, &p, &alone, &alone.req, err, sizeof err) == M40_SUBMIT_OK, "submit: %s", err);
+    CHECK(pump(e, js, 1, 60) == 0, "batch invariant: the request alone did not finish");
+    m40_request_release(alone.req);
+    settle_stats(e, &st1);
+    const uint64_t hit = st1.prefix_cache_hit_tokens - st0.prefix_cache_hit_tokens;
+    CHECK(hit == (uint64_t)(n0 - 17), "batch invariant: %llu cached tokens of a %lld-token prompt (want %lld)",
+          (unsigned long long)hit, (long long)n0, (long long)(n0 - 17));
+    CHECK(alone.finish == M40_FINISH_LENGTH && conc[0].finish == M40_FINISH_LENGTH &&
+              strcmp(alone.text, conc[0].text) == 0,
+          "batch invariant: alone on the cached prefix differs from among others:\n  [%s]\n  [%s] %s", alone.text,
+          conc[0].text, alone.err_msg);
+    printf("batch invariance, engine %s: a %lld-token prompt alone on %llu cached tokens, %s among %d\n",
+           strrchr(path, '/') + 1, (long long)n0, (unsigned long long)hit,
+           strcmp(alone.text, conc[0].text) == 0 ? "the same text as" : "NOT the text of", PC_N);
+    m40_engine_destroy(e);
+}
+
 /* 8 on small synthetic models (mkmodel shape) of file type ft; f16: the F16 products
  * forced (M40_GEMM=f16: the quantized GEMM and cuBLAS in F16, as a 7B model takes them;
  * else F32 products, as a model this small takes them) */
@@ -1597,12 +1672,12 @@ int main(void)
         SKIP("no CUDA device");
         return check_done();
     }
-    /* M40_TEST_BI_MODEL=PATH: test 8 alone, on that model (a 7B file, say) */
+    /* M40_TEST_BI_MODEL=PATH: tests 8, 8b and 8c alone, on that model (a 7B file, say) */
     const char *bi_model = getenv("M40_TEST_BI_MODEL");
     if (bi_model && *bi_model) {
         test_batch_invariant(bi_model, bi_model);
-        if (getenv("M40_TEST_BI_CACHE") && atoi(getenv("M40_TEST_BI_CACHE")) == 1)
-            test_batch_invariant_cached(bi_model, bi_model);
+        test_batch_invariant_cached(bi_model, bi_model);
+        test_batch_invariant_engine(bi_model);
         return check_done();
     }
     test_gemma3_synthetic(256, 1, 0.0f, M40_TYPE_F32);
@@ -1670,6 +1745,11 @@ int main(void)
     snprintf(path, sizeof path, "%s/models/next/tiny-gpt-oss-mxfp4.gguf", shared_copy);
     if (moe_allowed(path, "gpt-oss")) /* sinks, biases, windows of 128 */
         test_batch_invariant(path, "tiny-gpt-oss-mxfp4");
+    snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
+    test_batch_invariant_cached(path, "stories260K");
+    test_batch_invariant_engine(path);
+    snprintf(path, sizeof path, "%s/models/next/tiny-gemma2-f16.gguf", shared_copy);
+    test_batch_invariant_cached(path, "tiny-gemma2-f16");
     snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
     test_engine(path);
     snprintf(path, sizeof path, "%s/models/tiny-llama-q8_0.gguf", shared_copy);
