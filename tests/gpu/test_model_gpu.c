@@ -1117,6 +1117,24 @@ static void test_engine(const char *path)
 
 /* ---------- 6. automatic prefix caching ---------- */
 
+/* path loaded on the CPU for its tokenizer (the engine tests' prompts), the end-of-text
+ * token banned by params(); NULL after a SKIP (absent) or a failed CHECK. */
+static m40_model *tokens_model(const char *path)
+{
+    char err[512];
+    m40_model *m = NULL;
+    if (access(path, R_OK)) {
+        SKIP("%s is absent", path);
+        return NULL;
+    }
+    if (m40_model_load(path, 1, &m, err, sizeof err) != 0) {
+        CHECK(0, "%s: %s", path, err);
+        return NULL;
+    }
+    ban_ids[0] = m40_tokenizer_eos(m40_model_tokenizer(m));
+    return m;
+}
+
 #define PC_N 8
 #define PC_GEN 24
 
@@ -1221,17 +1239,10 @@ static int pc_run_cancel(m40_engine *e, char prompts_[PC_N][2048], job *jobs)
 static void test_prefix_cache(const char *path)
 {
     char err[512];
-    if (access(path, R_OK)) {
-        SKIP("%s is absent", path);
+    m40_model *m = tokens_model(path);
+    if (!m)
         return;
-    }
-    m40_model *m = NULL;
-    if (m40_model_load(path, 1, &m, err, sizeof err) != 0) {
-        CHECK(0, "%s: %s", path, err);
-        return;
-    }
     const m40_tokenizer *tok = m40_model_tokenizer(m);
-    ban_ids[0] = m40_tokenizer_eos(tok);
     static char pr[PC_N][2048];
     static int32_t ids[PC_N][1024];
     static const char *sentences[] = {"Once upon a time there was a little girl named Lily. ",
@@ -1587,17 +1598,10 @@ static void test_batch_invariant_cached(const char *path, const char *label)
 static void test_batch_invariant_engine(const char *path)
 {
     char err[512];
-    if (access(path, R_OK)) {
-        SKIP("%s is absent", path);
+    m40_model *m = tokens_model(path);
+    if (!m)
         return;
-    }
-    m40_model *m = NULL;
-    if (m40_model_load(path, 1, &m, err, sizeof err) != 0) {
-        CHECK(0, "%s: %s", path, err);
-        return;
-    }
     const m40_tokenizer *tok = m40_model_tokenizer(m);
-    ban_ids[0] = m40_tokenizer_eos(tok);
     static char pr[PC_N][2048];
     static int32_t ids[1024];
     static const char *words[] = {"the", "little", "dog", "ran", "to", "a", "park", "and", "saw", "big", "red", "ball"};
