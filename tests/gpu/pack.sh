@@ -42,7 +42,7 @@ cp build/m40 build/ngx_http_m40_module.so build/tests/test_longrope "$stage/bin/
 [ -x "$NGINX_BIN" ] && cp "$NGINX_BIN" "$stage/bin/nginx"
 strip -g "$stage"/bin/* 2>/dev/null || true
 for b in "$stage"/bin/*; do ldd "$b" 2>/dev/null || true; done | awk '/=>/ {print $3}' | sort -u |
-    grep -v -E '/(libc|libm|libpthread|libdl|libresolv|librt|ld-linux|libstdc\+\+|libgcc_s|libcuda|libcublasLt|libcublas|libcudart|libnccl)[.-]' |
+    { grep -v -E '/(libc|libm|libpthread|libdl|libresolv|librt|ld-linux|libstdc\+\+|libgcc_s|libcuda|libcublasLt|libcublas|libcudart|libnccl)[.-]' || true; } |
     while read -r l; do cp -L "$l" "$stage/lib/"; done
 mkdir -p "$(dirname "$out")"
 tar -C "$stage" -cf - bin lib | xz --lzma2=preset=6,dict=512MiB -T1 >"$out"
