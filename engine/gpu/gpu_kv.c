@@ -107,14 +107,10 @@ m40_gpu_kv *m40_gpu_kv_new(m40_gpu *g, int32_t n_slots, int32_t ctx, const m40_k
         nb = INT32_MAX / M40K_PAGE;
     if (kv_alloc(kv, nb, err, errlen))
         goto fail;
-    /* M40_PREFIX_CACHE=0: off (test and benchmark seam). Off under batch invariance too:
-     * with it, 2 of 96 greedy answers of an F16 model at 64 streams differed from the
-     * same requests alone (BENCHMARKS.md, thirty-third session). Both prompts were 16k + 1
-     * tokens: their cached blocks left one token, computed alone as a decode query
-     * (scheduler.c's first_chunk now leaves two; thirty-fourth session). On again once a
-     * server run shows it; M40_BATCH_INVARIANT_CACHE=1 keeps it on for that run. */
-    kv->pool = m40_paged_kv_new(n_slots, kv->n_blocks, M40K_PAGE,
-                                g->tuning.prefix_cache && (!g->invariant || g->tuning.bi_prefix_cache));
+    /* M40_PREFIX_CACHE=0: off (test and benchmark seam). On under batch invariance too:
+     * a cached prefix there leaves at least two prompt tokens to compute as a chunk
+     * (scheduler.c first_chunk; BENCHMARKS.md, thirty-fifth session). */
+    kv->pool = m40_paged_kv_new(n_slots, kv->n_blocks, M40K_PAGE, g->tuning.prefix_cache);
     if (!kv->pool) {
         m40_set_err(err, errlen, "out of memory for the KV block tables (%d blocks)", (int)nb);
         goto fail;

@@ -155,7 +155,7 @@ struct m40_engine {
                                    * statistics (a change no event carries) */
     int32_t n_threads;
     int cpu_fast;
-    int batch_invariant; /* m40_engine_config.batch_invariant */
+    int batch_invariant; /* m40_engine_config.batch_invariant, or M40_BATCH_INVARIANT=1 (the model's, at load) */
     m40_prefill_policy prefill;   /* budget, chunk, floor, guard (0: off); set at create */
     int prefill_budget_auto;
 

@@ -195,6 +195,9 @@ static int engine_load(m40_engine *e, char *err, size_t errlen)
         snprintf(err, errlen, "%s: %s", e->model_path, merr);
         return -1;
     }
+    /* What the model loaded with: the directive, or M40_BATCH_INVARIANT=1, which the
+     * scheduler's chunk rules (scheduler.c invariant_chunks, first_chunk) must follow too */
+    e->batch_invariant = m40_model_tuning(e->model)->batch_invariant;
     const m40_model_params *mp = m40_model_get_params(e->model);
     int32_t ctx = e->ctx_cfg > 0 ? e->ctx_cfg : mp->ctx_train;
     if (ctx <= 0) {

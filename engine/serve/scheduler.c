@@ -259,8 +259,7 @@ static int first_chunk(void *ctx, int32_t i, int32_t *n_prefilled)
  * the same way whatever else runs, no prompt chunk is one token unless the whole prompt
  * is, and none leaves one token behind: such a chunk is a token shorter, or waits a step
  * for a longer one while other rows go ahead (and a cached prefix leaves two tokens:
- * first_chunk; the GPU keeps its prefix cache off under batch invariance for now,
- * gpu_kv.c). Not where the limits allow no better (prefill_chunk or budget 1; a prompt
+ * first_chunk). Not where the limits allow no better (prefill_chunk or budget 1; a prompt
  * of three tokens left under chunks of two; a sequence alone under a budget of two). */
 static void invariant_chunks(const m40_engine *e, int32_t *take)
 {

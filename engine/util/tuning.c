@@ -66,8 +66,6 @@ void m40_tuning_from_env(m40_tuning *t)
         t->pick_threads = 64;
     const char *bi = getenv("M40_BATCH_INVARIANT");
     t->batch_invariant = bi && atoi(bi) == 1;
-    const char *bc = getenv("M40_BATCH_INVARIANT_CACHE");
-    t->bi_prefix_cache = bc && atoi(bc) == 1;
     const char *gu = getenv("M40_GPU_UNVALIDATED");
     t->gpu_unvalidated = gu && atoi(gu) == 1;
 }

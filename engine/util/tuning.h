@@ -68,9 +68,6 @@ typedef struct {
                            * row of a step computed as it would be alone (model_cuda_fwd.c,
                            * inv_*: one kernel and split a product, whatever the batch); off
                            * by default: slower */
-    int bi_prefix_cache;  /* M40_BATCH_INVARIANT_CACHE=1: the GPU's prefix cache stays on under batch
-                           * invariance (a test seam, until a server run confirms the fix of
-                           * BENCHMARKS.md's thirty-fourth session; gpu_kv.c) */
     int gpu_unvalidated;  /* M40_GPU_UNVALIDATED=1: a GPU loads an architecture whose row is not
                            * gpu_validated (a test seam to validate it without a rebuild;
                            * logged loudly at every such load) */

@@ -38,7 +38,8 @@ request's time and prompt tokens, and streams that ended before it did.
 timed run (and outside its numbers) the first N requests run again one at a time, and
 each greedy output (temperature 0) must equal the text and finish reason that the same
 request got among the concurrent ones. The report says how many matched and where the
-first ones differ; any difference makes the exit status 1.
+first ones differ (with --metrics also how many of their prompt tokens the server
+computed: the rest came from its prefix cache); any difference makes the exit status 1.
 
 The run is bounded (a fixed number of requests, a timeout per request) and only
 talks to loopback addresses: it refuses any other target.
@@ -395,6 +396,10 @@ async def compare_alone(args, addr, port, path, bodies, results):
     one the same request got among the concurrent ones."""
     n = min(args.compare_alone, len(bodies))
     same, errors, diffs = 0, 0, []
+    prompt = 0
+    # what the requests alone computed of their prompts (the rest came from the prefix
+    # cache, which holds them from the concurrent run): /metrics, with --metrics
+    m_before = (await fetch_metrics(args, addr, port))[0] if args.metrics else None
     for i in range(n):
         alone = Result()
         await run_one(args, addr, port, path, bodies[i], alone)
@@ -402,6 +407,7 @@ async def compare_alone(args, addr, port, path, bodies, results):
         if not alone.ok or not busy.ok:
             errors += 1
             continue
+        prompt += alone.prompt_tokens
         a, b = "".join(alone.text), "".join(busy.text)
         if a == b and alone.finish == busy.finish:
             same += 1
@@ -409,7 +415,11 @@ async def compare_alone(args, addr, port, path, bodies, results):
         at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
         diffs.append({"request": i, "at_char": at, "concurrent": b[max(0, at - 20):at + 40],
                       "alone": a[max(0, at - 20):at + 40], "finish": [busy.finish, alone.finish]})
-    return {"compared": n, "identical": same, "errors": errors, "differ": len(diffs), "first_diffs": diffs[:3]}
+    key = "m40_prompt_tokens_computed_total"
+    m_after = (await fetch_metrics(args, addr, port))[0] if m_before is not None else None
+    computed = m_after[key] - m_before[key] if m_after and key in m_after and key in m_before else None
+    return {"compared": n, "identical": same, "errors": errors, "differ": len(diffs), "first_diffs": diffs[:3],
+            "prompt_tokens": prompt, "prompt_tokens_computed": computed}
 
 
 async def run_long_prompt(args, addr, port, path):
@@ -608,7 +618,9 @@ def print_report(s):
     if "alone" in s:
         a = s["alone"]
         print(f"alone:      {a['identical']} of {a['compared']} outputs identical to the same request run alone"
-              + (f", {a['errors']} not comparable (a request failed)" if a["errors"] else ""))
+              + (f", {a['errors']} not comparable (a request failed)" if a["errors"] else "")
+              + (f"; alone, {a['prompt_tokens_computed']:.0f} of their {a['prompt_tokens']} prompt tokens computed"
+                 if a["prompt_tokens_computed"] is not None else ""))
         for d in a["first_diffs"]:
             print(f"  request {d['request']} differs at char {d['at_char']} (finish {d['finish'][0]} / "
                   f"{d['finish'][1]}):\n    concurrent: {d['concurrent']!r}\n    alone:      {d['alone']!r}")

@@ -34,8 +34,7 @@
  *      prompt's cached blocks reused in another slot, the same bits (stories260K,
  *      tiny-gemma2-f16); 8c, the engine with its prefix cache: a prompt of 16k + 1
  *      tokens alone on its cached blocks computes its last 17 and gives the text it
- *      gave among others (both with M40_BATCH_INVARIANT_CACHE=1: the product keeps the
- *      cache off under batch invariance until a server run confirms the fix). */
+ *      gave among others. */
 #include <cuda_runtime.h>
 #include <dirent.h>
 #include <math.h>
@@ -1508,17 +1507,14 @@ static void test_batch_invariant(const char *path, const char *label)
     m40_model_free(m);
 }
 
-/* 8b. Batch invariance with the prefix cache (kept on by the seam
- * M40_BATCH_INVARIANT_CACHE=1 until a server run confirms it: gpu_kv.c): a prompt
- * computed in two chunks beside another slot's rows, then greedy steps, against the
- * same prompt in a second slot that starts on the first one's cached blocks and
- * computes only its tail: the logits, bit for bit. */
+/* 8b. Batch invariance with the prefix cache: a prompt computed in two chunks beside
+ * another slot's rows, then greedy steps, against the same prompt in a second slot that
+ * starts on the first one's cached blocks and computes only its tail: the logits, bit
+ * for bit. */
 static void test_batch_invariant_cached(const char *path, const char *label)
 {
     char err[512];
-    setenv("M40_BATCH_INVARIANT_CACHE", "1", 1);
     m40_model *m = load_on_gpu_as(path, 1);
-    unsetenv("M40_BATCH_INVARIANT_CACHE");
     if (!m)
         return;
     enum { P = 45, OTHER = 30, NS = 5 }; /* prompt, the other slot's prompt, steps */
@@ -1620,9 +1616,7 @@ static void test_batch_invariant_engine(const char *path)
                  words[(i * 3) % 12]);
     static job conc[PC_N], alone;
     m40_engine_stats st0, st1;
-    setenv("M40_BATCH_INVARIANT_CACHE", "1", 1); /* read when the engine loads (8b) */
     m40_engine *e = pc_start_as(path, PC_N, 32, NULL, 1, 1);
-    unsetenv("M40_BATCH_INVARIANT_CACHE");
     if (!e)
         return;
     CHECK(pc_run(e, pr, conc) == 0, "batch invariant: the concurrent requests did not finish");

@@ -12,7 +12,7 @@ static const char *const names[] = {"M40_GEMM", "M40_PDL", "M40_CLUSTER", "M40_S
                                     "M40_GPU_UNVALIDATED", "M40_MOE_GEMV_ROWS", "M40_PICK_THREADS", "M40_GPU_SAMPLE",
                                     "M40_GEMV_ROWS", "M40_PREFILL_F16", "M40_FUSE_RESIDUAL", "M40_MOE_GEMM_REG",
                                     "M40_MOE_PAD", "M40_MOE_Q8", "M40_DEC_HSPLIT", "M40_TP_SYMMETRIC",
-                                    "M40_BATCH_INVARIANT", "M40_BATCH_INVARIANT_CACHE"};
+                                    "M40_BATCH_INVARIANT"};
 
 static void clear(void)
 {
@@ -40,8 +40,7 @@ int main(void)
         const char *name;
         size_t off;
     } opt_in[] = {{"M40_GPU_UNVALIDATED", offsetof(m40_tuning, gpu_unvalidated)},
-                  {"M40_BATCH_INVARIANT", offsetof(m40_tuning, batch_invariant)},
-                  {"M40_BATCH_INVARIANT_CACHE", offsetof(m40_tuning, bi_prefix_cache)}};
+                  {"M40_BATCH_INVARIANT", offsetof(m40_tuning, batch_invariant)}};
     for (size_t i = 0; i < sizeof opt_in / sizeof opt_in[0]; i++) {
         const char *v[] = {NULL, "yes", "1"};
         for (int k = 0; k < 3; k++) {
