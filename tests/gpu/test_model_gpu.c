@@ -1590,8 +1590,10 @@ static void test_batch_invariant_cached(const char *path, const char *label)
  * served among PC_N - 1 others, then alone on its cached blocks: the same greedy text,
  * and the alone request reuses 16(k - 1) of its tokens, not 16k (the scheduler leaves
  * two prompt tokens to compute: one alone would be computed as a decode query, not as
- * the chunk that computed it the first time; BENCHMARKS.md, thirty-fourth session). */
-static void test_batch_invariant_engine(const char *path)
+ * the chunk that computed it the first time; BENCHMARKS.md, thirty-fourth session).
+ * via_env: the switch from M40_BATCH_INVARIANT=1 instead of the engine's configuration,
+ * which the scheduler must follow too (it did not: thirty-fifth session). */
+static void test_batch_invariant_engine(const char *path, int via_env)
 {
     char err[512];
     m40_model *m = tokens_model(path);
@@ -1616,7 +1618,10 @@ static void test_batch_invariant_engine(const char *path)
                  words[(i * 3) % 12]);
     static job conc[PC_N], alone;
     m40_engine_stats st0, st1;
-    m40_engine *e = pc_start_as(path, PC_N, 32, NULL, 1, 1);
+    if (via_env)
+        setenv("M40_BATCH_INVARIANT", "1", 1); /* read when the engine thread loads the model */
+    m40_engine *e = pc_start_as(path, PC_N, 32, NULL, 1, !via_env);
+    unsetenv("M40_BATCH_INVARIANT");
     if (!e)
         return;
     CHECK(pc_run(e, pr, conc) == 0, "batch invariant: the concurrent requests did not finish");
@@ -1636,8 +1641,8 @@ static void test_batch_invariant_engine(const char *path)
               strcmp(alone.text, conc[0].text) == 0,
           "batch invariant: alone on the cached prefix differs from among others:\n  [%s]\n  [%s] %s", alone.text,
           conc[0].text, alone.err_msg);
-    printf("batch invariance, engine %s: a %lld-token prompt alone on %llu cached tokens, %s among %d\n",
-           strrchr(path, '/') + 1, (long long)n0, (unsigned long long)hit,
+    printf("batch invariance, engine %s%s: a %lld-token prompt alone on %llu cached tokens, %s among %d\n",
+           strrchr(path, '/') + 1, via_env ? " (M40_BATCH_INVARIANT=1)" : "", (long long)n0, (unsigned long long)hit,
            strcmp(alone.text, conc[0].text) == 0 ? "the same text as" : "NOT the text of", PC_N);
     m40_engine_destroy(e);
 }
@@ -1675,7 +1680,7 @@ int main(void)
     if (bi_model && *bi_model) {
         test_batch_invariant(bi_model, bi_model);
         test_batch_invariant_cached(bi_model, bi_model);
-        test_batch_invariant_engine(bi_model);
+        test_batch_invariant_engine(bi_model, 0);
         return check_done();
     }
     test_gemma3_synthetic(256, 1, 0.0f, M40_TYPE_F32);
@@ -1745,7 +1750,8 @@ int main(void)
         test_batch_invariant(path, "tiny-gpt-oss-mxfp4");
     snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
     test_batch_invariant_cached(path, "stories260K");
-    test_batch_invariant_engine(path);
+    test_batch_invariant_engine(path, 0);
+    test_batch_invariant_engine(path, 1);
     snprintf(path, sizeof path, "%s/models/next/tiny-gemma2-f16.gguf", shared_copy);
     test_batch_invariant_cached(path, "tiny-gemma2-f16");
     snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared_copy);
