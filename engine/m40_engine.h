@@ -252,6 +252,8 @@ typedef struct {
     /* DONE */
     m40_finish finish;
     int32_t prompt_tokens;         /* on TEXT events too (known once the prompt is) */
+    int32_t cached_tokens;         /* of prompt_tokens, those found in the prefix cache (not
+                                    * computed); 0 without one (CPU engine) */
     int32_t completion_tokens;
     int32_t stop_matched;          /* DONE: 1 + the index of the request's stop string that
                                     * ended the output; 0 when none did */

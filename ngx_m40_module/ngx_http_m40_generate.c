@@ -910,6 +910,7 @@ ngx_http_m40_choice_done(ngx_http_m40_ctx_t *ctx, ngx_http_m40_choice_t *ch,
     ch->done = 1;
     ch->finish = ev->finish;
     ch->prompt_tokens = ev->prompt_tokens;
+    ch->cached_tokens = ev->cached_tokens;
     ch->completion_tokens = ev->completion_tokens;
     ch->stop_matched = ev->stop_matched;
     ctx->n_done++;

@@ -269,6 +269,7 @@ struct ngx_http_m40_choice_s {
     unsigned             in_tree:1;
     m40_finish           finish;
     int32_t              prompt_tokens;
+    int32_t              cached_tokens;     /* of prompt_tokens, from the prefix cache */
     int32_t              completion_tokens;
     /* Non-streaming: accumulated text and logprobs. */
     u_char              *text;

@@ -319,25 +319,33 @@ ngx_http_m40_finish_reason(m40_finish f)
 }
 
 
+/* The choices share one prompt: it counts once, and cached_tokens is what the
+ * least lucky choice found in the prefix cache (the others of n > 1 find the blocks
+ * the first one computes). */
 json_t *
 ngx_http_m40_usage_json(ngx_http_m40_ctx_t *ctx)
 {
-    int32_t     prompt, completion;
+    int32_t     prompt, cached, completion;
     ngx_uint_t  i;
 
     prompt = 0;
+    cached = ctx->n > 0 ? ctx->choices[0].cached_tokens : 0;
     completion = 0;
 
     for (i = 0; i < ctx->n; i++) {
         if (ctx->choices[i].prompt_tokens > prompt) {
             prompt = ctx->choices[i].prompt_tokens;
         }
+        if (ctx->choices[i].cached_tokens < cached) {
+            cached = ctx->choices[i].cached_tokens;
+        }
         completion += ctx->choices[i].completion_tokens;
     }
 
-    return json_pack("{s:i,s:i,s:i}", "prompt_tokens", (int) prompt,
+    return json_pack("{s:i,s:i,s:i,s:{s:i}}", "prompt_tokens", (int) prompt,
                      "completion_tokens", (int) completion,
-                     "total_tokens", (int) (prompt + completion));
+                     "total_tokens", (int) (prompt + completion),
+                     "prompt_tokens_details", "cached_tokens", (int) cached);
 }
 
 

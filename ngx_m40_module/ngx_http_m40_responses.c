@@ -623,7 +623,8 @@ ngx_http_m40_resp_usage(ngx_http_m40_choice_t *ch)
     /* reasoning tokens are not counted apart from the others by the engine */
     return json_pack("{s:i,s:{s:i},s:i,s:{s:i},s:i}",
                      "input_tokens", (int) ch->prompt_tokens,
-                     "input_tokens_details", "cached_tokens", 0,
+                     "input_tokens_details", "cached_tokens",
+                     (int) ch->cached_tokens,
                      "output_tokens", (int) ch->completion_tokens,
                      "output_tokens_details", "reasoning_tokens", 0,
                      "total_tokens",

@@ -52,6 +52,7 @@ static void admit(m40_engine *e, m40_request *r, int32_t slot)
     s->prompt = ids;
     s->n_prompt = n;
     s->n_prompt_user = n;
+    s->n_cached = -1; /* set at its first chunk (scheduler.c first_chunk) */
     s->cap_prompt = n;
     e->tstats.prompt_tokens_total += (uint64_t)n;
 }

@@ -117,6 +117,8 @@ typedef struct {
     int32_t *prompt;     /* prompt tokens, then the generated tokens fed so far */
     int32_t n_prompt;    /* tokens to prefill (grows when a preempted sequence recomputes) */
     int32_t n_prompt_user; /* the request's prompt length (usage) */
+    int32_t n_cached;      /* of those, found in the prefix cache at its first chunk (usage's
+                            * cached_tokens; not its own blocks found again after preemption) */
     int stop_matched;      /* 1 + index of the request's stop string that ended it, else 0 */
     int32_t cap_prompt;
     int32_t n_prefilled;

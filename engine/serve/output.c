@@ -68,6 +68,7 @@ void m40_push_done(m40_engine *e, m40_slot *s, m40_finish finish)
     ev.type = M40_EV_DONE;
     ev.finish = finish;
     ev.prompt_tokens = s->n_prompt_user;
+    ev.cached_tokens = s->n_cached > 0 ? s->n_cached : 0;
     ev.completion_tokens = s->n_gen;
     ev.stop_matched = finish == M40_FINISH_STOP ? s->stop_matched : 0;
     ev.reasoning_open = s->r->reasoning_open;
@@ -153,6 +154,7 @@ static int emit_held(m40_engine *e, m40_slot *s, size_t nbytes, int drop_rest)
         ev.type = M40_EV_TEXT;
         ev.reasoning_open = r->reasoning_open;
         ev.prompt_tokens = s->n_prompt_user;
+        ev.cached_tokens = s->n_cached > 0 ? s->n_cached : 0;
         ev.text = malloc(nbytes + 1);
         if (!ev.text)
             return -1;

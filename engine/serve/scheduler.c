@@ -250,6 +250,8 @@ static int first_chunk(void *ctx, int32_t i, int32_t *n_prefilled)
     int32_t hit = m40_kv_slot_match_prefix(e->kv, i, s->prompt, n);
     if (hit > 0 && hit < s->n_prompt)
         s->n_prefilled = s->n_past = *n_prefilled = hit;
+    if (s->n_cached < 0)
+        s->n_cached = hit > 0 && hit < s->n_prompt_user ? hit : 0;
     return 1;
 }
 

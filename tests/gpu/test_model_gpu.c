@@ -1315,6 +1315,13 @@ static void test_prefix_cache(const char *path)
           (unsigned long long)st1.prefix_cache_hit_tokens, (long long)sum_n);
     CHECK(st1.prefix_cache_queries >= PC_N && st1.prefix_cache_hit_tokens <= st1.prefix_cache_query_tokens,
           "queries %llu", (unsigned long long)st1.prefix_cache_queries);
+    /* usage's cached_tokens: each request's hit (no preemption here), none without the cache */
+    int64_t cached_on = 0, cached_off = 0;
+    for (int i = 0; i < PC_N; i++)
+        cached_on += on[i].cached_tokens, cached_off += off[i].cached_tokens;
+    CHECK(cached_off == 0 && cached_on == (int64_t)st1.prefix_cache_hit_tokens,
+          "usage: %lld cached tokens with the cache (%llu hit), %lld without", (long long)cached_on,
+          (unsigned long long)st1.prefix_cache_hit_tokens, (long long)cached_off);
 
     /* The same requests again: every full block of each prompt is cached by now. */
     CHECK(pc_run(e, pr, again) == 0, "repeated requests did not finish");
@@ -1637,6 +1644,9 @@ static void test_batch_invariant_engine(const char *path, int via_env)
     const uint64_t hit = st1.prefix_cache_hit_tokens - st0.prefix_cache_hit_tokens;
     CHECK(hit == (uint64_t)(n0 - 17), "batch invariant: %llu cached tokens of a %lld-token prompt (want %lld)",
           (unsigned long long)hit, (long long)n0, (long long)(n0 - 17));
+    CHECK(alone.prompt_tokens == n0 && alone.cached_tokens == n0 - 17 && conc[0].cached_tokens < alone.cached_tokens,
+          "usage: the request alone %d of %d prompt tokens cached (among others %d)", alone.cached_tokens,
+          alone.prompt_tokens, conc[0].cached_tokens);
     CHECK(alone.finish == M40_FINISH_LENGTH && conc[0].finish == M40_FINISH_LENGTH &&
               strcmp(alone.text, conc[0].text) == 0,
           "batch invariant: alone on the cached prefix differs from among others:\n  [%s]\n  [%s] %s", alone.text,

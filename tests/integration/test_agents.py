@@ -210,6 +210,7 @@ def test_responses_text(qwen):
     assert r.object == "response" and r.id.startswith("resp_")
     assert r.status in ("completed", "incomplete")
     assert r.usage.output_tokens <= 12 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.input_tokens_details.cached_tokens == 0  # the CPU engine has no prefix cache
     chat = cl.chat.completions.create(model=TOOL_MODEL_NAME, max_tokens=12, temperature=0,
                                       messages=[{"role": "system", "content": "Be brief."},
                                                 {"role": "user", "content": "Tell me a story"}])

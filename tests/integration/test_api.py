@@ -60,6 +60,7 @@ def test_chat(client, model):
     u = r.usage
     assert u.prompt_tokens > 0 and 0 < u.completion_tokens <= 24
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == 0  # the CPU engine has no prefix cache
     if c.finish_reason == "length":
         assert u.completion_tokens == 24
 

@@ -38,7 +38,7 @@ typedef struct {
     size_t len;
     int done, n_events, n_text_events, n_logprob_tokens;
     m40_finish finish;
-    int prompt_tokens, completion_tokens;
+    int prompt_tokens, cached_tokens, completion_tokens;
     int stop_matched; /* DONE: 1 + the index of the stop string that ended it */
     int err_status;
     char err_msg[256];
@@ -61,6 +61,7 @@ static inline void job_take(job *j)
             j->done = 1;
             j->finish = ev.finish;
             j->prompt_tokens = ev.prompt_tokens;
+            j->cached_tokens = ev.cached_tokens;
             j->completion_tokens = ev.completion_tokens;
             j->stop_matched = ev.stop_matched;
         } else {

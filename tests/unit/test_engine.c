@@ -227,6 +227,7 @@ int main(void)
         int64_t np = m40_tokenize(tok, prompts[0], strlen(prompts[0]), m40_tokenizer_add_bos(tok), 0, ids, 64, err,
                                   sizeof err);
         CHECK(j.prompt_tokens == np, "prompt_tokens %d vs %lld", j.prompt_tokens, (long long)np);
+        CHECK(j.cached_tokens == 0, "cached_tokens %d without a prefix cache", j.cached_tokens);
         CHECK(j.n_logprob_tokens == ref_n - ref_eog, "logprob tokens %d for %d text tokens", j.n_logprob_tokens,
               ref_n - ref_eog);
         m40_request_release(j.req);
