@@ -260,6 +260,8 @@ int m40_cpu_isa(void)
         if (v == M40_ISA_AVX2 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vnni"))
             v = M40_ISA_AVX512VNNI;
+        if (v == M40_ISA_AVX512VNNI && m40_amx_usable())
+            v = M40_ISA_AMX;
         isa = v;
     }
     return isa;
@@ -272,7 +274,7 @@ int m40_cpu_isa(void)
 
 const char *m40_cpu_isa_name(int isa)
 {
-    static const char *const names[M40_ISA_COUNT] = {"portable C", "AVX2", "AVX-512 VNNI", "NEON"};
+    static const char *const names[M40_ISA_COUNT] = {"portable C", "AVX2", "AVX-512 VNNI", "AMX", "NEON"};
     return isa >= 0 && isa < M40_ISA_COUNT ? names[isa] : "?";
 }
 
@@ -285,6 +287,7 @@ static const m40_cpu_kernels *simd(int isa)
     switch (isa) {
     case M40_ISA_AVX2: return m40_cpu_kernels_avx2();
     case M40_ISA_AVX512VNNI: return m40_cpu_kernels_avx512();
+    case M40_ISA_AMX: return m40_cpu_kernels_amx();
     case M40_ISA_NEON: return m40_cpu_kernels_neon();
     default: return NULL;
     }
@@ -369,4 +372,10 @@ m40_dot_fin_fn m40_dot_fin_kernel(uint32_t type, int isa)
 {
     const m40_cpu_kernels *k = simd(isa);
     return k ? k->fin(type) : NULL;
+}
+
+m40_dot_tile_fn m40_dot_tile_kernel(uint32_t type, int isa)
+{
+    const m40_cpu_kernels *k = simd(isa);
+    return k && k->tile ? k->tile(type) : NULL;
 }

@@ -51,7 +51,11 @@ m40_xq_quantize_fn m40_xq_quantize_isa(int isa); /* NULL: not on this CPU */
 
 /* Instruction sets: the x86 ones widest last, then AArch64's. m40_cpu_isa gives the one
  * this CPU runs best; asking for an isa below it of the other architecture gives NULL. */
-enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_NEON = 3, M40_ISA_COUNT };
+enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_AMX = 3, M40_ISA_NEON = 4, M40_ISA_COUNT };
+
+/* 1 when this CPU has AMX-INT8, the OS saves its tile state and grants it to this
+ * process (asked for here, once); 0 too with M40_CPU_AMX=0 (cpu_dot_amx.c). */
+int m40_amx_usable(void);
 
 /* The widest this CPU runs (checked once at run time). */
 int m40_cpu_isa(void);
@@ -94,6 +98,19 @@ m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa);
 m40_dot_part_fn m40_dot_part_kernel(uint32_t type, int isa);
 m40_dot_fin_fn m40_dot_fin_kernel(uint32_t type, int isa);
 
+/* Tiles (M40_ISA_AMX): the products of up to 16 weight rows (row r at w + r * row_bytes)
+ * with n tokens at once, out[t * ostride + r], the same bits as the isa's one-token
+ * kernel for each (row, token). The tokens' records are prepared first, once for all
+ * the rows: m40_dot_tile_prep writes tile `tile` (tokens 16 tile .. 16 tile + 15) of
+ * the n tokens' records x [n][nb] and sums xsum [n][nb] into out, which holds
+ * m40_dot_tile_prep_bytes(n, K) bytes for all the tiles. -1: no memory (the caller
+ * takes the one-token kernel). */
+typedef int (*m40_dot_tile_fn)(const uint8_t *w, size_t row_bytes, int nrows, int64_t K, const void *xp, int32_t n,
+                               float *out, int64_t ostride);
+m40_dot_tile_fn m40_dot_tile_kernel(uint32_t type, int isa); /* NULL: none for that type or isa */
+size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K);
+void m40_dot_tile_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, void *out);
+
 /* y[i] += a * x[i], i < n, for `isa` (NULL where absent; the portable one is plain C). */
 typedef void (*m40_axpy_fn)(float *y, float a, const float *x, int64_t n);
 m40_axpy_fn m40_axpy_kernel(int isa);
@@ -119,11 +136,13 @@ typedef struct {
     m40_glu_fn (*glu)(int act);
     m40_xq_quantize_fn quantize;
     m40_axpy_fn axpy;
+    m40_dot_tile_fn (*tile)(uint32_t type); /* NULL but in the AMX instance */
 } m40_cpu_kernels;
 /* The instances (cpu_dot_avx2.c, cpu_dot_avx512.c: cpu_dot_x86.h's; cpu_dot_neon.c);
  * NULL where the instance is not built for this architecture. */
 const m40_cpu_kernels *m40_cpu_kernels_avx2(void);
 const m40_cpu_kernels *m40_cpu_kernels_avx512(void);
+const m40_cpu_kernels *m40_cpu_kernels_amx(void); /* cpu_dot_amx.c: AVX-512's, its tiled types' own */
 const m40_cpu_kernels *m40_cpu_kernels_neon(void);
 
 #endif

@@ -12,6 +12,7 @@
 #include "ref/ggml_types.h"
 #include "util/threadpool.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE_ROWS 16
@@ -24,6 +25,10 @@
 /* Tokens a piecewise call takes (its widest register tile is 8: one unpack of a weight
  * block meets 8 tokens). */
 #define PART_TOKENS 8
+/* Tokens from which the tiled types take AMX's tiles (cpu_dot_amx.c) rather than the
+ * one-token kernel a token: the same bits either way, and one tile op costs what it
+ * costs for 16 tokens. */
+#define TILE_MIN_TOKENS 4
 
 int m40_fast_supported(const m40_matrix *w, int *quantized)
 {
@@ -74,14 +79,48 @@ typedef struct {
     m40_dot_part_fn dpart[M40_FAST_MAX_GROUP]; /* piecewise (with dfin), or NULL */
     m40_dot_fin_fn dfin[M40_FAST_MAX_GROUP];
     m40_dot_f_fn df[M40_FAST_MAX_GROUP];
+    m40_dot_tile_fn tile[M40_FAST_MAX_GROUP]; /* AMX tiles (with xp), or NULL */
     int64_t rows_per_chunk[M40_FAST_MAX_GROUP];
     int first_task[M40_FAST_MAX_GROUP + 1]; /* matrix i's chunks: tasks first_task[i] .. first_task[i + 1] */
     int count;
     const float *x;
     const m40_xq *xq;
     const float *xsum;
+    const void *xp; /* the records prepared for the tiles (m40_dot_tile_prep), or NULL */
     int32_t n;
 } fast_job;
+
+static void prep_task(void *ctx, int task, int thread)
+{
+    (void)thread;
+    const fast_job *j = ctx;
+    m40_dot_tile_prep(j->xq, j->xsum, j->w[0]->cols / 32, j->n, task, (void *)j->xp);
+}
+
+/* The caller's buffer for the prepared records: grown, never shrunk (no allocation a
+ * step once the largest step has run); one per engine thread. */
+static __thread void *prep_buf;
+static __thread size_t prep_cap;
+
+static const void *prep_records(struct m40_threadpool *pool, fast_job *j)
+{
+    const size_t need = m40_dot_tile_prep_bytes(j->n, j->w[0]->cols);
+    if (need > prep_cap) {
+        free(prep_buf);
+        prep_buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        prep_cap = prep_buf ? need : 0;
+        if (!prep_buf)
+            return NULL; /* the one-token kernels instead: the same bits */
+    }
+    j->xp = prep_buf;
+    const int tiles = (j->n + 15) / 16;
+    if (tiles == 1 || (int64_t)j->n * j->w[0]->cols < 16384)
+        for (int t = 0; t < tiles; t++)
+            prep_task(j, t, 0);
+    else
+        m40_threadpool_run(pool, tiles, prep_task, j);
+    return prep_buf;
+}
 
 static void fast_task(void *ctx, int task, int thread)
 {
@@ -95,6 +134,20 @@ static void fast_task(void *ctx, int task, int thread)
     const int64_t K = w->cols, nb = K / 32;
     const size_t rows = (size_t)w->rows;
     float *out = j->out[i];
+    if (j->tile[i] && j->xp) { /* AMX: 16 rows at a time against every token */
+        for (int64_t t0 = r0; t0 < r1; t0 += 16) {
+            const int nr = r1 - t0 < 16 ? (int)(r1 - t0) : 16;
+            if (j->tile[i](w->data + (size_t)t0 * w->row_bytes, w->row_bytes, nr, K, j->xp, j->n, out + t0,
+                           (int64_t)rows) == 0)
+                continue;
+            for (int32_t t = 0; t < j->n; t++) /* no memory for the staging */
+                for (int64_t r = t0; r < t0 + nr; r++)
+                    out[(size_t)t * rows + (size_t)r] = j->dq[i](w->data + (size_t)r * w->row_bytes,
+                                                                 j->xq + (size_t)t * (size_t)nb,
+                                                                 j->xsum + (size_t)t * (size_t)nb, K);
+        }
+        return;
+    }
     if (j->dpart[i] && j->n >= 4) { /* prefill: ranges of the row in L1, PART_TOKENS at a time */
         m40_dot_state st[TILE_ROWS][PART_TOKENS];
         for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
@@ -151,8 +204,16 @@ void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matri
         if (!j.dfin[i])
             j.dpart[i] = NULL;
         j.df[i] = quantized ? NULL : m40_dot_f_kernel(ws[i]->type, isa);
+        j.tile[i] = quantized && n >= TILE_MIN_TOKENS ? m40_dot_tile_kernel(ws[i]->type, isa) : NULL;
         work += ws[i]->rows * ws[i]->cols * n;
     }
+    for (int i = 0; i < count; i++)
+        if (j.tile[i]) {
+            if (!prep_records(pool, &j))
+                for (int k = 0; k < count; k++)
+                    j.tile[k] = NULL;
+            break;
+        }
     /* about 4 chunks a thread over the whole group, each matrix its share by its work;
      * tiny groups (the test models) as one chunk each, on the caller */
     int64_t target = work < 65536 || n_threads <= 1 ? 0 : work / (4 * (int64_t)n_threads);
@@ -165,6 +226,8 @@ void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matri
         if (chunks < 1)
             chunks = 1;
         j.rows_per_chunk[i] = (w->rows + chunks - 1) / chunks;
+        if (j.tile[i]) /* whole tiles of 16 rows */
+            j.rows_per_chunk[i] = (j.rows_per_chunk[i] + 15) / 16 * 16;
         j.first_task[i] = tasks;
         tasks += (int)((w->rows + j.rows_per_chunk[i] - 1) / j.rows_per_chunk[i]);
     }

@@ -208,7 +208,8 @@ const m40_gguf *m40_model_gguf(const m40_model *m) { return m->gguf; }
 int m40_model_n_threads(const m40_model *m) { return m->n_threads; }
 const char *m40_model_cpu_path(const m40_model *m)
 {
-    static const char *const fast[M40_ISA_COUNT] = {"fast: portable C", "fast: AVX2", "fast: AVX-512 VNNI"};
+    static const char *const fast[M40_ISA_COUNT] = {"fast: portable C", "fast: AVX2", "fast: AVX-512 VNNI",
+                                                    "fast: AMX", "fast: NEON"};
     return m->gpu ? "gpu" : m->fast ? fast[m40_cpu_isa()] : "exact";
 }
 int m40_model_device(const m40_model *m) { return m->gpu ? m->device : -1; }

@@ -1,0 +1,547 @@
+/* The AMX instance of the fast CPU path (cpu_dot.h, M40_ISA_AMX): Intel's tile unit
+ * multiplies the int16 activation records by the quantized weights as int8 tiles, a
+ * record split into its signed high byte and unsigned low byte (q = 256 hi + lo), so the
+ * integer sum of every 32-element unit (16 for Q6_K, whose scales cover 16) is the exact
+ * one the AVX-512 kernels form, for 16 weight rows and 16 tokens at once (TDPBSSD and
+ * TDPBSUD, 16 cycles a tile op whatever its width; BENCHMARKS.md, thirty-fifth session).
+ *
+ * One arithmetic for every batch size. A (row, token) product is, in F32, eight partial
+ * sums p[l] (l = the unit's index mod 8), each p[l] = fma(S, I, p[l]) over its units in
+ * order, with I the unit's integer sum (converted to F32), S = (the weight's unit scale)
+ * * (the record's d), and for Q4_K then p[l] = p[l] - m * s (the unit's min times the
+ * record's s); the result is ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). The
+ * one-token kernels here (decode: a row at a time on AVX-512 VNNI, eight units' sums
+ * in one vector) and the tile kernel (prefill and batches of 4+ tokens: 16 rows by 16
+ * tokens on AMX, the same partial sums as vectors over tokens) both compute exactly
+ * that, so a prompt gives the same bits in one call or a token a call (batch
+ * invariance). The AVX-512 instance's kernels sum in another order: this instance has
+ * its own one-token kernels for the types it tiles (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) and
+ * takes the AVX-512 instance's for the others.
+ *
+ * Linux hands out the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM);
+ * m40_amx_usable asks once for the process. M40_CPU_AMX=0 keeps the AVX-512 instance
+ * (to measure one against the other). */
+#include "cpu_dot.h"
+
+#include <stdlib.h>
+
+#if defined(__x86_64__)
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "ref/ggml_types.h"
+
+#define AMX_AVX "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+#define AMX_FN static inline __attribute__((target(AMX_AVX), always_inline))
+#define AMX_KERNEL static __attribute__((target(AMX_AVX)))
+#define AMX_TILE_TARGET AMX_AVX ",amx-tile,amx-int8"
+#define AMX_TILE_FN static inline __attribute__((target(AMX_TILE_TARGET), always_inline))
+
+int m40_amx_usable(void)
+{
+    const char *env = getenv("M40_CPU_AMX");
+    if (env && env[0] == '0')
+        return 0;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+        return 0; /* AMX-TILE, AMX-INT8 */
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27)))
+        return 0; /* OSXSAVE: xgetbv runs */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17))
+        return 0; /* the OS saves the tile state (XTILECFG, XTILEDATA) */
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile load faults */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+AMX_FN float amx_f16(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* ------------------------------------------------ unit levels, as int8 */
+
+/* The 32 signed levels of unit u (32 elements) of a row of `type` (Q6_K: the two units of
+ * 16 in elements 32u .. 32u + 31), in element order. */
+AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0:
+        return _mm256_loadu_si256((const __m256i *)(const void *)(row + 34 * u + 2));
+    case M40_TYPE_Q4_0:
+    case M40_TYPE_Q5_0: {
+        const int five = type == M40_TYPE_Q5_0;
+        const uint8_t *b = row + (five ? 22 : 18) * u;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(b + (five ? 6 : 2)));
+        const __m128i m = _mm_set1_epi8(15);
+        __m256i l = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+        if (five) {
+            uint32_t qh;
+            memcpy(&qh, b + 2, 4);
+            l = _mm256_or_si256(l, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
+        }
+        return _mm256_sub_epi8(l, _mm256_set1_epi8(five ? 16 : 8));
+    }
+    case M40_TYPE_Q4_K: { /* sub-block 2c + h: the low (h 0) or high nibbles of qs[32c .. 32c + 32) */
+        const uint8_t *qs = row + 144 * (u / 8) + 16 + 32 * ((u % 8) / 2);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)qs);
+        return _mm256_and_si256(u % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    }
+    default: { /* Q6_K: block jb = 4n + k of its super-block is quarter k of half n */
+        const uint8_t *w = row + 210 * (u / 8);
+        const int jb = (int)(u % 8), n = jb / 4, k = jb % 4;
+        const __m256i A = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n));
+        const __m256i B = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n + 32));
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(const void *)(w + 128 + 32 * n));
+        const __m256i m4 = _mm256_set1_epi8(15);
+        __m256i l;
+        if (k == 0)
+            l = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(3)), 4));
+        else if (k == 1)
+            l = _mm256_or_si256(_mm256_and_si256(B, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(0x0c)), 2));
+        else if (k == 2)
+            l = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                _mm256_and_si256(H, _mm256_set1_epi8(0x30)));
+        else
+            l = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8((char)0xc0)), 2));
+        return _mm256_sub_epi8(l, _mm256_set1_epi8(32));
+    }
+    }
+}
+
+/* Q4_K's 6-bit (scale, min) pairs of super-block sb as bytes j = sub-block j */
+AMX_FN void amx_q4_k_scales(const uint8_t *w, uint64_t *sc, uint64_t *mn)
+{
+    uint32_t sw0, sw1, sw2;
+    memcpy(&sw0, w + 4, 4);
+    memcpy(&sw1, w + 8, 4);
+    memcpy(&sw2, w + 12, 4);
+    *sc = (uint64_t)(sw0 & 0x3f3f3f3fu) | (uint64_t)((sw2 & 0x0f0f0f0fu) | (((sw0 >> 6) & 0x03030303u) << 4)) << 32;
+    *mn = (uint64_t)(sw1 & 0x3f3f3f3fu) |
+          (uint64_t)(((sw2 >> 4) & 0x0f0f0f0fu) | (((sw1 >> 6) & 0x03030303u) << 4)) << 32;
+}
+
+/* The scales of the 8 scaled units that start at unit g (scaled units: 32 elements, Q6_K
+ * 16; n of them are real) of a row: ws the weight's scale of each, mins its min (Q4_K;
+ * else 0). Each is exact in F32 (an F16 times an integer of at most 8 bits). */
+AMX_FN void amx_unit_scales(uint32_t type, const uint8_t *row, int64_t g, int n, float *ws, float *mins)
+{
+    for (int j = 0; j < 8; j++)
+        ws[j] = mins[j] = 0.0f;
+    switch (type) {
+    case M40_TYPE_Q8_0:
+    case M40_TYPE_Q4_0:
+    case M40_TYPE_Q5_0: {
+        const int64_t bytes = type == M40_TYPE_Q8_0 ? 34 : type == M40_TYPE_Q4_0 ? 18 : 22;
+        for (int j = 0; j < n; j++)
+            ws[j] = amx_f16(row + bytes * (g + j));
+        return;
+    }
+    case M40_TYPE_Q4_K: { /* g is a super-block's first sub-block */
+        const uint8_t *w = row + 144 * (g / 8);
+        uint64_t sc, mn;
+        amx_q4_k_scales(w, &sc, &mn);
+        const float d = amx_f16(w), dmin = amx_f16(w + 2);
+        for (int j = 0; j < 8; j++) {
+            ws[j] = d * (float)(int)((sc >> (8 * j)) & 0xff);
+            mins[j] = dmin * (float)(int)((mn >> (8 * j)) & 0xff);
+        }
+        return;
+    }
+    default: { /* Q6_K: units of 16, 16 a super-block; g a multiple of 8 */
+        const uint8_t *w = row + 210 * (g / 16);
+        const int8_t *sc = (const int8_t *)(w + 192) + g % 16;
+        const float d = amx_f16(w + 208);
+        for (int j = 0; j < 8; j++)
+            ws[j] = d * (float)sc[j];
+        return;
+    }
+    }
+}
+
+/* ------------------------------------------------ one token, one row */
+
+/* amx_unit_scales as vectors, the same values (the same F32 products) */
+AMX_FN __m256 amx_ws8(uint32_t type, const uint8_t *row, int64_t g, int n, __m256 *mins)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0:
+    case M40_TYPE_Q4_0:
+    case M40_TYPE_Q5_0: {
+        const int64_t bytes = type == M40_TYPE_Q8_0 ? 34 : type == M40_TYPE_Q4_0 ? 18 : 22;
+        const uint8_t *b = row + bytes * g;
+        __m128i h = _mm_setzero_si128();
+        uint16_t v;
+#define AMX_D(j)                                                                                       \
+    if (j < n) {                                                                                       \
+        memcpy(&v, b + bytes * j, 2);                                                                  \
+        h = _mm_insert_epi16(h, v, j);                                                                 \
+    }
+        AMX_D(0) AMX_D(1) AMX_D(2) AMX_D(3) AMX_D(4) AMX_D(5) AMX_D(6) AMX_D(7)
+#undef AMX_D
+        return _mm256_cvtph_ps(h);
+    }
+    case M40_TYPE_Q4_K: {
+        const uint8_t *w = row + 144 * (g / 8);
+        uint64_t sc, mn;
+        amx_q4_k_scales(w, &sc, &mn);
+        *mins = _mm256_mul_ps(_mm256_set1_ps(amx_f16(w + 2)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+        return _mm256_mul_ps(_mm256_set1_ps(amx_f16(w)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    }
+    default: {
+        const uint8_t *w = row + 210 * (g / 16);
+        const __m128i sc = _mm_loadl_epi64((const __m128i *)(const void *)(w + 192 + g % 16));
+        return _mm256_mul_ps(_mm256_set1_ps(amx_f16(w + 208)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    }
+    }
+}
+
+/* Eight units' int32 lane vectors -> their eight sums (lane j: v[j]'s lanes added). */
+AMX_FN __m256i amx_reduce8(const __m256i *v)
+{
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+AMX_FN float amx_hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Software prefetch of the group's weight bytes AMX_PF ahead (as cpu_dot_x86.h's: a
+ * decode product streams its row from memory once, and the group's instructions keep
+ * too few lines in flight for the latency without it). */
+#define AMX_PF 2048
+
+/* The product of one row with one token's records, in the arithmetic above. */
+AMX_FN float amx_dot(uint32_t type, const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
+{
+    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
+    const int64_t nu = q6 ? K / 16 : K / 32; /* scaled units */
+    /* a scaled unit's record: unit j of Q6_K is in record j / 2 */
+    const __m256i rec = q6 ? _mm256_setr_epi32(0, 0, 20, 20, 40, 40, 60, 60)
+                           : _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140); /* m40_xq: 20 floats */
+    const int shared = K % 256 == 0;
+    __m256 p = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nu; g += 8) {
+        const int n = nu - g < 8 ? (int)(nu - g) : 8;
+        const __mmask8 k = (__mmask8)((1u << n) - 1);
+        {
+            const int64_t gb = type == M40_TYPE_Q8_0 ? 34 * 8 : type == M40_TYPE_Q4_0 ? 18 * 8
+                             : type == M40_TYPE_Q5_0 ? 22 * 8 : type == M40_TYPE_Q4_K ? 144 : 105;
+            const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
+            for (int64_t o = 0; o < gb; o += 64)
+                _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
+        }
+        __m256i v[8];
+        if (q6) {
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < 8; j += 2) { /* one 32-element unit: two scaled units */
+                if (j < n) {
+                    const int64_t u = (g + j) / 2;
+                    const __m256i l = amx_levels(type, w, u);
+                    const int16_t *q = x[u].q;
+                    v[j] = _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(l)),
+                                               _mm256_loadu_si256((const __m256i *)(const void *)q));
+                    v[j + 1] = _mm256_dpwssd_epi32(_mm256_setzero_si256(),
+                                                   _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
+                                                   _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
+                } else
+                    v[j] = v[j + 1] = _mm256_setzero_si256();
+            }
+        } else {
+            _Pragma("GCC unroll 8")
+            for (int j = 0; j < 8; j++) {
+                if (j < n) {
+                    const __m256i l = amx_levels(type, w, g + j);
+                    const int16_t *q = x[g + j].q;
+                    __m256i a = _mm256_dpwssd_epi32(_mm256_setzero_si256(),
+                                                    _mm256_cvtepi8_epi16(_mm256_castsi256_si128(l)),
+                                                    _mm256_loadu_si256((const __m256i *)(const void *)q));
+                    v[j] = _mm256_dpwssd_epi32(a, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
+                                               _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
+                } else
+                    v[j] = _mm256_setzero_si256();
+            }
+        }
+        __m256 mn = _mm256_setzero_ps();
+        const __m256 ws = amx_ws8(type, w, g, n, &mn);
+        const m40_xq *x0 = &x[q6 ? g / 2 : g];
+        /* the records of a super-block share d where K is a multiple of 256 (m40_xq_quantize) */
+        const __m256 xd = shared ? _mm256_set1_ps(x0->d) : _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), k, rec, &x0->d, 4);
+        const __m256 S = _mm256_mul_ps(ws, xd);
+        p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(amx_reduce8(v)), p, k);
+        if (mins)
+            p = _mm256_mask3_fnmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
+    }
+    return amx_hsum(p);
+}
+
+#define AMX_DOT(name, type)                                                                            \
+    AMX_KERNEL float amx_##name(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)       \
+    {                                                                                                  \
+        return amx_dot(type, w, x, xsum, K);                                                           \
+    }
+AMX_DOT(q8_0, M40_TYPE_Q8_0)
+AMX_DOT(q4_0, M40_TYPE_Q4_0)
+AMX_DOT(q5_0, M40_TYPE_Q5_0)
+AMX_DOT(q4_k, M40_TYPE_Q4_K)
+AMX_DOT(q6_k, M40_TYPE_Q6_K)
+
+/* ------------------------------------------------ tiles: 16 rows x 16 tokens */
+
+/* The tokens' records as the tile unit's B operand (m40_dot_tile_prep): for each tile of
+ * 16 tokens and unit of 32, the high bytes (8 rows of 64: row i holds elements 4i .. 4i
+ * + 3 of each token, token t at byte 4t), the low bytes, then the 16 records' d and s
+ * (tokens past the end: zeros). */
+#define AMX_XU_BYTES (512 + 512 + 64 + 64)
+
+size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K) { return (size_t)((n + 15) / 16) * (size_t)(K / 32) * AMX_XU_BYTES; }
+
+AMX_KERNEL void amx_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, uint8_t *out)
+{
+    uint8_t *o = out + (size_t)tile * (size_t)nb * AMX_XU_BYTES;
+    for (int64_t u = 0; u < nb; u++, o += AMX_XU_BYTES) {
+        memset(o, 0, AMX_XU_BYTES);
+        float *xd = (float *)(void *)(o + 1024), *s = xd + 16;
+        for (int t = 0; t < 16 && tile * 16 + t < n; t++) {
+            const m40_xq *r = &x[(size_t)(tile * 16 + t) * (size_t)nb + (size_t)u];
+            const __m512i q = _mm512_loadu_si512((const void *)r->q);
+            uint32_t hi[8], lo[8];
+            _mm256_storeu_si256((__m256i *)(void *)hi, _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
+            _mm256_storeu_si256((__m256i *)(void *)lo, _mm512_cvtepi16_epi8(q));
+            for (int i = 0; i < 8; i++) {
+                memcpy(o + 64 * i + 4 * t, &hi[i], 4);
+                memcpy(o + 512 + 64 * i + 4 * t, &lo[i], 4);
+            }
+            xd[t] = r->d;
+            s[t] = xsum[(size_t)(tile * 16 + t) * (size_t)nb + (size_t)u];
+        }
+    }
+}
+
+void m40_dot_tile_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, void *out)
+{
+    amx_prep(x, xsum, nb, n, tile, out);
+}
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+/* A thread's weight staging (grown, never shrunk): a panel's units' levels [unit][16
+ * rows][32], their scales [scaled unit][16] and mins [unit][16]. */
+static __thread uint8_t *amx_stage;
+static __thread size_t amx_stage_cap;
+
+/* out[t * ostride + r] = row r of the nrows (<= 16) at w . token t, t < n, from the
+ * prepared records xp (m40_dot_tile_prep). -1: no memory for the staging. */
+AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int nrows, int64_t K, const void *xp,
+                          int32_t n, float *out, int64_t ostride)
+{
+    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
+    const int64_t nb = K / 32, nu = q6 ? 2 * nb : nb;
+    const size_t need = (size_t)nb * 512 + (size_t)nu * 64 + (size_t)nb * 64;
+    if (need > amx_stage_cap) {
+        free(amx_stage);
+        amx_stage = aligned_alloc(64, (need + 63) / 64 * 64);
+        amx_stage_cap = amx_stage ? need : 0;
+        if (!amx_stage)
+            return -1;
+    }
+    int8_t *lv = (int8_t *)amx_stage;
+    float *wsc = (float *)(void *)(amx_stage + (size_t)nb * 512), *wmn = wsc + (size_t)nu * 16;
+    /* stage the panel: levels, scales and mins of every unit, rows past nrows zero */
+    for (int64_t u = 0; u < nb; u++) {
+        for (int r = 0; r < 16; r++) {
+            __m256i l = r < nrows ? amx_levels(type, w + (size_t)r * row_bytes, u) : _mm256_setzero_si256();
+            _mm256_storeu_si256((__m256i *)(void *)(lv + 512 * u + 32 * r), l);
+        }
+    }
+    for (int64_t g = 0; g < nu; g += 8) {
+        for (int r = 0; r < 16; r++) {
+            float ws[8], mn[8];
+            if (r < nrows)
+                amx_unit_scales(type, w + (size_t)r * row_bytes, g, nu - g < 8 ? (int)(nu - g) : 8, ws, mn);
+            for (int j = 0; j < 8 && g + j < nu; j++) {
+                wsc[(g + j) * 16 + r] = r < nrows ? ws[j] : 0.0f;
+                if (mins)
+                    wmn[(g + j) * 16 + r] = r < nrows ? mn[j] : 0.0f;
+            }
+        }
+    }
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i += 5) { /* two sets: C 16 rows x 16 tokens, A the rows' levels */
+        cfg.rows[i] = cfg.rows[i + 1] = 16, cfg.colsb[i] = cfg.colsb[i + 1] = 64;
+        cfg.rows[i + 2] = 16, cfg.colsb[i + 2] = q6 ? 16 : 32;
+    }
+    cfg.rows[3] = cfg.rows[4] = q6 ? 4 : 8, cfg.colsb[3] = cfg.colsb[4] = 64; /* B: records */
+    _tile_loadconfig(&cfg);
+    int32_t c[2][16][16] __attribute__((aligned(64)));
+    float p[8][16][16] __attribute__((aligned(64))); /* partial sums [l][row][token] */
+    for (int32_t tile = 0; tile * 16 < n; tile++) {
+        const uint8_t *xt = (const uint8_t *)xp + (size_t)tile * (size_t)nb * AMX_XU_BYTES;
+        for (int64_t l = nu; l < 8; l++) /* lanes without a unit (K < 256) */
+            memset(p[l], 0, sizeof p[l]);
+        /* Unit su's products go to tiles (0, 1) or (5, 6) by its parity, with its levels in 2
+         * or 7: the next unit's products are issued before this one's sums are read
+         * back, so the tile unit works while the vector unit scales (one pair: half the
+         * speed; BENCHMARKS.md, thirty-fifth session). */
+#define AMX_ISSUE(C0, C1, W, su_)                                                                      \
+    do {                                                                                               \
+        const int64_t u_ = q6 ? (su_) / 2 : (su_), h_ = q6 ? (su_) % 2 : 0;                            \
+        const uint8_t *x_ = xt + (size_t)u_ * AMX_XU_BYTES + 256 * h_;                                 \
+        _tile_zero(C0);                                                                                \
+        _tile_zero(C1);                                                                                \
+        _tile_loadd(W, lv + 512 * u_ + 16 * h_, 32);                                                   \
+        _tile_loadd(3, x_, 64);                                                                        \
+        _tile_loadd(4, x_ + 512, 64);                                                                  \
+        _tile_dpbssd(C0, W, 3);                                                                        \
+        _tile_dpbsud(C1, W, 4);                                                                        \
+    } while (0)
+        AMX_ISSUE(0, 1, 2, 0);
+        for (int64_t su = 0; su < nu; su++) { /* scaled units */
+            const int64_t u = q6 ? su / 2 : su;
+            const uint8_t *xu = xt + (size_t)u * AMX_XU_BYTES;
+            if (su % 2 == 0) {
+                if (su + 1 < nu)
+                    AMX_ISSUE(5, 6, 7, su + 1);
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+            } else {
+                if (su + 1 < nu)
+                    AMX_ISSUE(0, 1, 2, su + 1);
+                _tile_stored(5, c[0], 64);
+                _tile_stored(6, c[1], 64);
+            }
+            const __m512 xd = _mm512_loadu_ps((const float *)(const void *)(xu + 1024));
+            const __m512 s = _mm512_loadu_ps((const float *)(const void *)(xu + 1088));
+            float *pl = &p[su % 8][0][0];
+            for (int r = 0; r < 16; r++) {
+                const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)c[0][r]), 8),
+                                                   _mm512_load_si512((const void *)c[1][r]));
+                const __m512 S = _mm512_mul_ps(_mm512_set1_ps(wsc[su * 16 + r]), xd);
+                /* a lane's first unit adds to 0, as the one-token kernel's zeroed lanes */
+                __m512 acc = _mm512_fmadd_ps(S, _mm512_cvtepi32_ps(I), su < 8 ? _mm512_setzero_ps()
+                                                                              : _mm512_load_ps(pl + 16 * r));
+                if (mins)
+                    acc = _mm512_fnmadd_ps(_mm512_set1_ps(wmn[su * 16 + r]), s, acc);
+                _mm512_store_ps(pl + 16 * r, acc);
+            }
+        }
+        for (int r = 0; r < nrows; r++) {
+            const __m512 f = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(p[0][r]), _mm512_load_ps(p[4][r])),
+                                                         _mm512_add_ps(_mm512_load_ps(p[2][r]), _mm512_load_ps(p[6][r]))),
+                                           _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(p[1][r]), _mm512_load_ps(p[5][r])),
+                                                         _mm512_add_ps(_mm512_load_ps(p[3][r]), _mm512_load_ps(p[7][r]))));
+            float v[16];
+            _mm512_storeu_ps(v, f);
+            for (int t = 0; t < 16 && tile * 16 + t < n; t++)
+                out[(int64_t)(tile * 16 + t) * ostride + r] = v[t];
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+#define AMX_TILE(name, type)                                                                           \
+    static __attribute__((target(AMX_TILE_TARGET))) int amx_tile_##name(const uint8_t *w, size_t row_bytes,          \
+                                                                        int nrows, int64_t K, const void *xp, int32_t n, \
+                               float *out, int64_t ostride)                                           \
+    {                                                                                                  \
+        return amx_tile(type, w, row_bytes, nrows, K, xp, n, out, ostride);                            \
+    }
+AMX_TILE(q8_0, M40_TYPE_Q8_0)
+AMX_TILE(q4_0, M40_TYPE_Q4_0)
+AMX_TILE(q5_0, M40_TYPE_Q5_0)
+AMX_TILE(q4_k, M40_TYPE_Q4_K)
+AMX_TILE(q6_k, M40_TYPE_Q6_K)
+
+/* ------------------------------------------------ the instance */
+
+static const m40_cpu_kernels *amx_base(void) { return m40_cpu_kernels_avx512(); }
+
+static m40_dot_q_fn amx_table_q(uint32_t type)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0: return amx_q8_0;
+    case M40_TYPE_Q4_0: return amx_q4_0;
+    case M40_TYPE_Q5_0: return amx_q5_0;
+    case M40_TYPE_Q4_K: return amx_q4_k;
+    case M40_TYPE_Q6_K: return amx_q6_k;
+    default: return amx_base()->q(type);
+    }
+}
+
+static m40_dot_tile_fn amx_table_tile(uint32_t type)
+{
+    switch (type) {
+    case M40_TYPE_Q8_0: return amx_tile_q8_0;
+    case M40_TYPE_Q4_0: return amx_tile_q4_0;
+    case M40_TYPE_Q5_0: return amx_tile_q5_0;
+    case M40_TYPE_Q4_K: return amx_tile_q4_k;
+    case M40_TYPE_Q6_K: return amx_tile_q6_k;
+    default: return NULL;
+    }
+}
+
+/* the tiled types have no piecewise kernel here: batches of 4+ tokens take the tiles */
+static m40_dot_part_fn amx_table_part(uint32_t type) { return amx_table_tile(type) ? NULL : amx_base()->part(type); }
+static m40_dot_fin_fn amx_table_fin(uint32_t type) { return amx_table_tile(type) ? NULL : amx_base()->fin(type); }
+static m40_dot_f_fn amx_table_f(uint32_t type) { return amx_base()->f(type); }
+static m40_glu_fn amx_table_glu(int act) { return amx_base()->glu ? amx_base()->glu(act) : NULL; }
+
+static m40_cpu_kernels amx_kernels;
+
+const m40_cpu_kernels *m40_cpu_kernels_amx(void)
+{
+    const m40_cpu_kernels *b = amx_base();
+    if (!b)
+        return NULL;
+    if (!amx_kernels.q) /* benign race: every thread writes the same */
+        amx_kernels = (m40_cpu_kernels){.q = amx_table_q,
+                                        .part = amx_table_part,
+                                        .fin = amx_table_fin,
+                                        .f = amx_table_f,
+                                        .glu = amx_table_glu,
+                                        .quantize = b->quantize,
+                                        .axpy = b->axpy,
+                                        .tile = amx_table_tile};
+    return &amx_kernels;
+}
+
+#else
+
+int m40_amx_usable(void) { return 0; }
+const m40_cpu_kernels *m40_cpu_kernels_amx(void) { return NULL; }
+size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K)
+{
+    (void)n, (void)K;
+    return 0;
+}
+void m40_dot_tile_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, void *out)
+{
+    (void)x, (void)xsum, (void)nb, (void)n, (void)tile, (void)out;
+}
+
+#endif
