@@ -17,7 +17,7 @@ fi
 out=build/aarch64
 mkdir -p "$out"
 src="tests/unit/test_cpu_dot.c engine/model/cpu_dot.c engine/model/cpu_dot_avx2.c engine/model/cpu_dot_avx512.c
-     engine/model/cpu_dot_neon.c engine/model/cpu_matmul_fast.c engine/util/threadpool.c kernels/ref/*.c"
+     engine/model/cpu_dot_amx.c engine/model/cpu_dot_neon.c engine/model/cpu_matmul_fast.c engine/util/threadpool.c kernels/ref/*.c"
 # -static: QEMU then needs no AArch64 sysroot at run time
 if ! $CC -std=c11 -O2 -D_GNU_SOURCE -DM40_CPU_DOT_ONLY -Iengine -Ikernels -Itests/unit -static $src \
     -o "$out/test_cpu_dot" -lm -lpthread 2>"$out/build.log"; then
