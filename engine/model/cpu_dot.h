@@ -98,7 +98,7 @@ m40_dot_f_fn m40_dot_f_kernel(uint32_t type, int isa);
 m40_dot_part_fn m40_dot_part_kernel(uint32_t type, int isa);
 m40_dot_fin_fn m40_dot_fin_kernel(uint32_t type, int isa);
 
-/* Tiles (M40_ISA_AMX): the products of up to 16 weight rows (row r at w + r * row_bytes)
+/* Tiles (M40_ISA_AMX): the products of nrows weight rows (row r at w + r * row_bytes)
  * with n tokens at once, out[t * ostride + r], the same bits as the isa's one-token
  * kernel for each (row, token). The tokens' records are prepared first, once for all
  * the rows: m40_dot_tile_prep writes tile `tile` (tokens 16 tile .. 16 tile + 15) of

@@ -347,36 +347,28 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg;
 
-/* A thread's weight staging (grown, never shrunk): a panel's units' levels [unit][16
- * rows][32], their scales [scaled unit][16] and mins [unit][16]. */
+/* A thread's weight staging (grown, never shrunk): for each panel of 16 rows, its units'
+ * levels [unit][16 rows][32], their scales [scaled unit][16] and mins [unit][16]. */
 static __thread uint8_t *amx_stage;
 static __thread size_t amx_stage_cap;
 
-/* out[t * ostride + r] = row r of the nrows (<= 16) at w . token t, t < n, from the
- * prepared records xp (m40_dot_tile_prep). -1: no memory for the staging. */
-AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int nrows, int64_t K, const void *xp,
-                          int32_t n, float *out, int64_t ostride)
+/* Rows staged at once: every token tile then meets all of them while its records stay
+ * in L2 (a 16-row panel alone would read the whole of x from L3 again for each panel). */
+#define AMX_STAGE_BUDGET (1u << 20)
+
+/* Stages the nrows (<= 16) rows at w into st (the rest zero). */
+AMX_FN void amx_stage_panel(uint32_t type, const uint8_t *w, size_t row_bytes, int nrows, int64_t nb, uint8_t *st)
 {
     const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
-    const int64_t nb = K / 32, nu = q6 ? 2 * nb : nb;
-    const size_t need = (size_t)nb * 512 + (size_t)nu * 64 + (size_t)nb * 64;
-    if (need > amx_stage_cap) {
-        free(amx_stage);
-        amx_stage = aligned_alloc(64, (need + 63) / 64 * 64);
-        amx_stage_cap = amx_stage ? need : 0;
-        if (!amx_stage)
-            return -1;
-    }
-    int8_t *lv = (int8_t *)amx_stage;
-    float *wsc = (float *)(void *)(amx_stage + (size_t)nb * 512), *wmn = wsc + (size_t)nu * 16;
-    /* stage the panel: levels, scales and mins of every unit, rows past nrows zero */
-    for (int64_t u = 0; u < nb; u++) {
+    const int64_t nu = q6 ? 2 * nb : nb;
+    int8_t *lv = (int8_t *)st;
+    float *wsc = (float *)(void *)(st + (size_t)nb * 512), *wmn = wsc + (size_t)nu * 16;
+    for (int64_t u = 0; u < nb; u++)
         for (int r = 0; r < 16; r++) {
             __m256i l = r < nrows ? amx_levels(type, w + (size_t)r * row_bytes, u) : _mm256_setzero_si256();
             _mm256_storeu_si256((__m256i *)(void *)(lv + 512 * u + 32 * r), l);
         }
-    }
-    for (int64_t g = 0; g < nu; g += 8) {
+    for (int64_t g = 0; g < nu; g += 8)
         for (int r = 0; r < 16; r++) {
             float ws[8], mn[8];
             if (r < nrows)
@@ -387,26 +379,26 @@ AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int 
                     wmn[(g + j) * 16 + r] = r < nrows ? mn[j] : 0.0f;
             }
         }
-    }
-    amx_cfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i += 5) { /* two sets: C 16 rows x 16 tokens, A the rows' levels */
-        cfg.rows[i] = cfg.rows[i + 1] = 16, cfg.colsb[i] = cfg.colsb[i + 1] = 64;
-        cfg.rows[i + 2] = 16, cfg.colsb[i + 2] = q6 ? 16 : 32;
-    }
-    cfg.rows[3] = cfg.rows[4] = q6 ? 4 : 8, cfg.colsb[3] = cfg.colsb[4] = 64; /* B: records */
-    _tile_loadconfig(&cfg);
+}
+
+/* One staged panel (st) against one tile of 16 tokens (xt: its prepared records):
+ * out[t * ostride + r] for r < nrows and tokens t < nt. The tile configuration is
+ * loaded. */
+AMX_TILE_FN void amx_panel_tile(uint32_t type, const uint8_t *st, int nrows, int64_t nb, const uint8_t *xt, int nt,
+                                float *out, int64_t ostride)
+{
+    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
+    const int64_t nu = q6 ? 2 * nb : nb;
+    const int8_t *lv = (const int8_t *)st;
+    const float *wsc = (const float *)(const void *)(st + (size_t)nb * 512), *wmn = wsc + (size_t)nu * 16;
     int32_t c[2][16][16] __attribute__((aligned(64)));
     float p[8][16][16] __attribute__((aligned(64))); /* partial sums [l][row][token] */
-    for (int32_t tile = 0; tile * 16 < n; tile++) {
-        const uint8_t *xt = (const uint8_t *)xp + (size_t)tile * (size_t)nb * AMX_XU_BYTES;
-        for (int64_t l = nu; l < 8; l++) /* lanes without a unit (K < 256) */
-            memset(p[l], 0, sizeof p[l]);
-        /* Unit su's products go to tiles (0, 1) or (5, 6) by its parity, with its levels in 2
-         * or 7: the next unit's products are issued before this one's sums are read
-         * back, so the tile unit works while the vector unit scales (one pair: half the
-         * speed; BENCHMARKS.md, thirty-fifth session). */
+    for (int64_t l = nu; l < 8; l++) /* lanes without a unit (K < 256) */
+        memset(p[l], 0, sizeof p[l]);
+    /* Unit su's products go to tiles (0, 1) or (5, 6) by its parity, with its levels in 2
+     * or 7: the next unit's products are issued before this one's sums are read back,
+     * so the tile unit works while the vector unit scales (one pair: about half the
+     * speed; BENCHMARKS.md, thirty-fifth session). */
 #define AMX_ISSUE(C0, C1, W, su_)                                                                      \
     do {                                                                                               \
         const int64_t u_ = q6 ? (su_) / 2 : (su_), h_ = q6 ? (su_) % 2 : 0;                            \
@@ -419,45 +411,92 @@ AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int 
         _tile_dpbssd(C0, W, 3);                                                                        \
         _tile_dpbsud(C1, W, 4);                                                                        \
     } while (0)
-        AMX_ISSUE(0, 1, 2, 0);
-        for (int64_t su = 0; su < nu; su++) { /* scaled units */
-            const int64_t u = q6 ? su / 2 : su;
-            const uint8_t *xu = xt + (size_t)u * AMX_XU_BYTES;
-            if (su % 2 == 0) {
-                if (su + 1 < nu)
-                    AMX_ISSUE(5, 6, 7, su + 1);
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-            } else {
-                if (su + 1 < nu)
-                    AMX_ISSUE(0, 1, 2, su + 1);
-                _tile_stored(5, c[0], 64);
-                _tile_stored(6, c[1], 64);
-            }
-            const __m512 xd = _mm512_loadu_ps((const float *)(const void *)(xu + 1024));
-            const __m512 s = _mm512_loadu_ps((const float *)(const void *)(xu + 1088));
-            float *pl = &p[su % 8][0][0];
-            for (int r = 0; r < 16; r++) {
-                const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)c[0][r]), 8),
-                                                   _mm512_load_si512((const void *)c[1][r]));
-                const __m512 S = _mm512_mul_ps(_mm512_set1_ps(wsc[su * 16 + r]), xd);
-                /* a lane's first unit adds to 0, as the one-token kernel's zeroed lanes */
-                __m512 acc = _mm512_fmadd_ps(S, _mm512_cvtepi32_ps(I), su < 8 ? _mm512_setzero_ps()
-                                                                              : _mm512_load_ps(pl + 16 * r));
-                if (mins)
-                    acc = _mm512_fnmadd_ps(_mm512_set1_ps(wmn[su * 16 + r]), s, acc);
-                _mm512_store_ps(pl + 16 * r, acc);
-            }
+    AMX_ISSUE(0, 1, 2, 0);
+    for (int64_t su = 0; su < nu; su++) { /* scaled units */
+        const int64_t u = q6 ? su / 2 : su;
+        const uint8_t *xu = xt + (size_t)u * AMX_XU_BYTES;
+        if (su % 2 == 0) {
+            if (su + 1 < nu)
+                AMX_ISSUE(5, 6, 7, su + 1);
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+        } else {
+            if (su + 1 < nu)
+                AMX_ISSUE(0, 1, 2, su + 1);
+            _tile_stored(5, c[0], 64);
+            _tile_stored(6, c[1], 64);
         }
-        for (int r = 0; r < nrows; r++) {
-            const __m512 f = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(p[0][r]), _mm512_load_ps(p[4][r])),
-                                                         _mm512_add_ps(_mm512_load_ps(p[2][r]), _mm512_load_ps(p[6][r]))),
-                                           _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(p[1][r]), _mm512_load_ps(p[5][r])),
-                                                         _mm512_add_ps(_mm512_load_ps(p[3][r]), _mm512_load_ps(p[7][r]))));
-            float v[16];
-            _mm512_storeu_ps(v, f);
-            for (int t = 0; t < 16 && tile * 16 + t < n; t++)
-                out[(int64_t)(tile * 16 + t) * ostride + r] = v[t];
+        const __m512 xd = _mm512_loadu_ps((const float *)(const void *)(xu + 1024));
+        const __m512 s = _mm512_loadu_ps((const float *)(const void *)(xu + 1088));
+        float *pl = &p[su % 8][0][0];
+        for (int r = 0; r < 16; r++) {
+            const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)c[0][r]), 8),
+                                               _mm512_load_si512((const void *)c[1][r]));
+            const __m512 S = _mm512_mul_ps(_mm512_set1_ps(wsc[su * 16 + r]), xd);
+            /* a lane's first unit adds to 0, as the one-token kernel's zeroed lanes */
+            __m512 acc = _mm512_fmadd_ps(S, _mm512_cvtepi32_ps(I),
+                                         su < 8 ? _mm512_setzero_ps() : _mm512_load_ps(pl + 16 * r));
+            if (mins)
+                acc = _mm512_fnmadd_ps(_mm512_set1_ps(wmn[su * 16 + r]), s, acc);
+            _mm512_store_ps(pl + 16 * r, acc);
+        }
+    }
+#undef AMX_ISSUE
+    for (int r = 0; r < nrows; r++) {
+        const __m512 f = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(p[0][r]), _mm512_load_ps(p[4][r])),
+                                                     _mm512_add_ps(_mm512_load_ps(p[2][r]), _mm512_load_ps(p[6][r]))),
+                                       _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(p[1][r]), _mm512_load_ps(p[5][r])),
+                                                     _mm512_add_ps(_mm512_load_ps(p[3][r]), _mm512_load_ps(p[7][r]))));
+        float v[16];
+        _mm512_storeu_ps(v, f);
+        for (int t = 0; t < nt; t++)
+            out[(int64_t)t * ostride + r] = v[t];
+    }
+}
+
+/* out[t * ostride + r] = row r of the nrows at w . token t, t < n, from the prepared
+ * records xp (m40_dot_tile_prep): groups of 16-row panels staged at once, every token
+ * tile against each group. -1: no memory for the staging. */
+AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int nrows, int64_t K, const void *xp,
+                         int32_t n, float *out, int64_t ostride)
+{
+    const int q6 = type == M40_TYPE_Q6_K;
+    const int64_t nb = K / 32, nu = q6 ? 2 * nb : nb;
+    const size_t panel = ((size_t)nb * 512 + (size_t)nu * 64 + (size_t)nb * 64 + 63) / 64 * 64;
+    const int npanels = (nrows + 15) / 16;
+    int group = (int)(AMX_STAGE_BUDGET / panel);
+    group = group < 1 ? 1 : group > npanels ? npanels : group;
+    if ((size_t)group * panel > amx_stage_cap) {
+        free(amx_stage);
+        amx_stage = aligned_alloc(64, (size_t)group * panel);
+        amx_stage_cap = amx_stage ? (size_t)group * panel : 0;
+        if (!amx_stage)
+            return -1;
+    }
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i += 5) { /* two sets: C 16 rows x 16 tokens, A the rows' levels */
+        cfg.rows[i] = cfg.rows[i + 1] = 16, cfg.colsb[i] = cfg.colsb[i + 1] = 64;
+        cfg.rows[i + 2] = 16, cfg.colsb[i + 2] = q6 ? 16 : 32;
+    }
+    cfg.rows[3] = cfg.rows[4] = q6 ? 4 : 8, cfg.colsb[3] = cfg.colsb[4] = 64; /* B: records */
+    _tile_loadconfig(&cfg);
+    for (int p0 = 0; p0 < npanels; p0 += group) {
+        const int g = npanels - p0 < group ? npanels - p0 : group;
+        for (int q = 0; q < g; q++) {
+            const int r0 = 16 * (p0 + q);
+            amx_stage_panel(type, w + (size_t)r0 * row_bytes, row_bytes, nrows - r0 < 16 ? nrows - r0 : 16, nb,
+                            amx_stage + (size_t)q * panel);
+        }
+        for (int32_t tile = 0; tile * 16 < n; tile++) {
+            const uint8_t *xt = (const uint8_t *)xp + (size_t)tile * (size_t)nb * AMX_XU_BYTES;
+            const int nt = n - tile * 16 < 16 ? n - tile * 16 : 16;
+            for (int q = 0; q < g; q++) {
+                const int r0 = 16 * (p0 + q);
+                amx_panel_tile(type, amx_stage + (size_t)q * panel, nrows - r0 < 16 ? nrows - r0 : 16, nb, xt, nt,
+                               out + (int64_t)tile * 16 * ostride + r0, ostride);
+            }
         }
     }
     _tile_release();

@@ -134,18 +134,15 @@ static void fast_task(void *ctx, int task, int thread)
     const int64_t K = w->cols, nb = K / 32;
     const size_t rows = (size_t)w->rows;
     float *out = j->out[i];
-    if (j->tile[i] && j->xp) { /* AMX: 16 rows at a time against every token */
-        for (int64_t t0 = r0; t0 < r1; t0 += 16) {
-            const int nr = r1 - t0 < 16 ? (int)(r1 - t0) : 16;
-            if (j->tile[i](w->data + (size_t)t0 * w->row_bytes, w->row_bytes, nr, K, j->xp, j->n, out + t0,
-                           (int64_t)rows) == 0)
-                continue;
-            for (int32_t t = 0; t < j->n; t++) /* no memory for the staging */
-                for (int64_t r = t0; r < t0 + nr; r++)
-                    out[(size_t)t * rows + (size_t)r] = j->dq[i](w->data + (size_t)r * w->row_bytes,
-                                                                 j->xq + (size_t)t * (size_t)nb,
-                                                                 j->xsum + (size_t)t * (size_t)nb, K);
-        }
+    if (j->tile[i] && j->xp) { /* AMX: the chunk's rows against every token */
+        if (j->tile[i](w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), K, j->xp, j->n, out + r0,
+                       (int64_t)rows) == 0)
+            return;
+        for (int32_t t = 0; t < j->n; t++) /* no memory for the staging: the same bits */
+            for (int64_t r = r0; r < r1; r++)
+                out[(size_t)t * rows + (size_t)r] = j->dq[i](w->data + (size_t)r * w->row_bytes,
+                                                             j->xq + (size_t)t * (size_t)nb,
+                                                             j->xsum + (size_t)t * (size_t)nb, K);
         return;
     }
     if (j->dpart[i] && j->n >= 4) { /* prefill: ranges of the row in L1, PART_TOKENS at a time */
