@@ -228,67 +228,78 @@ AMX_FN float amx_hsum(__m256 v)
  * too few lines in flight for the latency without it). */
 #define AMX_PF 2048
 
+/* The group of 8 scaled units from unit g (n of them real) into the partial sums p. */
+AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const float *xsum, int64_t g, int n,
+                        int shared, __m256 p)
+{
+    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
+    const __mmask8 k = (__mmask8)((1u << n) - 1);
+    {
+        const int64_t gb = type == M40_TYPE_Q8_0   ? 34 * 8
+                           : type == M40_TYPE_Q4_0 ? 18 * 8
+                           : type == M40_TYPE_Q5_0 ? 22 * 8
+                           : type == M40_TYPE_Q4_K ? 144
+                                                   : 105;
+        const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
+        for (int64_t o = 0; o < gb; o += 64)
+            _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
+    }
+    __m256i v[8];
+    if (q6) {
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2)
+        { /* one 32-element unit: two scaled units */
+            if (j < n) {
+                const int64_t u = (g + j) / 2;
+                const __m256i l = amx_levels(type, w, u);
+                const int16_t *q = x[u].q;
+                v[j] = _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(l)),
+                                           _mm256_loadu_si256((const __m256i *)(const void *)q));
+                v[j + 1] = _mm256_dpwssd_epi32(_mm256_setzero_si256(),
+                                               _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
+                                               _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
+            } else
+                v[j] = v[j + 1] = _mm256_setzero_si256();
+        }
+    } else {
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+        {
+            if (j < n) {
+                const __m256i l = amx_levels(type, w, g + j);
+                const int16_t *q = x[g + j].q;
+                __m256i a = _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(l)),
+                                                _mm256_loadu_si256((const __m256i *)(const void *)q));
+                v[j] = _mm256_dpwssd_epi32(a, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
+                                           _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
+            } else
+                v[j] = _mm256_setzero_si256();
+        }
+    }
+    __m256 mn = _mm256_setzero_ps();
+    const __m256 ws = amx_ws8(type, w, g, n, &mn);
+    const m40_xq *x0 = &x[q6 ? g / 2 : g];
+    /* the records of a super-block share d where K is a multiple of 256 (m40_xq_quantize);
+     * else each unit's own (a scaled unit's record: unit j of Q6_K is in record j / 2) */
+    const __m256i rec = q6 ? _mm256_setr_epi32(0, 0, 20, 20, 40, 40, 60, 60)
+                           : _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140); /* m40_xq: 20 floats */
+    const __m256 xd = shared ? _mm256_set1_ps(x0->d) : _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), k, rec, &x0->d, 4);
+    const __m256 S = _mm256_mul_ps(ws, xd);
+    p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(amx_reduce8(v)), p, k);
+    if (mins)
+        p = _mm256_mask3_fnmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
+    return p;
+}
+
 /* The product of one row with one token's records, in the arithmetic above. */
 AMX_FN float amx_dot(uint32_t type, const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)
 {
-    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
-    const int64_t nu = q6 ? K / 16 : K / 32; /* scaled units */
-    /* a scaled unit's record: unit j of Q6_K is in record j / 2 */
-    const __m256i rec = q6 ? _mm256_setr_epi32(0, 0, 20, 20, 40, 40, 60, 60)
-                           : _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140); /* m40_xq: 20 floats */
+    const int64_t nu = type == M40_TYPE_Q6_K ? K / 16 : K / 32; /* scaled units */
     const int shared = K % 256 == 0;
     __m256 p = _mm256_setzero_ps();
-    for (int64_t g = 0; g < nu; g += 8) {
-        const int n = nu - g < 8 ? (int)(nu - g) : 8;
-        const __mmask8 k = (__mmask8)((1u << n) - 1);
-        {
-            const int64_t gb = type == M40_TYPE_Q8_0 ? 34 * 8 : type == M40_TYPE_Q4_0 ? 18 * 8
-                             : type == M40_TYPE_Q5_0 ? 22 * 8 : type == M40_TYPE_Q4_K ? 144 : 105;
-            const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
-            for (int64_t o = 0; o < gb; o += 64)
-                _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
-        }
-        __m256i v[8];
-        if (q6) {
-            _Pragma("GCC unroll 8")
-            for (int j = 0; j < 8; j += 2) { /* one 32-element unit: two scaled units */
-                if (j < n) {
-                    const int64_t u = (g + j) / 2;
-                    const __m256i l = amx_levels(type, w, u);
-                    const int16_t *q = x[u].q;
-                    v[j] = _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(l)),
-                                               _mm256_loadu_si256((const __m256i *)(const void *)q));
-                    v[j + 1] = _mm256_dpwssd_epi32(_mm256_setzero_si256(),
-                                                   _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
-                                                   _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
-                } else
-                    v[j] = v[j + 1] = _mm256_setzero_si256();
-            }
-        } else {
-            _Pragma("GCC unroll 8")
-            for (int j = 0; j < 8; j++) {
-                if (j < n) {
-                    const __m256i l = amx_levels(type, w, g + j);
-                    const int16_t *q = x[g + j].q;
-                    __m256i a = _mm256_dpwssd_epi32(_mm256_setzero_si256(),
-                                                    _mm256_cvtepi8_epi16(_mm256_castsi256_si128(l)),
-                                                    _mm256_loadu_si256((const __m256i *)(const void *)q));
-                    v[j] = _mm256_dpwssd_epi32(a, _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
-                                               _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
-                } else
-                    v[j] = _mm256_setzero_si256();
-            }
-        }
-        __m256 mn = _mm256_setzero_ps();
-        const __m256 ws = amx_ws8(type, w, g, n, &mn);
-        const m40_xq *x0 = &x[q6 ? g / 2 : g];
-        /* the records of a super-block share d where K is a multiple of 256 (m40_xq_quantize) */
-        const __m256 xd = shared ? _mm256_set1_ps(x0->d) : _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), k, rec, &x0->d, 4);
-        const __m256 S = _mm256_mul_ps(ws, xd);
-        p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(amx_reduce8(v)), p, k);
-        if (mins)
-            p = _mm256_mask3_fnmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
-    }
+    int64_t g = 0;
+    for (; g + 8 <= nu; g += 8) /* whole groups: no masks to test */
+        p = amx_group(type, w, x, xsum, g, 8, shared, p);
+    if (g < nu)
+        p = amx_group(type, w, x, xsum, g, (int)(nu - g), shared, p);
     return amx_hsum(p);
 }
 
