@@ -8,15 +8,15 @@
  * One arithmetic for every batch size. A (row, token) product is, in F32, eight partial
  * sums p[l] (l = the unit's index mod 8), each p[l] = fma(S, I, p[l]) over its units in
  * order, with I the unit's integer sum (converted to F32), S = (the weight's unit scale)
- * * (the record's d), and for Q4_K then p[l] = p[l] - m * s (the unit's min times the
- * record's s); the result is ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). The
+ * * (the record's d), and where the type has mins then p[l] = fma(m, s, p[l]) (the unit's
+ * signed min: -dmin * mn for Q4_K and Q5_K, + m for Q4_1 and Q5_1; s the record's); the result is ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). The
  * one-token kernels here (decode: a row at a time on AVX-512 VNNI, eight units' sums
  * in one vector) and the tile kernel (prefill and batches of 4+ tokens: 16 rows by 16
  * tokens on AMX, the same partial sums as vectors over tokens) both compute exactly
  * that, so a prompt gives the same bits in one call or a token a call (batch
  * invariance). The AVX-512 instance's kernels sum in another order: this instance has
- * its own one-token kernels for the types it tiles (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K) and
- * takes the AVX-512 instance's for the others.
+ * its own one-token kernels for the types it tiles (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+ * Q5_K, Q6_K) and takes the AVX-512 instance's for the others.
  *
  * Linux hands out the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM);
  * m40_amx_usable asks once for the process. M40_CPU_AMX=0 keeps the AVX-512 instance
@@ -76,23 +76,36 @@ AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
     case M40_TYPE_Q8_0:
         return _mm256_loadu_si256((const __m256i *)(const void *)(row + 34 * u + 2));
     case M40_TYPE_Q4_0:
-    case M40_TYPE_Q5_0: {
-        const int five = type == M40_TYPE_Q5_0;
-        const uint8_t *b = row + (five ? 22 : 18) * u;
-        const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(b + (five ? 6 : 2)));
+    case M40_TYPE_Q4_1:
+    case M40_TYPE_Q5_0:
+    case M40_TYPE_Q5_1: { /* d | [m] | [qh] | qs: the low nibbles are elements 0..15 */
+        const int five = type == M40_TYPE_Q5_0 || type == M40_TYPE_Q5_1;
+        const int min = type == M40_TYPE_Q4_1 || type == M40_TYPE_Q5_1;
+        const uint8_t *b = row + (18 + (five ? 4 : 0) + (min ? 2 : 0)) * u;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(b + 2 + (five ? 4 : 0) + (min ? 2 : 0)));
         const __m128i m = _mm_set1_epi8(15);
         __m256i l = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
         if (five) {
             uint32_t qh;
-            memcpy(&qh, b + 2, 4);
+            memcpy(&qh, b + (min ? 4 : 2), 4);
             l = _mm256_or_si256(l, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
         }
-        return _mm256_sub_epi8(l, _mm256_set1_epi8(five ? 16 : 8));
+        return min ? l : _mm256_sub_epi8(l, _mm256_set1_epi8(five ? 16 : 8));
     }
-    case M40_TYPE_Q4_K: { /* sub-block 2c + h: the low (h 0) or high nibbles of qs[32c .. 32c + 32) */
-        const uint8_t *qs = row + 144 * (u / 8) + 16 + 32 * ((u % 8) / 2);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)qs);
-        return _mm256_and_si256(u % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    case M40_TYPE_Q4_K:
+    case M40_TYPE_Q5_K: { /* sub-block 2c + h: the low (h 0) or high nibbles of qs[32c .. 32c + 32),
+                           * Q5_K's 5th bit bit 2c + h of qh[l] */
+        const int five = type == M40_TYPE_Q5_K;
+        const uint8_t *sb = row + (five ? 176 : 144) * (u / 8);
+        const int j = (int)(u % 8);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(sb + (five ? 48 : 16) + 32 * (j / 2)));
+        __m256i l = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+        if (five) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(sb + 16));
+            const __mmask32 bit = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << j)));
+            l = _mm256_or_si256(l, _mm256_maskz_mov_epi8(bit, _mm256_set1_epi8(0x10)));
+        }
+        return l;
     }
     default: { /* Q6_K: block jb = 4n + k of its super-block is quarter k of half n */
         const uint8_t *w = row + 210 * (u / 8);
@@ -118,7 +131,19 @@ AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
     }
 }
 
-/* Q4_K's 6-bit (scale, min) pairs of super-block sb as bytes j = sub-block j */
+/* The types whose weights carry a min (or an offset that is not in the levels) */
+AMX_FN int amx_has_mins(uint32_t type)
+{
+    return type == M40_TYPE_Q4_K || type == M40_TYPE_Q5_K || type == M40_TYPE_Q4_1 || type == M40_TYPE_Q5_1;
+}
+
+/* Bytes of a 32-element block of the 32-block types */
+AMX_FN int64_t amx_block_bytes(uint32_t type)
+{
+    return type == M40_TYPE_Q8_0 ? 34 : type == M40_TYPE_Q4_0 ? 18 : type == M40_TYPE_Q4_1 ? 20 : type == M40_TYPE_Q5_0 ? 22 : 24;
+}
+
+/* Q4_K's (and Q5_K's) 6-bit (scale, min) pairs of super-block sb as bytes j = sub-block j */
 AMX_FN void amx_q4_k_scales(const uint8_t *w, uint64_t *sc, uint64_t *mn)
 {
     uint32_t sw0, sw1, sw2;
@@ -131,8 +156,9 @@ AMX_FN void amx_q4_k_scales(const uint8_t *w, uint64_t *sc, uint64_t *mn)
 }
 
 /* The scales of the 8 scaled units that start at unit g (scaled units: 32 elements, Q6_K
- * 16; n of them are real) of a row: ws the weight's scale of each, mins its min (Q4_K;
- * else 0). Each is exact in F32 (an F16 times an integer of at most 8 bits). */
+ * 16; n of them are real) of a row: ws the weight's scale of each, mins its signed min
+ * (-dmin * mn for the K-quants, m for Q4_1 and Q5_1; else 0). Each is exact in F32 (an
+ * F16, or an F16 times an integer of at most 8 bits). */
 AMX_FN void amx_unit_scales(uint32_t type, const uint8_t *row, int64_t g, int n, float *ws, float *mins)
 {
     for (int j = 0; j < 8; j++)
@@ -140,20 +166,26 @@ AMX_FN void amx_unit_scales(uint32_t type, const uint8_t *row, int64_t g, int n,
     switch (type) {
     case M40_TYPE_Q8_0:
     case M40_TYPE_Q4_0:
-    case M40_TYPE_Q5_0: {
-        const int64_t bytes = type == M40_TYPE_Q8_0 ? 34 : type == M40_TYPE_Q4_0 ? 18 : 22;
-        for (int j = 0; j < n; j++)
+    case M40_TYPE_Q4_1:
+    case M40_TYPE_Q5_0:
+    case M40_TYPE_Q5_1: {
+        const int64_t bytes = amx_block_bytes(type);
+        const int min = type == M40_TYPE_Q4_1 || type == M40_TYPE_Q5_1;
+        for (int j = 0; j < n; j++) {
             ws[j] = amx_f16(row + bytes * (g + j));
+            mins[j] = min ? amx_f16(row + bytes * (g + j) + 2) : 0.0f;
+        }
         return;
     }
-    case M40_TYPE_Q4_K: { /* g is a super-block's first sub-block */
-        const uint8_t *w = row + 144 * (g / 8);
+    case M40_TYPE_Q4_K:
+    case M40_TYPE_Q5_K: { /* g is a super-block's first sub-block */
+        const uint8_t *w = row + (type == M40_TYPE_Q5_K ? 176 : 144) * (g / 8);
         uint64_t sc, mn;
         amx_q4_k_scales(w, &sc, &mn);
         const float d = amx_f16(w), dmin = amx_f16(w + 2);
         for (int j = 0; j < 8; j++) {
             ws[j] = d * (float)(int)((sc >> (8 * j)) & 0xff);
-            mins[j] = dmin * (float)(int)((mn >> (8 * j)) & 0xff);
+            mins[j] = -(dmin * (float)(int)((mn >> (8 * j)) & 0xff));
         }
         return;
     }
@@ -176,26 +208,38 @@ AMX_FN __m256 amx_ws8(uint32_t type, const uint8_t *row, int64_t g, int n, __m25
     switch (type) {
     case M40_TYPE_Q8_0:
     case M40_TYPE_Q4_0:
-    case M40_TYPE_Q5_0: {
-        const int64_t bytes = type == M40_TYPE_Q8_0 ? 34 : type == M40_TYPE_Q4_0 ? 18 : 22;
+    case M40_TYPE_Q4_1:
+    case M40_TYPE_Q5_0:
+    case M40_TYPE_Q5_1: {
+        const int64_t bytes = amx_block_bytes(type);
+        const int min = type == M40_TYPE_Q4_1 || type == M40_TYPE_Q5_1;
         const uint8_t *b = row + bytes * g;
-        __m128i h = _mm_setzero_si128();
+        __m128i h = _mm_setzero_si128(), hm = _mm_setzero_si128();
         uint16_t v;
 #define AMX_D(j)                                                                                       \
     if (j < n) {                                                                                       \
         memcpy(&v, b + bytes * j, 2);                                                                  \
         h = _mm_insert_epi16(h, v, j);                                                                 \
+        if (min) {                                                                                     \
+            memcpy(&v, b + bytes * j + 2, 2);                                                          \
+            hm = _mm_insert_epi16(hm, v, j);                                                           \
+        }                                                                                              \
     }
         AMX_D(0) AMX_D(1) AMX_D(2) AMX_D(3) AMX_D(4) AMX_D(5) AMX_D(6) AMX_D(7)
 #undef AMX_D
+        if (min)
+            *mins = _mm256_cvtph_ps(hm);
         return _mm256_cvtph_ps(h);
     }
-    case M40_TYPE_Q4_K: {
-        const uint8_t *w = row + 144 * (g / 8);
+    case M40_TYPE_Q4_K:
+    case M40_TYPE_Q5_K: {
+        const uint8_t *w = row + (type == M40_TYPE_Q5_K ? 176 : 144) * (g / 8);
         uint64_t sc, mn;
         amx_q4_k_scales(w, &sc, &mn);
-        *mins = _mm256_mul_ps(_mm256_set1_ps(amx_f16(w + 2)),
-                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+        /* negated: the min comes off (exact, as the scalar twin's -(dmin * mn)) */
+        *mins = _mm256_xor_ps(_mm256_set1_ps(-0.0f),
+                              _mm256_mul_ps(_mm256_set1_ps(amx_f16(w + 2)),
+                                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)))));
         return _mm256_mul_ps(_mm256_set1_ps(amx_f16(w)),
                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
     }
@@ -232,14 +276,13 @@ AMX_FN float amx_hsum(__m256 v)
 AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const float *xsum, int64_t g, int n,
                         int shared, __m256 p)
 {
-    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
+    const int q6 = type == M40_TYPE_Q6_K, mins = amx_has_mins(type);
     const __mmask8 k = (__mmask8)((1u << n) - 1);
     {
-        const int64_t gb = type == M40_TYPE_Q8_0   ? 34 * 8
-                           : type == M40_TYPE_Q4_0 ? 18 * 8
-                           : type == M40_TYPE_Q5_0 ? 22 * 8
-                           : type == M40_TYPE_Q4_K ? 144
-                                                   : 105;
+        const int64_t gb = type == M40_TYPE_Q4_K   ? 144
+                           : type == M40_TYPE_Q5_K ? 176
+                           : q6                    ? 105
+                                                   : 8 * amx_block_bytes(type);
         const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
         for (int64_t o = 0; o < gb; o += 64)
             _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
@@ -285,7 +328,7 @@ AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const 
     const __m256 S = _mm256_mul_ps(ws, xd);
     p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(amx_reduce8(v)), p, k);
     if (mins)
-        p = _mm256_mask3_fnmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
+        p = _mm256_mask3_fmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
     return p;
 }
 
@@ -311,7 +354,10 @@ AMX_FN float amx_dot(uint32_t type, const uint8_t *w, const m40_xq *x, const flo
 AMX_DOT(q8_0, M40_TYPE_Q8_0)
 AMX_DOT(q4_0, M40_TYPE_Q4_0)
 AMX_DOT(q5_0, M40_TYPE_Q5_0)
+AMX_DOT(q4_1, M40_TYPE_Q4_1)
+AMX_DOT(q5_1, M40_TYPE_Q5_1)
 AMX_DOT(q4_k, M40_TYPE_Q4_K)
+AMX_DOT(q5_k, M40_TYPE_Q5_K)
 AMX_DOT(q6_k, M40_TYPE_Q6_K)
 
 /* ------------------------------------------------ tiles: 16 rows x 16 tokens */
@@ -370,7 +416,7 @@ static __thread size_t amx_stage_cap;
 /* Stages the nrows (<= 16) rows at w into st (the rest zero). */
 AMX_FN void amx_stage_panel(uint32_t type, const uint8_t *w, size_t row_bytes, int nrows, int64_t nb, uint8_t *st)
 {
-    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
+    const int q6 = type == M40_TYPE_Q6_K, mins = amx_has_mins(type);
     const int64_t nu = q6 ? 2 * nb : nb;
     int8_t *lv = (int8_t *)st;
     float *wsc = (float *)(void *)(st + (size_t)nb * 512), *wmn = wsc + (size_t)nu * 16;
@@ -398,7 +444,7 @@ AMX_FN void amx_stage_panel(uint32_t type, const uint8_t *w, size_t row_bytes, i
 AMX_TILE_FN void amx_panel_tile(uint32_t type, const uint8_t *st, int nrows, int64_t nb, const uint8_t *xt, int nt,
                                 float *out, int64_t ostride)
 {
-    const int q6 = type == M40_TYPE_Q6_K, mins = type == M40_TYPE_Q4_K;
+    const int q6 = type == M40_TYPE_Q6_K, mins = amx_has_mins(type);
     const int64_t nu = q6 ? 2 * nb : nb;
     const int8_t *lv = (const int8_t *)st;
     const float *wsc = (const float *)(const void *)(st + (size_t)nb * 512), *wmn = wsc + (size_t)nu * 16;
@@ -448,7 +494,7 @@ AMX_TILE_FN void amx_panel_tile(uint32_t type, const uint8_t *st, int nrows, int
             __m512 acc = _mm512_fmadd_ps(S, _mm512_cvtepi32_ps(I),
                                          su < 8 ? _mm512_setzero_ps() : _mm512_load_ps(pl + 16 * r));
             if (mins)
-                acc = _mm512_fnmadd_ps(_mm512_set1_ps(wmn[su * 16 + r]), s, acc);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(wmn[su * 16 + r]), s, acc);
             _mm512_store_ps(pl + 16 * r, acc);
         }
     }
@@ -524,7 +570,10 @@ AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int 
 AMX_TILE(q8_0, M40_TYPE_Q8_0)
 AMX_TILE(q4_0, M40_TYPE_Q4_0)
 AMX_TILE(q5_0, M40_TYPE_Q5_0)
+AMX_TILE(q4_1, M40_TYPE_Q4_1)
+AMX_TILE(q5_1, M40_TYPE_Q5_1)
 AMX_TILE(q4_k, M40_TYPE_Q4_K)
+AMX_TILE(q5_k, M40_TYPE_Q5_K)
 AMX_TILE(q6_k, M40_TYPE_Q6_K)
 
 /* ------------------------------------------------ the instance */
@@ -537,7 +586,10 @@ static m40_dot_q_fn amx_table_q(uint32_t type)
     case M40_TYPE_Q8_0: return amx_q8_0;
     case M40_TYPE_Q4_0: return amx_q4_0;
     case M40_TYPE_Q5_0: return amx_q5_0;
+    case M40_TYPE_Q4_1: return amx_q4_1;
+    case M40_TYPE_Q5_1: return amx_q5_1;
     case M40_TYPE_Q4_K: return amx_q4_k;
+    case M40_TYPE_Q5_K: return amx_q5_k;
     case M40_TYPE_Q6_K: return amx_q6_k;
     default: return amx_base()->q(type);
     }
@@ -549,7 +601,10 @@ static m40_dot_tile_fn amx_table_tile(uint32_t type)
     case M40_TYPE_Q8_0: return amx_tile_q8_0;
     case M40_TYPE_Q4_0: return amx_tile_q4_0;
     case M40_TYPE_Q5_0: return amx_tile_q5_0;
+    case M40_TYPE_Q4_1: return amx_tile_q4_1;
+    case M40_TYPE_Q5_1: return amx_tile_q5_1;
     case M40_TYPE_Q4_K: return amx_tile_q4_k;
+    case M40_TYPE_Q5_K: return amx_tile_q5_k;
     case M40_TYPE_Q6_K: return amx_tile_q6_k;
     default: return NULL;
     }

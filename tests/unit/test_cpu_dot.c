@@ -440,8 +440,8 @@ static void test_matmul(void)
     CHECK(pool != NULL, "pool");
     if (!pool)
         return;
-    static const uint32_t mt[] = {M40_TYPE_Q4_K, M40_TYPE_Q6_K, M40_TYPE_Q8_0, M40_TYPE_Q4_0,
-                                  M40_TYPE_Q5_0, M40_TYPE_Q5_1, M40_TYPE_F16};
+    static const uint32_t mt[] = {M40_TYPE_Q4_K, M40_TYPE_Q5_K, M40_TYPE_Q6_K, M40_TYPE_Q8_0, M40_TYPE_Q4_0,
+                                  M40_TYPE_Q4_1, M40_TYPE_Q5_0, M40_TYPE_Q5_1, M40_TYPE_F16};
     /* 1201 (K-quants, 19 tokens, K 8192): a chunk of more rows than AMX stages at once */
     static const int rows_list[] = {1, 17, 37, 301, 1201};
     /* 4 and more: AMX's tiles where the CPU has them (16 tokens a tile, 33: a third
