@@ -545,56 +545,74 @@ typedef struct {
     m40_kv *kv;
     const m40_batch *b;
     int32_t l;
+    int32_t heads; /* query heads a task: 1, or every head of one KV head */
 } attn_job;
 
 /* One (token, head): softmax(scale q.k, soft-capped where the model caps) over the
  * positions the layer lets it see (0..pos; a local layer only the last `window`),
  * times V. */
+/* One token's attention for `heads` query heads from h0 (all of one KV head): each key
+ * and value row is read once for all of them, and each head's scores, softmax and sum
+ * take the same steps in the same order as one head alone (the same bits). */
 static void attention_task(void *ctx, int task, int thread)
 {
     attn_job *j = ctx;
     m40_model *m = j->m;
-    int32_t hd = m->p.head_dim;
-    int32_t i = task / m->p.n_heads, h = task % m->p.n_heads;
-    int32_t kvh = h / (m->p.n_heads / m->p.n_kv_heads);
-    int32_t slot = j->b->slot[i], pos = j->b->pos[i];
+    const int32_t hd = m->p.head_dim, gh = j->heads, per_task = m->p.n_heads / gh;
+    const int32_t i = task / per_task, h0 = (task % per_task) * gh;
+    const int32_t kvh = h0 / (m->p.n_heads / m->p.n_kv_heads);
+    const int32_t slot = j->b->slot[i], pos = j->b->pos[i];
     int32_t first = 0;
     if (m->layers[j->l].local && pos - m->window + 1 > 0)
         first = pos - m->window + 1;
-    const float *q = m->q + (size_t)i * m->q_dim + (size_t)h * hd;
-    float *out = m->att + (size_t)i * m->q_dim + (size_t)h * hd;
-    float *score = m->score_buf + (size_t)thread * m->score_buf_len;
-    float scale = m->attn_scale, cap = m->attn_softcap;
+    const int32_t len = pos - first + 1;
+    const float *q = m->q + (size_t)i * m->q_dim + (size_t)h0 * hd;
+    float *out = m->att + (size_t)i * m->q_dim + (size_t)h0 * hd;
+    float *score = m->score_buf + (size_t)thread * m->score_buf_len; /* [head][len] */
+    const float scale = m->attn_scale, cap = m->attn_softcap;
+    enum { MAX_GROUP = 64 };
+    float max[MAX_GROUP], inv[MAX_GROUP];
+    double sum[MAX_GROUP];
 
     /* A sink (gpt-oss) is one more logit in the softmax with no value behind it: it
      * takes its share of the probability mass away from the positions. */
     const float *sinks = m->layers[j->l].attn_sinks;
-    float max = sinks ? sinks[h] : -INFINITY;
+    for (int32_t g = 0; g < gh; g++)
+        max[g] = sinks ? sinks[h0 + g] : -INFINITY;
     for (int32_t t = first; t <= pos; t++) {
         const float *krow = kv_row(j->kv, j->kv->k, slot, j->l, t) + (size_t)kvh * hd;
-        float s = (m->attn_dot ? m->attn_dot((const uint8_t *)krow, q, hd) : m40_dot_f32(q, krow, hd)) * scale;
-        if (cap > 0)
-            s = softcap(s, cap);
-        score[t - first] = s;
-        if (s > max)
-            max = s;
+        for (int32_t g = 0; g < gh; g++) {
+            const float *qg = q + (size_t)g * hd;
+            float s = (m->attn_dot ? m->attn_dot((const uint8_t *)krow, qg, hd) : m40_dot_f32(qg, krow, hd)) * scale;
+            if (cap > 0)
+                s = softcap(s, cap);
+            score[(size_t)g * len + (t - first)] = s;
+            if (s > max[g])
+                max[g] = s;
+        }
     }
-    double sum = sinks ? expf(sinks[h] - max) : 0;
-    for (int32_t t = first; t <= pos; t++) {
-        score[t - first] = expf(score[t - first] - max);
-        sum += score[t - first];
+    for (int32_t g = 0; g < gh; g++) {
+        float *sg = score + (size_t)g * len;
+        sum[g] = sinks ? expf(sinks[h0 + g] - max[g]) : 0;
+        for (int32_t t = 0; t < len; t++) {
+            sg[t] = expf(sg[t] - max[g]);
+            sum[g] += sg[t];
+        }
+        inv[g] = (float)(1.0 / sum[g]);
     }
-    float inv = (float)(1.0 / sum);
-    memset(out, 0, (size_t)hd * sizeof *out);
+    memset(out, 0, (size_t)gh * hd * sizeof *out);
     for (int32_t t = first; t <= pos; t++) {
         const float *v = kv_row(j->kv, j->kv->v, slot, j->l, t) + (size_t)kvh * hd;
-        float w = score[t - first] * inv;
-        if (m->attn_axpy) {
-            m->attn_axpy(out, w, v, hd);
-            continue;
+        for (int32_t g = 0; g < gh; g++) {
+            float *og = out + (size_t)g * hd;
+            float w = score[(size_t)g * len + (t - first)] * inv[g];
+            if (m->attn_axpy) {
+                m->attn_axpy(og, w, v, hd);
+                continue;
+            }
+            for (int32_t d = 0; d < hd; d++)
+                og[d] += w * v[d];
         }
-        for (int32_t d = 0; d < hd; d++)
-            out[d] += w * v[d];
     }
 }
 
@@ -679,10 +697,12 @@ int m40_model_ensure_scratch(m40_model *m, int32_t n, int32_t ctx)
             return -1;
         m->row_buf_len = len;
     }
-    if (ctx > m->score_buf_len) {
-        if (grow(&m->score_buf, nt * (size_t)ctx))
+    /* a thread's scores: the context for each query head of one KV head (attention_task) */
+    const int32_t group = p->n_kv_heads > 0 ? p->n_heads / p->n_kv_heads : 1;
+    if ((int64_t)ctx * group > m->score_buf_len) {
+        if (grow(&m->score_buf, nt * (size_t)ctx * (size_t)group))
             return -1;
-        m->score_buf_len = ctx;
+        m->score_buf_len = ctx * group;
     }
     return 0;
 }
@@ -830,8 +850,12 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
             memcpy(kv_row(kv, kv->k, b->slot[i], l, b->pos[i]), k, kvd * sizeof(float));
             memcpy(kv_row(kv, kv->v, b->slot[i], l, b->pos[i]), m->v + i * kvd, kvd * sizeof(float));
         }
-        attn_job aj = {.m = m, .kv = kv, .b = b, .l = l};
-        m40_threadpool_run(m->pool, n * p->n_heads, attention_task, &aj);
+        /* a KV head's query heads in one task where there are tasks enough for the threads
+         * (a prompt chunk): its key and value rows are then read once for all of them */
+        const int32_t group = p->n_heads / p->n_kv_heads;
+        attn_job aj = {.m = m, .kv = kv, .b = b, .l = l,
+                       .heads = group <= 64 && (int64_t)n * p->n_kv_heads >= 4 * m->n_threads ? group : 1};
+        m40_threadpool_run(m->pool, n * (p->n_heads / aj.heads), attention_task, &aj);
         m40_model_matmul(m, &L->wo, m->att, n, m->xb, L->bo);
         if (m->tp_group) /* each rank holds its heads' part of the sum */
             m40_tp_all_reduce(m, m->xb, (size_t)n * dim);
