@@ -11,6 +11,8 @@
 #include "cpu_dot.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ref/ggml_types.h"
@@ -244,6 +246,49 @@ static m40_dot_q_fn portable_q(uint32_t type)
     case M40_TYPE_Q6_K: return dot_q6_k;
     default: return NULL;
     }
+}
+
+/* ------------------------------------------------------------- scratch */
+
+typedef struct {
+    void *p[2];
+    size_t cap[2];
+} thread_scratch;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_ok;
+
+static void scratch_free(void *v)
+{
+    thread_scratch *s = v;
+    free(s->p[0]);
+    free(s->p[1]);
+    free(s);
+}
+
+static void scratch_init(void) { scratch_ok = pthread_key_create(&scratch_key, scratch_free) == 0; }
+
+void *m40_thread_scratch(int slot, size_t bytes)
+{
+    pthread_once(&scratch_once, scratch_init);
+    if (!scratch_ok || slot < 0 || slot > 1)
+        return NULL;
+    thread_scratch *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        s = calloc(1, sizeof *s);
+        if (!s || pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (bytes > s->cap[slot]) {
+        const size_t n = (bytes + 63) / 64 * 64;
+        free(s->p[slot]);
+        s->p[slot] = aligned_alloc(64, n);
+        s->cap[slot] = s->p[slot] ? n : 0;
+    }
+    return s->p[slot];
 }
 
 /* ------------------------------------------------------------- dispatch */

@@ -111,6 +111,12 @@ m40_dot_tile_fn m40_dot_tile_kernel(uint32_t type, int isa); /* NULL: none for t
 size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K);
 void m40_dot_tile_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, void *out);
 
+/* A 64-byte aligned buffer of at least `bytes` for the calling thread (slot 0 or 1: two
+ * independent ones), grown, never shrunk, and freed when the thread exits (the pool's
+ * threads end with their model); NULL: no memory. The tiles' staging and prepared
+ * records live there, so a step allocates nothing once the largest has run. */
+void *m40_thread_scratch(int slot, size_t bytes);
+
 /* y[i] += a * x[i], i < n, for `isa` (NULL where absent; the portable one is plain C). */
 typedef void (*m40_axpy_fn)(float *y, float a, const float *x, int64_t n);
 m40_axpy_fn m40_axpy_kernel(int isa);

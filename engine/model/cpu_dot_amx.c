@@ -404,10 +404,8 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg;
 
-/* A thread's weight staging (grown, never shrunk): for each panel of 16 rows, its units'
- * levels [unit][16 rows][32], their scales [scaled unit][16] and mins [unit][16]. */
-static __thread uint8_t *amx_stage;
-static __thread size_t amx_stage_cap;
+/* A thread's weight staging (m40_thread_scratch slot 0): for each panel of 16 rows, its
+ * units' levels [unit][16 rows][32], their scales [scaled unit][16] and mins [unit][16]. */
 
 /* Rows staged at once: every token tile then meets all of them while its records stay
  * in L2 (a 16-row panel alone would read the whole of x from L3 again for each panel). */
@@ -523,13 +521,9 @@ AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int 
     const int npanels = (nrows + 15) / 16;
     int group = (int)(AMX_STAGE_BUDGET / panel);
     group = group < 1 ? 1 : group > npanels ? npanels : group;
-    if ((size_t)group * panel > amx_stage_cap) {
-        free(amx_stage);
-        amx_stage = aligned_alloc(64, (size_t)group * panel);
-        amx_stage_cap = amx_stage ? (size_t)group * panel : 0;
-        if (!amx_stage)
-            return -1;
-    }
+    uint8_t *amx_stage = m40_thread_scratch(0, (size_t)group * panel);
+    if (!amx_stage)
+        return -1;
     amx_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;

@@ -12,7 +12,6 @@
 #include "ref/ggml_types.h"
 #include "util/threadpool.h"
 
-#include <stdlib.h>
 #include <string.h>
 
 #define TILE_ROWS 16
@@ -97,21 +96,13 @@ static void prep_task(void *ctx, int task, int thread)
     m40_dot_tile_prep(j->xq, j->xsum, j->w[0]->cols / 32, j->n, task, (void *)j->xp);
 }
 
-/* The caller's buffer for the prepared records: grown, never shrunk (no allocation a
- * step once the largest step has run); one per engine thread. */
-static __thread void *prep_buf;
-static __thread size_t prep_cap;
-
+/* The prepared records go in the calling (engine) thread's scratch, slot 1 (slot 0 is
+ * the tiles' staging, which the caller also uses when it runs tasks itself). */
 static const void *prep_records(struct m40_threadpool *pool, fast_job *j)
 {
-    const size_t need = m40_dot_tile_prep_bytes(j->n, j->w[0]->cols);
-    if (need > prep_cap) {
-        free(prep_buf);
-        prep_buf = aligned_alloc(64, (need + 63) / 64 * 64);
-        prep_cap = prep_buf ? need : 0;
-        if (!prep_buf)
-            return NULL; /* the one-token kernels instead: the same bits */
-    }
+    void *prep_buf = m40_thread_scratch(1, m40_dot_tile_prep_bytes(j->n, j->w[0]->cols));
+    if (!prep_buf)
+        return NULL; /* the one-token kernels instead: the same bits */
     j->xp = prep_buf;
     const int tiles = (j->n + 15) / 16;
     if (tiles == 1 || (int64_t)j->n * j->w[0]->cols < 16384)

@@ -12,8 +12,11 @@
  *     kernels, the pool's quantization and the one-token kernels agree);
  *   - the K-quants at their integer extremes against the exact sum (no int32 overflow). */
 #include <math.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "model/cpu_dot.h"
@@ -507,6 +510,51 @@ static void test_matmul(void)
     m40_threadpool_free(pool);
 }
 
+/* m40_thread_scratch: a thread's buffers go with it (a model's pool threads end when it
+ * unloads: 64 threads that each touched 8 MB must leave the resident size as it was) */
+static void *scratch_thread(void *arg)
+{
+    (void)arg;
+    for (int slot = 0; slot < 2; slot++) {
+        uint8_t *p = m40_thread_scratch(slot, (size_t)4 << 20);
+        if (!p)
+            return (void *)1;
+        memset(p, 1, (size_t)4 << 20);
+        if (m40_thread_scratch(slot, 100) != (void *)p) /* grown, never shrunk */
+            return (void *)1;
+    }
+    return NULL;
+}
+
+static long resident_kb(void)
+{
+    long pages = 0, res = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (!f)
+        return -1;
+    if (fscanf(f, "%ld %ld", &pages, &res) != 2)
+        res = -1;
+    fclose(f);
+    return res < 0 ? -1 : res * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+static void test_thread_scratch(void)
+{
+    CHECK(m40_thread_scratch(2, 64) == NULL && m40_thread_scratch(-1, 64) == NULL, "slots 0 and 1 only");
+    const long before = resident_kb();
+    int bad = 0;
+    for (int i = 0; i < 64; i++) {
+        pthread_t t;
+        void *rc = (void *)1;
+        if (pthread_create(&t, NULL, scratch_thread, NULL) != 0 || pthread_join(t, &rc) != 0 || rc)
+            bad++;
+    }
+    const long after = resident_kb();
+    CHECK(bad == 0, "%d scratch threads failed", bad);
+    if (before >= 0 && after >= 0)
+        CHECK(after - before < 64 * 1024, "resident %ld kB -> %ld kB after 64 threads of 8 MB scratch", before, after);
+}
+
 #ifndef M40_CPU_DOT_ONLY /* tests/unit/neon.sh builds the kernels' checks alone */
 static void test_model_batched(const char *rel)
 {
@@ -561,6 +609,7 @@ int main(void)
     test_extremes();
     test_glu();
     test_matmul();
+    test_thread_scratch();
 #ifndef M40_CPU_DOT_ONLY
     test_model_batched("models/tiny-llama-q4km.gguf");
     test_model_batched("models/tiny-llama-q4_0.gguf");
