@@ -51,7 +51,14 @@ m40_xq_quantize_fn m40_xq_quantize_isa(int isa); /* NULL: not on this CPU */
 
 /* Instruction sets: the x86 ones widest last, then AArch64's. m40_cpu_isa gives the one
  * this CPU runs best; asking for an isa below it of the other architecture gives NULL. */
-enum { M40_ISA_PORTABLE = 0, M40_ISA_AVX2 = 1, M40_ISA_AVX512VNNI = 2, M40_ISA_AMX = 3, M40_ISA_NEON = 4, M40_ISA_COUNT };
+enum {
+    M40_ISA_PORTABLE = 0,
+    M40_ISA_AVX2 = 1,
+    M40_ISA_AVX512VNNI = 2,
+    M40_ISA_AMX = 3, /* AVX-512 VNNI with AMX-INT8 tiles (cpu_dot_amx.c) */
+    M40_ISA_NEON = 4,
+    M40_ISA_COUNT
+};
 
 /* 1 when this CPU has AMX-INT8, the OS saves its tile state and grants it to this
  * process (asked for here, once); 0 too with M40_CPU_AMX=0 (cpu_dot_amx.c). */

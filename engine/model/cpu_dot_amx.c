@@ -9,14 +9,15 @@
  * sums p[l] (l = the unit's index mod 8), each p[l] = fma(S, I, p[l]) over its units in
  * order, with I the unit's integer sum (converted to F32), S = (the weight's unit scale)
  * * (the record's d), and where the type has mins then p[l] = fma(m, s, p[l]) (the unit's
- * signed min: -dmin * mn for Q4_K and Q5_K, + m for Q4_1 and Q5_1; s the record's); the result is ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). The
- * one-token kernels here (decode: a row at a time on AVX-512 VNNI, eight units' sums
- * in one vector) and the tile kernel (prefill and batches of 4+ tokens: 16 rows by 16
- * tokens on AMX, the same partial sums as vectors over tokens) both compute exactly
- * that, so a prompt gives the same bits in one call or a token a call (batch
- * invariance). The AVX-512 instance's kernels sum in another order: this instance has
- * its own one-token kernels for the types it tiles (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
- * Q5_K, Q6_K) and takes the AVX-512 instance's for the others.
+ * signed min: -dmin * mn for Q4_K and Q5_K, + m for Q4_1 and Q5_1; s the record's); the
+ * result is ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). The one-token kernels
+ * here (decode: a row at a time on AVX-512 VNNI, eight units' sums in one vector) and
+ * the tile kernel (prefill and batches of 4+ tokens: 16 rows by 16 tokens on AMX, the
+ * same partial sums as vectors over tokens) both compute exactly that, so a prompt
+ * gives the same bits in one call or a token a call (batch invariance). The AVX-512
+ * instance's kernels sum in another order: this instance has its own one-token kernels
+ * for the types it tiles (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and takes the
+ * AVX-512 instance's for the others (F16, F32, the quantizer, GLU, axpy).
  *
  * Linux hands out the tile registers on request (arch_prctl ARCH_REQ_XCOMP_PERM);
  * m40_amx_usable asks once for the process. M40_CPU_AMX=0 keeps the AVX-512 instance
@@ -29,6 +30,7 @@
 
 #include <cpuid.h>
 #include <immintrin.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -116,7 +118,8 @@ AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
         const __m256i m4 = _mm256_set1_epi8(15);
         __m256i l;
         if (k == 0)
-            l = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(3)), 4));
+            l = _mm256_or_si256(_mm256_and_si256(A, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(3)), 4));
         else if (k == 1)
             l = _mm256_or_si256(_mm256_and_si256(B, m4),
                                 _mm256_slli_epi16(_mm256_and_si256(H, _mm256_set1_epi8(0x0c)), 2));
@@ -140,7 +143,11 @@ AMX_FN int amx_has_mins(uint32_t type)
 /* Bytes of a 32-element block of the 32-block types */
 AMX_FN int64_t amx_block_bytes(uint32_t type)
 {
-    return type == M40_TYPE_Q8_0 ? 34 : type == M40_TYPE_Q4_0 ? 18 : type == M40_TYPE_Q4_1 ? 20 : type == M40_TYPE_Q5_0 ? 22 : 24;
+    return type == M40_TYPE_Q8_0   ? 34
+           : type == M40_TYPE_Q4_0 ? 18
+           : type == M40_TYPE_Q4_1 ? 20
+           : type == M40_TYPE_Q5_0 ? 22
+                                   : 24;
 }
 
 /* Q4_K's (and Q5_K's) 6-bit (scale, min) pairs of super-block sb as bytes j = sub-block j */
@@ -151,8 +158,8 @@ AMX_FN void amx_q4_k_scales(const uint8_t *w, uint64_t *sc, uint64_t *mn)
     memcpy(&sw1, w + 8, 4);
     memcpy(&sw2, w + 12, 4);
     *sc = (uint64_t)(sw0 & 0x3f3f3f3fu) | (uint64_t)((sw2 & 0x0f0f0f0fu) | (((sw0 >> 6) & 0x03030303u) << 4)) << 32;
-    *mn = (uint64_t)(sw1 & 0x3f3f3f3fu) |
-          (uint64_t)(((sw2 >> 4) & 0x0f0f0f0fu) | (((sw1 >> 6) & 0x03030303u) << 4)) << 32;
+    *mn = (uint64_t)(sw1 & 0x3f3f3f3fu) | (uint64_t)(((sw2 >> 4) & 0x0f0f0f0fu) | (((sw1 >> 6) & 0x03030303u) << 4))
+                                              << 32;
 }
 
 /* The scales of the 8 scaled units that start at unit g (scaled units: 32 elements, Q6_K
@@ -216,16 +223,26 @@ AMX_FN __m256 amx_ws8(uint32_t type, const uint8_t *row, int64_t g, int n, __m25
         const uint8_t *b = row + bytes * g;
         __m128i h = _mm_setzero_si128(), hm = _mm_setzero_si128();
         uint16_t v;
-#define AMX_D(j)                                                                                       \
-    if (j < n) {                                                                                       \
-        memcpy(&v, b + bytes * j, 2);                                                                  \
-        h = _mm_insert_epi16(h, v, j);                                                                 \
-        if (min) {                                                                                     \
-            memcpy(&v, b + bytes * j + 2, 2);                                                          \
-            hm = _mm_insert_epi16(hm, v, j);                                                           \
-        }                                                                                              \
-    }
-        AMX_D(0) AMX_D(1) AMX_D(2) AMX_D(3) AMX_D(4) AMX_D(5) AMX_D(6) AMX_D(7)
+        /* (the lane of _mm_insert_epi16 is an immediate) */
+#define AMX_D(j)                                                                                                       \
+    do {                                                                                                               \
+        if (j < n) {                                                                                                   \
+            memcpy(&v, b + bytes * j, 2);                                                                              \
+            h = _mm_insert_epi16(h, v, j);                                                                             \
+            if (min) {                                                                                                 \
+                memcpy(&v, b + bytes * j + 2, 2);                                                                      \
+                hm = _mm_insert_epi16(hm, v, j);                                                                       \
+            }                                                                                                          \
+        }                                                                                                              \
+    } while (0)
+        AMX_D(0);
+        AMX_D(1);
+        AMX_D(2);
+        AMX_D(3);
+        AMX_D(4);
+        AMX_D(5);
+        AMX_D(6);
+        AMX_D(7);
 #undef AMX_D
         if (min)
             *mins = _mm256_cvtph_ps(hm);
@@ -237,9 +254,10 @@ AMX_FN __m256 amx_ws8(uint32_t type, const uint8_t *row, int64_t g, int n, __m25
         uint64_t sc, mn;
         amx_q4_k_scales(w, &sc, &mn);
         /* negated: the min comes off (exact, as the scalar twin's -(dmin * mn)) */
-        *mins = _mm256_xor_ps(_mm256_set1_ps(-0.0f),
-                              _mm256_mul_ps(_mm256_set1_ps(amx_f16(w + 2)),
-                                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)))));
+        *mins =
+            _mm256_xor_ps(_mm256_set1_ps(-0.0f),
+                          _mm256_mul_ps(_mm256_set1_ps(amx_f16(w + 2)),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)))));
         return _mm256_mul_ps(_mm256_set1_ps(amx_f16(w)),
                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
     }
@@ -297,9 +315,9 @@ AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const 
                 const int16_t *q = x[u].q;
                 v[j] = _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(l)),
                                            _mm256_loadu_si256((const __m256i *)(const void *)q));
-                v[j + 1] = _mm256_dpwssd_epi32(_mm256_setzero_si256(),
-                                               _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
-                                               _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
+                v[j + 1] =
+                    _mm256_dpwssd_epi32(_mm256_setzero_si256(), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(l, 1)),
+                                        _mm256_loadu_si256((const __m256i *)(const void *)(q + 16)));
             } else
                 v[j] = v[j + 1] = _mm256_setzero_si256();
         }
@@ -324,7 +342,8 @@ AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const 
      * else each unit's own (a scaled unit's record: unit j of Q6_K is in record j / 2) */
     const __m256i rec = q6 ? _mm256_setr_epi32(0, 0, 20, 20, 40, 40, 60, 60)
                            : _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140); /* m40_xq: 20 floats */
-    const __m256 xd = shared ? _mm256_set1_ps(x0->d) : _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), k, rec, &x0->d, 4);
+    const __m256 xd =
+        shared ? _mm256_set1_ps(x0->d) : _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), k, rec, &x0->d, 4);
     const __m256 S = _mm256_mul_ps(ws, xd);
     p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(amx_reduce8(v)), p, k);
     if (mins)
@@ -346,10 +365,10 @@ AMX_FN float amx_dot(uint32_t type, const uint8_t *w, const m40_xq *x, const flo
     return amx_hsum(p);
 }
 
-#define AMX_DOT(name, type)                                                                            \
-    AMX_KERNEL float amx_##name(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)       \
-    {                                                                                                  \
-        return amx_dot(type, w, x, xsum, K);                                                           \
+#define AMX_DOT(name, type)                                                                                            \
+    AMX_KERNEL float amx_##name(const uint8_t *w, const m40_xq *x, const float *xsum, int64_t K)                       \
+    {                                                                                                                  \
+        return amx_dot(type, w, x, xsum, K);                                                                           \
     }
 AMX_DOT(q8_0, M40_TYPE_Q8_0)
 AMX_DOT(q4_0, M40_TYPE_Q4_0)
@@ -368,7 +387,10 @@ AMX_DOT(q6_k, M40_TYPE_Q6_K)
  * (tokens past the end: zeros). */
 #define AMX_XU_BYTES (512 + 512 + 64 + 64)
 
-size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K) { return (size_t)((n + 15) / 16) * (size_t)(K / 32) * AMX_XU_BYTES; }
+size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K)
+{
+    return (size_t)((n + 15) / 16) * (size_t)(K / 32) * AMX_XU_BYTES;
+}
 
 AMX_KERNEL void amx_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, uint8_t *out)
 {
@@ -448,23 +470,23 @@ AMX_TILE_FN void amx_panel_tile(uint32_t type, const uint8_t *st, int nrows, int
     const float *wsc = (const float *)(const void *)(st + (size_t)nb * 512), *wmn = wsc + (size_t)nu * 16;
     int32_t c[2][16][16] __attribute__((aligned(64)));
     float p[8][16][16] __attribute__((aligned(64))); /* partial sums [l][row][token] */
-    for (int64_t l = nu; l < 8; l++) /* lanes without a unit (K < 256) */
+    for (int64_t l = nu; l < 8; l++)                 /* lanes without a unit (K < 256) */
         memset(p[l], 0, sizeof p[l]);
-    /* Unit su's products go to tiles (0, 1) or (5, 6) by its parity, with its levels in 2
-     * or 7: the next unit's products are issued before this one's sums are read back,
-     * so the tile unit works while the vector unit scales (one pair: about half the
-     * speed; BENCHMARKS.md, thirty-fifth session). */
-#define AMX_ISSUE(C0, C1, W, su_)                                                                      \
-    do {                                                                                               \
-        const int64_t u_ = q6 ? (su_) / 2 : (su_), h_ = q6 ? (su_) % 2 : 0;                            \
-        const uint8_t *x_ = xt + (size_t)u_ * AMX_XU_BYTES + 256 * h_;                                 \
-        _tile_zero(C0);                                                                                \
-        _tile_zero(C1);                                                                                \
-        _tile_loadd(W, lv + 512 * u_ + 16 * h_, 32);                                                   \
-        _tile_loadd(3, x_, 64);                                                                        \
-        _tile_loadd(4, x_ + 512, 64);                                                                  \
-        _tile_dpbssd(C0, W, 3);                                                                        \
-        _tile_dpbsud(C1, W, 4);                                                                        \
+        /* Unit su's products go to tiles (0, 1) or (5, 6) by its parity, with its levels in 2
+         * or 7: the next unit's products are issued before this one's sums are read back,
+         * so the tile unit works while the vector unit scales (one pair: about half the
+         * speed; BENCHMARKS.md, thirty-fifth session). */
+#define AMX_ISSUE(C0, C1, W, su_)                                                                                      \
+    do {                                                                                                               \
+        const int64_t u_ = q6 ? (su_) / 2 : (su_), h_ = q6 ? (su_) % 2 : 0;                                            \
+        const uint8_t *x_ = xt + (size_t)u_ * AMX_XU_BYTES + 256 * h_;                                                 \
+        _tile_zero(C0);                                                                                                \
+        _tile_zero(C1);                                                                                                \
+        _tile_loadd(W, lv + 512 * u_ + 16 * h_, 32);                                                                   \
+        _tile_loadd(3, x_, 64);                                                                                        \
+        _tile_loadd(4, x_ + 512, 64);                                                                                  \
+        _tile_dpbssd(C0, W, 3);                                                                                        \
+        _tile_dpbsud(C1, W, 4);                                                                                        \
     } while (0)
     AMX_ISSUE(0, 1, 2, 0);
     for (int64_t su = 0; su < nu; su++) { /* scaled units */
@@ -489,8 +511,8 @@ AMX_TILE_FN void amx_panel_tile(uint32_t type, const uint8_t *st, int nrows, int
                                                _mm512_load_si512((const void *)c[1][r]));
             const __m512 S = _mm512_mul_ps(_mm512_set1_ps(wsc[su * 16 + r]), xd);
             /* a lane's first unit adds to 0, as the one-token kernel's zeroed lanes */
-            __m512 acc = _mm512_fmadd_ps(S, _mm512_cvtepi32_ps(I),
-                                         su < 8 ? _mm512_setzero_ps() : _mm512_load_ps(pl + 16 * r));
+            __m512 acc =
+                _mm512_fmadd_ps(S, _mm512_cvtepi32_ps(I), su < 8 ? _mm512_setzero_ps() : _mm512_load_ps(pl + 16 * r));
             if (mins)
                 acc = _mm512_fmadd_ps(_mm512_set1_ps(wmn[su * 16 + r]), s, acc);
             _mm512_store_ps(pl + 16 * r, acc);
@@ -554,12 +576,12 @@ AMX_TILE_FN int amx_tile(uint32_t type, const uint8_t *w, size_t row_bytes, int 
     return 0;
 }
 
-#define AMX_TILE(name, type)                                                                           \
-    static __attribute__((target(AMX_TILE_TARGET))) int amx_tile_##name(const uint8_t *w, size_t row_bytes,          \
-                                                                        int nrows, int64_t K, const void *xp, int32_t n, \
-                               float *out, int64_t ostride)                                           \
-    {                                                                                                  \
-        return amx_tile(type, w, row_bytes, nrows, K, xp, n, out, ostride);                            \
+#define AMX_TILE(name, type)                                                                                           \
+    static __attribute__((target(AMX_TILE_TARGET))) int amx_tile_##name(const uint8_t *w, size_t row_bytes, int nrows, \
+                                                                        int64_t K, const void *xp, int32_t n,          \
+                                                                        float *out, int64_t ostride)                   \
+    {                                                                                                                  \
+        return amx_tile(type, w, row_bytes, nrows, K, xp, n, out, ostride);                                            \
     }
 AMX_TILE(q8_0, M40_TYPE_Q8_0)
 AMX_TILE(q4_0, M40_TYPE_Q4_0)
@@ -577,30 +599,48 @@ static const m40_cpu_kernels *amx_base(void) { return m40_cpu_kernels_avx512(); 
 static m40_dot_q_fn amx_table_q(uint32_t type)
 {
     switch (type) {
-    case M40_TYPE_Q8_0: return amx_q8_0;
-    case M40_TYPE_Q4_0: return amx_q4_0;
-    case M40_TYPE_Q5_0: return amx_q5_0;
-    case M40_TYPE_Q4_1: return amx_q4_1;
-    case M40_TYPE_Q5_1: return amx_q5_1;
-    case M40_TYPE_Q4_K: return amx_q4_k;
-    case M40_TYPE_Q5_K: return amx_q5_k;
-    case M40_TYPE_Q6_K: return amx_q6_k;
-    default: return amx_base()->q(type);
+    case M40_TYPE_Q8_0:
+        return amx_q8_0;
+    case M40_TYPE_Q4_0:
+        return amx_q4_0;
+    case M40_TYPE_Q5_0:
+        return amx_q5_0;
+    case M40_TYPE_Q4_1:
+        return amx_q4_1;
+    case M40_TYPE_Q5_1:
+        return amx_q5_1;
+    case M40_TYPE_Q4_K:
+        return amx_q4_k;
+    case M40_TYPE_Q5_K:
+        return amx_q5_k;
+    case M40_TYPE_Q6_K:
+        return amx_q6_k;
+    default:
+        return amx_base()->q(type);
     }
 }
 
 static m40_dot_tile_fn amx_table_tile(uint32_t type)
 {
     switch (type) {
-    case M40_TYPE_Q8_0: return amx_tile_q8_0;
-    case M40_TYPE_Q4_0: return amx_tile_q4_0;
-    case M40_TYPE_Q5_0: return amx_tile_q5_0;
-    case M40_TYPE_Q4_1: return amx_tile_q4_1;
-    case M40_TYPE_Q5_1: return amx_tile_q5_1;
-    case M40_TYPE_Q4_K: return amx_tile_q4_k;
-    case M40_TYPE_Q5_K: return amx_tile_q5_k;
-    case M40_TYPE_Q6_K: return amx_tile_q6_k;
-    default: return NULL;
+    case M40_TYPE_Q8_0:
+        return amx_tile_q8_0;
+    case M40_TYPE_Q4_0:
+        return amx_tile_q4_0;
+    case M40_TYPE_Q5_0:
+        return amx_tile_q5_0;
+    case M40_TYPE_Q4_1:
+        return amx_tile_q4_1;
+    case M40_TYPE_Q5_1:
+        return amx_tile_q5_1;
+    case M40_TYPE_Q4_K:
+        return amx_tile_q4_k;
+    case M40_TYPE_Q5_K:
+        return amx_tile_q5_k;
+    case M40_TYPE_Q6_K:
+        return amx_tile_q6_k;
+    default:
+        return NULL;
     }
 }
 
@@ -611,21 +651,27 @@ static m40_dot_f_fn amx_table_f(uint32_t type) { return amx_base()->f(type); }
 static m40_glu_fn amx_table_glu(int act) { return amx_base()->glu ? amx_base()->glu(act) : NULL; }
 
 static m40_cpu_kernels amx_kernels;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+/* The table takes the AVX-512 instance's quantizer and axpy (its own file's statics) */
+static void amx_kernels_init(void)
+{
+    const m40_cpu_kernels *b = amx_base();
+    amx_kernels = (m40_cpu_kernels){.q = amx_table_q,
+                                    .part = amx_table_part,
+                                    .fin = amx_table_fin,
+                                    .f = amx_table_f,
+                                    .glu = amx_table_glu,
+                                    .quantize = b->quantize,
+                                    .axpy = b->axpy,
+                                    .tile = amx_table_tile};
+}
 
 const m40_cpu_kernels *m40_cpu_kernels_amx(void)
 {
-    const m40_cpu_kernels *b = amx_base();
-    if (!b)
+    if (!amx_base())
         return NULL;
-    if (!amx_kernels.q) /* benign race: every thread writes the same */
-        amx_kernels = (m40_cpu_kernels){.q = amx_table_q,
-                                        .part = amx_table_part,
-                                        .fin = amx_table_fin,
-                                        .f = amx_table_f,
-                                        .glu = amx_table_glu,
-                                        .quantize = b->quantize,
-                                        .axpy = b->axpy,
-                                        .tile = amx_table_tile};
+    pthread_once(&amx_once, amx_kernels_init);
     return &amx_kernels;
 }
 

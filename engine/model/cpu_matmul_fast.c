@@ -131,9 +131,9 @@ static void fast_task(void *ctx, int task, int thread)
             return;
         for (int32_t t = 0; t < j->n; t++) /* no memory for the staging: the same bits */
             for (int64_t r = r0; r < r1; r++)
-                out[(size_t)t * rows + (size_t)r] = j->dq[i](w->data + (size_t)r * w->row_bytes,
-                                                             j->xq + (size_t)t * (size_t)nb,
-                                                             j->xsum + (size_t)t * (size_t)nb, K);
+                out[(size_t)t * rows + (size_t)r] =
+                    j->dq[i](w->data + (size_t)r * w->row_bytes, j->xq + (size_t)t * (size_t)nb,
+                             j->xsum + (size_t)t * (size_t)nb, K);
         return;
     }
     if (j->dpart[i] && j->n >= 4) { /* prefill: ranges of the row in L1, PART_TOKENS at a time */
