@@ -162,54 +162,13 @@ AMX_FN void amx_q4_k_scales(const uint8_t *w, uint64_t *sc, uint64_t *mn)
                                               << 32;
 }
 
-/* The scales of the 8 scaled units that start at unit g (scaled units: 32 elements, Q6_K
- * 16; n of them are real) of a row: ws the weight's scale of each, mins its signed min
- * (-dmin * mn for the K-quants, m for Q4_1 and Q5_1; else 0). Each is exact in F32 (an
- * F16, or an F16 times an integer of at most 8 bits). */
-AMX_FN void amx_unit_scales(uint32_t type, const uint8_t *row, int64_t g, int n, float *ws, float *mins)
-{
-    for (int j = 0; j < 8; j++)
-        ws[j] = mins[j] = 0.0f;
-    switch (type) {
-    case M40_TYPE_Q8_0:
-    case M40_TYPE_Q4_0:
-    case M40_TYPE_Q4_1:
-    case M40_TYPE_Q5_0:
-    case M40_TYPE_Q5_1: {
-        const int64_t bytes = amx_block_bytes(type);
-        const int min = type == M40_TYPE_Q4_1 || type == M40_TYPE_Q5_1;
-        for (int j = 0; j < n; j++) {
-            ws[j] = amx_f16(row + bytes * (g + j));
-            mins[j] = min ? amx_f16(row + bytes * (g + j) + 2) : 0.0f;
-        }
-        return;
-    }
-    case M40_TYPE_Q4_K:
-    case M40_TYPE_Q5_K: { /* g is a super-block's first sub-block */
-        const uint8_t *w = row + (type == M40_TYPE_Q5_K ? 176 : 144) * (g / 8);
-        uint64_t sc, mn;
-        amx_q4_k_scales(w, &sc, &mn);
-        const float d = amx_f16(w), dmin = amx_f16(w + 2);
-        for (int j = 0; j < 8; j++) {
-            ws[j] = d * (float)(int)((sc >> (8 * j)) & 0xff);
-            mins[j] = -(dmin * (float)(int)((mn >> (8 * j)) & 0xff));
-        }
-        return;
-    }
-    default: { /* Q6_K: units of 16, 16 a super-block; g a multiple of 8 */
-        const uint8_t *w = row + 210 * (g / 16);
-        const int8_t *sc = (const int8_t *)(w + 192) + g % 16;
-        const float d = amx_f16(w + 208);
-        for (int j = 0; j < 8; j++)
-            ws[j] = d * (float)sc[j];
-        return;
-    }
-    }
-}
-
 /* ------------------------------------------------ one token, one row */
 
-/* amx_unit_scales as vectors, the same values (the same F32 products) */
+/* The scales of the 8 scaled units that start at unit g (scaled units: 32 elements, Q6_K
+ * 16; n of them real) of a row, and in *mins their signed mins (-dmin * mn for the
+ * K-quants, m for Q4_1 and Q5_1; the caller zeroes it for the others). Each is exact in
+ * F32 (an F16, or an F16 times an integer of at most 8 bits). The one-token kernels and
+ * the tiles' staging both take them from here. */
 AMX_FN __m256 amx_ws8(uint32_t type, const uint8_t *row, int64_t g, int n, __m256 *mins)
 {
     switch (type) {
@@ -427,7 +386,7 @@ typedef struct {
 } amx_cfg;
 
 /* A thread's weight staging (m40_thread_scratch slot 0): for each panel of 16 rows, its
- * units' levels [unit][16 rows][32], their scales [scaled unit][16] and mins [unit][16]. */
+ * units' levels [unit][16 rows][32], their scales and mins [row][scaled unit]. */
 
 /* Rows staged at once: every token tile then meets all of them while its records stay
  * in L2 (a 16-row panel alone would read the whole of x from L3 again for each panel). */
@@ -445,16 +404,16 @@ AMX_FN void amx_stage_panel(uint32_t type, const uint8_t *w, size_t row_bytes, i
             __m256i l = r < nrows ? amx_levels(type, w + (size_t)r * row_bytes, u) : _mm256_setzero_si256();
             _mm256_storeu_si256((__m256i *)(void *)(lv + 512 * u + 32 * r), l);
         }
-    for (int64_t g = 0; g < nu; g += 8)
-        for (int r = 0; r < 16; r++) {
-            float ws[8], mn[8];
-            if (r < nrows)
-                amx_unit_scales(type, w + (size_t)r * row_bytes, g, nu - g < 8 ? (int)(nu - g) : 8, ws, mn);
-            for (int j = 0; j < 8 && g + j < nu; j++) {
-                wsc[(g + j) * 16 + r] = r < nrows ? ws[j] : 0.0f;
-                if (mins)
-                    wmn[(g + j) * 16 + r] = r < nrows ? mn[j] : 0.0f;
-            }
+    /* scales and mins [row][scaled unit]: the one-token kernel's vectors (amx_ws8) */
+    memset(wsc, 0, (size_t)nu * 16 * sizeof *wsc * (mins ? 2 : 1));
+    for (int r = 0; r < nrows; r++)
+        for (int64_t g = 0; g < nu; g += 8) {
+            const int n = nu - g < 8 ? (int)(nu - g) : 8;
+            const __mmask8 k = (__mmask8)((1u << n) - 1);
+            __m256 mn = _mm256_setzero_ps();
+            _mm256_mask_storeu_ps(wsc + r * nu + g, k, amx_ws8(type, w + (size_t)r * row_bytes, g, n, &mn));
+            if (mins)
+                _mm256_mask_storeu_ps(wmn + r * nu + g, k, mn);
         }
 }
 
@@ -509,12 +468,12 @@ AMX_TILE_FN void amx_panel_tile(uint32_t type, const uint8_t *st, int nrows, int
         for (int r = 0; r < 16; r++) {
             const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const void *)c[0][r]), 8),
                                                _mm512_load_si512((const void *)c[1][r]));
-            const __m512 S = _mm512_mul_ps(_mm512_set1_ps(wsc[su * 16 + r]), xd);
+            const __m512 S = _mm512_mul_ps(_mm512_set1_ps(wsc[r * nu + su]), xd);
             /* a lane's first unit adds to 0, as the one-token kernel's zeroed lanes */
             __m512 acc =
                 _mm512_fmadd_ps(S, _mm512_cvtepi32_ps(I), su < 8 ? _mm512_setzero_ps() : _mm512_load_ps(pl + 16 * r));
             if (mins)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(wmn[su * 16 + r]), s, acc);
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(wmn[r * nu + su]), s, acc);
             _mm512_store_ps(pl + 16 * r, acc);
         }
     }
