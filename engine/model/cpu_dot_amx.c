@@ -555,52 +555,36 @@ AMX_TILE(q6_k, M40_TYPE_Q6_K)
 
 static const m40_cpu_kernels *amx_base(void) { return m40_cpu_kernels_avx512(); }
 
+/* The tiled types: their one-token kernel and their tile kernel */
+static const struct {
+    uint32_t type;
+    m40_dot_q_fn q;
+    m40_dot_tile_fn tile;
+} amx_types[] = {
+    {M40_TYPE_Q8_0, amx_q8_0, amx_tile_q8_0}, {M40_TYPE_Q4_0, amx_q4_0, amx_tile_q4_0},
+    {M40_TYPE_Q5_0, amx_q5_0, amx_tile_q5_0}, {M40_TYPE_Q4_1, amx_q4_1, amx_tile_q4_1},
+    {M40_TYPE_Q5_1, amx_q5_1, amx_tile_q5_1}, {M40_TYPE_Q4_K, amx_q4_k, amx_tile_q4_k},
+    {M40_TYPE_Q5_K, amx_q5_k, amx_tile_q5_k}, {M40_TYPE_Q6_K, amx_q6_k, amx_tile_q6_k},
+};
+
+static int amx_find(uint32_t type)
+{
+    for (size_t i = 0; i < sizeof amx_types / sizeof amx_types[0]; i++)
+        if (amx_types[i].type == type)
+            return (int)i;
+    return -1;
+}
+
 static m40_dot_q_fn amx_table_q(uint32_t type)
 {
-    switch (type) {
-    case M40_TYPE_Q8_0:
-        return amx_q8_0;
-    case M40_TYPE_Q4_0:
-        return amx_q4_0;
-    case M40_TYPE_Q5_0:
-        return amx_q5_0;
-    case M40_TYPE_Q4_1:
-        return amx_q4_1;
-    case M40_TYPE_Q5_1:
-        return amx_q5_1;
-    case M40_TYPE_Q4_K:
-        return amx_q4_k;
-    case M40_TYPE_Q5_K:
-        return amx_q5_k;
-    case M40_TYPE_Q6_K:
-        return amx_q6_k;
-    default:
-        return amx_base()->q(type);
-    }
+    const int i = amx_find(type);
+    return i >= 0 ? amx_types[i].q : amx_base()->q(type);
 }
 
 static m40_dot_tile_fn amx_table_tile(uint32_t type)
 {
-    switch (type) {
-    case M40_TYPE_Q8_0:
-        return amx_tile_q8_0;
-    case M40_TYPE_Q4_0:
-        return amx_tile_q4_0;
-    case M40_TYPE_Q5_0:
-        return amx_tile_q5_0;
-    case M40_TYPE_Q4_1:
-        return amx_tile_q4_1;
-    case M40_TYPE_Q5_1:
-        return amx_tile_q5_1;
-    case M40_TYPE_Q4_K:
-        return amx_tile_q4_k;
-    case M40_TYPE_Q5_K:
-        return amx_tile_q5_k;
-    case M40_TYPE_Q6_K:
-        return amx_tile_q6_k;
-    default:
-        return NULL;
-    }
+    const int i = amx_find(type);
+    return i >= 0 ? amx_types[i].tile : NULL;
 }
 
 /* the tiled types have no piecewise kernel here: batches of 4+ tokens take the tiles */
