@@ -548,12 +548,11 @@ typedef struct {
     int32_t heads; /* query heads a task: 1, or every head of one KV head */
 } attn_job;
 
-/* One (token, head): softmax(scale q.k, soft-capped where the model caps) over the
- * positions the layer lets it see (0..pos; a local layer only the last `window`),
- * times V. */
-/* One token's attention for `heads` query heads from h0 (all of one KV head): each key
- * and value row is read once for all of them, and each head's scores, softmax and sum
- * take the same steps in the same order as one head alone (the same bits). */
+/* One token's attention for `heads` query heads from h0 (of one KV head): for each,
+ * softmax(scale q.k, soft-capped where the model caps) over the positions the layer lets
+ * it see (0..pos; a local layer only the last `window`), times V. Each key and value row
+ * is read once for all of the heads, and each head's scores, softmax and sum take the
+ * same steps in the same order as that head alone (the same bits). */
 static void attention_task(void *ctx, int task, int thread)
 {
     attn_job *j = ctx;
