@@ -3,7 +3,8 @@
  * record split into its signed high byte and unsigned low byte (q = 256 hi + lo), so the
  * integer sum of every 32-element unit (16 for Q6_K, whose scales cover 16) is the exact
  * one the AVX-512 kernels form, for 16 weight rows and 16 tokens at once (TDPBSSD and
- * TDPBSUD, 16 cycles a tile op whatever its width; BENCHMARKS.md, thirty-fifth session).
+ * TDPBSUD, about 4.7 ns a tile op whatever its K and N; BENCHMARKS.md, thirty-fifth
+ * session).
  *
  * One arithmetic for every batch size. A (row, token) product is, in F32, eight partial
  * sums p[l] (l = the unit's index mod 8), each p[l] = fma(S, I, p[l]) over its units in
@@ -386,10 +387,10 @@ typedef struct {
 } amx_cfg;
 
 /* A thread's weight staging (m40_thread_scratch slot 0): for each panel of 16 rows, its
- * units' levels [unit][16 rows][32], their scales and mins [row][scaled unit]. */
-
-/* Rows staged at once: every token tile then meets all of them while its records stay
- * in L2 (a 16-row panel alone would read the whole of x from L3 again for each panel). */
+ * units' levels [unit][16 rows][32], their scales and mins [row][scaled unit]. This many
+ * bytes of panels are staged at once: every token tile then meets all of them while its
+ * records stay in L2 (a 16-row panel alone would read the whole of x from L3 again for
+ * each panel). */
 #define AMX_STAGE_BUDGET (1u << 20)
 
 /* Stages the nrows (<= 16) rows at w into st (the rest zero). */
