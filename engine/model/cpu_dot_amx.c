@@ -151,7 +151,7 @@ AMX_FN int64_t amx_block_bytes(uint32_t type)
                                    : 24;
 }
 
-/* Q4_K's (and Q5_K's) 6-bit (scale, min) pairs of super-block sb as bytes j = sub-block j */
+/* The 6-bit (scale, min) pairs of the Q4_K or Q5_K super-block at w, as bytes j = sub-block j */
 AMX_FN void amx_q4_k_scales(const uint8_t *w, uint64_t *sc, uint64_t *mn)
 {
     uint32_t sw0, sw1, sw2;
