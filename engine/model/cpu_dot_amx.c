@@ -135,7 +135,7 @@ AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
     }
 }
 
-/* The types whose weights carry a min (or an offset that is not in the levels) */
+/* The types whose weights carry a min: a unit's term m * s beside its levels' product */
 AMX_FN int amx_has_mins(uint32_t type)
 {
     return type == M40_TYPE_Q4_K || type == M40_TYPE_Q5_K || type == M40_TYPE_Q4_1 || type == M40_TYPE_Q5_1;

@@ -125,17 +125,12 @@ static void fast_task(void *ctx, int task, int thread)
     const int64_t K = w->cols, nb = K / 32;
     const size_t rows = (size_t)w->rows;
     float *out = j->out[i];
-    if (j->tile[i] && j->xp) { /* AMX: the chunk's rows against every token */
-        if (j->tile[i](w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), K, j->xp, j->n, out + r0,
-                       (int64_t)rows) == 0)
-            return;
-        for (int32_t t = 0; t < j->n; t++) /* no memory for the staging: the same bits */
-            for (int64_t r = r0; r < r1; r++)
-                out[(size_t)t * rows + (size_t)r] =
-                    j->dq[i](w->data + (size_t)r * w->row_bytes, j->xq + (size_t)t * (size_t)nb,
-                             j->xsum + (size_t)t * (size_t)nb, K);
+    /* AMX: the chunk's rows against every token; without memory for its staging, the
+     * one-token kernels below (a tiled type has no piecewise kernel): the same bits */
+    if (j->tile[i] && j->xp &&
+        j->tile[i](w->data + (size_t)r0 * w->row_bytes, w->row_bytes, (int)(r1 - r0), K, j->xp, j->n, out + r0,
+                   (int64_t)rows) == 0)
         return;
-    }
     if (j->dpart[i] && j->n >= 4) { /* prefill: ranges of the row in L1, PART_TOKENS at a time */
         m40_dot_state st[TILE_ROWS][PART_TOKENS];
         for (int64_t t0 = r0; t0 < r1; t0 += TILE_ROWS) {
