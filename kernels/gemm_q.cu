@@ -527,17 +527,16 @@ __global__ __launch_bounds__(256) void mq_dequant_kernel(const uint8_t *__restri
     mq_wait<0>();
 }
 
-/* blocks of mq_dequant_kernel<T> that run at once on the current device, asked once per
- * device */
+/* blocks of mq_dequant_kernel<T> that run at once on the current device (the SMs times
+ * the blocks an SM holds), asked once per device */
 template <int T> static int mq_dequant_grid(void)
 {
     static int grid[64];
-    int dev = 0, sms = 0, per = 0;
+    int dev = 0, per = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
         return 0;
-    if (!grid[dev] && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, mq_dequant_kernel<T>, 256, 0) == cudaSuccess)
-        grid[dev] = sms * (per > 0 ? per : 1);
+    if (!grid[dev] && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, mq_dequant_kernel<T>, 256, 0) == cudaSuccess)
+        grid[dev] = mq_sm_count() * (per > 0 ? per : 1);
     return grid[dev];
 }
 

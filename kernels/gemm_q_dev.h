@@ -249,6 +249,18 @@ static inline int mq_one_wave_splits(int blocks_per_sm, int sm_count, int N, int
     return S < 1 ? 1 : S;
 }
 
+/* the SMs of the current device, asked once per device (0: unknown) */
+static inline int mq_sm_count(void)
+{
+    static int count[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
+        return 0;
+    if (!count[dev] && cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        count[dev] = 0;
+    return count[dev];
+}
+
 /* prepare() once per device (a plain flag per device: a second thread racing here only
  * runs it twice): the kernels' shared-memory limits, before any launch or capture. */
 template <typename F> static inline int mq_once_per_device(bool (&done)[64], F prepare)

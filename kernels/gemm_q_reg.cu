@@ -451,25 +451,13 @@ extern "C" void m40k_gemm_q_rows(int rows)
     mr_forced_rows = rows == 96 || rows == 112 || rows == 128 ? rows : 0;
 }
 
-/* the SMs of the current device, asked once per device */
-static int mr_sm_count(void)
-{
-    static int count[64];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-        return 0;
-    if (!count[dev] && cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        count[dev] = 0;
-    return count[dev];
-}
-
 int mr_gemm(int w_type, const void *w, size_t row_bytes, int N, int K, const uint16_t *x, int64_t x_stride, int M,
             float *y, int64_t ldy, int S, float *ws, int *counters, cudaStream_t st)
 {
     const int e = mr_prepare(); /* once per device */
     if (e)
         return e;
-    const int sms = mr_sm_count();
+    const int sms = mq_sm_count();
     /* the picked rows where S is the picked split count (the caller's workspace may have
      * asked fewer), else 128 */
     int R = MR_ROWS, Rp, Sp;
