@@ -424,3 +424,9 @@ m40_dot_tile_fn m40_dot_tile_kernel(uint32_t type, int isa)
     const m40_cpu_kernels *k = simd(isa);
     return k && k->tile ? k->tile(type) : NULL;
 }
+
+m40_dot_s_fn m40_dot_s_kernel(uint32_t type, int isa)
+{
+    const m40_cpu_kernels *k = simd(isa);
+    return k && k->split ? k->split(type) : NULL;
+}

@@ -118,6 +118,18 @@ m40_dot_tile_fn m40_dot_tile_kernel(uint32_t type, int isa); /* NULL: none for t
 size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K);
 void m40_dot_tile_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, void *out);
 
+/* Split records (M40_ISA_AMX's one-token kernels): each record's int16s as their low
+ * bytes (unsigned) and high bytes (signed), q = 256 hi + lo, so a product of unsigned
+ * levels takes two VPDPBUSD a unit where the int16s need two widenings, an extract and
+ * two VPDPWSSD; the same integer sums, so the same bits as the isa's m40_dot_q_fn. A
+ * token's nb records take m40_dot_split_bytes(nb) bytes (a multiple of 64), written by
+ * m40_dot_split_prep from its records: [nb][lo 32, hi 32], then d [nb], h [nb][2] and
+ * h[0] + h[1] [nb]. */
+size_t m40_dot_split_bytes(int64_t nb);
+void m40_dot_split_prep(const m40_xq *x, int64_t nb, void *out);
+typedef float (*m40_dot_s_fn)(const uint8_t *w, const void *xs, const float *xsum, int64_t K);
+m40_dot_s_fn m40_dot_s_kernel(uint32_t type, int isa); /* NULL: none for that type or isa */
+
 /* A 64-byte aligned buffer of at least `bytes` for the calling thread (slot 0 or 1: two
  * independent ones), grown, never shrunk, and freed when the thread exits (the pool's
  * threads end with their model); NULL: no memory. The tiles' staging and prepared
@@ -150,6 +162,7 @@ typedef struct {
     m40_xq_quantize_fn quantize;
     m40_axpy_fn axpy;
     m40_dot_tile_fn (*tile)(uint32_t type); /* NULL but in the AMX instance */
+    m40_dot_s_fn (*split)(uint32_t type);   /* NULL but in the AMX instance */
 } m40_cpu_kernels;
 /* The instances (cpu_dot_avx2.c, cpu_dot_avx512.c: cpu_dot_x86.h's; cpu_dot_neon.c);
  * NULL where the instance is not built for this architecture. */

@@ -71,20 +71,35 @@ AMX_FN float amx_f16(const uint8_t *p)
 
 /* ------------------------------------------------ unit levels, as int8 */
 
-/* The 32 signed levels of unit u (32 elements) of a row of `type` (Q6_K: the two units of
- * 16 in elements 32u .. 32u + 31), in element order. */
-AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
+/* The 32 levels of unit u (32 elements) of a row of `type` (Q6_K: the two units of 16 in
+ * elements 32u .. 32u + 31), in element order: signed, or with raw the stored unsigned
+ * ones (Q4_0's, Q5_0's and Q6_K's offset of -8, -16, -32 left to the caller; not Q8_0). */
+AMX_FN __m256i amx_levels_in(uint32_t type, const uint8_t *blk, int j, int raw);
+AMX_FN int64_t amx_block_bytes(uint32_t type);
+
+AMX_FN __m256i amx_levels_r(uint32_t type, const uint8_t *row, int64_t u, int raw)
+{
+    if (type == M40_TYPE_Q4_K || type == M40_TYPE_Q5_K || type == M40_TYPE_Q6_K) {
+        const int64_t sb = type == M40_TYPE_Q4_K ? 144 : type == M40_TYPE_Q5_K ? 176 : 210;
+        return amx_levels_in(type, row + sb * (u / 8), (int)(u % 8), raw);
+    }
+    return amx_levels_in(type, row + amx_block_bytes(type) * u, 0, raw);
+}
+
+/* The same from the unit's block (32-element types; j unused) or its super-block and
+ * its index j there (K-quants): the kernels' groups find those once for 8 units. */
+AMX_FN __m256i amx_levels_in(uint32_t type, const uint8_t *blk, int j, int raw)
 {
     switch (type) {
     case M40_TYPE_Q8_0:
-        return _mm256_loadu_si256((const __m256i *)(const void *)(row + 34 * u + 2));
+        return _mm256_loadu_si256((const __m256i *)(const void *)(blk + 2));
     case M40_TYPE_Q4_0:
     case M40_TYPE_Q4_1:
     case M40_TYPE_Q5_0:
     case M40_TYPE_Q5_1: { /* d | [m] | [qh] | qs: the low nibbles are elements 0..15 */
         const int five = type == M40_TYPE_Q5_0 || type == M40_TYPE_Q5_1;
         const int min = type == M40_TYPE_Q4_1 || type == M40_TYPE_Q5_1;
-        const uint8_t *b = row + (18 + (five ? 4 : 0) + (min ? 2 : 0)) * u;
+        const uint8_t *b = blk;
         const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(b + 2 + (five ? 4 : 0) + (min ? 2 : 0)));
         const __m128i m = _mm_set1_epi8(15);
         __m256i l = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
@@ -93,14 +108,13 @@ AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
             memcpy(&qh, b + (min ? 4 : 2), 4);
             l = _mm256_or_si256(l, _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(0x10)));
         }
-        return min ? l : _mm256_sub_epi8(l, _mm256_set1_epi8(five ? 16 : 8));
+        return min || raw ? l : _mm256_sub_epi8(l, _mm256_set1_epi8(five ? 16 : 8));
     }
     case M40_TYPE_Q4_K:
     case M40_TYPE_Q5_K: { /* sub-block 2c + h: the low (h 0) or high nibbles of qs[32c .. 32c + 32),
                            * Q5_K's 5th bit bit 2c + h of qh[l] */
         const int five = type == M40_TYPE_Q5_K;
-        const uint8_t *sb = row + (five ? 176 : 144) * (u / 8);
-        const int j = (int)(u % 8);
+        const uint8_t *sb = blk;
         const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(sb + (five ? 48 : 16) + 32 * (j / 2)));
         __m256i l = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
         if (five) {
@@ -111,8 +125,8 @@ AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
         return l;
     }
     default: { /* Q6_K: block jb = 4n + k of its super-block is quarter k of half n */
-        const uint8_t *w = row + 210 * (u / 8);
-        const int jb = (int)(u % 8), n = jb / 4, k = jb % 4;
+        const uint8_t *w = blk;
+        const int jb = j, n = jb / 4, k = jb % 4;
         const __m256i A = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n));
         const __m256i B = _mm256_loadu_si256((const __m256i *)(const void *)(w + 64 * n + 32));
         const __m256i H = _mm256_loadu_si256((const __m256i *)(const void *)(w + 128 + 32 * n));
@@ -130,10 +144,12 @@ AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
         else
             l = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
                                 _mm256_srli_epi16(_mm256_and_si256(H, _mm256_set1_epi8((char)0xc0)), 2));
-        return _mm256_sub_epi8(l, _mm256_set1_epi8(32));
+        return raw ? l : _mm256_sub_epi8(l, _mm256_set1_epi8(32));
     }
     }
 }
+
+AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u) { return amx_levels_r(type, row, u, 0); }
 
 /* The types whose weights carry a min: a unit's term m * s beside its levels' product */
 AMX_FN int amx_has_mins(uint32_t type)
@@ -338,6 +354,118 @@ AMX_DOT(q5_1, M40_TYPE_Q5_1)
 AMX_DOT(q4_k, M40_TYPE_Q4_K)
 AMX_DOT(q5_k, M40_TYPE_Q5_K)
 AMX_DOT(q6_k, M40_TYPE_Q6_K)
+
+/* ------------------------------------------------ one token, split records */
+
+size_t m40_dot_split_bytes(int64_t nb) { return ((size_t)nb * 80 + 63) / 64 * 64; }
+
+AMX_KERNEL void amx_split_prep(const m40_xq *x, int64_t nb, uint8_t *out)
+{
+    float *d = (float *)(void *)(out + 64 * nb);
+    int32_t *h = (int32_t *)(void *)(d + nb), *hs = h + 2 * nb;
+    for (int64_t u = 0; u < nb; u++) {
+        const __m512i q = _mm512_loadu_si512((const void *)x[u].q);
+        _mm256_storeu_si256((__m256i *)(void *)(out + 64 * u), _mm512_cvtepi16_epi8(q));
+        _mm256_storeu_si256((__m256i *)(void *)(out + 64 * u + 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
+        d[u] = x[u].d;
+        h[2 * u] = x[u].h[0], h[2 * u + 1] = x[u].h[1];
+        hs[u] = x[u].h[0] + x[u].h[1];
+    }
+}
+
+void m40_dot_split_prep(const m40_xq *x, int64_t nb, void *out) { amx_split_prep(x, nb, out); }
+
+/* A unit's integer sum of raw levels l (unsigned bytes) with the split record at xu:
+ * 256 * (l . hi) + (l . lo), lane by lane (each lane's four products). */
+AMX_FN __m256i amx_split_unit(__m256i l, const uint8_t *xu)
+{
+    const __m256i a =
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), l, _mm256_loadu_si256((const __m256i *)(const void *)(xu + 32)));
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(a, 8), _mm256_loadu_si256((const __m256i *)(const void *)xu), l);
+}
+
+/* amx_group on split records (xs, nb of them): the same integer sums, so the same p */
+AMX_FN __m256 amx_sgroup(uint32_t type, const uint8_t *w, const uint8_t *xs, int64_t nb, const float *xsum, int64_t g,
+                         int n, int j0, __m256 p)
+{
+    const int q6 = type == M40_TYPE_Q6_K, mins = amx_has_mins(type);
+    const int off = type == M40_TYPE_Q4_0 ? 8 : type == M40_TYPE_Q5_0 ? 16 : q6 ? 32 : 0;
+    const __mmask8 k = (__mmask8)((1u << n) - 1);
+    const float *xd = (const float *)(const void *)(xs + 64 * nb);
+    const int32_t *xh = (const int32_t *)(const void *)(xd + nb), *xhs = xh + 2 * nb;
+    {
+        const int64_t gb = type == M40_TYPE_Q4_K   ? 144
+                           : type == M40_TYPE_Q5_K ? 176
+                           : q6                    ? 105
+                                                   : 8 * amx_block_bytes(type);
+        const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
+        for (int64_t o = 0; o < gb; o += 64)
+            _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
+    }
+    __m256i I;
+    __m256 d;
+    if (q6) { /* a unit of 32 holds two scaled units: lanes 0-3 and 4-7 */
+        __m256i v[4];
+        const uint8_t *sb = w + 210 * (g / 16), *xu = xs + 64 * (g / 2); /* j0: g / 2 % 8, 0 or 4 */
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) v[j] =
+            2 * j < n ? amx_split_unit(amx_levels_in(type, sb, j0 + j, 1), xu + 64 * j) : _mm256_setzero_si256();
+        /* (v0 lo, v1 lo, v2 lo, v3 lo | v0 hi, ...) -> scaled units in order */
+        I = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])),
+                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_maskz_loadu_epi32(k, xh + g), 5));
+        d = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_maskz_loadu_ps((__mmask8)((1u << (n / 2)) - 1), xd + g / 2)),
+            _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    } else {
+        __m256i v[8];
+        const int kq = type == M40_TYPE_Q4_K || type == M40_TYPE_Q5_K;
+        const int64_t bb = kq ? 0 : amx_block_bytes(type);
+        const uint8_t *b0 = kq ? w + (type == M40_TYPE_Q5_K ? 176 : 144) * (g / 8) : w + bb * g, *xu = xs + 64 * g;
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) v[j] =
+            j < n ? amx_split_unit(amx_levels_in(type, kq ? b0 : b0 + bb * j, j, 1), xu + 64 * j)
+                  : _mm256_setzero_si256();
+        I = amx_reduce8(v);
+        if (off)
+            I = _mm256_sub_epi32(I, _mm256_mullo_epi32(_mm256_maskz_loadu_epi32(k, xhs + g), _mm256_set1_epi32(off)));
+        d = _mm256_maskz_loadu_ps(k, xd + g);
+    }
+    __m256 mn = _mm256_setzero_ps();
+    const __m256 S = _mm256_mul_ps(amx_ws8(type, w, g, n, &mn), d);
+    p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(I), p, k);
+    if (mins)
+        p = _mm256_mask3_fmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
+    return p;
+}
+
+AMX_FN float amx_sdot(uint32_t type, const uint8_t *w, const uint8_t *xs, const float *xsum, int64_t K)
+{
+    const int64_t nu = type == M40_TYPE_Q6_K ? K / 16 : K / 32, nb = K / 32;
+    __m256 p = _mm256_setzero_ps();
+    int64_t g = 0;
+    if (type == M40_TYPE_Q6_K) /* whole super-blocks (K a multiple of 256): the halves' j0 known */
+        for (; g < nu; g += 16) {
+            p = amx_sgroup(type, w, xs, nb, xsum, g, 8, 0, p);
+            p = amx_sgroup(type, w, xs, nb, xsum, g + 8, 8, 4, p);
+        }
+    for (; g + 8 <= nu; g += 8)
+        p = amx_sgroup(type, w, xs, nb, xsum, g, 8, 0, p);
+    if (g < nu)
+        p = amx_sgroup(type, w, xs, nb, xsum, g, (int)(nu - g), 0, p);
+    return amx_hsum(p);
+}
+
+#define AMX_SDOT(name, type)                                                                                           \
+    AMX_KERNEL float amx_s_##name(const uint8_t *w, const void *xs, const float *xsum, int64_t K)                      \
+    {                                                                                                                  \
+        return amx_sdot(type, w, xs, xsum, K);                                                                         \
+    }
+AMX_SDOT(q4_0, M40_TYPE_Q4_0)
+AMX_SDOT(q5_0, M40_TYPE_Q5_0)
+AMX_SDOT(q4_1, M40_TYPE_Q4_1)
+AMX_SDOT(q5_1, M40_TYPE_Q5_1)
+AMX_SDOT(q4_k, M40_TYPE_Q4_K)
+AMX_SDOT(q5_k, M40_TYPE_Q5_K)
+AMX_SDOT(q6_k, M40_TYPE_Q6_K)
 
 /* ------------------------------------------------ tiles: 16 rows x 16 tokens */
 
@@ -561,11 +689,12 @@ static const struct {
     uint32_t type;
     m40_dot_q_fn q;
     m40_dot_tile_fn tile;
+    m40_dot_s_fn split; /* NULL for Q8_0: its signed levels meet signed high bytes */
 } amx_types[] = {
-    {M40_TYPE_Q8_0, amx_q8_0, amx_tile_q8_0}, {M40_TYPE_Q4_0, amx_q4_0, amx_tile_q4_0},
-    {M40_TYPE_Q5_0, amx_q5_0, amx_tile_q5_0}, {M40_TYPE_Q4_1, amx_q4_1, amx_tile_q4_1},
-    {M40_TYPE_Q5_1, amx_q5_1, amx_tile_q5_1}, {M40_TYPE_Q4_K, amx_q4_k, amx_tile_q4_k},
-    {M40_TYPE_Q5_K, amx_q5_k, amx_tile_q5_k}, {M40_TYPE_Q6_K, amx_q6_k, amx_tile_q6_k},
+    {M40_TYPE_Q8_0, amx_q8_0, amx_tile_q8_0, NULL},       {M40_TYPE_Q4_0, amx_q4_0, amx_tile_q4_0, amx_s_q4_0},
+    {M40_TYPE_Q5_0, amx_q5_0, amx_tile_q5_0, amx_s_q5_0}, {M40_TYPE_Q4_1, amx_q4_1, amx_tile_q4_1, amx_s_q4_1},
+    {M40_TYPE_Q5_1, amx_q5_1, amx_tile_q5_1, amx_s_q5_1}, {M40_TYPE_Q4_K, amx_q4_k, amx_tile_q4_k, amx_s_q4_k},
+    {M40_TYPE_Q5_K, amx_q5_k, amx_tile_q5_k, amx_s_q5_k}, {M40_TYPE_Q6_K, amx_q6_k, amx_tile_q6_k, amx_s_q6_k},
 };
 
 static int amx_find(uint32_t type)
@@ -588,6 +717,12 @@ static m40_dot_tile_fn amx_table_tile(uint32_t type)
     return i >= 0 ? amx_types[i].tile : NULL;
 }
 
+static m40_dot_s_fn amx_table_split(uint32_t type)
+{
+    const int i = amx_find(type);
+    return i >= 0 ? amx_types[i].split : NULL;
+}
+
 /* the tiled types have no piecewise kernel here: batches of 4+ tokens take the tiles */
 static m40_dot_part_fn amx_table_part(uint32_t type) { return amx_table_tile(type) ? NULL : amx_base()->part(type); }
 static m40_dot_fin_fn amx_table_fin(uint32_t type) { return amx_table_tile(type) ? NULL : amx_base()->fin(type); }
@@ -608,7 +743,8 @@ static void amx_kernels_init(void)
                                     .glu = amx_table_glu,
                                     .quantize = b->quantize,
                                     .axpy = b->axpy,
-                                    .tile = amx_table_tile};
+                                    .tile = amx_table_tile,
+                                    .split = amx_table_split};
 }
 
 const m40_cpu_kernels *m40_cpu_kernels_amx(void)
@@ -632,5 +768,11 @@ void m40_dot_tile_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n
 {
     (void)x, (void)xsum, (void)nb, (void)n, (void)tile, (void)out;
 }
+size_t m40_dot_split_bytes(int64_t nb)
+{
+    (void)nb;
+    return 0;
+}
+void m40_dot_split_prep(const m40_xq *x, int64_t nb, void *out) { (void)x, (void)nb, (void)out; }
 
 #endif

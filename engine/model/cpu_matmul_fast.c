@@ -79,13 +79,16 @@ typedef struct {
     m40_dot_fin_fn dfin[M40_FAST_MAX_GROUP];
     m40_dot_f_fn df[M40_FAST_MAX_GROUP];
     m40_dot_tile_fn tile[M40_FAST_MAX_GROUP]; /* AMX tiles (with xp), or NULL */
+    m40_dot_s_fn ds[M40_FAST_MAX_GROUP];      /* one token on split records (with xs), or NULL */
     int64_t rows_per_chunk[M40_FAST_MAX_GROUP];
     int first_task[M40_FAST_MAX_GROUP + 1]; /* matrix i's chunks: tasks first_task[i] .. first_task[i + 1] */
     int count;
     const float *x;
     const m40_xq *xq;
     const float *xsum;
-    const void *xp; /* the records prepared for the tiles (m40_dot_tile_prep), or NULL */
+    const void *xp;    /* the records prepared for the tiles (m40_dot_tile_prep), or NULL */
+    const uint8_t *xs; /* the tokens' split records (m40_dot_split_prep), or NULL */
+    size_t xs_bytes;   /* a token's */
     int32_t n;
 } fast_job;
 
@@ -111,6 +114,21 @@ static const void *prep_records(struct m40_threadpool *pool, fast_job *j)
     else
         m40_threadpool_run(pool, tiles, prep_task, j);
     return prep_buf;
+}
+
+/* The tokens' split records, in the calling thread's scratch slot 1 (no tiles in the
+ * same call); NULL without memory: the one-token kernels on the records, the same bits */
+static const uint8_t *split_records(fast_job *j)
+{
+    const int64_t nb = j->w[0]->cols / 32;
+    j->xs_bytes = m40_dot_split_bytes(nb);
+    uint8_t *buf = m40_thread_scratch(1, j->xs_bytes * (size_t)j->n);
+    if (!buf)
+        return NULL;
+    for (int32_t t = 0; t < j->n; t++)
+        m40_dot_split_prep(j->xq + (size_t)t * (size_t)nb, nb, buf + j->xs_bytes * (size_t)t);
+    j->xs = buf;
+    return buf;
 }
 
 static void fast_task(void *ctx, int task, int thread)
@@ -156,7 +174,12 @@ static void fast_task(void *ctx, int task, int thread)
         int64_t t1 = t0 + TILE_ROWS < r1 ? t0 + TILE_ROWS : r1;
         for (int32_t t = 0; t < j->n; t++) {
             float *o = out + (size_t)t * rows;
-            if (j->dq[i]) {
+            if (j->ds[i] && j->xs) {
+                const uint8_t *xs = j->xs + j->xs_bytes * (size_t)t;
+                const float *xsum = j->xsum + (size_t)t * (size_t)nb;
+                for (int64_t r = t0; r < t1; r++)
+                    o[r] = j->ds[i](w->data + (size_t)r * w->row_bytes, xs, xsum, K);
+            } else if (j->dq[i]) {
                 const m40_xq *xq = j->xq + (size_t)t * (size_t)nb;
                 const float *xsum = j->xsum + (size_t)t * (size_t)nb;
                 for (int64_t r = t0; r < t1; r++)
@@ -188,6 +211,7 @@ void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matri
             j.dpart[i] = NULL;
         j.df[i] = quantized ? NULL : m40_dot_f_kernel(ws[i]->type, isa);
         j.tile[i] = quantized && n >= TILE_MIN_TOKENS ? m40_dot_tile_kernel(ws[i]->type, isa) : NULL;
+        j.ds[i] = quantized && !j.tile[i] ? m40_dot_s_kernel(ws[i]->type, isa) : NULL;
         work += ws[i]->rows * ws[i]->cols * n;
     }
     for (int i = 0; i < count; i++)
@@ -195,6 +219,11 @@ void m40_fast_matmul(struct m40_threadpool *pool, int n_threads, const m40_matri
             if (!prep_records(pool, &j))
                 for (int k = 0; k < count; k++)
                     j.tile[k] = NULL;
+            break;
+        }
+    for (int i = 0; i < count && !j.xp; i++)
+        if (j.ds[i]) {
+            split_records(&j);
             break;
         }
     /* about 4 chunks a thread over the whole group, each matrix its share by its work;
