@@ -14,8 +14,8 @@
  *     cores' rate, where one 512-token chunk a step left most of a RAG burst waiting;
  *   - the ITL guard, only while some sequence is decoding: the step's predicted time
  *     stays within `guard` times the predicted time of the same step without prompt
- *     tokens (2 by default), so that a long prompt arriving does not multiply the
- *     inter-token latency of every running stream. The oldest prompt still gets at
+ *     tokens (m40_itl_guard; off by default), so that a long prompt arriving does not
+ *     multiply the inter-token latency of every running stream. The oldest prompt still gets at
  *     least `floor` tokens a step (it always progresses), and never a chunk so small
  *     that the chunk's fixed cost outweighs its useful work (see m40_prefill_alloc).
  * With nothing decoding the guard has nobody to protect and the budget applies alone.
