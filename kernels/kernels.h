@@ -843,8 +843,8 @@ int m40k_moe_combine(const float *y, int64_t ldy, const int32_t *inv, const int3
 size_t m40k_tp_devcomm_bytes(void);
 size_t m40k_tp_devcomm_reqs(void *reqs, size_t cap);
 /* NCCL_VERSION_CODE of the headers these were built with (0: none): the device API's
- * structures are those of that release, so the engine takes it only from a libnccl of the
- * same major and minor version. */
+ * structures are those of that release, so the engine takes it only from a libnccl of
+ * the same version, patch level included. */
 int m40k_tp_nccl_version(void);
 int m40k_tp_allreduce(const void *dev_comm, void *win, size_t in_off, float *out, int64_t count, const int *abort,
                       m40k_stream stream);

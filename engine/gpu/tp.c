@@ -235,7 +235,9 @@ static void sym_init(struct m40_gpu_tp *t, int64_t rows)
     int have = 0;
     nccl.get_version(&have);
     const int built = m40k_tp_nccl_version();
-    if (r == ncclSuccess && (!dc_bytes || !m40k_tp_devcomm_reqs(reqs, sizeof reqs) || have / 100 != built / 100)) {
+    /* the exact release: 2.28.3's structures are not 2.28.9's (an H100 host with libnccl
+     * 2.28.3 ran kernels built against 2.28.9's headers into an illegal address) */
+    if (r == ncclSuccess && (!dc_bytes || !m40k_tp_devcomm_reqs(reqs, sizeof reqs) || have != built)) {
         fprintf(stderr, "m40: tensor parallelism: the kernels' NCCL device API is from NCCL %d.%d.%d (0: none), the "
                         "library is %d.%d.%d\n", built / 10000, built / 100 % 100, built % 100, have / 10000,
                 have / 100 % 100, have % 100);
