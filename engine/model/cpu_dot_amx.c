@@ -373,8 +373,7 @@ AMX_KERNEL void amx_split_prep(const m40_xq *x, int64_t nb, uint8_t *out)
         hs[u] = x[u].h[0] + x[u].h[1];
         /* the high bytes' sum (Q8_0's signed levels meet them shifted by 128) */
         const __m256i s16 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)), _mm256_set1_epi16(1));
-        const __m256i t16 =
-            _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)), _mm256_set1_epi16(1));
+        const __m256i t16 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)), _mm256_set1_epi16(1));
         const __m256i s8 = _mm256_add_epi32(s16, t16);
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
@@ -719,7 +718,7 @@ static const struct {
     m40_dot_tile_fn tile;
     m40_dot_s_fn split;
 } amx_types[] = {
-    {M40_TYPE_Q8_0, amx_q8_0, amx_tile_q8_0, amx_s_q8_0}, {M40_TYPE_Q4_0, amx_q4_0, amx_tile_q4_0, amx_s_q4_0},
+    {M40_TYPE_Q8_0, amx_q8_0, amx_tile_q8_0, amx_s_q8_0},       {M40_TYPE_Q4_0, amx_q4_0, amx_tile_q4_0, amx_s_q4_0},
     {M40_TYPE_Q5_0, amx_q5_0, amx_tile_q5_0, amx_s_q5_0}, {M40_TYPE_Q4_1, amx_q4_1, amx_tile_q4_1, amx_s_q4_1},
     {M40_TYPE_Q5_1, amx_q5_1, amx_tile_q5_1, amx_s_q5_1}, {M40_TYPE_Q4_K, amx_q4_k, amx_tile_q4_k, amx_s_q4_k},
     {M40_TYPE_Q5_K, amx_q5_k, amx_tile_q5_k, amx_s_q5_k}, {M40_TYPE_Q6_K, amx_q6_k, amx_tile_q6_k, amx_s_q6_k},
