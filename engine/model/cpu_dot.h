@@ -119,12 +119,12 @@ size_t m40_dot_tile_prep_bytes(int32_t n, int64_t K);
 void m40_dot_tile_prep(const m40_xq *x, const float *xsum, int64_t nb, int32_t n, int32_t tile, void *out);
 
 /* Split records (M40_ISA_AMX's one-token kernels): each record's int16s as their low
- * bytes (unsigned) and high bytes (signed), q = 256 hi + lo, so a unit's product takes
- * two VPDPBUSD where the int16s need two widenings, an extract and two VPDPWSSD; the
- * same integer sums, so the same bits as the isa's m40_dot_q_fn. A token's nb records
- * take m40_dot_split_bytes(nb) bytes (a multiple of 64), written by m40_dot_split_prep
- * from its records: [nb][lo 32, hi 32], then d [nb], h [nb][2], h[0] + h[1] [nb] and
- * the sum of the high bytes [nb] (int32s). */
+ * bytes (unsigned) and high bytes (signed), q = 256 hi + lo, so a product of unsigned
+ * levels takes two VPDPBUSD a unit where the int16s need two widenings, an extract and
+ * two VPDPWSSD; the same integer sums, so the same bits as the isa's m40_dot_q_fn. A
+ * token's nb records take m40_dot_split_bytes(nb) bytes (a multiple of 64), written by
+ * m40_dot_split_prep from its records: [nb][lo 32, hi 32], then d [nb], h [nb][2] and
+ * h[0] + h[1] [nb]. */
 size_t m40_dot_split_bytes(int64_t nb);
 void m40_dot_split_prep(const m40_xq *x, int64_t nb, void *out);
 typedef float (*m40_dot_s_fn)(const uint8_t *w, const void *xs, const float *xsum, int64_t K);

@@ -72,8 +72,8 @@ AMX_FN float amx_f16(const uint8_t *p)
 /* ------------------------------------------------ unit levels, as int8 */
 
 /* The 32 levels of unit u (32 elements) of a row of `type` (Q6_K: the two units of 16 in
- * elements 32u .. 32u + 31), in element order: signed, or with raw the stored ones
- * (Q4_0's, Q5_0's and Q6_K's offset of -8, -16, -32 left to the caller; Q8_0's the same). */
+ * elements 32u .. 32u + 31), in element order: signed, or with raw the stored unsigned
+ * ones (Q4_0's, Q5_0's and Q6_K's offset of -8, -16, -32 left to the caller; not Q8_0). */
 AMX_FN __m256i amx_levels_in(uint32_t type, const uint8_t *blk, int j, int raw);
 AMX_FN int64_t amx_block_bytes(uint32_t type);
 
@@ -357,28 +357,19 @@ AMX_DOT(q6_k, M40_TYPE_Q6_K)
 
 /* ------------------------------------------------ one token, split records */
 
-size_t m40_dot_split_bytes(int64_t nb) { return ((size_t)nb * 84 + 63) / 64 * 64; }
+size_t m40_dot_split_bytes(int64_t nb) { return ((size_t)nb * 80 + 63) / 64 * 64; }
 
 AMX_KERNEL void amx_split_prep(const m40_xq *x, int64_t nb, uint8_t *out)
 {
     float *d = (float *)(void *)(out + 64 * nb);
-    int32_t *h = (int32_t *)(void *)(d + nb), *hs = h + 2 * nb, *hh = hs + nb;
+    int32_t *h = (int32_t *)(void *)(d + nb), *hs = h + 2 * nb;
     for (int64_t u = 0; u < nb; u++) {
         const __m512i q = _mm512_loadu_si512((const void *)x[u].q);
-        const __m256i hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8));
         _mm256_storeu_si256((__m256i *)(void *)(out + 64 * u), _mm512_cvtepi16_epi8(q));
-        _mm256_storeu_si256((__m256i *)(void *)(out + 64 * u + 32), hi);
+        _mm256_storeu_si256((__m256i *)(void *)(out + 64 * u + 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
         d[u] = x[u].d;
         h[2 * u] = x[u].h[0], h[2 * u + 1] = x[u].h[1];
         hs[u] = x[u].h[0] + x[u].h[1];
-        /* the high bytes' sum (Q8_0's signed levels meet them shifted by 128) */
-        const __m256i s16 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)), _mm256_set1_epi16(1));
-        const __m256i t16 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)), _mm256_set1_epi16(1));
-        const __m256i s8 = _mm256_add_epi32(s16, t16);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        hh[u] = _mm_cvtsi128_si32(s4);
     }
 }
 
@@ -393,16 +384,6 @@ AMX_FN __m256i amx_split_unit(__m256i l, const uint8_t *xu)
     return _mm256_dpbusd_epi32(_mm256_slli_epi32(a, 8), _mm256_loadu_si256((const __m256i *)(const void *)xu), l);
 }
 
-/* The same for signed levels l (Q8_0): the high bytes meet l + 128 as the unsigned
- * operand, so the lanes hold 256 * (l . hi + 128 sum(hi)) + (l . lo); the caller takes
- * 32768 sum(hi) off the unit's total. */
-AMX_FN __m256i amx_split_unit_s(__m256i l, const uint8_t *xu)
-{
-    const __m256i a = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(l, _mm256_set1_epi8((char)0x80)),
-                                          _mm256_loadu_si256((const __m256i *)(const void *)(xu + 32)));
-    return _mm256_dpbusd_epi32(_mm256_slli_epi32(a, 8), _mm256_loadu_si256((const __m256i *)(const void *)xu), l);
-}
-
 /* amx_group on split records (xs, nb of them): the same integer sums, so the same p */
 AMX_FN __m256 amx_sgroup(uint32_t type, const uint8_t *w, const uint8_t *xs, int64_t nb, const float *xsum, int64_t g,
                          int n, int j0, __m256 p)
@@ -411,7 +392,7 @@ AMX_FN __m256 amx_sgroup(uint32_t type, const uint8_t *w, const uint8_t *xs, int
     const int off = type == M40_TYPE_Q4_0 ? 8 : type == M40_TYPE_Q5_0 ? 16 : q6 ? 32 : 0;
     const __mmask8 k = (__mmask8)((1u << n) - 1);
     const float *xd = (const float *)(const void *)(xs + 64 * nb);
-    const int32_t *xh = (const int32_t *)(const void *)(xd + nb), *xhs = xh + 2 * nb, *xhh = xhs + nb;
+    const int32_t *xh = (const int32_t *)(const void *)(xd + nb), *xhs = xh + 2 * nb;
     {
         const int64_t gb = type == M40_TYPE_Q4_K   ? 144
                            : type == M40_TYPE_Q5_K ? 176
@@ -440,17 +421,10 @@ AMX_FN __m256 amx_sgroup(uint32_t type, const uint8_t *w, const uint8_t *xs, int
         const int kq = type == M40_TYPE_Q4_K || type == M40_TYPE_Q5_K;
         const int64_t bb = kq ? 0 : amx_block_bytes(type);
         const uint8_t *b0 = kq ? w + (type == M40_TYPE_Q5_K ? 176 : 144) * (g / 8) : w + bb * g, *xu = xs + 64 * g;
-        if (type == M40_TYPE_Q8_0) {
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) v[j] =
-                j < n ? amx_split_unit_s(amx_levels_in(type, b0 + bb * j, j, 1), xu + 64 * j) : _mm256_setzero_si256();
-        } else {
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) v[j] =
-                j < n ? amx_split_unit(amx_levels_in(type, kq ? b0 : b0 + bb * j, j, 1), xu + 64 * j)
-                      : _mm256_setzero_si256();
-        }
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) v[j] =
+            j < n ? amx_split_unit(amx_levels_in(type, kq ? b0 : b0 + bb * j, j, 1), xu + 64 * j)
+                  : _mm256_setzero_si256();
         I = amx_reduce8(v);
-        if (type == M40_TYPE_Q8_0)
-            I = _mm256_sub_epi32(I, _mm256_slli_epi32(_mm256_maskz_loadu_epi32(k, xhh + g), 15));
         if (off)
             I = _mm256_sub_epi32(I, _mm256_mullo_epi32(_mm256_maskz_loadu_epi32(k, xhs + g), _mm256_set1_epi32(off)));
         d = _mm256_maskz_loadu_ps(k, xd + g);
@@ -485,7 +459,6 @@ AMX_FN float amx_sdot(uint32_t type, const uint8_t *w, const uint8_t *xs, const 
     {                                                                                                                  \
         return amx_sdot(type, w, xs, xsum, K);                                                                         \
     }
-AMX_SDOT(q8_0, M40_TYPE_Q8_0)
 AMX_SDOT(q4_0, M40_TYPE_Q4_0)
 AMX_SDOT(q5_0, M40_TYPE_Q5_0)
 AMX_SDOT(q4_1, M40_TYPE_Q4_1)
@@ -716,9 +689,9 @@ static const struct {
     uint32_t type;
     m40_dot_q_fn q;
     m40_dot_tile_fn tile;
-    m40_dot_s_fn split;
+    m40_dot_s_fn split; /* NULL for Q8_0: its signed levels meet signed high bytes */
 } amx_types[] = {
-    {M40_TYPE_Q8_0, amx_q8_0, amx_tile_q8_0, amx_s_q8_0},       {M40_TYPE_Q4_0, amx_q4_0, amx_tile_q4_0, amx_s_q4_0},
+    {M40_TYPE_Q8_0, amx_q8_0, amx_tile_q8_0, NULL},       {M40_TYPE_Q4_0, amx_q4_0, amx_tile_q4_0, amx_s_q4_0},
     {M40_TYPE_Q5_0, amx_q5_0, amx_tile_q5_0, amx_s_q5_0}, {M40_TYPE_Q4_1, amx_q4_1, amx_tile_q4_1, amx_s_q4_1},
     {M40_TYPE_Q5_1, amx_q5_1, amx_tile_q5_1, amx_s_q5_1}, {M40_TYPE_Q4_K, amx_q4_k, amx_tile_q4_k, amx_s_q4_k},
     {M40_TYPE_Q5_K, amx_q5_k, amx_tile_q5_k, amx_s_q5_k}, {M40_TYPE_Q6_K, amx_q6_k, amx_tile_q6_k, amx_s_q6_k},
