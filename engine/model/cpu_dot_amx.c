@@ -266,21 +266,40 @@ AMX_FN float amx_hsum(__m256 v)
  * too few lines in flight for the latency without it). */
 #define AMX_PF 2048
 
+/* The weight bytes of the group of 8 scaled units from g, AMX_PF ahead */
+AMX_FN void amx_prefetch_group(uint32_t type, const uint8_t *w, int64_t g)
+{
+    const int64_t gb = type == M40_TYPE_Q4_K   ? 144
+                       : type == M40_TYPE_Q5_K ? 176
+                       : type == M40_TYPE_Q6_K ? 105
+                                               : 8 * amx_block_bytes(type);
+    const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
+    for (int64_t o = 0; o < gb; o += 64)
+        _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
+}
+
+/* The F32 part of a group, the arithmetic every kernel of this instance shares: the 8
+ * units' integer sums I (n of them real) with their records' d into the partial sums p,
+ * then their mins' terms. */
+AMX_FN __m256 amx_scale_group(uint32_t type, const uint8_t *w, const float *xsum, int64_t g, int n, __m256i I,
+                              __m256 xd, __m256 p)
+{
+    const __mmask8 k = (__mmask8)((1u << n) - 1);
+    __m256 mn = _mm256_setzero_ps();
+    const __m256 S = _mm256_mul_ps(amx_ws8(type, w, g, n, &mn), xd);
+    p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(I), p, k);
+    if (amx_has_mins(type))
+        p = _mm256_mask3_fmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
+    return p;
+}
+
 /* The group of 8 scaled units from unit g (n of them real) into the partial sums p. */
 AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const float *xsum, int64_t g, int n,
                         int shared, __m256 p)
 {
-    const int q6 = type == M40_TYPE_Q6_K, mins = amx_has_mins(type);
+    const int q6 = type == M40_TYPE_Q6_K;
     const __mmask8 k = (__mmask8)((1u << n) - 1);
-    {
-        const int64_t gb = type == M40_TYPE_Q4_K   ? 144
-                           : type == M40_TYPE_Q5_K ? 176
-                           : q6                    ? 105
-                                                   : 8 * amx_block_bytes(type);
-        const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
-        for (int64_t o = 0; o < gb; o += 64)
-            _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
-    }
+    amx_prefetch_group(type, w, g);
     __m256i v[8];
     if (q6) {
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j += 2)
@@ -311,8 +330,6 @@ AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const 
                 v[j] = _mm256_setzero_si256();
         }
     }
-    __m256 mn = _mm256_setzero_ps();
-    const __m256 ws = amx_ws8(type, w, g, n, &mn);
     const m40_xq *x0 = &x[q6 ? g / 2 : g];
     /* the records of a super-block share d where K is a multiple of 256 (m40_xq_quantize);
      * else each unit's own (a scaled unit's record: unit j of Q6_K is in record j / 2) */
@@ -320,11 +337,7 @@ AMX_FN __m256 amx_group(uint32_t type, const uint8_t *w, const m40_xq *x, const 
                            : _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140); /* m40_xq: 20 floats */
     const __m256 xd =
         shared ? _mm256_set1_ps(x0->d) : _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), k, rec, &x0->d, 4);
-    const __m256 S = _mm256_mul_ps(ws, xd);
-    p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(amx_reduce8(v)), p, k);
-    if (mins)
-        p = _mm256_mask3_fmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
-    return p;
+    return amx_scale_group(type, w, xsum, g, n, amx_reduce8(v), xd, p);
 }
 
 /* The product of one row with one token's records, in the arithmetic above. */
@@ -388,20 +401,12 @@ AMX_FN __m256i amx_split_unit(__m256i l, const uint8_t *xu)
 AMX_FN __m256 amx_sgroup(uint32_t type, const uint8_t *w, const uint8_t *xs, int64_t nb, const float *xsum, int64_t g,
                          int n, int j0, __m256 p)
 {
-    const int q6 = type == M40_TYPE_Q6_K, mins = amx_has_mins(type);
+    const int q6 = type == M40_TYPE_Q6_K;
     const int off = type == M40_TYPE_Q4_0 ? 8 : type == M40_TYPE_Q5_0 ? 16 : q6 ? 32 : 0;
     const __mmask8 k = (__mmask8)((1u << n) - 1);
     const float *xd = (const float *)(const void *)(xs + 64 * nb);
     const int32_t *xh = (const int32_t *)(const void *)(xd + nb), *xhs = xh + 2 * nb;
-    {
-        const int64_t gb = type == M40_TYPE_Q4_K   ? 144
-                           : type == M40_TYPE_Q5_K ? 176
-                           : q6                    ? 105
-                                                   : 8 * amx_block_bytes(type);
-        const uint8_t *pw = w + gb * (g / 8) + AMX_PF;
-        for (int64_t o = 0; o < gb; o += 64)
-            _mm_prefetch((const char *)(pw + o), _MM_HINT_T0);
-    }
+    amx_prefetch_group(type, w, g);
     __m256i I;
     __m256 d;
     if (q6) { /* a unit of 32 holds two scaled units: lanes 0-3 and 4-7 */
@@ -429,12 +434,7 @@ AMX_FN __m256 amx_sgroup(uint32_t type, const uint8_t *w, const uint8_t *xs, int
             I = _mm256_sub_epi32(I, _mm256_mullo_epi32(_mm256_maskz_loadu_epi32(k, xhs + g), _mm256_set1_epi32(off)));
         d = _mm256_maskz_loadu_ps(k, xd + g);
     }
-    __m256 mn = _mm256_setzero_ps();
-    const __m256 S = _mm256_mul_ps(amx_ws8(type, w, g, n, &mn), d);
-    p = _mm256_mask3_fmadd_ps(S, _mm256_cvtepi32_ps(I), p, k);
-    if (mins)
-        p = _mm256_mask3_fmadd_ps(mn, _mm256_maskz_loadu_ps(k, xsum + g), p, k);
-    return p;
+    return amx_scale_group(type, w, xsum, g, n, I, d, p);
 }
 
 AMX_FN float amx_sdot(uint32_t type, const uint8_t *w, const uint8_t *xs, const float *xsum, int64_t K)
