@@ -50,6 +50,21 @@ ngx_http_m40_field(json_t *o, const char *name)
 }
 
 
+/* Anthropic's usage: input_tokens are the prompt tokens the model computed, those the
+ * prefix cache held are cache_read_input_tokens (together: count_tokens' number); the
+ * cache fills by itself, so nothing counts as a cache creation. */
+static json_t *
+ngx_http_m40_msg_usage(ngx_http_m40_choice_t *ch, int32_t output_tokens)
+{
+    return json_pack("{s:i,s:i,s:i,s:i}",
+                     "input_tokens",
+                     (int) (ch->prompt_tokens - ch->cached_tokens),
+                     "cache_creation_input_tokens", 0,
+                     "cache_read_input_tokens", (int) ch->cached_tokens,
+                     "output_tokens", (int) output_tokens);
+}
+
+
 static ngx_int_t
 ngx_http_m40_str_add(json_t **acc, const char *s, size_t len)
 {
@@ -810,15 +825,14 @@ ngx_http_m40_msg_send(ngx_http_m40_ctx_t *ctx)
     reason = ngx_http_m40_stop_reason(ctx, ch, &seq);
     *ngx_snprintf(id, sizeof(id) - 1, "msg_%s", ctx->id) = '\0';
 
-    root = json_pack("{s:s,s:s,s:s,s:s%,s:o,s:s,s:o,s:{s:i,s:i}}",
+    root = json_pack("{s:s,s:s,s:s,s:s%,s:o,s:s,s:o,s:o}",
                      "id", (char *) id, "type", "message", "role", "assistant",
                      "model", (const char *) ctx->model->model_name.data,
                      (size_t) ctx->model->model_name.len,
                      "content", content,
                      "stop_reason", reason,
                      "stop_sequence", seq,
-                     "usage", "input_tokens", (int) ch->prompt_tokens,
-                     "output_tokens", (int) ch->completion_tokens);
+                     "usage", ngx_http_m40_msg_usage(ch, ch->completion_tokens));
     if (root == NULL) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
@@ -878,14 +892,13 @@ ngx_http_m40_msg_open(ngx_http_m40_sse_t *out)
     *ngx_snprintf(id, sizeof(id) - 1, "msg_%s", out->ctx->id) = '\0';
 
     if (ngx_http_m40_msg_event(out, "message_start",
-            json_pack("{s:{s:s,s:s,s:s,s:s%,s:[],s:n,s:n,s:{s:i,s:i}}}",
+            json_pack("{s:{s:s,s:s,s:s,s:s%,s:[],s:n,s:n,s:o}}",
                       "message", "id", (char *) id, "type", "message",
                       "role", "assistant",
                       "model", (const char *) out->ctx->model->model_name.data,
                       (size_t) out->ctx->model->model_name.len,
                       "content", "stop_reason", "stop_sequence",
-                      "usage", "input_tokens", (int) out->ch->prompt_tokens,
-                      "output_tokens", 0))
+                      "usage", ngx_http_m40_msg_usage(out->ch, 0)))
         != NGX_OK)
     {
         return NGX_ERROR;
@@ -1082,10 +1095,10 @@ ngx_http_m40_msg_done(ngx_http_m40_sse_t *out)
     reason = ngx_http_m40_stop_reason(out->ctx, out->ch, &seq);
 
     if (ngx_http_m40_msg_event(out, "message_delta",
-            json_pack("{s:{s:s,s:o},s:{s:i,s:i}}", "delta",
+            json_pack("{s:{s:s,s:o},s:o}", "delta",
                       "stop_reason", reason, "stop_sequence", seq,
-                      "usage", "input_tokens", (int) out->ch->prompt_tokens,
-                      "output_tokens", (int) out->ch->completion_tokens))
+                      "usage", ngx_http_m40_msg_usage(out->ch,
+                                                      out->ch->completion_tokens)))
         != NGX_OK)
     {
         return NGX_ERROR;

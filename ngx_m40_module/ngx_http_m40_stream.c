@@ -493,7 +493,9 @@ ngx_http_m40_pump(ngx_http_m40_ctx_t *ctx)
                 polled = 1;
 
                 if (ev.prompt_tokens > 0) {
-                    ch->prompt_tokens = ev.prompt_tokens;   /* for message_start */
+                    /* for message_start */
+                    ch->prompt_tokens = ev.prompt_tokens;
+                    ch->cached_tokens = ev.cached_tokens;
                 }
 
                 if (!ctx->header_sent) {

@@ -400,7 +400,10 @@ def test_messages_text_matches_chat(qwen, claude):
     assert m.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
     n = claude.messages.count_tokens(model=TOOL_MODEL_NAME, system="Be brief.",
                                      messages=[{"role": "user", "content": "Tell me a story"}])
-    assert n.input_tokens == m.usage.input_tokens
+    # Anthropic's split: the tokens computed plus those read from the cache are the
+    # prompt (the CPU engine has no prefix cache: nothing read, nothing created)
+    assert m.usage.cache_read_input_tokens == 0 and m.usage.cache_creation_input_tokens == 0
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
 def test_messages_stream_adds_up(claude):
@@ -421,6 +424,7 @@ def test_messages_stream_adds_up(claude):
     assert final.stop_reason == full.stop_reason
     assert final.usage.output_tokens == full.usage.output_tokens
     assert final.usage.input_tokens == full.usage.input_tokens
+    assert final.usage.cache_read_input_tokens == full.usage.cache_read_input_tokens == 0
 
 
 def test_messages_stop_sequence(claude):
