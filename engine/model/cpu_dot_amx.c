@@ -15,7 +15,10 @@
  * here (decode: a row at a time on AVX-512 VNNI, eight units' sums in one vector) and
  * the tile kernel (prefill and batches of 4+ tokens: 16 rows by 16 tokens on AMX, the
  * same partial sums as vectors over tokens) both compute exactly that, so a prompt
- * gives the same bits in one call or a token a call (batch invariance). The AVX-512
+ * gives the same bits in one call or a token a call (batch invariance). The one-token
+ * kernels come twice: on the int16 records (m40_dot_q_fn) and on the same records split
+ * into bytes (m40_dot_split_prep), which the matmul takes for decode: the same integers
+ * in fewer instructions, the F32 part one function (amx_scale_group). The AVX-512
  * instance's kernels sum in another order: this instance has its own one-token kernels
  * for the types it tiles (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and takes the
  * AVX-512 instance's for the others (F16, F32, the quantizer, GLU, axpy).
