@@ -27,6 +27,7 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "grammar/grammar.h"
 #include "template/jinja.h"
@@ -213,6 +214,8 @@ struct m40_engine {
     m40_step_cost cost;           /* step times measured so far, fitted (the guard's model) */
     m40_step_shape shape;         /* what the current batch carries, for that model */
     m40_plan_info plan_info;
+    FILE *step_trace;             /* M40_STEP_TRACE: a line a step (scheduler.c), or NULL */
+    double trace_t0;              /* when the trace began */
     float *logits;
     float *step_logits;           /* where the step's rows are: logits, or the GPU's pinned buffer */
     m40_row_sample *row_sample;   /* the rows' draws when the GPU samples them (scheduler.c) */

@@ -413,6 +413,19 @@ void *m40_engine_thread_main(void *arg)
     engine_warmup(e);
     if (m40_prompt_start(e, err, sizeof err) != 0)
         return engine_fail_start(e, err);
+    /* A test seam for the prefill policy: every step's shape, the cost model's
+     * prediction and the measured forward time, appended to the file as CSV */
+    const char *trace = getenv("M40_STEP_TRACE");
+    if (trace && trace[0]) {
+        e->step_trace = fopen(trace, "a");
+        if (e->step_trace) {
+            setvbuf(e->step_trace, NULL, _IOLBF, 0); /* readable while the server runs */
+            e->trace_t0 = m40_now();
+            fprintf(e->step_trace, "t_s,decode_rows,decode_keys,prompt_tokens,chunks,prompt_keys,guarded,limited,"
+                                   "probe,predicted_ms,forward_ms\n");
+        } else
+            fprintf(stderr, "m40: M40_STEP_TRACE: cannot open %s\n", trace);
+    }
     pthread_mutex_lock(&e->mu);
     e->state = M40_ENGINE_READY;
     e->stats.kv_tokens_total = m40_kv_pool_blocks(e->kv) > 0 ? (int64_t)m40_kv_pool_blocks(e->kv) * 16
@@ -444,5 +457,8 @@ void *m40_engine_thread_main(void *arg)
     m40_prompt_stop(e);
     engine_shutdown(e);
     engine_unload(e);
+    if (e->step_trace)
+        fclose(e->step_trace);
+    e->step_trace = NULL;
     return NULL;
 }

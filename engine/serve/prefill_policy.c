@@ -221,6 +221,17 @@ double m40_step_cost_mixed(const m40_step_cost *c)
     return c->pre.theta[0];
 }
 
+double m40_step_cost_predict(const m40_step_cost *c, const m40_step_shape *sh)
+{
+    double y = m40_step_cost_decode(c, sh->n_dec, sh->dec_keys);
+    if (sh->prefill > 0) {
+        double x[4];
+        pre_features(sh, x);
+        y += m40_ewls_predict(&c->pre, x);
+    }
+    return y;
+}
+
 void m40_step_cost_observe(m40_step_cost *c, const m40_step_shape *sh, double seconds)
 {
     if ((sh->n_dec <= 0 && sh->prefill <= 0) || !(seconds >= 0.0) || !isfinite(seconds))

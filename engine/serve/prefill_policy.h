@@ -129,6 +129,9 @@ void m40_step_cost_observe(m40_step_cost *c, const m40_step_shape *sh, double se
 double m40_step_cost_decode(const m40_step_cost *c, int32_t n_dec, double dec_keys);
 double m40_step_cost_chunk(const m40_step_cost *c, int32_t start, int32_t k);
 double m40_step_cost_mixed(const m40_step_cost *c);
+/* Predicted seconds of a whole step of shape sh: D, plus R where it carries prompt
+ * tokens (what m40_step_cost_observe compares the measured time with). */
+double m40_step_cost_predict(const m40_step_cost *c, const m40_step_shape *sh);
 /* Whether the next step with n_dec decode rows should carry no prompt tokens, so that
  * D is measured (see above). */
 int m40_step_cost_wants_probe(const m40_step_cost *c, int32_t n_dec);

@@ -424,6 +424,11 @@ void m40_run_step(m40_engine *e)
     e->tstats.step_tokens_total += (uint64_t)n;
     e->tstats.guard_limited_steps += (uint64_t)e->plan_info.limited;
     e->tstats.guard_probe_steps += (uint64_t)e->plan_info.probe;
+    if (rc == 0 && e->step_trace) /* the prediction the plan was made with, before it learns */
+        fprintf(e->step_trace, "%.6f,%d,%.0f,%d,%d,%.0f,%d,%d,%d,%.4f,%.4f\n", m40_now() - e->trace_t0,
+                (int)e->shape.n_dec, e->shape.dec_keys, (int)e->shape.prefill, (int)e->shape.n_chunks,
+                e->shape.pre_keys, e->plan_info.guarded, e->plan_info.limited, e->plan_info.probe,
+                1e3 * m40_step_cost_predict(&e->cost, &e->shape), 1e3 * fwd);
     if (rc == 0) /* the cost model learns from the call that ran (a refused one changes nothing) */
         m40_step_cost_observe(&e->cost, &e->shape, fwd);
     e->tstats.decode_step_estimate = m40_step_cost_decode(&e->cost, e->shape.n_dec, e->shape.dec_keys);

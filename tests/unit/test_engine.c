@@ -196,11 +196,20 @@ int main(void)
 
     /* prefill_chunk 3: prompts go through in several chunks, mixed with decoding.
      * ctx 512 (the file says 128): room for long requests, and the override is used. */
+    /* this engine also writes the step trace (M40_STEP_TRACE, read when it loads) */
+    char trace[] = "/tmp/m40-test-trace-XXXXXX";
+    const int trace_fd = mkstemp(trace);
+    CHECK(trace_fd >= 0, "mkstemp");
+    if (trace_fd >= 0) {
+        close(trace_fd);
+        setenv("M40_STEP_TRACE", trace, 1);
+    }
     m40_engine *e = start(path, 512, 4, 8, 3, NULL);
     CHECK(e != NULL, "engine create");
     if (!e)
         return check_done();
     CHECK(wait_ready(e, 30) == M40_ENGINE_READY, "engine not READY");
+    unsetenv("M40_STEP_TRACE");
     CHECK(m40_engine_ctx_size(e) == 512, "ctx %d", (int)m40_engine_ctx_size(e));
     CHECK(m40_engine_n_vocab(e) == 512, "n_vocab %d", (int)m40_engine_n_vocab(e));
     CHECK(strcmp(m40_engine_model_name(e), "stories") == 0, "model name");
@@ -246,6 +255,31 @@ int main(void)
         CHECK(st.itl_counts[M40_HIST_BUCKETS - 1] == (uint64_t)ref_n - 1, "ITL samples %llu",
               (unsigned long long)st.itl_counts[M40_HIST_BUCKETS - 1]);
         CHECK(st.kv_tokens_total == 4 * 512, "kv total %lld", (long long)st.kv_tokens_total);
+
+        /* The step trace: a header, then a line a step whose prompt tokens add up to the
+         * prompt (chunks of 3) and whose decode rows give every token after the first */
+        FILE *tf = trace_fd >= 0 ? fopen(trace, "r") : NULL;
+        CHECK(tf != NULL, "step trace %s", trace);
+        if (tf) {
+            char line[512];
+            int lines = 0, bad = 0, prompt = 0, decode = 0, chunks = 0;
+            CHECK(fgets(line, sizeof line, tf) && strncmp(line, "t_s,decode_rows,", 16) == 0, "trace header");
+            while (fgets(line, sizeof line, tf)) {
+                double t, dk, pk, pred, fwd;
+                int dr, pt, nc, g, l, pr;
+                if (sscanf(line, "%lf,%d,%lf,%d,%d,%lf,%d,%d,%d,%lf,%lf", &t, &dr, &dk, &pt, &nc, &pk, &g, &l, &pr,
+                           &pred, &fwd) != 11 || !(fwd > 0.0) || pt > 3 || dr > 1)
+                    bad++;
+                else
+                    prompt += pt, decode += dr, chunks += nc;
+                lines++;
+            }
+            fclose(tf);
+            CHECK(bad == 0 && prompt == np && decode == ref_n - 1 && chunks == (int)((np + 2) / 3),
+                  "trace: %d lines (%d bad), %d prompt tokens in %d chunks, %d decode rows", lines, bad, prompt,
+                  chunks, decode);
+        }
+        unlink(trace);
     }
 
     /* (2) Six concurrent requests over four slots: each equals its solo greedy result. */

@@ -234,6 +234,42 @@ static void test_plan_invariants(void)
     CHECK(probes <= 20000 / M40_PROBE_GAP + 1, "%d probe steps in 20000", probes);
 }
 
+/* m40_step_cost_predict (the step trace's prediction): D alone for decode-only steps,
+ * D + r0 + the chunks' parts otherwise, and near the truth once fitted on exact times. */
+static void test_predict(void)
+{
+    m40_step_cost cost;
+    m40_step_cost_init(&cost);
+    m40_step_shape sh;
+    for (int i = 0; i < 300; i++) { /* 2 ms + 50 us a row + 1 ns a key; prompts 1 ms + 20 us a token */
+        m40_step_shape_clear(&sh);
+        const int rows = 4 + i % 13;
+        for (int r = 0; r < rows; r++)
+            m40_step_shape_add_decode(&sh, 100 + 7 * r + i);
+        double t = 2e-3 + 5e-5 * rows + 1e-9 * sh.dec_keys;
+        if (i % 3) {
+            const int k = 16 + (i * 37) % 200;
+            m40_step_shape_add_chunk(&sh, 50 + i, k);
+            t += 1e-3 + 2e-5 * k;
+        }
+        m40_step_cost_observe(&cost, &sh, t);
+    }
+    m40_step_shape_clear(&sh);
+    for (int r = 0; r < 9; r++)
+        m40_step_shape_add_decode(&sh, 400 + r);
+    const double d = m40_step_cost_decode(&cost, sh.n_dec, sh.dec_keys);
+    CHECK(m40_step_cost_predict(&cost, &sh) == d, "decode-only prediction %g against D %g",
+          m40_step_cost_predict(&cost, &sh), d);
+    const double truth_d = 2e-3 + 5e-5 * 9 + 1e-9 * sh.dec_keys;
+    CHECK(fabs(d - truth_d) < 0.05 * truth_d, "D %g against %g", d, truth_d);
+    m40_step_shape_add_chunk(&sh, 300, 120);
+    const double p = m40_step_cost_predict(&cost, &sh);
+    const double parts = d + m40_step_cost_mixed(&cost) + m40_step_cost_chunk(&cost, 300, 120);
+    CHECK(fabs(p - parts) <= 1e-12 * parts, "mixed prediction %.15g against its parts %.15g", p, parts);
+    const double truth = truth_d + 1e-3 + 2e-5 * 120;
+    CHECK(fabs(p - truth) < 0.1 * truth, "mixed prediction %g against %g", p, truth);
+}
+
 /* The probe: the first step with decode rows and prompts measures D alone, then prompt
  * tokens flow; a batch that changes size every step is probed at most once in
  * M40_PROBE_GAP steps. */
@@ -597,6 +633,7 @@ int main(void)
     test_plan_unguarded();
     test_plan_invariants();
     test_probe();
+    test_predict();
     test_exempt();
     test_long_prompt();
     test_rag();
