@@ -15,9 +15,10 @@
  *   - the ITL guard, only while some sequence is decoding: the step's predicted time
  *     stays within `guard` times the predicted time of the same step without prompt
  *     tokens (m40_itl_guard; off by default), so that a long prompt arriving does not
- *     multiply the inter-token latency of every running stream. The oldest prompt still gets at
- *     least `floor` tokens a step (it always progresses), and never a chunk so small
- *     that the chunk's fixed cost outweighs its useful work (see m40_prefill_alloc).
+ *     multiply the inter-token latency of every running stream. The oldest prompt
+ *     still gets at least `floor` tokens a step (it always progresses), and never a
+ *     chunk so small that the chunk's fixed cost outweighs its useful work (see
+ *     m40_prefill_alloc).
  * With nothing decoding the guard has nobody to protect and the budget applies alone.
  * Nor does it hold back a prompt that was already waiting when the earliest of the
  * running streams got its first token: a stream is protected from prompts that arrive
