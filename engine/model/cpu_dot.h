@@ -28,6 +28,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* One block of 32 quantized activations: x[i] ~ d * q[i]. s = d * sum(q) (F32), h[0]
  * and h[1] the integer sums of q[0..16) and q[16..32) (Q6_K's scales cover 16). q is
@@ -48,6 +49,20 @@ typedef struct m40_xq {
 typedef void (*m40_xq_quantize_fn)(const float *x, int64_t K, m40_xq *out);
 void m40_xq_quantize(const float *x, int64_t K, m40_xq *out);
 m40_xq_quantize_fn m40_xq_quantize_isa(int isa); /* NULL: not on this CPU */
+
+/* The 6-bit (scale, min) pairs of the Q4_K or Q5_K super-block at w (scale_min_k4), as
+ * bytes: byte j of *sc and *mn is sub-block j's (the SIMD kernels read them as vectors;
+ * byte stores read back as one word stalled store forwarding). */
+static inline void m40_q4_k_scales8(const uint8_t *w, uint64_t *sc, uint64_t *mn)
+{
+    uint32_t sw0, sw1, sw2;
+    memcpy(&sw0, w + 4, 4);
+    memcpy(&sw1, w + 8, 4);
+    memcpy(&sw2, w + 12, 4);
+    *sc = (uint64_t)(sw0 & 0x3f3f3f3fu) | (uint64_t)((sw2 & 0x0f0f0f0fu) | (((sw0 >> 6) & 0x03030303u) << 4)) << 32;
+    *mn = (uint64_t)(sw1 & 0x3f3f3f3fu) | (uint64_t)(((sw2 >> 4) & 0x0f0f0f0fu) | (((sw1 >> 6) & 0x03030303u) << 4))
+                                              << 32;
+}
 
 /* Instruction sets: the x86 ones widest last, then AArch64's. m40_cpu_isa gives the one
  * this CPU runs best; asking for an isa below it of the other architecture gives NULL. */

@@ -74,23 +74,12 @@ AMX_FN float amx_f16(const uint8_t *p)
 
 /* ------------------------------------------------ unit levels, as int8 */
 
-/* The 32 levels of unit u (32 elements) of a row of `type` (Q6_K: the two units of 16 in
- * elements 32u .. 32u + 31), in element order: signed, or with raw the stored unsigned
- * ones (Q4_0's, Q5_0's and Q6_K's offset of -8, -16, -32 left to the caller; not Q8_0). */
-AMX_FN __m256i amx_levels_in(uint32_t type, const uint8_t *blk, int j, int raw);
 AMX_FN int64_t amx_block_bytes(uint32_t type);
 
-AMX_FN __m256i amx_levels_r(uint32_t type, const uint8_t *row, int64_t u, int raw)
-{
-    if (type == M40_TYPE_Q4_K || type == M40_TYPE_Q5_K || type == M40_TYPE_Q6_K) {
-        const int64_t sb = type == M40_TYPE_Q4_K ? 144 : type == M40_TYPE_Q5_K ? 176 : 210;
-        return amx_levels_in(type, row + sb * (u / 8), (int)(u % 8), raw);
-    }
-    return amx_levels_in(type, row + amx_block_bytes(type) * u, 0, raw);
-}
-
-/* The same from the unit's block (32-element types; j unused) or its super-block and
- * its index j there (K-quants): the kernels' groups find those once for 8 units. */
+/* The 32 levels of a unit (32 elements; Q6_K: the two units of 16 in them) of `type`, in
+ * element order, from the unit's block (32-element types; j unused) or its super-block
+ * and its index j there (K-quants): signed, or with raw the stored ones (Q4_0's, Q5_0's
+ * and Q6_K's offset of -8, -16, -32 left to the caller; Q8_0's are signed either way). */
 AMX_FN __m256i amx_levels_in(uint32_t type, const uint8_t *blk, int j, int raw)
 {
     switch (type) {
@@ -152,7 +141,16 @@ AMX_FN __m256i amx_levels_in(uint32_t type, const uint8_t *blk, int j, int raw)
     }
 }
 
-AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u) { return amx_levels_r(type, row, u, 0); }
+/* Unit u's signed levels, from the row (the kernels' groups find the block once for 8
+ * units and call amx_levels_in) */
+AMX_FN __m256i amx_levels(uint32_t type, const uint8_t *row, int64_t u)
+{
+    if (type == M40_TYPE_Q4_K || type == M40_TYPE_Q5_K || type == M40_TYPE_Q6_K) {
+        const int64_t sb = type == M40_TYPE_Q4_K ? 144 : type == M40_TYPE_Q5_K ? 176 : 210;
+        return amx_levels_in(type, row + sb * (u / 8), (int)(u % 8), 0);
+    }
+    return amx_levels_in(type, row + amx_block_bytes(type) * u, 0, 0);
+}
 
 /* The types whose weights carry a min: a unit's term m * s beside its levels' product */
 AMX_FN int amx_has_mins(uint32_t type)
@@ -168,18 +166,6 @@ AMX_FN int64_t amx_block_bytes(uint32_t type)
            : type == M40_TYPE_Q4_1 ? 20
            : type == M40_TYPE_Q5_0 ? 22
                                    : 24;
-}
-
-/* The 6-bit (scale, min) pairs of the Q4_K or Q5_K super-block at w, as bytes j = sub-block j */
-AMX_FN void amx_q4_k_scales(const uint8_t *w, uint64_t *sc, uint64_t *mn)
-{
-    uint32_t sw0, sw1, sw2;
-    memcpy(&sw0, w + 4, 4);
-    memcpy(&sw1, w + 8, 4);
-    memcpy(&sw2, w + 12, 4);
-    *sc = (uint64_t)(sw0 & 0x3f3f3f3fu) | (uint64_t)((sw2 & 0x0f0f0f0fu) | (((sw0 >> 6) & 0x03030303u) << 4)) << 32;
-    *mn = (uint64_t)(sw1 & 0x3f3f3f3fu) | (uint64_t)(((sw2 >> 4) & 0x0f0f0f0fu) | (((sw1 >> 6) & 0x03030303u) << 4))
-                                              << 32;
 }
 
 /* ------------------------------------------------ one token, one row */
@@ -231,7 +217,7 @@ AMX_FN __m256 amx_ws8(uint32_t type, const uint8_t *row, int64_t g, int n, __m25
     case M40_TYPE_Q5_K: {
         const uint8_t *w = row + (type == M40_TYPE_Q5_K ? 176 : 144) * (g / 8);
         uint64_t sc, mn;
-        amx_q4_k_scales(w, &sc, &mn);
+        m40_q4_k_scales8(w, &sc, &mn);
         /* negated: the min comes off (exact, as the scalar twin's -(dmin * mn)) */
         *mins =
             _mm256_xor_ps(_mm256_set1_ps(-0.0f),

@@ -172,16 +172,8 @@ X86_FN void x86_qk_k(const uint8_t *w, const m40_xq *x, const float *xsum, int64
     for (int64_t b = kb0 / 8; b < kb1 / 8; b++, w += bytes) {
         x86_prefetch(w, (int)bytes);
         const float d = x86_f16(w), dmin = x86_f16(w + 2);
-        /* the 6-bit (scale, min) pairs in 32-bit words (scale_min_k4): sc, mn hold byte j
-         * = pair j. (Byte stores read back as one word stalled store forwarding.) */
-        uint32_t sw0, sw1, sw2;
-        memcpy(&sw0, w + 4, 4);
-        memcpy(&sw1, w + 8, 4);
-        memcpy(&sw2, w + 12, 4);
-        const uint64_t sc = (uint64_t)(sw0 & 0x3f3f3f3fu) |
-                            (uint64_t)((sw2 & 0x0f0f0f0fu) | (((sw0 >> 6) & 0x03030303u) << 4)) << 32;
-        const uint64_t mn = (uint64_t)(sw1 & 0x3f3f3f3fu) |
-                            (uint64_t)(((sw2 >> 4) & 0x0f0f0f0fu) | (((sw1 >> 6) & 0x03030303u) << 4)) << 32;
+        uint64_t sc, mn; /* byte j: sub-block j's scale, min */
+        m40_q4_k_scales8(w, &sc, &mn);
         const __m256 mnv = _mm256_mul_ps(_mm256_set1_ps(dmin),
                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
         const uint8_t *qs = w + (five ? 48 : 16);

@@ -540,6 +540,10 @@ static void rope(const m40_model *m, float *vec, int32_t n_heads, const float *c
     }
 }
 
+/* The most query heads of one KV head that one attention task takes (its per-head state
+ * lives on the stack); more than that, and each head is a task of its own */
+#define ATTN_MAX_GROUP 64
+
 typedef struct {
     m40_model *m;
     m40_kv *kv;
@@ -569,9 +573,8 @@ static void attention_task(void *ctx, int task, int thread)
     float *out = m->att + (size_t)i * m->q_dim + (size_t)h0 * hd;
     float *score = m->score_buf + (size_t)thread * m->score_buf_len; /* [head][len] */
     const float scale = m->attn_scale, cap = m->attn_softcap;
-    enum { MAX_GROUP = 64 };
-    float max[MAX_GROUP], inv[MAX_GROUP];
-    double sum[MAX_GROUP];
+    float max[ATTN_MAX_GROUP], inv[ATTN_MAX_GROUP];
+    double sum[ATTN_MAX_GROUP];
 
     /* A sink (gpt-oss) is one more logit in the softmax with no value behind it: it
      * takes its share of the probability mass away from the positions. */
@@ -852,8 +855,8 @@ int m40_model_forward(m40_model *m, m40_kv *kv, const m40_batch *b, float *logit
         /* a KV head's query heads in one task where there are tasks enough for the threads
          * (a prompt chunk): its key and value rows are then read once for all of them */
         const int32_t group = p->n_heads / p->n_kv_heads;
-        attn_job aj = {.m = m, .kv = kv, .b = b, .l = l,
-                       .heads = group <= 64 && (int64_t)n * p->n_kv_heads >= 4 * m->n_threads ? group : 1};
+        const int grouped = group <= ATTN_MAX_GROUP && (int64_t)n * p->n_kv_heads >= 4 * m->n_threads;
+        attn_job aj = {.m = m, .kv = kv, .b = b, .l = l, .heads = grouped ? group : 1};
         m40_threadpool_run(m->pool, n * (p->n_heads / aj.heads), attention_task, &aj);
         m40_model_matmul(m, &L->wo, m->att, n, m->xb, L->bo);
         if (m->tp_group) /* each rank holds its heads' part of the sum */
