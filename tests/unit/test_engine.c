@@ -591,6 +591,24 @@ int main(void)
         }
     }
 
+    /* (9) A step trace that cannot be opened (M40_STEP_TRACE in a missing folder): the
+     * engine says so in the log and serves as without it. */
+    {
+        setenv("M40_STEP_TRACE", "/nonexistent-m40-dir/steps.csv", 1);
+        m40_engine *t = start(path, 0, 1, 4, 0, NULL);
+        CHECK(t != NULL && wait_ready(t, 30) == M40_ENGINE_READY, "an unopenable step trace must not fail the load");
+        unsetenv("M40_STEP_TRACE");
+        if (t) {
+            m40_request_params p;
+            params_completion(&p, prompts[0], 8);
+            job j, *js[1] = {&j};
+            CHECK(submit(t, &p, &j) == M40_SUBMIT_OK && pump(t, js, 1, 20) == 0 && j.completion_tokens > 0,
+                  "a request without the trace");
+            m40_request_release(j.req);
+            m40_engine_destroy(t);
+        }
+    }
+
     free(ref0);
     m40_model_free(ref_model);
     return check_done();
